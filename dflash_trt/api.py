@@ -1,0 +1,72 @@
+"""The Python API the CLI wraps: load a pair, generate text."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dflash_trt.errors import DFlashError
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class Pair:
+    target: "object"
+    drafter: "object | None"
+    tokenizer: "object"
+    stop_ids: list[int]
+    target_dir: Path
+    drafter_dir: Path | None
+
+
+def load_pair(target_dir, drafter_dir=None, dtype: str | torch.dtype = "float32", max_len: int = 4096,
+              allow_pickle: bool = False) -> Pair:
+    from transformers import AutoTokenizer
+
+    from dflash_trt.drafter import load_drafter
+    from dflash_trt.target import load_target, stop_token_ids
+
+    dt = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    if not isinstance(dt, torch.dtype):
+        raise DFlashError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    target_dir = Path(target_dir)
+    target = load_target(target_dir, dt, max_len=max_len, allow_pickle=allow_pickle)
+    drafter = load_drafter(drafter_dir, dt, max_len=max_len, allow_pickle=allow_pickle) if drafter_dir is not None else None
+    try:
+        tok = AutoTokenizer.from_pretrained(target_dir)
+    except Exception as e:  # transformers raises many types here; one line is what the user needs
+        raise DFlashError(f"{target_dir}: cannot load the tokenizer ({type(e).__name__}: {str(e).splitlines()[0]})")
+    return Pair(target, drafter, tok, stop_token_ids(target_dir), target_dir,
+                Path(drafter_dir) if drafter_dir is not None else None)
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool = True) -> list[int]:
+    """Render with the chat template when the tokenizer has one (and chat=True)."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            tokenize=True)
+        if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+    return tokenizer(prompt, add_special_tokens=True)["input_ids"]
+
+
+def generate(pair: Pair, prompt: str | list[int], *, max_new_tokens: int = 128, temperature: float = 0.0,
+             top_k: int = 0, top_p: float = 1.0, seed: int = 0, block_size: int | None = None,
+             mode: str = "dflash", chat: bool = True, fused_inject: bool = False):
+    """Generate from text (or token ids). Returns a runtime.GenerationResult with `.text` set."""
+    from dflash_trt import runtime
+
+    if block_size is not None and block_size < 2 and mode == "dflash":
+        raise DFlashError(f"--block-size {block_size}: must be at least 2")
+    ids = encode_prompt(pair.tokenizer, prompt, chat) if isinstance(prompt, str) else list(prompt)
+    if not ids:
+        raise DFlashError("the prompt is empty")
+    res = runtime.generate(pair.target, pair.drafter if mode == "dflash" else None, ids,
+                           max_new_tokens=max_new_tokens, seed=seed, block_size=block_size, mode=mode,
+                           sampling=runtime.SamplingParams(temperature, top_k, top_p),
+                           stop_ids=pair.stop_ids, fused_inject=fused_inject)
+    res.text = pair.tokenizer.decode(res.token_ids, skip_special_tokens=True)
+    return res

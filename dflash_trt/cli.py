@@ -1,0 +1,79 @@
+"""The `dflash-trt` command line: a thin click layer over the library.
+
+Commands are loaded lazily (click's documented LazyGroup pattern) so that `--help` and light
+commands do not pay for importing torch, transformers or modelopt.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+import click
+
+from dflash_trt import __version__
+from dflash_trt.errors import DFlashError
+
+# command name -> "module:attribute" of a click.Command. One entry per user intent.
+COMMANDS: dict[str, str] = {
+    "make-tiny": "dflash_trt.commands.core:make_tiny_cmd",
+    "check": "dflash_trt.commands.core:check_cmd",
+    "generate": "dflash_trt.commands.core:generate_cmd",
+    "quantize": "dflash_trt.commands.quant:quantize_cmd",
+    "convert": "dflash_trt.commands.quant:convert_cmd",
+    "build": "dflash_trt.commands.build:build_cmd",
+    "compile": "dflash_trt.commands.build:compile_cmd",
+    "verify": "dflash_trt.commands.build:verify_cmd",
+    "plugin": "dflash_trt.commands.plugin:plugin_group",
+    "export-onnx": "dflash_trt.commands.plugin:export_onnx_cmd",
+    "plan": "dflash_trt.commands.deploy:plan_cmd",
+    "deploy": "dflash_trt.commands.deploy:deploy_cmd",
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx):
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx, name):
+        target = COMMANDS.get(name)
+        if target is None:
+            return None
+        module, attr = target.split(":")
+        return getattr(importlib.import_module(module), attr)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="dflash-trt")
+def cli():
+    """Take a target LLM and its DFlash drafter to production on NVIDIA GPUs.
+
+    \b
+    Typical flow:
+      dflash-trt check    --target DIR --drafter DIR      # is the pair consistent?
+      dflash-trt generate --target DIR --drafter DIR -p "Hello"   # lossless speculative decoding
+      dflash-trt bench    ...                             # tau and speed-up against plain decoding
+      dflash-trt build    --target gpt-oss-120b --arch blackwell   # the deployable bundle
+
+    Every command takes --help; most take --json for machine-readable output.
+    """
+
+
+def main(argv=None):
+    try:
+        cli.main(args=argv, prog_name="dflash-trt", standalone_mode=False)
+    except DFlashError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(1)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""click commands, one module per area; each is a thin wrapper over the library."""

@@ -1,0 +1,110 @@
+"""build, compile, verify: from checkpoints to a deployable bundle, and checks on a bundle."""
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+
+@click.command("build")
+@click.option("--target", help="Preset name (gpt-oss-120b, qwen3-8b, llama-3.1-8b, smollm2-135m) or a checkpoint "
+              "folder. Default: the embedded pair (smollm2-135m + our drafter).")
+@click.option("--drafter", type=click.Path(), help="DFlash drafter folder (default: the preset's drafter).")
+@click.option("--arch", type=click.Choice(["blackwell", "hopper", "auto"]), default="auto", show_default=True,
+              help="GPU architecture to build for; auto = this machine's GPU (or the one --gpu names).")
+@click.option("--gpu", type=click.Choice(["b300", "b200", "gb200", "h200", "h100"]),
+              help="Exact GPU product (narrows the kernels to its SM version; recorded for deploy).")
+@click.option("--quant", type=click.Choice(["auto", "none", "fp8", "nvfp4"]), default="auto", show_default=True,
+              help="Target weights: auto = NVFP4 on Blackwell, FP8 on Hopper, MXFP4 kept for gpt-oss.")
+@click.option("--kv-cache", type=click.Choice(["auto", "fp8", "bf16"]), default="auto", show_default=True,
+              help="KV-cache format: auto = FP8 when the weights are quantized, else BF16.")
+@click.option("--drafter-quant", type=click.Choice(["auto", "none", "fp8"]), default="auto", show_default=True,
+              help="Drafter weights: auto = FP8 when the target is quantized to FP8 / NVFP4.")
+@click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel size.")
+@click.option("--ep", type=int, default=1, show_default=True, help="Expert-parallel size (MoE targets).")
+@click.option("--pp", type=int, default=1, show_default=True, help="Pipeline-parallel size.")
+@click.option("--block-size", type=int, help="Draft block size to serve with (default: the drafter's).")
+@click.option("--calib", type=click.Path(dir_okay=False), help="Calibration prompts (.jsonl, {\"prompt\": ...} "
+              "lines) for activation and KV-cache scales; required for quantized engine-backend targets.")
+@click.option("--backend", type=click.Choice(["pytorch", "engine"]), default="pytorch", show_default=True,
+              help="TensorRT-LLM backend: pytorch loads the checkpoint; engine builds TensorRT engines.")
+@click.option("--out", type=click.Path(file_okay=False), help="Bundle folder (default: engines/<target>-<gpu|arch>-<quant>).")
+@click.option("--force", is_flag=True, help="Redo every stage; replace a non-bundle --out folder.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
+def build_cmd(target, drafter, arch, gpu, quant, kv_cache, drafter_quant, tp, ep, pp, block_size, calib, backend, out,
+              force, as_json):
+    """Build a deployable bundle: check -> quantize -> convert -> plugin -> export-onnx -> compile
+    -> package. Re-running skips every stage whose inputs did not change (--force redoes them).
+    Without a GPU and TensorRT, compile is recorded as deferred with its commands; run
+    `dflash-trt compile --bundle DIR` on the GPU node. The bundle holds manifest.json, the
+    quantized checkpoints, plugins/, onnx/, engines/, configs/ (trtllm-serve, vLLM, SGLang)
+    and triton/ (a Triton model repository).
+
+    \b
+    Examples:
+      dflash-trt build --arch blackwell                       # the embedded pair, NVFP4
+      dflash-trt build --arch hopper --gpu h200 --json        # FP8 for H200
+      dflash-trt build --target gpt-oss-120b --gpu b300 --tp 8
+      dflash-trt build --target my/target --drafter my/drafter --arch hopper --out engines/mine
+    """
+    from dflash_trt.build import BuildOptions, build, format_summary
+
+    opts = BuildOptions(target=target, drafter=drafter, arch=arch, gpu=gpu, quant=quant, kv_cache=kv_cache, tp=tp,
+                        ep=ep, pp=pp, block_size=block_size, backend=backend, out=out, force=force,
+                        drafter_quant=drafter_quant, calib=calib)
+    res = build(opts, progress=True)
+    if as_json:
+        m = res["manifest"]
+        click.echo(json.dumps({"bundle": res["bundle"], "stages": res["stages"],
+                               "compile": m["stages"]["compile"], "artifacts": m["artifacts"],
+                               "manifest": f"{res['bundle']}/manifest.json"}, indent=2))
+    else:
+        click.echo(format_summary(res))
+
+
+@click.command("compile")
+@click.option("--bundle", type=click.Path(file_okay=False, exists=True), required=True, help="A dflash-trt bundle.")
+@click.option("--json", "as_json", is_flag=True)
+def compile_cmd(bundle, as_json):
+    """Run a bundle's deferred GPU stage here: TensorRT engines for the drafter (ONNX graph +
+    the KV-injection plugin) and, for the engine backend, the target (trtllm-build). Needs an
+    NVIDIA GPU and TensorRT (/ TensorRT-LLM); fails with the reason where they are missing.
+    Engines go to <bundle>/engines/<gpu>-trt<version>/ and into the manifest.
+
+    \b
+    Example (on the GPU node, e.g. in the Helm chart's init container):
+      dflash-trt compile --bundle /models/smollm2-135m-blackwell-nvfp4
+    """
+    from dflash_trt.compile import compile_bundle
+
+    res = compile_bundle(bundle)
+    click.echo(json.dumps(res, indent=2) if as_json else f"compiled {', '.join(res['outputs'])} in {res['bundle']}")
+
+
+@click.command("verify")
+@click.option("--bundle", type=click.Path(file_okay=False, exists=True), required=True, help="A dflash-trt bundle.")
+@click.option("--json", "as_json", is_flag=True)
+def verify_cmd(bundle, as_json):
+    """Re-hash every file of a bundle against its manifest.json (size and sha256); report
+    missing, changed and unlisted files. Exit 1 if anything differs.
+
+    \b
+    Example:
+      dflash-trt verify --bundle engines/smollm2-135m-blackwell-nvfp4
+    """
+    from dflash_trt.manifest import read_manifest, verify
+
+    problems = verify(bundle)
+    n = len(read_manifest(bundle)["artifacts"])
+    if as_json:
+        click.echo(json.dumps({"bundle": bundle, "ok": not problems, "artifacts": n, "problems": problems}, indent=2))
+    elif problems:
+        for p in problems:
+            click.echo(f"problem: {p}", err=True)
+    else:
+        click.echo(f"ok: {n} artifacts match the manifest")
+    if problems:
+        if not as_json:
+            click.echo(f"error: {bundle}: {len(problems)} file(s) do not match the manifest", err=True)
+        sys.exit(1)

@@ -1,0 +1,136 @@
+"""`dflash-trt plan` (capacity planner) and `dflash-trt deploy` (Helm values for a bundle)."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import click
+
+from dflash_trt.hardware import catalog
+
+HARDWARE = click.Choice(sorted(catalog()))
+
+
+@click.command("plan")
+@click.option("--target", help="Preset name (gpt-oss-120b, qwen3-8b, ...) or a folder with config.json.")
+@click.option("--drafter", type=click.Path(file_okay=False), help="DFlash drafter folder (z-lab config.json); "
+              "default: the preset's drafter, if known.")
+@click.option("--bundle", type=click.Path(file_okay=False), help="Plan for a bundle instead: its target, drafter, "
+              "formats and GPU (and its TP / EP when it records them) — what `deploy` will write.")
+@click.option("--hardware", type=HARDWARE, help="Node type (default for --bundle: the bundle's GPU).")
+@click.option("--quant", type=click.Choice(["auto", "none", "fp8", "nvfp4", "mxfp4"]), default="auto", show_default=True,
+              help="Target weight format; auto = MXFP4 for gpt-oss, the checkpoint's own if quantized, else NVFP4 "
+              "on Blackwell / FP8 on Hopper (as `dflash-trt build`).")
+@click.option("--kv-cache", type=click.Choice(["auto", "fp8", "bf16"]), default="auto", show_default=True,
+              help="KV-cache format; auto = FP8 when the weights are quantized.")
+@click.option("--max-seq-len", type=int, help="Tokens per sequence (prompt + output); default min(model max, 32768).")
+@click.option("--nodes", type=int, default=1, show_default=True, help="Nodes available.")
+@click.option("--gpus-per-node", type=int, help="Default: the hardware's.")
+@click.option("--objective", type=click.Choice(["latency", "throughput"]), default="latency", show_default=True,
+              help="How fitting layouts are ranked.")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON only.")
+def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, max_seq_len, nodes, gpus_per_node, objective, as_json):
+    """How many GPUs, which TP / EP, how many concurrent sequences fit — from config.json alone.
+
+    \b
+    Per GPU: weights by format (MXFP4 experts, NVFP4, FP8, BF16), drafter weights, activations
+    and runtime reserve; the KV-cache pool that is left (target and drafter KV bytes per token);
+    every TP / EP / replica layout, ranked, with the reason for each rejected one.
+
+    \b
+    Examples:
+      dflash-trt plan --target gpt-oss-120b --hardware dgx-b300
+      dflash-trt plan --target qwen3-8b --hardware hgx-h200 --quant fp8 --max-seq-len 16384 --json
+      dflash-trt plan --target ./my-model --drafter ./my-drafter --hardware dgx-b200 --nodes 2
+      dflash-trt plan --bundle engines/gpt-oss-120b
+    """
+    from dflash_trt import deploy, planner
+    from dflash_trt.errors import DFlashError
+
+    if bundle:
+        if target or drafter:
+            raise DFlashError("--bundle plans the bundle's own target and drafter; drop --target / --drafter")
+        gpu = catalog()[hardware].gpu if hardware else None
+        p = deploy.plan_for_bundle(bundle, nodes=nodes, gpus_per_node=gpus_per_node, gpu=gpu,
+                                   max_seq_len=max_seq_len, objective=objective)
+        if p is None:
+            raise DFlashError(f"{bundle}: the bundle pins no GPU (a CPU-only deployment); pass --hardware")
+    else:
+        if not target:
+            raise DFlashError("--target NAME|DIR (or --bundle DIR) is required")
+        if not hardware:
+            raise DFlashError(f"--hardware is required: one of {', '.join(sorted(catalog()))}")
+        tname, tcfg, dcfg = planner.load_target(target)
+        dname = f"{tname} drafter" if dcfg else None
+        if drafter:
+            dname, dcfg = planner.load_drafter(drafter)
+        p = planner.plan(tcfg, dcfg, hardware, target_name=tname, drafter_name=dname, quant=quant, kv_cache=kv_cache,
+                         max_seq_len=max_seq_len, nodes=nodes, gpus_per_node=gpus_per_node, objective=objective)
+    if as_json:
+        click.echo(json.dumps(p.to_dict(), indent=2))
+    else:
+        click.echo(planner.format_plan(p))
+
+
+@click.command("deploy")
+@click.option("--bundle", required=True, type=click.Path(exists=True, file_okay=False),
+              help="Bundle folder written by `dflash-trt build` (reads its manifest.json).")
+@click.option("--nodes", type=int, default=1, show_default=True, help="Nodes available for this model.")
+@click.option("--gpus-per-node", type=int, help="Default: the bundle GPU's node type (8 on DGX / HGX, 4 on GB200).")
+@click.option("--replicas", type=int, help="Model instances; default: the planner's (nodes × GPUs / tp).")
+@click.option("--gpu", type=click.Choice(["b300", "b200", "gb200", "h200", "h100", "none"]),
+              help="Override the bundle's GPU; none = CPU-only smoke test of the reference model.")
+@click.option("--pvc", help="Existing PersistentVolumeClaim holding the bundle (default: the chart creates one).")
+@click.option("--ssh-secret", default="dflash-trt-ssh", show_default=True,
+              help="Secret with the MPI ssh keys, for multi-node (LeaderWorkerSet) layouts.")
+@click.option("--out", type=click.Path(file_okay=False), help="Output folder (default: <bundle>/deploy).")
+@click.option("--render", is_flag=True, help="Also render the manifests with Helm's engine into <out>/manifests.")
+@click.option("--chart", type=click.Path(file_okay=False), help="Chart folder (default: deploy/helm/dflash-trt).")
+@click.option("--release", default="dflash-trt", show_default=True, help="Release name used by --render.")
+@click.option("--namespace", default="default", show_default=True, help="Namespace used by --render.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary only.")
+def deploy_cmd(bundle, nodes, gpus_per_node, replicas, gpu, pvc, ssh_secret, out, render, chart, release, namespace,
+               as_json):
+    """Write Helm values for a bundle (and, with --render, the Kubernetes manifests).
+
+    \b
+    The values carry the bundle's parallelism, GPU product (node affinity), model repository,
+    /dev/shm size and memory; the layout is the planner's choice for the bundle
+    (`dflash-trt plan --bundle DIR` shows it). A bundle whose compile stage was deferred gets
+    the init container that compiles on the GPU node and caches the engines.
+
+    \b
+    Examples:
+      dflash-trt deploy --bundle engines/gpt-oss-120b --render
+      dflash-trt deploy --bundle engines/big --nodes 2 --out deploy-big
+      dflash-trt deploy --bundle engines/smollm2-135m --gpu none      # CPU-only smoke test
+      helm install gptoss deploy/helm/dflash-trt -f engines/gpt-oss-120b/deploy/values.yaml
+    """
+    from dflash_trt import deploy
+
+    values, p = deploy.deploy_values(bundle, nodes=nodes, gpus_per_node=gpus_per_node, replicas=replicas,
+                                     gpu=gpu, pvc=pvc, ssh_secret=ssh_secret)
+    manifests = deploy.render(values, chart, release=release, namespace=namespace) if render else None
+    out = Path(out) if out else Path(bundle) / "deploy"
+    layout = asdict(p.chosen) if p else None
+    header = (f"# Written by `dflash-trt deploy --bundle {bundle}`.\n"
+              + (f"# Layout: tp {p.chosen.tp}, ep {p.chosen.ep}, {values['replicas']} replica(s) on {p.hardware} "
+                 f"({p.chosen.reason}).\n" if p else "# CPU-only: the reference-runtime model, no GPU.\n")
+              + f"# Install: helm install {release} deploy/helm/dflash-trt -f {out / 'values.yaml'}\n")
+    deploy.write_deployment(out, values, manifests, header)
+    if as_json:
+        click.echo(json.dumps({"values": str(out / "values.yaml"),
+                               "manifests": str(out / "manifests") if manifests is not None else None,
+                               "layout": layout, "values_content": values}, indent=2))
+        return
+    click.echo(f"wrote {out / 'values.yaml'}")
+    if manifests is not None:
+        click.echo(f"rendered {sum(1 for t in manifests.values() if t.strip()) - 1} manifest file(s) into {out / 'manifests'}")
+    if p:
+        c = p.chosen
+        click.echo(f"layout: tp {c.tp}, ep {c.ep}, {values['replicas']} replica(s), {values['gpu']['count']} × "
+                   f"{values['gpu']['product']} per pod ({values['workload']['kind']})")
+    else:
+        click.echo("layout: CPU-only, model dflash_reference")
+    click.echo(f"install: helm install {release} deploy/helm/dflash-trt -f {out / 'values.yaml'}")

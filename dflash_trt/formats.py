@@ -1,0 +1,194 @@
+"""Low-precision number formats: FP8 (E4M3), NVFP4 (E2M1 + FP8 block scales + fp32 global
+scale) and MXFP4 (E2M1 + E8M0 block scales, gpt-oss). DESIGN.md §5.
+
+The FP8 and NVFP4 encoders reproduce NVIDIA ModelOpt's export arithmetic operation for
+operation (same dtypes at each step, same tie-breaking), because the output must be
+byte-identical to `export_hf_checkpoint`'s; tests/test_quantize.py pins that. Large tensors are
+processed in row chunks so temporaries stay small (streaming quantization of 100B+ models).
+
+Packing (NVFP4 and MXFP4): two E2M1 codes per byte, the LOW nibble holds the even element:
+byte = code[2j+1] << 4 | code[2j].
+"""
+from __future__ import annotations
+
+import torch
+
+from dflash_trt.errors import DFlashError
+
+FP8_E4M3_MAX = 448.0
+E2M1_MAX = 6.0
+NVFP4_BLOCK = 16
+MXFP4_BLOCK = 32
+E8M0_BIAS = 127
+
+# E2M1 code -> value. Codes 8..15 are the negatives (code 8 is -0).
+E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                            -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+# Midpoints between neighbouring magnitudes. A magnitude exactly on a midpoint rounds to the
+# neighbour with the even code (round half to even on codes): 0.25->0, 0.75->1.0, 1.25->1.0,
+# 1.75->2.0, 2.5->2.0, 3.5->4.0, 5->4.0; i.e. ties at 0.75, 1.75 and 3.5 round up.
+_E2M1_MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+_E2M1_TIES_UP = torch.tensor([0.75, 1.75, 3.5])
+
+_CHUNK_ELEMS = 1 << 22  # rows per chunk chosen so a chunk has about this many elements
+
+
+def _row_chunks(n_rows: int, row_elems: int):
+    step = max(1, _CHUNK_ELEMS // max(1, row_elems))
+    for i in range(0, n_rows, step):
+        yield slice(i, min(n_rows, i + step))
+
+
+# ----------------------------------------------------------------------------------------------
+# E2M1 codes and nibble packing
+
+def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
+    """Round float values (already scaled into [-6, 6]) to E2M1 codes (uint8, 0..15).
+
+    Magnitudes beyond 6 saturate to 6. The sign bit is set for x < 0, so a small negative
+    value that rounds to zero gives code 8 (-0), as ModelOpt does.
+    """
+    sign = (x < 0).to(torch.uint8)
+    mag = x.abs()
+    code = torch.bucketize(mag, _E2M1_MIDPOINTS.to(mag.dtype)).to(torch.uint8)  # right=False: ties down
+    code += (mag.unsqueeze(-1) == _E2M1_TIES_UP.to(mag.dtype)).any(-1).to(torch.uint8)
+    return (sign << 3) | code
+
+
+def e2m1_decode(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return E2M1_VALUES.to(dtype)[codes.long()]
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """[..., 2n] codes -> [..., n] bytes, low nibble = even element."""
+    if codes.shape[-1] % 2:
+        raise DFlashError(f"cannot pack {codes.shape[-1]} 4-bit codes: the last dimension must be even")
+    return (codes[..., 1::2] << 4) | codes[..., 0::2]
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """[..., n] bytes -> [..., 2n] codes (inverse of pack_nibbles)."""
+    out = torch.stack((packed & 0x0F, packed >> 4), dim=-1)
+    return out.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+# ----------------------------------------------------------------------------------------------
+# FP8 (per-tensor E4M3)
+
+def fp8_scale_from_amax(amax: float | torch.Tensor) -> torch.Tensor:
+    """weight_scale / input_scale = amax / 448 as an fp32 scalar, divided in fp32 (as ModelOpt
+    does for its 0-dim per-tensor amax)."""
+    return torch.as_tensor(amax, dtype=torch.float32).reshape(()) / FP8_E4M3_MAX
+
+
+def fp8_quantize(w: torch.Tensor, scale: torch.Tensor, compute_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """E4M3 bytes of w / scale.
+
+    ModelOpt's two exporters differ here and we follow each: the HF export divides by a 0-dim
+    fp32 scale, so the division runs in w's dtype (bf16 stays bf16, rounded, then cast); the
+    TensorRT-LLM export divides by a [1]-shaped scale, so it runs in fp32. `compute_dtype=None`
+    is the first, `torch.float32` the second.
+    """
+    out = torch.empty(w.shape, dtype=torch.float8_e4m3fn)
+    scale = scale.reshape(())
+    cast = (lambda t: t) if compute_dtype is None else (lambda t: t.to(compute_dtype))
+    if w.dim() < 2:
+        return (cast(w) / scale).to(torch.float8_e4m3fn)
+    for rows in _row_chunks(w.shape[0], w[0].numel()):
+        out[rows] = (cast(w[rows]) / scale).to(torch.float8_e4m3fn)
+    return out
+
+
+def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return q.to(dtype) * scale.to(dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# NVFP4: E2M1 values, E4M3 scale per 16 elements, fp32 global scale
+
+def nvfp4_global_scale(amax: torch.Tensor | float) -> torch.Tensor:
+    """weight_scale_2 = amax / (6 * 448), fp32 scalar."""
+    amax = torch.as_tensor(amax, dtype=torch.float32)
+    return amax.float() / (E2M1_MAX * FP8_E4M3_MAX)
+
+
+def nvfp4_block_scales(w: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """Per-16-element block scales (float8_e4m3fn, [..., in/16]) = block_amax / (6 * global),
+    all-zero blocks get 1.0, clamped to [2^-9, 448] before the cast."""
+    if w.shape[-1] % NVFP4_BLOCK:
+        raise DFlashError(f"NVFP4 needs the input dimension to be a multiple of {NVFP4_BLOCK}, got {w.shape[-1]}")
+    nb = w.shape[-1] // NVFP4_BLOCK
+    out = torch.empty((*w.shape[:-1], nb), dtype=torch.float8_e4m3fn)
+    denom = E2M1_MAX * global_scale.float()
+    flat_w, flat_o = w.reshape(-1, w.shape[-1]), out.view(-1, nb)
+    for rows in _row_chunks(flat_w.shape[0], w.shape[-1]):
+        amax = flat_w[rows].reshape(-1, nb, NVFP4_BLOCK).abs().amax(-1).float()
+        s = amax / denom
+        s[s == 0] = 1.0
+        flat_o[rows] = s.clamp(min=2.0 ** -9, max=FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return out
+
+
+def nvfp4_quantize(w: torch.Tensor, block_scales: torch.Tensor | None = None,
+                   global_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """NVFP4-encode w [..., in] -> (packed uint8 [..., in/2], weight_scale fp8 [..., in/16],
+    weight_scale_2 fp32 scalar). Pass `global_scale` to share one across a fused group."""
+    if global_scale is None:
+        global_scale = nvfp4_global_scale(w.abs().amax().float())
+    if block_scales is None:
+        block_scales = nvfp4_block_scales(w, global_scale)
+    n = w.shape[-1]
+    nb = n // NVFP4_BLOCK
+    packed = torch.empty((*w.shape[:-1], n // 2), dtype=torch.uint8)
+    flat_w, flat_s, flat_p = w.reshape(-1, n), block_scales.reshape(-1, nb), packed.view(-1, n // 2)
+    for rows in _row_chunks(flat_w.shape[0], n):
+        denom = (flat_s[rows].to(torch.float32) * global_scale).unsqueeze(-1)
+        scaled = flat_w[rows].reshape(-1, nb, NVFP4_BLOCK) / denom  # fp32 (ModelOpt: same op)
+        flat_p[rows] = pack_nibbles(e2m1_encode(scaled.reshape(-1, n)))
+    return packed, block_scales, global_scale
+
+
+def nvfp4_dequantize(packed: torch.Tensor, block_scales: torch.Tensor, global_scale: torch.Tensor,
+                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    vals = e2m1_decode(unpack_nibbles(packed), torch.float32)
+    n = vals.shape[-1]
+    vals = vals.reshape(*vals.shape[:-1], n // NVFP4_BLOCK, NVFP4_BLOCK)
+    vals = vals * (block_scales.to(torch.float32) * global_scale.float()).unsqueeze(-1)
+    return vals.reshape(*packed.shape[:-1], n).to(dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# MXFP4 (OCP microscaling, gpt-oss experts): E2M1 values, E8M0 scale per 32 elements
+
+def mxfp4_decode(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """gpt-oss MXFP4 -> floats. blocks uint8 [..., G, 16] (32 codes per block, low nibble =
+    even element), scales uint8 E8M0 [..., G] (value 2^(s-127)); returns [..., G*32]."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise DFlashError(f"MXFP4 blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}")
+    if blocks.shape[-1] != MXFP4_BLOCK // 2 or blocks.shape[:-1] != scales.shape:
+        raise DFlashError(f"MXFP4 blocks {list(blocks.shape)} do not match scales {list(scales.shape)} "
+                          f"(expected blocks [..., G, 16] and scales [..., G])")
+    vals = e2m1_decode(unpack_nibbles(blocks), torch.float32)          # [..., G, 32]
+    exp = scales.to(torch.int32) - E8M0_BIAS
+    vals = torch.ldexp(vals, exp.unsqueeze(-1).to(torch.float32))
+    return vals.reshape(*scales.shape[:-1], scales.shape[-1] * MXFP4_BLOCK).to(dtype)
+
+
+def mxfp4_encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """floats [..., K] (K a multiple of 32) -> (blocks uint8 [..., K/32, 16], scales uint8 [..., K/32]).
+
+    Block scale 2^e with e = ceil(log2(amax / 6)), the smallest power of two that puts the
+    block's largest magnitude within E2M1's range (no saturation); all-zero blocks get the
+    smallest scale. (The OCP spec's floor(log2(amax)) - 2 choice may saturate; both decode
+    the same way, and the decoder is what must match gpt-oss.)
+    """
+    if x.shape[-1] % MXFP4_BLOCK:
+        raise DFlashError(f"MXFP4 needs the last dimension to be a multiple of {MXFP4_BLOCK}, got {x.shape[-1]}")
+    g = x.shape[-1] // MXFP4_BLOCK
+    xb = x.float().reshape(*x.shape[:-1], g, MXFP4_BLOCK)
+    amax = xb.abs().amax(-1)
+    e = torch.ceil(torch.log2(amax / E2M1_MAX))
+    e = torch.where(amax > 0, e, torch.full_like(e, -E8M0_BIAS)).clamp(-E8M0_BIAS, 127)
+    scaled = torch.ldexp(xb, -e.unsqueeze(-1))
+    codes = e2m1_encode(scaled)
+    return pack_nibbles(codes), (e + E8M0_BIAS).to(torch.uint8)

@@ -1,0 +1,64 @@
+"""The hardware catalog: node types the planner and the Helm chart know, kept as data in
+hardware.json (memory, SM architecture, NVLink bandwidth, FP4/FP8 support, and the
+`nvidia.com/gpu.product` node-label values GPU Feature Discovery reports for them)."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
+
+from dflash_trt.errors import DFlashError
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str                      # catalog key, e.g. "dgx-b300"
+    gpu: str                       # short GPU id used by bundles: b300, b200, gb200, h200, h100
+    gpu_name: str
+    gpu_product_labels: tuple[str, ...]
+    gpus_per_node: int
+    memory_bytes: int              # per GPU
+    hbm_bytes_per_s: int
+    sm: str
+    arch: str                      # blackwell | hopper
+    nvlink: str
+    nvlink_bytes_per_s: int
+    nvlink_domain_gpus: int
+    fp4: bool
+    fp8: bool
+
+    @property
+    def gpu_product(self) -> str:
+        """The label value the chart's node affinity selects by default."""
+        return self.gpu_product_labels[0]
+
+
+@lru_cache(maxsize=1)
+def catalog() -> dict[str, Hardware]:
+    data = json.loads(resources.files("dflash_trt").joinpath("hardware.json").read_text())
+    out = {}
+    for name, d in data["hardware"].items():
+        d = dict(d, gpu_product_labels=tuple(d["gpu_product_labels"]))
+        out[name] = Hardware(name=name, **d)
+    return out
+
+
+def get_hardware(name: str) -> Hardware:
+    try:
+        return catalog()[name]
+    except KeyError:
+        raise DFlashError(f"unknown hardware {name!r}; known: {', '.join(catalog())}") from None
+
+
+def hardware_for_gpu(gpu: str) -> Hardware:
+    """The catalog node type for a bundle's `gpu` field (b300 → dgx-b300, ...)."""
+    for hw in catalog().values():
+        if hw.gpu == gpu:
+            return hw
+    known = ", ".join(hw.gpu for hw in catalog().values())
+    raise DFlashError(f"unknown GPU {gpu!r}; known: {known}")
+
+
+def all_gpu_product_labels() -> list[str]:
+    return [label for hw in catalog().values() for label in hw.gpu_product_labels]

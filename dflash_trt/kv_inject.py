@@ -1,0 +1,343 @@
+"""KV injection: accepted tokens' target features → K, V of every drafter layer, written into the
+drafter's KV cache (DESIGN.md §3). Three implementations of one semantics:
+
+1. `reference_kv` / `reference_inject_*`: plain PyTorch, mirroring `dflash_trt.drafter` line by
+   line (fc → hidden_norm → per layer k_proj → k_norm → RoPE, v_proj), then a per-layer write.
+2. `FusedKVInjector(..., backend="torch")`: one GEMM for fc, one GEMM over all layers' K and V
+   weights concatenated (hidden_norm's weight folded into them, its 1/rms applied after the
+   GEMM), a batched k_norm + RoPE over all layers, one scatter into the cache. The CPU runtime's
+   default.
+3. `FusedKVInjector(..., backend="triton")`: the same with the Triton kernel in
+   plugins/kv_inject_kernel.py doing GEMM 2 and the epilogue in one launch (run on this CPU with
+   Triton's interpreter; compiled ahead of time for GPUs by `dflash_trt.plugin_build`).
+
+Cache layouts. Paged (as serving engines use): `k_cache, v_cache [num_pages, L, nkv, page_size,
+hd]`, a token's slot = block_table[pos // page_size] * page_size + pos % page_size
+(`slots_from_block_table`), slot < 0 = padding, skipped. Contiguous (the CPU runtime's):
+`[L, nkv, max_len, hd]`, rows start..start+T-1. Optional FP8 (float8_e4m3fn) caches store
+clamp(x / scale, ±448) with one per-tensor scale for K and one for V.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from dflash_trt.errors import DFlashError
+from dflash_trt.layers import apply_rope
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+CONTIGUOUS_PAGE_SHIFT = 30  # a contiguous cache is one page of 2^30 rows (stride_page 0)
+PLUGINS_DIR = Path(__file__).resolve().parent.parent / "plugins"
+
+
+# ------------------------------------------------------------------------------------ plugin files
+def load_plugin_module(name: str):
+    """Import plugins/<name>.py by path. plugins/ sits at the repository root (DESIGN.md §2), beside
+    the package, so an editable install (`pip install -e .`, what the Makefile does) or a source
+    checkout finds it, without making `plugins` a top-level package that could shadow others.
+
+    The kernel runs under Triton's interpreter (on CPU tensors) when TRITON_INTERPRET=1 was set
+    before triton was imported: triton decorates its own library functions at import time."""
+    path = PLUGINS_DIR / f"{name}.py"
+    if not path.is_file():
+        raise DFlashError(f"{path}: not found (the plugin sources ship with the dflash-trt source "
+                          f"checkout; install it with `pip install -e .`)")
+    mod_name = f"dflash_trt_plugins.{name}"
+    if mod_name in sys.modules:
+        return sys.modules[mod_name]
+    spec = importlib.util.spec_from_file_location(mod_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[mod_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(mod_name, None)
+        raise
+    return module
+
+
+# ------------------------------------------------------------------------------------- validation
+def _check_features(cfg, features: torch.Tensor, positions: torch.Tensor, rope_len: int) -> int:
+    want = cfg.n_features * cfg.hidden_size
+    if features.dim() != 2 or features.shape[1] != want:
+        raise DFlashError(f"features: shape {tuple(features.shape)}, the drafter config implies [T, {want}] "
+                          f"({cfg.n_features} features x hidden_size {cfg.hidden_size})")
+    T = features.shape[0]
+    if tuple(positions.shape) != (T,):
+        raise DFlashError(f"positions: shape {tuple(positions.shape)}, expected [{T}] (one per feature row)")
+    if T and (int(positions.min()) < 0 or int(positions.max()) >= rope_len):
+        raise DFlashError(f"positions: values must lie in [0, {rope_len}) (the drafter's RoPE table length)")
+    return T
+
+
+def check_page_size(page_size: int) -> int:
+    if not isinstance(page_size, int) or page_size <= 0 or page_size & (page_size - 1):
+        raise DFlashError(f"page_size: {page_size} is not a power of two (the kernel splits slots with shifts)")
+    return page_size.bit_length() - 1
+
+
+def _check_paged_cache(cfg, name: str, cache: torch.Tensor, page_size: int) -> None:
+    L, nkv, hd = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+    if cache.dim() != 5 or tuple(cache.shape[1:]) != (L, nkv, page_size, hd):
+        raise DFlashError(f"{name}: shape {tuple(cache.shape)}, the drafter config implies "
+                          f"[num_pages, {L}, {nkv}, {page_size}, {hd}] (pages, layers, kv heads, page_size, head_dim)")
+    if not cache.is_contiguous():
+        raise DFlashError(f"{name}: must be contiguous")
+
+
+def _check_contiguous_cache(cfg, name: str, cache: torch.Tensor) -> None:
+    L, nkv, hd = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+    if cache.dim() != 4 or cache.shape[0] != L or cache.shape[1] != nkv or cache.shape[3] != hd:
+        raise DFlashError(f"{name}: shape {tuple(cache.shape)}, the drafter config implies [{L}, {nkv}, max_len, {hd}]")
+    if not cache.is_contiguous():
+        raise DFlashError(f"{name}: must be contiguous")
+
+
+def _check_scales(k_cache, k_scale, v_scale):
+    fp8 = k_cache.dtype == FP8_DTYPE
+    if fp8 and (k_scale is None or v_scale is None):
+        raise DFlashError("k_scale/v_scale: an FP8 KV cache needs both per-tensor scales")
+    return fp8
+
+
+def slots_from_block_table(block_table: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Slot of each position for one sequence: block_table[pos // page] * page + pos % page."""
+    check_page_size(page_size)
+    page_idx = positions // page_size
+    if int(page_idx.max()) >= block_table.numel():
+        raise DFlashError(f"block_table: {block_table.numel()} pages do not cover position {int(positions.max())}")
+    return block_table[page_idx] * page_size + positions % page_size
+
+
+# ---------------------------------------------------------------------------------- (1) reference
+@torch.no_grad()
+def reference_kv(drafter, features: torch.Tensor, positions: torch.Tensor):
+    """Per layer (K, V) [nkv, T, hd], written out as the drafter module computes them."""
+    T = _check_features(drafter.config, features, positions, drafter.rope.cos.shape[0])
+    ctx = drafter.hidden_norm(drafter.fc(features))          # DFlashDrafter.project_context
+    cos, sin = drafter.rope(positions)                        # DFlashDrafter.context_kv
+    out = []
+    for layer in drafter.layers:                              # DrafterAttention.kv
+        a = layer.self_attn
+        k = a.k_norm(a.k_proj(ctx).view(T, a.nkv, a.hd)).transpose(0, 1)
+        v = a.v_proj(ctx).view(T, a.nkv, a.hd).transpose(0, 1)
+        out.append((apply_rope(k, cos, sin), v))
+    return out
+
+
+def quantize_fp8(x: torch.Tensor, scale) -> torch.Tensor:
+    return (x.float() / float(scale)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def _store(cache_rows: torch.Tensor, x: torch.Tensor, scale) -> None:
+    cache_rows.copy_(quantize_fp8(x, scale) if cache_rows.dtype == FP8_DTYPE else x)
+
+
+@torch.no_grad()
+def reference_inject_paged(drafter, features, positions, slots, k_cache, v_cache, page_size: int,
+                           k_scale=None, v_scale=None) -> None:
+    cfg = drafter.config
+    check_page_size(page_size)
+    _check_paged_cache(cfg, "k_cache", k_cache, page_size)
+    _check_paged_cache(cfg, "v_cache", v_cache, page_size)
+    _check_scales(k_cache, k_scale, v_scale)
+    kv = reference_kv(drafter, features, positions)
+    for t, slot in enumerate(slots.tolist()):
+        if slot < 0:
+            continue
+        page, off = divmod(slot, page_size)
+        for l, (k, v) in enumerate(kv):
+            _store(k_cache[page, l, :, off], k[:, t], k_scale)
+            _store(v_cache[page, l, :, off], v[:, t], v_scale)
+
+
+@torch.no_grad()
+def reference_inject_contiguous(drafter, features, positions, k_cache, v_cache, start: int,
+                                k_scale=None, v_scale=None) -> None:
+    cfg = drafter.config
+    _check_contiguous_cache(cfg, "k_cache", k_cache)
+    _check_contiguous_cache(cfg, "v_cache", v_cache)
+    _check_scales(k_cache, k_scale, v_scale)
+    kv = reference_kv(drafter, features, positions)
+    T = features.shape[0]
+    if start < 0 or start + T > k_cache.shape[2]:
+        raise DFlashError(f"k_cache: rows {start}..{start + T - 1} do not fit max_len {k_cache.shape[2]}")
+    for l, (k, v) in enumerate(kv):
+        _store(k_cache[l, :, start:start + T], k, k_scale)
+        _store(v_cache[l, :, start:start + T], v, v_scale)
+
+
+# ------------------------------------------------------------------------------- (2)/(3) fused
+def fused_kv_from_ctx(ctx_raw, w_kv, b_kv, k_norm_w, cos_tab, sin_tab, positions, eps: float, L: int, nkv: int):
+    """Path (2) after fc: one GEMM over all layers' K|V rows (hidden_norm folded in), batched
+    k_norm + RoPE. ctx_raw [T, H] = fc(features) → K, V [T, L, nkv, hd] in ctx_raw's dtype.
+    Also the onnxruntime implementation of the dflash::KVInject node (dflash_trt.onnx_export)."""
+    T = ctx_raw.shape[0]
+    hd = k_norm_w.shape[-1]
+    dt = torch.promote_types(ctx_raw.dtype, torch.float32)
+    rstd = torch.rsqrt(ctx_raw.to(dt).pow(2).mean(-1, keepdim=True) + eps)       # hidden_norm's 1/rms
+    kv = ctx_raw @ w_kv.T if b_kv is None else torch.addmm(b_kv, ctx_raw, w_kv.T)   # GEMM 2
+    kv = (kv.to(dt) * rstd).view(T, L, 2, nkv, hd)
+    k, v = kv[:, :, 0], kv[:, :, 1]
+    k = F.rms_norm(k, (hd,), eps=eps) * k_norm_w[None, :, None, :].to(dt)
+    cos, sin = cos_tab[positions][:, None, None, :].to(dt), sin_tab[positions][:, None, None, :].to(dt)
+    half = hd // 2
+    k = k * cos + torch.cat([-k[..., half:], k[..., :half]], dim=-1) * sin
+    return k.to(ctx_raw.dtype), v.to(ctx_raw.dtype)
+
+
+def scatter_paged(k, v, slots, k_cache, v_cache, page_size: int, k_scale=None, v_scale=None) -> None:
+    """Write K, V [T, L, nkv, hd] at slots [T] of paged caches [pages, L, nkv, page_size, hd]; slot < 0 skipped."""
+    keep = slots >= 0
+    slots, k, v = slots[keep].long(), k[keep], v[keep]
+    page, off = slots // page_size, slots % page_size
+    # advanced indices on dims 0 and 3 with slices between: the indexed view is [T, L, nkv, hd]
+    k_cache[page, :, :, off] = quantize_fp8(k, k_scale) if k_cache.dtype == FP8_DTYPE else k.to(k_cache.dtype)
+    v_cache[page, :, :, off] = quantize_fp8(v, v_scale) if v_cache.dtype == FP8_DTYPE else v.to(v_cache.dtype)
+
+
+class FusedKVInjector:
+    """The drafter's injection weights in fused form, built once per drafter.
+
+    w_kv [L*2*nkv*hd, H]: per layer [k_proj rows; v_proj rows], each column scaled by
+    hidden_norm.weight, so `(ctx_raw @ w_kvᵀ) * rstd(ctx_raw) + b_kv` equals k_proj/v_proj of
+    hidden_norm(ctx_raw) for every layer in one GEMM."""
+
+    def __init__(self, drafter):
+        c = drafter.config
+        self.config = c
+        self.L, self.nkv, self.hd, self.H = c.num_hidden_layers, c.num_key_value_heads, c.head_dim, c.hidden_size
+        self.eps = float(c.rms_norm_eps)
+        with torch.no_grad():
+            self.fc_w = drafter.fc.weight.detach()
+            hn = drafter.hidden_norm.weight.detach()
+            rows, bias = [], []
+            for layer in drafter.layers:
+                a = layer.self_attn
+                for proj in (a.k_proj, a.v_proj):
+                    rows.append(proj.weight.detach())
+                    bias.append(proj.bias.detach() if proj.bias is not None
+                                else torch.zeros(proj.out_features, dtype=proj.weight.dtype))
+            self.w_kv = (torch.cat(rows) * hn[None, :]).contiguous()
+            self.b_kv = torch.cat(bias).contiguous()
+            self.has_bias = any(layer.self_attn.k_proj.bias is not None for layer in drafter.layers)
+            self.k_norm_w = torch.stack([layer.self_attn.k_norm.weight.detach() for layer in drafter.layers]).contiguous()
+        self.cos, self.sin = drafter.rope.cos, drafter.rope.sin
+        self._fingerprint = _weights_fingerprint(drafter)
+
+    # -- one semantics, shared by both cache layouts
+    def _kv_torch(self, features: torch.Tensor, positions: torch.Tensor):
+        """K, V [T, L, nkv, hd] (features' dtype)."""
+        ctx_raw = features @ self.fc_w.T                                          # GEMM 1: fc
+        return fused_kv_from_ctx(ctx_raw, self.w_kv, self.b_kv if self.has_bias else None, self.k_norm_w,
+                                 self.cos, self.sin, positions, self.eps, self.L, self.nkv)
+
+    def _launch_triton(self, features, positions, slots, k_cache, v_cache, page_shift, strides, k_scale, v_scale):
+        import triton
+
+        trt_mod = load_plugin_module("trt_kv_inject")
+        kern = load_plugin_module("kv_inject_kernel").kv_inject_kernel
+        interpret = bool(triton.knobs.runtime.interpret)
+        if not interpret and not features.is_cuda:
+            raise DFlashError("backend triton: tensors are on the CPU; run on a CUDA device, or set "
+                              "TRITON_INTERPRET=1 before importing triton to use Triton's interpreter")
+        T = features.shape[0]
+        ctx_raw = (features @ self.fc_w.T).contiguous()                           # GEMM 1: fc
+        cfg = trt_mod.kernel_config(self.hd)
+        grid = trt_mod.grid(T, self.L, self.nkv, cfg["BLOCK_T"])
+        scal = torch.tensor([self.eps, float(k_scale or 1.0), float(v_scale or 1.0)], dtype=torch.float32)
+        # the kernel writes FP8 caches as their bit patterns (see _fp8_e4m3_bits)
+        kc = k_cache.view(torch.uint8) if k_cache.dtype == FP8_DTYPE else k_cache
+        vc = v_cache.view(torch.uint8) if v_cache.dtype == FP8_DTYPE else v_cache
+        args = trt_mod.scalar_args(T=T, H=self.H, n_kv=self.nkv, page_shift=page_shift, stride_ctx=ctx_raw.stride(0),
+                                   stride_page=strides[0], stride_layer=strides[1], stride_head=strides[2],
+                                   stride_tok=strides[3])
+        kern[grid](ctx_raw, self.w_kv, self.b_kv, self.k_norm_w, self.cos.float().contiguous(),
+                   self.sin.float().contiguous(), positions.to(torch.int32).contiguous(),
+                   slots.to(torch.int32).contiguous(), scal, kc, vc, *args, kc, vc,
+                   HEAD_DIM=self.hd, BLOCK_T=cfg["BLOCK_T"], BLOCK_K=cfg["BLOCK_K"],
+                   FP8=k_cache.dtype == FP8_DTYPE, num_warps=cfg["num_warps"])
+
+    # -- public entry points
+    @torch.no_grad()
+    def inject_paged(self, features, positions, slots, k_cache, v_cache, page_size: int, k_scale=None, v_scale=None,
+                     backend: str = "torch") -> None:
+        c = self.config
+        shift = check_page_size(page_size)
+        _check_paged_cache(c, "k_cache", k_cache, page_size)
+        _check_paged_cache(c, "v_cache", v_cache, page_size)
+        _check_scales(k_cache, k_scale, v_scale)
+        T = _check_features(c, features, positions, self.cos.shape[0])
+        if tuple(slots.shape) != (T,):
+            raise DFlashError(f"slots: shape {tuple(slots.shape)}, expected [{T}] (one per feature row)")
+        if T and int(slots.max()) >= k_cache.shape[0] * page_size:
+            raise DFlashError(f"slots: {int(slots.max())} is beyond the cache ({k_cache.shape[0]} pages x {page_size})")
+        if _check_backend(backend) == "triton":
+            s = k_cache.stride()
+            return self._launch_triton(features, positions, slots, k_cache, v_cache, shift, (s[0], s[1], s[2], s[3]),
+                                       k_scale, v_scale)
+        k, v = self._kv_torch(features, positions)                  # [T, L, nkv, hd]
+        scatter_paged(k, v, slots, k_cache, v_cache, page_size, k_scale, v_scale)
+
+    @torch.no_grad()
+    def inject_contiguous(self, features, positions, k_cache, v_cache, start: int, k_scale=None, v_scale=None,
+                          backend: str = "torch") -> None:
+        c = self.config
+        _check_contiguous_cache(c, "k_cache", k_cache)
+        _check_contiguous_cache(c, "v_cache", v_cache)
+        fp8 = _check_scales(k_cache, k_scale, v_scale)
+        T = _check_features(c, features, positions, self.cos.shape[0])
+        if start < 0 or start + T > k_cache.shape[2]:
+            raise DFlashError(f"k_cache: rows {start}..{start + T - 1} do not fit max_len {k_cache.shape[2]}")
+        if _check_backend(backend) == "triton":
+            s = k_cache.stride()
+            slots = torch.arange(start, start + T, dtype=torch.int32)
+            return self._launch_triton(features, positions, slots, k_cache, v_cache, CONTIGUOUS_PAGE_SHIFT,
+                                       (0, s[0], s[1], s[2]), k_scale, v_scale)
+        k, v = self._kv_torch(features, positions)                  # [T, L, nkv, hd]
+        k, v = k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)         # [L, nkv, T, hd]
+        k_cache[:, :, start:start + T] = quantize_fp8(k, k_scale) if fp8 else k
+        v_cache[:, :, start:start + T] = quantize_fp8(v, v_scale) if fp8 else v
+
+
+def _check_backend(backend: str) -> str:
+    if backend not in ("torch", "triton"):
+        raise DFlashError(f"backend: {backend!r} is not one of torch, triton")
+    return backend
+
+
+def _weights_fingerprint(drafter):
+    ps = [drafter.fc.weight, drafter.hidden_norm.weight]
+    for layer in drafter.layers:
+        a = layer.self_attn
+        ps += [a.k_proj.weight, a.v_proj.weight, a.k_norm.weight]
+    return tuple((p.data_ptr(), p._version, p.dtype) for p in ps)
+
+
+def fused_injector(drafter) -> FusedKVInjector:
+    """The drafter's FusedKVInjector, built on first use and rebuilt if its weights changed."""
+    inj = drafter.__dict__.get("_fused_kv_injector")
+    if inj is None or inj._fingerprint != _weights_fingerprint(drafter):
+        inj = FusedKVInjector(drafter)
+        drafter.__dict__["_fused_kv_injector"] = inj
+    return inj
+
+
+def inject_contiguous(drafter, features, positions, k_cache, v_cache, start: int, k_scale=None, v_scale=None,
+                      backend: str = "torch") -> None:
+    """Write K, V of the T feature rows into rows start..start+T-1 of every layer of a contiguous
+    cache [L, nkv, max_len, hd] (the CPU runtime's), fused path."""
+    fused_injector(drafter).inject_contiguous(features, positions, k_cache, v_cache, start, k_scale, v_scale, backend)
+
+
+def inject_paged(drafter, features, positions, slots, k_cache, v_cache, page_size: int, k_scale=None, v_scale=None,
+                 backend: str = "torch") -> None:
+    """Write K, V of the T feature rows at `slots` of a paged cache [pages, L, nkv, page_size, hd], fused path."""
+    fused_injector(drafter).inject_paged(features, positions, slots, k_cache, v_cache, page_size, k_scale, v_scale,
+                                         backend)

@@ -1,0 +1,225 @@
+"""The bundle manifest: `manifest.json` at the root of every `dflash-trt build` bundle.
+
+It makes a bundle self-describing: what went in (paths and content hashes), what was decided
+(arch, GPU, quantization, parallelism, drafter settings in every serving stack's layer-id
+convention), what each pipeline stage did, and every file that came out with its size and
+sha256 so that `dflash-trt verify --bundle DIR` can detect a changed or missing file.
+
+The schema is data (a JSON Schema, checked with the `jsonschema` library when it is installed)
+because two other tools read the manifest: `dflash-trt deploy` and `dflash-trt compile`.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from dflash_trt.errors import DFlashError
+
+MANIFEST_NAME = "manifest.json"
+SCHEMA_VERSION = 1
+STAGES = ("check", "quantize", "convert", "plugin", "export-onnx", "compile", "package")
+STAGE_STATUSES = ("done", "skipped", "deferred", "failed", "not-needed")
+
+_ids = {"type": "array", "items": {"type": "integer", "minimum": 0}}
+
+MANIFEST_SCHEMA: dict = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "title": "dflash-trt bundle manifest",
+    "type": "object",
+    "required": ["schema_version", "tool_version", "target", "drafter", "arch", "gpu", "quant", "parallel",
+                 "backend", "stages", "triton_model_repository", "triton_models", "artifacts"],
+    "properties": {
+        "schema_version": {"const": SCHEMA_VERSION},
+        "tool_version": {"type": "string"},
+        "created": {"type": "string"},
+        "target": {
+            "type": "object", "required": ["name", "path", "config"],
+            "properties": {"name": {"type": "string"}, "path": {"type": "string"},
+                           "config": {"type": "object"}, "hf_id": {"type": ["string", "null"]},
+                           "bundle_path": {"type": "string"}},
+        },
+        "drafter": {
+            "type": "object", "required": ["path", "block_size", "mask_token_id", "target_layer_ids"],
+            "properties": {
+                "path": {"type": "string"}, "bundle_path": {"type": "string"},
+                "block_size": {"type": "integer", "minimum": 2},
+                "mask_token_id": {"type": "integer", "minimum": 0},
+                "target_layer_ids": {"type": "object", "required": ["zlab", "speculators", "vllm", "sglang"],
+                                     "properties": {k: _ids for k in ("zlab", "trtllm", "speculators", "vllm",
+                                                                      "sglang")}},
+            },
+        },
+        "arch": {"enum": ["blackwell", "hopper"]},
+        "gpu": {"enum": ["b300", "b200", "gb200", "h200", "h100", None]},
+        "sm": {"type": "array", "items": {"type": "integer"}},
+        "quant": {
+            "type": "object", "required": ["target", "kv_cache"],
+            "properties": {"target": {"enum": ["nvfp4", "fp8", "none", "mxfp4"]},
+                           "drafter": {"enum": ["fp8", "none"]},
+                           "kv_cache": {"enum": ["fp8", "bf16"]}},
+        },
+        "parallel": {
+            "type": "object", "required": ["tp", "ep", "pp"],
+            "properties": {k: {"type": "integer", "minimum": 1} for k in ("tp", "ep", "pp")},
+        },
+        "backend": {"enum": ["pytorch", "engine"]},
+        "stages": {
+            "type": "object",
+            "additionalProperties": {
+                "type": "object", "required": ["status", "inputs_sha256", "outputs"],
+                "properties": {"status": {"enum": list(STAGE_STATUSES)},
+                               "inputs_sha256": {"type": "string"},
+                               "outputs": {"type": "array", "items": {"type": "string"}},
+                               "commands": {"type": "array", "items": {"type": "string"}},
+                               "reason": {"type": "string"}},
+            },
+        },
+        "triton_model_repository": {"type": "string"},
+        "triton_models": {"type": "array", "items": {"type": "string"}},
+        "serving_configs": {"type": "object"},
+        "artifacts": {
+            "type": "array",
+            "items": {"type": "object", "required": ["path", "bytes", "sha256"],
+                      "properties": {"path": {"type": "string"}, "bytes": {"type": "integer", "minimum": 0},
+                                     "sha256": {"type": "string", "pattern": "^[0-9a-f]{64}$"}}},
+        },
+    },
+}
+
+
+def validate(manifest: dict, source: str = MANIFEST_NAME) -> None:
+    """Raise DFlashError naming the first field that does not fit the schema."""
+    try:
+        import jsonschema
+    except ImportError:  # the library is optional at run time; fall back to the required keys
+        missing = [k for k in MANIFEST_SCHEMA["required"] if k not in manifest]
+        if missing:
+            raise DFlashError(f"{source}: missing field(s) {', '.join(missing)}") from None
+        return
+    errors = sorted(jsonschema.Draft202012Validator(MANIFEST_SCHEMA).iter_errors(manifest), key=lambda e: list(e.path))
+    if errors:
+        e = errors[0]
+        where = ".".join(str(p) for p in e.absolute_path) or "(top level)"
+        raise DFlashError(f"{source}: field {where}: {e.message}")
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def sha256_json(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+class HashCache:
+    """sha256 of files, remembered by (size, mtime_ns) so that re-runs do not re-read unchanged
+    multi-GB checkpoints. Stored in the manifest under `input_files`."""
+
+    def __init__(self, entries: dict | None = None):
+        self.entries: dict[str, dict] = dict(entries or {})
+
+    def sha256(self, path: Path) -> str:
+        path = Path(path).resolve()
+        st = path.stat()
+        key = str(path)
+        hit = self.entries.get(key)
+        if hit and hit.get("bytes") == st.st_size and hit.get("mtime_ns") == st.st_mtime_ns:
+            return hit["sha256"]
+        digest = sha256_file(path)
+        self.entries[key] = {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}
+        return digest
+
+    def tree(self, folder: Path) -> str:
+        """One digest over every file under folder (relative names and content hashes)."""
+        folder = Path(folder)
+        if folder.is_file():
+            return self.sha256(folder)
+        parts = []
+        for p in sorted(folder.rglob("*")):
+            if p.is_file() and "__pycache__" not in p.parts:
+                parts.append([p.relative_to(folder).as_posix(), self.sha256(p)])
+        return sha256_json(parts)
+
+
+def list_artifacts(bundle: str | Path, cache: HashCache | None = None) -> list[dict]:
+    """Every file of the bundle except the manifest itself: path (relative), bytes, sha256."""
+    bundle = Path(bundle)
+    cache = cache or HashCache()
+    out = []
+    for p in sorted(bundle.rglob("*")):
+        if p.is_file() and p.name != MANIFEST_NAME and "__pycache__" not in p.parts:
+            out.append({"path": p.relative_to(bundle).as_posix(), "bytes": p.stat().st_size, "sha256": cache.sha256(p)})
+    return out
+
+
+def read_manifest(bundle: str | Path) -> dict:
+    path = Path(bundle) / MANIFEST_NAME
+    if not path.is_file():
+        raise DFlashError(f"{path}: missing; {bundle} is not a dflash-trt bundle")
+    try:
+        m = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DFlashError(f"{path}: invalid JSON ({e})") from None
+    if not isinstance(m, dict):
+        raise DFlashError(f"{path}: expected a JSON object")
+    validate(m, str(path))
+    return m
+
+
+def write_manifest(bundle: str | Path, manifest: dict) -> Path:
+    """Validate, then write manifest.json atomically (temp file + rename)."""
+    bundle = Path(bundle)
+    validate(manifest, str(bundle / MANIFEST_NAME))
+    fd, tmp = tempfile.mkstemp(prefix=".manifest.", suffix=".json", dir=bundle)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(manifest, f, indent=2, sort_keys=False)
+            f.write("\n")
+        os.replace(tmp, bundle / MANIFEST_NAME)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return bundle / MANIFEST_NAME
+
+
+def is_bundle(folder: str | Path) -> bool:
+    return (Path(folder) / MANIFEST_NAME).is_file()
+
+
+def verify(bundle: str | Path) -> list[str]:
+    """Problems found when re-hashing every artifact the manifest lists (empty list: intact).
+    Also reports files in the bundle that the manifest does not list."""
+    bundle = Path(bundle)
+    m = read_manifest(bundle)
+    problems = []
+    listed = set()
+    for a in m["artifacts"]:
+        rel = a["path"]
+        listed.add(rel)
+        p = bundle / rel
+        if ".." in Path(rel).parts or Path(rel).is_absolute():
+            problems.append(f"{rel}: artifact path leaves the bundle")
+            continue
+        if not p.is_file():
+            problems.append(f"{rel}: missing")
+            continue
+        size = p.stat().st_size
+        if size != a["bytes"]:
+            problems.append(f"{rel}: size {size} bytes, manifest says {a['bytes']}")
+            continue
+        digest = sha256_file(p)
+        if digest != a["sha256"]:
+            problems.append(f"{rel}: sha256 {digest[:16]}… does not match the manifest's {a['sha256'][:16]}…")
+    for p in sorted(bundle.rglob("*")):
+        if p.is_file() and p.name != MANIFEST_NAME and "__pycache__" not in p.parts:
+            rel = p.relative_to(bundle).as_posix()
+            if rel not in listed:
+                problems.append(f"{rel}: not listed in the manifest")
+    return problems

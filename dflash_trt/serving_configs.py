@@ -1,0 +1,147 @@
+"""Serving configurations for the three stacks that run DFlash natively: TensorRT-LLM
+(`trtllm-serve --config`), vLLM (`--speculative-config`) and SGLang (launch arguments).
+
+The one thing that silently goes wrong between stacks is the numbering of the target layers
+whose hidden states feed the drafter (DESIGN.md §3). A wrong id does not fail: it only drops
+acceptance. So every convention is one function below, each pinned to the code that defines it:
+
+- z-lab / TensorRT-LLM: `dflash_config.target_layer_ids`, 0-based decoder-layer OUTPUTS
+  (feature i = HF `hidden_states[i + 1]`). TensorRT-LLM's `DFlashDecodingConfig.target_layer_ids`
+  takes the same numbers (DESIGN.md §6).
+- vllm-project/speculators: `aux_hidden_state_layer_ids` count hidden-state indices, 0 = the
+  embeddings, so they are z-lab + 1 (speculators `convert/dflash` converter and its test
+  `tests/unit/convert/test_dflash_converter.py`: [1,9,17,25,33] -> [2,10,18,26,34]).
+- vLLM: reads the drafter's config.json. `get_eagle3_aux_layers_from_config`
+  (vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py) takes `eagle_aux_hidden_state_layer_ids`
+  as they are, else `[i + 1 for i in dflash_config.target_layer_ids]` ("Add 1 to convert DFlash's
+  aux layer id semantics"); its target models collect the aux state at the ENTRY of layer idx.
+  So the ids vLLM runs with are z-lab + 1.
+- SGLang: `parse_dflash_draft_config` (python/sglang/srt/speculative/dflash_utils.py) reads the
+  0-based `dflash_config.target_layer_ids` and checks 0 <= id < num_target_layers; the target's
+  `set_dflash_layers_to_capture` then captures "before layer id + 1". So SGLang expects the
+  z-lab numbers in the config (a speculators-format id maps to it with -1); the capture points
+  it derives are listed separately as `capture_before_layer`.
+"""
+from __future__ import annotations
+
+import json
+import shlex
+
+from dflash_trt.errors import DFlashError
+
+
+def zlab_to_speculators(ids: list[int]) -> list[int]:
+    return [int(i) + 1 for i in ids]
+
+
+def speculators_to_zlab(ids: list[int]) -> list[int]:
+    out = [int(i) - 1 for i in ids]
+    if any(i < 0 for i in out):
+        raise DFlashError(f"speculators aux_hidden_state_layer_ids {ids}: 0 is the embedding output, not a decoder layer")
+    return out
+
+
+def zlab_to_vllm(ids: list[int]) -> list[int]:
+    """vLLM's aux hidden-state layer ids (what `eagle_aux_hidden_state_layer_ids` must hold)."""
+    return [int(i) + 1 for i in ids]
+
+
+def zlab_to_sglang(ids: list[int]) -> list[int]:
+    """SGLang's `dflash_config.target_layer_ids`: the z-lab numbers unchanged."""
+    return [int(i) for i in ids]
+
+
+def sglang_capture_points(ids: list[int]) -> list[int]:
+    """The layer indices SGLang's target captures before (`set_dflash_layers_to_capture`)."""
+    return [int(i) + 1 for i in ids]
+
+
+def layer_ids_by_stack(zlab_ids: list[int], num_target_layers: int) -> dict[str, list[int]]:
+    ids = [int(i) for i in zlab_ids]
+    bad = [i for i in ids if not 0 <= i < num_target_layers]
+    if bad:
+        raise DFlashError(f"drafter target_layer_ids {ids}: {bad} outside the target's {num_target_layers} layers")
+    return {"zlab": ids, "trtllm": list(ids), "speculators": zlab_to_speculators(ids),
+            "vllm": zlab_to_vllm(ids), "sglang": zlab_to_sglang(ids)}
+
+
+def _is_moe(cfg: dict) -> bool:
+    return bool(cfg.get("num_local_experts") or cfg.get("num_experts"))
+
+
+def trtllm_serve_config(*, target_cfg: dict, drafter_path: str, block_size: int, mask_token_id: int,
+                        zlab_ids: list[int], tp: int, ep: int, pp: int, kv_cache: str, arch: str,
+                        max_batch_size: int = 64, max_seq_len: int | None = None) -> dict:
+    """The YAML given to `trtllm-serve <target> --config trtllm-serve.yaml` (LLM-API arguments;
+    the same keys go into Triton's llmapi model.yaml)."""
+    max_seq_len = max_seq_len or min(int(target_cfg.get("max_position_embeddings", 8192)), 32768)
+    cfg = {
+        "backend": "pytorch",
+        "tensor_parallel_size": tp,
+        "pipeline_parallel_size": pp,
+        "moe_expert_parallel_size": ep,
+        "enable_attention_dp": False,
+        "max_batch_size": max_batch_size,
+        "max_num_tokens": 8192,
+        "max_seq_len": max_seq_len,
+        "kv_cache_config": {"free_gpu_memory_fraction": 0.85, "dtype": "fp8" if kv_cache == "fp8" else "auto"},
+        "cuda_graph_config": {"enable_padding": True, "max_batch_size": max_batch_size},
+        "speculative_config": {
+            "decoding_type": "DFlash",
+            "speculative_model": drafter_path,
+            # the drafter fills B-1 mask slots per step; the first slot is the last verified token
+            "max_draft_len": block_size - 1,
+            "mask_token_id": mask_token_id,
+            "target_layer_ids": [int(i) for i in zlab_ids],
+        },
+    }
+    if _is_moe(target_cfg):
+        # TensorRT-LLM's curated gpt-oss configs: TRTLLM MoE kernels on Blackwell, Triton's on Hopper.
+        cfg["moe_config"] = {"backend": "TRTLLM" if arch == "blackwell" else "TRITON"}
+    return cfg
+
+
+def vllm_speculative_config(*, drafter_path: str, block_size: int, tp: int) -> dict:
+    """The JSON value of `vllm serve --speculative-config`. vLLM takes the layer ids and the mask
+    token from the drafter's config.json, so they are not (and may not be) keys here."""
+    cfg = {"method": "dflash", "model": drafter_path, "num_speculative_tokens": block_size - 1}
+    if tp > 1:
+        cfg["draft_tensor_parallel_size"] = tp
+    return cfg
+
+
+def vllm_launch(*, target_path: str, drafter_path: str, block_size: int, zlab_ids: list[int], tp: int, ep: int,
+                pp: int, kv_cache: str) -> dict:
+    spec = vllm_speculative_config(drafter_path=drafter_path, block_size=block_size, tp=tp)
+    argv = ["vllm", "serve", target_path, "--tensor-parallel-size", str(tp),
+            "--pipeline-parallel-size", str(pp), "--speculative-config", json.dumps(spec, separators=(",", ":"))]
+    if ep > 1:
+        argv += ["--enable-expert-parallel"]
+    if kv_cache == "fp8":
+        argv += ["--kv-cache-dtype", "fp8"]
+    return {
+        "speculative_config": spec,
+        # what vLLM derives from the drafter's dflash_config (z-lab ids + 1); pin them with
+        # this key in the drafter config.json if the drafter is ever re-exported without them
+        "eagle_aux_hidden_state_layer_ids": zlab_to_vllm(zlab_ids),
+        "argv": argv,
+        "command": shlex.join(argv),
+    }
+
+
+def sglang_launch(*, target_path: str, drafter_path: str, block_size: int, zlab_ids: list[int], tp: int, ep: int,
+                  pp: int, kv_cache: str) -> dict:
+    argv = ["python", "-m", "sglang.launch_server", "--model-path", target_path,
+            "--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", drafter_path,
+            "--speculative-dflash-block-size", str(block_size),
+            "--tp-size", str(tp), "--pp-size", str(pp)]
+    if ep > 1:
+        argv += ["--ep-size", str(ep)]
+    if kv_cache == "fp8":
+        argv += ["--kv-cache-dtype", "fp8_e4m3"]
+    return {
+        "argv": argv,
+        "command": shlex.join(argv),
+        "dflash_config": {"target_layer_ids": zlab_to_sglang(zlab_ids)},
+        "capture_before_layer": sglang_capture_points(zlab_ids),
+    }

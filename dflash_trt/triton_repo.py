@@ -1,0 +1,89 @@
+"""The bundle's Triton model repository (DESIGN.md §7):
+
+    triton/
+      tensorrt_llm/      TensorRT-LLM LLM API (PyTorch backend) with DFlash, Python backend, GPU
+        config.pbtxt  1/model.py  1/model.yaml
+      dflash_reference/  the dflash-trt reference runtime, Python backend, CPU: smoke tests anywhere
+        config.pbtxt  1/model.py  1/model.yaml
+
+config.pbtxt files are protobuf text of `inference.ModelConfig`; they are rendered from the
+templates in dflash_trt/assets/triton_templates and then parsed back with Triton's own schema
+(`tritonclient.grpc.model_config_pb2`) when tritonclient is installed, so a typo fails the build,
+not the server start. (The templates live in a folder NOT named `triton`: a `triton/` folder on
+sys.path shadows the `triton` compiler package that modelopt imports.)
+"""
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+from string import Template
+
+import yaml
+
+from dflash_trt.errors import DFlashError
+
+MODELS = ("tensorrt_llm", "dflash_reference")
+
+
+def _template(model: str, name: str) -> str:
+    return resources.files("dflash_trt").joinpath("assets", "triton_templates", model, name).read_text()
+
+
+def parse_model_config(text: str, source: str = "config.pbtxt"):
+    """Parse protobuf text with Triton's ModelConfig schema; unknown fields are errors."""
+    try:
+        from google.protobuf import text_format
+        from tritonclient.grpc import model_config_pb2
+    except ImportError as e:
+        raise DFlashError(f"{source}: cannot validate, tritonclient[grpc] is not installed ({e}); "
+                          "pip install 'dflash-trt[serve]'") from None
+    try:
+        return text_format.Parse(text, model_config_pb2.ModelConfig())
+    except text_format.ParseError as e:
+        raise DFlashError(f"{source}: not a valid Triton ModelConfig: {e}") from None
+
+
+def llmapi_model_yaml(serve_cfg: dict, target_path: str, *, decoupled: bool = True, max_batch_size: int = 0) -> dict:
+    """1/model.yaml of the tensorrt_llm model: the trtllm-serve LLM arguments plus the target
+    path and `triton_config` (TensorRT-LLM's llmapi model reads both)."""
+    out = {"model": target_path}
+    out.update(serve_cfg)
+    out["triton_config"] = {"max_batch_size": max_batch_size, "decoupled": decoupled}
+    return out
+
+
+def _yaml(header: str, data: dict) -> str:
+    return header + yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
+
+
+def write_triton_repo(dest: str | Path, *, llm_yaml: dict, reference: dict, validate: bool = True) -> list[Path]:
+    """Write the two-model repository under dest. `llm_yaml` from llmapi_model_yaml();
+    `reference` = {target, drafter, block_size, dtype, max_new_tokens, chat}. Returns the files."""
+    dest = Path(dest)
+    tc = llm_yaml["triton_config"]
+    decoupled = "true" if tc["decoupled"] else "false"
+    files = {
+        "tensorrt_llm/config.pbtxt": Template(_template("tensorrt_llm", "config.pbtxt")).substitute(
+            max_batch_size=int(tc["max_batch_size"]), decoupled=decoupled),
+        "tensorrt_llm/1/model.py": _template("tensorrt_llm", "model.py"),
+        "tensorrt_llm/1/model.yaml": _yaml(
+            "# TensorRT-LLM LLM API arguments (tensorrt_llm.LLM), written by dflash-trt build.\n"
+            "# Relative paths are relative to the bundle root. triton_config mirrors config.pbtxt.\n", llm_yaml),
+        "dflash_reference/config.pbtxt": Template(_template("dflash_reference", "config.pbtxt")).substitute(
+            decoupled="true"),
+        "dflash_reference/1/model.py": _template("dflash_reference", "model.py"),
+        "dflash_reference/1/model.yaml": _yaml(
+            "# dflash-trt reference runtime settings, written by dflash-trt build.\n"
+            "# Relative paths are relative to the bundle root.\n", reference),
+    }
+    written = []
+    for rel, text in files.items():
+        if validate and rel.endswith("config.pbtxt"):
+            cfg = parse_model_config(text, rel)
+            if cfg.name != rel.split("/")[0]:
+                raise DFlashError(f"{rel}: model name {cfg.name!r} does not match its folder")
+        p = dest / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+        written.append(p)
+    return written

@@ -1,0 +1,26 @@
+"""Shared fixtures: tiny pairs of every supported family, built once per test session."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+# Tiny models: one thread is ~10x faster than two when other processes share the 2 cores.
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_pairs(tmp_path_factory):
+    """{arch: (target_dir, drafter_dir)} for llama, qwen3 and gpt-oss (MXFP4 experts)."""
+    from dflash_trt.tiny import make_tiny
+
+    root = tmp_path_factory.mktemp("tiny")
+    out = {}
+    for i, arch in enumerate(("llama", "qwen3", "gpt-oss")):
+        make_tiny(arch, root / arch, root / f"{arch}-drafter", seed=i)
+        out[arch] = (root / arch, root / f"{arch}-drafter")
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    torch.manual_seed(0)

@@ -1,0 +1,112 @@
+"""FP8 / NVFP4 / MXFP4 codecs: hand-computed examples pin the bit layouts; ModelOpt's own
+NVFP4QTensor is the oracle for NVFP4 rounding; dequantization stays within the format's bound."""
+import pytest
+import torch
+
+from dflash_trt import formats
+from dflash_trt.errors import DFlashError
+
+
+def test_e2m1_codes_and_ties_hand_computed():
+    # grid 0 .5 1 1.5 2 3 4 6 -> codes 0..7; ties round to the even code (0.25->0, 0.75->1.0,
+    # 1.25->1.0, 1.75->2.0, 2.5->2.0, 3.5->4.0, 5->4.0); beyond 6 saturates; negatives +8.
+    x = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 9.0, -1.0, -6.0, -0.1])
+    want = [0, 1, 2, 3, 4, 5, 6, 7, 0, 2, 2, 4, 4, 6, 6, 7, 10, 15, 8]
+    assert formats.e2m1_encode(x).tolist() == want
+
+
+def test_nvfp4_packing_low_nibble_is_even_element():
+    # values 0.5 (code 1), -1.0 (code 10), 6.0 (code 7), 0 (code 0): bytes 0xA1, 0x07
+    codes = formats.e2m1_encode(torch.tensor([0.5, -1.0, 6.0, 0.0]))
+    packed = formats.pack_nibbles(codes)
+    assert packed.tolist() == [0xA1, 0x07]
+    assert formats.unpack_nibbles(packed).tolist() == codes.tolist()
+
+
+def test_nvfp4_full_pipeline_hand_computed():
+    # One row, one block of 16 with amax 6: weight_scale_2 = 6/(6*448) = 1/448,
+    # block scale = 6 / (6 * 1/448) = 448 (the E4M3 max), so w / (448 * 1/448) = w.
+    w = torch.zeros(1, 16)
+    w[0, :4] = torch.tensor([0.5, -1.0, 6.0, 3.0])
+    packed, bscale, gscale = formats.nvfp4_quantize(w)
+    assert gscale.item() == pytest.approx(1 / 448)
+    assert bscale.float().item() == 448.0
+    assert packed[0, :2].tolist() == [0xA1, 0x57]
+    assert torch.equal(formats.nvfp4_dequantize(packed, bscale, gscale), w)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_nvfp4_bytes_equal_modelopt(dtype):
+    from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
+
+    w = (torch.randn(48, 128) * 0.02).to(dtype)
+    w[5, 16:32] = 0  # an all-zero block (scale 1.0)
+    w[7, 3] = 0.3   # an outlier
+    packed, bscale, gscale = formats.nvfp4_quantize(w)
+    ref_g = NVFP4QTensor.get_weights_scaling_factor_2(w)
+    ref_s, _ = NVFP4QTensor.get_weights_scaling_factor(w, 16, ref_g)
+    ref_q = NVFP4QTensor.quantize(w, 16, ref_s, ref_g)[0]._quantized_data
+    assert torch.equal(gscale, ref_g.reshape(()))
+    assert torch.equal(bscale.view(torch.uint8), ref_s.view(torch.uint8))
+    assert torch.equal(packed, ref_q)
+
+
+def test_nvfp4_dequant_within_format_bound():
+    w = torch.randn(64, 256) * torch.logspace(-3, 0, 64)[:, None]  # rows of very different scales
+    packed, bscale, gscale = formats.nvfp4_quantize(w)
+    err = (formats.nvfp4_dequantize(packed, bscale, gscale) - w).abs()
+    # Per element: at most half the widest E2M1 gap (4 -> 6: 1.0) times the block's scale, plus
+    # saturation when the E4M3 rounding of the scale pushes |w|/s past 6 (<= 6 * 2^-4 = 0.375).
+    s = (bscale.float() * gscale).repeat_interleave(16, dim=-1)
+    assert bool((err <= 1.0 * s + 1e-12).all())
+    # and the error is genuinely small relative to each block's range: s <= amax/6 * (1 + 2^-4)
+    block_amax = w.abs().reshape(64, -1, 16).amax(-1).repeat_interleave(16, dim=-1)
+    assert float((err / block_amax).max()) <= (1 + 2 ** -4) / 6
+
+
+def test_fp8_quantize_roundtrip_and_modes():
+    w = (torch.randn(32, 64) * 0.05).bfloat16()
+    s = formats.fp8_scale_from_amax(w.abs().amax().float())
+    assert s.dtype == torch.float32 and s.shape == ()
+    q = formats.fp8_quantize(w, s)
+    assert q.dtype == torch.float8_e4m3fn
+    back = formats.fp8_dequantize(q, s)
+    # E4M3 has 3 mantissa bits: relative error <= 2^-4 for normal values (plus bf16 rounding)
+    big = w.float().abs() > 0.01
+    assert float(((back - w.float()).abs() / w.float().abs())[big].max()) <= 2 ** -4 + 2 ** -8
+    # ModelOpt's HF export divides in bf16 (0-dim scale), its TensorRT-LLM export in fp32
+    assert torch.equal(q.view(torch.uint8), (w / s).to(torch.float8_e4m3fn).view(torch.uint8))
+    q32 = formats.fp8_quantize(w, s, torch.float32)
+    assert torch.equal(q32.view(torch.uint8), (w.float() / s).to(torch.float8_e4m3fn).view(torch.uint8))
+
+
+def test_mxfp4_decode_hand_computed():
+    # gpt-oss layout: blocks [..., G, 16] bytes (32 codes), scales [..., G] E8M0 (bias 127).
+    blocks = torch.zeros(1, 2, 16, dtype=torch.uint8)
+    scales = torch.tensor([[128, 125]], dtype=torch.uint8)      # 2^1, 2^-2
+    blocks[0, 0, 0] = 0x21   # elements 0,1 = codes 1 (0.5), 2 (1.0)
+    blocks[0, 0, 1] = 0xF7   # elements 2,3 = codes 7 (6.0), 15 (-6.0)
+    blocks[0, 1, 15] = 0x9B  # elements 62,63 of the row = codes 11 (-1.5), 9 (-0.5)
+    out = formats.mxfp4_decode(blocks, scales)
+    assert out.shape == (1, 64)
+    assert out[0, :4].tolist() == [1.0, 2.0, 12.0, -12.0]
+    assert out[0, 62:].tolist() == [-1.5 / 4, -0.5 / 4]
+    assert out[0, 4:62].abs().sum().item() == 0
+
+
+def test_mxfp4_encode_decode_roundtrip():
+    # representable values survive exactly; others within half a grid step of their block
+    x = torch.tensor([0.5, -1.0, 6.0, 3.0] * 8 + [0.0] * 32).reshape(1, 64) * 4
+    b, s = formats.mxfp4_encode(x)
+    assert b.shape == (1, 2, 16) and s.shape == (1, 2)
+    assert torch.equal(formats.mxfp4_decode(b, s), x)
+    y = torch.randn(3, 5, 96)
+    b, s = formats.mxfp4_encode(y)
+    d = formats.mxfp4_decode(b, s)
+    scale = torch.ldexp(torch.ones(()), (s.int() - 127)).repeat_interleave(32, dim=-1)
+    assert bool(((d - y).abs() <= scale * 1.0 + 1e-7).all())
+
+
+def test_mxfp4_rejects_bad_shapes():
+    with pytest.raises(DFlashError, match="do not match"):
+        formats.mxfp4_decode(torch.zeros(2, 16, dtype=torch.uint8), torch.zeros(3, dtype=torch.uint8))

@@ -1,0 +1,111 @@
+"""The drafter exported to ONNX (KV injection as one dflash::KVInject node, the rest standard ops)
+runs in onnxruntime on CPU, the node implemented through onnxruntime-extensions, and matches the
+PyTorch drafter module + the target's embedding / lm_head (loaded by the runtime's own loader)."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from dflash_trt.errors import DFlashError
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    from dflash_trt.tiny import make_tiny
+
+    root = tmp_path_factory.mktemp("onnx")
+    make_tiny("qwen3", root / "target", root / "drafter", seed=3)
+    return root / "target", root / "drafter"
+
+
+@pytest.fixture(scope="module")
+def exported(pair, tmp_path_factory):
+    from dflash_trt.onnx_export import export_onnx
+
+    out = tmp_path_factory.mktemp("onnx_out") / "drafter.onnx"
+    return export_onnx(pair[1], pair[0], out, page_size=4)
+
+
+def test_graph_shape(exported):
+    m = onnx.load(str(exported))
+    onnx.checker.check_model(m)
+    custom = [n for n in m.graph.node if n.domain != ""]
+    assert [(n.domain, n.op_type) for n in custom] == [("dflash", "KVInject")]
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in custom[0].attribute}
+    assert attrs["plugin_namespace"] == b"dflash" and attrs["aot"] == 1 and attrs["page_size"] == 4
+    assert {n.op_type for n in m.graph.node} - {"KVInject"} <= set(
+        s.name for s in onnx.defs.get_all_schemas() if s.domain == "")
+
+
+def test_onnxruntime_matches_pytorch(pair, exported):
+    from dflash_trt.drafter import load_drafter
+    from dflash_trt.kv_inject import reference_inject_paged
+    from dflash_trt.onnx_export import onnxruntime_session
+    from dflash_trt.target import load_target
+
+    target_dir, drafter_dir = pair
+    drafter = load_drafter(drafter_dir, torch.float32)
+    target = load_target(target_dir, torch.float32)
+    c = drafter.config
+    g = torch.Generator().manual_seed(0)
+    n0, T, B, page, n_pages = 9, 6, c.block_size, 4, 12
+    feats = torch.randn(n0 + T, c.n_features * c.hidden_size, generator=g)
+    pos = torch.arange(n0 + T)
+    # slots on shuffled, non-contiguous pages (a block table as a serving engine would hand out)
+    block_table = torch.randperm(n_pages, generator=g)
+    slots = block_table[pos // page] * page + pos % page
+    shape = (n_pages, c.num_hidden_layers, c.num_key_value_heads, page, c.head_dim)
+    k_cache, v_cache = torch.zeros(shape), torch.zeros(shape)
+    reference_inject_paged(drafter, feats[:n0], pos[:n0], slots[:n0], k_cache, v_cache, page)  # earlier steps
+    block_ids = torch.full((B,), c.mask_token_id)
+    block_ids[0] = 17
+    q_pos = torch.arange(n0 + T, n0 + T + B)
+
+    sess = onnxruntime_session(exported)
+    logits, k_out, v_out = sess.run(None, {
+        "features": feats[n0:].numpy(), "positions": pos[n0:].int().numpy(), "slots": slots[n0:].int().numpy(),
+        "k_cache": k_cache.numpy(), "v_cache": v_cache.numpy(), "block_ids": block_ids.numpy(),
+        "block_positions": q_pos.numpy(), "ctx_slots": slots.numpy()})
+
+    with torch.no_grad():
+        ctx_kv = drafter.context_kv(drafter.project_context(feats), pos)
+        want = target.logits(drafter.forward_cached(target.embed(block_ids), q_pos, ctx_kv))
+    np.testing.assert_allclose(logits, want.numpy(), atol=1e-4, rtol=1e-4)
+    # the cache the graph returns holds every layer's K/V at the new slots
+    for l, (k, v) in enumerate(ctx_kv):
+        s = slots[n0:]
+        np.testing.assert_allclose(k_out[s // page, l, :, s % page], k[:, n0:].transpose(0, 1).numpy(), atol=1e-5)
+        np.testing.assert_allclose(v_out[s // page, l, :, s % page], v[:, n0:].transpose(0, 1).numpy(), atol=1e-5)
+    assert logits.shape == (B, target.logits(torch.zeros(1, c.hidden_size)).shape[-1])
+
+
+def test_bad_inputs(pair, tmp_path):
+    from dflash_trt.onnx_export import export_onnx
+    from dflash_trt.tiny import make_tiny
+
+    with pytest.raises(DFlashError, match="power of two"):
+        export_onnx(pair[1], pair[0], tmp_path / "x.onnx", page_size=12)
+    other = tmp_path / "other"
+    make_tiny("llama", other, None, seed=1)
+    import json
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["hidden_size"] = 48
+    (other / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(DFlashError, match="hidden_size 48 does not match"):
+        export_onnx(pair[1], other, tmp_path / "y.onnx")
+    assert not (tmp_path / "y.onnx").exists()
+
+
+def test_cli_export(pair, tmp_path):
+    from click.testing import CliRunner
+
+    from dflash_trt.cli import cli
+
+    out = tmp_path / "d.onnx"
+    r = CliRunner().invoke(cli, ["export-onnx", "--drafter", str(pair[1]), "--target", str(pair[0]),
+                                 "--out", str(out), "--json"])
+    assert r.exit_code == 0, r.output
+    import json
+    assert json.loads(r.output)["onnx"] == str(out) and out.is_file()

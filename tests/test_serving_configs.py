@@ -1,0 +1,103 @@
+"""Serving configs: the drafter's settings reach each stack in that stack's own convention.
+
+Oracles are the stacks' own code, read at the commits cited in dflash_trt/serving_configs.py:
+- vllm-project/speculators tests/unit/convert/test_dflash_converter.py: z-lab [1, 9, 17, 25, 33]
+  -> aux_hidden_state_layer_ids [2, 10, 18, 26, 34], speculative_tokens 15 for block_size 16;
+- vLLM eagle3_utils.get_eagle3_aux_layers_from_config: `[i + 1 for i in target_layer_ids]`;
+- SGLang dflash_utils.parse_dflash_draft_config: 0-based ids in [0, num_target_layers), and
+  set_dflash_layers_to_capture: capture before layer id + 1;
+- this repository's speculators -> z-lab converter (dflash_trt.config, written independently).
+"""
+import json
+
+import pytest
+
+from dflash_trt.config import DrafterConfig
+from dflash_trt.errors import DFlashError
+from dflash_trt.presets import get_preset
+from dflash_trt.serving_configs import (layer_ids_by_stack, sglang_launch, speculators_to_zlab, trtllm_serve_config,
+                                        vllm_launch, vllm_speculative_config)
+
+QWEN_DRAFTER = get_preset("qwen3-8b").drafter_config()  # z-lab format, block 16, ids [1, 9, 17, 25, 33]
+
+
+def test_qwen3_8b_ids_in_every_convention():
+    zlab = QWEN_DRAFTER["dflash_config"]["target_layer_ids"]
+    ids = layer_ids_by_stack(zlab, num_target_layers=36)
+    assert ids["zlab"] == ids["trtllm"] == [1, 9, 17, 25, 33]
+    assert ids["speculators"] == [2, 10, 18, 26, 34]        # speculators' own converter test
+    assert ids["vllm"] == [2, 10, 18, 26, 34]               # vLLM adds 1 to dflash target_layer_ids
+    assert ids["sglang"] == [1, 9, 17, 25, 33]              # SGLang reads the 0-based ids as they are
+    assert speculators_to_zlab(ids["speculators"]) == zlab
+
+
+def test_speculators_ids_round_trip_through_independent_converter():
+    """Our +1 agrees with the repository's speculators -> z-lab config converter."""
+    zlab = [1, 9, 17, 25, 33]
+    spec_cfg = {
+        "speculators_model_type": "dflash", "block_size": 16, "mask_token_id": 151669,
+        "aux_hidden_state_layer_ids": layer_ids_by_stack(zlab, 36)["speculators"],
+        "transformer_layer_config": {k: QWEN_DRAFTER[k] for k in
+                                     ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                      "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size")},
+    }
+    assert DrafterConfig.from_dict(spec_cfg).target_layer_ids == zlab
+
+
+def test_out_of_range_ids_are_refused():
+    with pytest.raises(DFlashError, match="outside the target's 30 layers"):
+        layer_ids_by_stack([1, 30], num_target_layers=30)
+    with pytest.raises(DFlashError, match="embedding output"):
+        speculators_to_zlab([0, 3])
+
+
+def test_trtllm_serve_config_carries_drafter_settings_and_parallelism():
+    tcfg = get_preset("qwen3-8b").config()
+    cfg = trtllm_serve_config(target_cfg=tcfg, drafter_path="drafter", block_size=16, mask_token_id=151669,
+                              zlab_ids=[1, 9, 17, 25, 33], tp=4, ep=1, pp=1, kv_cache="fp8", arch="hopper")
+    spec = cfg["speculative_config"]
+    assert spec == {"decoding_type": "DFlash", "speculative_model": "drafter", "max_draft_len": 15,
+                    "mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]}
+    assert cfg["tensor_parallel_size"] == 4 and cfg["kv_cache_config"]["dtype"] == "fp8"
+    assert "moe_config" not in cfg  # dense target
+
+
+def test_trtllm_serve_config_moe_backend_per_arch():
+    tcfg = get_preset("gpt-oss-120b").config()
+    kw = dict(target_cfg=tcfg, drafter_path="d", block_size=10, mask_token_id=200000, zlab_ids=[1, 9, 17, 25, 33],
+              tp=8, ep=2, pp=1, kv_cache="fp8")
+    assert trtllm_serve_config(arch="blackwell", **kw)["moe_config"] == {"backend": "TRTLLM"}
+    assert trtllm_serve_config(arch="hopper", **kw)["moe_config"] == {"backend": "TRITON"}
+    assert trtllm_serve_config(arch="blackwell", **kw)["moe_expert_parallel_size"] == 2
+
+
+# vLLM's SpeculativeConfig fields (vllm/config/speculative.py) that our JSON may use: vLLM
+# rejects unknown keys, so the layer ids and mask token must NOT be in --speculative-config.
+VLLM_SPEC_FIELDS = {"method", "model", "num_speculative_tokens", "draft_tensor_parallel_size"}
+
+
+def test_vllm_speculative_config_only_uses_vllm_fields():
+    spec = vllm_speculative_config(drafter_path="drafter", block_size=16, tp=2)
+    assert set(spec) <= VLLM_SPEC_FIELDS
+    assert spec["method"] == "dflash" and spec["num_speculative_tokens"] == 15  # as speculators' converter
+
+
+def test_vllm_launch_holds_converted_ids_and_valid_command():
+    v = vllm_launch(target_path="target", drafter_path="drafter", block_size=16, zlab_ids=[1, 9, 17, 25, 33],
+                    tp=2, ep=1, pp=1, kv_cache="fp8")
+    assert v["eagle_aux_hidden_state_layer_ids"] == [2, 10, 18, 26, 34]
+    argv = v["argv"]
+    assert argv[:3] == ["vllm", "serve", "target"]
+    assert json.loads(argv[argv.index("--speculative-config") + 1]) == v["speculative_config"]
+    assert argv[argv.index("--kv-cache-dtype") + 1] == "fp8"
+
+
+def test_sglang_launch_holds_zero_based_ids_and_capture_points():
+    g = sglang_launch(target_path="target", drafter_path="drafter", block_size=10, zlab_ids=[1, 9, 17, 25, 33],
+                      tp=8, ep=2, pp=1, kv_cache="fp8")
+    assert g["dflash_config"]["target_layer_ids"] == [1, 9, 17, 25, 33]
+    assert g["capture_before_layer"] == [2, 10, 18, 26, 34]
+    a = g["argv"]
+    assert a[a.index("--speculative-algorithm") + 1] == "DFLASH"
+    assert a[a.index("--speculative-dflash-block-size") + 1] == "10"
+    assert a[a.index("--ep-size") + 1] == "2" and a[a.index("--kv-cache-dtype") + 1] == "fp8_e4m3"
