@@ -260,29 +260,27 @@ class Builder:
         digest = sha256_json(inputs)
         t0 = time.perf_counter()
         prev = (self.prev_manifest or {}).get("stages", {}).get(name) if not self.o.force else None
-        if prev and prev.get("inputs_sha256") == digest and prev.get("result", prev["status"]) not in ("failed",) \
+        if prev and prev.get("inputs_sha256") == digest and prev["status"] not in ("failed", "skipped") \
                 and all((self.prev_dir / p).exists() for p in prev["outputs"]):
             for p in prev["outputs"]:
                 link_tree(self.prev_dir / p, self.work / p)
-            entry = dict(prev)
-            entry.update(status="skipped", result=prev.get("result", prev["status"]))
+            # `status` stays the stage's outcome (done / deferred / not-needed: what deploy reads);
+            # `skipped` says that this run reused it
+            entry = dict(prev, skipped=True)
             self.reused |= set(prev["outputs"])
             self.log(f"{name}: skipped (inputs unchanged since the last build)")
         else:
             self.log(f"{name}: running")
             entry = {"status": "done", "inputs_sha256": digest, "outputs": outputs}
-            extra = fn() or {}
-            entry.update(extra)
-            entry["result"] = entry["status"]
+            entry.update(fn() or {})
+            entry["skipped"] = False
         entry["inputs_sha256"] = digest
         secs = time.perf_counter() - t0
         entry["seconds"] = round(secs, 2)
         size = sum(_dir_bytes(self.work / p) for p in entry["outputs"] if (self.work / p).exists())
         self.stages[name] = entry
-        note = entry.get("reason", "")
-        if entry["status"] == "skipped" and entry["result"] != "done":
-            note = f"still {entry['result']}" + (f": {note}" if note else "")
-        self.reports.append(StageReport(name, entry["status"], round(secs, 2), entry["outputs"], size, note))
+        status = "skipped" if entry["skipped"] else entry["status"]
+        self.reports.append(StageReport(name, status, round(secs, 2), entry["outputs"], size, entry.get("reason", "")))
         return entry
 
     def run(self) -> dict:
@@ -599,7 +597,7 @@ def format_summary(res: dict) -> str:
         entry = res["manifest"]["stages"][r["name"]]
         status = r["status"]
         if status == "skipped":
-            status = "skipped (unchanged" + ("" if entry["result"] == "done" else f", {entry['result']}") + ")"
+            status = "skipped (unchanged" + ("" if entry["status"] == "done" else f", {entry['status']}") + ")"
         rows.append((r["name"], status, f"{r['seconds']:.1f}s", _human(r["bytes"]) if r["outputs"] else "-",
                      ", ".join(r["outputs"]) or "-"))
         if entry.get("reason"):
@@ -614,8 +612,7 @@ def format_summary(res: dict) -> str:
     lines.append(f"bundle: {res['bundle']}  ({len(m['artifacts'])} files, {_human(total)}; manifest.json lists each "
                  "with its sha256)")
     lines.append("  configs/ trtllm-serve.yaml, vllm.json, sglang.json; triton/ " + ", ".join(m["triton_models"]))
-    c = m["stages"]["compile"]
-    if c.get("result", c["status"]) == "deferred":
+    if m["stages"]["compile"]["status"] == "deferred":
         lines.append(f"  compile deferred: on the GPU node run `dflash-trt compile --bundle {res['bundle']}`")
     return "\n".join(lines)
 

@@ -150,7 +150,8 @@ def compile_bundle(bundle: str | Path) -> dict:
     if res["status"] == "deferred":
         raise DFlashError(f"compile: cannot run here: {res['reason']}")
     entry = m["stages"].get("compile", {})
-    entry.update(status="done", result="done", outputs=res["outputs"], commands=res["commands"],
+    entry.update(status="done", skipped=False, outputs=sorted(set(entry.get("outputs", [])) | set(res["outputs"])),
+                 commands=res["commands"],
                  engine_key=res["engine_key"], toolchain=toolchain_fingerprint(tc))
     entry.pop("reason", None)
     m["stages"]["compile"] = entry

@@ -16,8 +16,9 @@ relies on:
                                  a CPU-only deployment of the reference-runtime model)
     quant.target                 "nvfp4" | "fp8" | "mxfp4" | "none"
     quant.kv_cache               "fp8" | "bf16"
-    parallel.tp, parallel.ep     int, or absent / null: then the planner chooses
-    parallel.pp                  int (default 1)
+    parallel.tp, parallel.ep     int: the layout search is restricted to them (the bundle's Triton
+                                 model was written for them); the planner picks the replicas
+    parallel.pp                  int: 1 (pipeline parallel bundles are not planned)
     stages.compile.status        "deferred" turns on the chart's compile init container
     triton_model_repository      str: the model repository folder, relative to the bundle
     triton_models                [str]: its models; "dflash_reference" is the CPU-capable one
@@ -27,7 +28,6 @@ so `dflash-trt plan --bundle DIR` shows exactly what `deploy` will do.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
@@ -53,18 +53,22 @@ def default_chart_dir() -> Path:
     return Path(__file__).resolve().parents[1] / "deploy" / "helm" / "dflash-trt"
 
 
+def default_out(bundle: str | Path) -> Path:
+    """<bundle>-deploy beside the bundle: writing inside it would add files its manifest does not
+    list (`dflash-trt verify` reports them)."""
+    b = Path(bundle).resolve()
+    return b.with_name(b.name + "-deploy")
+
+
 def read_manifest(bundle: str | Path) -> dict:
+    """manifest.json of a bundle, checked against the build's manifest schema."""
+    from dflash_trt.manifest import read_manifest as read_checked
+
     path = Path(bundle) / "manifest.json"
-    try:
-        m = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise DFlashError(f"{path}: not found (is {bundle} a bundle written by `dflash-trt build`?)") from None
-    except json.JSONDecodeError as e:
-        raise DFlashError(f"{path}: invalid JSON ({e.msg} at line {e.lineno})") from None
-    for key in ("target", "quant", "triton_model_repository", "triton_models"):
-        if key not in m:
-            raise DFlashError(f"{path}: missing key {key}")
-    if not isinstance(m["target"], dict) or not isinstance(m["target"].get("config"), dict):
+    if not Path(bundle).is_dir():
+        raise DFlashError(f"{bundle}: not a folder")
+    m = read_checked(bundle)
+    if not isinstance(m["target"].get("config"), dict):
         raise DFlashError(f"{path}: target.config must be the target's config.json object")
     return m
 

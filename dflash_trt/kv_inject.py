@@ -182,8 +182,10 @@ def fused_kv_from_ctx(ctx_raw, w_kv, b_kv, k_norm_w, cos_tab, sin_tab, positions
     hd = k_norm_w.shape[-1]
     dt = torch.promote_types(ctx_raw.dtype, torch.float32)
     rstd = torch.rsqrt(ctx_raw.to(dt).pow(2).mean(-1, keepdim=True) + eps)       # hidden_norm's 1/rms
-    kv = ctx_raw @ w_kv.T if b_kv is None else torch.addmm(b_kv, ctx_raw, w_kv.T)   # GEMM 2
-    kv = (kv.to(dt) * rstd).view(T, L, 2, nkv, hd)
+    kv = (ctx_raw @ w_kv.T).to(dt) * rstd                                        # GEMM 2
+    if b_kv is not None:
+        kv = kv + b_kv.to(dt)
+    kv = kv.view(T, L, 2, nkv, hd)
     k, v = kv[:, :, 0], kv[:, :, 1]
     k = F.rms_norm(k, (hd,), eps=eps) * k_norm_w[None, :, None, :].to(dt)
     cos, sin = cos_tab[positions][:, None, None, :].to(dt), sin_tab[positions][:, None, None, :].to(dt)

@@ -71,6 +71,7 @@ MANIFEST_SCHEMA: dict = {
             "additionalProperties": {
                 "type": "object", "required": ["status", "inputs_sha256", "outputs"],
                 "properties": {"status": {"enum": list(STAGE_STATUSES)},
+                               "skipped": {"type": "boolean"},
                                "inputs_sha256": {"type": "string"},
                                "outputs": {"type": "array", "items": {"type": "string"}},
                                "commands": {"type": "array", "items": {"type": "string"}},

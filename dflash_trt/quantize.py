@@ -94,6 +94,11 @@ def plan_linears(reader: CheckpointReader, fmt: str, exclude: list[str], cfg: di
     linears, excluded = {}, []
     for name in reader.keys():
         dtype, shape = reader.meta(name)
+        if gpt_oss and name.endswith("_blocks"):  # MXFP4 experts: kept as they are
+            module = name.rpartition(".")[0]
+            if module not in excluded:
+                excluded.append(module)
+            continue
         if not name.endswith(".weight") or len(shape) != 2 or not dtype.is_floating_point or dtype.itemsize == 1:
             continue
         module = name[: -len(".weight")]

@@ -85,3 +85,514 @@ def _strip_after_eos(row: list[int], eos) -> list[int]:
         if t in stops:
             return row[: i + 1]  # keep the end token: drafting it is part of decoding
     return row
+
+
+@dataclass
+class Sequences:
+    """Token sequences (prompt + target response) with the target's features, packed flat."""
+    tokens: torch.Tensor       # [N_tok] int64
+    offsets: torch.Tensor      # [n_seq + 1] int64: sequence i is tokens[offsets[i]:offsets[i+1]]
+    prompt_lens: torch.Tensor  # [n_seq] int64
+    features: torch.Tensor | None = None  # [N_tok, n_feat * H] bfloat16
+
+    def __len__(self) -> int:
+        return len(self.prompt_lens)
+
+    def seq(self, i: int) -> slice:
+        return slice(int(self.offsets[i]), int(self.offsets[i + 1]))
+
+
+def load_sequences(path: str | Path, tokenizer=None) -> tuple[Sequences, list[str]]:
+    """A data JSONL: rows with `prompt_ids` + `output_ids` (as generate_responses writes), or with
+    text `prompt` + `response` (tokenized with the chat template; needs the tokenizer)."""
+    rows = read_jsonl(path)
+    toks, plens, prompts = [], [], []
+    for i, r in enumerate(rows, 1):
+        if "prompt_ids" in r and "output_ids" in r:
+            p, o = list(r["prompt_ids"]), list(r["output_ids"])
+        elif "prompt" in r and "response" in r:
+            if tokenizer is None:
+                raise DFlashError(f"{path}: text rows need the target's tokenizer")
+            p = chat_ids(tokenizer, r["prompt"])
+            o = tokenizer(r["response"], add_special_tokens=False)["input_ids"]
+        else:
+            raise DFlashError(f"{path}: row {i} has neither prompt_ids/output_ids nor prompt/response")
+        if len(o) < 2:
+            continue  # nothing to draft
+        toks.append(torch.tensor(p + o, dtype=torch.long))
+        plens.append(len(p))
+        prompts.append(r.get("prompt", ""))
+    if not toks:
+        raise DFlashError(f"{path}: no usable sequences (each needs at least 2 response tokens)")
+    lens = torch.tensor([len(t) for t in toks])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
+    return Sequences(torch.cat(toks), offsets, torch.tensor(plens)), prompts
+
+
+def _file_sha(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def target_features(target_dir: str | Path, data: Sequences, layer_ids: list[int], cache_dir: Path,
+                    cache_key: str, progress: bool = True) -> torch.Tensor:
+    """Features [N_tok, n*H] (bf16) of the captured target layers over every sequence, computed
+    once with our target runtime (the same code that captures them at decode time) and cached."""
+    from safetensors.torch import load_file, save_file
+    from tqdm import tqdm
+
+    from dflash_trt.target import load_target
+
+    path = cache_dir / f"features-{cache_key}.safetensors"
+    if path.is_file():
+        return load_file(str(path))["features"]
+    target = load_target(target_dir, dtype=torch.float32)
+    lens = (data.offsets[1:] - data.offsets[:-1]).tolist()
+    target.setup_cache(max(lens) + 1)
+    out = []
+    for i in tqdm(range(len(data)), desc="target features", unit="seq", disable=not progress, file=sys.stderr,
+                  dynamic_ncols=True):
+        _, feats = target(data.tokens[data.seq(i)], 0, capture=layer_ids)
+        out.append(feats.to(torch.bfloat16))
+    features = torch.cat(out)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    save_file({"features": features.contiguous()}, str(tmp), metadata={"layer_ids": json.dumps(layer_ids)})
+    os.replace(tmp, path)
+    return features
+
+
+def choose_mask_token(tokenizer, used: torch.Tensor) -> int:
+    """mask_token_id: the tokenizer's mask token if it has one; else the highest-id special
+    (added) token that is not bos/eos/pad/unk and never occurs in the training data. For SmolLM2
+    that is `<empty_output>` (16), a Jupyter-notebook marker unused in chat text."""
+    if getattr(tokenizer, "mask_token_id", None) is not None:
+        return int(tokenizer.mask_token_id)
+    reserved = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
+    seen = set(used.unique().tolist())
+    added = sorted(getattr(tokenizer, "added_tokens_decoder", {}) or {}, reverse=True)
+    for tid in added:
+        if tid not in reserved and tid not in seen:
+            return int(tid)
+    raise DFlashError("no unused special token in the tokenizer to serve as mask_token_id; pass --mask-token-id")
+
+
+def default_gamma(block_size: int) -> float:
+    """Loss decay γ of the DFlash recipe: 7 for B=16, 5 for B=10, 4 for B=8 (linear in between)."""
+    table = {8: 4.0, 10: 5.0, 16: 7.0}
+    if block_size in table:
+        return table[block_size]
+    return max(1.0, 4.0 + (block_size - 8) * 3.0 / 8.0)
+
+
+# ------------------------------------------------------------------------------------ model
+@dataclass
+class TrainConfig:
+    layers: int = 1
+    block_size: int = 16
+    intermediate_size: int | None = None      # default: the target's
+    target_layer_ids: list[int] | None = None  # default: up to 5 layers evenly spaced in [1, L-3]
+    mask_token_id: int | None = None
+    steps: int = 2000
+    lr: float = 6e-4
+    warmup: int = 50
+    weight_decay: float = 0.0
+    blocks_per_step: int = 32
+    anchors_per_seq: int = 8
+    gamma: float | None = None
+    save_every: int = 200
+    eval_every: int = 100
+    eval_max_new_tokens: int = 128
+    seed: int = 0
+    init_from_target: bool = True
+
+
+def drafter_config_for(target_cfg: dict, tc: TrainConfig, mask_token_id: int):
+    from dflash_trt.config import DrafterConfig, default_target_layer_ids
+
+    L = target_cfg["num_hidden_layers"]
+    ids = tc.target_layer_ids or sorted(set(default_target_layer_ids(L, max(1, min(5, L - 3)))))
+    if any(not 0 <= i < L for i in ids):
+        raise DFlashError(f"--target-layers {ids}: layer ids must lie in [0, {L - 1}] for this {L}-layer target")
+    H = target_cfg["hidden_size"]
+    heads = target_cfg["num_attention_heads"]
+    rope = target_cfg.get("rope_parameters") or {}
+    d = {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "attention_bias": False, "attention_dropout": 0.0,
+        "hidden_size": H, "intermediate_size": tc.intermediate_size or target_cfg["intermediate_size"],
+        "num_hidden_layers": tc.layers, "num_attention_heads": heads,
+        "num_key_value_heads": target_cfg.get("num_key_value_heads", heads),
+        "head_dim": target_cfg.get("head_dim") or H // heads, "vocab_size": target_cfg["vocab_size"],
+        "rms_norm_eps": target_cfg.get("rms_norm_eps", 1e-6),
+        "rope_theta": rope.get("rope_theta", target_cfg.get("rope_theta", 10000.0)), "rope_scaling": None,
+        "max_position_embeddings": target_cfg.get("max_position_embeddings", 4096), "hidden_act": "silu",
+        "tie_word_embeddings": False, "block_size": tc.block_size, "num_target_layers": L,
+        "layer_types": ["full_attention"] * tc.layers,
+        "dflash_config": {"mask_token_id": int(mask_token_id), "target_layer_ids": [int(i) for i in ids]},
+    }
+    return DrafterConfig.from_dict(d, "drafter config")
+
+
+def init_from_target(drafter, target_state: dict, target_cfg: dict) -> list[str]:
+    """Start from the target's LAST decoder layers (their output feeds the same final norm and
+    lm_head the drafter's does), copying every tensor whose shape matches; a narrower MLP takes
+    the first rows/columns of the target's (a structured slice). fc starts as the average of the
+    tapped layers. Returns what was copied, for the model card."""
+    copied = []
+    L, n = target_cfg["num_hidden_layers"], drafter.config.num_hidden_layers
+    own = drafter.state_dict()
+    with torch.no_grad():
+        for j in range(n):
+            src = L - n + j
+            for k in own:
+                if not k.startswith(f"layers.{j}."):
+                    continue
+                tk = f"model.layers.{src}." + k[len(f"layers.{j}."):]
+                if tk not in target_state:
+                    continue
+                t, o = target_state[tk], own[k]
+                if t.shape == o.shape:
+                    o.copy_(t)
+                elif t.dim() == 2 and k.endswith(("gate_proj.weight", "up_proj.weight")) and t.shape[1] == o.shape[1]:
+                    o.copy_(t[: o.shape[0]])
+                elif t.dim() == 2 and k.endswith("down_proj.weight") and t.shape[0] == o.shape[0]:
+                    o.copy_(t[:, : o.shape[1]])
+                else:
+                    continue
+                copied.append(f"{k} <- {tk}")
+        if "model.norm.weight" in target_state:
+            own["norm.weight"].copy_(target_state["model.norm.weight"])
+            copied.append("norm.weight <- model.norm.weight")
+        H, nf = drafter.config.hidden_size, drafter.config.n_features
+        own["fc.weight"].copy_(torch.eye(H).repeat(1, nf) / nf)
+    return copied
+
+
+def _read_target_tensors(target_dir: Path, names_wanted) -> dict:
+    from dflash_trt.checkpoint import CheckpointReader
+
+    with CheckpointReader(target_dir) as r:
+        return {k: r.get(k).float() for k in r.keys() if names_wanted(k)}
+
+
+# ------------------------------------------------------------------------------------ batches
+@dataclass
+class Batch:
+    features: torch.Tensor   # [Tc, n*H] context features of the packed sequences
+    ctx_pos: torch.Tensor    # [Tc]
+    block_tokens: torch.Tensor  # [N] anchor token then MASKs, per block
+    q_pos: torch.Tensor      # [N]
+    mask: torch.Tensor       # [N, Tc + N] bool
+    labels: torch.Tensor     # [N] target token at each slot (-100: none / slot 0)
+    slot: torch.Tensor       # [N] slot index k within the block
+
+
+def make_batch(data: Sequences, picks: list[tuple[int, list[int]]], B: int, mask_id: int) -> Batch:
+    """picks: (sequence index, anchor positions). Context of each block = its sequence's
+    features at positions < anchor; a block sees only itself among the blocks."""
+    feats, cpos, cseq = [], [], []
+    btok, qpos, qseq, qanchor, labels, slots = [], [], [], [], [], []
+    for s, anchors in picks:
+        sl = data.seq(s)
+        toks = data.tokens[sl]
+        T = len(toks)
+        keep = max(anchors)  # context beyond the last anchor is never visible
+        feats.append(data.features[sl][:keep])
+        cpos.append(torch.arange(keep))
+        cseq.append(torch.full((keep,), s))
+        for a in anchors:
+            k = torch.arange(B)
+            btok.append(torch.where(k == 0, toks[a], torch.tensor(mask_id)))
+            qpos.append(a + k)
+            qseq.append(torch.full((B,), s))
+            qanchor.append(torch.full((B,), a))
+            lab = torch.full((B,), -100, dtype=torch.long)
+            valid = (k >= 1) & (a + k < T)
+            lab[valid] = toks[(a + k)[valid]]
+            labels.append(lab)
+            slots.append(k)
+    features = torch.cat(feats)
+    ctx_pos, ctx_seq = torch.cat(cpos), torch.cat(cseq)
+    q_seq, q_anchor = torch.cat(qseq), torch.cat(qanchor)
+    N = len(q_seq)
+    block_id = torch.arange(N) // B
+    ctx_mask = (ctx_seq[None, :] == q_seq[:, None]) & (ctx_pos[None, :] < q_anchor[:, None])
+    blk_mask = block_id[None, :] == block_id[:, None]
+    return Batch(features, ctx_pos, torch.cat(btok), torch.cat(qpos), torch.cat([ctx_mask, blk_mask], 1),
+                 torch.cat(labels), torch.cat(slots))
+
+
+def sample_picks(data: Sequences, rng: random.Random, n_blocks: int, per_seq: int) -> list[tuple[int, list[int]]]:
+    """Random anchors in the response part: an anchor a drafts tokens a+1.. from context < a."""
+    picks, total = [], 0
+    while total < n_blocks:
+        s = rng.randrange(len(data))
+        P, T = int(data.prompt_lens[s]), int(data.offsets[s + 1] - data.offsets[s])
+        cands = list(range(max(P, 1), T - 1))
+        if not cands:
+            continue
+        k = min(per_seq, len(cands), n_blocks - total)
+        picks.append((s, sorted(rng.sample(cands, k))))
+        total += k
+    return picks
+
+
+class FrozenTarget:
+    """The target's embeddings and lm_head (frozen; the drafter has none of its own)."""
+
+    def __init__(self, target_dir: Path, target_cfg: dict):
+        tied = bool(target_cfg.get("tie_word_embeddings", False))
+        st = _read_target_tensors(target_dir, lambda k: k in ("model.embed_tokens.weight", "lm_head.weight"))
+        self.embed = st["model.embed_tokens.weight"]
+        # bf16 copy for the big matmul: AMX/AVX512-bf16 CPUs run it several times faster.
+        self.lm_head = (st["model.embed_tokens.weight"] if tied or "lm_head.weight" not in st
+                        else st["lm_head.weight"]).to(torch.bfloat16)
+
+
+def block_loss(drafter, frozen: FrozenTarget, batch: Batch, gamma: float) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ctx = drafter.project_context(batch.features.float())
+        h = drafter(frozen.embed[batch.block_tokens], batch.q_pos, ctx, batch.ctx_pos, batch.mask)
+        sel = batch.labels >= 0
+        logits = F.linear(h[sel], frozen.lm_head)
+    ce = F.cross_entropy(logits.float(), batch.labels[sel], reduction="none")
+    w = torch.exp(-(batch.slot[sel].float() - 1) / gamma)
+    return (ce * w).sum() / w.sum()
+
+
+@torch.no_grad()
+def estimate_tau(drafter, frozen: FrozenTarget, data: Sequences, max_new_tokens: int = 128,
+                 block_size: int | None = None) -> dict:
+    """τ of greedy DFlash decoding on held-out target responses, simulated offline: the data is
+    the target's own greedy output, so a draft slot is accepted iff it equals the next token of
+    the response. Walks each response as the decode loop does (anchor → accept m → next anchor
+    at +m+1), all sequences in lockstep, one block each per drafter pass."""
+    B = block_size or drafter.config.block_size
+    mask_id = drafter.config.mask_token_id
+    lens = (data.offsets[1:] - data.offsets[:-1])
+    ends = [min(int(lens[i]), int(data.prompt_lens[i]) + max_new_tokens) for i in range(len(data))]
+    anchors = {i: int(data.prompt_lens[i]) for i in range(len(data)) if ends[i] - int(data.prompt_lens[i]) >= 2}
+    accepted = []
+    while anchors:
+        picks = [(i, [a]) for i, a in anchors.items()]
+        batch = make_batch(data, picks, B, mask_id)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ctx = drafter.project_context(batch.features.float())
+            h = drafter(frozen.embed[batch.block_tokens], batch.q_pos, ctx, batch.ctx_pos, batch.mask)
+            pred = F.linear(h, frozen.lm_head).argmax(-1).view(-1, B)
+        labels = batch.labels.view(-1, B)
+        nxt = {}
+        for row, (i, [a]) in enumerate(picks):
+            limit = ends[i] - a - 1  # tokens left to produce after the anchor
+            hits = (pred[row, 1:] == labels[row, 1:]).tolist()
+            m = 0
+            while m < min(B - 1, limit) and hits[m]:
+                m += 1
+            accepted.append(m)
+            if a + m + 1 < ends[i] - 1:
+                nxt[i] = a + m + 1
+        anchors = nxt
+    acc = torch.tensor(accepted, dtype=torch.float)
+    return {"tau": float(acc.mean() + 1) if len(acc) else float("nan"), "blocks": len(accepted),
+            "histogram": torch.bincount(acc.long(), minlength=B).tolist()}
+
+
+# ------------------------------------------------------------------------------------ state
+def _save_state(run_dir: Path, drafter, opt, step: int, tc: TrainConfig, rng: random.Random, extra: dict) -> None:
+    """Resume state: weights (fp32) and AdamW moments as safetensors, the rest as JSON. No pickle."""
+    from safetensors.torch import save_file
+
+    from dflash_trt.drafter import _replace_dir
+
+    tmp = Path(tempfile.mkdtemp(prefix=".state.", dir=run_dir))
+    save_file({k: v.detach().contiguous() for k, v in drafter.state_dict().items()}, str(tmp / "model.safetensors"))
+    names = {id(p): n for n, p in drafter.named_parameters()}
+    moments, steps = {}, {}
+    for group in opt.param_groups:
+        for p in group["params"]:
+            st = opt.state.get(p)
+            if st:
+                n = names[id(p)]
+                moments[f"exp_avg.{n}"] = st["exp_avg"].contiguous()
+                moments[f"exp_avg_sq.{n}"] = st["exp_avg_sq"].contiguous()
+                steps[n] = float(st["step"])
+    save_file(moments or {"empty": torch.zeros(1)}, str(tmp / "optimizer.safetensors"))
+    py_state = rng.getstate()
+    (tmp / "state.json").write_text(json.dumps({
+        "step": step, "train_config": asdict(tc), "drafter_config": drafter.config.to_dict(),
+        "adam_steps": steps, "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+        "python_rng": [py_state[0], list(py_state[1]), py_state[2]], **extra,
+    }, indent=1) + "\n")
+    _replace_dir(tmp, run_dir / "state")
+
+
+def _load_state(run_dir: Path, drafter, opt) -> tuple[int, list, dict]:
+    from safetensors.torch import load_file
+
+    sdir = run_dir / "state"
+    meta = json.loads((sdir / "state.json").read_text())
+    drafter.load_state_dict(load_file(str(sdir / "model.safetensors")))
+    moments = load_file(str(sdir / "optimizer.safetensors"))
+    for n, p in drafter.named_parameters():
+        if n in meta["adam_steps"]:
+            opt.state[p] = {"step": torch.tensor(meta["adam_steps"][n]), "exp_avg": moments[f"exp_avg.{n}"],
+                            "exp_avg_sq": moments[f"exp_avg_sq.{n}"]}
+    for g, saved in zip(opt.param_groups, meta["param_groups"]):
+        g.update(saved)
+    return int(meta["step"]), meta["python_rng"], meta
+
+
+# ------------------------------------------------------------------------------------ driver
+def _is_prompt_only(path: Path) -> bool:
+    rows = read_jsonl(path)
+    return bool(rows) and all("prompt" in r and "output_ids" not in r and "response" not in r for r in rows)
+
+
+def prepare_data(target_dir: Path, path: Path, out_path: Path, max_new_tokens: int, progress: bool) -> Path:
+    """A prompt-only JSONL is answered by the target first (resumable, into out_path)."""
+    if _is_prompt_only(path):
+        from dflash_trt.prompts import read_prompts
+
+        return generate_responses(target_dir, read_prompts(path), out_path, max_new_tokens=max_new_tokens,
+                                  progress=progress)
+    return path
+
+
+def train_drafter(target_dir: str | Path, data_path: str | Path, out_dir: str | Path, tc: TrainConfig, *,
+                  eval_path: str | Path | None = None, resume: bool = False, progress: bool = True,
+                  max_new_tokens: int = 192, threads: int | None = 2, time_limit_s: float | None = None) -> dict:
+    """Train (or continue training) a DFlash drafter for the target; returns a summary dict.
+    The z-lab checkpoint is written to out_dir/drafter at every save and at the end."""
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    from dflash_trt.config import read_json
+    from dflash_trt.drafter import DFlashDrafter, save_drafter
+
+    if threads:
+        torch.set_num_threads(threads)
+    target_dir, out_dir = Path(target_dir), Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if resume and not (out_dir / "state" / "state.json").is_file():
+        raise DFlashError(f"{out_dir}/state/state.json: nothing to resume (no checkpoint saved yet)")
+    if not resume and (out_dir / "state").exists():
+        raise DFlashError(f"{out_dir}: already holds a training run; pass --resume to continue it or choose another --out")
+    target_cfg = read_json(target_dir / "config.json")
+    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+
+    meta = {}
+    if resume:  # the run's own settings win: a resumed run is the same run
+        meta = json.loads((out_dir / "state" / "state.json").read_text())
+        saved = meta["train_config"]
+        for k in ("layers", "block_size", "intermediate_size", "target_layer_ids", "mask_token_id",
+                  "blocks_per_step", "anchors_per_seq", "gamma", "seed", "init_from_target"):
+            setattr(tc, k, saved[k])
+
+    data_path = prepare_data(target_dir, Path(data_path), out_dir / "data.jsonl", max_new_tokens, progress)
+    data, _ = load_sequences(data_path, tokenizer)
+    mask_id = tc.mask_token_id if tc.mask_token_id is not None else choose_mask_token(tokenizer, data.tokens)
+    tc.mask_token_id = mask_id
+    dcfg = drafter_config_for(target_cfg, tc, mask_id)
+    ids = dcfg.target_layer_ids
+    tstat = (target_dir / "config.json").read_text()
+    key = hashlib.sha256(json.dumps([_file_sha(Path(data_path)), ids, tstat]).encode()).hexdigest()[:16]
+    data.features = target_features(target_dir, data, ids, out_dir / "features", key, progress)
+
+    eval_data = None
+    if eval_path is not None:
+        eval_path = prepare_data(target_dir, Path(eval_path), out_dir / "eval_data.jsonl", max_new_tokens, progress)
+        eval_data, _ = load_sequences(eval_path, tokenizer)
+        ekey = hashlib.sha256(json.dumps([_file_sha(Path(eval_path)), ids, tstat]).encode()).hexdigest()[:16]
+        eval_data.features = target_features(target_dir, eval_data, ids, out_dir / "features", ekey, progress)
+
+    torch.manual_seed(tc.seed)
+    max_len = int((data.offsets[1:] - data.offsets[:-1]).max()) + tc.block_size + 1
+    if eval_data is not None:
+        max_len = max(max_len, int((eval_data.offsets[1:] - eval_data.offsets[:-1]).max()) + tc.block_size + 1)
+    drafter = DFlashDrafter(dcfg, max_len=max_len)
+    init_notes = []
+    if tc.init_from_target and not resume:
+        want = lambda k: k.startswith("model.layers.") or k == "model.norm.weight"  # noqa: E731
+        init_notes = init_from_target(drafter, _read_target_tensors(target_dir, want), target_cfg)
+    frozen = FrozenTarget(target_dir, target_cfg)
+    gamma = tc.gamma or default_gamma(tc.block_size)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay)
+    rng = random.Random(tc.seed)
+    step, elapsed_before = 0, 0.0
+    if resume:
+        step, py_rng, meta = _load_state(out_dir, drafter, opt)
+        rng.setstate((py_rng[0], tuple(py_rng[1]), py_rng[2]))
+        elapsed_before = float(meta.get("train_seconds", 0.0))
+        init_notes = meta.get("init", [])
+
+    def lr_at(s):  # linear warm-up, then cosine to 10%
+        if s < tc.warmup:
+            return tc.lr * (s + 1) / tc.warmup
+        frac = min(1.0, (s - tc.warmup) / max(1, tc.steps - tc.warmup))
+        return tc.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+    log_path = out_dir / "log.jsonl"
+    first_loss = last_loss = None
+    tau = meta.get("tau")
+    t_start = time.perf_counter()
+    bar = tqdm(total=tc.steps, initial=step, desc="train-drafter", unit="step", disable=not progress,
+               file=sys.stderr, dynamic_ncols=True)
+    ema = None
+
+    saved_at = -1
+
+    def save():
+        nonlocal tau, saved_at
+        if saved_at == step:
+            return
+        saved_at = step
+        if eval_data is not None:
+            drafter.eval()
+            tau = estimate_tau(drafter, frozen, eval_data, tc.eval_max_new_tokens)["tau"]
+            drafter.train()
+        secs = elapsed_before + time.perf_counter() - t_start
+        _save_state(out_dir, drafter, opt, step, tc, rng, {"train_seconds": secs, "tau": tau, "init": init_notes,
+                                                            "loss": last_loss})
+        save_drafter(drafter, out_dir / "drafter", dtype=torch.bfloat16)
+
+    drafter.train()
+    stopped_early = False
+    while step < tc.steps:
+        if time_limit_s is not None and time.perf_counter() - t_start > time_limit_s:
+            stopped_early = True
+            break
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
+        batch = make_batch(data, sample_picks(data, rng, tc.blocks_per_step, tc.anchors_per_seq),
+                           tc.block_size, mask_id)
+        loss = block_loss(drafter, frozen, batch, gamma)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+        opt.step()
+        step += 1
+        last_loss = float(loss)
+        first_loss = last_loss if first_loss is None else first_loss
+        ema = last_loss if ema is None else 0.95 * ema + 0.05 * last_loss
+        if eval_data is not None and tc.eval_every and step % tc.eval_every == 0 and step % tc.save_every:
+            drafter.eval()
+            tau = estimate_tau(drafter, frozen, eval_data, tc.eval_max_new_tokens)["tau"]
+            drafter.train()
+        if tc.save_every and step % tc.save_every == 0:
+            save()
+        bar.set_postfix(loss=f"{ema:.3f}", tau="-" if tau is None else f"{tau:.2f}")
+        bar.update(1)
+        if step % 10 == 0 or step == tc.steps:
+            with open(log_path, "a") as f:
+                f.write(json.dumps({"step": step, "loss": last_loss, "loss_ema": ema, "lr": lr_at(step - 1),
+                                    "tau": tau, "seconds": elapsed_before + time.perf_counter() - t_start}) + "\n")
+    bar.close()
+    save()
+    return {"drafter": str(out_dir / "drafter"), "step": step, "steps": tc.steps, "first_loss": first_loss,
+            "last_loss": last_loss, "tau_estimate": tau, "mask_token_id": mask_id, "target_layer_ids": ids,
+            "block_size": tc.block_size, "layers": tc.layers, "intermediate_size": dcfg.intermediate_size,
+            "train_seconds": elapsed_before + time.perf_counter() - t_start, "stopped_early": stopped_early,
+            "n_sequences": len(data), "n_tokens": int(data.offsets[-1])}

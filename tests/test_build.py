@@ -113,3 +113,234 @@ def test_arch_auto_without_gpu_says_what_to_pass(capsys, tiny, tmp_path, monkeyp
     code, _, err = cli(capsys, "build", "--target", str(tiny / "llama"), "--drafter", str(tiny / "llama-drafter"),
                        "--out", str(tmp_path / "b"))
     assert code == 1 and "no NVIDIA GPU found" in err and "--arch blackwell" in err
+
+
+# --------------------------------------------------------------------------- full builds
+def run_cli(*args):
+    """The real CLI in-process, usable from module-scoped fixtures: (code, stdout, stderr)."""
+    import contextlib
+    import io
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main(list(args))
+            code = 0
+        except SystemExit as e:
+            code = e.code or 0
+    return code, out.getvalue(), err.getvalue()
+
+
+def build_json(*args):
+    code, out, err = run_cli("build", *args, "--json")
+    assert code == 0, err
+    return json.loads(out)  # --json: nothing but JSON on stdout
+
+
+@pytest.fixture(scope="module")
+def hopper(tiny, tmp_path_factory):
+    bundle = tmp_path_factory.mktemp("engines") / "llama-hopper"
+    res = build_json("--target", str(tiny / "llama"), "--drafter", str(tiny / "llama-drafter"), "--arch", "hopper",
+                     "--gpu", "h200", "--out", str(bundle))
+    return bundle, res
+
+
+def _engine_files(bundle: Path):
+    return [p for p in bundle.rglob("*") if p.suffix in ENGINE_SUFFIXES]
+
+
+def test_build_completes_with_compile_deferred(hopper):
+    bundle, res = hopper
+    m = read_manifest(bundle)  # schema-checked
+    status = {k: v["status"] for k, v in m["stages"].items()}
+    assert list(status) == STAGES
+    assert status == {"check": "done", "quantize": "done", "convert": "not-needed", "plugin": "done",
+                      "export-onnx": "done", "compile": "deferred", "package": "done"}
+    c = m["stages"]["compile"]
+    assert "no NVIDIA GPU" in c["reason"] and "TensorRT" in c["reason"]
+    assert c["commands"][0] == "dflash-trt compile --bundle <bundle>"
+    assert any("dflash_trt.compile drafter --onnx onnx/drafter.onnx --plugins plugins" in x for x in c["commands"])
+    assert _engine_files(bundle) == []  # never a faked engine
+    assert (m["arch"], m["gpu"], m["sm"], m["quant"]) == ("hopper", "h200", [90],
+                                                          {"target": "fp8", "drafter": "fp8", "kv_cache": "fp8"})
+    assert m["parallel"] == {"tp": 1, "ep": 1, "pp": 1} and m["backend"] == "pytorch"
+    assert m["triton_model_repository"] == "triton" and m["triton_models"] == ["tensorrt_llm", "dflash_reference"]
+    for rel in ("target/hf_quant_config.json", "drafter/hf_quant_config.json", "plugins/plugin.json",
+                "onnx/drafter.onnx", "configs/trtllm-serve.yaml", "configs/vllm.json", "configs/sglang.json",
+                "triton/tensorrt_llm/config.pbtxt", "triton/tensorrt_llm/1/model.py", "triton/tensorrt_llm/1/model.yaml",
+                "triton/dflash_reference/config.pbtxt", "triton/dflash_reference/1/model.py", "engines/README.txt"):
+        assert (bundle / rel).is_file(), rel
+    assert json.loads((bundle / "target/hf_quant_config.json").read_text())["quantization"]["quant_algo"] == "FP8"
+    assert json.loads((bundle / "plugins/plugin.json").read_text())["sms"] == [90]
+    assert verify(bundle) == []
+    listed = {a["path"] for a in m["artifacts"]}
+    assert listed == {p.relative_to(bundle).as_posix() for p in bundle.rglob("*")
+                      if p.is_file() and p.name != "manifest.json"}
+    assert res["bundle"] == str(bundle) and [s["name"] for s in res["stages"]] == STAGES
+
+
+def test_serving_files_hold_the_drafters_real_settings(tiny, hopper):
+    bundle, _ = hopper
+    d = json.loads((tiny / "llama-drafter" / "config.json").read_text())  # read independently of our code
+    B, mask, ids = d["block_size"], d["dflash_config"]["mask_token_id"], d["dflash_config"]["target_layer_ids"]
+    for spec in (yaml.safe_load((bundle / "triton/tensorrt_llm/1/model.yaml").read_text())["speculative_config"],
+                 yaml.safe_load((bundle / "configs/trtllm-serve.yaml").read_text())["speculative_config"]):
+        assert spec == {"decoding_type": "DFlash", "speculative_model": "drafter", "max_draft_len": B - 1,
+                        "mask_token_id": mask, "target_layer_ids": ids}
+    ref = yaml.safe_load((bundle / "triton/dflash_reference/1/model.yaml").read_text())
+    assert ref["block_size"] == B and (bundle / ref["target"] / "config.json").is_file()
+    v = json.loads((bundle / "configs/vllm.json").read_text())
+    assert v["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in ids]
+    assert v["speculative_config"]["num_speculative_tokens"] == B - 1
+    assert json.loads((bundle / "configs/vllm-speculative-config.json").read_text()) == v["speculative_config"]
+    g = json.loads((bundle / "configs/sglang.json").read_text())
+    assert g["dflash_config"]["target_layer_ids"] == ids and g["capture_before_layer"] == [i + 1 for i in ids]
+    m = read_manifest(bundle)
+    assert m["drafter"]["block_size"] == B and m["drafter"]["mask_token_id"] == mask
+    assert m["drafter"]["target_layer_ids"] == {"zlab": ids, "trtllm": ids, "speculators": [i + 1 for i in ids],
+                                                "vllm": [i + 1 for i in ids], "sglang": ids}
+
+
+def test_every_bundle_config_pbtxt_parses(hopper):
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    bundle, _ = hopper
+    names = []
+    for p in sorted((bundle / "triton").glob("*/config.pbtxt")):
+        names.append(text_format.Parse(p.read_text(), model_config_pb2.ModelConfig()).name)
+    assert names == ["dflash_reference", "tensorrt_llm"]
+
+
+def test_second_run_skips_every_stage_and_force_redoes_them(tiny, hopper):
+    bundle, first = hopper
+    args = ["--target", str(tiny / "llama"), "--drafter", str(tiny / "llama-drafter"), "--arch", "hopper",
+            "--gpu", "h200", "--out", str(bundle)]
+    code, out, err = run_cli("build", *args)
+    assert code == 0, err
+    m = read_manifest(bundle)
+    assert all(e["skipped"] for e in m["stages"].values())
+    # status keeps each stage's outcome: deploy turns its compile init container on from it
+    assert m["stages"]["compile"]["status"] == "deferred" and m["stages"]["quantize"]["status"] == "done"
+    assert "skipped (unchanged)" in out and "skipped (unchanged, deferred)" in out
+    assert err.count("skipped (inputs unchanged") == len(STAGES)
+    assert verify(bundle) == []
+    assert {a["path"]: a["sha256"] for a in m["artifacts"]} == \
+        {a["path"]: a["sha256"] for a in first_artifacts(first)}
+
+    assert [s["status"] for s in json.loads(run_cli("build", *args, "--json")[1])["stages"]] == ["skipped"] * 7
+    forced = build_json(*args, "--force")
+    assert [s["status"] for s in forced["stages"]] == ["done", "done", "not-needed", "done", "done", "deferred", "done"]
+    assert verify(bundle) == []
+    assert not [p for p in bundle.parent.iterdir() if p.name.startswith(".")]  # no temp folders left
+
+
+def first_artifacts(res):
+    return res["artifacts"]
+
+
+def test_changed_input_reruns_only_what_depends_on_it(tiny, hopper, tmp_path):
+    """A different --block-size changes the serving configs, not the checkpoints or kernels."""
+    bundle, _ = hopper
+    copy = tmp_path / "b"
+    shutil.copytree(bundle, copy)
+    res = build_json("--target", str(tiny / "llama"), "--drafter", str(tiny / "llama-drafter"), "--arch", "hopper",
+                     "--gpu", "h200", "--out", str(copy), "--block-size", "4")
+    status = {s["name"]: s["status"] for s in res["stages"]}
+    assert status == {"check": "skipped", "quantize": "skipped", "convert": "skipped", "plugin": "skipped",
+                      "export-onnx": "skipped", "compile": "deferred", "package": "done"}
+    spec = yaml.safe_load((copy / "configs/trtllm-serve.yaml").read_text())["speculative_config"]
+    assert spec["max_draft_len"] == 3
+    assert verify(copy) == []
+
+
+def test_verify_detects_tampered_missing_and_unlisted_files(capsys, hopper, tmp_path):
+    bundle, _ = hopper
+    copy = tmp_path / "b"
+    shutil.copytree(bundle, copy)
+    assert cli(capsys, "verify", "--bundle", str(copy))[0] == 0
+    onnx = copy / "onnx" / "drafter.onnx"
+    data = bytearray(onnx.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    onnx.write_bytes(bytes(data))
+    (copy / "configs" / "sglang.json").unlink()
+    (copy / "configs" / "extra.txt").write_text("x")
+    code, out, err = cli(capsys, "verify", "--bundle", str(copy))
+    assert code == 1
+    assert "onnx/drafter.onnx: sha256" in err and "configs/sglang.json: missing" in err
+    assert "configs/extra.txt: not listed" in err and "Traceback" not in err
+    code, out, _ = cli(capsys, "verify", "--bundle", str(copy), "--json")
+    report = json.loads(out)
+    assert code == 1 and not report["ok"] and len(report["problems"]) == 3
+
+
+def test_compile_without_gpu_is_refused_with_the_reason(capsys, hopper, tmp_path):
+    bundle, _ = hopper
+    copy = tmp_path / "b"
+    shutil.copytree(bundle, copy)
+    code, _, err = cli(capsys, "compile", "--bundle", str(copy))
+    assert code == 1 and "cannot run here" in err and "no NVIDIA GPU" in err
+    assert _engine_files(copy) == [] and verify(copy) == []
+
+
+def test_gpt_oss_builds_with_pytorch_backend_keeping_mxfp4(tiny, tmp_path):
+    from safetensors import safe_open
+
+    from dflash_trt.manifest import sha256_file
+
+    bundle = tmp_path / "gptoss"
+    build_json("--target", str(tiny / "gptoss"), "--drafter", str(tiny / "gptoss-drafter"), "--arch", "blackwell",
+               "--tp", "2", "--ep", "2", "--out", str(bundle))
+    m = read_manifest(bundle)
+    assert m["quant"] == {"target": "mxfp4", "drafter": "none", "kv_cache": "fp8"}
+    assert m["parallel"] == {"tp": 2, "ep": 2, "pp": 1} and m["sm"] == [100, 103]
+    assert m["stages"]["compile"]["status"] == "deferred" and _engine_files(bundle) == []
+    # the experts are the shipped MXFP4 bytes, unchanged
+    with safe_open(bundle / "target" / "model.safetensors", "pt") as f:
+        blocks = [k for k in f.keys() if k.endswith("_blocks")]
+        assert blocks and all(str(f.get_slice(k).get_dtype()) == "U8" for k in blocks)
+    assert sha256_file(bundle / "target/model.safetensors") == sha256_file(tiny / "gptoss/model.safetensors")
+    serve = yaml.safe_load((bundle / "configs/trtllm-serve.yaml").read_text())
+    assert serve["moe_config"] == {"backend": "TRTLLM"} and serve["moe_expert_parallel_size"] == 2
+    assert serve["tensor_parallel_size"] == 2 and serve["kv_cache_config"]["dtype"] == "fp8"
+    assert json.loads((bundle / "plugins/plugin.json").read_text())["sms"] == [100, 103]
+
+
+def test_engine_backend_converts_and_defers_trtllm_build(tiny, tmp_path):
+    bundle = tmp_path / "eng"
+    build_json("--target", str(tiny / "llama"), "--drafter", str(tiny / "llama-drafter"), "--arch", "hopper",
+               "--quant", "none", "--backend", "engine", "--tp", "2", "--out", str(bundle))
+    m = read_manifest(bundle)
+    assert m["stages"]["convert"]["status"] == "done" and m["quant"]["target"] == "none"
+    cfg = json.loads((bundle / "trtllm_ckpt/config.json").read_text())
+    assert cfg["mapping"]["tp_size"] == 2
+    assert (bundle / "trtllm_ckpt/rank0.safetensors").is_file() and (bundle / "trtllm_ckpt/rank1.safetensors").is_file()
+    c = m["stages"]["compile"]
+    assert c["status"] == "deferred" and any(x.startswith("trtllm-build --checkpoint_dir trtllm_ckpt") for x in c["commands"])
+    assert "trtllm-build" in c["reason"]
+    assert _engine_files(bundle) == []
+
+
+def test_bundles_reference_model_serves_the_same_text_as_generate(tiny, hopper):
+    """The bundle's own triton/dflash_reference, with its bundle-relative paths, run in-process
+    through the Triton API test double of test_triton_repo (no Triton server runs here)."""
+    import numpy as np
+    from test_triton_repo import _generate_cli, load_model_module, make_pb_utils, triton_args
+
+    bundle, _ = hopper
+    repo = bundle / "triton"
+    pb = make_pb_utils(repo / "dflash_reference" / "1")
+    try:
+        mod = load_model_module(repo / "dflash_reference" / "1" / "model.py", pb)
+        model = mod.TritonPythonModel()
+        model.initialize(triton_args(repo, "dflash_reference"))
+        assert model.target_dir == (bundle / "reference" / "target").resolve()
+        req = pb.InferenceRequest([pb.Tensor("text_input", np.array([b"hello there"], dtype=np.object_)),
+                                   pb.Tensor("sampling_param_max_tokens", np.array([16], dtype=np.int32))])
+        model.execute([req])
+    finally:
+        import sys
+        sys.modules.pop("triton_python_backend_utils", None)
+    [(resp, flags)] = req.get_response_sender().sent
+    text = {t.name(): t.as_numpy() for t in resp.output_tensors()}["text_output"][0].decode()
+    assert text == _generate_cli(tiny / "llama", tiny / "llama-drafter", "hello there", 16)["text"]

@@ -84,7 +84,8 @@ def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, max_seq_len, no
 @click.option("--pvc", help="Existing PersistentVolumeClaim holding the bundle (default: the chart creates one).")
 @click.option("--ssh-secret", default="dflash-trt-ssh", show_default=True,
               help="Secret with the MPI ssh keys, for multi-node (LeaderWorkerSet) layouts.")
-@click.option("--out", type=click.Path(file_okay=False), help="Output folder (default: <bundle>/deploy).")
+@click.option("--out", type=click.Path(file_okay=False), help="Output folder (default: <bundle>-deploy beside the "
+              "bundle; the bundle itself is left as its manifest lists it).")
 @click.option("--render", is_flag=True, help="Also render the manifests with Helm's engine into <out>/manifests.")
 @click.option("--chart", type=click.Path(file_okay=False), help="Chart folder (default: deploy/helm/dflash-trt).")
 @click.option("--release", default="dflash-trt", show_default=True, help="Release name used by --render.")
@@ -105,14 +106,14 @@ def deploy_cmd(bundle, nodes, gpus_per_node, replicas, gpu, pvc, ssh_secret, out
       dflash-trt deploy --bundle engines/gpt-oss-120b --render
       dflash-trt deploy --bundle engines/big --nodes 2 --out deploy-big
       dflash-trt deploy --bundle engines/smollm2-135m --gpu none      # CPU-only smoke test
-      helm install gptoss deploy/helm/dflash-trt -f engines/gpt-oss-120b/deploy/values.yaml
+      helm install gptoss deploy/helm/dflash-trt -f engines/gpt-oss-120b-deploy/values.yaml
     """
     from dflash_trt import deploy
 
     values, p = deploy.deploy_values(bundle, nodes=nodes, gpus_per_node=gpus_per_node, replicas=replicas,
                                      gpu=gpu, pvc=pvc, ssh_secret=ssh_secret)
     manifests = deploy.render(values, chart, release=release, namespace=namespace) if render else None
-    out = Path(out) if out else Path(bundle) / "deploy"
+    out = Path(out) if out else deploy.default_out(bundle)
     layout = asdict(p.chosen) if p else None
     header = (f"# Written by `dflash-trt deploy --bundle {bundle}`.\n"
               + (f"# Layout: tp {p.chosen.tp}, ep {p.chosen.ep}, {values['replicas']} replica(s) on {p.hardware} "

@@ -1,0 +1,88 @@
+"""Bad input gives one clear line naming the field or file, and a non-zero exit."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dflash_trt.cli import main
+
+
+def run(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    out = capsys.readouterr()
+    return e.value.code, out.out, out.err
+
+
+@pytest.fixture
+def pair(tiny_pairs, tmp_path):
+    t, d = tiny_pairs["llama"]
+    shutil.copytree(t, tmp_path / "t")
+    shutil.copytree(d, tmp_path / "d")
+    return tmp_path / "t", tmp_path / "d"
+
+
+def edit_config(folder, fn):
+    p = folder / "config.json"
+    cfg = json.loads(p.read_text())
+    fn(cfg)
+    p.write_text(json.dumps(cfg))
+
+
+def gen_args(t, d):
+    return ["generate", "--target", str(t), "--drafter", str(d), "-p", "hi", "--max-new-tokens", "4"]
+
+
+def test_good_pair_checks_ok_and_generates(pair, capsys):
+    t, d = pair
+    code, out, _ = run(["check", "--target", str(t), "--drafter", str(d), "--json"], capsys)
+    rep = json.loads(out)
+    assert code == 0 and rep["ok"] and rep["problems"] == [] and rep["block_size"] == 8
+    code, out, _ = run(gen_args(t, d) + ["--json"], capsys)
+    res = json.loads(out)
+    assert code == 0 and len(res["token_ids"]) == 4 and set(res) >= {
+        "text", "token_ids", "tau", "blocks", "accepted_per_block", "seconds", "tokens_per_s"}
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda c: c.pop("hidden_size"), "missing field(s) hidden_size"),
+    (lambda c: c.update(hidden_size=32), "hidden_size: drafter 32 != target 64"),
+    (lambda c: c["dflash_config"].update(target_layer_ids=[0, 9]), "target_layer_ids [9] out of range"),
+    (lambda c: c["dflash_config"].update(mask_token_id=100000), "mask_token_id = 100000 outside the target vocabulary"),
+    (lambda c: c.update(block_size=1), "block_size = 1"),
+])
+def test_check_names_the_bad_field(pair, capsys, edit, needle):
+    t, d = pair
+    edit_config(d, edit)
+    code, out, err = run(["check", "--target", str(t), "--drafter", str(d)], capsys)
+    assert code == 1 and needle in err
+
+
+def test_generate_refuses_missing_config_field(pair, capsys):
+    t, d = pair
+    edit_config(d, lambda c: c.pop("vocab_size"))
+    code, _, err = run(gen_args(t, d), capsys)
+    assert code == 1 and err.startswith("error: ") and "vocab_size" in err and len(err.strip().splitlines()) == 1
+
+
+def test_truncated_safetensors(pair, capsys):
+    t, d = pair
+    f = t / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    code, _, err = run(gen_args(t, d), capsys)
+    assert code == 1 and "model.safetensors" in err and len(err.strip().splitlines()) == 1
+
+
+def test_pickle_checkpoint_refused_unless_opted_in(pair, capsys):
+    t, d = pair
+    state = load_file(d / "model.safetensors")
+    (d / "model.safetensors").unlink()
+    torch.save(state, d / "pytorch_model.bin")
+    code, _, err = run(gen_args(t, d), capsys)
+    assert code == 1 and "pytorch_model.bin" in err and "pickle" in err
+    code, out, _ = run(gen_args(t, d) + ["--allow-pickle", "--json"], capsys)
+    assert code == 0 and len(json.loads(out)["token_ids"]) == 4

@@ -1,0 +1,173 @@
+"""`dflash-trt deploy`: values from a bundle manifest agree with the bundle (tp, GPU product, model
+repository), follow the planner's chosen layout, and render with Helm's engine into objects that
+kubernetes-validate (and the LeaderWorkerSet CRD schema) accept.
+
+The bundles here are manifest.json files built by the test in the format `dflash-trt build`
+writes (checked against the build's own manifest schema); no weights are needed for deploy."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dflash_trt import deploy, planner
+from dflash_trt.cli import main
+from dflash_trt.errors import DFlashError
+from dflash_trt.manifest import validate as validate_manifest
+
+helm = pytest.importorskip("helm_python")
+from test_helm import objects, validate_all  # noqa: E402
+
+
+def write_bundle(root: Path, target="gpt-oss-120b", gpu="b300", arch="blackwell", quant="mxfp4", kv="fp8",
+                 tp=8, ep=1, compile_status="deferred", drafter_config=True) -> Path:
+    _, cfg, dcfg = planner.load_target(target)
+    bundle = root / f"{target}-{gpu or arch}-{quant}-tp{tp}"
+    bundle.mkdir(parents=True)
+    ids = (dcfg or {}).get("dflash_config", {}).get("target_layer_ids", [1])
+    m = {
+        "schema_version": 1, "tool_version": "0.1.0",
+        "target": {"name": target, "hf_id": None, "path": f"/src/{target}", "bundle_path": "target", "config": cfg},
+        "drafter": {"path": "/src/drafter", "bundle_path": "drafter", "block_size": (dcfg or {}).get("block_size", 8),
+                    "mask_token_id": 0,
+                    "target_layer_ids": {"zlab": ids, "trtllm": ids, "speculators": [i + 1 for i in ids],
+                                         "vllm": ids, "sglang": [i - 1 for i in ids]}},
+        "arch": arch, "gpu": gpu, "quant": {"target": quant, "drafter": "none", "kv_cache": kv},
+        "parallel": {"tp": tp, "ep": ep, "pp": 1}, "backend": "pytorch",
+        "max_seq_len": 32768,
+        "stages": {"compile": {"status": compile_status, "inputs_sha256": "0" * 64, "outputs": [],
+                               "commands": ["dflash-trt compile --bundle <bundle>"]}},
+        "triton_model_repository": "triton", "triton_models": ["tensorrt_llm", "dflash_reference"],
+        "artifacts": [],
+    }
+    if drafter_config and dcfg:
+        m["drafter"]["config"] = dcfg
+    validate_manifest(m)           # the shape `dflash-trt build` writes
+    (bundle / "manifest.json").write_text(json.dumps(m))
+    return bundle
+
+
+def run_cli(args, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    out = capsys.readouterr()
+    return e.value.code, out.out, out.err
+
+
+def test_values_agree_with_the_bundle(tmp_path):
+    b = write_bundle(tmp_path)
+    values, p = deploy.deploy_values(b)
+    assert values["parallel"] == {"tp": 8, "pp": 1, "ep": 1}
+    assert values["gpu"] == {"count": 8, "product": "NVIDIA-B300-SXM6-AC"}
+    assert values["bundle"]["modelRepository"] == "triton"
+    assert values["bundle"]["models"] == ["tensorrt_llm"]          # not the CPU reference copy of a 120B model
+    assert values["compile"] == {"enabled": True}                   # the bundle's compile stage is deferred
+    assert values["replicas"] == 1 and values["workload"]["kind"] == "Deployment"
+    assert values["shmSize"] == "16Gi"
+    objs = objects(deploy.render(values, release="gptoss"))
+    validate_all(objs)
+    dep = next(o for o in objs if o["kind"] == "Deployment")
+    c = dep["spec"]["template"]["spec"]["containers"][0]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 8
+    serve = next(o for o in objs if o["kind"] == "ConfigMap")["data"]["serve.sh"]
+    assert "'--model-repository=/bundle/triton'" in serve and "'--load-model=tensorrt_llm'" in serve
+
+
+def test_default_layout_is_the_planners_choice(tmp_path, capsys):
+    # A bundle written for TP 1: the planner fits 8 replicas of it on a DGX B300, and deploy writes that.
+    b = write_bundle(tmp_path, tp=1)
+    code, out, _ = run_cli(["plan", "--bundle", str(b), "--json"], capsys)
+    assert code == 0
+    chosen = json.loads(out)["chosen"]
+    code, out, _ = run_cli(["deploy", "--bundle", str(b), "--json"], capsys)
+    assert code == 0
+    d = json.loads(out)
+    v = yaml.safe_load(Path(d["values"]).read_text())
+    assert (v["parallel"]["tp"], v["parallel"]["ep"], v["replicas"]) == (chosen["tp"], chosen["ep"], chosen["replicas"])
+    assert (v["parallel"]["tp"], v["replicas"], v["gpu"]["count"]) == (1, 8, 1)
+    assert d["layout"] == chosen
+    assert Path(d["values"]).parent == b.with_name(b.name + "-deploy")   # beside the bundle, not in it
+    assert sorted(p.name for p in b.iterdir()) == ["manifest.json"]
+    # Same with two nodes: 16 replicas.
+    code, out, _ = run_cli(["deploy", "--bundle", str(b), "--nodes", "2", "--json", "--out", str(tmp_path / "two")],
+                           capsys)
+    assert json.loads(out)["values_content"]["replicas"] == 16
+
+
+def test_the_planner_picks_ep_when_the_bundle_leaves_it(tmp_path):
+    b = write_bundle(tmp_path, tp=8, ep=1)
+    p = deploy.plan_for_bundle(b)
+    assert {(l.tp, l.ep) for l in p.layouts} == {(8, 1)}      # the bundle's Triton model fixes tp / ep
+    assert p.chosen.weights_bytes_per_gpu == planner.weight_bytes(planner.target_shape(
+        json.loads((b / "manifest.json").read_text())["target"]["config"]), "mxfp4", 8)
+
+
+def test_two_nodes_leaderworkerset(tmp_path):
+    b = write_bundle(tmp_path, tp=16, quant="mxfp4")
+    values, p = deploy.deploy_values(b, nodes=2, ssh_secret="gptoss-ssh")
+    assert values["workload"]["kind"] == "LeaderWorkerSet"
+    assert values["gpu"]["count"] == 8 and values["parallel"]["tp"] == 16 and values["replicas"] == 1
+    assert values["multiNode"] == {"sshSecret": "gptoss-ssh"}
+    assert values["bundle"]["pvc"]["accessModes"] == ["ReadWriteMany"]
+    objs = objects(deploy.render(values))
+    kinds = validate_all(objs)
+    assert "LeaderWorkerSet" in kinds and "Deployment" not in kinds
+    lws = next(o for o in objs if o["kind"] == "LeaderWorkerSet")
+    assert lws["spec"]["leaderWorkerTemplate"]["size"] == 2
+
+
+def test_h200_fp8_bundle(tmp_path):
+    b = write_bundle(tmp_path, target="qwen3-8b", gpu="h200", arch="hopper", quant="fp8", kv="fp8", tp=2,
+                     compile_status="done")
+    values, p = deploy.deploy_values(b)
+    assert values["gpu"] == {"count": 2, "product": "NVIDIA-H200"}
+    assert values["parallel"]["tp"] == 2 and values["replicas"] == 4 and values["compile"] == {"enabled": False}
+    assert p.quant["target"] == "fp8" and p.hardware == "hgx-h200"
+    validate_all(objects(deploy.render(values)))
+
+
+def test_cpu_only_embedded_pair(tmp_path):
+    b = write_bundle(tmp_path, target="smollm2-135m", gpu=None, arch="blackwell", quant="nvfp4", tp=1,
+                     drafter_config=False)
+    values, p = deploy.deploy_values(b)
+    assert p is None
+    assert values["gpu"] == {"count": 0, "product": ""} and values["bundle"]["models"] == ["dflash_reference"]
+    objs = objects(deploy.render(values))
+    validate_all(objs)
+    assert "nvidia.com/gpu" not in json.dumps(objs)
+
+
+def test_render_writes_values_and_manifests(tmp_path, capsys):
+    b = write_bundle(tmp_path)
+    out = tmp_path / "out"
+    code, stdout, _ = run_cli(["deploy", "--bundle", str(b), "--out", str(out), "--render"], capsys)
+    assert code == 0 and "helm install" in stdout
+    assert (out / "values.yaml").read_text().startswith("# Written by `dflash-trt deploy")
+    names = sorted(p.name for p in (out / "manifests").iterdir())
+    assert "workload.yaml" in names and "service.yaml" in names and (out / "NOTES.txt").is_file()
+    validate_all([d for p in (out / "manifests").iterdir() for d in yaml.safe_load_all(p.read_text()) if d])
+    # The values file is what helm install -f would read: it renders on its own.
+    validate_all(objects(deploy.render(yaml.safe_load((out / "values.yaml").read_text()))))
+    # Re-running replaces the folder; nothing half-written is left beside it.
+    code, _, _ = run_cli(["deploy", "--bundle", str(b), "--out", str(out)], capsys)
+    assert code == 0 and not (out / "manifests").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([b.name, "out"])
+
+
+def test_bad_input(tmp_path, capsys):
+    code, _, err = run_cli(["deploy", "--bundle", str(tmp_path)], capsys)
+    assert code == 1 and "manifest.json" in err and "Traceback" not in err
+    b = write_bundle(tmp_path)
+    code, _, err = run_cli(["deploy", "--bundle", str(b), "--gpu", "h200"], capsys)
+    assert code == 1 and "built for arch blackwell" in err
+    big = write_bundle(tmp_path, gpu="h100", arch="hopper", quant="none", kv="bf16", tp=1)
+    code, _, err = run_cli(["deploy", "--bundle", str(big)], capsys)
+    assert code == 1 and "does not fit" in err
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "precious.txt").write_text("x")
+    code, _, err = run_cli(["deploy", "--bundle", str(b), "--out", str(tmp_path / "taken")], capsys)
+    assert code == 1 and "not a deploy folder" in err and (tmp_path / "taken" / "precious.txt").exists()
+    with pytest.raises(DFlashError, match="helm rejected the values"):
+        deploy.render({"replicas": -1})

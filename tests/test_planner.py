@@ -1,0 +1,214 @@
+"""Capacity planner: parameter counts against transformers' own models (built on the meta device,
+no weights) and the published gpt-oss figures; weight bytes by format against the checkpoint
+formats' tensor shapes; KV bytes per token computed by hand; layouts and their reasons."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from dflash_trt import planner
+from dflash_trt.cli import main
+from dflash_trt.errors import DFlashError
+from dflash_trt.hardware import catalog, get_hardware
+
+
+def preset(name):
+    return planner.load_target(name)
+
+
+def hf_param_count(cfg: dict) -> int:
+    """transformers' model for the config, on the meta device: the independent oracle."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    c = {k: v for k, v in cfg.items() if k != "quantization_config"}
+    hc = AutoConfig.for_model(c.pop("model_type"), **c)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hc)
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_gpt_oss_120b_published_figures():
+    _, cfg, dcfg = preset("gpt-oss-120b")
+    p = planner.plan(cfg, dcfg, "dgx-b300", target_name="gpt-oss-120b")
+    # OpenAI's model card: 116.8 B total, 5.1 B active per token (within 2%).
+    assert abs(p.total_params / 116.8e9 - 1) < 0.02
+    assert abs(p.active_params / 5.1e9 - 1) < 0.02
+    # By hand from config.json: per layer attention (q/k/v/o + biases + sinks), router (+bias),
+    # 128 experts of gate_up [2I, H] + down [H, I] + biases, 2 norms; embed + lm_head + final norm.
+    H, I, E, L, V = 2880, 2880, 128, 36, 201088
+    attn = H * 4096 * 2 + H * 512 * 2 + 4096 + 512 * 2 + H + 64
+    layer = attn + H * E + E + E * (3 * H * I + 2 * I + H) + 2 * H
+    assert p.total_params == L * layer + 2 * V * H + H == 116_829_156_672
+    active = L * (attn + H * E + E + 4 * (3 * H * I + 2 * I + H) + 2 * H) + V * H + H
+    assert p.active_params == active
+
+
+@pytest.mark.parametrize("name", ["gpt-oss-120b", "gpt-oss-20b", "qwen3-8b", "llama-3.1-8b", "smollm2-135m"])
+def test_total_params_match_transformers(name):
+    _, cfg, _ = preset(name)
+    assert planner.target_shape(cfg, name).total_params == hf_param_count(cfg)
+
+
+@pytest.mark.parametrize("name", ["qwen3-8b", "gpt-oss-120b"])
+def test_drafter_params_match_the_reference_drafter(name):
+    from dflash_trt.config import DrafterConfig
+    from dflash_trt.drafter import DFlashDrafter
+
+    _, _, dcfg = preset(name)
+    with torch.device("meta"):
+        ref = DFlashDrafter(DrafterConfig.from_dict(dcfg), max_len=64)
+    assert planner.drafter_shape(dcfg).total_params == sum(p.numel() for p in ref.parameters())
+
+
+def test_gpt_oss_120b_drafter_matches_published_size():
+    _, _, dcfg = preset("gpt-oss-120b")
+    n = planner.drafter_shape(dcfg).total_params
+    assert abs(n / 0.78e9 - 1) < 0.02                               # "about 0.78 B parameters"
+    assert abs(planner.weight_bytes(planner.drafter_shape(dcfg), "none") / 2**30 - 1.46) < 0.01   # "1.46 GiB"
+
+
+def test_mxfp4_weight_bytes_follow_the_checkpoint_tensors():
+    _, cfg, _ = preset("gpt-oss-120b")
+    H, I, E, L, V = 2880, 2880, 128, 36, 201088
+    # gate_up_proj_blocks uint8 [E, 2I, H/32, 16] + scales [E, 2I, H/32]; down_proj [E, H, I/32, 16] + scales
+    experts = L * (E * 2 * I * (H // 32) * 17 + E * H * (I // 32) * 17)
+    bf16 = 2 * (planner.target_shape(cfg).total_params - L * E * 3 * H * I)
+    assert planner.weight_bytes(planner.target_shape(cfg), "mxfp4") == experts + bf16
+
+
+def test_nvfp4_and_fp8_weight_bytes_by_hand():
+    cfg = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100, "tie_word_embeddings": False}
+    s = planner.target_shape(cfg)
+    linear = 2 * (64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128)      # q,o + k,v + gate,up,down per layer
+    other = 2 * 100 * 64 + 2 * 2 * 64 + 64                        # embed, lm_head, norms
+    n_linear = 2 * 7
+    assert planner.weight_bytes(s, "none") == 2 * (linear + other)
+    assert planner.weight_bytes(s, "fp8") == linear + 8 * n_linear + 2 * other
+    # NVFP4: two E2M1 values per byte + one FP8 scale per 16 values, fp32 scale_2 and input_scale
+    assert planner.weight_bytes(s, "nvfp4") == linear // 2 + linear // 16 + 8 * n_linear + 2 * other
+
+
+def test_kv_bytes_per_token_by_hand():
+    _, cfg, dcfg = preset("qwen3-8b")
+    p = planner.plan(cfg, dcfg, "hgx-h200", quant="fp8", kv_cache="bf16", max_seq_len=8192)
+    # Qwen3-8B: 36 layers × (K + V) × 8 KV heads × 128 × 2 bytes; drafter 5 layers alike.
+    assert p.kv_bytes_per_token["target"] == 36 * 2 * 8 * 128 * 2 == 147456
+    assert p.kv_bytes_per_token["drafter"] == 5 * 2 * 8 * 128 * 2 == 20480
+    # gpt-oss-120b with FP8 KV: 18 full-attention layers grow with context, 18 sliding (128) do not.
+    _, cfg, dcfg = preset("gpt-oss-120b")
+    p = planner.plan(cfg, dcfg, "dgx-b300")
+    assert p.quant == {"target": "mxfp4", "kv_cache": "fp8", "drafter": "none"}
+    assert p.kv_bytes_per_token["target"] == 18 * 2 * 8 * 64 == 18432
+    assert p.kv_bytes_per_token["target_sliding_window"] == {"layers": 18, "window": 128, "bytes_per_token": 18432}
+    assert p.kv_bytes_per_token["drafter"] == 8 * 2 * 8 * 64 == 8192
+
+
+def test_kv_tokens_of_one_layout_by_hand():
+    _, cfg, dcfg = preset("qwen3-8b")
+    p = planner.plan(cfg, dcfg, "hgx-h200", quant="fp8", kv_cache="fp8", max_seq_len=8192, tp=1)
+    (lay,) = p.layouts
+    assert (lay.tp, lay.ep, lay.replicas) == (1, 1, 8)
+    per_tok = (36 + 5) * 2 * 8 * 128 * 1                 # fp8 target + drafter, one GPU holds all heads
+    fixed = lay.weights_bytes_per_gpu + lay.drafter_bytes_per_gpu + lay.activation_bytes_per_gpu + 3 * 2**30
+    budget = int((141e9 - fixed) * 0.9)
+    assert lay.kv_tokens == budget // per_tok
+    assert lay.max_sequences == budget // (8192 * per_tok)
+    # KV heads are split by tp, and duplicated past 8 KV heads.
+    assert planner.kv_bytes_per_token(planner.target_shape(cfg), "fp8", tp=4) == 36 * 2 * 2 * 128
+    assert planner.kv_bytes_per_token(planner.target_shape(cfg), "fp8", tp=16) == 36 * 2 * 1 * 128
+
+
+def test_layouts_ranked_and_rejections_explained():
+    _, cfg, dcfg = preset("gpt-oss-120b")
+    p = planner.plan(cfg, dcfg, "hgx-h100", quant="none")       # BF16 gpt-oss: ~218 GiB of weights
+    assert (p.chosen.tp, p.chosen.ep, p.chosen.replicas) == (8, 1, 1)
+    tp1 = [l for l in p.layouts if l.tp == 1]
+    assert tp1 and not tp1[0].fits and tp1[0].reason.startswith("does not fit: weights")
+    assert all(l.fits for l in p.layouts[: sum(l.fits for l in p.layouts)])   # fitting ones first
+    # The 9-head embedded target only splits 1 way.
+    _, cfg, _ = preset("smollm2-135m")
+    p = planner.plan(cfg, None, "dgx-b200")
+    assert [(l.tp, l.fits) for l in p.layouts][0] == (1, True)
+    assert any("does not divide the 9 attention heads" in l.reason for l in p.layouts)
+
+
+def test_objectives():
+    _, cfg, dcfg = preset("gpt-oss-120b")
+    lat = planner.plan(cfg, dcfg, "dgx-b300", objective="latency")
+    thr = planner.plan(cfg, dcfg, "dgx-b300", objective="throughput")
+    assert (lat.chosen.tp, lat.chosen.ep) == (8, 1)             # TensorRT-LLM's latency recipe: TP8 / EP1
+    best = max(l.max_sequences * l.replicas for l in thr.layouts if l.fits)
+    assert thr.chosen.max_sequences * thr.chosen.replicas == best
+    # Two DGX B300 nodes: a replica inside one NVLink domain beats TP 16 across nodes for latency.
+    two = planner.plan(cfg, dcfg, "dgx-b300", nodes=2)
+    assert (two.chosen.tp, two.chosen.replicas) == (8, 2)
+    assert not next(l for l in two.layouts if l.tp == 16).within_nvlink_domain
+
+
+def test_impossible_formats_are_refused():
+    _, cfg, dcfg = preset("qwen3-8b")
+    with pytest.raises(DFlashError, match="no FP4 tensor cores"):
+        planner.plan(cfg, dcfg, "hgx-h200", quant="nvfp4")
+    assert planner.plan(cfg, dcfg, "hgx-h200").quant["target"] == "fp8"          # auto on Hopper
+    assert planner.plan(cfg, dcfg, "dgx-b200").quant["target"] == "nvfp4"        # auto on Blackwell
+    _, cfg, _ = preset("gpt-oss-120b")
+    with pytest.raises(DFlashError, match="MXFP4 experts only"):
+        planner.plan(cfg, None, "dgx-b300", quant="nvfp4")
+    with pytest.raises(DFlashError, match="max-seq-len"):
+        planner.plan(cfg, None, "dgx-b300", max_seq_len=10**7)
+
+
+def test_hardware_catalog():
+    c = catalog()
+    assert set(c) == {"dgx-b300", "dgx-b200", "gb200-nvl72", "hgx-h200", "hgx-h100"}
+    b300 = get_hardware("dgx-b300")
+    assert (b300.memory_bytes, b300.sm, b300.gpus_per_node, b300.fp4) == (288e9, "sm_103", 8, True)
+    assert b300.nvlink_bytes_per_s == 1.8e12
+    assert not get_hardware("hgx-h200").fp4 and get_hardware("hgx-h200").fp8
+    assert get_hardware("gb200-nvl72").nvlink_domain_gpus == 72
+    with pytest.raises(DFlashError, match="unknown hardware"):
+        get_hardware("dgx-a100")
+
+
+def run_cli(args, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    out = capsys.readouterr()
+    return e.value.code, out.out, out.err
+
+
+def test_plan_cli_json(capsys):
+    code, out, _ = run_cli(["plan", "--target", "gpt-oss-120b", "--hardware", "dgx-b300", "--json"], capsys)
+    assert code == 0
+    d = json.loads(out)
+    for key in ("total_params", "active_params", "weights_bytes_per_gpu", "kv_bytes_per_token", "layouts", "chosen"):
+        assert key in d
+    assert set(d["kv_bytes_per_token"]) >= {"target", "drafter"}
+    assert set(d["weights_bytes_per_gpu"]) >= {"target", "drafter"}
+    for lay in d["layouts"]:
+        assert {"tp", "ep", "replicas", "fits", "kv_tokens", "reason"} <= set(lay)
+    assert d["chosen"] == d["layouts"][0]
+    assert d["weights_bytes_per_gpu"]["target"] == d["chosen"]["weights_bytes_per_gpu"]
+
+
+def test_plan_cli_folder_and_errors(tmp_path, capsys):
+    _, cfg, dcfg = preset("qwen3-8b")
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "config.json").write_text(json.dumps(dcfg))
+    code, out, _ = run_cli(["plan", "--target", str(tmp_path / "t"), "--drafter", str(tmp_path / "d"),
+                            "--hardware", "hgx-h100", "--max-seq-len", "4096"], capsys)
+    assert code == 0 and "chosen: tp 8" in out and "drafter d:" in out
+    code, _, err = run_cli(["plan", "--target", "qwen3-8b", "--hardware", "hgx-h100", "--quant", "nvfp4"], capsys)
+    assert code == 1 and err.startswith("error: --quant nvfp4") and "Traceback" not in err
+    code, _, err = run_cli(["plan", "--target", str(tmp_path / "missing"), "--hardware", "hgx-h100"], capsys)
+    assert code == 1 and "neither a preset" in err
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text("{nope")
+    code, _, err = run_cli(["plan", "--target", str(tmp_path / "bad"), "--hardware", "hgx-h100"], capsys)
+    assert code == 1 and "invalid JSON" in err

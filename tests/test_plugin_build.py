@@ -1,0 +1,141 @@
+"""AOT build of the KV-injection kernel: cubin + PTX for every SM of the chosen --arch, whose
+SASS architecture cuobjdump (CUDA 13.x, from PyPI) confirms; the manifest's launch parameters
+are what the TensorRT plugin module's plain-Python logic returns; bad input gives one-line errors."""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+
+import pytest
+import torch
+
+from dflash_trt.errors import DFlashError
+from dflash_trt.plugin_build import ARCHS, build_plugin, sass_info
+
+
+@pytest.fixture(scope="module", params=["blackwell", "hopper"])
+def built(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(request.param) / "plugin"
+    manifest = build_plugin(request.param, out)
+    return request.param, out, manifest
+
+
+@pytest.fixture(scope="module")
+def trt_mod():
+    from dflash_trt.kv_inject import load_plugin_module
+
+    return load_plugin_module("trt_kv_inject")
+
+
+def _sha(p):
+    return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+def test_every_arch_compiled_and_sass_confirmed(built):
+    arch, out, m = built
+    assert json.loads((out / "plugin.json").read_text()) == m
+    assert m["sms"] == list(ARCHS[arch]) and {k["sm"] for k in m["kernels"]} == set(ARCHS[arch])
+    assert {(k["head_dim"], k["cache_dtype"]) for k in m["kernels"]} == {(64, "bf16"), (64, "fp8e4m3"),
+                                                                         (128, "bf16"), (128, "fp8e4m3")}
+    for k in m["kernels"]:
+        cubin, ptx = out / k["cubin"], out / k["ptx"]
+        assert _sha(cubin) == k["cubin_sha256"] and _sha(ptx) == k["ptx_sha256"]
+        sass = sass_info(cubin)  # cuobjdump -sass: decodes the machine code, not just the header
+        assert sass["arch"] == f"sm_{k['sm']}a", (k["cubin"], sass)
+        assert sass["functions"] == [k["name"]] and sass["instructions"] > 100
+        assert re.search(rf"^\.target\s+sm_{k['sm']}a\b", ptx.read_text(), re.M)
+
+
+def test_manifest_source_hashes(built):
+    from dflash_trt.kv_inject import PLUGINS_DIR
+
+    m = built[2]
+    assert m["source"]["kernel"]["sha256"] == _sha(PLUGINS_DIR / "kv_inject_kernel.py")
+    assert m["source"]["plugin"]["sha256"] == _sha(PLUGINS_DIR / "trt_kv_inject.py")
+
+
+@pytest.mark.parametrize("T", [1, 7, 16, 100])
+def test_launch_params_match_plugin_logic(built, trt_mod, T):
+    m = built[2]
+    for k in m["kernels"]:
+        for L, nkv in ((1, 3), (8, 8), (5, 2)):
+            names = dict(T=T, num_layers=L, num_kv_heads=nkv, BLOCK_T=k["constexprs"]["BLOCK_T"])
+            grid_from_manifest = [eval(f, {"__builtins__": {}}, names) for f in m["grid"]["formula"]]
+            lp = trt_mod.launch_params(k, T, L, nkv)
+            assert lp["grid"] == grid_from_manifest
+            assert lp["block"] == k["block"] == [k["num_warps"] * 32, 1, 1]  # compiled metadata
+            assert lp["shared_mem"] == k["shared_mem"]
+            assert trt_mod.kernel_config(k["head_dim"])["BLOCK_K"] == k["constexprs"]["BLOCK_K"]
+
+
+def test_kernel_parameters_match_plugin_calling_convention(built, trt_mod):
+    """The compiled entry takes: the plugin inputs, the scalar extra_args, the outputs (TensorRT's
+    AOT order), then Triton's two hidden scratch pointers."""
+    out, m = built[1], built[2]
+    ptr_in = ["ctx_ptr", "w_ptr", "b_ptr", "knorm_ptr", "cos_ptr", "sin_ptr", "pos_ptr", "slot_ptr", "scal_ptr",
+              "k_in_ptr", "v_in_ptr"]
+    assert m["arg_order"] == ptr_in + list(trt_mod.SCALAR_NAMES) + ["k_out_ptr", "v_out_ptr"]
+    assert len(ptr_in) == len(trt_mod.INPUT_NAMES)
+    for k in m["kernels"]:
+        ptx = (out / k["ptx"]).read_text()
+        params = re.findall(rf"\.param \.(\w+)(?: \.ptr \.global \.align \d+)? {k['name']}_param_(\d+)", ptx)
+        kinds = [t for t, _ in params]
+        n = len(m["arg_order"])
+        assert len(kinds) == n + len(m["hidden_trailing_args"])
+        assert kinds[:11] == ["u64"] * 11 and kinds[11:20] == ["u32"] * 9 and kinds[20:] == ["u64"] * 4
+        assert k["global_scratch_size"] == 0  # so the hidden scratch pointers may be null
+
+
+def test_scalar_args_match_torch_strides(trt_mod):
+    P, L, nkv, page, hd, T, H = 5, 3, 2, 16, 64, 7, 96
+    cache = torch.empty(P, L, nkv, page, hd)
+    got = dict(zip(trt_mod.SCALAR_NAMES, trt_mod.paged_cache_scalars(T, H, L, nkv, hd, page)))
+    assert (got["stride_page"], got["stride_layer"], got["stride_head"], got["stride_tok"]) == cache.stride()[:4]
+    assert got["page_shift"] == 4 and got["T"] == T and got["H"] == H and got["stride_ctx"] == H
+
+
+def test_shape_inference(trt_mod):
+    L, nkv, hd, page, T, H = 2, 2, 64, 16, 5, 96
+    shapes = {"ctx_raw": (T, H), "w_kv": (L * 2 * nkv * hd, H), "b_kv": (L * 2 * nkv * hd,), "k_norm_w": (L, hd),
+              "cos": (1024, hd), "sin": (1024, hd), "positions": (T,), "slots": (T,), "scalars": (3,),
+              "k_cache": (9, L, nkv, page, hd), "v_cache": (9, L, nkv, page, hd)}
+    assert trt_mod.infer_shapes(shapes, L, nkv, hd, page) == [(9, L, nkv, page, hd)] * 2
+    with pytest.raises(ValueError, match="w_kv"):
+        trt_mod.infer_shapes(dict(shapes, w_kv=(7, H)), L, nkv, hd, page)
+    with pytest.raises(ValueError, match="k_cache"):
+        trt_mod.infer_shapes(dict(shapes, k_cache=(9, L, nkv, 8, hd)), L, nkv, hd, page)
+    with pytest.raises(ValueError, match="power of two"):
+        trt_mod.paged_cache_scalars(T, H, L, nkv, hd, 12)
+    with pytest.raises(ValueError, match="head_dim 80"):
+        trt_mod.kernel_config(80)
+
+
+def test_select_kernel(built, trt_mod):
+    arch, _, m = built
+    sm = ARCHS[arch][-1]
+    k = trt_mod.select_kernel(m, sm, 128, "bf16", "fp8e4m3")
+    assert (k["sm"], k["head_dim"], k["cache_dtype"]) == (sm, 128, "fp8e4m3")
+    with pytest.raises(ValueError, match="no kernel for sm_80"):
+        trt_mod.select_kernel(m, 80, 128, "bf16", "bf16")
+
+
+def test_unknown_arch(tmp_path):
+    with pytest.raises(DFlashError, match="--arch 'ampere': expected one of blackwell, hopper"):
+        build_plugin("ampere", tmp_path / "p")
+    assert not (tmp_path / "p").exists()
+
+
+def test_cli(tmp_path, capsys):
+    from dflash_trt.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["plugin", "build", "--arch", "hopper", "--out", str(tmp_path / "p"), "--json"])
+    assert e.value.code == 0
+    m = json.loads(capsys.readouterr().out)
+    assert m["arch"] == "hopper" and (tmp_path / "p" / "plugin.json").is_file()
+    with pytest.raises(SystemExit) as e:
+        main(["plugin", "build", "--arch", "volta", "--out", str(tmp_path / "q")])
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert err.strip() == "error: --arch 'volta': expected one of blackwell, hopper"
