@@ -379,7 +379,9 @@ class Builder:
                                           *(["--calib", o.calib] if o.calib else []), "--out", "trtllm_ckpt")]}
             self.stage("convert", {**common, "backend": o.backend, "quant": s["quant"], "tp": o.tp, "pp": o.pp,
                                    "ep": o.ep, "calib": calib_hash, "kv_cache": s["kv_cache"],
-                                   "code": code_hash("convert.py", "checkpoint.py", "calibrate.py")},
+                                   # the converter's code matters only when it runs
+                                   "code": code_hash("convert.py", "checkpoint.py", "calibrate.py")
+                                   if o.backend == "engine" else None},
                        do_convert, ["trtllm_ckpt"] if o.backend == "engine" else [])
 
             # plugin (AOT kernels) -----------------------------------------------------------

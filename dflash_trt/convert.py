@@ -33,6 +33,7 @@ from dflash_trt.checkpoint import (CheckpointReader, Progress, ShardedWriter, Te
                                    check_finite, check_shapes, load_config, write_text)
 from dflash_trt.errors import DFlashError
 
+# TensorRT-LLM maps Qwen3ForCausalLM to its QWenForCausalLM; qwen_type "qwen3" turns on the q/k norms.
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 QUANTS = ("none", "fp8", "nvfp4")
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -131,8 +132,9 @@ def trtllm_config(cfg: dict, g: Geometry, dtype: torch.dtype, quant: str, kv_cac
     if rope_scaling:
         c["rotary_scaling"] = rope_scaling
     if mt == "qwen3":
+        # ModelOpt 0.47 omits qwen_type, so TensorRT-LLM would build Qwen (v1) without the q/k
+        # norms: we write it.
         c["qwen_type"] = "qwen3"
-        c["attn_bias"] = bool(cfg.get("attention_bias", False))
     c["mapping"] = {"world_size": g.tp * pp, "tp_size": g.tp, "pp_size": pp}
     q: dict = {"quant_algo": None if quant == "none" else quant.upper().replace("NVFP4", "NVFP4"),
                "kv_cache_quant_algo": "FP8" if kv_cache == "fp8" else None}

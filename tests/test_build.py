@@ -344,3 +344,45 @@ def test_bundles_reference_model_serves_the_same_text_as_generate(tiny, hopper):
     [(resp, flags)] = req.get_response_sender().sent
     text = {t.name(): t.as_numpy() for t in resp.output_tensors()}["text_output"][0].decode()
     assert text == _generate_cli(tiny / "llama", tiny / "llama-drafter", "hello there", 16)["text"]
+
+
+# ----------------------------------------------------------------------- the embedded pair
+def _embedded_pair(tmp_path_factory):
+    """The embedded target (SmolLM2-135M, converted once into $DFLASH_TRT_HOME) and our trained
+    drafter; while the drafter is not committed yet, a random drafter shaped for the same target
+    stands in (every stage still runs on the real 135M target)."""
+    from dflash_trt.embedded import embedded_drafter_path, ensure_embedded_target
+    from dflash_trt.errors import DFlashError
+
+    try:
+        target = ensure_embedded_target(progress=False)
+    except DFlashError as e:
+        pytest.skip(f"embedded target unavailable: {e}")
+    try:
+        return None, embedded_drafter_path()
+    except DFlashError:
+        from dflash_trt.drafter import DFlashDrafter, save_drafter
+        from dflash_trt.tiny import tiny_drafter_config
+
+        d = tmp_path_factory.mktemp("smol") / "drafter"
+        cfg = json.loads((target / "config.json").read_text())
+        save_drafter(DFlashDrafter(tiny_drafter_config(cfg, mask_token_id=0, block_size=8, layers=1)), d)
+        return "smollm2-135m", d
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch, quant", [("blackwell", "nvfp4"), ("hopper", "fp8")])
+def test_embedded_pair_builds_with_compile_deferred(tmp_path_factory, arch, quant):
+    target, drafter = _embedded_pair(tmp_path_factory)
+    bundle = tmp_path_factory.mktemp("emb") / f"smollm2-{arch}"
+    args = (["--target", target] if target else []) + ["--drafter", str(drafter), "--arch", arch, "--out", str(bundle)]
+    res = build_json(*args)
+    m = read_manifest(bundle)
+    assert m["target"]["name"] == "smollm2-135m" and m["quant"]["target"] == quant
+    assert {k: v["status"] for k, v in m["stages"].items()}["compile"] == "deferred"
+    assert [s["status"] for s in res["stages"]] == ["done", "done", "not-needed", "done", "done", "deferred", "done"]
+    algo = json.loads((bundle / "target/hf_quant_config.json").read_text())["quantization"]["quant_algo"]
+    assert algo == quant.upper()
+    assert _engine_files(bundle) == [] and verify(bundle) == []
+    again = build_json(*args)
+    assert [s["status"] for s in again["stages"]] == ["skipped"] * 7
