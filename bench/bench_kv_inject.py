@@ -44,15 +44,19 @@ def drafters():
         yield f"random drafter of the embedded shape, {layers} layer(s)", d
 
 
-def time_it(fn, iters: int) -> float:
-    for _ in range(max(3, iters // 10)):
-        fn()
-    samples = []
+def time_pair(fns: dict, iters: int) -> dict:
+    """Median and min seconds per call, the candidates interleaved call by call so that load from
+    other processes on a shared machine hits both alike."""
+    for fn in fns.values():
+        for _ in range(5):
+            fn()
+    samples = {n: [] for n in fns}
     for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+        for n, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            samples[n].append(time.perf_counter() - t0)
+    return {n: (statistics.median(x), min(x)) for n, x in samples.items()}
 
 
 def bench_cpu(iters: int) -> list[dict]:
@@ -67,11 +71,14 @@ def bench_cpu(iters: int) -> list[dict]:
         for T in (1, 4, 16):
             feats = torch.randn(T, c.n_features * c.hidden_size)
             pos = torch.arange(100, 100 + T)
-            ref = time_it(lambda: reference_inject_contiguous(d, feats, pos, k, v, 100), iters)
-            fused = time_it(lambda: inj.inject_contiguous(feats, pos, k, v, 100), iters)
+            r = time_pair({"reference": lambda: reference_inject_contiguous(d, feats, pos, k, v, 100),
+                           "fused": lambda: inj.inject_contiguous(feats, pos, k, v, 100)}, iters)
             rows.append({"drafter": label, "layers": c.num_hidden_layers, "T": T,
-                         "reference_us": round(ref * 1e6, 1), "fused_us": round(fused * 1e6, 1),
-                         "speedup": round(ref / fused, 3)})
+                         "reference_us": round(r["reference"][0] * 1e6, 1), "fused_us": round(r["fused"][0] * 1e6, 1),
+                         "speedup": round(r["reference"][0] / r["fused"][0], 3),
+                         "reference_min_us": round(r["reference"][1] * 1e6, 1),
+                         "fused_min_us": round(r["fused"][1] * 1e6, 1),
+                         "speedup_min": round(r["reference"][1] / r["fused"][1], 3)})
     return rows
 
 
@@ -103,8 +110,10 @@ def gpu_roofline(costs: list[dict]) -> dict:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="also write the JSON here")
-    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--iters", type=int, default=300)
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: steadier on shared machines)")
     a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)
     sys.path.insert(0, str(REPO))
     cpu = bench_cpu(a.iters)
     costs = [fused_op_cost(T) for T in (1, 4, 16)]

@@ -167,7 +167,7 @@ def build_model(drafter, embed: torch.Tensor, lm_head: torch.Tensor, page_size: 
     cos_tab, sin_tab = g.init("rope_cos", _np(drafter.rope.cos)), g.init("rope_sin", _np(drafter.rope.sin))
 
     # --- KV injection: fc (standard MatMul, TensorRT's GEMM) + the fused plugin node
-    ctx_raw = g.op("MatMul", ["features", g.init("fc_w_t", _np(inj.fc_w).T)])
+    ctx_raw = g.op("MatMul", ["features", g.init("fc_w_t", _np(inj.fc_w_t))])
     scalars = g.init("kv_scalars", np.array([inj.eps, 1.0, 1.0], dtype=np.float32))
     plugin_inputs = [ctx_raw, g.init("w_kv", _np(inj.w_kv)), g.init("b_kv", _np(inj.b_kv)),
                      g.init("k_norm_w", _np(inj.k_norm_w)), cos_tab, sin_tab, "positions", "slots", scalars,
@@ -311,7 +311,7 @@ def register_onnxruntime_kvinject() -> None:
             ctx_raw, w_kv, b_kv, k_norm_w, cos, sin, positions, slots, scalars, k_cache, v_cache))},
             L, nkv, int(attrs["head_dim"]), page)
         t = torch.from_numpy
-        k, v = fused_kv_from_ctx(t(ctx_raw), t(w_kv), t(b_kv), t(k_norm_w), t(cos), t(sin),
+        k, v = fused_kv_from_ctx(t(ctx_raw), t(w_kv).T, t(b_kv), t(k_norm_w), t(cos), t(sin),
                                  t(positions).long(), float(scalars[0]), L, nkv)
         k_out, v_out = t(k_cache.copy()), t(v_cache.copy())
         scatter_paged(k, v, t(slots), k_out, v_out, page)

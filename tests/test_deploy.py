@@ -171,3 +171,29 @@ def test_bad_input(tmp_path, capsys):
     assert code == 1 and "not a deploy folder" in err and (tmp_path / "taken" / "precious.txt").exists()
     with pytest.raises(DFlashError, match="helm rejected the values"):
         deploy.render({"replicas": -1})
+
+
+def test_real_build_output(tmp_path, capsys):
+    """A bundle from `dflash-trt build` itself (tiny Qwen3 pair, H200 FP8, compile deferred here):
+    deploy reads its manifest, the values agree with it, the render validates, and the bundle
+    still verifies (deploy writes nothing inside it)."""
+    code, _, err = run_cli(["make-tiny", "--arch", "qwen3", "--out", str(tmp_path / "t"),
+                            "--drafter-out", str(tmp_path / "d")], capsys)
+    assert code == 0, err
+    b = tmp_path / "bundle"
+    code, _, err = run_cli(["build", "--target", str(tmp_path / "t"), "--drafter", str(tmp_path / "d"),
+                            "--gpu", "h200", "--quant", "fp8", "--tp", "2", "--out", str(b)], capsys)
+    assert code == 0, err
+    m = json.loads((b / "manifest.json").read_text())
+    code, out, err = run_cli(["deploy", "--bundle", str(b), "--render", "--json"], capsys)
+    assert code == 0, err
+    v = json.loads(out)["values_content"]
+    assert v["parallel"]["tp"] == m["parallel"]["tp"] == 2
+    assert v["gpu"]["product"] == "NVIDIA-H200" and v["gpu"]["count"] == 2 and v["replicas"] == 4
+    assert v["bundle"]["modelRepository"] == m["triton_model_repository"]
+    assert (b / m["triton_model_repository"] / "tensorrt_llm").is_dir()
+    assert v["compile"]["enabled"] == (m["stages"]["compile"]["status"] == "deferred")
+    manifests = Path(json.loads(out)["manifests"])
+    validate_all([d for p in manifests.iterdir() for d in yaml.safe_load_all(p.read_text()) if d])
+    code, out, err = run_cli(["verify", "--bundle", str(b)], capsys)
+    assert code == 0, out + err

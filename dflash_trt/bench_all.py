@@ -1,0 +1,78 @@
+"""`make bench`: every benchmark of the project, each writing JSON into --out.
+
+- runtime_embedded.json: `dflash-trt bench` on the embedded pair, held-out prompts, greedy,
+  128 new tokens (tau, speed-up, losslessness; issue targets tau >= 3, speed-up >= 1.8x);
+- runtime_tiny.json: the same loop on a tiny random pair, for the per-block cost split
+  (bookkeeping = everything that is not a model forward; goal < 5%);
+- kv_inject.json: fused KV injection against the reference (bench/bench_kv_inject.py);
+- quantize.json: streaming NVFP4 quantization of multi-GB synthetic checkpoints against
+  `cat` and ModelOpt (bench/bench_quantize.py). Skipped with --quick.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _cli(argv: list[str], out: Path) -> dict:
+    print(f"$ dflash-trt {' '.join(argv)}", file=sys.stderr, flush=True)
+    res = subprocess.run([sys.executable, "-m", "dflash_trt.cli", *argv], stdout=subprocess.PIPE, text=True)
+    if res.returncode:
+        raise SystemExit(f"benchmark failed: dflash-trt {' '.join(argv)} (exit {res.returncode})")
+    out.write_text(res.stdout)
+    return json.loads(res.stdout)
+
+
+def _script(name: str, args: list[str], out: Path) -> dict | None:
+    script = ROOT / "bench" / name
+    print(f"$ python bench/{name} {' '.join(args)}", file=sys.stderr, flush=True)
+    res = subprocess.run([sys.executable, str(script), *args], stdout=subprocess.PIPE, text=True)
+    if res.returncode:
+        print(f"benchmark {name} failed (exit {res.returncode})", file=sys.stderr)
+        return None
+    out.write_text(res.stdout)
+    return json.loads(res.stdout)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=".bench", help="folder for the JSON reports")
+    ap.add_argument("--quick", action="store_true", help="skip the multi-GB quantization benchmark")
+    ap.add_argument("--limit", type=int, default=None, help="held-out prompts to use (default: all)")
+    a = ap.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    summary = {}
+    lim = ["--limit", str(a.limit)] if a.limit else []
+    r = _cli(["bench", "--json", "--max-new-tokens", "128", *lim], out / "runtime_embedded.json")
+    summary["runtime_embedded"] = {k: r[k] for k in ("tau", "speedup", "tokens_per_s_dflash", "tokens_per_s_ar",
+                                                     "lossless", "match_rate", "n_prompts", "block_size",
+                                                     "block_cost_split")}
+    with tempfile.TemporaryDirectory() as tmp:
+        _cli(["make-tiny", "--arch", "qwen3", "--out", f"{tmp}/t", "--drafter-out", f"{tmp}/d", "--json"],
+             Path(tmp) / "tiny.json")
+        prompts = Path(tmp) / "p.jsonl"
+        prompts.write_text("".join(json.dumps({"prompt": f"tiny prompt {i}"}) + "\n" for i in range(8)))
+        r = _cli(["bench", "--target", f"{tmp}/t", "--drafter", f"{tmp}/d", "--prompts", str(prompts),
+                  "--max-new-tokens", "64", "--threads", "1", "--json"], out / "runtime_tiny.json")
+        summary["runtime_tiny"] = {"block_cost_split": r["block_cost_split"], "ms_per_block": r["ms_per_block"]}
+    kv = _script("bench_kv_inject.py", [], out / "kv_inject.json")
+    if kv is not None:
+        summary["kv_inject"] = kv
+    if not a.quick:
+        q = _script("bench_quantize.py", ["--json"], out / "quantize.json")
+        if q is not None:
+            summary["quantize"] = q
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
