@@ -55,7 +55,7 @@ def encode_prompt(tokenizer, prompt: str, chat: bool = True) -> list[int]:
 
 def generate(pair: Pair, prompt: str | list[int], *, max_new_tokens: int = 128, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, block_size: int | None = None,
-             mode: str = "dflash", chat: bool = True, fused_inject: bool = False):
+             mode: str = "dflash", chat: bool = True, fused_inject: bool = True):
     """Generate from text (or token ids). Returns a runtime.GenerationResult with `.text` set."""
     from dflash_trt import runtime
 

@@ -37,7 +37,7 @@ def read_prompt_file(path: str | Path) -> list[str]:
 
 
 def run_bench(pair, prompts: list[str], *, max_new_tokens: int = 128, block_size: int | None = None,
-              temperature: float = 0.0, seed: int = 0, fused_inject: bool = False, progress: bool = True) -> dict:
+              temperature: float = 0.0, seed: int = 0, fused_inject: bool = True, progress: bool = True) -> dict:
     from tqdm import tqdm
 
     from dflash_trt.api import encode_prompt

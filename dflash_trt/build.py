@@ -261,7 +261,7 @@ class Builder:
         t0 = time.perf_counter()
         prev = (self.prev_manifest or {}).get("stages", {}).get(name) if not self.o.force else None
         if prev and prev.get("inputs_sha256") == digest and prev["status"] not in ("failed", "skipped") \
-                and all((self.prev_dir / p).exists() for p in prev["outputs"]):
+                and self._outputs_intact(name, prev["outputs"]):
             for p in prev["outputs"]:
                 link_tree(self.prev_dir / p, self.work / p)
             # `status` stays the stage's outcome (done / deferred / not-needed: what deploy reads);
@@ -282,6 +282,29 @@ class Builder:
         status = "skipped" if entry["skipped"] else entry["status"]
         self.reports.append(StageReport(name, status, round(secs, 2), entry["outputs"], size, entry.get("reason", "")))
         return entry
+
+    def _outputs_intact(self, name: str, outputs: list[str]) -> bool:
+        """Are a stage's outputs in the previous bundle exactly what its manifest recorded?
+        (A file edited since is re-made, not carried into the new bundle.)"""
+        from dflash_trt.manifest import sha256_file
+
+        arts = {a["path"]: a for a in self.prev_manifest.get("artifacts", [])}
+        stats = self.prev_manifest.get("artifact_stats", {})
+        for out in outputs:
+            root = self.prev_dir / out
+            if not root.exists():
+                return False
+            files = [root] if root.is_file() else [f for f in root.rglob("*") if f.is_file()]
+            for f in files:
+                rel = f.relative_to(self.prev_dir).as_posix()
+                a, st = arts.get(rel), f.stat()
+                if a is None or a["bytes"] != st.st_size:
+                    self.log(f"{name}: {rel} changed since the last build; re-running the stage")
+                    return False
+                if stats.get(rel) != [st.st_size, st.st_mtime_ns] and sha256_file(f) != a["sha256"]:
+                    self.log(f"{name}: {rel} changed since the last build; re-running the stage")
+                    return False
+        return True
 
     def run(self) -> dict:
         from dflash_trt import __version__
@@ -318,7 +341,6 @@ class Builder:
         if o.calib is not None and not Path(o.calib).is_file():
             raise DFlashError(f"--calib {o.calib}: no such file")
         calib_hash = cache.sha256(Path(o.calib)) if o.calib else None
-        self.dest = dest
 
         with atomic_output_dir(dest) as work:
             self.work = work
@@ -444,14 +466,16 @@ class Builder:
             # package: serving configs + Triton repository -------------------------------------
             def do_package():
                 m["serving_configs"] = write_configs(work, m, tcfg, B)
-                ref = reference_pair(work, m, tdir, ddir, s)
+                ref = reference_pair(work, ref_layout, tdir, ddir)
                 write_triton(work, m, tcfg, B, ref)
                 (work / "engines").mkdir(exist_ok=True)
                 (work / "engines" / "README.txt").write_text(
                     "TensorRT engines of this bundle, written by `dflash-trt compile --bundle <bundle>` on the GPU\n"
                     "node into engines/<gpu>-trt<version>/ (see manifest.json, stages.compile).\n")
                 return {}
-            pkg_out = ["configs", "triton", "engines/README.txt"] + (["reference"] if _needs_reference_copy(s, tdir, ddir) else [])
+            ref_layout = reference_layout(s, tdir, ddir)
+            m["reference_runtime"] = {"layout": ref_layout}
+            pkg_out = ["configs", "triton", "engines/README.txt"] + (["reference"] if ref_layout == "copy" else [])
             self.stage("package", {**common, "manifest": {k: v for k, v in m.items() if k != "created"},
                                    "code": code_hash("serving_configs.py", "triton_repo.py", "assets/triton_templates")},
                        do_package, pkg_out)
@@ -469,31 +493,24 @@ class Builder:
         return {"bundle": str(dest), "manifest": m, "stages": [asdict(r) for r in self.reports]}
 
     def _artifacts(self, work: Path) -> list[dict]:
-        """Artifact list; files linked unchanged from the previous bundle keep their recorded
-        sha256 when size and mtime are unchanged (a hard link shares both)."""
-        from dflash_trt.manifest import HashCache, list_artifacts, sha256_file
+        """Artifact list. A file linked unchanged from the previous bundle keeps its recorded
+        sha256 when its size and mtime are those recorded (a hard link or copy2 keeps both), so a
+        re-run does not re-read multi-GB checkpoints; `verify` always re-hashes everything."""
+        from dflash_trt.manifest import bundle_files, sha256_file
 
         old = {a["path"]: a for a in (self.prev_manifest or {}).get("artifacts", [])}
         stats = (self.prev_manifest or {}).get("artifact_stats", {})
         out = []
-        for a in list_artifacts(work, _NoHash()):
-            p = work / a["path"]
-            st = p.stat()
-            prev = old.get(a["path"])
-            if prev and stats.get(a["path"]) == [st.st_size, st.st_mtime_ns] and prev["bytes"] == st.st_size \
-                    and a["path"].split("/")[0] in self.reused:
-                a["sha256"] = prev["sha256"]
+        for rel in bundle_files(work):
+            st = (work / rel).stat()
+            prev = old.get(rel)
+            reused = any(rel == r or rel.startswith(r + "/") for r in self.reused)
+            if reused and prev and prev["bytes"] == st.st_size and stats.get(rel) == [st.st_size, st.st_mtime_ns]:
+                digest = prev["sha256"]
             else:
-                a["sha256"] = sha256_file(p)
-            out.append(a)
+                digest = sha256_file(work / rel)
+            out.append({"path": rel, "bytes": st.st_size, "sha256": digest})
         return out
-
-
-class _NoHash:
-    """list_artifacts hook: sizes only; the builder fills in the hashes."""
-
-    def sha256(self, path):
-        return "0" * 64
 
 
 def _layer_ids(zlab_ids: list[int], num_layers: int) -> dict:
@@ -502,21 +519,24 @@ def _layer_ids(zlab_ids: list[int], num_layers: int) -> dict:
     return layer_ids_by_stack(zlab_ids, num_layers)
 
 
-def _needs_reference_copy(s: dict, tdir: Path, ddir: Path) -> bool:
-    """The reference runtime loads unquantized checkpoints: when the bundle's target is
-    quantized, a small pair gets its own copy under reference/ (hard links)."""
-    return s["quant"] in ("fp8", "nvfp4") or s["drafter_quant"] == "fp8"
+def reference_layout(s: dict, tdir: Path, ddir: Path) -> str:
+    """Where the dflash_reference model finds its pair. The reference runtime loads unquantized
+    checkpoints: "bundle" = the bundle's own target/ and drafter/ (not quantized); "copy" = a
+    copy of the source pair under reference/ (hard links; small models); "source" = the source
+    folders by absolute path (too big to carry; CPU smoke tests of such models are impractical)."""
+    if s["quant"] not in ("fp8", "nvfp4") and s["drafter_quant"] != "fp8":
+        return "bundle"
+    return "copy" if _dir_bytes(tdir) + _dir_bytes(ddir) <= REFERENCE_COPY_MAX_BYTES else "source"
 
 
-def reference_pair(work: Path, m: dict, tdir: Path, ddir: Path, s: dict) -> dict:
-    """Paths (bundle-relative when inside) of the pair the dflash_reference model serves."""
-    if not _needs_reference_copy(s, tdir, ddir):
-        return {"target": "target", "drafter": "drafter", "self_contained": True}
-    if _dir_bytes(tdir) + _dir_bytes(ddir) <= REFERENCE_COPY_MAX_BYTES:
+def reference_pair(work: Path, layout: str, tdir: Path, ddir: Path) -> dict:
+    if layout == "bundle":
+        return {"target": "target", "drafter": "drafter"}
+    if layout == "copy":
         link_tree(tdir, work / "reference" / "target")
         link_tree(ddir, work / "reference" / "drafter")
-        return {"target": "reference/target", "drafter": "reference/drafter", "self_contained": True}
-    return {"target": str(tdir), "drafter": str(ddir), "self_contained": False}
+        return {"target": "reference/target", "drafter": "reference/drafter"}
+    return {"target": str(tdir), "drafter": str(ddir)}
 
 
 def write_configs(work: Path, m: dict, tcfg: dict, B: int) -> dict:

@@ -11,6 +11,8 @@ relies on:
                                  absolute; else the preset's drafter shapes)
     quant.drafter                "fp8" | "none" (default none)
     max_seq_len                  int: the planner's sequence length (default min(model max, 32768))
+    <triton_model_repository>/tensorrt_llm/1/model.yaml (optional file): kv_cache_config.
+                                 free_gpu_memory_fraction, max_batch_size, max_num_tokens
     arch                         "blackwell" | "hopper"
     gpu                          "b300" | "b200" | "gb200" | "h200" | "h100" | null (no GPU pinned:
                                  a CPU-only deployment of the reference-runtime model)
@@ -123,10 +125,31 @@ def plan_for_bundle(bundle: str | Path, *, nodes: int = 1, gpus_per_node: int | 
     if int(par.get("pp") or 1) != 1:
         raise DFlashError("manifest.json: parallel.pp > 1 is not planned; set the chart's parallel.pp by hand")
     q = m["quant"]
+    llm = _llm_api_settings(bundle, m)
     return planner.plan(m["target"]["config"], dcfg, hw, target_name=m["target"].get("name", "target"),
                         drafter_name=dname, quant=q.get("target", "auto"), kv_cache=q.get("kv_cache", "auto"),
                         drafter_quant=q.get("drafter") or "none", max_seq_len=max_seq_len or m.get("max_seq_len"), nodes=nodes, gpus_per_node=gpus_per_node, objective=objective,
-                        tp=par.get("tp"), ep=par.get("ep"))
+                        tp=par.get("tp"), ep=par.get("ep"), **llm)
+
+
+def _llm_api_settings(bundle: Path, m: dict) -> dict:
+    """KV fraction, batch and token limits from the bundle's TensorRT-LLM model.yaml (what the
+    server will really use), where present."""
+    path = bundle / m["triton_model_repository"] / "tensorrt_llm" / "1" / "model.yaml"
+    if not path.is_file():
+        return {}
+    try:
+        y = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise DFlashError(f"{path}: invalid YAML ({e})") from None
+    out = {}
+    frac = (y.get("kv_cache_config") or {}).get("free_gpu_memory_fraction")
+    if frac is not None:
+        out["kv_fraction"] = float(frac)
+    for key in ("max_batch_size", "max_num_tokens"):
+        if y.get(key):
+            out[key] = int(y[key])
+    return out
 
 
 def deploy_values(bundle: str | Path, *, nodes: int = 1, gpus_per_node: int | None = None,

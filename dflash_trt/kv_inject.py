@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 import sys
 from pathlib import Path
 
@@ -183,16 +182,19 @@ def fused_kv_from_ctx(ctx_raw, w_kv_t, b_kv, k_norm_w, cos_tab, sin_tab, positio
     T = ctx_raw.shape[0]
     hd = k_norm_w.shape[-1]
     dt = torch.promote_types(ctx_raw.dtype, torch.float32)
-    rstd = torch.rsqrt(ctx_raw.to(dt).pow(2).mean(-1, keepdim=True) + eps)       # hidden_norm's 1/rms
-    kv = (ctx_raw @ w_kv_t).to(dt) * rstd                                        # GEMM 2
+    x = ctx_raw.to(dt)
+    rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(eps))                 # hidden_norm's 1/rms
+    kv = (ctx_raw @ w_kv_t).to(dt).mul_(rstd)                                     # GEMM 2
     if b_kv is not None:
-        kv = kv + b_kv.to(dt)
+        kv.add_(b_kv.to(dt))
     kv = kv.view(T, L, 2, nkv, hd)
     k, v = kv[:, :, 0], kv[:, :, 1]
-    k = F.rms_norm(k, (hd,), eps=eps) * k_norm_w[None, :, None, :].to(dt)
+    k = k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True).add_(eps))                # k_norm (per head)
+    k.mul_(k_norm_w[None, :, None, :].to(dt))
     cos, sin = cos_tab[positions][:, None, None, :].to(dt), sin_tab[positions][:, None, None, :].to(dt)
     half = hd // 2
-    k = k * cos + torch.cat([-k[..., half:], k[..., :half]], dim=-1) * sin
+    rot = torch.cat([-k[..., half:], k[..., :half]], dim=-1)                      # rotate-half RoPE
+    k = k.mul_(cos).addcmul_(rot, sin)
     return k.to(ctx_raw.dtype), v.to(ctx_raw.dtype)
 
 

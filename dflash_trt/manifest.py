@@ -149,15 +149,20 @@ class HashCache:
         return sha256_json(parts)
 
 
+def bundle_files(bundle: str | Path) -> list[str]:
+    """Relative paths of every file of a bundle except manifest.json (and Python caches that a
+    Triton Python backend may leave beside a model.py)."""
+    bundle = Path(bundle)
+    return [p.relative_to(bundle).as_posix() for p in sorted(bundle.rglob("*"))
+            if p.is_file() and p.relative_to(bundle).as_posix() != MANIFEST_NAME and "__pycache__" not in p.parts]
+
+
 def list_artifacts(bundle: str | Path, cache: HashCache | None = None) -> list[dict]:
     """Every file of the bundle except the manifest itself: path (relative), bytes, sha256."""
     bundle = Path(bundle)
     cache = cache or HashCache()
-    out = []
-    for p in sorted(bundle.rglob("*")):
-        if p.is_file() and p.name != MANIFEST_NAME and "__pycache__" not in p.parts:
-            out.append({"path": p.relative_to(bundle).as_posix(), "bytes": p.stat().st_size, "sha256": cache.sha256(p)})
-    return out
+    return [{"path": rel, "bytes": (bundle / rel).stat().st_size, "sha256": cache.sha256(bundle / rel)}
+            for rel in bundle_files(bundle)]
 
 
 def read_manifest(bundle: str | Path) -> dict:
@@ -218,9 +223,5 @@ def verify(bundle: str | Path) -> list[str]:
         digest = sha256_file(p)
         if digest != a["sha256"]:
             problems.append(f"{rel}: sha256 {digest[:16]}… does not match the manifest's {a['sha256'][:16]}…")
-    for p in sorted(bundle.rglob("*")):
-        if p.is_file() and p.name != MANIFEST_NAME and "__pycache__" not in p.parts:
-            rel = p.relative_to(bundle).as_posix()
-            if rel not in listed:
-                problems.append(f"{rel}: not listed in the manifest")
+    problems += [f"{rel}: not listed in the manifest" for rel in bundle_files(bundle) if rel not in listed]
     return problems

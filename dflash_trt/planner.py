@@ -364,6 +364,7 @@ class Plan:
     max_seq_len: int
     max_num_tokens: int
     max_batch_size: int
+    kv_fraction: float
     block_size: int
     objective: str
     total_params: int
@@ -392,15 +393,19 @@ def plan(target_cfg: dict, drafter_cfg: dict | None, hardware: str | Hardware, *
          drafter_name: str | None = None, quant: str = "auto", kv_cache: str = "auto",
          drafter_quant: str = "none", max_seq_len: int | None = None, nodes: int = 1, gpus_per_node: int | None = None,
          max_num_tokens: int = DEFAULT_MAX_NUM_TOKENS, max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
-         objective: str = "latency", tp: int | None = None, ep: int | None = None) -> Plan:
+         objective: str = "latency", tp: int | None = None, ep: int | None = None,
+         kv_fraction: float = FREE_GPU_MEMORY_FRACTION) -> Plan:
     """Evaluate every TP / EP / replica layout of `nodes` nodes of `hardware`, ranked.
 
     Ranking (fitting layouts first): objective "latency" prefers a replica inside one NVLink
     domain, then the widest TP (fewest weight bytes read per GPU per step), then EP 1 (the
     TensorRT-LLM latency recipe), then the most KV tokens; "throughput" prefers the most concurrent
     sequences over all replicas, then the narrowest TP, then the widest EP. `tp` / `ep` restrict
-    the search to those values (a bundle whose model repository fixes them)."""
+    the search to those values (a bundle whose model repository fixes them); `kv_fraction` is
+    kv_cache_config.free_gpu_memory_fraction."""
     hw = hardware if isinstance(hardware, Hardware) else get_hardware(hardware)
+    if not 0 < kv_fraction <= 1:
+        raise DFlashError(f"free_gpu_memory_fraction {kv_fraction}: must be in (0, 1]")
     if objective not in ("latency", "throughput"):
         raise DFlashError(f"--objective {objective!r}: choose latency or throughput")
     if nodes < 1:
@@ -429,16 +434,21 @@ def plan(target_cfg: dict, drafter_cfg: dict | None, hardware: str | Hardware, *
     total_gpus = nodes * gpn
 
     layouts: list[Layout] = []
-    tps = [t for t in _divisors(total_gpus) if tp is None or t == tp]
+    # Powers of two only: the head counts of the models served are, and the chart's schema checks
+    # GPU counts against tp × pp for powers of two.
+    tps = [t for t in _divisors(total_gpus) if t & (t - 1) == 0 and (tp is None or t == tp)]
+    if tp is not None and tp & (tp - 1):
+        raise DFlashError(f"tp {tp}: the planner and the Helm chart take tensor parallel sizes that are powers of two")
     if tp is not None and total_gpus % tp:
-        raise DFlashError(f"tp {tp} does not divide the {total_gpus} GPUs of {nodes} node(s) × {gpn}")
+        raise DFlashError(f"tp {tp}: {nodes} node(s) × {gpn} GPUs = {total_gpus} is not a multiple of tp "
+                          "(pass --nodes / --gpus-per-node)")
     for t in tps:
         eps = [e for e in _divisors(t) if target.experts and (ep is None or e == ep)] or [1]
         if not target.experts:
             eps = [1]
         for e in eps:
             layouts.append(_evaluate(target, drafter, hw, fmt, drafter_quant, kv, t, e, total_gpus, gpn,
-                                     max_seq_len, max_num_tokens, logits_tokens, block))
+                                     max_seq_len, max_num_tokens, logits_tokens, block, kv_fraction))
 
     if objective == "latency":
         key = lambda l: (not l.fits, not l.within_nvlink_domain, -l.tp, l.ep, -l.kv_tokens)
@@ -458,7 +468,8 @@ def plan(target_cfg: dict, drafter_cfg: dict | None, hardware: str | Hardware, *
     return Plan(
         target=target_name, drafter=drafter_name if drafter else None, hardware=hw.name, nodes=nodes,
         gpus_per_node=gpn, quant={"target": fmt, "kv_cache": kv, "drafter": drafter_quant}, max_seq_len=max_seq_len,
-        max_num_tokens=max_num_tokens, max_batch_size=max_batch_size, block_size=block, objective=objective,
+        max_num_tokens=max_num_tokens, max_batch_size=max_batch_size, kv_fraction=kv_fraction, block_size=block,
+        objective=objective,
         total_params=target.total_params, active_params=target.active_params,
         drafter_params=drafter.total_params if drafter else 0,
         weights_bytes={"target": weight_bytes(target, fmt), "drafter": weight_bytes(drafter, drafter_quant) if drafter else 0},
@@ -469,7 +480,7 @@ def plan(target_cfg: dict, drafter_cfg: dict | None, hardware: str | Hardware, *
 
 
 def _evaluate(target, drafter, hw, fmt, dfmt, kv, tp, ep, total_gpus, gpn, max_seq_len, max_num_tokens,
-              logits_tokens, block) -> Layout:
+              logits_tokens, block, kv_fraction) -> Layout:
     replicas = total_gpus // tp
     nodes_per_replica = max(1, math.ceil(tp / gpn))
     lay = Layout(tp=tp, ep=ep, pp=1, replicas=replicas, nodes_per_replica=nodes_per_replica, fits=False,
@@ -500,7 +511,7 @@ def _evaluate(target, drafter, hw, fmt, dfmt, kv, tp, ep, total_gpus, gpn, max_s
                       f"+ runtime {lay.runtime_reserve_bytes / GIB:.1f} GiB per GPU > {hw.memory_bytes / GIB:.1f} GiB "
                       f"of {hw.gpu}")
         return lay
-    budget = int((hw.memory_bytes - fixed) * FREE_GPU_MEMORY_FRACTION)
+    budget = int((hw.memory_bytes - fixed) * kv_fraction)
     lay.kv_budget_bytes_per_gpu = budget
     window = 0
     if target.sliding_layers:
@@ -577,5 +588,11 @@ def format_plan(p: Plan) -> str:
                      f"{l.max_sequences:>9,}  {l.reason}")
     c = p.chosen
     lines.append("")
-    lines.append(f"chosen: tp {c.tp}, ep {c.ep}, {c.replicas} replica(s)" if c else "chosen: nothing fits")
+    if c:
+        lines.append(f"chosen: tp {c.tp}, ep {c.ep}, {c.replicas} replica(s); per GPU: weights "
+                     f"{gb(c.weights_bytes_per_gpu)} + drafter {gb(c.drafter_bytes_per_gpu)} + activations "
+                     f"{gb(c.activation_bytes_per_gpu)} + runtime {gb(c.runtime_reserve_bytes)}, KV pool "
+                     f"{gb(c.kv_budget_bytes_per_gpu)} ({c.kv_bytes_per_token_per_gpu:,} B/token per GPU)")
+    else:
+        lines.append("chosen: nothing fits")
     return "\n".join(lines)

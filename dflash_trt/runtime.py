@@ -87,9 +87,9 @@ def inject_reference(drafter: DFlashDrafter, features, start: int, cache: Drafte
 def _injector(drafter: DFlashDrafter, fused: bool):
     if not fused:
         return lambda feats, start, cache: inject_reference(drafter, feats, start, cache)
-    from dflash_trt.kv_inject import FusedKVInjector
+    from dflash_trt.kv_inject import fused_injector
 
-    inj = FusedKVInjector(drafter)
+    inj = fused_injector(drafter)  # built once per drafter (concatenated, transposed weights)
 
     def run(feats, start, cache):
         inj.inject_contiguous(feats, torch.arange(start, start + feats.shape[0]), cache.k, cache.v, start)
@@ -101,7 +101,7 @@ def _injector(drafter: DFlashDrafter, fused: bool):
 def generate(target: TargetModel, drafter: DFlashDrafter | None, prompt_ids: list[int], *,
              max_new_tokens: int = 128, sampling: SamplingParams | None = None, seed: int = 0,
              block_size: int | None = None, mode: str = "dflash", stop_ids: list[int] = (),
-             fused_inject: bool = False) -> GenerationResult:
+             fused_inject: bool = True) -> GenerationResult:
     sp = sampling or SamplingParams()
     gen = torch.Generator().manual_seed(seed)
     stop = set(stop_ids)

@@ -386,3 +386,71 @@ def test_embedded_pair_builds_with_compile_deferred(tmp_path_factory, arch, quan
     assert _engine_files(bundle) == [] and verify(bundle) == []
     again = build_json(*args)
     assert [s["status"] for s in again["stages"]] == ["skipped"] * 7
+
+
+def test_arch_auto_reads_the_gpu_from_nvidia_smi(tiny, tmp_path, monkeypatch):
+    """A GPU node without TensorRT: `nvidia-smi` here is a stand-in script printing what the real
+    one prints for `--query-gpu=name,compute_cap --format=csv,noheader` on a B300; the build
+    picks Blackwell / b300 from it and still defers compile, now for TensorRT alone."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    smi = bindir / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'NVIDIA B300 SXM6 AC, 10.3'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
+    bundle = tmp_path / "auto"
+    build_json("--target", str(tiny / "llama"), "--drafter", str(tiny / "llama-drafter"), "--quant", "none",
+               "--out", str(bundle))
+    m = read_manifest(bundle)
+    assert (m["arch"], m["gpu"], m["sm"]) == ("blackwell", "b300", [103])
+    c = m["stages"]["compile"]
+    assert c["status"] == "deferred" and "TensorRT" in c["reason"] and "no NVIDIA GPU" not in c["reason"]
+
+
+def test_failed_rebuild_leaves_the_previous_bundle_intact(capsys, tiny, hopper, tmp_path):
+    bundle, _ = hopper
+    copy = tmp_path / "b"
+    shutil.copytree(bundle, copy)
+    before = read_manifest(copy)
+    # engine backend + FP8 needs calibration prompts: the convert stage fails after check and
+    # quantize have already written into the temporary folder
+    code, _, err = cli(capsys, "build", "--target", str(tiny / "llama"), "--drafter", str(tiny / "llama-drafter"),
+                       "--arch", "hopper", "--gpu", "h200", "--backend", "engine", "--out", str(copy))
+    assert code == 1 and "--calib" in err
+    assert read_manifest(copy) == before and verify(copy) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]  # no temporary folder left beside it
+
+
+def test_preset_found_in_the_local_hub_cache_is_used(tmp_path, monkeypatch):
+    """`--target qwen3-8b` resolves to a snapshot in the Hugging Face cache layout
+    (models--org--name/snapshots/<rev>); here tiny stand-ins sit where the real files would."""
+    from dflash_trt.tiny import make_tiny
+
+    hub = tmp_path / "hub"
+    t = hub / "models--Qwen--Qwen3-8B" / "snapshots" / "rev1"
+    d = hub / "models--z-lab--Qwen3-8B-DFlash-b16" / "snapshots" / "rev2"
+    make_tiny("qwen3", t, d, seed=4)
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    monkeypatch.setenv("DFLASH_TRT_HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    res = build_json("--target", "qwen3-8b", "--arch", "hopper", "--quant", "none")
+    assert res["bundle"] == "engines/qwen3-8b-hopper-none"  # default --out under engines/
+    m = read_manifest(tmp_path / res["bundle"])
+    assert m["target"]["name"] == "qwen3-8b" and m["target"]["hf_id"] == "Qwen/Qwen3-8B"
+    assert m["target"]["path"] == str(t.resolve()) and m["drafter"]["path"] == str(d.resolve())
+
+
+def test_rebuild_remakes_a_stage_whose_output_was_edited(hopper, tiny, tmp_path):
+    bundle, _ = hopper
+    copy = tmp_path / "b"
+    shutil.copytree(bundle, copy)
+    before = read_manifest(copy)
+    sg = copy / "configs" / "sglang.json"
+    sg.write_text(sg.read_text().replace("DFLASH", "EAGLE3"))  # same stage inputs, edited output
+    res = build_json("--target", str(tiny / "llama"), "--drafter", str(tiny / "llama-drafter"), "--arch", "hopper",
+                     "--gpu", "h200", "--out", str(copy))
+    status = {s["name"]: s["status"] for s in res["stages"]}
+    assert status["package"] == "done" and status["quantize"] == "skipped"
+    assert "DFLASH" in sg.read_text() and verify(copy) == []
+    sha = {a["path"]: a["sha256"] for a in read_manifest(copy)["artifacts"]}
+    assert sha == {a["path"]: a["sha256"] for a in before["artifacts"]}

@@ -18,7 +18,19 @@ from dflash_trt.errors import DFlashError
 from dflash_trt.manifest import validate as validate_manifest
 
 helm = pytest.importorskip("helm_python")
-from test_helm import objects, validate_all  # noqa: E402
+
+
+def _helm_test_helpers():
+    """objects() and validate_all() of test_helm.py, loaded by path (works in any import mode)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_dflash_test_helm", Path(__file__).with_name("test_helm.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.objects, mod.validate_all
+
+
+objects, validate_all = _helm_test_helpers()
 
 
 def write_bundle(root: Path, target="gpt-oss-120b", gpu="b300", arch="blackwell", quant="mxfp4", kv="fp8",
@@ -118,6 +130,18 @@ def test_two_nodes_leaderworkerset(tmp_path):
     assert lws["spec"]["leaderWorkerTemplate"]["size"] == 2
 
 
+def test_gb200_tp8_spans_two_compute_trays(tmp_path):
+    # GB200 NVL72 nodes hold 4 GPUs; TP 8 stays in the 72-GPU NVLink domain but spans two pods.
+    b = write_bundle(tmp_path, target="qwen3-8b", gpu="gb200", quant="nvfp4", tp=8)
+    values, p = deploy.deploy_values(b, nodes=2)
+    assert values["workload"]["kind"] == "LeaderWorkerSet" and values["gpu"] == {"count": 4, "product": "NVIDIA-GB200"}
+    assert p.chosen.within_nvlink_domain and p.chosen.nodes_per_replica == 2
+    lws = next(o for o in objects(deploy.render(values)) if o["kind"] == "LeaderWorkerSet")
+    assert lws["spec"]["leaderWorkerTemplate"]["size"] == 2
+    with pytest.raises(DFlashError, match="not a multiple of tp"):
+        deploy.deploy_values(b, nodes=1)
+
+
 def test_h200_fp8_bundle(tmp_path):
     b = write_bundle(tmp_path, target="qwen3-8b", gpu="h200", arch="hopper", quant="fp8", kv="fp8", tp=2,
                      compile_status="done")
@@ -193,6 +217,11 @@ def test_real_build_output(tmp_path, capsys):
     assert v["bundle"]["modelRepository"] == m["triton_model_repository"]
     assert (b / m["triton_model_repository"] / "tensorrt_llm").is_dir()
     assert v["compile"]["enabled"] == (m["stages"]["compile"]["status"] == "deferred")
+    # The plan uses the bundle's own TensorRT-LLM settings (model.yaml).
+    llm = yaml.safe_load((b / "triton" / "tensorrt_llm" / "1" / "model.yaml").read_text())
+    p = deploy.plan_for_bundle(b)
+    assert p.kv_fraction == llm["kv_cache_config"]["free_gpu_memory_fraction"]
+    assert (p.max_batch_size, p.max_num_tokens) == (llm["max_batch_size"], llm["max_num_tokens"])
     manifests = Path(json.loads(out)["manifests"])
     validate_all([d for p in manifests.iterdir() for d in yaml.safe_load_all(p.read_text()) if d])
     code, out, err = run_cli(["verify", "--bundle", str(b)], capsys)

@@ -93,6 +93,12 @@ def validate_all(objs: list[dict]) -> list[str]:
     for o in objs:
         if o["kind"] == "LeaderWorkerSet":
             jsonschema.validate(o, lws_schema())
+            # CRD schemas do not reject unknown fields (the API server prunes them): check the
+            # leader and worker pod templates as Pods against the strict Kubernetes schema too.
+            tpl = o["spec"]["leaderWorkerTemplate"]
+            for role in ("leaderTemplate", "workerTemplate"):
+                kv.validate({"apiVersion": "v1", "kind": "Pod", "metadata": tpl[role].get("metadata", {}),
+                             "spec": tpl[role]["spec"]}, K8S_VERSION, strict=True)
         elif o["apiVersion"].startswith("monitoring.coreos.com/"):
             # A Prometheus Operator CRD: no schema kept here; check the fields we rely on.
             ep = o["spec"]["endpoints"][0]
@@ -279,7 +285,8 @@ def test_schema_rejects(case):
 
 
 @pytest.mark.parametrize("gpus,tp,pp,ok", [(8, 8, 1, True), (8, 4, 2, True), (8, 2, 2, False), (4, 2, 2, True),
-                                           (2, 1, 2, True), (2, 1, 1, False), (8, 16, 1, True), (4, 1, 8, True)])
+                                           (2, 1, 2, True), (2, 1, 1, False), (8, 16, 1, True), (4, 1, 8, True),
+                                           (16, 16, 1, True), (16, 8, 1, False), (16, 4, 4, True)])
 def test_schema_divisibility_rule(gpus, tp, pp, ok):
     with helm.Chart.load(str(CHART)) as chart:
         values = chart.merge_values({"gpu": {"count": gpus}, "parallel": {"tp": tp, "pp": pp}})

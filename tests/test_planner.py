@@ -149,6 +149,16 @@ def test_objectives():
     assert not next(l for l in two.layouts if l.tp == 16).within_nvlink_domain
 
 
+def test_tp_sizes_are_powers_of_two():
+    _, cfg, dcfg = preset("qwen3-8b")
+    p = planner.plan(cfg, dcfg, "dgx-b200", nodes=3)             # 24 GPUs
+    assert sorted({l.tp for l in p.layouts}) == [1, 2, 4, 8]
+    assert (p.chosen.tp, p.chosen.replicas) == (8, 3)
+    _, cfg, _ = preset("smollm2-135m")
+    with pytest.raises(DFlashError, match="powers of two"):
+        planner.plan(cfg, None, "dgx-b200", nodes=3, tp=3)
+
+
 def test_impossible_formats_are_refused():
     _, cfg, dcfg = preset("qwen3-8b")
     with pytest.raises(DFlashError, match="no FP4 tensor cores"):

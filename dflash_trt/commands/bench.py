@@ -35,7 +35,6 @@ def bench_cmd(target, drafter, prompts_file, max_new_tokens, block_size, tempera
 
     from dflash_trt.api import load_pair
     from dflash_trt.bench import format_table, read_prompt_file, run_bench
-    from dflash_trt.commands.core import _have_fused
     from dflash_trt.presets import resolve_drafter, resolve_target
 
     if threads:
@@ -46,7 +45,7 @@ def bench_cmd(target, drafter, prompts_file, max_new_tokens, block_size, tempera
     prompts = read_prompt_file(prompts_file)[:limit]
     pair = load_pair(resolve_target(target), resolve_drafter(drafter, target), dtype)
     report = run_bench(pair, prompts, max_new_tokens=max_new_tokens, block_size=block_size, temperature=temperature,
-                       fused_inject=fused and _have_fused(), progress=True)
+                       fused_inject=fused, progress=True)
     report["threads"] = torch.get_num_threads()
     if as_json:
         click.echo(json.dumps(report, indent=2))

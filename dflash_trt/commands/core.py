@@ -109,7 +109,7 @@ def generate_cmd(target, drafter, prompt, max_new_tokens, temperature, top_k, to
     ddir = resolve_drafter(drafter, target) if mode == "dflash" else None
     pair = load_pair(tdir, ddir, dtype, allow_pickle=allow_pickle)
     res = generate(pair, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                   seed=seed, block_size=block_size, mode=mode, chat=not raw, fused_inject=fused and _have_fused())
+                   seed=seed, block_size=block_size, mode=mode, chat=not raw, fused_inject=fused)
     out = {"text": res.text, "token_ids": res.token_ids, "tau": res.tau, "blocks": res.blocks,
            "accepted_per_block": res.accepted_per_block, "seconds": res.seconds, "tokens_per_s": res.tokens_per_s}
     if as_json:
@@ -119,10 +119,3 @@ def generate_cmd(target, drafter, prompt, max_new_tokens, temperature, top_k, to
     tau = f"tau {res.tau:.2f} over {res.blocks} blocks, " if res.tau is not None else ""
     click.echo(f"[{mode}] {len(res.token_ids)} tokens, {tau}{res.seconds:.2f} s, {res.tokens_per_s:.1f} tok/s", err=True)
 
-
-def _have_fused() -> bool:
-    try:
-        import dflash_trt.kv_inject as k
-        return hasattr(k, "FusedKVInjector")
-    except ImportError:
-        return False

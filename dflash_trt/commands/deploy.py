@@ -49,6 +49,8 @@ def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, max_seq_len, no
     from dflash_trt.errors import DFlashError
 
     if bundle:
+        if quant != "auto" or kv_cache != "auto":
+            raise DFlashError("--bundle plans the bundle's own formats (manifest quant); drop --quant / --kv-cache")
         if target or drafter:
             raise DFlashError("--bundle plans the bundle's own target and drafter; drop --target / --drafter")
         gpu = catalog()[hardware].gpu if hardware else None

@@ -221,6 +221,9 @@ containers:
     env:
       - name: BUNDLE_DIR
         value: {{ $v.bundle.mountPath | quote }}
+      # The bundle's Triton models resolve their bundle-relative paths (model.yaml) from here.
+      - name: DFLASH_BUNDLE_ROOT
+        value: {{ $v.bundle.mountPath | quote }}
       {{- with $v.triton.env }}
       {{- toYaml . | nindent 6 }}
       {{- end }}
