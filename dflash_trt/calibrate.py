@@ -94,8 +94,11 @@ def _layer_state(reader: CheckpointReader, prefix: str) -> dict[str, torch.Tenso
 
 @torch.no_grad()
 def calibrate(reader: CheckpointReader, cfg: dict, samples: list[torch.Tensor],
-              dtype: torch.dtype = torch.float32, progress: bool = True) -> CalibResult:
-    """Max-calibrate a Llama / Qwen3 / gpt-oss checkpoint layer by layer (see module doc)."""
+              dtype: torch.dtype | None = None, progress: bool = True) -> CalibResult:
+    """Max-calibrate a Llama / Qwen3 / gpt-oss checkpoint layer by layer (see module doc).
+
+    Runs in the checkpoint's own dtype by default (as ModelOpt's calibration forward does), so
+    the layer in memory is the size it has on disk."""
     from tqdm import tqdm
 
     from dflash_trt.layers import RopeTable
@@ -107,6 +110,8 @@ def calibrate(reader: CheckpointReader, cfg: dict, samples: list[torch.Tensor],
     if embed not in reader:
         raise DFlashError(f"{reader.folder}: no {embed}; calibration needs the target's embeddings")
     vocab = reader.meta(embed)[1][0]
+    if dtype is None:
+        dtype = reader.meta(embed)[0]
     for s in samples:
         if int(s.max()) >= vocab:
             raise DFlashError(f"calibration sample has token id {int(s.max())} >= vocab size {vocab}")

@@ -46,6 +46,7 @@ DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in SAFETENSORS_DTYPES.items
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library's own limit
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 _PAGE = mmap.PAGESIZE
+_COPY_SLICE = 64 * 2**20
 
 
 def dtype_size(dtype: torch.dtype) -> int:
@@ -258,16 +259,22 @@ class CheckpointReader:
         if info.nbytes == 0:
             return out
         mm = self._map(info.file)
-        src = torch.frombuffer(mm, dtype=torch.uint8, count=info.nbytes, offset=info.begin)
-        out.reshape(-1).view(torch.uint8).copy_(src)
-        del src
-        # Drop the file pages from this process (they stay in the page cache): without this a
-        # full pass over a 65 GB checkpoint would grow resident memory by 65 GB.
-        lo = info.begin - info.begin % _PAGE
-        try:
-            mm.madvise(mmap.MADV_DONTNEED, lo, info.begin + info.nbytes - lo)
-        except (AttributeError, OSError, ValueError):
-            pass
+        dst = out.reshape(-1).view(torch.uint8)
+        # Copy in slices and drop each slice's file pages from this process right after (they
+        # stay in the page cache): mapped pages count as resident memory, so without this a
+        # pass over a 65 GB checkpoint would grow RSS by 65 GB, and one big tensor would count
+        # twice (mapped + copied).
+        pos = 0
+        while pos < info.nbytes:
+            n = min(_COPY_SLICE, info.nbytes - pos)
+            start = info.begin + pos
+            dst[pos:pos + n].copy_(torch.frombuffer(mm, dtype=torch.uint8, count=n, offset=start))
+            lo = start - start % _PAGE
+            try:
+                mm.madvise(mmap.MADV_DONTNEED, lo, start + n - lo)
+            except (AttributeError, OSError, ValueError):
+                pass
+            pos += n
         return out
 
     def get_rows(self, name: str, rows: torch.Tensor) -> torch.Tensor:
@@ -333,13 +340,16 @@ def load_config(folder: str | Path) -> dict:
     return cfg
 
 
-def check_finite(name: str, tensor: torch.Tensor, file: str | Path | None = None) -> None:
-    """Raise if a floating-point tensor holds NaN or Inf (quantization would silently spread it)."""
-    if not (tensor.is_floating_point()) or tensor.numel() == 0:
-        return
+def check_finite(name: str, tensor: torch.Tensor, file: str | Path | None = None) -> torch.Tensor | None:
+    """Raise if a floating-point tensor holds NaN or Inf (quantization would silently spread
+    it). Returns max |tensor| as an fp32 scalar (None for non-float tensors), which callers
+    reuse as the quantization amax: one pass over the data does both (amax propagates NaN/Inf)."""
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        return None
     t = tensor if tensor.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) else tensor.float()
-    if bool(torch.isfinite(t).all()):
-        return
+    amax = t.abs().amax().float()
+    if bool(torch.isfinite(amax)):
+        return amax
     bad = "NaN" if bool(torch.isnan(t).any()) else "Inf"
     where = f"{file}: " if file else ""
     idx = int((~torch.isfinite(t)).reshape(-1).nonzero()[0])

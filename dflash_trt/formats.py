@@ -26,9 +26,12 @@ E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                             -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 # Midpoints between neighbouring magnitudes. A magnitude exactly on a midpoint rounds to the
 # neighbour with the even code (round half to even on codes): 0.25->0, 0.75->1.0, 1.25->1.0,
-# 1.75->2.0, 2.5->2.0, 3.5->4.0, 5->4.0; i.e. ties at 0.75, 1.75 and 3.5 round up.
+# 1.75->2.0, 2.5->2.0, 3.5->4.0, 5->4.0; i.e. ties at 0.75, 1.75 and 3.5 round up. Those three
+# are replaced by the float32 just below them, so one `bucketize` (count of bounds < |x|)
+# gives the code with the right ties: |x| > nextbelow(0.75) <=> |x| >= 0.75.
 _E2M1_MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
-_E2M1_TIES_UP = torch.tensor([0.75, 1.75, 3.5])
+_E2M1_BOUNDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+_E2M1_BOUNDS[[1, 3, 5]] = torch.nextafter(_E2M1_BOUNDS[[1, 3, 5]], torch.tensor(0.0))
 
 _CHUNK_ELEMS = 1 << 22  # rows per chunk chosen so a chunk has about this many elements
 
@@ -48,11 +51,9 @@ def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
     Magnitudes beyond 6 saturate to 6. The sign bit is set for x < 0, so a small negative
     value that rounds to zero gives code 8 (-0), as ModelOpt does.
     """
-    sign = (x < 0).to(torch.uint8)
-    mag = x.abs()
-    code = torch.bucketize(mag, _E2M1_MIDPOINTS.to(mag.dtype)).to(torch.uint8)  # right=False: ties down
-    code += (mag.unsqueeze(-1) == _E2M1_TIES_UP.to(mag.dtype)).any(-1).to(torch.uint8)
-    return (sign << 3) | code
+    x = x.float()
+    code = torch.bucketize(x.abs(), _E2M1_BOUNDS, out_int32=True).to(torch.uint8)
+    return code | ((x < 0).to(torch.uint8) << 3)
 
 
 def e2m1_decode(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

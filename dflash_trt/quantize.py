@@ -276,23 +276,23 @@ def _quantize_group(reader, members, linears, fmt, input_amax, writer, bar) -> N
         if cache is not None and n in cache:
             return cache.pop(n)
         t = reader.get(n)
-        check_finite(n, t, reader.file_of(n))
-        return t
+        return t, check_finite(n, t, reader.file_of(n))
 
     global_scale = None
     if fmt == "nvfp4":
         amax = torch.zeros((), dtype=torch.float32)
         for n in members:
-            t = load(n)
-            amax = torch.maximum(amax, t.abs().amax().float())
+            t, a = load(n)
+            amax = torch.maximum(amax, a)
             if cache is not None:
-                cache[n] = t
+                cache[n] = (t, a)
+            del t
         global_scale = formats.nvfp4_global_scale(amax)
     for n in members:
-        w = load(n)
+        w, amax = load(n)
         m = linears[n].module
         if fmt == "fp8":
-            scale = formats.fp8_scale_from_amax(w.abs().amax().float())
+            scale = formats.fp8_scale_from_amax(amax)
             writer.write(n, formats.fp8_quantize(w, scale))
             writer.write(m + ".weight_scale", scale)
         else:

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from dflash_trt.cli import main
-from dflash_trt.manifest import MANIFEST_SCHEMA, read_manifest, verify
+from dflash_trt.manifest import read_manifest, verify
 
 STAGES = ["check", "quantize", "convert", "plugin", "export-onnx", "compile", "package"]
 ENGINE_SUFFIXES = (".plan", ".engine")
@@ -381,6 +381,10 @@ def test_embedded_pair_builds_with_compile_deferred(tmp_path_factory, arch, quan
     assert m["target"]["name"] == "smollm2-135m" and m["quant"]["target"] == quant
     assert {k: v["status"] for k, v in m["stages"].items()}["compile"] == "deferred"
     assert [s["status"] for s in res["stages"]] == ["done", "done", "not-needed", "done", "done", "deferred", "done"]
+    d = json.loads((Path(drafter) / "config.json").read_text())
+    spec = yaml.safe_load((bundle / "triton/tensorrt_llm/1/model.yaml").read_text())["speculative_config"]
+    assert (spec["max_draft_len"], spec["mask_token_id"], spec["target_layer_ids"]) == \
+        (d["block_size"] - 1, d["dflash_config"]["mask_token_id"], d["dflash_config"]["target_layer_ids"])
     algo = json.loads((bundle / "target/hf_quant_config.json").read_text())["quantization"]["quant_algo"]
     assert algo == quant.upper()
     assert _engine_files(bundle) == [] and verify(bundle) == []
