@@ -18,6 +18,7 @@ COMMANDS: dict[str, str] = {
     "make-tiny": "dflash_trt.commands.core:make_tiny_cmd",
     "check": "dflash_trt.commands.core:check_cmd",
     "generate": "dflash_trt.commands.core:generate_cmd",
+    "train-drafter": "dflash_trt.commands.train:train_drafter_cmd",
     "bench": "dflash_trt.commands.bench:bench_cmd",
     "quantize": "dflash_trt.commands.quant:quantize_cmd",
     "convert": "dflash_trt.commands.quant:convert_cmd",

@@ -26,12 +26,10 @@ E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                             -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 # Midpoints between neighbouring magnitudes. A magnitude exactly on a midpoint rounds to the
 # neighbour with the even code (round half to even on codes): 0.25->0, 0.75->1.0, 1.25->1.0,
-# 1.75->2.0, 2.5->2.0, 3.5->4.0, 5->4.0; i.e. ties at 0.75, 1.75 and 3.5 round up. Those three
-# are replaced by the float32 just below them, so one `bucketize` (count of bounds < |x|)
-# gives the code with the right ties: |x| > nextbelow(0.75) <=> |x| >= 0.75.
-_E2M1_MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
-_E2M1_BOUNDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
-_E2M1_BOUNDS[[1, 3, 5]] = torch.nextafter(_E2M1_BOUNDS[[1, 3, 5]], torch.tensor(0.0))
+# 1.75->2.0, 2.5->2.0, 3.5->4.0, 5->4.0; i.e. ties at 0.75, 1.75 and 3.5 round up (>=), the
+# others down (>). The code is the number of midpoints passed; seven vectorized comparisons
+# measured faster on CPU than torch.bucketize (a binary search per element).
+_E2M1_MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
 
 _CHUNK_ELEMS = 1 << 22  # rows per chunk chosen so a chunk has about this many elements
 
@@ -52,7 +50,10 @@ def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
     value that rounds to zero gives code 8 (-0), as ModelOpt does.
     """
     x = x.float()
-    code = torch.bucketize(x.abs(), _E2M1_BOUNDS, out_int32=True).to(torch.uint8)
+    a = x.abs()
+    code = torch.zeros(a.shape, dtype=torch.uint8)
+    for t, up in _E2M1_MIDPOINTS:
+        code += (a >= t) if up else (a > t)
     return code | ((x < 0).to(torch.uint8) << 3)
 
 

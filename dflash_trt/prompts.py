@@ -192,14 +192,3 @@ def read_jsonl(path: str | Path, require: str | None = None) -> list[dict]:
         raise DFlashError(f"{path}: no prompts in the file")
     return rows
 
-
-def chat_ids(tokenizer, prompt: str) -> list[int]:
-    """Token ids of a user prompt rendered with the tokenizer's chat template (when it has one),
-    ending with the assistant turn's opening, as generation expects."""
-    if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
-            ids = ids["input_ids"]
-        return list(ids)
-    return tokenizer(prompt)["input_ids"]

@@ -319,3 +319,27 @@ def _copy_side_files(src: Path, dst: Path) -> None:
             except OSError as e:
                 from dflash_trt.checkpoint import _disk_error
                 raise _disk_error(dst / p.name, "a copied file", e) from None
+
+
+def dequantized_state_dict(folder: str | Path, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """A quantized (FP8 / NVFP4, ModelOpt-style) checkpoint read back as plain float weights,
+    scales dropped: what the CPU reference runtime needs to run a quantized model (e.g. to
+    measure the tau an FP8 drafter costs). Unquantized tensors are returned as stored."""
+    from dflash_trt.checkpoint import CheckpointReader
+
+    with CheckpointReader(folder) as r:
+        keys = set(r.keys())
+        out = {}
+        for name in r.keys():
+            if name.endswith((".weight_scale", ".weight_scale_2", ".input_scale", ".k_scale", ".v_scale")):
+                continue
+            t = r.get(name)
+            m = name[: -len(".weight")] if name.endswith(".weight") else None
+            if m and m + ".weight_scale_2" in keys:
+                t = formats.nvfp4_dequantize(t, r.get(m + ".weight_scale"), r.get(m + ".weight_scale_2"), dtype)
+            elif m and m + ".weight_scale" in keys:
+                t = formats.fp8_dequantize(t, r.get(m + ".weight_scale"), dtype)
+            elif t.is_floating_point():
+                t = t.to(dtype)
+            out[name] = t
+    return out

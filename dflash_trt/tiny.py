@@ -24,13 +24,10 @@ CHAT_TEMPLATE = (
 
 
 def _corpus() -> list[str]:
-    # Text that ships with Python itself, so the tokenizer is reproducible offline.
-    import this  # noqa: F401  (prints the Zen once; harmless)
-    import codecs
+    # Text that ships with Python itself (module docstrings), so the tokenizer is reproducible offline.
     import textwrap
-    zen = codecs.decode(this.s, "rot13")
     docs = [m.__doc__ or "" for m in (json, os, shutil, tempfile, textwrap)]
-    return [zen, *docs, "def add(a, b):\n    return a + b\n", "Hello, world! 0123456789"]
+    return [*docs, "def add(a, b):\n    return a + b\n", "Hello, world! 0123456789"]
 
 
 def build_tokenizer(vocab_size: int = 512):

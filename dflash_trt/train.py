@@ -33,7 +33,8 @@ import torch
 import torch.nn.functional as F
 
 from dflash_trt.errors import DFlashError
-from dflash_trt.prompts import chat_ids, read_jsonl
+from dflash_trt.api import encode_prompt
+from dflash_trt.prompts import read_jsonl
 
 
 # ------------------------------------------------------------------------------------ data
@@ -57,7 +58,7 @@ def generate_responses(target_dir: str | Path, prompts: list[str], out_path: str
     model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
     eos = model.generation_config.eos_token_id
     pad = tok.pad_token_id if tok.pad_token_id is not None else (eos[0] if isinstance(eos, list) else eos)
-    encoded = sorted(((p, chat_ids(tok, p)) for p in todo), key=lambda x: len(x[1]))  # less padding
+    encoded = sorted(((p, encode_prompt(tok, p)) for p in todo), key=lambda x: len(x[1]))  # less padding
     batches = [encoded[i:i + batch_size] for i in range(0, len(encoded), batch_size)]
     random.Random(0).shuffle(batches)  # a mix of lengths early, so the progress rate is honest
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -113,7 +114,7 @@ def load_sequences(path: str | Path, tokenizer=None) -> tuple[Sequences, list[st
         elif "prompt" in r and "response" in r:
             if tokenizer is None:
                 raise DFlashError(f"{path}: text rows need the target's tokenizer")
-            p = chat_ids(tokenizer, r["prompt"])
+            p = encode_prompt(tokenizer, r["prompt"])
             o = tokenizer(r["response"], add_special_tokens=False)["input_ids"]
         else:
             raise DFlashError(f"{path}: row {i} has neither prompt_ids/output_ids nor prompt/response")
@@ -463,9 +464,11 @@ def prepare_data(target_dir: Path, path: Path, out_path: Path, max_new_tokens: i
 
 def train_drafter(target_dir: str | Path, data_path: str | Path, out_dir: str | Path, tc: TrainConfig, *,
                   eval_path: str | Path | None = None, resume: bool = False, progress: bool = True,
-                  max_new_tokens: int = 192, threads: int | None = 2, time_limit_s: float | None = None) -> dict:
+                  max_new_tokens: int = 192, threads: int | None = 2, time_limit_s: float | None = None,
+                  stop_after: int | None = None) -> dict:
     """Train (or continue training) a DFlash drafter for the target; returns a summary dict.
-    The z-lab checkpoint is written to out_dir/drafter at every save and at the end."""
+    The z-lab checkpoint is written to out_dir/drafter at every save and at the end.
+    time_limit_s / stop_after end this session early (after a save); --resume continues it."""
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
@@ -561,7 +564,8 @@ def train_drafter(target_dir: str | Path, data_path: str | Path, out_dir: str | 
     drafter.train()
     stopped_early = False
     while step < tc.steps:
-        if time_limit_s is not None and time.perf_counter() - t_start > time_limit_s:
+        if (time_limit_s is not None and time.perf_counter() - t_start > time_limit_s) or \
+                (stop_after is not None and step >= stop_after):
             stopped_early = True
             break
         for g in opt.param_groups:
@@ -574,7 +578,7 @@ def train_drafter(target_dir: str | Path, data_path: str | Path, out_dir: str | 
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
         opt.step()
         step += 1
-        last_loss = float(loss)
+        last_loss = loss.detach().item()
         first_loss = last_loss if first_loss is None else first_loss
         ema = last_loss if ema is None else 0.95 * ema + 0.05 * last_loss
         if eval_data is not None and tc.eval_every and step % tc.eval_every == 0 and step % tc.save_every:

@@ -4,7 +4,7 @@ unquantized and FP8 (+ FP8 KV cache).
 The tiny Llama has 1 KV head (so tp=2 duplicates it) and a vocabulary of 251 (so tp=2 pads it).
 Byte-for-byte: every tensor of every rank, except (by design):
 - activation_scaling_factor: ModelOpt calibrates with transformers' bf16 forward, we with the
-  reference runtime's fp32 decoder layer, one layer at a time (compared within 2%).
+  reference runtime's bf16 decoder layer (different kernels), one layer at a time (within 2%).
 config.json is equal except (by design):
 - rank: ModelOpt writes the last rank's number into the one shared config.json; we write 0.
 - rotary_base: ModelOpt 0.47 under transformers 5 drops it (rope_theta moved into
