@@ -9,7 +9,6 @@ from __future__ import annotations
 import collections
 import json
 import sys
-import time
 from pathlib import Path
 
 from dflash_trt.errors import DFlashError

@@ -95,7 +95,6 @@ def _pad_vocab(w: torch.Tensor, g: Geometry) -> torch.Tensor:
 
 def trtllm_config(cfg: dict, g: Geometry, dtype: torch.dtype, quant: str, kv_cache: str | None, pp: int) -> dict:
     mt = cfg.get("model_type")
-    tied = bool(cfg.get("tie_word_embeddings", False))
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
     rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if rope.get("rope_type", "default") != "default" else None
@@ -136,14 +135,13 @@ def trtllm_config(cfg: dict, g: Geometry, dtype: torch.dtype, quant: str, kv_cac
         # norms: we write it.
         c["qwen_type"] = "qwen3"
     c["mapping"] = {"world_size": g.tp * pp, "tp_size": g.tp, "pp_size": pp}
-    q: dict = {"quant_algo": None if quant == "none" else quant.upper().replace("NVFP4", "NVFP4"),
+    q: dict = {"quant_algo": {"none": None, "fp8": "FP8", "nvfp4": "NVFP4"}[quant],
                "kv_cache_quant_algo": "FP8" if kv_cache == "fp8" else None}
     if quant == "nvfp4":
         q["group_size"] = formats.NVFP4_BLOCK
     if quant != "none":
         q["exclude_modules"] = ["lm_head"]
     c["quantization"] = q
-    del tied
     return c
 
 
@@ -198,7 +196,7 @@ def convert_checkpoint(model: str | Path, out: str | Path, tp: int = 1, pp: int 
         if cfg.get("quantization_config"):
             raise DFlashError(f"{model / 'config.json'}: already quantized ({cfg['quantization_config'].get('quant_method')}); "
                               "convert takes the unquantized checkpoint")
-        dtype = reader.meta(f"model.layers.0.self_attn.q_proj.weight")[0]
+        dtype = reader.meta("model.layers.0.self_attn.q_proj.weight")[0]
         if dtype not in _DTYPE_NAMES:
             raise DFlashError(f"{reader.file_of('model.layers.0.self_attn.q_proj.weight')}: weights are {dtype}, expected bf16/fp16/fp32")
         calib_res = None

@@ -8,8 +8,6 @@ non-causal. No embeddings, no lm_head: those are the target's.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import torch
@@ -151,26 +149,14 @@ def save_drafter(model: DFlashDrafter, folder: str | Path, dtype: torch.dtype | 
     """Write a z-lab checkpoint (config.json + model.safetensors) atomically."""
     from safetensors.torch import save_file
 
-    folder = Path(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    from dflash_trt.checkpoint import atomic_output_dir
+
     cfg = model.config.to_dict()
     state = {k: (v.to(dtype) if dtype else v).detach().contiguous() for k, v in model.state_dict().items()}
     if dtype is not None or "dtype" in cfg:
         cfg["dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    _replace_dir(tmp, folder)
-    return folder
+    with atomic_output_dir(folder) as tmp:
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    return Path(folder)
 
-
-def _replace_dir(tmp: Path, dest: Path) -> None:
-    """Swap a finished temp folder into place; the old folder survives until the new one is complete."""
-    if dest.exists():
-        old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
-        os.replace(dest, old)
-        os.replace(tmp, dest)
-        import shutil
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, dest)

@@ -25,7 +25,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from dflash_trt.errors import DFlashError
 from dflash_trt.layers import apply_rope

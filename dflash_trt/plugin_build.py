@@ -17,7 +17,6 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 from dflash_trt.errors import DFlashError
@@ -61,13 +60,13 @@ def build_plugin(arch: str, out_dir: str | Path, variants=None, progress: bool =
     tmod = load_plugin_module("trt_kv_inject")
     fn = kmod.kv_inject_kernel
     variants = list(variants or VARIANTS)
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    from tqdm import tqdm
+
+    from dflash_trt.checkpoint import atomic_output_dir
+
     kernels = []
     jobs = [(sm, v) for sm in ARCHS[arch] for v in variants]
-    try:
-        from tqdm import tqdm
+    with atomic_output_dir(out_dir) as tmp:
 
         for sm, (hd, act, cache) in tqdm(jobs, desc=f"plugin {arch}", disable=not progress, unit="kernel"):
             cfg = tmod.kernel_config(hd)
@@ -107,21 +106,7 @@ def build_plugin(arch: str, out_dir: str | Path, variants=None, progress: bool =
             "kernels": kernels,
         }
         (tmp / "plugin.json").write_text(json.dumps(manifest, indent=2) + "\n")
-        _replace_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return manifest
-
-
-def _replace_dir(tmp: Path, dest: Path) -> None:
-    if dest.exists():
-        old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
-        os.replace(dest, old)
-        os.replace(tmp, dest)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, dest)
 
 
 # ------------------------------------------------------------------------------- SASS inspection

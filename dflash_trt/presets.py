@@ -4,8 +4,10 @@ without downloading weights. The HF `config.json` of each target lives in preset
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from importlib import resources
+from pathlib import Path
 
 from dflash_trt.errors import DFlashError
 
@@ -45,20 +47,14 @@ def get_preset(name: str) -> Preset:
         raise DFlashError(f"unknown preset {name!r}; known presets: {', '.join(sorted(PRESETS))}") from None
 
 
-def dflash_home() -> "Path":
+def dflash_home() -> Path:
     """Our cache folder: $DFLASH_TRT_HOME, default ~/.cache/dflash-trt."""
-    import os
-    from pathlib import Path
-
     return Path(os.environ.get("DFLASH_TRT_HOME") or Path.home() / ".cache" / "dflash-trt")
 
 
-def find_local_snapshot(hf_id: str) -> "Path | None":
+def find_local_snapshot(hf_id: str) -> Path | None:
     """A model already on disk: $DFLASH_TRT_HOME/models/<org>--<name>, or the local Hugging Face
     hub cache (models--org--name/snapshots/<rev>). No network access."""
-    import os
-    from pathlib import Path
-
     mine = dflash_home() / "models" / hf_id.replace("/", "--")
     if (mine / "config.json").exists():
         return mine
@@ -71,10 +67,8 @@ def find_local_snapshot(hf_id: str) -> "Path | None":
     return None
 
 
-def resolve_target(spec: "str | None") -> "Path":
+def resolve_target(spec: str | None) -> Path:
     """--target: a folder, or a preset name found locally; None = the embedded default."""
-    from pathlib import Path
-
     if spec is None or spec == "smollm2-135m":
         from dflash_trt.embedded import ensure_embedded_target
         return ensure_embedded_target()
@@ -90,10 +84,8 @@ def resolve_target(spec: "str | None") -> "Path":
     return found
 
 
-def resolve_drafter(spec: "str | None", target_spec: "str | None" = None) -> "Path":
+def resolve_drafter(spec: str | None, target_spec: str | None = None) -> Path:
     """--drafter: a folder; None = the preset's drafter (ours for the embedded default)."""
-    from pathlib import Path
-
     if spec is not None:
         if not Path(spec).exists():
             raise DFlashError(f"--drafter {spec}: no such folder")

@@ -104,16 +104,14 @@ def make_tiny(arch: str, target_out: str | Path, drafter_out: str | Path | None 
             for n, p in model.named_parameters():
                 if n.endswith(("sinks", "_bias", "router.bias")):
                     p.normal_(0, 0.5)
+    from dflash_trt.checkpoint import atomic_output_dir
+
     target_out = Path(target_out)
-    target_out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target_out.name}.", dir=target_out.parent))
-    model.save_pretrained(tmp, safe_serialization=True)
-    tok.save_pretrained(tmp)
-    if arch == "gpt-oss" and mxfp4:
-        _store_experts_mxfp4(tmp)
-    if target_out.exists():
-        shutil.rmtree(target_out)
-    os.replace(tmp, target_out)
+    with atomic_output_dir(target_out) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        if arch == "gpt-oss" and mxfp4:
+            _store_experts_mxfp4(tmp)
     summary = {"arch": arch, "target": str(target_out), "vocab_size": len(tok),
                "num_hidden_layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size}
     if drafter_out is not None:

@@ -22,11 +22,10 @@ import json
 import math
 import os
 import random
-import shutil
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch

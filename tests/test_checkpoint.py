@@ -4,7 +4,6 @@ nothing written (the previous output intact)."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import struct
 import subprocess

@@ -6,7 +6,6 @@ import sys
 
 import click
 
-from dflash_trt.errors import DFlashError
 
 
 def emit_json(obj) -> None:
