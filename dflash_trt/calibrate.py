@@ -80,82 +80,90 @@ def _tokenizer(model_dir):
                           f"({str(e).splitlines()[0]}); give input_ids in the JSONL instead") from None
 
 
-def _layer_state(reader: CheckpointReader, prefix: str) -> dict[str, torch.Tensor]:
-    state = {}
+def layer_tensors(reader: CheckpointReader, i: int) -> dict[str, torch.Tensor]:
+    """Decoder layer i's tensors (full names), each checked for NaN / Inf."""
+    prefix = f"model.layers.{i}."
+    out = {}
     for name in reader.keys():
         if name.startswith(prefix):
             t = reader.get(name)
             check_finite(name, t, reader.file_of(name))
-            state[name[len(prefix):]] = t
-    # gpt-oss experts: MXFP4 -> dense [E, in, out], the runtime's layout
-    from dflash_trt.target import _dequantize_mxfp4
-    return _dequantize_mxfp4(state)
+            out[name] = t
+    return out
 
 
-@torch.no_grad()
-def calibrate(reader: CheckpointReader, cfg: dict, samples: list[torch.Tensor],
-              dtype: torch.dtype | None = None, progress: bool = True) -> CalibResult:
-    """Max-calibrate a Llama / Qwen3 / gpt-oss checkpoint layer by layer (see module doc).
+class LayerCalibrator:
+    """Carries the calibration prompts' hidden states through the decoder one layer at a time:
+    `step(i, tensors)` runs layer i (built from its tensors, nothing else in memory) over every
+    prompt and records the amaxes. Used on its own by `calibrate`, and by `quantize` to
+    calibrate and quantize each layer from a single read of its weights."""
 
-    Runs in the checkpoint's own dtype by default (as ModelOpt's calibration forward does), so
-    the layer in memory is the size it has on disk."""
-    from tqdm import tqdm
+    def __init__(self, reader: CheckpointReader, cfg: dict, samples: list[torch.Tensor],
+                 dtype: torch.dtype | None = None):
+        from dflash_trt.layers import RopeTable
+        from dflash_trt.target import hf_config
 
-    from dflash_trt.layers import RopeTable
-    from dflash_trt.target import DecoderLayer, hf_config
+        self.c = hf_config(cfg)
+        self.num_layers = self.c.num_hidden_layers
+        self.result = CalibrationResult(samples=len(samples), tokens=sum(len(s) for s in samples))
+        embed = "model.embed_tokens.weight"
+        if embed not in reader:
+            raise DFlashError(f"{reader.folder}: no {embed}; calibration needs the target's embeddings")
+        vocab = reader.meta(embed)[1][0]
+        self.dtype = dtype or reader.meta(embed)[0]
+        for s in samples:
+            if int(s.max()) >= vocab:
+                raise DFlashError(f"calibration sample has token id {int(s.max())} >= vocab size {vocab}")
+        self.hidden = [reader.get_rows(embed, s).to(self.dtype) for s in samples]
+        self.rope = RopeTable(self.c, max(len(s) for s in samples), self.dtype)
 
-    c = hf_config(cfg)
-    res = CalibrationResult(samples=len(samples), tokens=sum(len(s) for s in samples))
-    embed = "model.embed_tokens.weight"
-    if embed not in reader:
-        raise DFlashError(f"{reader.folder}: no {embed}; calibration needs the target's embeddings")
-    vocab = reader.meta(embed)[1][0]
-    if dtype is None:
-        dtype = reader.meta(embed)[0]
-    for s in samples:
-        if int(s.max()) >= vocab:
-            raise DFlashError(f"calibration sample has token id {int(s.max())} >= vocab size {vocab}")
-    hidden = [reader.get_rows(embed, s).to(dtype) for s in samples]
-    max_len = max(len(s) for s in samples)
-    rope = RopeTable(c, max_len, dtype)
-    bar = tqdm(range(c.num_hidden_layers), desc="calibrate (layers)", disable=not progress, unit="layer")
-    for i in bar:
-        prefix = f"model.layers.{i}."
+    @torch.no_grad()
+    def step(self, i: int, tensors: dict[str, torch.Tensor]) -> None:
+        from dflash_trt.target import DecoderLayer, _dequantize_mxfp4
+
+        prefix, dtype = f"model.layers.{i}.", self.dtype
+        # gpt-oss experts: MXFP4 -> dense [E, in, out], the runtime's layout
+        state = _dequantize_mxfp4({k[len(prefix):]: v for k, v in tensors.items()})
         with torch.device("meta"):
-            layer = DecoderLayer(c, i)
-        layer.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v
-                               for k, v in _layer_state(reader, prefix).items()}, strict=True, assign=True)
-        layer.to(dtype)
+            layer = DecoderLayer(self.c, i)
+        layer.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()},
+                              strict=True, assign=True)
         amax: dict[str, float] = {}
 
         def hook(name):
             def fn(mod, args):
-                a = float(args[0].detach().abs().amax())
-                amax[name] = max(amax.get(name, 0.0), a)
+                amax[name] = max(amax.get(name, 0.0), float(args[0].detach().abs().amax()))
             return fn
 
         handles = [m.register_forward_pre_hook(hook(prefix + n)) for n, m in layer.named_modules()
                    if isinstance(m, nn.Linear)]
         attn = layer.self_attn
         kmax = vmax = 0.0
-        for j, x in enumerate(hidden):
+        for j, x in enumerate(self.hidden):
             T = x.shape[0]
             attn.k_cache = torch.zeros(attn.nkv, T, attn.hd, dtype=dtype)
             attn.v_cache = torch.zeros(attn.nkv, T, attn.hd, dtype=dtype)
             pos = torch.arange(T)
-            cos, sin = rope(pos)
-            mask = pos[None, :] <= pos[:, None]
-            hidden[j] = layer(x, cos, sin, 0, mask)
-            kmax = max(kmax, float(attn.k_cache.abs().amax()))
+            cos, sin = self.rope(pos)
+            self.hidden[j] = layer(x, cos, sin, 0, pos[None, :] <= pos[:, None])
+            kmax = max(kmax, float(attn.k_cache.abs().amax()))   # K after RoPE, V: what the cache holds
             vmax = max(vmax, float(attn.v_cache.abs().amax()))
         for h in handles:
             h.remove()
-        res.input_amax.update(amax)
-        res.k_amax[prefix + "self_attn"] = kmax
-        res.v_amax[prefix + "self_attn"] = vmax
-        del layer, attn
-    bar.close()
-    return res
+        self.result.input_amax.update(amax)
+        self.result.k_amax[prefix + "self_attn"] = kmax
+        self.result.v_amax[prefix + "self_attn"] = vmax
 
 
-CalibResult = CalibrationResult
+def calibrate(reader: CheckpointReader, cfg: dict, samples: list[torch.Tensor],
+              dtype: torch.dtype | None = None, progress: bool = True) -> CalibrationResult:
+    """Max-calibrate a Llama / Qwen3 / gpt-oss checkpoint layer by layer (see module doc).
+
+    Runs in the checkpoint's own dtype by default (as ModelOpt's calibration forward does), so
+    the layer in memory is the size it has on disk."""
+    from tqdm import tqdm
+
+    cal = LayerCalibrator(reader, cfg, samples, dtype)
+    for i in tqdm(range(cal.num_layers), desc="calibrate (layers)", disable=not progress, unit="layer"):
+        cal.step(i, layer_tensors(reader, i))
+    return cal.result

@@ -346,9 +346,11 @@ def check_finite(name: str, tensor: torch.Tensor, file: str | Path | None = None
     reuse as the quantization amax: one pass over the data does both (amax propagates NaN/Inf)."""
     if not tensor.is_floating_point() or tensor.numel() == 0:
         return None
+    from dflash_trt.formats import abs_max
+
     t = tensor if tensor.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) else tensor.float()
-    amax = t.abs().amax().float()
-    if bool(torch.isfinite(amax)):
+    amax, finite = abs_max(t)
+    if finite:
         return amax
     bad = "NaN" if bool(torch.isnan(t).any()) else "Inf"
     where = f"{file}: " if file else ""
@@ -610,7 +612,12 @@ def atomic_output_dir(dest: str | Path) -> Iterator[Path]:
         if dest.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
             os.replace(dest, old / dest.name)
-            os.replace(tmp, dest)
+            try:
+                os.replace(tmp, dest)
+            except OSError:
+                os.replace(old / dest.name, dest)  # put the previous output back
+                shutil.rmtree(old, ignore_errors=True)
+                raise
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, dest)

@@ -17,6 +17,7 @@ Per rank r of tp:
 - FP8: weights_scaling_factor per fused GEMM (max over q/k/v, and over gate/up, since both run
   with one scale in the engine), activation_scaling_factor from calibration, KV-cache
   k/v/kv_cache_scaling_factor = max(amax/448, 1) (ModelOpt's clamp for FP8 KV caches).
+- NVFP4: weights_scaling_factor_2 shared the same way, E4M3 block scales per rank slice.
 """
 from __future__ import annotations
 
@@ -224,14 +225,16 @@ def convert_checkpoint(model: str | Path, out: str | Path, tp: int = 1, pp: int 
 def _linear_specs(name: str, out: int, inp: int, dtype, quant: str, with_act: bool) -> dict:
     if quant == "none":
         return {name + ".weight": (dtype, (out, inp))}
+    # ModelOpt writes FP8 scalars as [1] tensors and NVFP4 scalars as 0-dim ones: so do we.
+    scalar = (1,) if quant == "fp8" else ()
     if quant == "fp8":
-        d = {name + ".weight": (torch.float8_e4m3fn, (out, inp)), name + ".weights_scaling_factor": (torch.float32, (1,))}
+        d = {name + ".weight": (torch.float8_e4m3fn, (out, inp)), name + ".weights_scaling_factor": (torch.float32, scalar)}
     else:
         d = {name + ".weight": (torch.uint8, (out, inp // 2)),
              name + ".weights_scaling_factor": (torch.float8_e4m3fn, (out, inp // formats.NVFP4_BLOCK)),
-             name + ".weights_scaling_factor_2": (torch.float32, (1,))}
+             name + ".weights_scaling_factor_2": (torch.float32, scalar)}
     if with_act:
-        d[name + ".activation_scaling_factor"] = (torch.float32, (1,))
+        d[name + ".activation_scaling_factor"] = (torch.float32, scalar)
     return d
 
 
@@ -278,11 +281,13 @@ def _write_all(reader, cfg, g: Geometry, quant, kv_cache, calib, writers, bar) -
     def put(r, name, t):
         writers[r].write(name, t.contiguous())
 
+    scalar = (1,) if quant == "fp8" else ()
+
     def act_scale(modules):
         amax = max(calib.input_amax[m] for m in modules)
         a = torch.tensor(amax, dtype=torch.float32)
         s = formats.fp8_scale_from_amax(a) if quant == "fp8" else formats.nvfp4_global_scale(a)
-        return s.reshape(1)
+        return s.reshape(scalar)
 
     def put_linear(r, name, w_r, qparams, modules):
         """w_r: this rank's slice; qparams: scales computed on the whole (unsplit) GEMM."""
@@ -296,7 +301,7 @@ def _write_all(reader, cfg, g: Geometry, quant, kv_cache, calib, writers, bar) -
             packed, bs, gs = formats.nvfp4_quantize(w_r, global_scale=qparams)
             put(r, name + ".weight", packed)
             put(r, name + ".weights_scaling_factor", bs)
-            put(r, name + ".weights_scaling_factor_2", gs.reshape(1))
+            put(r, name + ".weights_scaling_factor_2", gs.reshape(scalar))
         put(r, name + ".activation_scaling_factor", act_scale(modules))
 
     def scale_for(*ws):

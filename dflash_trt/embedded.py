@@ -164,9 +164,9 @@ def convert_gguf(gguf: Path, dest: Path) -> Path:
     model.tie_weights()
     model.generation_config = src.generation_config
 
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
-    try:
+    from dflash_trt.checkpoint import atomic_output_dir
+
+    with atomic_output_dir(dest) as tmp:
         model.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
         (tmp / "CONVERTED_FROM.json").write_text(json.dumps({
@@ -174,11 +174,4 @@ def convert_gguf(gguf: Path, dest: Path) -> Path:
             "model": "HuggingFaceTB/SmolLM2-135M-Instruct", "license": "Apache-2.0",
             "note": "GGUF Q4_1 weights dequantized to float32 by transformers",
         }, indent=2) + "\n")
-        if (dest / "config.json").is_file():  # another process finished first: keep its folder
-            return dest
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.replace(tmp, dest)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return dest

@@ -2,9 +2,11 @@
 (FP8 or NVFP4 weights, optional FP8 KV cache), streaming tensor by tensor. DESIGN.md §5.
 
 Pipeline: validate (headers, shapes vs config.json) -> plan every output tensor (name, dtype,
-shape) -> optional layer-by-layer calibration -> stream: read one tensor (or one fused group,
-when small), check it is finite, quantize, write it at its planned offset -> config files ->
-atomic rename. Peak memory is about one tensor (or one small fused group) plus temporaries
+shape) -> stream: read one tensor (or one fused group, when small), check it is finite,
+quantize, write it at its planned offset -> config files -> atomic rename. With --calib, decoder
+layers are taken in order instead: layer i is read once, run over the calibration prompts
+(its input scales depend only on layers < i), quantized with the scales just measured, written
+and dropped. Peak memory is about one tensor (or one small fused group) plus temporaries
 bounded by the codecs' row chunking, whatever the model size.
 
 The bytes are ModelOpt's (tests/test_quantize.py compares with `export_hf_checkpoint`):
@@ -116,7 +118,7 @@ def plan_linears(reader: CheckpointReader, fmt: str, exclude: list[str], cfg: di
     return linears, excluded
 
 
-def _output_specs(reader, linears, fmt, input_amax, kv_scales) -> list[TensorSpec]:
+def _output_specs(reader, linears, fmt, calibrated_modules, kv_names) -> list[TensorSpec]:
     specs = []
     for name in reader.keys():
         dtype, shape = reader.meta(name)
@@ -132,9 +134,9 @@ def _output_specs(reader, linears, fmt, input_amax, kv_scales) -> list[TensorSpe
             specs += [TensorSpec(name, torch.uint8, (out, inp // 2)),
                       TensorSpec(m + ".weight_scale", torch.float8_e4m3fn, (out, inp // formats.NVFP4_BLOCK)),
                       TensorSpec(m + ".weight_scale_2", torch.float32, ())]
-        if m in input_amax:
+        if m in calibrated_modules:
             specs.append(TensorSpec(m + ".input_scale", torch.float32, ()))
-    specs += [TensorSpec(n, torch.float32, ()) for n in kv_scales]
+    specs += [TensorSpec(n, torch.float32, ()) for n in kv_names]
     return specs
 
 
@@ -189,65 +191,72 @@ def quantize_checkpoint(model: str | Path, out: str | Path, fmt: str, kv_cache: 
             raise DFlashError(f"{model}: no Linear weights to quantize (all excluded?)")
         is_drafter = "DFlashDraftModel" in (cfg.get("architectures") or [])
 
-        input_amax: dict[str, float] = {}
-        kv_scales: dict[str, torch.Tensor] = {}
         not_calibrated: list[str] = []
-        n_samples = 0
         attn_modules = sorted({lin.module.rpartition(".")[0] for lin in linears.values()
                                if lin.module.endswith(".self_attn.k_proj")})
+        kv_names = [n for a in attn_modules for n in (a + ".k_proj.k_scale", a + ".v_proj.v_scale")] \
+            if kv_cache == "fp8" else []
+        cal, n_samples = None, 0
         if calib is not None:
             if is_drafter:
                 raise DFlashError(f"{model}: --calib is for targets; a DFlash drafter's activations come from its "
                                   "target (quantize the drafter without --calib: weights only)")
-            from dflash_trt.calibrate import calibrate, load_calib_samples
+            from dflash_trt.calibrate import LayerCalibrator, load_calib_samples
             samples = load_calib_samples(calib, model, calib_samples)
             n_samples = len(samples)
-            res = calibrate(reader, cfg, samples, progress=progress)
-            # fused groups share one input amax (the max), as ModelOpt does before export
-            group_amax: dict[str, float] = {}
-            for lin in linears.values():
-                if lin.module in res.input_amax:
-                    group_amax[lin.group] = max(group_amax.get(lin.group, 0.0), res.input_amax[lin.module])
-            input_amax = {lin.module: group_amax[lin.group] for lin in linears.values() if lin.group in group_amax}
-            if kv_cache == "fp8":
-                for a in attn_modules:
-                    kv_scales[a + ".k_proj.k_scale"] = torch.tensor(res.k_amax[a], dtype=torch.float32) / formats.FP8_E4M3_MAX
-                    kv_scales[a + ".v_proj.v_scale"] = torch.tensor(res.v_amax[a], dtype=torch.float32) / formats.FP8_E4M3_MAX
+            cal = LayerCalibrator(reader, cfg, samples)
+            # every quantized Linear inside a decoder layer gets an input_scale
+            calibrated_modules = {lin.module for lin in linears.values() if _layer_index(lin.module) is not None}
         else:
+            calibrated_modules = set()
             not_calibrated.append("input_scale (activation scales): not written; consumers quantize activations "
                                   "dynamically or need --calib FILE.jsonl")
             if kv_cache == "fp8":
-                for a in attn_modules:
-                    kv_scales[a + ".k_proj.k_scale"] = torch.tensor(1.0)
-                    kv_scales[a + ".v_proj.v_scale"] = torch.tensor(1.0)
                 not_calibrated.append("k_scale/v_scale (FP8 KV cache): set to 1.0, TensorRT-LLM's default, not calibrated")
 
-        specs = _output_specs(reader, linears, fmt, input_amax, kv_scales)
+        specs = _output_specs(reader, linears, fmt, calibrated_modules, kv_names)
         groups: dict[str, list[str]] = {}
         for name, lin in linears.items():
             groups.setdefault(lin.group, []).append(name)
 
         with atomic_output_dir(out) as tmp, \
-                Progress(reader.total_bytes, len(reader), f"quantize {fmt}", progress) as bar:
+                Progress(reader.total_bytes, len(reader), f"quantize {fmt}" + (" + calibrate" if cal else ""),
+                         progress) as bar:
             writer = ShardedWriter(tmp, specs, max_shard_bytes, metadata={"producer": "dflash-trt"})
             try:
                 done: set[str] = set()
-                for name in reader.keys():
-                    if name in done:
-                        continue
-                    lin = linears.get(name)
-                    if lin is None:
-                        t = reader.get(name)
-                        check_finite(name, t, reader.file_of(name))
-                        writer.write(name, t)
-                        bar.update(t.numel() * t.element_size())
-                        done.add(name)
-                        continue
-                    members = groups[lin.group]
-                    _quantize_group(reader, members, linears, fmt, input_amax, writer, bar)
-                    done.update(members)
-                for n, v in kv_scales.items():
-                    writer.write(n, v)
+                input_amax: dict[str, float] = {}
+                if cal is not None:
+                    # One read per weight: layer i is loaded, calibrated (its inputs come from
+                    # layers < i only), quantized with the scales just measured, written, dropped.
+                    from dflash_trt.calibrate import layer_tensors
+                    for i in range(cal.num_layers):
+                        tensors = layer_tensors(reader, i)
+                        cal.step(i, tensors)
+                        res = cal.result
+                        group_amax: dict[str, float] = {}   # fused groups share the max, as in ModelOpt
+                        for n in tensors:
+                            lin = linears.get(n)
+                            if lin is not None and lin.module in res.input_amax:
+                                group_amax[lin.group] = max(group_amax.get(lin.group, 0.0), res.input_amax[lin.module])
+                        for n in tensors:
+                            lin = linears.get(n)
+                            if lin is not None and lin.module in calibrated_modules:
+                                if lin.group not in group_amax:
+                                    raise DFlashError(f"calibration recorded no input for {lin.module}")
+                                input_amax[lin.module] = group_amax[lin.group]
+                        a = f"model.layers.{i}.self_attn"
+                        if kv_cache == "fp8" and a in attn_modules:
+                            writer.write(a + ".k_proj.k_scale", formats.fp8_scale_from_amax(res.k_amax[a]))
+                            writer.write(a + ".v_proj.v_scale", formats.fp8_scale_from_amax(res.v_amax[a]))
+                        _write_tensors(list(tensors), lambda n: (tensors[n], formats.abs_max(tensors[n])[0]),
+                                       linears, groups, fmt, input_amax, writer, bar, done)
+                        del tensors
+                elif kv_cache == "fp8":
+                    for n in kv_names:
+                        writer.write(n, torch.tensor(1.0))
+                rest = [n for n in reader.keys() if n not in done]
+                _write_tensors(rest, _streaming_loader(reader), linears, groups, fmt, input_amax, writer, bar, done)
                 files = writer.close()
             except BaseException:
                 writer.abort()
@@ -266,30 +275,63 @@ def quantize_checkpoint(model: str | Path, out: str | Path, fmt: str, kv_cache: 
                           not_calibrated=not_calibrated, seconds=round(time.time() - t0, 3))
 
 
-def _quantize_group(reader, members, linears, fmt, input_amax, writer, bar) -> None:
-    """Quantize one fused group (or a lone Linear). The group's tensors are held together when
-    small; larger groups are read twice (amax pass, then quantize pass) to bound memory."""
-    total = sum(reader.nbytes(n) for n in members)
-    cache = {} if total <= GROUP_IN_MEMORY_BYTES else None
+def _layer_index(name: str) -> int | None:
+    parts = name.split(".")
+    if len(parts) > 3 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit():
+        return int(parts[2])
+    return None
 
+
+def _streaming_loader(reader: CheckpointReader):
+    """load(name) -> (tensor, amax), reading from disk and checking for NaN / Inf."""
     def load(n):
-        if cache is not None and n in cache:
-            return cache.pop(n)
         t = reader.get(n)
         return t, check_finite(n, t, reader.file_of(n))
+    load.nbytes = reader.nbytes
+    return load
+
+
+def _write_tensors(names, load, linears, groups, fmt, input_amax, writer, bar, done: set) -> None:
+    """Copy or quantize `names` (quantized ones with their whole fused group)."""
+    for name in names:
+        if name in done:
+            continue
+        lin = linears.get(name)
+        if lin is None:
+            t, _ = load(name)
+            writer.write(name, t)
+            bar.update(t.numel() * t.element_size())
+            done.add(name)
+            continue
+        members = groups[lin.group]
+        _quantize_group(load, members, linears, fmt, input_amax, writer, bar)
+        done.update(members)
+
+
+def _quantize_group(load, members, linears, fmt, input_amax, writer, bar) -> None:
+    """Quantize one fused group (or a lone Linear). Streaming from disk, the group's tensors are
+    held together when small; larger groups are read twice (amax pass, then quantize pass) to
+    bound memory. NVFP4 needs the group's amax before any member is encoded (shared scale 2)."""
+    nbytes = getattr(load, "nbytes", None)
+    cache = {} if nbytes is None or sum(nbytes(n) for n in members) <= GROUP_IN_MEMORY_BYTES else None
+
+    def get(n):
+        if cache is not None and n in cache:
+            return cache.pop(n)
+        return load(n)
 
     global_scale = None
     if fmt == "nvfp4":
         amax = torch.zeros((), dtype=torch.float32)
         for n in members:
-            t, a = load(n)
+            t, a = get(n)
             amax = torch.maximum(amax, a)
             if cache is not None:
                 cache[n] = (t, a)
             del t
         global_scale = formats.nvfp4_global_scale(amax)
     for n in members:
-        w, amax = load(n)
+        w, amax = get(n)
         m = linears[n].module
         if fmt == "fp8":
             scale = formats.fp8_scale_from_amax(amax)

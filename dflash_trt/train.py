@@ -23,7 +23,6 @@ import math
 import os
 import random
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -129,40 +128,33 @@ def load_sequences(path: str | Path, tokenizer=None) -> tuple[Sequences, list[st
     return Sequences(torch.cat(toks), offsets, torch.tensor(plens)), prompts
 
 
-def _file_sha(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def target_features(target_dir: str | Path, data: Sequences, layer_ids: list[int], cache_dir: Path,
-                    cache_key: str, progress: bool = True) -> torch.Tensor:
+                    progress: bool = True) -> torch.Tensor:
     """Features [N_tok, n*H] (bf16) of the captured target layers over every sequence, computed
-    once with our target runtime (the same code that captures them at decode time) and cached."""
+    with our target runtime (the same code that captures them at decode time). Cached per
+    sequence (keyed by its tokens, the layers and the target's config), so data that grows, as a
+    resumed generation does, only costs the new sequences."""
     from safetensors.torch import load_file, save_file
     from tqdm import tqdm
 
-    from dflash_trt.target import load_target
+    cfg_text = (Path(target_dir) / "config.json").read_text()
+    salt = hashlib.sha256(json.dumps([layer_ids, cfg_text]).encode()).hexdigest()[:12]
+    folder = cache_dir / f"layers-{salt}"
+    folder.mkdir(parents=True, exist_ok=True)
+    keys = [hashlib.sha256(data.tokens[data.seq(i)].numpy().tobytes()).hexdigest()[:24] for i in range(len(data))]
+    todo = [i for i, k in enumerate(keys) if not (folder / f"{k}.safetensors").is_file()]
+    if todo:
+        from dflash_trt.target import load_target
 
-    path = cache_dir / f"features-{cache_key}.safetensors"
-    if path.is_file():
-        return load_file(str(path))["features"]
-    target = load_target(target_dir, dtype=torch.float32)
-    lens = (data.offsets[1:] - data.offsets[:-1]).tolist()
-    target.setup_cache(max(lens) + 1)
-    out = []
-    for i in tqdm(range(len(data)), desc="target features", unit="seq", disable=not progress, file=sys.stderr,
-                  dynamic_ncols=True):
-        _, feats = target(data.tokens[data.seq(i)], 0, capture=layer_ids)
-        out.append(feats.to(torch.bfloat16))
-    features = torch.cat(out)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    save_file({"features": features.contiguous()}, str(tmp), metadata={"layer_ids": json.dumps(layer_ids)})
-    os.replace(tmp, path)
-    return features
+        target = load_target(target_dir, dtype=torch.float32)
+        target.setup_cache(max(data.seq(i).stop - data.seq(i).start for i in todo) + 1)
+        for i in tqdm(todo, desc="target features", unit="seq", disable=not progress, file=sys.stderr,
+                      dynamic_ncols=True):
+            _, feats = target(data.tokens[data.seq(i)], 0, capture=layer_ids)
+            tmp = folder / f".{keys[i]}.{os.getpid()}.tmp"
+            save_file({"features": feats.to(torch.bfloat16).contiguous()}, str(tmp))
+            os.replace(tmp, folder / f"{keys[i]}.safetensors")
+    return torch.cat([load_file(str(folder / f"{k}.safetensors"))["features"] for k in keys])
 
 
 def choose_mask_token(tokenizer, used: torch.Tensor) -> int:
@@ -358,38 +350,50 @@ def block_loss(drafter, frozen: FrozenTarget, batch: Batch, gamma: float) -> tor
         h = drafter(frozen.embed[batch.block_tokens], batch.q_pos, ctx, batch.ctx_pos, batch.mask)
         sel = batch.labels >= 0
         logits = F.linear(h[sel], frozen.lm_head)
-    ce = F.cross_entropy(logits.float(), batch.labels[sel], reduction="none")
+    ce = F.cross_entropy(logits, batch.labels[sel], reduction="none").float()  # bf16 logits: 2x less traffic
     w = torch.exp(-(batch.slot[sel].float() - 1) / gamma)
     return (ce * w).sum() / w.sum()
 
 
 @torch.no_grad()
 def estimate_tau(drafter, frozen: FrozenTarget, data: Sequences, max_new_tokens: int = 128,
-                 block_size: int | None = None) -> dict:
+                 block_size: int | None = None, max_seqs: int = 32) -> dict:
     """τ of greedy DFlash decoding on held-out target responses, simulated offline: the data is
     the target's own greedy output, so a draft slot is accepted iff it equals the next token of
     the response. Walks each response as the decode loop does (anchor → accept m → next anchor
-    at +m+1), all sequences in lockstep, one block each per drafter pass."""
+    at +m+1), all sequences in lockstep, one block each per drafter pass. The context K/V are
+    projected once (as the drafter cache holds them); the mask hides what lies past each anchor."""
     B = block_size or drafter.config.block_size
     mask_id = drafter.config.mask_token_id
-    lens = (data.offsets[1:] - data.offsets[:-1])
-    ends = [min(int(lens[i]), int(data.prompt_lens[i]) + max_new_tokens) for i in range(len(data))]
-    anchors = {i: int(data.prompt_lens[i]) for i in range(len(data)) if ends[i] - int(data.prompt_lens[i]) >= 2}
+    n = min(len(data), max_seqs)
+    plen = [int(data.prompt_lens[i]) for i in range(n)]
+    ends = [min(data.seq(i).stop - data.seq(i).start, plen[i] + max_new_tokens) for i in range(n)]
+    feats = torch.cat([data.features[data.seq(i)][: ends[i]] for i in range(n)])
+    ctx_pos = torch.cat([torch.arange(ends[i]) for i in range(n)])
+    ctx_seq = torch.cat([torch.full((ends[i],), i) for i in range(n)])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ctx_kv = drafter.context_kv(drafter.project_context(feats.float()), ctx_pos)
+    anchors = {i: plen[i] for i in range(n) if ends[i] - plen[i] >= 2}
     accepted = []
+    k = torch.arange(B)
     while anchors:
-        picks = [(i, [a]) for i, a in anchors.items()]
-        batch = make_batch(data, picks, B, mask_id)
+        rows = list(anchors.items())
+        seq_ids = torch.tensor([i for i, _ in rows]).repeat_interleave(B)
+        anc = torch.tensor([a for _, a in rows]).repeat_interleave(B)
+        toks = [data.tokens[data.seq(i)] for i, _ in rows]
+        block = torch.full((len(rows), B), mask_id)
+        block[:, 0] = torch.stack([t[a] for t, (_, a) in zip(toks, rows)])
+        q_pos = anc + k.repeat(len(rows))
+        blk = torch.arange(len(rows) * B) // B
+        mask = torch.cat([(ctx_seq[None, :] == seq_ids[:, None]) & (ctx_pos[None, :] < anc[:, None]),
+                          blk[None, :] == blk[:, None]], 1)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            ctx = drafter.project_context(batch.features.float())
-            h = drafter(frozen.embed[batch.block_tokens], batch.q_pos, ctx, batch.ctx_pos, batch.mask)
+            h = drafter.forward_cached(frozen.embed[block.view(-1)], q_pos, ctx_kv, mask)
             pred = F.linear(h, frozen.lm_head).argmax(-1).view(-1, B)
-        labels = batch.labels.view(-1, B)
         nxt = {}
-        for row, (i, [a]) in enumerate(picks):
-            limit = ends[i] - a - 1  # tokens left to produce after the anchor
-            hits = (pred[row, 1:] == labels[row, 1:]).tolist()
+        for r, ((i, a), t) in enumerate(zip(rows, toks)):
             m = 0
-            while m < min(B - 1, limit) and hits[m]:
+            while m < min(B - 1, ends[i] - a - 1) and int(pred[r, m + 1]) == int(t[a + m + 1]):
                 m += 1
             accepted.append(m)
             if a + m + 1 < ends[i] - 1:
@@ -403,11 +407,15 @@ def estimate_tau(drafter, frozen: FrozenTarget, data: Sequences, max_new_tokens:
 # ------------------------------------------------------------------------------------ state
 def _save_state(run_dir: Path, drafter, opt, step: int, tc: TrainConfig, rng: random.Random, extra: dict) -> None:
     """Resume state: weights (fp32) and AdamW moments as safetensors, the rest as JSON. No pickle."""
+    from dflash_trt.checkpoint import atomic_output_dir
+
+    with atomic_output_dir(run_dir / "state") as tmp:
+        _write_state(tmp, drafter, opt, step, tc, rng, extra)
+
+
+def _write_state(tmp: Path, drafter, opt, step: int, tc: TrainConfig, rng: random.Random, extra: dict) -> None:
     from safetensors.torch import save_file
 
-    from dflash_trt.drafter import _replace_dir
-
-    tmp = Path(tempfile.mkdtemp(prefix=".state.", dir=run_dir))
     save_file({k: v.detach().contiguous() for k, v in drafter.state_dict().items()}, str(tmp / "model.safetensors"))
     names = {id(p): n for n, p in drafter.named_parameters()}
     moments, steps = {}, {}
@@ -426,7 +434,6 @@ def _save_state(run_dir: Path, drafter, opt, step: int, tc: TrainConfig, rng: ra
         "adam_steps": steps, "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
         "python_rng": [py_state[0], list(py_state[1]), py_state[2]], **extra,
     }, indent=1) + "\n")
-    _replace_dir(tmp, run_dir / "state")
 
 
 def _load_state(run_dir: Path, drafter, opt) -> tuple[int, list, dict]:
@@ -464,7 +471,7 @@ def prepare_data(target_dir: Path, path: Path, out_path: Path, max_new_tokens: i
 def train_drafter(target_dir: str | Path, data_path: str | Path, out_dir: str | Path, tc: TrainConfig, *,
                   eval_path: str | Path | None = None, resume: bool = False, progress: bool = True,
                   max_new_tokens: int = 192, threads: int | None = 2, time_limit_s: float | None = None,
-                  stop_after: int | None = None) -> dict:
+                  stop_after: int | None = None, feature_cache: str | Path | None = None) -> dict:
     """Train (or continue training) a DFlash drafter for the target; returns a summary dict.
     The z-lab checkpoint is written to out_dir/drafter at every save and at the end.
     time_limit_s / stop_after end this session early (after a save); --resume continues it."""
@@ -499,16 +506,14 @@ def train_drafter(target_dir: str | Path, data_path: str | Path, out_dir: str | 
     tc.mask_token_id = mask_id
     dcfg = drafter_config_for(target_cfg, tc, mask_id)
     ids = dcfg.target_layer_ids
-    tstat = (target_dir / "config.json").read_text()
-    key = hashlib.sha256(json.dumps([_file_sha(Path(data_path)), ids, tstat]).encode()).hexdigest()[:16]
-    data.features = target_features(target_dir, data, ids, out_dir / "features", key, progress)
+    cache = Path(feature_cache) if feature_cache else out_dir / "features"
+    data.features = target_features(target_dir, data, ids, cache, progress)
 
     eval_data = None
     if eval_path is not None:
         eval_path = prepare_data(target_dir, Path(eval_path), out_dir / "eval_data.jsonl", max_new_tokens, progress)
         eval_data, _ = load_sequences(eval_path, tokenizer)
-        ekey = hashlib.sha256(json.dumps([_file_sha(Path(eval_path)), ids, tstat]).encode()).hexdigest()[:16]
-        eval_data.features = target_features(target_dir, eval_data, ids, out_dir / "features", ekey, progress)
+        eval_data.features = target_features(target_dir, eval_data, ids, cache, progress)
 
     torch.manual_seed(tc.seed)
     max_len = int((data.offsets[1:] - data.offsets[:-1]).max()) + tc.block_size + 1

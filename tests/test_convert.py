@@ -1,5 +1,5 @@
 """`convert` against ModelOpt 0.47's `export_tensorrt_llm_checkpoint` (the oracle), tp = 1 and 2,
-unquantized and FP8 (+ FP8 KV cache).
+unquantized, FP8 and NVFP4 (+ FP8 KV cache).
 
 The tiny Llama has 1 KV head (so tp=2 duplicates it) and a vocabulary of 251 (so tp=2 pads it).
 Byte-for-byte: every tensor of every rank, except (by design):
@@ -36,8 +36,8 @@ def modelopt_trtllm(model, out, quant: str, tp: int, decoder: str = "llama"):
     m = copy.deepcopy(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        if quant == "fp8":
-            qc = copy.deepcopy(mtq.FP8_DEFAULT_CFG)
+        if quant != "none":
+            qc = copy.deepcopy(mtq.FP8_DEFAULT_CFG if quant == "fp8" else mtq.NVFP4_DEFAULT_CFG)
             qc["quant_cfg"] = qc["quant_cfg"] + copy.deepcopy(mtq.FP8_KV_CFG["quant_cfg"])
             m = mtq.quantize(m, qc, lambda mm: mm(torch.tensor(IDS)))
         export_tensorrt_llm_checkpoint(m, decoder_type=decoder, dtype=torch.bfloat16, export_dir=out,
@@ -78,12 +78,12 @@ def compare(ours, ref, tp, skip=()):
     return ca, cb
 
 
-@pytest.mark.parametrize("quant", ["none", "fp8"])
+@pytest.mark.parametrize("quant", ["none", "fp8", "nvfp4"])
 @pytest.mark.parametrize("tp", [1, 2])
 def test_llama_matches_modelopt(llama, quant, tp):
     root, m, calib = llama
     ref = modelopt_trtllm(m, root / f"ref-{quant}-{tp}", quant, tp)
-    kw = dict(kv_cache="fp8", calib=calib) if quant == "fp8" else {}
+    kw = dict(kv_cache="fp8", calib=calib) if quant != "none" else {}
     ours = root / f"ours-{quant}-{tp}"
     convert_checkpoint(root / "src", ours, tp=tp, quant=quant, progress=False, **kw)
     ca, cb = compare(ours, ref, tp)

@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from dflash_trt.embedded import embedded_drafter_path, ensure_embedded_gguf, ensure_embedded_target, load_gguf_model
+from dflash_trt.embedded import (convert_gguf, embedded_drafter_path, ensure_embedded_gguf, ensure_embedded_target,
+                                 load_gguf_model)
 from dflash_trt.prompts import read_prompts
 
 PROMPTS = ["Write a Python function that reverses a string.", "What is the capital of France?",
@@ -19,12 +20,14 @@ def target_dir():
     return ensure_embedded_target()
 
 
-def test_conversion_matches_transformers_gguf_loader(target_dir):
+def test_conversion_matches_transformers_gguf_loader(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    ref, ref_tok = load_gguf_model(ensure_embedded_gguf())
-    conv = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(str(target_dir))
+    gguf = ensure_embedded_gguf()
+    out = convert_gguf(gguf, tmp_path / "converted")  # the conversion itself, not a cached result
+    ref, ref_tok = load_gguf_model(gguf)
+    conv = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(str(out))
     assert tok.chat_template == ref_tok.chat_template and "<|im_start|>" in tok.chat_template
     for p in PROMPTS:
         msgs = [{"role": "user", "content": p}]

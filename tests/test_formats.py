@@ -23,7 +23,7 @@ def test_nvfp4_packing_low_nibble_is_even_element():
     assert formats.unpack_nibbles(packed).tolist() == codes.tolist()
 
 
-def test_nvfp4_full_pipeline_hand_computed():
+def test_nvfp4_full_pipeline_hand_computed(nvfp4_path):
     # One row, one block of 16 with amax 6: weight_scale_2 = 6/(6*448) = 1/448,
     # block scale = 6 / (6 * 1/448) = 448 (the E4M3 max), so w / (448 * 1/448) = w.
     w = torch.zeros(1, 16)
@@ -35,13 +35,24 @@ def test_nvfp4_full_pipeline_hand_computed():
     assert torch.equal(formats.nvfp4_dequantize(packed, bscale, gscale), w)
 
 
+@pytest.fixture(params=["c-kernel", "torch"])
+def nvfp4_path(request, monkeypatch):
+    """Run NVFP4 tests through the fused C kernel and through the pure-torch fallback."""
+    if request.param == "torch":
+        monkeypatch.setitem(formats._CK_STATE, "lib", None)
+    elif formats._ckernel() is None:
+        pytest.skip("no C compiler: only the torch path exists here")
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_nvfp4_bytes_equal_modelopt(dtype):
+def test_nvfp4_bytes_equal_modelopt(dtype, nvfp4_path):
     from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
 
     w = (torch.randn(48, 128) * 0.02).to(dtype)
     w[5, 16:32] = 0  # an all-zero block (scale 1.0)
     w[7, 3] = 0.3   # an outlier
+    w[9, :8] = torch.tensor([-0.0, 1e-9, -1e-9, 0.0, 1e-3, -1e-3, 2e-3, -2e-3])  # signed zeros, tiny values
     packed, bscale, gscale = formats.nvfp4_quantize(w)
     ref_g = NVFP4QTensor.get_weights_scaling_factor_2(w)
     ref_s, _ = NVFP4QTensor.get_weights_scaling_factor(w, 16, ref_g)
@@ -51,7 +62,7 @@ def test_nvfp4_bytes_equal_modelopt(dtype):
     assert torch.equal(packed, ref_q)
 
 
-def test_nvfp4_dequant_within_format_bound():
+def test_nvfp4_dequant_within_format_bound(nvfp4_path):
     w = torch.randn(64, 256) * torch.logspace(-3, 0, 64)[:, None]  # rows of very different scales
     packed, bscale, gscale = formats.nvfp4_quantize(w)
     err = (formats.nvfp4_dequantize(packed, bscale, gscale) - w).abs()
@@ -110,3 +121,14 @@ def test_mxfp4_encode_decode_roundtrip():
 def test_mxfp4_rejects_bad_shapes():
     with pytest.raises(DFlashError, match="do not match"):
         formats.mxfp4_decode(torch.zeros(2, 16, dtype=torch.uint8), torch.zeros(3, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_abs_max_detects_nan_and_inf(dtype, nvfp4_path):
+    t = (torch.randn(1000) * 3).to(dtype)
+    m, finite = formats.abs_max(t)
+    assert finite and m.item() == t.float().abs().max().item()
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        u = t.clone()
+        u[777] = bad
+        assert formats.abs_max(u)[1] is False

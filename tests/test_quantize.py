@@ -8,9 +8,10 @@ Differs by design, compared with a tolerance instead:
   the reference runtime's decoder layer (also bf16, different kernels), one layer at a time;
   the amaxes agree to rounding (tests allow 2%).
 
-NVFP4 on CPU: ModelOpt 0.47's NVFP4 fake-quant forward runs on CPU here (its calibration pass
-only records amaxes, the fake-quant kernels are not needed for max calibration), so the oracle
-is ModelOpt's unmodified quantize + export path; the test asserts the model is on CPU.
+NVFP4 on CPU: with ModelOpt 0.47 here, `mtq.quantize(NVFP4_DEFAULT_CFG)` with its max-calibration
+forward and `export_hf_checkpoint` both run on a CPU-only machine (observed, no CUDA present),
+so the oracle is ModelOpt's unmodified quantize + export path; the test asserts the model is on
+CPU. Nothing of ModelOpt's is patched or stubbed.
 """
 from __future__ import annotations
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from dflash_trt.prompts import build_prompts, write_jsonl
+from dflash_trt.prompts import build_prompts
 from dflash_trt.train import (FrozenTarget, TrainConfig, block_loss, generate_responses, load_sequences, make_batch,
-                              sample_picks, train_drafter)
+                              sample_picks, target_features, train_drafter)
 
 
 @pytest.fixture(scope="module")
@@ -72,9 +72,8 @@ def test_training_lowers_loss_and_writes_zlab_checkpoint(tiny):
 
     out = tiny / "run"
     s = _run(tiny, out, steps=30, save_every=30)
-    data, _ = load_sequences(out / "data.jsonl" if (out / "data.jsonl").exists() else tiny / "data.jsonl")
-    from safetensors.torch import load_file
-    data.features = load_file(str(next((out / "features").glob("features-*.safetensors"))))["features"]
+    data, _ = load_sequences(tiny / "data.jsonl")
+    data.features = target_features(tiny / "target", data, s["target_layer_ids"], out / "features", progress=False)
     frozen = FrozenTarget(tiny / "target", read_json(tiny / "target" / "config.json"))
     batch = make_batch(data, sample_picks(data, random.Random(123), 24, 4), 8, s["mask_token_id"])
     trained = load_drafter(out / "drafter", torch.float32)
@@ -130,3 +129,20 @@ def test_refuses_to_overwrite_a_run_without_resume(tiny):
 
     with pytest.raises(DFlashError, match="--resume"):
         _run(tiny, tiny / "straight", steps=2)
+
+
+def test_cli_trains_and_reports_json(tiny, capsys):
+    from dflash_trt.cli import main
+
+    out = tiny / "cli-run"
+    with pytest.raises(SystemExit) as e:
+        main(["train-drafter", "--target", str(tiny / "target"), "--data", str(tiny / "data.jsonl"), "--out", str(out),
+              "--steps", "3", "--block-size", "8", "--blocks-per-step", "8", "--threads", "1", "--json"])
+    assert e.value.code == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["step"] == 3 and (out / "drafter" / "config.json").is_file()
+    with pytest.raises(SystemExit) as e:  # nothing to resume in a fresh folder: one-line error, exit 1
+        main(["train-drafter", "--target", str(tiny / "target"), "--data", str(tiny / "data.jsonl"),
+              "--out", str(tiny / "fresh"), "--resume"])
+    assert e.value.code == 1
+    assert "nothing to resume" in capsys.readouterr().err

@@ -2,8 +2,14 @@
 from __future__ import annotations
 
 import json
+import os
 
 import click
+
+# Shared CPUs: OpenMP threads that spin while waiting for a busy core make every op 10-20x slower
+# (measured on the 2-core dev machine under load); passive waiting costs almost nothing when idle.
+# Must be set before torch is first imported, which this module does lazily.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from dflash_trt.errors import DFlashError
 
@@ -40,14 +46,16 @@ def _layer_list(ctx, param, value):
               help="Held-out prompts (or data) JSONL for the τ estimate in the progress bar.")
 @click.option("--max-new-tokens", type=click.IntRange(2), default=192, show_default=True,
               help="Response length when the target answers --prompts.")
+@click.option("--feature-cache", type=click.Path(file_okay=False),
+              help="Where to cache target features (default OUT/features); share it between runs.")
 @click.option("--resume", is_flag=True, help="Continue the run in OUT from its last checkpoint.")
 @click.option("--time-limit", type=float, help="Stop (and save) after this many minutes.")
 @click.option("--threads", type=click.IntRange(1), default=2, show_default=True, help="torch CPU threads.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary at the end.")
 def train_drafter_cmd(target, data, prompts, out, layers, intermediate_size, target_layers, block_size, steps, lr,
-                      blocks_per_step, mask_token_id, save_every, eval_every, eval_prompts, max_new_tokens, resume,
-                      time_limit, threads, seed, as_json):
+                      blocks_per_step, mask_token_id, save_every, eval_every, eval_prompts, max_new_tokens,
+                      feature_cache, resume, time_limit, threads, seed, as_json):
     """Train a DFlash block-diffusion drafter for a target (DESIGN.md §4 recipe): the target
     answers prompts, its hidden states at the chosen layers are cached once, then random anchors,
     masked blocks with per-anchor attention and a position-decayed cross-entropy; the target's
@@ -72,7 +80,8 @@ def train_drafter_cmd(target, data, prompts, out, layers, intermediate_size, tar
                      blocks_per_step=blocks_per_step, save_every=save_every, eval_every=eval_every, seed=seed)
     summary = train_drafter(tdir, data or prompts, out, tc, eval_path=eval_prompts, resume=resume,
                             max_new_tokens=max_new_tokens, threads=threads,
-                            time_limit_s=time_limit * 60 if time_limit else None)
+                            time_limit_s=time_limit * 60 if time_limit else None,
+                            feature_cache=feature_cache)
     if as_json:
         click.echo(json.dumps(summary, indent=2))
     else:
