@@ -357,7 +357,7 @@ def block_loss(drafter, frozen: FrozenTarget, batch: Batch, gamma: float) -> tor
 
 @torch.no_grad()
 def estimate_tau(drafter, frozen: FrozenTarget, data: Sequences, max_new_tokens: int = 128,
-                 block_size: int | None = None, max_seqs: int = 32) -> dict:
+                 block_size: int | None = None, max_seqs: int = 16) -> dict:
     """τ of greedy DFlash decoding on held-out target responses, simulated offline: the data is
     the target's own greedy output, so a draft slot is accepted iff it equals the next token of
     the response. Walks each response as the decode loop does (anchor → accept m → next anchor
