@@ -200,6 +200,7 @@ class TrainConfig:
     eval_max_new_tokens: int = 128
     seed: int = 0
     init_from_target: bool = True
+    init_from: str | None = None               # start from an existing drafter checkpoint (fine-tune)
 
 
 def drafter_config_for(target_cfg: dict, tc: TrainConfig, mask_token_id: int):
@@ -261,6 +262,24 @@ def init_from_target(drafter, target_state: dict, target_cfg: dict) -> list[str]
         H, nf = drafter.config.hidden_size, drafter.config.n_features
         own["fc.weight"].copy_(torch.eye(H).repeat(1, nf) / nf)
     return copied
+
+
+def _init_from_drafter(drafter, folder: Path) -> list[str]:
+    """Continue from a trained drafter (e.g. one trained with another block size): its weights
+    must fit this config; block_size and mask token may differ (neither is a weight)."""
+    from dflash_trt.drafter import load_drafter
+
+    src = load_drafter(folder, torch.float32)
+    if src.config.target_layer_ids != drafter.config.target_layer_ids:
+        raise DFlashError(f"--init-from {folder}: target_layer_ids {src.config.target_layer_ids} differ from "
+                          f"{drafter.config.target_layer_ids}")
+    own = drafter.state_dict()
+    for k, v in src.state_dict().items():
+        if k not in own or own[k].shape != v.shape:
+            raise DFlashError(f"--init-from {folder}: tensor {k} does not fit this drafter config")
+    drafter.load_state_dict(src.state_dict())
+    meta = folder.parent / "state" / "state.json"
+    return json.loads(meta.read_text()).get("init", []) if meta.is_file() else []
 
 
 def _read_target_tensors(target_dir: Path, names_wanted) -> dict:
@@ -521,7 +540,9 @@ def train_drafter(target_dir: str | Path, data_path: str | Path, out_dir: str | 
         max_len = max(max_len, int((eval_data.offsets[1:] - eval_data.offsets[:-1]).max()) + tc.block_size + 1)
     drafter = DFlashDrafter(dcfg, max_len=max_len)
     init_notes = []
-    if tc.init_from_target and not resume:
+    if tc.init_from and not resume:
+        init_notes = [f"all weights <- {tc.init_from}"] + _init_from_drafter(drafter, Path(tc.init_from))
+    elif tc.init_from_target and not resume:
         want = lambda k: k.startswith("model.layers.") or k == "model.norm.weight"  # noqa: E731
         init_notes = init_from_target(drafter, _read_target_tensors(target_dir, want), target_cfg)
     frozen = FrozenTarget(target_dir, target_cfg)

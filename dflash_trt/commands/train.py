@@ -46,6 +46,8 @@ def _layer_list(ctx, param, value):
               help="Held-out prompts (or data) JSONL for the τ estimate in the progress bar.")
 @click.option("--max-new-tokens", type=click.IntRange(2), default=192, show_default=True,
               help="Response length when the target answers --prompts.")
+@click.option("--init-from", type=click.Path(file_okay=False),
+              help="Start from this drafter's weights (fine-tune; e.g. retrain at another --block-size).")
 @click.option("--feature-cache", type=click.Path(file_okay=False),
               help="Where to cache target features (default OUT/features); share it between runs.")
 @click.option("--resume", is_flag=True, help="Continue the run in OUT from its last checkpoint.")
@@ -55,7 +57,7 @@ def _layer_list(ctx, param, value):
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary at the end.")
 def train_drafter_cmd(target, data, prompts, out, layers, intermediate_size, target_layers, block_size, steps, lr,
                       blocks_per_step, mask_token_id, save_every, eval_every, eval_prompts, max_new_tokens,
-                      feature_cache, resume, time_limit, threads, seed, as_json):
+                      init_from, feature_cache, resume, time_limit, threads, seed, as_json):
     """Train a DFlash block-diffusion drafter for a target (DESIGN.md §4 recipe): the target
     answers prompts, its hidden states at the chosen layers are cached once, then random anchors,
     masked blocks with per-anchor attention and a position-decayed cross-entropy; the target's
@@ -77,7 +79,8 @@ def train_drafter_cmd(target, data, prompts, out, layers, intermediate_size, tar
     tdir = resolve_target(target)
     tc = TrainConfig(layers=layers, block_size=block_size, intermediate_size=intermediate_size,
                      target_layer_ids=target_layers, mask_token_id=mask_token_id, steps=steps, lr=lr,
-                     blocks_per_step=blocks_per_step, save_every=save_every, eval_every=eval_every, seed=seed)
+                     blocks_per_step=blocks_per_step, save_every=save_every, eval_every=eval_every, seed=seed,
+                     init_from=init_from)
     summary = train_drafter(tdir, data or prompts, out, tc, eval_path=eval_prompts, resume=resume,
                             max_new_tokens=max_new_tokens, threads=threads,
                             time_limit_s=time_limit * 60 if time_limit else None,
