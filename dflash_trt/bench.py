@@ -7,32 +7,8 @@ token-identical to AR), the acceptance histogram and the per-block cost split of
 from __future__ import annotations
 
 import collections
-import json
 import sys
-from pathlib import Path
 
-from dflash_trt.errors import DFlashError
-
-
-def read_prompt_file(path: str | Path) -> list[str]:
-    """FILE.jsonl with one {"prompt": "..."} object per line."""
-    path = Path(path)
-    if not path.is_file():
-        raise DFlashError(f"{path}: prompts file not found")
-    prompts = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DFlashError(f"{path}:{n}: invalid JSON ({e.msg})") from None
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-            raise DFlashError(f"{path}:{n}: expected an object with a string field \"prompt\"")
-        prompts.append(row["prompt"])
-    if not prompts:
-        raise DFlashError(f"{path}: no prompts")
-    return prompts
 
 
 def run_bench(pair, prompts: list[str], *, max_new_tokens: int = 128, block_size: int | None = None,

@@ -34,15 +34,16 @@ def bench_cmd(target, drafter, prompts_file, max_new_tokens, block_size, tempera
     import torch
 
     from dflash_trt.api import load_pair
-    from dflash_trt.bench import format_table, read_prompt_file, run_bench
+    from dflash_trt.bench import format_table, run_bench
     from dflash_trt.presets import resolve_drafter, resolve_target
+    from dflash_trt.prompts import read_prompts
 
     if threads:
         torch.set_num_threads(threads)
     if prompts_file is None:
         from importlib import resources
         prompts_file = str(resources.files("dflash_trt").joinpath("data", "heldout_prompts.jsonl"))
-    prompts = read_prompt_file(prompts_file)[:limit]
+    prompts = read_prompts(prompts_file)[:limit]
     pair = load_pair(resolve_target(target), resolve_drafter(drafter, target), dtype)
     report = run_bench(pair, prompts, max_new_tokens=max_new_tokens, block_size=block_size, temperature=temperature,
                        fused_inject=fused, progress=True)
