@@ -1,6 +1,11 @@
 """Shared fixtures: tiny pairs of every supported family, built once per test session."""
 from __future__ import annotations
 
+import os
+
+# Busy-waiting OpenMP threads stall when other processes share the 2 cores; set before torch loads.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import pytest
 import torch
 
