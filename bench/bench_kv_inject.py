@@ -27,12 +27,12 @@ REPO = Path(__file__).resolve().parent.parent
 EMBEDDED = REPO / "dflash_trt" / "assets" / "smollm2-135m-dflash"
 
 
-def drafters():
+def drafters(dtype: torch.dtype):
     from dflash_trt.config import DrafterConfig
     from dflash_trt.drafter import DFlashDrafter, load_drafter
 
     if (EMBEDDED / "config.json").is_file():
-        yield "embedded smollm2-135m-dflash", load_drafter(EMBEDDED, torch.float32, max_len=4096)
+        yield "embedded smollm2-135m-dflash", load_drafter(EMBEDDED, dtype, max_len=4096)
         return
     for layers in (1, 2):
         cfg = DrafterConfig.from_dict(dict(
@@ -40,7 +40,7 @@ def drafters():
             intermediate_size=1536, vocab_size=49152, block_size=16, rms_norm_eps=1e-5, rope_theta=100000.0,
             max_position_embeddings=8192, dflash_config=dict(mask_token_id=0, target_layer_ids=[1, 8, 15, 22, 26])))
         torch.manual_seed(0)
-        d = DFlashDrafter(cfg, max_len=4096).eval()
+        d = DFlashDrafter(cfg, max_len=4096).eval().to(dtype)
         yield f"random drafter of the embedded shape, {layers} layer(s)", d
 
 
@@ -59,21 +59,21 @@ def time_pair(fns: dict, iters: int) -> dict:
     return {n: (statistics.median(x), min(x)) for n, x in samples.items()}
 
 
-def bench_cpu(iters: int) -> list[dict]:
+def bench_cpu(iters: int, dtype: torch.dtype) -> list[dict]:
     from dflash_trt.kv_inject import fused_injector, reference_inject_contiguous
 
     rows = []
-    for label, d in drafters():
+    for label, d in drafters(dtype):
         c = d.config
         inj = fused_injector(d)  # built once per drafter, as the runtime does
-        k = torch.zeros(c.num_hidden_layers, c.num_key_value_heads, 4096, c.head_dim)
+        k = torch.zeros(c.num_hidden_layers, c.num_key_value_heads, 4096, c.head_dim, dtype=dtype)
         v = torch.zeros_like(k)
         for T in (1, 4, 16):
-            feats = torch.randn(T, c.n_features * c.hidden_size)
+            feats = torch.randn(T, c.n_features * c.hidden_size).to(dtype)
             pos = torch.arange(100, 100 + T)
             r = time_pair({"reference": lambda: reference_inject_contiguous(d, feats, pos, k, v, 100),
                            "fused": lambda: inj.inject_contiguous(feats, pos, k, v, 100)}, iters)
-            rows.append({"drafter": label, "layers": c.num_hidden_layers, "T": T,
+            rows.append({"drafter": label, "dtype": str(dtype).removeprefix("torch."), "layers": c.num_hidden_layers, "T": T,
                          "reference_us": round(r["reference"][0] * 1e6, 1), "fused_us": round(r["fused"][0] * 1e6, 1),
                          "speedup": round(r["reference"][0] / r["fused"][0], 3),
                          "reference_min_us": round(r["reference"][1] * 1e6, 1),
@@ -112,10 +112,12 @@ def main(argv=None):
     ap.add_argument("--out", help="also write the JSON here")
     ap.add_argument("--iters", type=int, default=300)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: steadier on shared machines)")
+    ap.add_argument("--dtypes", default="float32,bfloat16",
+                    help="comma-separated; the CPU runtime runs float32 or bfloat16 (make run / bench: bfloat16)")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     sys.path.insert(0, str(REPO))
-    cpu = bench_cpu(a.iters)
+    cpu = [row for name in a.dtypes.split(",") for row in bench_cpu(a.iters, getattr(torch, name.strip()))]
     costs = [fused_op_cost(T) for T in (1, 4, 16)]
     at16 = [r["speedup"] for r in cpu if r["T"] == 16]
     result = {

@@ -209,14 +209,10 @@ def mxfp4_encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # ----------------------------------------------------------------------------------------------
-# Fused CPU kernels for the NVFP4 hot loops.
-#
-# Why hand-written: in eager torch, encoding one element takes ~15 passes over memory (divide,
-# abs, seven comparisons, sign, pack), which made streaming NVFP4 slower than ModelOpt. These
-# two loops do it in one pass each. Plain C (no torch headers), so it compiles in well under a
-# second with the system's C compiler, into a private temp folder, once per process; without
-# a compiler (or with DFLASH_TRT_NO_CKERNEL=1) the torch code above is used. No -ffast-math:
-# the division must stay IEEE fp32 so the bytes equal ModelOpt's (tests compare both paths).
+# Fused CPU kernels for the NVFP4 hot loops (compiled by dflash_trt.ckernels; torch code above
+# without a compiler). In eager torch, encoding one element takes ~15 passes over memory (divide,
+# abs, seven comparisons, sign, pack); these loops do it in one pass each. The division stays IEEE
+# fp32 so the bytes equal ModelOpt's (tests compare both paths).
 _C_SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
@@ -271,42 +267,18 @@ _CK_STATE: dict = {}
 
 def _ckernel():
     """The compiled kernels (ctypes library), or None if unavailable."""
-    if "lib" in _CK_STATE:
-        return _CK_STATE["lib"]
-    import ctypes
-    import os
-    import shutil
-    import subprocess
-    import tempfile
+    if "lib" not in _CK_STATE:
+        import ctypes
 
-    lib = None
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc and os.environ.get("DFLASH_TRT_NO_CKERNEL") != "1":
-        d = tempfile.mkdtemp(prefix="dflash-trt-ck-")
-        src, so = os.path.join(d, "k.c"), os.path.join(d, "k.so")
-        with open(src, "w") as f:
-            f.write(_C_SOURCE)
-        for flags in (["-fopenmp"], []):  # OpenMP when the compiler has it
-            r = subprocess.run([cc, "-O3", "-shared", "-fPIC", *flags, src, "-o", so], capture_output=True)
-            if r.returncode == 0:
-                try:
-                    lib = ctypes.CDLL(so)
-                except OSError:
-                    lib = None
-                if lib is not None:
-                    break
-        if lib is not None:
-            i64, ptr = ctypes.c_int64, ctypes.c_void_p
-            for name in _CK_DTYPES.values():
-                getattr(lib, "nvfp4_block_amax_" + name).argtypes = [ptr, i64, ptr]
-                getattr(lib, "nvfp4_encode_" + name).argtypes = [ptr, i64, ptr, ptr]
-                getattr(lib, "nvfp4_block_amax_" + name).restype = None
-                getattr(lib, "nvfp4_encode_" + name).restype = None
-                getattr(lib, "abs_max_" + name).argtypes = [ptr, i64, ptr, ptr]
-                getattr(lib, "abs_max_" + name).restype = None
-        shutil.rmtree(d, ignore_errors=True)  # the library stays mapped after unlinking
-    _CK_STATE["lib"] = lib
-    return lib
+        from dflash_trt import ckernels
+
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        sigs = {}
+        for name in _CK_DTYPES.values():
+            sigs.update({"nvfp4_block_amax_" + name: [ptr, i64, ptr], "nvfp4_encode_" + name: [ptr, i64, ptr, ptr],
+                         "abs_max_" + name: [ptr, i64, ptr, ptr]})
+        _CK_STATE["lib"] = ckernels.load("formats", _C_SOURCE, sigs, openmp=True)
+    return _CK_STATE["lib"]
 
 
 def abs_max(t: torch.Tensor) -> tuple[torch.Tensor, bool]:

@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from dflash_trt.errors import DFlashError
 from dflash_trt.layers import apply_rope
@@ -173,28 +174,38 @@ def reference_inject_contiguous(drafter, features, positions, k_cache, v_cache, 
 
 
 # ------------------------------------------------------------------------------- (2)/(3) fused
-def fused_kv_from_ctx(ctx_raw, w_kv_t, b_kv, k_norm_w, cos_tab, sin_tab, positions, eps: float, L: int, nkv: int):
-    """Path (2) after fc: one GEMM over all layers' K|V columns (w_kv_t [H, L*2*nkv*hd], hidden_norm
-    folded in), batched k_norm + RoPE. ctx_raw [T, H] = fc(features) → K, V [T, L, nkv, hd] in
-    ctx_raw's dtype.
-    Also the onnxruntime implementation of the dflash::KVInject node (dflash_trt.onnx_export)."""
-    T = ctx_raw.shape[0]
-    hd = k_norm_w.shape[-1]
-    dt = torch.promote_types(ctx_raw.dtype, torch.float32)
-    x = ctx_raw.to(dt)
-    rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(eps))                 # hidden_norm's 1/rms
-    kv = (ctx_raw @ w_kv_t).to(dt).mul_(rstd)                                     # GEMM 2
-    if b_kv is not None:
-        kv.add_(b_kv.to(dt))
+def rope_weight_tables(k_norm_w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """k_norm's weight folded into rotate-half RoPE: rope(n * w) = n * (w * cos) + roll(n, hd/2) * (s * sin),
+    s = roll(w, hd/2) with the first half negated. Returns (w, s) as [L, 1, hd] (broadcast over kv heads)."""
+    half = k_norm_w.shape[-1] // 2
+    s = k_norm_w.roll(half, -1).clone()
+    s[..., :half].neg_()
+    return k_norm_w[:, None, :].contiguous(), s[:, None, :].contiguous()
+
+
+def fused_kv_from_ctx(ctx_raw, w_kv_t, b_kv, k_norm_w, cos_tab, sin_tab, positions, eps: float, L: int, nkv: int,
+                      out=None, rope_w=None):
+    """Path (2) after fc: one GEMM over all layers' K|V columns (w_kv_t [H, L*2*nkv*hd], hidden_norm's
+    weight folded in), then k_norm and RoPE over all layers at once. ctx_raw [T, H] = fc(features) →
+    K, V [T, L, nkv, hd] in ctx_raw's dtype, or written into out = (k_dst, v_dst) (views of that shape,
+    e.g. cache rows) and returned. rope_w: rope_weight_tables(k_norm_w), precomputed by callers that
+    inject repeatedly. Also the onnxruntime implementation of the dflash::KVInject node.
+    Few, large ops on purpose: at decode sizes (T ≤ 16) each torch op costs more than its arithmetic,
+    so the per-op count, not the FLOPs, sets the epilogue's CPU time (bench/bench_kv_inject.py)."""
+    T, hd = ctx_raw.shape[0], k_norm_w.shape[-1]
+    kw_cos, kw_sin = rope_w if rope_w is not None else rope_weight_tables(k_norm_w)
+    ctx = F.rms_norm(ctx_raw, (ctx_raw.shape[-1],), eps=eps)                     # hidden_norm without its weight
+    kv = (torch.addmm(b_kv, ctx, w_kv_t) if b_kv is not None else ctx @ w_kv_t)   # GEMM 2
     kv = kv.view(T, L, 2, nkv, hd)
-    k, v = kv[:, :, 0], kv[:, :, 1]
-    k = k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True).add_(eps))                # k_norm (per head)
-    k.mul_(k_norm_w[None, :, None, :].to(dt))
-    cos, sin = cos_tab[positions][:, None, None, :].to(dt), sin_tab[positions][:, None, None, :].to(dt)
-    half = hd // 2
-    rot = torch.cat([-k[..., half:], k[..., :half]], dim=-1)                      # rotate-half RoPE
-    k = k.mul_(cos).addcmul_(rot, sin)
-    return k.to(ctx_raw.dtype), v.to(ctx_raw.dtype)
+    k = F.rms_norm(kv[:, :, 0], (hd,), eps=eps)                                   # k_norm without its weight
+    cw = cos_tab[positions].view(T, 1, 1, hd) * kw_cos                            # [T, L, 1, hd]
+    sw = sin_tab[positions].view(T, 1, 1, hd) * kw_sin
+    k_out, v_out = out if out is not None else (torch.empty_like(k), None)
+    torch.mul(k, cw, out=k_out).addcmul_(k.roll(hd // 2, -1), sw)                 # RoPE (+ k_norm weight)
+    if v_out is None:
+        return k_out, kv[:, :, 1]
+    v_out.copy_(kv[:, :, 1])
+    return k_out, v_out
 
 
 def scatter_paged(k, v, slots, k_cache, v_cache, page_size: int, k_scale=None, v_scale=None) -> None:
@@ -205,6 +216,75 @@ def scatter_paged(k, v, slots, k_cache, v_cache, page_size: int, k_scale=None, v
     # advanced indices on dims 0 and 3 with slices between: the indexed view is [T, L, nkv, hd]
     k_cache[page, :, :, off] = quantize_fp8(k, k_scale) if k_cache.dtype == FP8_DTYPE else k.to(k_cache.dtype)
     v_cache[page, :, :, off] = quantize_fp8(v, v_scale) if v_cache.dtype == FP8_DTYPE else v.to(v_cache.dtype)
+
+
+# The CPU epilogue of path (2) as one C loop (dflash_trt.ckernels): hidden_norm's 1/rms, bias, k_norm,
+# RoPE and the write into the cache rows, per token and kv head, in float32. In torch the same
+# epilogue is ~12 ops; at decode sizes each costs more than its arithmetic once the GEMMs have
+# evicted the dispatcher's code and data from cache (measured in bench/bench_kv_inject.py), so one
+# call instead of twelve is most of the fused path's gain over the reference. Without a C
+# compiler (or for FP8 caches) `fused_kv_from_ctx` does the same in torch.
+_C_EPILOGUE = r"""
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+static inline float ld_f32(const void *p, int64_t i) { return ((const float *)p)[i]; }
+static inline void st_f32(void *p, int64_t i, float x) { ((float *)p)[i] = x; }
+static inline float ld_bf16(const void *p, int64_t i) {
+    uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16; float f; memcpy(&f, &u, 4); return f;
+}
+static inline void st_bf16(void *p, int64_t i, float x) {   /* round to nearest even, as torch */
+    uint32_t u; memcpy(&u, &x, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) { ((uint16_t *)p)[i] = (uint16_t)((u >> 16) | 0x40); return; }
+    u += 0x7fffu + ((u >> 16) & 1u); ((uint16_t *)p)[i] = (uint16_t)(u >> 16);
+}
+#define EPILOGUE(NAME, LD, ST)                                                                    \
+void kv_epilogue_##NAME(const void *ctx, const void *kv, const void *bias, const void *knw,     \
+        const void *cos, const void *sin, const int64_t *pos, const int64_t *slots, int64_t start, \
+        int64_t T, int64_t H, int64_t L, int64_t nkv, int64_t hd, float eps,                     \
+        void *kc, void *vc, int64_t sP, int64_t sL, int64_t sH, int64_t sT, int64_t shift) {     \
+    const int64_t N = L * 2 * nkv * hd, half = hd / 2, mask = ((int64_t)1 << shift) - 1;       \
+    float k[512];                                                                                 \
+    for (int64_t t = 0; t < T; t++) {                                                             \
+        float ss = 0.0f;                                                                          \
+        for (int64_t i = 0; i < H; i++) { float x = LD(ctx, t * H + i); ss += x * x; }            \
+        const float rstd = 1.0f / sqrtf(ss / (float)H + eps);                                     \
+        const int64_t slot = slots ? slots[t] : start + t;                                        \
+        if (slot < 0) continue;                                                                   \
+        const int64_t row = (slot >> shift) * sP + (slot & mask) * sT, p = pos[t];               \
+        for (int64_t l = 0; l < L; l++) for (int64_t h = 0; h < nkv; h++) {                       \
+            const int64_t ko = (l * 2 * nkv + h) * hd, vo = ((l * 2 + 1) * nkv + h) * hd;         \
+            const int64_t dst = row + l * sL + h * sH;                                            \
+            float kss = 0.0f;                                                                     \
+            for (int64_t i = 0; i < hd; i++) {                                                    \
+                float x = LD(kv, t * N + ko + i) * rstd + (bias ? LD(bias, ko + i) : 0.0f);        \
+                k[i] = x; kss += x * x;                                                           \
+            }                                                                                     \
+            const float kr = 1.0f / sqrtf(kss / (float)hd + eps);                                 \
+            for (int64_t i = 0; i < hd; i++) k[i] = k[i] * kr * LD(knw, l * hd + i);              \
+            for (int64_t i = 0; i < hd; i++) {                                                    \
+                float rot = i < half ? -k[i + half] : k[i - half];                                \
+                ST(kc, dst + i, k[i] * LD(cos, p * hd + i) + rot * LD(sin, p * hd + i));          \
+                ST(vc, dst + i, LD(kv, t * N + vo + i) * rstd + (bias ? LD(bias, vo + i) : 0.0f)); \
+            }                                                                                     \
+        }                                                                                         \
+    }                                                                                             \
+}
+EPILOGUE(f32, ld_f32, st_f32)
+EPILOGUE(bf16, ld_bf16, st_bf16)
+"""
+_EPI_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+_EPI_MAX_HEAD_DIM = 512
+
+
+def _c_epilogue():
+    import ctypes
+
+    from dflash_trt import ckernels
+
+    i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+    args = [ptr] * 8 + [i64] * 6 + [f32, ptr, ptr] + [i64] * 5
+    return ckernels.load("kv_epilogue", _C_EPILOGUE, {f"kv_epilogue_{n}": args for n in _EPI_DTYPES.values()})
 
 
 class FusedKVInjector:
@@ -235,6 +315,7 @@ class FusedKVInjector:
             self.b_kv = torch.cat(bias).contiguous()
             self.has_bias = any(layer.self_attn.k_proj.bias is not None for layer in drafter.layers)
             self.k_norm_w = torch.stack([layer.self_attn.k_norm.weight.detach() for layer in drafter.layers]).contiguous()
+            self.rope_w = rope_weight_tables(self.k_norm_w)
         self.cos, self.sin = drafter.rope.cos, drafter.rope.sin
         self._fingerprint = _weights_fingerprint(drafter)
 
@@ -249,11 +330,32 @@ class FusedKVInjector:
         return self.w_kv_t.T.contiguous()
 
     # -- one semantics, shared by both cache layouts
-    def _kv_torch(self, features: torch.Tensor, positions: torch.Tensor):
-        """K, V [T, L, nkv, hd] (features' dtype)."""
+    def _kv_torch(self, features: torch.Tensor, positions: torch.Tensor, out=None):
+        """K, V [T, L, nkv, hd] (features' dtype), or written into out = (k_dst, v_dst)."""
         ctx_raw = features @ self.fc_w_t                                          # GEMM 1: fc
         return fused_kv_from_ctx(ctx_raw, self.w_kv_t, self.b_kv if self.has_bias else None, self.k_norm_w,
-                                 self.cos, self.sin, positions, self.eps, self.L, self.nkv)
+                                 self.cos, self.sin, positions, self.eps, self.L, self.nkv, out=out,
+                                 rope_w=self.rope_w)
+
+    def _inject_c(self, features, positions, slots, start, k_cache, v_cache, page_shift, strides) -> bool:
+        """The C epilogue (see _C_EPILOGUE); False when it does not apply (then the torch path runs)."""
+        dt = features.dtype
+        if (dt not in _EPI_DTYPES or k_cache.dtype != dt or v_cache.dtype != dt or self.hd > _EPI_MAX_HEAD_DIM
+                or self.cos.dtype != dt or k_cache.stride() != v_cache.stride()):
+            return False
+        lib = _c_epilogue()
+        if lib is None:
+            return False
+        ctx_raw = (features @ self.fc_w_t).contiguous()                          # GEMM 1: fc
+        kv = (ctx_raw @ self.w_kv_t).contiguous()                                 # GEMM 2: all layers' K|V
+        pos = positions.to(torch.int64).contiguous()
+        sl = slots.to(torch.int64).contiguous() if slots is not None else None
+        getattr(lib, "kv_epilogue_" + _EPI_DTYPES[dt])(
+            ctx_raw.data_ptr(), kv.data_ptr(), self.b_kv.data_ptr() if self.has_bias else None,
+            self.k_norm_w.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(), pos.data_ptr(),
+            sl.data_ptr() if sl is not None else None, start, features.shape[0], self.H, self.L, self.nkv, self.hd,
+            self.eps, k_cache.data_ptr(), v_cache.data_ptr(), *strides, page_shift)
+        return True
 
     def _launch_triton(self, features, positions, slots, k_cache, v_cache, page_shift, strides, k_scale, v_scale):
         import triton
@@ -299,6 +401,9 @@ class FusedKVInjector:
             s = k_cache.stride()
             return self._launch_triton(features, positions, slots, k_cache, v_cache, shift, (s[0], s[1], s[2], s[3]),
                                        k_scale, v_scale)
+        if k_cache.dtype != FP8_DTYPE and self._inject_c(features, positions, slots, 0, k_cache, v_cache, shift,
+                                                         k_cache.stride()[:4]):
+            return
         k, v = self._kv_torch(features, positions)                  # [T, L, nkv, hd]
         scatter_paged(k, v, slots, k_cache, v_cache, page_size, k_scale, v_scale)
 
@@ -317,10 +422,16 @@ class FusedKVInjector:
             slots = torch.arange(start, start + T, dtype=torch.int32)
             return self._launch_triton(features, positions, slots, k_cache, v_cache, CONTIGUOUS_PAGE_SHIFT,
                                        (0, s[0], s[1], s[2]), k_scale, v_scale)
+        if not fp8 and self._inject_c(features, positions, None, start, k_cache, v_cache, CONTIGUOUS_PAGE_SHIFT,
+                                      (0, *k_cache.stride()[:3])):
+            return
+        rows = (k_cache[:, :, start:start + T].permute(2, 0, 1, 3), v_cache[:, :, start:start + T].permute(2, 0, 1, 3))
+        if not fp8:
+            self._kv_torch(features, positions, out=rows)           # straight into the cache rows
+            return
         k, v = self._kv_torch(features, positions)                  # [T, L, nkv, hd]
-        k, v = k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)         # [L, nkv, T, hd]
-        k_cache[:, :, start:start + T] = quantize_fp8(k, k_scale) if fp8 else k
-        v_cache[:, :, start:start + T] = quantize_fp8(v, v_scale) if fp8 else v
+        rows[0].copy_(quantize_fp8(k, k_scale))
+        rows[1].copy_(quantize_fp8(v, v_scale))
 
 
 def _check_backend(backend: str) -> str:

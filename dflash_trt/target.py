@@ -35,6 +35,9 @@ def hf_config(cfg: dict):
     return AutoConfig.for_model(mt, **kw)
 
 
+KV_PAD = 64  # attention length granularity of the low-precision path (batch invariance)
+
+
 class Attention(nn.Module):
     def __init__(self, c, layer_idx: int):
         super().__init__()
@@ -70,10 +73,28 @@ class Attention(nn.Module):
             mask = mask & (torch.arange(start + T)[None, :] > torch.arange(start, start + T)[:, None] - self.window)
         if self.has_sinks:
             o = self._attend_with_sinks(q, k, v, mask)
+        elif q.dtype in (torch.bfloat16, torch.float16):
+            o = self._attend_eager(q, start + T, mask)
         else:
             o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask,
                                                enable_gqa=self.nh != self.nkv)[0]
         return self.o_proj(o.transpose(0, 1).reshape(T, self.nh * self.hd))
+
+    def _attend_eager(self, q, length: int, mask):
+        # Low precision: HF's eager attention (bmm scores, float32 softmax, bmm with V), batch-invariant:
+        # a query row's result must not depend on how many rows are computed together, so that a
+        # T-token verify pass and T one-token AR steps give bitwise identical logits and greedy
+        # DFlash stays exactly lossless in bfloat16 (SDPA's CPU kernel is not invariant). The P·V
+        # reduction runs over the cache padded to a multiple of KV_PAD (masked rows add exact zeros):
+        # oneDNN's K-loop tail otherwise changes the summation order with the length.
+        rep = self.nh // self.nkv
+        n = min(-(-length // KV_PAD) * KV_PAD, self.k_cache.shape[1])
+        k = self.k_cache[:, :n].repeat_interleave(rep, 0)
+        v = self.v_cache[:, :n].repeat_interleave(rep, 0)
+        mask = F.pad(mask, (0, n - length), value=False)
+        s = (q @ k.transpose(1, 2)) * self.hd ** -0.5
+        p = torch.softmax(s.float().masked_fill(~mask, float("-inf")), dim=-1)
+        return p.to(v.dtype) @ v
 
     def _attend_with_sinks(self, q, k, v, mask):
         # gpt-oss: a learned per-head logit joins the softmax denominator and is then dropped.
@@ -170,6 +191,7 @@ class TargetModel(nn.Module):
         """Allocate (or keep, if large enough) the static KV cache."""
         if max_len <= self.max_len:
             return
+        max_len = -(-max_len // KV_PAD) * KV_PAD  # whole KV_PAD chunks: see Attention._attend_eager
         if max_len > self.rope.cos.shape[0]:
             self.rope = RopeTable(self.hf, max_len, self.dtype)
         for layer in self.model.layers:

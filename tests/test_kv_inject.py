@@ -116,6 +116,18 @@ def _check(c, res):
         assert res["k"] <= 1e-5 and res["v"] <= 1e-5, res
 
 
+@pytest.fixture(params=["c", "torch"])
+def epilogue(request, monkeypatch):
+    """Path (2) with its C epilogue, and with the torch epilogue used where no C compiler exists."""
+    from dflash_trt import ckernels, kv_inject
+
+    if request.param == "torch":
+        monkeypatch.setitem(ckernels._LIBS, "kv_epilogue", None)
+    elif kv_inject._c_epilogue() is None:
+        pytest.fail("no C compiler: the C epilogue of the fused path cannot be tested")
+    return request.param
+
+
 # ------------------------------------------------------------------------------------ (1) and (2)
 @pytest.mark.parametrize("c", CASES, ids=_ids)
 def test_reference_is_the_drafter_module(c):
@@ -130,7 +142,7 @@ def test_reference_is_the_drafter_module(c):
 
 
 @pytest.mark.parametrize("c", CASES, ids=_ids)
-def test_fused_torch_equals_reference(c):
+def test_fused_torch_equals_reference(c, epilogue):
     res = run_fused(c, "torch")
     _check(c, res)
     if not c["fp8"]:
@@ -151,7 +163,7 @@ def test_padding_slot_untouched_and_pages_written():
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-def test_contiguous_equals_reference(fp8):
+def test_contiguous_equals_reference(fp8, epilogue):
     from dflash_trt.kv_inject import inject_contiguous, reference_inject_contiguous
 
     c = dict(CASES[1], fp8=fp8)
@@ -165,6 +177,29 @@ def test_contiguous_equals_reference(fp8):
     inject_contiguous(d, feats, pos, kf, vf, 5, *scales)
     _check(c, compare(c, kf, vf, kr, vr))
     assert kf[:, :, :5].float().abs().sum() == 0 and kf[:, :, 5 + c["T"]:].float().abs().sum() == 0
+
+
+def test_bfloat16_as_close_to_float32_as_the_reference(epilogue):
+    """bfloat16 (the CPU runtime's dtype on bf16-capable CPUs): the fused path's error against a
+    float32 computation with the same bf16 weights is no worse than the bf16 reference's own."""
+    from dflash_trt.kv_inject import inject_contiguous, reference_inject_contiguous
+
+    c = dict(CASES[6], fp8=False)
+    d, feats, pos, *_ = make_case(c)
+    d = d.to(torch.bfloat16)
+    d32 = type(d)(d.config, max_len=MAX_POS)
+    d32.load_state_dict({k: v.float() for k, v in d.state_dict().items()})
+    feats = feats.bfloat16()
+    shape = (c["L"], c["nkv"], 40, c["hd"])
+    exact = [torch.zeros(shape) for _ in range(2)]
+    reference_inject_contiguous(d32, feats.float(), pos, *exact, start=5)
+    ref = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(2)]
+    reference_inject_contiguous(d, feats, pos, *ref, start=5)
+    got = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(2)]
+    inject_contiguous(d, feats, pos, *got, 5)
+    for e, r, g in zip(exact, ref, got):
+        err_ref, err_got = float((r.float() - e).abs().max()), float((g.float() - e).abs().max())
+        assert 0 < err_got <= 1.5 * err_ref, (err_got, err_ref)
 
 
 def test_injector_cached_and_rebuilt_on_weight_change():
