@@ -11,6 +11,26 @@ from dflash_trt.errors import DFlashError
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
+def auto_dtype() -> torch.dtype:
+    """bfloat16 where the CPU computes it natively (AVX512-BF16 / AMX: ~2x faster decode than
+    float32, and greedy DFlash stays bitwise lossless: see target.Attention), else float32."""
+    try:
+        native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        native = False
+    return torch.bfloat16 if native else torch.float32
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return auto_dtype()
+    if dtype not in DTYPES:
+        raise DFlashError(f"--dtype {dtype!r}: expected auto or one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
 @dataclass
 class Pair:
     target: "object"
@@ -21,16 +41,14 @@ class Pair:
     drafter_dir: Path | None
 
 
-def load_pair(target_dir, drafter_dir=None, dtype: str | torch.dtype = "float32", max_len: int = 4096,
+def load_pair(target_dir, drafter_dir=None, dtype: str | torch.dtype = "auto", max_len: int = 4096,
               allow_pickle: bool = False) -> Pair:
     from transformers import AutoTokenizer
 
     from dflash_trt.drafter import load_drafter
     from dflash_trt.target import load_target, stop_token_ids
 
-    dt = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
-    if not isinstance(dt, torch.dtype):
-        raise DFlashError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    dt = resolve_dtype(dtype)
     target_dir = Path(target_dir)
     target = load_target(target_dir, dt, max_len=max_len, allow_pickle=allow_pickle)
     drafter = load_drafter(drafter_dir, dt, max_len=max_len, allow_pickle=allow_pickle) if drafter_dir is not None else None

@@ -79,6 +79,7 @@ def run_bench(pair, prompts: list[str], *, max_new_tokens: int = 128, block_size
 def format_table(r: dict) -> str:
     rows = [
         ("prompts", f"{r['n_prompts']}"), ("block size", f"{r['block_size']}"),
+        ("dtype, threads", f"{r.get('dtype', '-')}, {r.get('threads', '-')}"),
         ("tau (tokens / target pass)", f"{r['tau']:.2f}" if r["tau"] else "-"),
         ("speed-up (AR wall / DFlash wall)", f"{r['speedup']:.2f}x" if r["speedup"] else "-"),
         ("tokens/s DFlash", f"{r['tokens_per_s_dflash']:.1f}"), ("tokens/s AR", f"{r['tokens_per_s_ar']:.1f}"),

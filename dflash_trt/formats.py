@@ -220,14 +220,20 @@ static inline float ld_f32(const void *p, int64_t i) { return ((const float *)p)
 static inline float ld_bf16(const void *p, int64_t i) {
     uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16; float f; memcpy(&f, &u, 4); return f;
 }
+static inline float f32_of_bits(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+/* |x| of an IEEE float ordered as its bits with the sign cleared (integer max vectorizes; a
+   float max with NaN semantics does not): amax and "any NaN/Inf" (bits >= exponent all-ones)
+   in one pass. */
+#define ABS_BITS_f32(p, i) (((const uint32_t *)(p))[i] & 0x7fffffffu)
+#define ABS_BITS_bf16(p, i) ((uint32_t)(((const uint16_t *)(p))[i] & 0x7fffu) << 16)
 /* One copy of each loop per input dtype, so the compiler can vectorize the inner loops. */
 #define KERNELS(NAME, LD)                                                                         \
 void nvfp4_block_amax_##NAME(const void *in, int64_t nblocks, float *out) {                      \
     _Pragma("omp parallel for schedule(static)")                                                  \
     for (int64_t b = 0; b < nblocks; b++) {                                                       \
-        float m = 0.0f;                                                                           \
-        for (int i = 0; i < 16; i++) { float v = LD(in, b * 16 + i); v = v < 0 ? -v : v; m = v > m ? v : m; } \
-        out[b] = m;                                                                               \
+        uint32_t m = 0;                                                                           \
+        for (int i = 0; i < 16; i++) { uint32_t a = ABS_BITS_##NAME(in, b * 16 + i); m = a > m ? a : m; } \
+        out[b] = f32_of_bits(m);                                                                  \
     }                                                                                             \
 }                                                                                                 \
 void nvfp4_encode_##NAME(const void *in, int64_t nblocks, const float *denom, uint8_t *out) {    \
@@ -241,25 +247,20 @@ void nvfp4_encode_##NAME(const void *in, int64_t nblocks, const float *denom, ui
             c[i] = (uint8_t)((a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f)  \
                              + (a >= 3.5f) + (a > 5.0f)) | (uint8_t)((x < 0.0f) << 3);            \
         }                                                                                         \
-        for (int j = 0; j < 8; j++) out[b * 8 + j] = (uint8_t)(c[2 * j] | (c[2 * j + 1] << 4));   \
+        uint64_t packed = 0;                                                                      \
+        for (int j = 0; j < 8; j++) packed |= (uint64_t)(c[2 * j] | (c[2 * j + 1] << 4)) << (8 * j); \
+        memcpy(out + b * 8, &packed, 8);  /* little-endian: byte j = elements 2j (low), 2j+1 */ \
     }                                                                                             \
+}                                                                                                 \
+void abs_max_##NAME(const void *in, int64_t n, float *out, int32_t *bad) {                      \
+    uint32_t m = 0;                                                                               \
+    _Pragma("omp parallel for schedule(static) reduction(max:m)")                                 \
+    for (int64_t i = 0; i < n; i++) { uint32_t a = ABS_BITS_##NAME(in, i); m = a > m ? a : m; }  \
+    *bad = m >= 0x7f800000u;                                                                      \
+    *out = f32_of_bits(m);                                                                        \
 }
 KERNELS(f32, ld_f32)
 KERNELS(bf16, ld_bf16)
-/* max |x| over n values; *bad = 1 if any value is NaN or +-Inf. */
-#define ABSMAX(NAME, LD)                                                                          \
-void abs_max_##NAME(const void *in, int64_t n, float *out, int32_t *bad) {                      \
-    float m = 0.0f; int32_t nf = 0;                                                               \
-    _Pragma("omp parallel for schedule(static) reduction(max:m) reduction(|:nf)")                 \
-    for (int64_t i = 0; i < n; i++) {                                                             \
-        float v = LD(in, i); v = v < 0 ? -v : v;                                                  \
-        nf |= !(v <= 3.4028234663852886e38f);                                                     \
-        m = v > m ? v : m;                                                                        \
-    }                                                                                             \
-    *out = m; *bad = nf;                                                                          \
-}
-ABSMAX(f32, ld_f32)
-ABSMAX(bf16, ld_bf16)
 """
 _CK_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _CK_STATE: dict = {}

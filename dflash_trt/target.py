@@ -68,42 +68,45 @@ class Attention(nn.Module):
         q = apply_rope(q.transpose(0, 1), cos, sin)
         self.k_cache[:, start:start + T] = apply_rope(k.transpose(0, 1), cos, sin)
         self.v_cache[:, start:start + T] = self.v_proj(x).view(T, self.nkv, self.hd).transpose(0, 1)
-        k, v = self.k_cache[:, :start + T], self.v_cache[:, :start + T]
+        n = start + T
+        low_precision = q.dtype in (torch.bfloat16, torch.float16)
+        if low_precision:
+            # Batch invariance: in bf16 a query row's result must not depend on how many rows are
+            # computed together, so that a T-token verify pass and T one-token AR steps give bitwise
+            # identical logits and greedy DFlash is exactly lossless (tests/test_runtime_lossless.py).
+            # SDPA's CPU kernel is not invariant; HF's eager attention (bmm, float32 softmax, bmm) is,
+            # once the P·V reduction runs over whole KV_PAD chunks (oneDNN's K-loop tail otherwise
+            # changes the summation order with the length; masked rows add exact zeros).
+            n = min(-(-n // KV_PAD) * KV_PAD, self.k_cache.shape[1])
+            mask = F.pad(mask, (0, n - start - T), value=False)
+        k, v = self.k_cache[:, :n], self.v_cache[:, :n]
         if self.window is not None:
-            mask = mask & (torch.arange(start + T)[None, :] > torch.arange(start, start + T)[:, None] - self.window)
+            mask = mask & (torch.arange(n)[None, :] > torch.arange(start, start + T)[:, None] - self.window)
         if self.has_sinks:
             o = self._attend_with_sinks(q, k, v, mask)
-        elif q.dtype in (torch.bfloat16, torch.float16):
-            o = self._attend_eager(q, start + T, mask)
+        elif low_precision:
+            o = self._attend_eager(q, k, v, mask)
         else:
             o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask,
                                                enable_gqa=self.nh != self.nkv)[0]
         return self.o_proj(o.transpose(0, 1).reshape(T, self.nh * self.hd))
 
-    def _attend_eager(self, q, length: int, mask):
-        # Low precision: HF's eager attention (bmm scores, float32 softmax, bmm with V), batch-invariant:
-        # a query row's result must not depend on how many rows are computed together, so that a
-        # T-token verify pass and T one-token AR steps give bitwise identical logits and greedy
-        # DFlash stays exactly lossless in bfloat16 (SDPA's CPU kernel is not invariant). The P·V
-        # reduction runs over the cache padded to a multiple of KV_PAD (masked rows add exact zeros):
-        # oneDNN's K-loop tail otherwise changes the summation order with the length.
+    def _attend_eager(self, q, k, v, mask):
         rep = self.nh // self.nkv
-        n = min(-(-length // KV_PAD) * KV_PAD, self.k_cache.shape[1])
-        k = self.k_cache[:, :n].repeat_interleave(rep, 0)
-        v = self.v_cache[:, :n].repeat_interleave(rep, 0)
-        mask = F.pad(mask, (0, n - length), value=False)
+        k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
         s = (q @ k.transpose(1, 2)) * self.hd ** -0.5
         p = torch.softmax(s.float().masked_fill(~mask, float("-inf")), dim=-1)
         return p.to(v.dtype) @ v
 
     def _attend_with_sinks(self, q, k, v, mask):
-        # gpt-oss: a learned per-head logit joins the softmax denominator and is then dropped.
+        # gpt-oss: a learned per-head logit joins the softmax denominator and is then dropped. It goes
+        # first, so a row's entries keep their places whatever the row's length (batch invariance).
         rep = self.nh // self.nkv
         k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
         s = (q @ k.transpose(1, 2)) * self.hd ** -0.5
         s = s.masked_fill(~mask, float("-inf"))
-        s = torch.cat([s, self.sinks.to(s.dtype).view(-1, 1, 1).expand(-1, s.shape[1], 1)], dim=-1)
-        p = torch.softmax(s - s.max(-1, keepdim=True).values, dim=-1)[..., :-1]
+        s = torch.cat([self.sinks.to(s.dtype).view(-1, 1, 1).expand(-1, s.shape[1], 1), s], dim=-1)
+        p = torch.softmax(s - s.max(-1, keepdim=True).values, dim=-1)[..., 1:]
         return p.to(v.dtype) @ v
 
 

@@ -89,14 +89,39 @@ def test_stop_token_mid_block_matches_ar(tiny_pairs):
         assert df.token_ids == ar.token_ids
 
 
-def test_bfloat16_and_float32_run(tiny_pairs):
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt-oss"])
+def test_bfloat16_verify_pass_is_batch_invariant(tiny_pairs, arch):
+    """In bfloat16 a T-token verify pass gives bitwise the logits of T one-token AR steps (what
+    makes greedy DFlash exactly lossless in bf16), at lengths that cross the attention's KV_PAD
+    chunks. The tiny configs with head_dim 64 (as SmolLM2 and gpt-oss; Llama/Qwen3 use 128 too):
+    bf16 GEMM kernels are invariant at these sizes, not at every size (head_dim 16 is not on this
+    CPU), so bench and make run report `lossless` measured, never assumed."""
+    import json
+
+    from dflash_trt.target import KV_PAD, TargetModel
+
+    tdir, _ = tiny_pairs[arch]
+    cfg = dict(json.loads((tdir / "config.json").read_text()), head_dim=64)
+    cfg.pop("quantization_config", None)
+    g = torch.Generator().manual_seed(1)
+    t = TargetModel(cfg, torch.bfloat16, max_len=4 * KV_PAD)
+    with torch.no_grad():
+        for p in t.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    t.setup_cache(4 * KV_PAD)
+    for start in (1, KV_PAD - 3, KV_PAD, 2 * KV_PAD - 8, 2 * KV_PAD + 5):
+        for T in (2, 8, 16):
+            ids = torch.randint(4, t.vocab_size, (start + T,), generator=g)
+            t(ids[:start], 0)
+            block, _ = t(ids[start:], start, all_logits=True)
+            steps = torch.cat([t(ids[start + i:start + i + 1], start + i)[0] for i in range(T)])
+            assert torch.equal(block, steps), (start, T)
+
+
+def test_float32_runs_lossless(tiny_pairs):
     tdir, ddir = tiny_pairs["llama"]
-    for dt in ("float32", "bfloat16"):
-        pair = load_pair(tdir, ddir, dt)
-        prompt = _prompts(pair.target.vocab_size, 1)[0]
-        ar = generate(pair.target, None, prompt, max_new_tokens=16, mode="ar", stop_ids=pair.stop_ids)
-        df = generate(pair.target, pair.drafter, prompt, max_new_tokens=16, stop_ids=pair.stop_ids)
-        assert len(ar.token_ids) == len(df.token_ids) == 16 or ar.token_ids[-1] in pair.stop_ids
-        # bf16 verify-vs-step numerics may differ in rare near-ties, float32 must not on this pair
-        if dt == "float32":
-            assert ar.token_ids == df.token_ids
+    pair = load_pair(tdir, ddir, "float32")
+    prompt = _prompts(pair.target.vocab_size, 1)[0]
+    ar = generate(pair.target, None, prompt, max_new_tokens=16, mode="ar", stop_ids=pair.stop_ids)
+    df = generate(pair.target, pair.drafter, prompt, max_new_tokens=16, stop_ids=pair.stop_ids)
+    assert ar.token_ids == df.token_ids

@@ -15,7 +15,8 @@ import click
 @click.option("--block-size", type=click.IntRange(2, 64), help="Draft block size (default: the drafter's).")
 @click.option("--temperature", type=click.FloatRange(0), default=0.0, show_default=True)
 @click.option("--limit", type=click.IntRange(1), help="Use only the first N prompts.")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True,
+              help="auto: bfloat16 where the CPU has native bf16 (AMX / AVX512-BF16), else float32.")
 @click.option("--threads", type=click.IntRange(1), help="torch threads (default: torch's choice).")
 @click.option("--fused/--no-fused", default=True, show_default=True, help="Fused KV-injection path.")
 @click.option("--json", "as_json", is_flag=True, help="Print the full JSON report on stdout.")
@@ -48,6 +49,7 @@ def bench_cmd(target, drafter, prompts_file, max_new_tokens, block_size, tempera
     report = run_bench(pair, prompts, max_new_tokens=max_new_tokens, block_size=block_size, temperature=temperature,
                        fused_inject=fused, progress=True)
     report["threads"] = torch.get_num_threads()
+    report["dtype"] = str(pair.target.dtype).removeprefix("torch.")
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:

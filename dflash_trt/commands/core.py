@@ -82,7 +82,8 @@ def check_cmd(target, drafter, as_json):
 @click.option("--block-size", type=click.IntRange(2, 64), help="Draft block size (default: the drafter's).")
 @click.option("--mode", type=click.Choice(["dflash", "ar"]), default="dflash", show_default=True,
               help="ar = plain autoregressive decoding of the target (the baseline).")
-@click.option("--dtype", type=click.Choice(["float32", "float64", "bfloat16"]), default="float32", show_default=True)
+@click.option("--dtype", type=click.Choice(["auto", "float32", "float64", "bfloat16"]), default="auto", show_default=True,
+              help="auto: bfloat16 where the CPU has native bf16 (AMX / AVX512-BF16), else float32.")
 @click.option("--raw", is_flag=True, help="Feed the prompt as raw text, without the chat template.")
 @click.option("--allow-pickle", is_flag=True,
               help="Accept .bin/.pt pickle weights (loaded with torch.load(weights_only=True)); refused otherwise.")
@@ -110,7 +111,8 @@ def generate_cmd(target, drafter, prompt, max_new_tokens, temperature, top_k, to
     res = generate(pair, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                    seed=seed, block_size=block_size, mode=mode, chat=not raw, fused_inject=fused)
     out = {"text": res.text, "token_ids": res.token_ids, "tau": res.tau, "blocks": res.blocks,
-           "accepted_per_block": res.accepted_per_block, "seconds": res.seconds, "tokens_per_s": res.tokens_per_s}
+           "accepted_per_block": res.accepted_per_block, "seconds": res.seconds, "tokens_per_s": res.tokens_per_s,
+           "dtype": str(pair.target.dtype).removeprefix("torch.")}
     if as_json:
         emit_json(out)
         return
