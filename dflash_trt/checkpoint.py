@@ -250,12 +250,17 @@ class CheckpointReader:
     def files(self) -> list[Path]:
         return sorted({i.file for i in self._infos.values()})
 
-    def get(self, name: str) -> torch.Tensor:
-        """The tensor as an owned CPU tensor (a copy: the mapped pages are released after)."""
+    def get(self, name: str, scratch: torch.Tensor | None = None) -> torch.Tensor:
+        """The tensor as an owned CPU tensor (a copy). With `scratch` (a uint8 buffer of at least
+        nbytes), the tensor is read into it and returned as a view: streaming loops reuse their
+        buffers, because faulting in fresh pages costs more than the read itself (~2.5x here)."""
         info = self.info(name)
         if self._pickled is not None:
             return self._pickled[name].clone()
-        out = torch.empty(info.shape, dtype=info.dtype)
+        if scratch is not None and scratch.numel() >= info.nbytes:
+            out = scratch[:info.nbytes].view(info.dtype).reshape(info.shape)
+        else:
+            out = torch.empty(info.shape, dtype=info.dtype)
         if info.nbytes == 0:
             return out
         self._map(info.file)  # opens the file (one shard open at a time)

@@ -249,7 +249,7 @@ def quantize_checkpoint(model: str | Path, out: str | Path, fmt: str, kv_cache: 
                         if kv_cache == "fp8" and a in attn_modules:
                             writer.write(a + ".k_proj.k_scale", formats.fp8_scale_from_amax(res.k_amax[a]))
                             writer.write(a + ".v_proj.v_scale", formats.fp8_scale_from_amax(res.v_amax[a]))
-                        _write_tensors(list(tensors), lambda n: (tensors[n], formats.abs_max(tensors[n])[0]),
+                        _write_tensors(list(tensors), lambda n, slot=None: (tensors[n], formats.abs_max(tensors[n])[0]),
                                        linears, groups, fmt, input_amax, writer, bar, done)
                         del tensors
                 elif kv_cache == "fp8":
@@ -283,9 +283,18 @@ def _layer_index(name: str) -> int | None:
 
 
 def _streaming_loader(reader: CheckpointReader):
-    """load(name) -> (tensor, amax), reading from disk and checking for NaN / Inf."""
-    def load(n):
-        t = reader.get(n)
+    """load(name, slot) -> (tensor, amax), reading from disk and checking for NaN / Inf. The
+    tensor lives in the slot's reusable buffer until the next load into that slot; callers use
+    one slot per tensor they hold at the same time."""
+    buffers: dict[str, torch.Tensor] = {}
+
+    def load(n, slot="copy"):
+        need = reader.nbytes(n)
+        buf = buffers.get(slot)
+        if buf is None or buf.numel() < need:
+            buffers.pop(slot, None)  # release the smaller one before allocating
+            buf = buffers[slot] = torch.empty(need, dtype=torch.uint8)
+        t = reader.get(n, scratch=buf)
         return t, check_finite(n, t, reader.file_of(n))
     load.nbytes = reader.nbytes
     return load
@@ -318,7 +327,7 @@ def _quantize_group(load, members, linears, fmt, input_amax, writer, bar) -> Non
     def get(n):
         if cache is not None and n in cache:
             return cache.pop(n)
-        return load(n)
+        return load(n, f"group{members.index(n)}") if cache is not None else load(n, "group")
 
     global_scale = None
     if fmt == "nvfp4":
