@@ -2,8 +2,10 @@
 
 Per accepted-token batch T = 1, 4, 16, the embedded drafter (dflash_trt/assets/smollm2-135m-dflash;
 when it is not there, a random drafter of its shape: hidden 576, 9 heads / 3 kv heads, head_dim 64,
-5 target features, 1 and 2 layers). Both write into the runtime's contiguous cache [L, nkv, max_len, hd].
-Goal: fused >= 1.5x faster at T = 16.
+5 target features, 1 and 2 layers), in float32 and bfloat16 (the CPU runtime's two dtypes). Both
+write into the runtime's contiguous cache [L, nkv, max_len, hd]; the fused path is what the runtime
+runs (two GEMMs + the C epilogue, or the torch epilogue where no C compiler exists).
+Goal: fused >= 1.5x faster at T = 16 (in every dtype measured).
 
 Also the FLOP and byte counts of the fused op for a gpt-oss-120b-sized drafter (H 2880, 8 layers,
 64 / 8 heads, head_dim 64, 5 features, bf16 weights), with the memory-bound time on each GPU of the

@@ -116,7 +116,14 @@ def load_drafter(folder: str | Path, dtype: torch.dtype | None = None, max_len: 
 
     folder = Path(folder)
     cfg = load_drafter_config(folder)
-    state = read_state_dict(folder, allow_pickle=allow_pickle)
+    if (folder / "hf_quant_config.json").is_file():
+        # an FP8 / NVFP4 drafter from `dflash-trt quantize`: its weights read back as the values
+        # the quantized checkpoint encodes, so the CPU runtime measures the tau quantization costs
+        from dflash_trt.quantize import dequantized_state_dict
+        state = dequantized_state_dict(folder, torch.float32)
+        dtype = dtype or torch.float32
+    else:
+        state = read_state_dict(folder, allow_pickle=allow_pickle)
     # speculators / some exports prefix `model.` and carry the verifier's embeddings: drop those.
     state = {k.removeprefix("model."): v for k, v in state.items()}
     state = {k: v for k, v in state.items() if k not in _IGNORED_SPECULATORS}

@@ -183,6 +183,11 @@ def test_drafter_fp8_weights_only(tmp_path, tiny_pairs):
         assert sorted(deq) == sorted(src.keys())
         w = src.get("layers.0.mlp.down_proj.weight").float()
         assert float((deq["layers.0.mlp.down_proj.weight"] - w).abs().max()) <= float(w.abs().max()) * 2 ** -4
+    # and load_drafter runs it (the weights FP8 encodes): `bench --drafter FP8_DIR` measures its tau
+    from dflash_trt.drafter import load_drafter
+    d = load_drafter(tmp_path / "d")
+    torch.testing.assert_close(d.layers[0].mlp.down_proj.weight, deq["layers.0.mlp.down_proj.weight"], rtol=0, atol=0)
+    assert not torch.equal(d.fc.weight, load_drafter(drafter, torch.float32).fc.weight)
     with pytest.raises(DFlashError, match="--calib is for targets"):
         quantize_checkpoint(drafter, tmp_path / "d2", "fp8", calib=tmp_path / "x.jsonl", progress=False)
 
