@@ -236,22 +236,6 @@ void nvfp4_block_amax_##NAME(const void *in, int64_t nblocks, float *out) {     
         out[b] = f32_of_bits(m);                                                                  \
     }                                                                                             \
 }                                                                                                 \
-void nvfp4_encode_##NAME(const void *in, int64_t nblocks, const float *denom, uint8_t *out) {    \
-    _Pragma("omp parallel for schedule(static)")                                                  \
-    for (int64_t b = 0; b < nblocks; b++) {                                                       \
-        const float d = denom[b];                                                                 \
-        uint8_t c[16];                                                                            \
-        for (int i = 0; i < 16; i++) {                                                            \
-            float x = LD(in, b * 16 + i) / d;                                                     \
-            float a = x < 0 ? -x : x;                                                             \
-            c[i] = (uint8_t)((a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f)  \
-                             + (a >= 3.5f) + (a > 5.0f)) | (uint8_t)((x < 0.0f) << 3);            \
-        }                                                                                         \
-        uint64_t packed = 0;                                                                      \
-        for (int j = 0; j < 8; j++) packed |= (uint64_t)(c[2 * j] | (c[2 * j + 1] << 4)) << (8 * j); \
-        memcpy(out + b * 8, &packed, 8);  /* little-endian: byte j = elements 2j (low), 2j+1 */ \
-    }                                                                                             \
-}                                                                                                 \
 void abs_max_##NAME(const void *in, int64_t n, float *out, int32_t *bad) {                      \
     uint32_t m = 0;                                                                               \
     _Pragma("omp parallel for schedule(static) reduction(max:m)")                                 \
@@ -261,6 +245,58 @@ void abs_max_##NAME(const void *in, int64_t n, float *out, int32_t *bad) {      
 }
 KERNELS(f32, ld_f32)
 KERNELS(bf16, ld_bf16)
+
+/* NVFP4 encode: x / denom (IEEE fp32 division, as ModelOpt), E2M1 code by thresholds, sign, two
+   codes per byte (low nibble = even element). With GCC >= 12 or clang, one block of 16 is one
+   64-byte vector (the compiler lowers it to AVX-512 / AVX2 / NEON): ~2x the scalar loop. */
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint8_t v8b __attribute__((vector_size(8)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+static inline v16f load16_f32(const void *in, int64_t b) { v16f x; memcpy(&x, (const float *)in + b * 16, 64); return x; }
+static inline v16f load16_bf16(const void *in, int64_t b) {
+    v16h h; memcpy(&h, (const uint16_t *)in + b * 16, 32);
+    v16u u = __builtin_convertvector(h, v16u) << 16; v16f x; memcpy(&x, &u, 64); return x;
+}
+#define ENCODE(NAME)                                                                              \
+void nvfp4_encode_##NAME(const void *in, int64_t nblocks, const float *denom, uint8_t *out) {    \
+    _Pragma("omp parallel for schedule(static)")                                                  \
+    for (int64_t b = 0; b < nblocks; b++) {                                                       \
+        v16f x = load16_##NAME(in, b) / denom[b];                                                 \
+        v16u xb; memcpy(&xb, &x, 64); xb &= 0x7fffffffu; v16f a; memcpy(&a, &xb, 64);            \
+        v16i c = -((a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f)          \
+                   + (a >= 3.5f) + (a > 5.0f));                                                   \
+        c |= (x < 0.0f) & 8;                                                                      \
+        v8i ev = __builtin_shufflevector(c, c, 0, 2, 4, 6, 8, 10, 12, 14);                        \
+        v8i od = __builtin_shufflevector(c, c, 1, 3, 5, 7, 9, 11, 13, 15);                        \
+        v8b p = __builtin_convertvector(ev | (od << 4), v8b);                                     \
+        memcpy(out + b * 8, &p, 8);                                                               \
+    }                                                                                             \
+}
+#else
+#define ENCODE(NAME)                                                                              \
+void nvfp4_encode_##NAME(const void *in, int64_t nblocks, const float *denom, uint8_t *out) {    \
+    _Pragma("omp parallel for schedule(static)")                                                  \
+    for (int64_t b = 0; b < nblocks; b++) {                                                       \
+        const float d = denom[b];                                                                 \
+        uint8_t c[16];                                                                            \
+        for (int i = 0; i < 16; i++) {                                                            \
+            float x = ld_##NAME(in, b * 16 + i) / d;                                                     \
+            float a = x < 0 ? -x : x;                                                             \
+            c[i] = (uint8_t)((a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f)  \
+                             + (a >= 3.5f) + (a > 5.0f)) | (uint8_t)((x < 0.0f) << 3);            \
+        }                                                                                         \
+        uint64_t packed = 0;                                                                      \
+        for (int j = 0; j < 8; j++) packed |= (uint64_t)(c[2 * j] | (c[2 * j + 1] << 4)) << (8 * j); \
+        memcpy(out + b * 8, &packed, 8);  /* little-endian: byte j = elements 2j (low), 2j+1 */ \
+    }                                                                                             \
+}
+#endif
+ENCODE(f32)
+ENCODE(bf16)
 """
 _CK_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _CK_STATE: dict = {}
