@@ -115,7 +115,7 @@ def generate(target: TargetModel, drafter: DFlashDrafter | None, prompt_ids: lis
 
     def pick(logits_row):  # one token from the target's distribution at one position
         if sp.greedy:
-            return int(logits_row.argmax())
+            return int(logits_row.float().argmax())  # float: ~2x faster than bf16 argmax, same index
         return int(torch.multinomial(probs_from_logits(logits_row, sp), 1, generator=gen))
 
     capture = drafter.config.target_layer_ids if mode == "dflash" else ()
@@ -148,7 +148,7 @@ def generate(target: TargetModel, drafter: DFlashDrafter | None, prompt_ids: lis
             h = drafter.forward_cached(target.embed(block), torch.arange(pos, pos + b), cache.views())
             d_logits = target.logits(h[1:])
             if sp.greedy:
-                draft = d_logits.argmax(-1)
+                draft = d_logits.float().argmax(-1)
             else:
                 q = probs_from_logits(d_logits, sp)
                 draft = torch.multinomial(q, 1, generator=gen).squeeze(-1)
@@ -158,7 +158,7 @@ def generate(target: TargetModel, drafter: DFlashDrafter | None, prompt_ids: lis
             logits, feats = target(block, pos, capture, all_logits=True)
             t["verify"] += time.perf_counter() - tv
             if sp.greedy:
-                tgt = logits.argmax(-1)
+                tgt = logits.float().argmax(-1)
                 n = int((draft == tgt[:-1]).cumprod(0).sum())
                 new = draft[:n].tolist() + [int(tgt[n])]
             else:
