@@ -143,11 +143,19 @@ def nvfp4_quantize(w: torch.Tensor, block_scales: torch.Tensor | None = None,
     weight_scale_2 fp32 scalar). Pass `global_scale` to share one across a fused group."""
     if global_scale is None:
         global_scale = nvfp4_global_scale(w.abs().amax().float())
-    if block_scales is None:
-        block_scales = nvfp4_block_scales(w, global_scale)
     n = w.shape[-1]
     nb = n // NVFP4_BLOCK
     packed = torch.empty((*w.shape[:-1], n // 2), dtype=torch.uint8)
+    kernel = _ckernel() if w.dtype in _CK_DTYPES and w.is_contiguous() and n % NVFP4_BLOCK == 0 else None
+    if block_scales is None and kernel is not None:  # block scales and codes in one pass over w
+        import ctypes
+        block_scales = torch.empty((*w.shape[:-1], nb), dtype=torch.float8_e4m3fn)
+        getattr(kernel, "nvfp4_quantize_" + _CK_DTYPES[w.dtype])(
+            w.data_ptr(), w.numel() // NVFP4_BLOCK, ctypes.c_float(float(global_scale)), block_scales.data_ptr(),
+            packed.data_ptr())
+        return packed, block_scales, global_scale
+    if block_scales is None:
+        block_scales = nvfp4_block_scales(w, global_scale)
     flat_w, flat_s, flat_p = w.reshape(-1, n), block_scales.reshape(-1, nb), packed.view(-1, n // 2)
     kernel = _ckernel() if w.dtype in _CK_DTYPES and w.is_contiguous() else None
     for rows in _row_chunks(flat_w.shape[0], n):
@@ -261,42 +269,84 @@ static inline v16f load16_bf16(const void *in, int64_t b) {
     v16h h; memcpy(&h, (const uint16_t *)in + b * 16, 32);
     v16u u = __builtin_convertvector(h, v16u) << 16; v16f x; memcpy(&x, &u, 64); return x;
 }
-#define ENCODE(NAME)                                                                              \
-void nvfp4_encode_##NAME(const void *in, int64_t nblocks, const float *denom, uint8_t *out) {    \
-    _Pragma("omp parallel for schedule(static)")                                                  \
-    for (int64_t b = 0; b < nblocks; b++) {                                                       \
-        v16f x = load16_##NAME(in, b) / denom[b];                                                 \
-        v16u xb; memcpy(&xb, &x, 64); xb &= 0x7fffffffu; v16f a; memcpy(&a, &xb, 64);            \
-        v16i c = -((a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f)          \
-                   + (a >= 3.5f) + (a > 5.0f));                                                   \
-        c |= (x < 0.0f) & 8;                                                                      \
-        v8i ev = __builtin_shufflevector(c, c, 0, 2, 4, 6, 8, 10, 12, 14);                        \
-        v8i od = __builtin_shufflevector(c, c, 1, 3, 5, 7, 9, 11, 13, 15);                        \
-        v8b p = __builtin_convertvector(ev | (od << 4), v8b);                                     \
-        memcpy(out + b * 8, &p, 8);                                                               \
-    }                                                                                             \
+#define ENCODE1(NAME)                                                                             \
+static inline void encode1_##NAME(const void *in, int64_t b, float d, uint8_t *out) {           \
+    v16f x = load16_##NAME(in, b) / d;                                                            \
+    v16u xb; memcpy(&xb, &x, 64); xb &= 0x7fffffffu; v16f a; memcpy(&a, &xb, 64);                \
+    v16i c = -((a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f)              \
+               + (a >= 3.5f) + (a > 5.0f));                                                       \
+    c |= (x < 0.0f) & 8;                                                                          \
+    v8i ev = __builtin_shufflevector(c, c, 0, 2, 4, 6, 8, 10, 12, 14);                            \
+    v8i od = __builtin_shufflevector(c, c, 1, 3, 5, 7, 9, 11, 13, 15);                            \
+    v8b p = __builtin_convertvector(ev | (od << 4), v8b);                                         \
+    memcpy(out + b * 8, &p, 8);                                                                   \
 }
 #else
-#define ENCODE(NAME)                                                                              \
-void nvfp4_encode_##NAME(const void *in, int64_t nblocks, const float *denom, uint8_t *out) {    \
-    _Pragma("omp parallel for schedule(static)")                                                  \
-    for (int64_t b = 0; b < nblocks; b++) {                                                       \
-        const float d = denom[b];                                                                 \
-        uint8_t c[16];                                                                            \
-        for (int i = 0; i < 16; i++) {                                                            \
-            float x = ld_##NAME(in, b * 16 + i) / d;                                                     \
-            float a = x < 0 ? -x : x;                                                             \
-            c[i] = (uint8_t)((a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f)  \
-                             + (a >= 3.5f) + (a > 5.0f)) | (uint8_t)((x < 0.0f) << 3);            \
-        }                                                                                         \
-        uint64_t packed = 0;                                                                      \
-        for (int j = 0; j < 8; j++) packed |= (uint64_t)(c[2 * j] | (c[2 * j + 1] << 4)) << (8 * j); \
-        memcpy(out + b * 8, &packed, 8);  /* little-endian: byte j = elements 2j (low), 2j+1 */ \
+#define ENCODE1(NAME)                                                                             \
+static inline void encode1_##NAME(const void *in, int64_t b, float d, uint8_t *out) {           \
+    uint8_t c[16];                                                                                \
+    for (int i = 0; i < 16; i++) {                                                                \
+        float x = ld_##NAME(in, b * 16 + i) / d;                                                  \
+        float a = x < 0 ? -x : x;                                                                 \
+        c[i] = (uint8_t)((a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f)      \
+                         + (a >= 3.5f) + (a > 5.0f)) | (uint8_t)((x < 0.0f) << 3);                \
     }                                                                                             \
+    uint64_t packed = 0;                                                                          \
+    for (int j = 0; j < 8; j++) packed |= (uint64_t)(c[2 * j] | (c[2 * j + 1] << 4)) << (8 * j);  \
+    memcpy(out + b * 8, &packed, 8);  /* little-endian: byte j = elements 2j (low), 2j+1 */       \
 }
 #endif
+#define ENCODE(NAME) ENCODE1(NAME)                                                                \
+void nvfp4_encode_##NAME(const void *in, int64_t nblocks, const float *denom, uint8_t *out) {    \
+    _Pragma("omp parallel for schedule(static)")                                                  \
+    for (int64_t b = 0; b < nblocks; b++) encode1_##NAME(in, b, denom[b], out);                  \
+}
 ENCODE(f32)
 ENCODE(bf16)
+
+/* float -> float8_e4m3fn code, round to nearest even, for x in [2^-9, 448] (what the block
+   scales are clamped to): normals round the mantissa to 3 bits; below 2^-6, x * 512 is exact and
+   its nearest-even integer is the subnormal code (8 carries into the smallest normal, 0x08).
+   Pinned bit-for-bit against torch's cast over every fp32 value of the range (tests/test_formats.py). */
+static inline uint8_t e4m3_code(float x) {
+    uint32_t u; memcpy(&u, &x, 4);
+    int e8 = (int)((u >> 23) & 0xff) - 127 + 7;
+    if (e8 <= 0) {
+        float q = x * 512.0f;                         /* in [1, 8): exact */
+        uint32_t qi = (uint32_t)q; float fr = q - (float)qi;
+        if (fr > 0.5f || (fr == 0.5f && (qi & 1u))) qi++;
+        return (uint8_t)qi;
+    }
+    uint32_t mant = u & 0x7fffffu, m3 = mant >> 20, rem = mant & 0xfffffu;
+    if (rem > 0x80000u || (rem == 0x80000u && (m3 & 1u))) m3++;
+    if (m3 == 8) { m3 = 0; e8++; }
+    return (uint8_t)((e8 << 3) | m3);
+}
+static inline float e4m3_value(uint8_t c) {
+    int e8 = c >> 3, m3 = c & 7;
+    return e8 == 0 ? (float)m3 * (1.0f / 512.0f) : (1.0f + (float)m3 * 0.125f) * f32_of_bits((uint32_t)(e8 - 7 + 127) << 23);
+}
+void e4m3_codes(const float *x, int64_t n, uint8_t *out) { for (int64_t i = 0; i < n; i++) out[i] = e4m3_code(x[i]); }
+/* The whole NVFP4 quantization of nblocks blocks in one pass, the same ops as the torch code
+   (nvfp4_block_scales, then nvfp4_quantize): s = amax / (6 * g) (fp32), 0 -> 1, clamp to
+   [2^-9, 448], cast to e4m3; denom = float(s8) * g; codes of x / denom. */
+#define FUSED(NAME)                                                                               \
+void nvfp4_quantize_##NAME(const void *in, int64_t nblocks, float g, uint8_t *scales, uint8_t *out) { \
+    const float d6 = 6.0f * g;                                                                    \
+    _Pragma("omp parallel for schedule(static)")                                                  \
+    for (int64_t b = 0; b < nblocks; b++) {                                                       \
+        uint32_t m = 0;                                                                           \
+        for (int i = 0; i < 16; i++) { uint32_t a = ABS_BITS_##NAME(in, b * 16 + i); m = a > m ? a : m; } \
+        float sv = f32_of_bits(m) / d6;                                                           \
+        if (sv == 0.0f) sv = 1.0f;                                                                \
+        sv = sv < 0.001953125f ? 0.001953125f : (sv > 448.0f ? 448.0f : sv);                     \
+        const uint8_t c = e4m3_code(sv);                                                          \
+        scales[b] = c;                                                                            \
+        encode1_##NAME(in, b, e4m3_value(c) * g, out);                                            \
+    }                                                                                             \
+}
+FUSED(f32)
+FUSED(bf16)
 """
 _CK_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _CK_STATE: dict = {}
@@ -313,7 +363,9 @@ def _ckernel():
         sigs = {}
         for name in _CK_DTYPES.values():
             sigs.update({"nvfp4_block_amax_" + name: [ptr, i64, ptr], "nvfp4_encode_" + name: [ptr, i64, ptr, ptr],
-                         "abs_max_" + name: [ptr, i64, ptr, ptr]})
+                         "abs_max_" + name: [ptr, i64, ptr, ptr],
+                         "nvfp4_quantize_" + name: [ptr, i64, ctypes.c_float, ptr, ptr]})
+        sigs["e4m3_codes"] = [ptr, i64, ptr]
         _CK_STATE["lib"] = ckernels.load("formats", _C_SOURCE, sigs, openmp=True)
     return _CK_STATE["lib"]
 

@@ -53,7 +53,9 @@ def test_nvfp4_bytes_equal_modelopt(dtype, nvfp4_path):
     w[5, 16:32] = 0  # an all-zero block (scale 1.0)
     w[7, 3] = 0.3   # an outlier
     w[9, :8] = torch.tensor([-0.0, 1e-9, -1e-9, 0.0, 1e-3, -1e-3, 2e-3, -2e-3])  # signed zeros, tiny values
+    w[11, :64] = torch.randn(64) * torch.tensor([2e-7, 1e-6, 3e-6, 8e-6]).repeat_interleave(16)  # subnormal scales
     packed, bscale, gscale = formats.nvfp4_quantize(w)
+    assert (bscale.float() < 2 ** -6).any()  # the subnormal E4M3 range of the block scales is exercised
     ref_g = NVFP4QTensor.get_weights_scaling_factor_2(w)
     ref_s, _ = NVFP4QTensor.get_weights_scaling_factor(w, 16, ref_g)
     ref_q = NVFP4QTensor.quantize(w, 16, ref_s, ref_g)[0]._quantized_data
@@ -132,3 +134,23 @@ def test_abs_max_detects_nan_and_inf(dtype, nvfp4_path):
         u = t.clone()
         u[777] = bad
         assert formats.abs_max(u)[1] is False
+
+
+def test_c_e4m3_rounding_equals_torch_on_every_float_in_range():
+    """The C kernels round NVFP4 block scales to E4M3 themselves: every fp32 value in the range the
+    scales are clamped to, [2^-9, 448], gives torch's float8_e4m3fn cast bit for bit."""
+    import ctypes
+
+    lib = formats._ckernel()
+    if lib is None:
+        pytest.skip("no C compiler: block scales are cast by torch")
+    lo = int(torch.tensor(2.0 ** -9).view(torch.int32))
+    hi = int(torch.tensor(448.0).view(torch.int32))
+    step = 1 << 24
+    for start in range(lo, hi + 1, step):
+        x = torch.arange(start, min(start + step, hi + 1), dtype=torch.int32).view(torch.float32)
+        got = torch.empty(x.numel(), dtype=torch.uint8)
+        lib.e4m3_codes(x.data_ptr(), ctypes.c_int64(x.numel()), got.data_ptr())
+        want = x.to(torch.float8_e4m3fn).view(torch.uint8)
+        bad = (got != want).nonzero()
+        assert bad.numel() == 0, f"{x[bad[0]].item()!r}: C {got[bad[0]].item():#x}, torch {want[bad[0]].item():#x}"
