@@ -45,7 +45,6 @@ DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in SAFETENSORS_DTYPES.items
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library's own limit
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
-_PAGE = mmap.PAGESIZE
 _COPY_SLICE = 64 * 2**20
 
 
@@ -263,8 +262,7 @@ class CheckpointReader:
             out = torch.empty(info.shape, dtype=info.dtype)
         if info.nbytes == 0:
             return out
-        self._map(info.file)  # opens the file (one shard open at a time)
-        fd = self._files[info.file].fileno()
+        fd = self._open(info.file).fileno()
         # pread straight into the tensor: no mapped pages (which would count as resident memory and
         # cost a page fault per 4 KiB; a pass over a 65 GB checkpoint would grow RSS by 65 GB), one
         # copy from the page cache, ~3x faster than faulting the mapping in (bench_quantize.py).
@@ -295,16 +293,21 @@ class CheckpointReader:
         for name in (self._order if names is None else names):
             yield name, self.get(name)
 
+    def _open(self, path: Path):
+        """The shard's file, opened once; only one shard is open at a time (streaming goes file by file)."""
+        f = self._files.get(path)
+        if f is None:
+            self._close_maps()
+            f = self._files[path] = open(path, "rb")
+        return f
+
     def _map(self, path: Path) -> mmap.mmap:
+        f = self._open(path)
         mm = self._maps.get(path)
         if mm is None:
-            # Keep only one shard mapped: streaming goes file by file.
-            self._close_maps()
-            f = open(path, "rb")
             # ACCESS_COPY gives a writable (private, copy-on-write) view that torch.frombuffer
             # accepts without a warning; nothing is ever written through it.
-            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-            self._files[path], self._maps[path] = f, mm
+            mm = self._maps[path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         return mm
 
     def _close_maps(self) -> None:

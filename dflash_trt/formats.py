@@ -335,25 +335,20 @@ FUSED(f32)
 FUSED(bf16)
 """
 _CK_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
-_CK_STATE: dict = {}
 
 
 def _ckernel():
-    """The compiled kernels (ctypes library), or None if unavailable."""
-    if "lib" not in _CK_STATE:
-        import ctypes
+    """The compiled kernels (ctypes library, compiled once per process), or None if unavailable."""
+    import ctypes
 
-        from dflash_trt import ckernels
+    from dflash_trt import ckernels
 
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        sigs = {}
-        for name in _CK_DTYPES.values():
-            sigs.update({"nvfp4_encode_" + name: [ptr, i64, ptr, ptr],
-                         "abs_max_" + name: [ptr, i64, ptr, ptr],
-                         "nvfp4_quantize_" + name: [ptr, i64, ctypes.c_float, ptr, ptr]})
-        sigs["e4m3_codes"] = [ptr, i64, ptr]
-        _CK_STATE["lib"] = ckernels.load("formats", _C_SOURCE, sigs, openmp=True)
-    return _CK_STATE["lib"]
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    sigs = {"e4m3_codes": [ptr, i64, ptr]}
+    for name in _CK_DTYPES.values():
+        sigs.update({"nvfp4_encode_" + name: [ptr, i64, ptr, ptr], "abs_max_" + name: [ptr, i64, ptr, ptr],
+                     "nvfp4_quantize_" + name: [ptr, i64, ctypes.c_float, ptr, ptr]})
+    return ckernels.load("formats", _C_SOURCE, sigs, openmp=True)
 
 
 def abs_max(t: torch.Tensor) -> tuple[torch.Tensor, bool]:

@@ -29,3 +29,17 @@ def tiny_pairs(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(0)
+
+
+@pytest.fixture(params=["c", "torch"])
+def c_or_torch(request, monkeypatch):
+    """Run a test through a C kernel library (dflash_trt.ckernels) and through the torch code used
+    where no C compiler exists. The test module names the library: C_KERNEL = (name, loader)."""
+    from dflash_trt import ckernels
+
+    name, loader = request.module.C_KERNEL
+    if request.param == "torch":
+        monkeypatch.setitem(ckernels._LIBS, name, None)
+    elif loader() is None:
+        pytest.fail(f"no C compiler: the {name} C kernels cannot be tested")
+    return request.param

@@ -6,6 +6,8 @@ import torch
 from dflash_trt import formats
 from dflash_trt.errors import DFlashError
 
+C_KERNEL = ("formats", formats._ckernel)  # the c_or_torch fixture (conftest.py) runs tests both ways
+
 
 def test_e2m1_codes_and_ties_hand_computed():
     # grid 0 .5 1 1.5 2 3 4 6 -> codes 0..7; ties round to the even code (0.25->0, 0.75->1.0,
@@ -23,7 +25,7 @@ def test_nvfp4_packing_low_nibble_is_even_element():
     assert formats.unpack_nibbles(packed).tolist() == codes.tolist()
 
 
-def test_nvfp4_full_pipeline_hand_computed(nvfp4_path):
+def test_nvfp4_full_pipeline_hand_computed(c_or_torch):
     # One row, one block of 16 with amax 6: weight_scale_2 = 6/(6*448) = 1/448,
     # block scale = 6 / (6 * 1/448) = 448 (the E4M3 max), so w / (448 * 1/448) = w.
     w = torch.zeros(1, 16)
@@ -35,18 +37,8 @@ def test_nvfp4_full_pipeline_hand_computed(nvfp4_path):
     assert torch.equal(formats.nvfp4_dequantize(packed, bscale, gscale), w)
 
 
-@pytest.fixture(params=["c-kernel", "torch"])
-def nvfp4_path(request, monkeypatch):
-    """Run NVFP4 tests through the fused C kernel and through the pure-torch fallback."""
-    if request.param == "torch":
-        monkeypatch.setitem(formats._CK_STATE, "lib", None)
-    elif formats._ckernel() is None:
-        pytest.skip("no C compiler: only the torch path exists here")
-    return request.param
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_nvfp4_bytes_equal_modelopt(dtype, nvfp4_path):
+def test_nvfp4_bytes_equal_modelopt(dtype, c_or_torch):
     from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
 
     w = (torch.randn(48, 128) * 0.02).to(dtype)
@@ -64,7 +56,7 @@ def test_nvfp4_bytes_equal_modelopt(dtype, nvfp4_path):
     assert torch.equal(packed, ref_q)
 
 
-def test_nvfp4_dequant_within_format_bound(nvfp4_path):
+def test_nvfp4_dequant_within_format_bound(c_or_torch):
     w = torch.randn(64, 256) * torch.logspace(-3, 0, 64)[:, None]  # rows of very different scales
     packed, bscale, gscale = formats.nvfp4_quantize(w)
     err = (formats.nvfp4_dequantize(packed, bscale, gscale) - w).abs()
@@ -126,7 +118,7 @@ def test_mxfp4_rejects_bad_shapes():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_abs_max_detects_nan_and_inf(dtype, nvfp4_path):
+def test_abs_max_detects_nan_and_inf(dtype, c_or_torch):
     t = (torch.randn(1000) * 3).to(dtype)
     m, finite = formats.abs_max(t)
     assert finite and m.item() == t.float().abs().max().item()

@@ -18,6 +18,9 @@ import torch
 
 from dflash_trt.config import DrafterConfig
 from dflash_trt.errors import DFlashError
+from dflash_trt.kv_inject import _c_epilogue
+
+C_KERNEL = ("kv_epilogue", _c_epilogue)  # the c_or_torch fixture (conftest.py): C epilogue and torch epilogue
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -116,18 +119,6 @@ def _check(c, res):
         assert res["k"] <= 1e-5 and res["v"] <= 1e-5, res
 
 
-@pytest.fixture(params=["c", "torch"])
-def epilogue(request, monkeypatch):
-    """Path (2) with its C epilogue, and with the torch epilogue used where no C compiler exists."""
-    from dflash_trt import ckernels, kv_inject
-
-    if request.param == "torch":
-        monkeypatch.setitem(ckernels._LIBS, "kv_epilogue", None)
-    elif kv_inject._c_epilogue() is None:
-        pytest.fail("no C compiler: the C epilogue of the fused path cannot be tested")
-    return request.param
-
-
 # ------------------------------------------------------------------------------------ (1) and (2)
 @pytest.mark.parametrize("c", CASES, ids=_ids)
 def test_reference_is_the_drafter_module(c):
@@ -142,7 +133,7 @@ def test_reference_is_the_drafter_module(c):
 
 
 @pytest.mark.parametrize("c", CASES, ids=_ids)
-def test_fused_torch_equals_reference(c, epilogue):
+def test_fused_torch_equals_reference(c, c_or_torch):
     res = run_fused(c, "torch")
     _check(c, res)
     if not c["fp8"]:
@@ -163,7 +154,7 @@ def test_padding_slot_untouched_and_pages_written():
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-def test_contiguous_equals_reference(fp8, epilogue):
+def test_contiguous_equals_reference(fp8, c_or_torch):
     from dflash_trt.kv_inject import inject_contiguous, reference_inject_contiguous
 
     c = dict(CASES[1], fp8=fp8)
@@ -179,7 +170,7 @@ def test_contiguous_equals_reference(fp8, epilogue):
     assert kf[:, :, :5].float().abs().sum() == 0 and kf[:, :, 5 + c["T"]:].float().abs().sum() == 0
 
 
-def test_bfloat16_as_close_to_float32_as_the_reference(epilogue):
+def test_bfloat16_as_close_to_float32_as_the_reference(c_or_torch):
     """bfloat16 (the CPU runtime's dtype on bf16-capable CPUs): the fused path's error against a
     float32 computation with the same bf16 weights is no worse than the bf16 reference's own."""
     from dflash_trt.kv_inject import inject_contiguous, reference_inject_contiguous
