@@ -22,6 +22,7 @@ import mmap
 import os
 import shutil
 import struct
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,7 @@ from typing import Iterable, Iterator
 
 import torch
 
+from dflash_trt.direct_io import DirectWriter, OutFile
 from dflash_trt.errors import DFlashError
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
@@ -144,6 +146,23 @@ def _read_index(index_file: Path) -> dict:
     if not isinstance(wm, dict) or not wm:
         raise DFlashError(f"{index_file}: missing or empty 'weight_map'")
     return wm
+
+
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22 if sys.platform == "linux" else None)
+
+
+def _populate(mm: mmap.mmap, start: int, length: int) -> None:
+    """Map a range's pages in one call (Linux >= 5.14: MADV_POPULATE_READ reads them in and fills
+    the page tables, instead of one fault per 16 pages later); elsewhere, read-ahead advice."""
+    global _MADV_POPULATE_READ
+    if _MADV_POPULATE_READ is not None:
+        try:
+            mm.madvise(_MADV_POPULATE_READ, start, length)
+            return
+        except OSError:
+            _MADV_POPULATE_READ = None   # older kernel: EINVAL
+    if hasattr(mmap, "MADV_WILLNEED"):
+        mm.madvise(mmap.MADV_WILLNEED, start, length)
 
 
 class CheckpointReader:
@@ -275,6 +294,32 @@ class CheckpointReader:
             pos += n
         return out
 
+    def view(self, name: str) -> torch.Tensor:
+        """The tensor as a zero-copy view of its shard's memory map: reads come straight from the
+        page cache, with no buffer to fill (streaming quantization measured ~2x faster than
+        pread into buffers). The kernel is asked to read the tensor ahead. For streaming passes:
+        call `release(name)` when done with it, so that resident memory stays at the tensors in
+        use, and drop the view before moving to another shard (that closes this map). Writes
+        through the view never reach the file (a private mapping)."""
+        info = self.info(name)
+        if self._pickled is not None:
+            return self._pickled[name]
+        if info.nbytes == 0 or info.begin % dtype_size(info.dtype):
+            return self.get(name)   # (an unaligned tensor cannot be viewed as its dtype)
+        mm = self._map(info.file)
+        start = info.begin - info.begin % mmap.PAGESIZE
+        _populate(mm, start, info.begin + info.nbytes - start)
+        flat = torch.frombuffer(mm, dtype=torch.uint8, count=info.nbytes, offset=info.begin)
+        return flat.view(info.dtype).reshape(info.shape)
+
+    def release(self, name: str) -> None:
+        """Drop the pages of a viewed tensor from this process (they stay in the page cache)."""
+        info = self.info(name)
+        mm = self._maps.get(info.file)
+        if mm is not None and info.nbytes and hasattr(mmap, "MADV_DONTNEED"):
+            start = info.begin - info.begin % mmap.PAGESIZE
+            mm.madvise(mmap.MADV_DONTNEED, start, info.begin + info.nbytes - start)
+
     def get_rows(self, name: str, rows: torch.Tensor) -> torch.Tensor:
         """rows of a 2-D tensor (e.g. embeddings for some token ids) without reading the rest."""
         info = self.info(name)
@@ -294,28 +339,31 @@ class CheckpointReader:
             yield name, self.get(name)
 
     def _open(self, path: Path):
-        """The shard's file, opened once; only one shard is open at a time (streaming goes file by file)."""
+        """The shard's file for pread, opened once; one is open at a time (streaming goes file by file)."""
         f = self._files.get(path)
         if f is None:
-            self._close_maps()
+            for other in self._files.values():
+                other.close()
+            self._files.clear()
             f = self._files[path] = open(path, "rb")
         return f
 
     def _map(self, path: Path) -> mmap.mmap:
-        f = self._open(path)
         mm = self._maps.get(path)
         if mm is None:
             # ACCESS_COPY gives a writable (private, copy-on-write) view that torch.frombuffer
             # accepts without a warning; nothing is ever written through it.
-            mm = self._maps[path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            with open(path, "rb") as f:
+                mm = self._maps[path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         return mm
 
     def _close_maps(self) -> None:
-        for mm in self._maps.values():
-            mm.close()
+        # Maps are dropped, never closed: a tensor from view() holds a reference to its map, so
+        # the map is unmapped when the last such tensor is freed (closing it would leave the
+        # tensor pointing at unmapped memory).
+        self._maps.clear()
         for f in self._files.values():
             f.close()
-        self._maps.clear()
         self._files.clear()
 
     def close(self) -> None:
@@ -523,40 +571,36 @@ class ShardedWriter:
             self._sizes.append(len(blob) + off)
             for s, start in zip(group, starts):
                 self._where[s.name] = (si, len(blob) + start, s)
-        self._fds: dict[int, int] = {}
+        self._files: dict[int, OutFile] = {}
+        self._io = DirectWriter()
         self._written: set[str] = set()
         self.total_bytes = sum(s.nbytes for s in specs)
 
-    def _fd(self, si: int) -> int:
-        fd = self._fds.get(si)
-        if fd is None:
+    def _file(self, si: int) -> OutFile:
+        f = self._files.get(si)
+        if f is None:
             path = self.folder / self.shard_names[si]
             try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                self._fds[si] = fd
-                self._pwrite_all(fd, memoryview(self._headers[si]), 0)
+                f = self._files[si] = self._io.open(str(path))
+                self._io.pwrite(f, memoryview(self._headers[si]), 0)
             except OSError as e:
                 raise _disk_error(path, "the safetensors header", e) from None
-        return fd
-
-    @staticmethod
-    def _pwrite_all(fd: int, buf: memoryview, offset: int) -> None:
-        while len(buf):
-            n = os.pwrite(fd, buf[: 1 << 30], offset)
-            buf, offset = buf[n:], offset + n
+        return f
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Write one planned tensor. Its bytes are copied before this returns (the caller may
+        reuse the tensor's memory); the disk write itself may finish later, in the background."""
         if name not in self._where:
             raise DFlashError(f"output tensor {name!r} was not planned")
         si, offset, spec = self._where[name]
         if tensor.dtype != spec.dtype or tuple(tensor.shape) != spec.shape:
             raise DFlashError(f"output tensor {name!r} is {tensor.dtype}{list(tensor.shape)}, planned "
                               f"{spec.dtype}{list(spec.shape)}")
-        fd = self._fd(si)
+        f = self._file(si)
         if spec.nbytes:
             data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
             try:
-                self._pwrite_all(fd, memoryview(data), offset)
+                self._io.pwrite(f, memoryview(data), offset)
             except OSError as e:
                 raise _disk_error(self.folder / self.shard_names[si], f"tensor {name!r}", e) from None
         self._written.add(name)
@@ -568,10 +612,11 @@ class ShardedWriter:
             self.abort()
             raise DFlashError(f"output tensor {missing[0]!r} was planned but never written ({len(missing)} missing)")
         for si in range(len(self.shard_names)):
-            fd = self._fd(si)  # a shard whose tensors are all empty still gets its header
+            f = self._file(si)  # a shard whose tensors are all empty still gets its header
             try:
-                os.fsync(fd)
+                self._io.finish(f, self._sizes[si])
             except OSError as e:
+                self.abort()
                 raise _disk_error(self.folder / self.shard_names[si], "the shard", e) from None
         self.abort()
         files = list(self.shard_names)
@@ -584,9 +629,13 @@ class ShardedWriter:
         return files
 
     def abort(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        """Stop writing: wait for the background writes, close every file (removing them is the
+        caller's atomic_output_dir's job)."""
+        self._io.drain()
+        for f in self._files.values():
+            self._io.discard(f)
+        self._files.clear()
+        self._io.close()
 
 
 def write_text(path: Path, text: str) -> None:

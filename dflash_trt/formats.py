@@ -132,18 +132,28 @@ def nvfp4_block_scales(w: torch.Tensor, global_scale: torch.Tensor) -> torch.Ten
 
 
 def nvfp4_quantize(w: torch.Tensor, block_scales: torch.Tensor | None = None,
-                   global_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   global_scale: torch.Tensor | None = None,
+                   scratch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """NVFP4-encode w [..., in] -> (packed uint8 [..., in/2], weight_scale fp8 [..., in/16],
-    weight_scale_2 fp32 scalar). Pass `global_scale` to share one across a fused group."""
+    weight_scale_2 fp32 scalar). Pass `global_scale` to share one across a fused group. With
+    `scratch` (uint8, at least numel * 9/16 bytes), packed and computed block scales are views
+    into it, valid until it is reused: streaming loops skip faulting in fresh output pages."""
     if global_scale is None:
         global_scale = nvfp4_global_scale(w.abs().amax().float())
     n = w.shape[-1]
     nb = n // NVFP4_BLOCK
-    packed = torch.empty((*w.shape[:-1], n // 2), dtype=torch.uint8)
+    n_packed, n_scales = w.numel() // 2, w.numel() // NVFP4_BLOCK
+    if scratch is not None and scratch.numel() >= n_packed + n_scales and n % NVFP4_BLOCK == 0:
+        packed = scratch[:n_packed].view(*w.shape[:-1], n // 2)
+        fresh_scales = scratch[n_packed:n_packed + n_scales].view(torch.float8_e4m3fn).view(*w.shape[:-1], nb)
+    else:
+        packed = torch.empty((*w.shape[:-1], n // 2), dtype=torch.uint8)
+        fresh_scales = None
     kernel = _ckernel() if w.dtype in _CK_DTYPES and w.is_contiguous() and n % NVFP4_BLOCK == 0 else None
     if block_scales is None and kernel is not None:  # block scales and codes in one pass over w
         import ctypes
-        block_scales = torch.empty((*w.shape[:-1], nb), dtype=torch.float8_e4m3fn)
+        block_scales = fresh_scales if fresh_scales is not None else \
+            torch.empty((*w.shape[:-1], nb), dtype=torch.float8_e4m3fn)
         getattr(kernel, "nvfp4_quantize_" + _CK_DTYPES[w.dtype])(
             w.data_ptr(), w.numel() // NVFP4_BLOCK, ctypes.c_float(float(global_scale)), block_scales.data_ptr(),
             packed.data_ptr())
@@ -312,10 +322,83 @@ static inline float e4m3_value(uint8_t c) {
     int e8 = c >> 3, m3 = c & 7;
     return e8 == 0 ? (float)m3 * (1.0f / 512.0f) : (1.0f + (float)m3 * 0.125f) * f32_of_bits((uint32_t)(e8 - 7 + 127) << 23);
 }
-void e4m3_codes(const float *x, int64_t n, uint8_t *out) { for (int64_t i = 0; i < n; i++) out[i] = e4m3_code(x[i]); }
 /* The whole NVFP4 quantization of nblocks blocks in one pass, the same ops as the torch code
    (nvfp4_block_scales, then nvfp4_quantize): s = amax / (6 * g) (fp32), 0 -> 1, clamp to
    [2^-9, 448], cast to e4m3; denom = float(s8) * g; codes of x / denom. */
+#if defined(__AVX512F__) && !defined(DFLASH_PORTABLE)
+/* AVX-512: 16 blocks at a time. The block maxima go into one vector, so the scale arithmetic and
+   the e4m3 rounding run on 16 blocks at once (in the portable loop below they are ~40 scalar
+   instructions per block, as much as the encode); each block's encode is ~25 instructions.
+   ~3x the portable loop; the same bits (a test compares the two builds). */
+#include <immintrin.h>
+static inline __m512 ld16_f32(const void *in, int64_t b) { return _mm512_loadu_ps((const float *)in + b * 16); }
+static inline __m512 ld16_bf16(const void *in, int64_t b) {
+    __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)in + b * 16));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+static inline void encode16(__m512 x, float d, uint8_t *out) {
+    x = _mm512_div_ps(x, _mm512_set1_ps(d));
+    const __m512 a = _mm512_abs_ps(x);
+    const __m512i one = _mm512_set1_epi32(1);
+    __m512i c = _mm512_setzero_si512();
+#define STEP(T, OP) c = _mm512_mask_add_epi32(c, _mm512_cmp_ps_mask(a, _mm512_set1_ps(T), OP), c, one);
+    STEP(0.25f, _CMP_GT_OQ) STEP(0.75f, _CMP_GE_OQ) STEP(1.25f, _CMP_GT_OQ) STEP(1.75f, _CMP_GE_OQ)
+    STEP(2.5f, _CMP_GT_OQ) STEP(3.5f, _CMP_GE_OQ) STEP(5.0f, _CMP_GT_OQ)
+#undef STEP
+    c = _mm512_mask_or_epi32(c, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ), c, _mm512_set1_epi32(8));
+    /* 64-bit lane j holds codes 2j (low dword) and 2j+1 (high dword): byte = low | high << 4 */
+    const __m512i v = _mm512_or_si512(c, _mm512_srli_epi64(c, 28));
+    _mm_storel_epi64((__m128i *)out, _mm512_cvtepi64_epi8(v));
+}
+/* e4m3 code of 16 floats in [2^-9, 448], bit-identical to e4m3_code */
+static inline __m512i e4m3_code16(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i e8 = _mm512_sub_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 23), _mm512_set1_epi32(0xff)),
+                                        _mm512_set1_epi32(120));
+    const __m512i mant = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffff));
+    const __m512i m3 = _mm512_srli_epi32(mant, 20), rem = _mm512_and_si512(mant, _mm512_set1_epi32(0xfffff));
+    const __m512i half = _mm512_set1_epi32(0x80000);
+    const __mmask16 up = _mm512_cmpgt_epu32_mask(rem, half) |
+        (_mm512_cmpeq_epi32_mask(rem, half) & _mm512_test_epi32_mask(m3, _mm512_set1_epi32(1)));
+    /* rounding up carries a mantissa of 7 into the exponent, as the scalar code's m3 == 8 case */
+    __m512i normal = _mm512_or_si512(_mm512_slli_epi32(e8, 3), m3);
+    normal = _mm512_mask_add_epi32(normal, up, normal, _mm512_set1_epi32(1));
+    /* below 2^-6: x * 512 is exact; its nearest-even integer is the code */
+    const __m512i sub = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(512.0f)),
+                                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    return _mm512_mask_blend_epi32(_mm512_cmpgt_epi32_mask(e8, _mm512_setzero_si512()), sub, normal);
+}
+static inline __m512 e4m3_value16(__m512i c) {
+    const __m512i e8 = _mm512_srli_epi32(c, 3), m3 = _mm512_and_si512(c, _mm512_set1_epi32(7));
+    const __m512 normal = _mm512_castsi512_ps(_mm512_or_si512(
+        _mm512_slli_epi32(_mm512_add_epi32(e8, _mm512_set1_epi32(120)), 23), _mm512_slli_epi32(m3, 20)));
+    const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(m3), _mm512_set1_ps(1.0f / 512.0f));
+    return _mm512_mask_blend_ps(_mm512_cmpgt_epi32_mask(e8, _mm512_setzero_si512()), sub, normal);
+}
+#define FUSED(NAME)                                                                               \
+void nvfp4_quantize_##NAME(const void *in, int64_t nblocks, float g, uint8_t *scales, uint8_t *out) { \
+    const __m512 d6 = _mm512_set1_ps(6.0f * g);                                                   \
+    const int64_t ntiles = (nblocks + 15) / 16;                                                   \
+    _Pragma("omp parallel for schedule(static)")                                                  \
+    for (int64_t t = 0; t < ntiles; t++) {                                                        \
+        const int64_t b0 = t * 16, nb = nblocks - b0 < 16 ? nblocks - b0 : 16;                    \
+        uint32_t m[16] = {0};                                                                     \
+        for (int64_t j = 0; j < nb; j++)                                                          \
+            m[j] = _mm512_reduce_max_epu32(_mm512_and_si512(_mm512_castps_si512(ld16_##NAME(in, b0 + j)), \
+                                                            _mm512_set1_epi32(0x7fffffff)));       \
+        __m512 sv = _mm512_div_ps(_mm512_castsi512_ps(_mm512_loadu_si512(m)), d6);                 \
+        sv = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(sv, _mm512_setzero_ps(), _CMP_EQ_OQ), sv, _mm512_set1_ps(1.0f)); \
+        sv = _mm512_min_ps(_mm512_max_ps(sv, _mm512_set1_ps(0.001953125f)), _mm512_set1_ps(448.0f)); \
+        const __m512i c = e4m3_code16(sv);                                                        \
+        float den[16];                                                                            \
+        _mm512_storeu_ps(den, _mm512_mul_ps(e4m3_value16(c), _mm512_set1_ps(g)));                 \
+        uint8_t cb[16];                                                                           \
+        _mm_storeu_si128((__m128i *)cb, _mm512_cvtepi32_epi8(c));                                  \
+        memcpy(scales + b0, cb, nb);                                                              \
+        for (int64_t j = 0; j < nb; j++) encode16(ld16_##NAME(in, b0 + j), den[j], out + (b0 + j) * 8); \
+    }                                                                                             \
+}
+#else
 #define FUSED(NAME)                                                                               \
 void nvfp4_quantize_##NAME(const void *in, int64_t nblocks, float g, uint8_t *scales, uint8_t *out) { \
     const float d6 = 6.0f * g;                                                                    \
@@ -331,7 +414,16 @@ void nvfp4_quantize_##NAME(const void *in, int64_t nblocks, float g, uint8_t *sc
         encode1_##NAME(in, b, e4m3_value(c) * g, out);                                            \
     }                                                                                             \
 }
+#endif
 FUSED(f32)
+void e4m3_codes(const float *x, int64_t n, uint8_t *out) {
+    int64_t i = 0;
+#if defined(__AVX512F__) && !defined(DFLASH_PORTABLE)
+    for (; i + 16 <= n; i += 16)
+        _mm_storeu_si128((__m128i *)(out + i), _mm512_cvtepi32_epi8(e4m3_code16(_mm512_loadu_ps(x + i))));
+#endif
+    for (; i < n; i++) out[i] = e4m3_code(x[i]);
+}
 FUSED(bf16)
 """
 _CK_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}

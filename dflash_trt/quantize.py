@@ -283,20 +283,27 @@ def _layer_index(name: str) -> int | None:
 
 
 def _streaming_loader(reader: CheckpointReader):
-    """load(name, slot) -> (tensor, amax), reading from disk and checking for NaN / Inf. The
-    tensor lives in the slot's reusable buffer until the next load into that slot; callers use
-    one slot per tensor they hold at the same time."""
-    buffers: dict[str, torch.Tensor] = {}
+    """load(name, slot) -> (tensor, amax), a zero-copy view of the checkpoint (reader.view),
+    checked for NaN / Inf. The view is valid until the next load into the same slot, which
+    releases its pages; callers use one slot per tensor they hold at the same time."""
+    held: dict[str, str] = {}
+    out: list[torch.Tensor] = []
 
     def load(n, slot="copy"):
-        need = reader.nbytes(n)
-        buf = buffers.get(slot)
-        if buf is None or buf.numel() < need:
-            buffers.pop(slot, None)  # release the smaller one before allocating
-            buf = buffers[slot] = torch.empty(need, dtype=torch.uint8)
-        t = reader.get(n, scratch=buf)
+        prev = held.pop(slot, None)
+        if prev is not None:
+            reader.release(prev)
+        t = reader.view(n)
+        held[slot] = n
         return t, check_finite(n, t, reader.file_of(n))
+
+    def scratch(nbytes: int) -> torch.Tensor:
+        """One reusable output buffer (its contents are copied out by writer.write)."""
+        if not out or out[0].numel() < nbytes:
+            out[:] = [torch.empty(nbytes, dtype=torch.uint8)]
+        return out[0]
     load.nbytes = reader.nbytes
+    load.scratch = scratch
     return load
 
 
@@ -347,7 +354,9 @@ def _quantize_group(load, members, linears, fmt, input_amax, writer, bar) -> Non
             writer.write(n, formats.fp8_quantize(w, scale))
             writer.write(m + ".weight_scale", scale)
         else:
-            packed, bscale, gscale = formats.nvfp4_quantize(w, global_scale=global_scale)
+            scratch = getattr(load, "scratch", None)
+            packed, bscale, gscale = formats.nvfp4_quantize(
+                w, global_scale=global_scale, scratch=scratch(w.numel() * 9 // 16) if scratch else None)
             writer.write(n, packed)
             writer.write(m + ".weight_scale", bscale)
             writer.write(m + ".weight_scale_2", gscale.reshape(()))

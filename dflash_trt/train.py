@@ -38,10 +38,14 @@ from dflash_trt.prompts import read_jsonl
 # ------------------------------------------------------------------------------------ data
 def generate_responses(target_dir: str | Path, prompts: list[str], out_path: str | Path, *,
                        max_new_tokens: int = 192, batch_size: int = 16, progress: bool = True,
-                       threads: int | None = None) -> Path:
+                       threads: int | None = None, dtype: str = "auto") -> Path:
     """Answer each prompt with the target (greedy, chat template) and append rows
     `{"prompt", "prompt_ids", "output_ids"}` to out_path. Resumable: prompts already in the file
-    are skipped. Uses transformers' batched generate (left padding): this is data, not the product."""
+    are skipped. Uses transformers' batched generate (left padding): this is data, not the product.
+    dtype "auto" is the runtime's default (bfloat16 where the CPU has native bf16): the answers
+    are then the ones the deployed target gives, and batched bf16 generate ran 2x faster than
+    float32 here (0.98 vs 0.50 prompts/s per core at batch 48)."""
+    from dflash_trt.api import resolve_dtype
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -53,7 +57,7 @@ def generate_responses(target_dir: str | Path, prompts: list[str], out_path: str
     if not todo:
         return out_path
     tok = AutoTokenizer.from_pretrained(str(target_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=resolve_dtype(dtype)).eval()
     eos = model.generation_config.eos_token_id
     pad = tok.pad_token_id if tok.pad_token_id is not None else (eos[0] if isinstance(eos, list) else eos)
     encoded = sorted(((p, encode_prompt(tok, p)) for p in todo), key=lambda x: len(x[1]))  # less padding

@@ -324,3 +324,24 @@ def test_disk_full_during_write(tmp_path, small_fs, capsys, command):
     assert len(err) == 1 and "disk full while writing" in err[0] and ".safetensors" in err[0], err
     assert list(small_fs.iterdir()) == []   # the temp folder was removed: nothing half-written
     assert shutil.disk_usage(small_fs).used < 64 * 1024
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_quantize_groups_spanning_shards(tmp_path, fmt):
+    """Fused groups (q/k/v, gate/up) whose members sit in different shards: the streaming
+    quantizer holds zero-copy views of several shards at once. Same bytes as from one shard."""
+    from safetensors.torch import load_file
+
+    from dflash_trt.quantize import quantize_checkpoint
+
+    sd = tiny_state(CFG)
+    one = write_model(tmp_path / "one", sd=sd)
+    three = write_model(tmp_path / "three", sd=sd, shards=3)   # round-robin: q, k, v split
+    wm = json.loads((three / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len({wm[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"}) > 1
+    quantize_checkpoint(one, tmp_path / "q1", fmt, progress=False)
+    quantize_checkpoint(three, tmp_path / "q3", fmt, progress=False)
+    a, b = load_file(tmp_path / "q1" / "model.safetensors"), load_file(tmp_path / "q3" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for n in a:
+        assert torch.equal(a[n].reshape(-1).view(torch.uint8), b[n].reshape(-1).view(torch.uint8)), n

@@ -1,5 +1,7 @@
 """FP8 / NVFP4 / MXFP4 codecs: hand-computed examples pin the bit layouts; ModelOpt's own
 NVFP4QTensor is the oracle for NVFP4 rounding; dequantization stays within the format's bound."""
+import ctypes
+
 import pytest
 import torch
 
@@ -146,3 +148,44 @@ def test_c_e4m3_rounding_equals_torch_on_every_float_in_range():
         want = x.to(torch.float8_e4m3fn).view(torch.uint8)
         bad = (got != want).nonzero()
         assert bad.numel() == 0, f"{x[bad[0]].item()!r}: C {got[bad[0]].item():#x}, torch {want[bad[0]].item():#x}"
+
+
+def _portable_kernel():
+    from dflash_trt import ckernels
+
+    sigs = {"e4m3_codes": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]}
+    for n in formats._CK_DTYPES.values():
+        sigs["nvfp4_quantize_" + n] = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p]
+    return ckernels.load("formats", formats._C_SOURCE, sigs, openmp=True, cflags=("-DDFLASH_PORTABLE",))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_c_nvfp4_vector_build_equals_portable_build(dtype):
+    """The CPU-specific loops (AVX-512 where compiled for it) and the portable loop give the same
+    bytes, on blocks chosen to hit every rounding path: E2M1 ties at each threshold, all-zero
+    blocks, and block scales that clamp (2^-9, 448), go subnormal or round up across a binade."""
+    lib, portable = formats._ckernel(), _portable_kernel()
+    if lib is None or portable is None:
+        pytest.skip("no C compiler")
+    g = torch.Generator().manual_seed(1)
+    n_blocks = 4099   # not a multiple of 16: the tail of a tile
+    w = torch.randn(n_blocks, 16, generator=g) * torch.logspace(-6, 3, n_blocks).unsqueeze(1)
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.25, -5.0, 0.0, -0.0, 1.0, 3.0, 4.0, 0.5])
+    w[::7] = ties * torch.logspace(-8, 2, len(w[::7])).unsqueeze(1)   # block max 6: the values land on ties
+    w[3::11] = 0.0
+    w = w.to(dtype).contiguous()
+    for gscale in (1.0, 1e-3, 37.5, 2.0 ** -20):
+        outs = []
+        for k in (lib, portable):
+            packed = torch.empty(n_blocks * 8, dtype=torch.uint8)
+            scales = torch.empty(n_blocks, dtype=torch.uint8)
+            getattr(k, "nvfp4_quantize_" + formats._CK_DTYPES[dtype])(
+                w.data_ptr(), n_blocks, ctypes.c_float(gscale), scales.data_ptr(), packed.data_ptr())
+            outs.append((packed, scales))
+        assert torch.equal(outs[0][1], outs[1][1]), f"block scales differ at g={gscale}"
+        assert torch.equal(outs[0][0], outs[1][0]), f"codes differ at g={gscale}"
+    x = torch.rand(1 << 20, generator=g) * 448
+    a, b = (torch.empty(x.numel(), dtype=torch.uint8) for _ in range(2))
+    lib.e4m3_codes(x.data_ptr(), ctypes.c_int64(x.numel()), a.data_ptr())
+    portable.e4m3_codes(x.data_ptr(), ctypes.c_int64(x.numel()), b.data_ptr())
+    assert torch.equal(a, b)
