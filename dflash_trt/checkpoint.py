@@ -533,7 +533,7 @@ class ShardedWriter:
     """
 
     def __init__(self, folder: str | Path, specs: list[TensorSpec], max_shard_bytes: int = 5 * 2**30,
-                 metadata: dict | None = None, prefix: str = "model"):
+                 metadata: dict | None = None, prefix: str = "model", io: DirectWriter | None = None):
         self.folder = Path(folder)
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
@@ -572,7 +572,9 @@ class ShardedWriter:
             for s, start in zip(group, starts):
                 self._where[s.name] = (si, len(blob) + start, s)
         self._files: dict[int, OutFile] = {}
-        self._io = DirectWriter()
+        # writers of one job (e.g. convert's ranks) share one background writer and its buffers
+        self._own_io = io is None
+        self._io = DirectWriter() if io is None else io
         self._written: set[str] = set()
         self.total_bytes = sum(s.nbytes for s in specs)
 
@@ -635,7 +637,8 @@ class ShardedWriter:
         for f in self._files.values():
             self._io.discard(f)
         self._files.clear()
-        self._io.close()
+        if self._own_io:
+            self._io.close()
 
 
 def write_text(path: Path, text: str) -> None:

@@ -32,6 +32,7 @@ import torch
 from dflash_trt import formats
 from dflash_trt.checkpoint import (CheckpointReader, Progress, ShardedWriter, TensorSpec, atomic_output_dir,
                                    check_finite, check_shapes, load_config, write_text)
+from dflash_trt.direct_io import DirectWriter
 from dflash_trt.errors import DFlashError
 
 # TensorRT-LLM maps Qwen3ForCausalLM to its QWenForCausalLM; qwen_type "qwen3" turns on the q/k norms.
@@ -207,8 +208,9 @@ def convert_checkpoint(model: str | Path, out: str | Path, tp: int = 1, pp: int 
         plan = _plan(reader, cfg, g, quant, kv_cache, dtype)
         specs_by_rank = [[TensorSpec(n, dt, shp) for n, (dt, shp) in plan.items()] for _ in range(tp)]
         with atomic_output_dir(out) as tmp, Progress(reader.total_bytes, len(reader), f"convert tp{tp}", progress) as bar:
+            io = DirectWriter()
             writers = [ShardedWriter(tmp, specs_by_rank[r], max_shard_bytes=1 << 62, prefix=f"rank{r}",
-                                     metadata={"producer": "dflash-trt"}) for r in range(tp)]
+                                     metadata={"producer": "dflash-trt"}, io=io) for r in range(tp)]
             try:
                 _write_all(reader, cfg, g, quant, kv_cache, calib_res, writers, bar)
                 files = [f for w in writers for f in w.close()]
@@ -216,6 +218,8 @@ def convert_checkpoint(model: str | Path, out: str | Path, tp: int = 1, pp: int 
                 for w in writers:
                     w.abort()
                 raise
+            finally:
+                io.close()
             write_text(tmp / "config.json", json.dumps(trtllm_config(cfg, g, dtype, quant, kv_cache, pp), indent=4))
             bytes_out = sum(s.nbytes for sp in specs_by_rank for s in sp)
     return ConvertReport(str(out), ARCHITECTURES[mt], tp, pp, quant, kv_cache, files, bytes_out,
