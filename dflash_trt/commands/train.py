@@ -53,11 +53,14 @@ def _layer_list(ctx, param, value):
 @click.option("--resume", is_flag=True, help="Continue the run in OUT from its last checkpoint.")
 @click.option("--time-limit", type=float, help="Stop (and save) after this many minutes.")
 @click.option("--threads", type=click.IntRange(1), default=2, show_default=True, help="torch CPU threads.")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True,
+              help="The target's dtype for its answers and features (auto: bfloat16 where the CPU has it, "
+                   "as the runtime; else float32).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary at the end.")
 def train_drafter_cmd(target, data, prompts, out, layers, intermediate_size, target_layers, block_size, steps, lr,
                       blocks_per_step, mask_token_id, save_every, eval_every, eval_prompts, max_new_tokens,
-                      init_from, feature_cache, resume, time_limit, threads, seed, as_json):
+                      init_from, feature_cache, resume, time_limit, threads, dtype, seed, as_json):
     """Train a DFlash block-diffusion drafter for a target (DESIGN.md §4 recipe): the target
     answers prompts, its hidden states at the chosen layers are cached once, then random anchors,
     masked blocks with per-anchor attention and a position-decayed cross-entropy; the target's
@@ -84,7 +87,7 @@ def train_drafter_cmd(target, data, prompts, out, layers, intermediate_size, tar
     summary = train_drafter(tdir, data or prompts, out, tc, eval_path=eval_prompts, resume=resume,
                             max_new_tokens=max_new_tokens, threads=threads,
                             time_limit_s=time_limit * 60 if time_limit else None,
-                            feature_cache=feature_cache)
+                            feature_cache=feature_cache, dtype=dtype)
     if as_json:
         click.echo(json.dumps(summary, indent=2))
     else:
