@@ -163,8 +163,8 @@ class DirectWriter:
             try:
                 if f.error is None and f.fd >= 0:
                     _pwrite_all(f.fd, buf[:n], offset)
-            except OSError as e:
-                f.error = e
+            except Exception as e:   # kept for the caller: a dead thread would leave it waiting
+                f.error = e if isinstance(e, OSError) else OSError(errno.EIO, f"background write failed: {e}")
             finally:
                 self._free.put(buf)
                 self._jobs.task_done()
