@@ -30,7 +30,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from dflash_trt.direct_io import DirectWriter, OutFile
+from dflash_trt.direct_io import BLOCK, DirectWriter, OutFile
 from dflash_trt.errors import DFlashError
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
@@ -575,6 +575,9 @@ class ShardedWriter:
         # writers of one job (e.g. convert's ranks) share one background writer and its buffers
         self._own_io = io is None
         self._io = DirectWriter() if io is None else io
+        self._buffers: list[torch.Tensor | None] = [None, None]   # out_buffer's pair
+        self._buffer_tickets = [0, 0]
+        self._next_buffer = 0
         self._written: set[str] = set()
         self.total_bytes = sum(s.nbytes for s in specs)
 
@@ -589,9 +592,26 @@ class ShardedWriter:
                 raise _disk_error(path, "the safetensors header", e) from None
         return f
 
+    def out_buffer(self, name: str) -> torch.Tensor:
+        """A uint8 buffer of planned tensor `name`'s size to compute it into: its memory is
+        aligned like the tensor's place in the file, so `write(name, buffer)` hands it to the
+        disk without a copy (a 65 GB model's output is ~16 GB of memcpy less). Two buffers
+        alternate; asking for one waits until the disk has finished with it."""
+        nbytes = self._where[name][2].nbytes
+        i = self._next_buffer
+        self._next_buffer ^= 1
+        self._io.wait(self._buffer_tickets[i])
+        buf = self._buffers[i]
+        if buf is None or buf.numel() < nbytes + BLOCK:
+            buf = self._buffers[i] = None
+            buf = self._buffers[i] = torch.empty(nbytes + BLOCK, dtype=torch.uint8)
+        start = (self._where[name][1] - buf.data_ptr()) % BLOCK
+        return buf[start:start + nbytes]
+
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """Write one planned tensor. Its bytes are copied before this returns (the caller may
-        reuse the tensor's memory); the disk write itself may finish later, in the background."""
+        reuse the tensor's memory), except for a buffer from `out_buffer`, which the disk reads
+        in place; the disk write itself may finish later, in the background."""
         if name not in self._where:
             raise DFlashError(f"output tensor {name!r} was not planned")
         si, offset, spec = self._where[name]
@@ -601,8 +621,12 @@ class ShardedWriter:
         f = self._file(si)
         if spec.nbytes:
             data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+            lent = [i for i, b in enumerate(self._buffers)
+                    if b is not None and b.data_ptr() <= tensor.data_ptr() < b.data_ptr() + b.numel()]
             try:
-                self._io.pwrite(f, memoryview(data), offset)
+                ticket = self._io.pwrite(f, memoryview(data), offset, address=tensor.data_ptr() if lent else None)
+                if lent:
+                    self._buffer_tickets[lent[0]] = ticket
             except OSError as e:
                 raise _disk_error(self.folder / self.shard_names[si], f"tensor {name!r}", e) from None
         self._written.add(name)

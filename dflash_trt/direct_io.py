@@ -7,8 +7,9 @@ O_DIRECT (bench/bench_quantize.py). O_DIRECT also keeps a 65 GB output out of th
 
 O_DIRECT needs the file offset, the length and the memory address aligned to the device
 block. A write at any offset is split: its aligned middle is copied into a page-aligned
-staging buffer and handed to the writer thread, so the caller computes the next tensor while
-the disk takes this one; its partial first and last blocks are kept in memory and merged with
+staging buffer (or, where the caller's memory is aligned like the file offset and the caller
+lends it, used in place) and handed to the writer thread, so the caller computes the next
+tensor while the disk takes this one; its partial first and last blocks are kept in memory and merged with
 their neighbours' bytes, and written when the file is finished (every byte of a safetensors
 shard is written exactly once, so every block is complete by then). Where the filesystem
 refuses O_DIRECT, the file is written with plain pwrite instead.
@@ -52,6 +53,8 @@ class DirectWriter:
             self._free.put(memoryview(m))
         self._jobs: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
+        self._submitted = self._done = 0   # jobs, for tickets
+        self._done_cv = threading.Condition()
 
     # -- files --------------------------------------------------------------------------------
     def open(self, path: str, direct: bool = True) -> OutFile:
@@ -72,24 +75,31 @@ class DirectWriter:
                 pass
         return OutFile(path, os.open(path, flags, 0o644), False)
 
-    def pwrite(self, f: OutFile, data: memoryview, offset: int) -> None:
-        """Write data (bytes-like, any length) at offset. Raises the OSError of an earlier
-        background write to this file, if one failed."""
+    def pwrite(self, f: OutFile, data: memoryview, offset: int, address: int | None = None) -> int:
+        """Write data (bytes-like, any length) at offset; returns a ticket for `wait`. Raises the
+        OSError of an earlier background write to this file, if one failed.
+        With `address` (data's memory address), data is borrowed where that address is aligned
+        like the offset: the disk reads it in place, with no staging copy, and the caller must
+        leave the memory unchanged until `wait(ticket)` returns. Otherwise data may be reused as
+        soon as this returns."""
         self._raise(f)
         data = memoryview(data).cast("B")
         if not f.direct:
             _pwrite_all(f.fd, data, offset)
-            return
+            return self._submitted
         end = offset + len(data)
         a0 = -(-offset // BLOCK) * BLOCK
         a1 = end // BLOCK * BLOCK
         if a0 >= a1:   # within one or two partial blocks
             self._merge(f, data, offset)
-            return
+            return self._submitted
         if a0 > offset:
             self._merge(f, data[: a0 - offset], offset)
         if end > a1:
             self._merge(f, data[a1 - offset:], a1)
+        if address is not None and (address + a0 - offset) % BLOCK == 0:
+            self._submit(f, data[a0 - offset: a1 - offset], a1 - a0, a0, borrowed=True)
+            return self._submitted
         pos = a0
         while pos < a1:
             n = min(self._staging, a1 - pos)
@@ -98,6 +108,13 @@ class DirectWriter:
             self._submit(f, buf, n, pos)
             pos += n
             self._raise(f)
+        return self._submitted
+
+    def wait(self, ticket: int) -> None:
+        """Block until the writes submitted up to `ticket` have completed (or failed)."""
+        with self._done_cv:
+            while self._done < ticket:
+                self._done_cv.wait()
 
     def finish(self, f: OutFile, size: int) -> None:
         """Write the pending partial blocks, set the exact size, fsync and close the file."""
@@ -147,11 +164,12 @@ class DirectWriter:
             block[within:within + n] = data[pos:pos + n]
             pos += n
 
-    def _submit(self, f: OutFile, buf: memoryview, n: int, offset: int) -> None:
+    def _submit(self, f: OutFile, buf: memoryview, n: int, offset: int, borrowed: bool = False) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="dflash-trt-writer", daemon=True)
             self._thread.start()
-        self._jobs.put((f, buf, n, offset))
+        self._submitted += 1
+        self._jobs.put((f, buf, n, offset, borrowed))
 
     def _run(self) -> None:
         while True:
@@ -159,14 +177,18 @@ class DirectWriter:
             if job is None:
                 self._jobs.task_done()
                 return
-            f, buf, n, offset = job
+            f, buf, n, offset, borrowed = job
             try:
                 if f.error is None and f.fd >= 0:
                     _pwrite_all(f.fd, buf[:n], offset)
             except Exception as e:   # kept for the caller: a dead thread would leave it waiting
                 f.error = e if isinstance(e, OSError) else OSError(errno.EIO, f"background write failed: {e}")
             finally:
-                self._free.put(buf)
+                if not borrowed:
+                    self._free.put(buf)
+                with self._done_cv:   # jobs complete in order: one thread, FIFO
+                    self._done += 1
+                    self._done_cv.notify_all()
                 self._jobs.task_done()
 
     @staticmethod

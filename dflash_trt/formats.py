@@ -133,27 +133,24 @@ def nvfp4_block_scales(w: torch.Tensor, global_scale: torch.Tensor) -> torch.Ten
 
 def nvfp4_quantize(w: torch.Tensor, block_scales: torch.Tensor | None = None,
                    global_scale: torch.Tensor | None = None,
-                   scratch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """NVFP4-encode w [..., in] -> (packed uint8 [..., in/2], weight_scale fp8 [..., in/16],
-    weight_scale_2 fp32 scalar). Pass `global_scale` to share one across a fused group. With
-    `scratch` (uint8, at least numel * 9/16 bytes), packed and computed block scales are views
-    into it, valid until it is reused: streaming loops skip faulting in fresh output pages."""
+    weight_scale_2 fp32 scalar). Pass `global_scale` to share one across a fused group, and
+    `out` (contiguous uint8 with numel/2 elements) to encode into (e.g. a writer's buffer)."""
     if global_scale is None:
         global_scale = nvfp4_global_scale(w.abs().amax().float())
     n = w.shape[-1]
     nb = n // NVFP4_BLOCK
-    n_packed, n_scales = w.numel() // 2, w.numel() // NVFP4_BLOCK
-    if scratch is not None and scratch.numel() >= n_packed + n_scales and n % NVFP4_BLOCK == 0:
-        packed = scratch[:n_packed].view(*w.shape[:-1], n // 2)
-        fresh_scales = scratch[n_packed:n_packed + n_scales].view(torch.float8_e4m3fn).view(*w.shape[:-1], nb)
+    if out is not None:
+        if out.dtype != torch.uint8 or out.numel() != w.numel() // 2 or not out.is_contiguous():
+            raise ValueError(f"out must be contiguous uint8 with {w.numel() // 2} elements")
+        packed = out.view(*w.shape[:-1], n // 2)
     else:
         packed = torch.empty((*w.shape[:-1], n // 2), dtype=torch.uint8)
-        fresh_scales = None
     kernel = _ckernel() if w.dtype in _CK_DTYPES and w.is_contiguous() and n % NVFP4_BLOCK == 0 else None
     if block_scales is None and kernel is not None:  # block scales and codes in one pass over w
         import ctypes
-        block_scales = fresh_scales if fresh_scales is not None else \
-            torch.empty((*w.shape[:-1], nb), dtype=torch.float8_e4m3fn)
+        block_scales = torch.empty((*w.shape[:-1], nb), dtype=torch.float8_e4m3fn)
         getattr(kernel, "nvfp4_quantize_" + _CK_DTYPES[w.dtype])(
             w.data_ptr(), w.numel() // NVFP4_BLOCK, ctypes.c_float(float(global_scale)), block_scales.data_ptr(),
             packed.data_ptr())

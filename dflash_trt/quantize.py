@@ -287,7 +287,6 @@ def _streaming_loader(reader: CheckpointReader):
     checked for NaN / Inf. The view is valid until the next load into the same slot, which
     releases its pages; callers use one slot per tensor they hold at the same time."""
     held: dict[str, str] = {}
-    out: list[torch.Tensor] = []
 
     def load(n, slot="copy"):
         prev = held.pop(slot, None)
@@ -296,14 +295,7 @@ def _streaming_loader(reader: CheckpointReader):
         t = reader.view(n)
         held[slot] = n
         return t, check_finite(n, t, reader.file_of(n))
-
-    def scratch(nbytes: int) -> torch.Tensor:
-        """One reusable output buffer (its contents are copied out by writer.write)."""
-        if not out or out[0].numel() < nbytes:
-            out[:] = [torch.empty(nbytes, dtype=torch.uint8)]
-        return out[0]
     load.nbytes = reader.nbytes
-    load.scratch = scratch
     return load
 
 
@@ -354,9 +346,7 @@ def _quantize_group(load, members, linears, fmt, input_amax, writer, bar) -> Non
             writer.write(n, formats.fp8_quantize(w, scale))
             writer.write(m + ".weight_scale", scale)
         else:
-            scratch = getattr(load, "scratch", None)
-            packed, bscale, gscale = formats.nvfp4_quantize(
-                w, global_scale=global_scale, scratch=scratch(w.numel() * 9 // 16) if scratch else None)
+            packed, bscale, gscale = formats.nvfp4_quantize(w, global_scale=global_scale, out=writer.out_buffer(n))
             writer.write(n, packed)
             writer.write(m + ".weight_scale", bscale)
             writer.write(m + ".weight_scale_2", gscale.reshape(()))

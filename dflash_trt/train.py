@@ -154,6 +154,8 @@ def target_features(target_dir: str | Path, data: Sequences, layer_ids: list[int
         target.setup_cache(max(data.seq(i).stop - data.seq(i).start for i in todo) + 1)
         for i in tqdm(todo, desc="target features", unit="seq", disable=not progress, file=sys.stderr,
                       dynamic_ncols=True):
+            if (folder / f"{keys[i]}.safetensors").is_file():
+                continue   # another process sharing the cache computed it meanwhile
             _, feats = target(data.tokens[data.seq(i)], 0, capture=layer_ids)
             tmp = folder / f".{keys[i]}.{os.getpid()}.tmp"
             save_file({"features": feats.to(torch.bfloat16).contiguous()}, str(tmp))
