@@ -297,10 +297,10 @@ class CheckpointReader:
     def view(self, name: str) -> torch.Tensor:
         """The tensor as a zero-copy view of its shard's memory map: reads come straight from the
         page cache, with no buffer to fill (streaming quantization measured ~2x faster than
-        pread into buffers). The kernel is asked to read the tensor ahead. For streaming passes:
-        call `release(name)` when done with it, so that resident memory stays at the tensors in
-        use, and drop the view before moving to another shard (that closes this map). Writes
-        through the view never reach the file (a private mapping)."""
+        pread into buffers). Its pages are mapped in one call. For streaming passes: call
+        `release(name)` when done with it, so that resident memory stays at the tensors in use.
+        The view stays valid after the reader is closed (it holds its map). Writes through the
+        view never reach the file (a private mapping)."""
         info = self.info(name)
         if self._pickled is not None:
             return self._pickled[name]
@@ -603,7 +603,7 @@ class ShardedWriter:
         self._io.wait(self._buffer_tickets[i])
         buf = self._buffers[i]
         if buf is None or buf.numel() < nbytes + BLOCK:
-            buf = self._buffers[i] = None
+            self._buffers[i] = None   # free the smaller one first
             buf = self._buffers[i] = torch.empty(nbytes + BLOCK, dtype=torch.uint8)
         start = (self._where[name][1] - buf.data_ptr()) % BLOCK
         return buf[start:start + nbytes]
