@@ -9,10 +9,10 @@ O_DIRECT needs the file offset, the length and the memory address aligned to the
 block. A write at any offset is split: its aligned middle is copied into a page-aligned
 staging buffer (or, where the caller's memory is aligned like the file offset and the caller
 lends it, used in place) and handed to the writer thread, so the caller computes the next
-tensor while the disk takes this one; its partial first and last blocks are kept in memory and merged with
-their neighbours' bytes, and written when the file is finished (every byte of a safetensors
-shard is written exactly once, so every block is complete by then). Where the filesystem
-refuses O_DIRECT, the file is written with plain pwrite instead.
+tensor while the disk takes this one; its partial first and last blocks are kept in memory,
+merged with their neighbours' bytes, and written when the file is finished (every byte of a
+safetensors shard is written exactly once, so every block is complete by then). Where the
+filesystem refuses O_DIRECT, the file is written with plain pwrite instead.
 
     w = DirectWriter()
     f = w.open(path)                  # OSError as the OS raised it
