@@ -268,23 +268,17 @@ class CheckpointReader:
     def files(self) -> list[Path]:
         return sorted({i.file for i in self._infos.values()})
 
-    def get(self, name: str, scratch: torch.Tensor | None = None) -> torch.Tensor:
-        """The tensor as an owned CPU tensor (a copy). With `scratch` (a uint8 buffer of at least
-        nbytes), the tensor is read into it and returned as a view: streaming loops reuse their
-        buffers, because faulting in fresh pages costs more than the read itself (~2.5x here)."""
+    def get(self, name: str) -> torch.Tensor:
+        """The tensor as an owned CPU tensor (a copy). Streaming passes use `view` instead."""
         info = self.info(name)
         if self._pickled is not None:
             return self._pickled[name].clone()
-        if scratch is not None and scratch.numel() >= info.nbytes:
-            out = scratch[:info.nbytes].view(info.dtype).reshape(info.shape)
-        else:
-            out = torch.empty(info.shape, dtype=info.dtype)
+        out = torch.empty(info.shape, dtype=info.dtype)
         if info.nbytes == 0:
             return out
         fd = self._open(info.file).fileno()
-        # pread straight into the tensor: no mapped pages (which would count as resident memory and
-        # cost a page fault per 4 KiB; a pass over a 65 GB checkpoint would grow RSS by 65 GB), one
-        # copy from the page cache, ~3x faster than faulting the mapping in (bench_quantize.py).
+        # pread straight into the tensor: one copy from the page cache, and no mapped pages left
+        # behind in this process for a tensor the caller keeps.
         dst = memoryview(out.reshape(-1).view(torch.uint8).numpy())
         pos = 0
         while pos < info.nbytes:

@@ -47,10 +47,8 @@ class DirectWriter:
     def __init__(self, staging_bytes: int = STAGING_BYTES, buffers: int = STAGING_BUFFERS):
         self._staging = staging_bytes
         self._free: queue.Queue = queue.Queue()
-        # anonymous mappings are page-aligned, as O_DIRECT needs
-        self._maps = [mmap.mmap(-1, staging_bytes) for _ in range(buffers)]
-        for m in self._maps:
-            self._free.put(memoryview(m))
+        for _ in range(buffers):   # anonymous mappings are page-aligned, as O_DIRECT needs
+            self._free.put(memoryview(mmap.mmap(-1, staging_bytes)))
         self._jobs: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._submitted = self._done = 0   # jobs, for tickets
