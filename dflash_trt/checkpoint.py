@@ -395,8 +395,24 @@ def check_finite(name: str, tensor: torch.Tensor, file: str | Path | None = None
 
     t = tensor if tensor.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) else tensor.float()
     amax, finite = abs_max(t)
-    if finite:
-        return amax
+    if not finite:
+        _not_finite(name, t, file)
+    return amax
+
+
+def check_finite_blocks(name: str, tensor: torch.Tensor, file: str | Path | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """check_finite for a weight NVFP4 will encode: (amax, each 16-block's max |x| or None),
+    from the same one pass (formats.block_abs_max)."""
+    from dflash_trt.formats import block_abs_max
+
+    amax, finite, bmax = block_abs_max(tensor)
+    if not finite:
+        _not_finite(name, tensor, file)
+    return amax, bmax
+
+
+def _not_finite(name: str, t: torch.Tensor, file: str | Path | None) -> None:
     bad = "NaN" if bool(torch.isnan(t).any()) else "Inf"
     where = f"{file}: " if file else ""
     idx = int((~torch.isfinite(t)).reshape(-1).nonzero()[0])

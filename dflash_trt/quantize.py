@@ -30,7 +30,7 @@ import torch
 
 from dflash_trt import formats
 from dflash_trt.checkpoint import (CheckpointReader, Progress, ShardedWriter, TensorSpec, atomic_output_dir,
-                                   check_finite, check_shapes, load_config, write_text)
+                                   check_finite, check_finite_blocks, check_shapes, load_config, write_text)
 from dflash_trt.errors import DFlashError
 
 FORMATS = ("fp8", "nvfp4")
@@ -249,7 +249,7 @@ def quantize_checkpoint(model: str | Path, out: str | Path, fmt: str, kv_cache: 
                         if kv_cache == "fp8" and a in attn_modules:
                             writer.write(a + ".k_proj.k_scale", formats.fp8_scale_from_amax(res.k_amax[a]))
                             writer.write(a + ".v_proj.v_scale", formats.fp8_scale_from_amax(res.v_amax[a]))
-                        _write_tensors(list(tensors), lambda n, slot=None: (tensors[n], formats.abs_max(tensors[n])[0]),
+                        _write_tensors(list(tensors), lambda n, slot=None, blocks=False, check=True: (tensors[n], *_amax(tensors[n], blocks, check)),
                                        linears, groups, fmt, input_amax, writer, bar, done)
                         del tensors
                 elif kv_cache == "fp8":
@@ -282,19 +282,34 @@ def _layer_index(name: str) -> int | None:
     return None
 
 
+def _amax(t: torch.Tensor, blocks: bool, check: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    if not check:
+        return None, None
+    if blocks:
+        amax, _, bmax = formats.block_abs_max(t)
+        return amax, bmax
+    return formats.abs_max(t)[0], None
+
+
 def _streaming_loader(reader: CheckpointReader):
-    """load(name, slot) -> (tensor, amax), a zero-copy view of the checkpoint (reader.view),
-    checked for NaN / Inf. The view is valid until the next load into the same slot, which
+    """load(name, slot, blocks, check) -> (tensor, amax, block amax or None), a zero-copy view
+    of the checkpoint (reader.view), checked for NaN / Inf (the pass that finds amax; skipped
+    with check=False, for a tensor checked before); with `blocks`, the max of each NVFP4 block
+    from the same pass. The view is valid until the next load into the same slot, which
     releases its pages; callers use one slot per tensor they hold at the same time."""
     held: dict[str, str] = {}
 
-    def load(n, slot="copy"):
+    def load(n, slot="copy", blocks=False, check=True):
         prev = held.pop(slot, None)
         if prev is not None:
             reader.release(prev)
         t = reader.view(n)
         held[slot] = n
-        return t, check_finite(n, t, reader.file_of(n))
+        if not check:
+            return t, None, None
+        if blocks:
+            return t, *check_finite_blocks(n, t, reader.file_of(n))
+        return t, check_finite(n, t, reader.file_of(n)), None
     load.nbytes = reader.nbytes
     return load
 
@@ -306,7 +321,7 @@ def _write_tensors(names, load, linears, groups, fmt, input_amax, writer, bar, d
             continue
         lin = linears.get(name)
         if lin is None:
-            t, _ = load(name)
+            t, _, _ = load(name)
             writer.write(name, t)
             bar.update(t.numel() * t.element_size())
             done.add(name)
@@ -323,30 +338,33 @@ def _quantize_group(load, members, linears, fmt, input_amax, writer, bar) -> Non
     nbytes = getattr(load, "nbytes", None)
     cache = {} if nbytes is None or sum(nbytes(n) for n in members) <= GROUP_IN_MEMORY_BYTES else None
 
-    def get(n):
+    blocks = fmt == "nvfp4"
+
+    def get(n, check=True):
         if cache is not None and n in cache:
             return cache.pop(n)
-        return load(n, f"group{members.index(n)}") if cache is not None else load(n, "group")
+        return load(n, f"group{members.index(n)}" if cache is not None else "group", blocks, check)
 
-    global_scale = None
+    global_scale, block_amax = None, {}
     if fmt == "nvfp4":
         amax = torch.zeros((), dtype=torch.float32)
         for n in members:
-            t, a = get(n)
+            t, a, block_amax[n] = get(n)
             amax = torch.maximum(amax, a)
             if cache is not None:
-                cache[n] = (t, a)
+                cache[n] = (t, a, block_amax[n])
             del t
         global_scale = formats.nvfp4_global_scale(amax)
     for n in members:
-        w, amax = get(n)
+        w, amax, _ = get(n, check=not blocks)   # NVFP4: checked, and block maxima kept, above
         m = linears[n].module
         if fmt == "fp8":
             scale = formats.fp8_scale_from_amax(amax)
             writer.write(n, formats.fp8_quantize(w, scale))
             writer.write(m + ".weight_scale", scale)
         else:
-            packed, bscale, gscale = formats.nvfp4_quantize(w, global_scale=global_scale, out=writer.out_buffer(n))
+            packed, bscale, gscale = formats.nvfp4_quantize(w, global_scale=global_scale, out=writer.out_buffer(n),
+                                                            block_amax=block_amax.pop(n, None))
             writer.write(n, packed)
             writer.write(m + ".weight_scale", bscale)
             writer.write(m + ".weight_scale_2", gscale.reshape(()))

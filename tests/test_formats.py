@@ -155,8 +155,40 @@ def _portable_kernel():
 
     sigs = {"e4m3_codes": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]}
     for n in formats._CK_DTYPES.values():
-        sigs["nvfp4_quantize_" + n] = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p]
+        sigs["nvfp4_quantize_" + n] = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float] + [ctypes.c_void_p] * 3
+        sigs["block_abs_max_" + n] = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3
     return ckernels.load("formats", formats._C_SOURCE, sigs, openmp=True, cflags=("-DDFLASH_PORTABLE",))
+
+
+def test_c_nvfp4_every_bf16_value_under_every_block_scale():
+    """Exhaustive for bf16 inputs: every finite bf16 value x, in blocks whose maximum sets each
+    of the block scales in turn, encodes to the same bytes in the AVX-512 build (which divides
+    through a reciprocal and one correction step) as in the portable build (IEEE division), at
+    global scales inside and outside the range where the reciprocal path is used."""
+    lib, portable = formats._ckernel(), _portable_kernel()
+    if lib is None or portable is None:
+        pytest.skip("no C compiler")
+    allx = torch.arange(0, 1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    allx = allx[torch.isfinite(allx)].float()
+    for gscale in (1.0, 37.5, 2.0 ** -20, 0.02 / 2688, 63.9, 1.5 * 2.0 ** -80, 100.0, 2.0 ** -85):
+        rows = []
+        for code in range(1, 127):
+            scale = torch.tensor(code, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+            mb = (scale * 6 * gscale).to(torch.bfloat16).float()   # a block maximum near that scale
+            xs = allx[allx.abs() <= mb]
+            xs = torch.cat([xs, xs[: -len(xs) % 15]])
+            rows.append(torch.cat([mb.expand(len(xs) // 15, 1), xs.reshape(-1, 15)], dim=1))
+        w = torch.cat(rows).to(torch.bfloat16).contiguous()
+        outs = []
+        for k in (lib, portable):
+            packed = torch.empty(w.numel() // 2, dtype=torch.uint8)
+            scales = torch.empty(w.numel() // 16, dtype=torch.uint8)
+            k.nvfp4_quantize_bf16(w.data_ptr(), w.numel() // 16, ctypes.c_float(gscale), None, scales.data_ptr(),
+                                  packed.data_ptr())
+            outs.append((packed, scales))
+        assert torch.equal(outs[0][1], outs[1][1]), f"block scales differ at g={gscale}"
+        bad = (outs[0][0] != outs[1][0]).nonzero()
+        assert bad.numel() == 0, f"g={gscale}: byte {bad[0].item()} differs ({len(bad)} bytes)"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -173,17 +205,36 @@ def test_c_nvfp4_vector_build_equals_portable_build(dtype):
     ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.25, -5.0, 0.0, -0.0, 1.0, 3.0, 4.0, 0.5])
     w[::7] = ties * torch.logspace(-8, 2, len(w[::7])).unsqueeze(1)   # block max 6: the values land on ties
     w[3::11] = 0.0
+    # either side of each threshold (one ulp), with the block max 6 so that at g=1 the divisor is 1
+    t = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=dtype).repeat(3)
+    near = torch.cat([t[:7], torch.nextafter(t[7:14], torch.zeros_like(t[7:14])),
+                      torch.nextafter(t[14:], torch.full_like(t[14:], 9.0))]).float()
+    pick = torch.randint(0, len(near), (len(w[5::13]), 15), generator=g)
+    sign = torch.randint(0, 2, pick.shape, generator=g).float() * 2 - 1
+    w[5::13] = torch.cat([near[pick] * sign, torch.full((len(pick), 1), 6.0)], dim=1)
     w = w.to(dtype).contiguous()
+    name = formats._CK_DTYPES[dtype]
+    # the amax pass's block maxima: the same in both builds, and equal to torch's
+    maxima = []
+    for k in (lib, portable):
+        bmax, amax, bad = torch.empty(n_blocks, dtype=torch.float32), torch.zeros(()), ctypes.c_int32(0)
+        getattr(k, "block_abs_max_" + name)(w.data_ptr(), n_blocks, bmax.data_ptr(), amax.data_ptr(), ctypes.byref(bad))
+        assert torch.equal(bmax, w.float().abs().amax(-1)) and amax.item() == w.float().abs().max().item()
+        assert bad.value == 0
+        maxima.append(bmax)
     for gscale in (1.0, 1e-3, 37.5, 2.0 ** -20):
         outs = []
-        for k in (lib, portable):
+        # vector build finding the maxima, vector build given them, portable build given them
+        for k, bmax in ((lib, None), (lib, maxima[0]), (portable, maxima[1])):
             packed = torch.empty(n_blocks * 8, dtype=torch.uint8)
             scales = torch.empty(n_blocks, dtype=torch.uint8)
-            getattr(k, "nvfp4_quantize_" + formats._CK_DTYPES[dtype])(
-                w.data_ptr(), n_blocks, ctypes.c_float(gscale), scales.data_ptr(), packed.data_ptr())
+            getattr(k, "nvfp4_quantize_" + name)(w.data_ptr(), n_blocks, ctypes.c_float(gscale),
+                                                 None if bmax is None else bmax.data_ptr(), scales.data_ptr(),
+                                                 packed.data_ptr())
             outs.append((packed, scales))
-        assert torch.equal(outs[0][1], outs[1][1]), f"block scales differ at g={gscale}"
-        assert torch.equal(outs[0][0], outs[1][0]), f"codes differ at g={gscale}"
+        for o in outs[1:]:
+            assert torch.equal(outs[0][1], o[1]), f"block scales differ at g={gscale}"
+            assert torch.equal(outs[0][0], o[0]), f"codes differ at g={gscale}"
     x = torch.rand(1 << 20, generator=g) * 448
     a, b = (torch.empty(x.numel(), dtype=torch.uint8) for _ in range(2))
     lib.e4m3_codes(x.data_ptr(), ctypes.c_int64(x.numel()), a.data_ptr())
