@@ -14,8 +14,11 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
 def auto_dtype() -> torch.dtype:
     """bfloat16 where the CPU computes it natively (AVX512-BF16 / AMX: ~2x faster decode than
     float32, and greedy DFlash stays bitwise lossless: see target.Attention), else float32."""
+    # Not oneDNN's "bf16 supported", which is also true where it emulates bf16 on plain AVX-512:
+    # emulated bf16 GEMMs are slower than float32 and not batch-invariant (measured on a
+    # Skylake-SP VM: verify passes differ from AR steps, and DFlash's tokens from AR's).
     try:
-        native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        native = bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
     except (AttributeError, RuntimeError):
         native = False
     return torch.bfloat16 if native else torch.float32

@@ -641,6 +641,11 @@ class ShardedWriter:
                 raise _disk_error(self.folder / self.shard_names[si], f"tensor {name!r}", e) from None
         self._written.add(name)
 
+    @property
+    def disk_wait_seconds(self) -> float:
+        """Time spent waiting for the disk (staging buffers, out_buffer, the final flush)."""
+        return self._io.wait_seconds
+
     def close(self) -> list[str]:
         """Check every planned tensor was written, flush, write the index; returns file names."""
         missing = [n for n in self._where if n not in self._written]

@@ -27,6 +27,7 @@ import mmap
 import os
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 
 BLOCK = 4096
@@ -53,6 +54,7 @@ class DirectWriter:
         self._thread: threading.Thread | None = None
         self._submitted = self._done = 0   # jobs, for tickets
         self._done_cv = threading.Condition()
+        self.wait_seconds = 0.0            # time callers spent blocked on the disk
 
     # -- files --------------------------------------------------------------------------------
     def open(self, path: str, direct: bool = True) -> OutFile:
@@ -101,7 +103,7 @@ class DirectWriter:
         pos = a0
         while pos < a1:
             n = min(self._staging, a1 - pos)
-            buf = self._free.get()
+            buf = self._take()
             buf[:n] = data[pos - offset: pos - offset + n]
             self._submit(f, buf, n, pos)
             pos += n
@@ -110,9 +112,11 @@ class DirectWriter:
 
     def wait(self, ticket: int) -> None:
         """Block until the writes submitted up to `ticket` have completed (or failed)."""
+        t = time.perf_counter()
         with self._done_cv:
             while self._done < ticket:
                 self._done_cv.wait()
+        self.wait_seconds += time.perf_counter() - t
 
     def finish(self, f: OutFile, size: int) -> None:
         """Write the pending partial blocks, set the exact size and close the file (fsync where
@@ -150,7 +154,9 @@ class DirectWriter:
     def drain(self) -> None:
         """Wait until every submitted write has completed (or failed)."""
         if self._thread is not None:
+            t = time.perf_counter()
             self._jobs.join()
+            self.wait_seconds += time.perf_counter() - t
 
     def close(self) -> None:
         if self._thread is not None:
@@ -159,6 +165,16 @@ class DirectWriter:
             self._thread = None
 
     # -- internals ----------------------------------------------------------------------------
+    def _take(self) -> memoryview:
+        """A free staging buffer, waiting for the disk to release one if none is free."""
+        try:
+            return self._free.get_nowait()
+        except queue.Empty:
+            t = time.perf_counter()
+            buf = self._free.get()
+            self.wait_seconds += time.perf_counter() - t
+            return buf
+
     def _merge(self, f: OutFile, data: memoryview, offset: int) -> None:
         pos = 0
         while pos < len(data):

@@ -83,6 +83,7 @@ class QuantizeReport:
     calibration_samples: int
     not_calibrated: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    disk_wait_seconds: float = 0.0   # of `seconds`, waiting for the disk to take the output
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -258,6 +259,7 @@ def quantize_checkpoint(model: str | Path, out: str | Path, fmt: str, kv_cache: 
                 rest = [n for n in reader.keys() if n not in done]
                 _write_tensors(rest, _streaming_loader(reader), linears, groups, fmt, input_amax, writer, bar, done)
                 files = writer.close()
+                disk_wait = writer.disk_wait_seconds
             except BaseException:
                 writer.abort()
                 raise
@@ -272,7 +274,8 @@ def quantize_checkpoint(model: str | Path, out: str | Path, fmt: str, kv_cache: 
                           copied_tensors=len(reader) - len(linears), exclude_modules=excluded,
                           bytes_in=reader.total_bytes, bytes_out=bytes_out, files=files,
                           calibrated=calib is not None, calibration_samples=n_samples,
-                          not_calibrated=not_calibrated, seconds=round(time.time() - t0, 3))
+                          not_calibrated=not_calibrated, seconds=round(time.time() - t0, 3),
+                          disk_wait_seconds=round(disk_wait, 3))
 
 
 def _layer_index(name: str) -> int | None:

@@ -98,8 +98,12 @@ def test_bfloat16_verify_pass_is_batch_invariant(tiny_pairs, arch):
     CPU), so bench and make run report `lossless` measured, never assumed."""
     import json
 
+    from dflash_trt.api import auto_dtype
     from dflash_trt.target import KV_PAD, TargetModel
 
+    if auto_dtype() != torch.bfloat16:
+        pytest.skip("this CPU has no native bf16 (AVX512-BF16 / AMX): `auto` runs float32 here, and "
+                    "oneDNN's emulated bf16 GEMMs are not batch-invariant")
     tdir, _ = tiny_pairs[arch]
     cfg = dict(json.loads((tdir / "config.json").read_text()), head_dim=64)
     cfg.pop("quantization_config", None)

@@ -55,7 +55,8 @@ def quantize_cmd(model, fmt, kv_cache, calib, calib_samples, exclude, max_shard_
         click.echo(json.dumps(rep, indent=2))
         return
     click.echo(f"wrote {fmt} checkpoint to {rep['out']}: {rep['quantized_modules']} Linear modules quantized, "
-               f"{rep['bytes_in'] / 2**20:.1f} MiB -> {rep['bytes_out'] / 2**20:.1f} MiB in {rep['seconds']:.1f}s")
+               f"{rep['bytes_in'] / 2**20:.1f} MiB -> {rep['bytes_out'] / 2**20:.1f} MiB in {rep['seconds']:.1f}s"
+               + (f" ({rep['disk_wait_seconds']:.1f}s of it waiting for the disk)" if rep.get("disk_wait_seconds", 0) >= 0.1 else ""))
     click.echo(f"kept unquantized: {', '.join(rep['exclude_modules']) or 'none'}")
     if rep["calibrated"]:
         click.echo(f"calibrated on {rep['calibration_samples']} prompts")
