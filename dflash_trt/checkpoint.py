@@ -529,6 +529,9 @@ def _disk_error(path: Path, what: str, e: OSError) -> DFlashError:
     return DFlashError(f"{path}: cannot write {what} ({e.strerror})")
 
 
+OUT_BUFFERS = 4
+
+
 class ShardedWriter:
     """Write safetensors shards of at most `max_shard_bytes` (plus an index when there is more
     than one shard), streaming: each tensor goes to disk as soon as it is given.
@@ -585,8 +588,10 @@ class ShardedWriter:
         # writers of one job (e.g. convert's ranks) share one background writer and its buffers
         self._own_io = io is None
         self._io = DirectWriter() if io is None else io
-        self._buffers: list[torch.Tensor | None] = [None, None]   # out_buffer's pair
-        self._buffer_tickets = [0, 0]
+        # out_buffer's ring: NVFP4 asks for (codes, scales) per weight, so with 4 the codes
+        # alternate between two buffers, as do the scales
+        self._buffers: list[torch.Tensor | None] = [None] * OUT_BUFFERS
+        self._buffer_tickets = [0] * OUT_BUFFERS
         self._next_buffer = 0
         self._written: set[str] = set()
         self.total_bytes = sum(s.nbytes for s in specs)
@@ -605,11 +610,11 @@ class ShardedWriter:
     def out_buffer(self, name: str) -> torch.Tensor:
         """A uint8 buffer of planned tensor `name`'s size to compute it into: its memory is
         aligned like the tensor's place in the file, so `write(name, buffer)` hands it to the
-        disk without a copy (a 65 GB model's output is ~16 GB of memcpy less). Two buffers
-        alternate; asking for one waits until the disk has finished with it."""
+        disk without a copy (a 65 GB model's output is ~16 GB of memcpy less). The buffers are
+        used in turn; asking for one waits until the disk has finished with it."""
         nbytes = self._where[name][2].nbytes
         i = self._next_buffer
-        self._next_buffer ^= 1
+        self._next_buffer = (i + 1) % OUT_BUFFERS
         self._io.wait(self._buffer_tickets[i])
         buf = self._buffers[i]
         if buf is None or buf.numel() < nbytes + BLOCK:

@@ -133,12 +133,13 @@ def nvfp4_block_scales(w: torch.Tensor, global_scale: torch.Tensor) -> torch.Ten
 
 def nvfp4_quantize(w: torch.Tensor, block_scales: torch.Tensor | None = None,
                    global_scale: torch.Tensor | None = None,
-                   out: torch.Tensor | None = None,
-                   block_amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   out: torch.Tensor | None = None, block_amax: torch.Tensor | None = None,
+                   scales_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """NVFP4-encode w [..., in] -> (packed uint8 [..., in/2], weight_scale fp8 [..., in/16],
     weight_scale_2 fp32 scalar). Pass `global_scale` to share one across a fused group, `out`
-    (contiguous uint8 with numel/2 elements) to encode into (e.g. a writer's buffer), and
-    `block_amax` (from `block_abs_max(w)`) to skip finding the block maxima again."""
+    and `scales_out` (contiguous uint8 with numel/2 and numel/16 elements) to encode into (e.g.
+    a writer's buffers), and `block_amax` (from `block_abs_max(w)`) to skip finding the block
+    maxima again."""
     if global_scale is None:
         global_scale = nvfp4_global_scale(w.abs().amax().float())
     n = w.shape[-1]
@@ -149,10 +150,14 @@ def nvfp4_quantize(w: torch.Tensor, block_scales: torch.Tensor | None = None,
         packed = out.view(*w.shape[:-1], n // 2)
     else:
         packed = torch.empty((*w.shape[:-1], n // 2), dtype=torch.uint8)
+    if scales_out is not None:
+        if scales_out.dtype != torch.uint8 or scales_out.numel() != w.numel() // NVFP4_BLOCK or not scales_out.is_contiguous():
+            raise ValueError(f"scales_out must be contiguous uint8 with {w.numel() // NVFP4_BLOCK} elements")
+        scales_out = scales_out.view(torch.float8_e4m3fn).view(*w.shape[:-1], nb)
     kernel = _ckernel() if w.dtype in _CK_DTYPES and w.is_contiguous() and n % NVFP4_BLOCK == 0 else None
     if block_scales is None and kernel is not None:  # block scales and codes in one pass over w
         import ctypes
-        block_scales = torch.empty((*w.shape[:-1], nb), dtype=torch.float8_e4m3fn)
+        block_scales = torch.empty((*w.shape[:-1], nb), dtype=torch.float8_e4m3fn) if scales_out is None else scales_out
         if block_amax is not None and (block_amax.dtype != torch.float32 or not block_amax.is_contiguous()
                                        or block_amax.numel() != w.numel() // NVFP4_BLOCK):
             raise ValueError(f"block_amax must be contiguous fp32 with {w.numel() // NVFP4_BLOCK} elements")
@@ -173,6 +178,8 @@ def nvfp4_quantize(w: torch.Tensor, block_scales: torch.Tensor | None = None,
             continue
         scaled = flat_w[rows].reshape(-1, nb, NVFP4_BLOCK) / denom  # fp32 (ModelOpt: same op)
         flat_p[rows] = pack_nibbles(e2m1_encode(scaled.reshape(-1, n)))
+    if scales_out is not None:
+        block_scales = scales_out.copy_(block_scales)
     return packed, block_scales, global_scale
 
 

@@ -250,8 +250,9 @@ def quantize_checkpoint(model: str | Path, out: str | Path, fmt: str, kv_cache: 
                         if kv_cache == "fp8" and a in attn_modules:
                             writer.write(a + ".k_proj.k_scale", formats.fp8_scale_from_amax(res.k_amax[a]))
                             writer.write(a + ".v_proj.v_scale", formats.fp8_scale_from_amax(res.v_amax[a]))
-                        _write_tensors(list(tensors), lambda n, slot=None, blocks=False, check=True: (tensors[n], *_amax(tensors[n], blocks, check)),
-                                       linears, groups, fmt, input_amax, writer, bar, done)
+                        def load_layer(n, slot=None, blocks=False, check=True, tensors=tensors):
+                            return tensors[n], *_amax(tensors[n], blocks, check)
+                        _write_tensors(list(tensors), load_layer, linears, groups, fmt, input_amax, writer, bar, done)
                         del tensors
                 elif kv_cache == "fp8":
                     for n in kv_names:
@@ -367,7 +368,8 @@ def _quantize_group(load, members, linears, fmt, input_amax, writer, bar) -> Non
             writer.write(m + ".weight_scale", scale)
         else:
             packed, bscale, gscale = formats.nvfp4_quantize(w, global_scale=global_scale, out=writer.out_buffer(n),
-                                                            block_amax=block_amax.pop(n, None))
+                                                            block_amax=block_amax.pop(n, None),
+                                                            scales_out=writer.out_buffer(m + ".weight_scale"))
             writer.write(n, packed)
             writer.write(m + ".weight_scale", bscale)
             writer.write(m + ".weight_scale_2", gscale.reshape(()))
