@@ -563,7 +563,7 @@ def _ckernel():
 def block_abs_max(t: torch.Tensor) -> tuple[torch.Tensor, bool, torch.Tensor | None]:
     """abs_max, plus the max |x| of each NVFP4 block of 16 as fp32 [numel / 16] (None without
     the C kernels): the encode pass (`nvfp4_quantize(block_amax=)`) then reads them instead of
-    finding them again, ~40% of its work."""
+    finding them again (a 117 MB bf16 weight, 2 threads: 24 -> 19.5 ms)."""
     kernel = _ckernel() if t.dtype in _CK_DTYPES and t.is_contiguous() and t.numel() % NVFP4_BLOCK == 0 else None
     if kernel is None or not t.numel():
         return (*abs_max(t), None)
