@@ -34,6 +34,17 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def _transposed_linear_weights(model: torch.nn.Module) -> None:
+    """float32 on CPU: keep each Linear's weight in memory as its transpose (the parameter stays
+    [out, in], a strided view), so that F.linear's x @ W.T is MKL's NN GEMM. For the verify pass's
+    ~9 rows that is 1.5-5.6x faster than the NT GEMM on a row-major weight (SmolLM2's 576x576:
+    446 -> 80 us, 2 threads), and one-row steps are as fast or faster. (bfloat16 keeps the
+    layout whose batch invariance tests/test_runtime_lossless.py pins.)"""
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear) and m.weight.dtype == torch.float32:
+            m.weight.data = m.weight.data.t().contiguous().t()
+
+
 @dataclass
 class Pair:
     target: "object"
@@ -55,6 +66,10 @@ def load_pair(target_dir, drafter_dir=None, dtype: str | torch.dtype = "auto", m
     target_dir = Path(target_dir)
     target = load_target(target_dir, dt, max_len=max_len, allow_pickle=allow_pickle)
     drafter = load_drafter(drafter_dir, dt, max_len=max_len, allow_pickle=allow_pickle) if drafter_dir is not None else None
+    if dt == torch.float32:
+        for model in (target, drafter):
+            if model is not None:
+                _transposed_linear_weights(model)
     try:
         tok = AutoTokenizer.from_pretrained(target_dir)
     except Exception as e:  # transformers raises many types here; one line is what the user needs

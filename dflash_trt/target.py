@@ -185,7 +185,12 @@ class TargetModel(nn.Module):
         return self.model.embed_tokens.weight if self.tied else self.lm_head.weight
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(h, self.lm_head_weight())
+        w = self.lm_head_weight()
+        if h.dtype == torch.float32 and h.shape[0] > 1 and w.is_contiguous():
+            # (a tied embedding stays row-major for its lookups) W @ h.T is MKL's faster GEMM
+            # for a few rows and a large vocabulary: SmolLM2's 49152 x 576, 9 rows: 28 -> 14 ms
+            return (w @ h.t()).t()
+        return F.linear(h, w)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(tokens)
