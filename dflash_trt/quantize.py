@@ -251,7 +251,7 @@ def quantize_checkpoint(model: str | Path, out: str | Path, fmt: str, kv_cache: 
                             writer.write(a + ".k_proj.k_scale", formats.fp8_scale_from_amax(res.k_amax[a]))
                             writer.write(a + ".v_proj.v_scale", formats.fp8_scale_from_amax(res.v_amax[a]))
                         def load_layer(n, slot=None, blocks=False, check=True, tensors=tensors):
-                            return tensors[n], *_amax(tensors[n], blocks, check)
+                            return tensors[n], *_checked_amax(n, tensors[n], None, blocks, check)
                         _write_tensors(list(tensors), load_layer, linears, groups, fmt, input_amax, writer, bar, done)
                         del tensors
                 elif kv_cache == "fp8":
@@ -286,13 +286,14 @@ def _layer_index(name: str) -> int | None:
     return None
 
 
-def _amax(t: torch.Tensor, blocks: bool, check: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def _checked_amax(name: str, t: torch.Tensor, file, blocks: bool, check: bool
+                  ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(amax, block amax or None) from the one NaN / Inf check pass; (None, None) without it."""
     if not check:
         return None, None
     if blocks:
-        amax, _, bmax = formats.block_abs_max(t)
-        return amax, bmax
-    return formats.abs_max(t)[0], None
+        return check_finite_blocks(name, t, file)
+    return check_finite(name, t, file), None
 
 
 def _streaming_loader(reader: CheckpointReader):
@@ -309,11 +310,7 @@ def _streaming_loader(reader: CheckpointReader):
             reader.release(prev)
         t = reader.view(n)
         held[slot] = n
-        if not check:
-            return t, None, None
-        if blocks:
-            return t, *check_finite_blocks(n, t, reader.file_of(n))
-        return t, check_finite(n, t, reader.file_of(n)), None
+        return t, *_checked_amax(n, t, reader.file_of(n), blocks, check)
     load.nbytes = reader.nbytes
     return load
 
