@@ -30,8 +30,8 @@ EMBEDDED = REPO / "dflash_trt" / "assets" / "smollm2-135m-dflash"
 
 
 def drafters(dtype: torch.dtype):
-    from dflash_trt.config import DrafterConfig
-    from dflash_trt.drafter import DFlashDrafter, load_drafter
+    from dflash_trt.models.config import DrafterConfig
+    from dflash_trt.models.drafter import DFlashDrafter, load_drafter
 
     if (EMBEDDED / "config.json").is_file():
         yield "embedded smollm2-135m-dflash", load_drafter(EMBEDDED, dtype, max_len=4096)
@@ -62,7 +62,7 @@ def time_pair(fns: dict, iters: int) -> dict:
 
 
 def bench_cpu(iters: int, dtype: torch.dtype) -> list[dict]:
-    from dflash_trt.kv_inject import fused_injector, reference_inject_contiguous
+    from dflash_trt.runtime.kv_inject import fused_injector, reference_inject_contiguous
 
     rows = []
     for label, d in drafters(dtype):

@@ -37,8 +37,8 @@ CALIB = [{"input_ids": [1, 450, 4996, 17354, 1701, 432, 17204, 975, 278, 17366, 
 def build_checkpoint(folder: Path, layers: int) -> int:
     import torch
 
-    from dflash_trt.checkpoint import ShardedWriter, TensorSpec, atomic_output_dir
-    from dflash_trt.checkpoint import expected_shape
+    from dflash_trt.io.atomic import atomic_output_dir
+    from dflash_trt.io.checkpoint import ShardedWriter, TensorSpec, expected_shape
 
     cfg = dict(CFG, num_hidden_layers=layers)
     names = ["model.embed_tokens.weight"]
@@ -67,7 +67,7 @@ def build_checkpoint(folder: Path, layers: int) -> int:
 
 CHILD_OURS = """
 import json, resource, sys, time
-from dflash_trt.quantize import quantize_checkpoint
+from dflash_trt.quant.quantize import quantize_checkpoint
 t = time.time()
 rep = quantize_checkpoint(sys.argv[1], sys.argv[2], "nvfp4", calib=sys.argv[3] or None, progress=False)
 print(json.dumps({"seconds": time.time() - t, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -108,12 +108,12 @@ def cat_seconds(folder: Path) -> float:
 
 
 def disk_write_seconds(folder: Path, nbytes: int) -> float:
-    """The time to write nbytes into `folder` with quantize's own writer (dflash_trt.direct_io:
+    """The time to write nbytes into `folder` with quantize's own writer (dflash_trt.io.direct_io:
     O_DIRECT where the filesystem allows it), from one buffer the disk reads in place: the floor
     any tool that writes the quantized output stays above on this disk."""
     import mmap
 
-    from dflash_trt.direct_io import DirectWriter
+    from dflash_trt.io.direct_io import DirectWriter
 
     piece = 16 << 20
     buf = mmap.mmap(-1, piece)   # page-aligned, so every piece is borrowed, never copied

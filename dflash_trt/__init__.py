@@ -9,6 +9,6 @@ __version__ = "0.1.0"
 
 def __getattr__(name):  # lazy: `import dflash_trt` must not pull in torch
     if name in ("load_pair", "generate", "encode_prompt"):
-        from dflash_trt import api
+        from dflash_trt.runtime import pair as api
         return getattr(api, name)
     raise AttributeError(name)

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import sys
 
+from dflash_trt.cli import main as cli
+from dflash_trt.presets.catalog import resolve_drafter, resolve_target
+from dflash_trt.runtime.pair import generate, load_pair
+
 PROMPT = "Write a Python function `is_palindrome(s)` that checks whether a string reads the same backwards."
 
 
 def main() -> int:
-    from dflash_trt.cli import main as cli
-
     steps = [
         ["check", "--json"],
         ["build", "--arch", "blackwell"],
@@ -25,8 +27,6 @@ def main() -> int:
         except SystemExit as e:
             if e.code:
                 return int(e.code)
-    from dflash_trt.api import generate, load_pair
-    from dflash_trt.presets import resolve_drafter, resolve_target
 
     pair = load_pair(resolve_target(None), resolve_drafter(None))
     print(f"\n$ dflash-trt generate -p {PROMPT!r}  (DFlash, then --mode ar)", flush=True)

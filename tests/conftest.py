@@ -16,7 +16,7 @@ torch.set_num_threads(1)
 @pytest.fixture(scope="session")
 def tiny_pairs(tmp_path_factory):
     """{arch: (target_dir, drafter_dir)} for llama, qwen3 and gpt-oss (MXFP4 experts)."""
-    from dflash_trt.tiny import make_tiny
+    from dflash_trt.models.tiny import make_tiny
 
     root = tmp_path_factory.mktemp("tiny")
     out = {}
@@ -33,9 +33,9 @@ def _deterministic():
 
 @pytest.fixture(params=["c", "torch"])
 def c_or_torch(request, monkeypatch):
-    """Run a test through a C kernel library (dflash_trt.ckernels) and through the torch code used
+    """Run a test through a C kernel library (dflash_trt.kernels.c_loader) and through the torch code used
     where no C compiler exists. The test module names the library: C_KERNEL = (name, loader)."""
-    from dflash_trt import ckernels
+    from dflash_trt.kernels import c_loader as ckernels
 
     name, loader = request.module.C_KERNEL
     if request.param == "torch":

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from dflash_trt.bundle.manifest import read_manifest, verify
 from dflash_trt.cli import main
-from dflash_trt.manifest import read_manifest, verify
 
 STAGES = ["check", "quantize", "convert", "plugin", "export-onnx", "compile", "package"]
 ENGINE_SUFFIXES = (".plan", ".engine")
@@ -31,7 +31,7 @@ def cli(capsys, *args):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from dflash_trt.tiny import make_tiny
+    from dflash_trt.models.tiny import make_tiny
 
     root = tmp_path_factory.mktemp("pairs")
     make_tiny("llama", root / "llama", root / "llama-drafter", seed=1)
@@ -42,8 +42,8 @@ def tiny(tmp_path_factory):
 def _drafter_for_other_target(target: Path, dst: Path, **changes) -> Path:
     """A consistent random drafter (config and tensors agree) made for a target that differs
     from `target` in the given config fields."""
-    from dflash_trt.drafter import DFlashDrafter, save_drafter
-    from dflash_trt.tiny import tiny_drafter_config
+    from dflash_trt.models.drafter import DFlashDrafter, save_drafter
+    from dflash_trt.models.tiny import tiny_drafter_config
 
     other = json.loads((target / "config.json").read_text())
     other.update(changes)
@@ -159,7 +159,7 @@ def test_build_completes_with_compile_deferred(hopper):
     c = m["stages"]["compile"]
     assert "no NVIDIA GPU" in c["reason"] and "TensorRT" in c["reason"]
     assert c["commands"][0] == "dflash-trt compile --bundle <bundle>"
-    assert any("dflash_trt.compile drafter --onnx onnx/drafter.onnx --plugins plugins" in x for x in c["commands"])
+    assert any("dflash_trt.bundle.gpu_compile drafter --onnx onnx/drafter.onnx --plugins plugins" in x for x in c["commands"])
     assert _engine_files(bundle) == []  # never a faked engine
     assert (m["arch"], m["gpu"], m["sm"], m["quant"]) == ("hopper", "h200", [90],
                                                           {"target": "fp8", "drafter": "fp8", "kv_cache": "fp8"})
@@ -286,7 +286,7 @@ def test_compile_without_gpu_is_refused_with_the_reason(capsys, hopper, tmp_path
 def test_gpt_oss_builds_with_pytorch_backend_keeping_mxfp4(tiny, tmp_path):
     from safetensors import safe_open
 
-    from dflash_trt.manifest import sha256_file
+    from dflash_trt.bundle.manifest import sha256_file
 
     bundle = tmp_path / "gptoss"
     build_json("--target", str(tiny / "gptoss"), "--drafter", str(tiny / "gptoss-drafter"), "--arch", "blackwell",
@@ -351,8 +351,8 @@ def _embedded_pair(tmp_path_factory):
     """The embedded target (SmolLM2-135M, converted once into $DFLASH_TRT_HOME) and our trained
     drafter; while the drafter is not committed yet, a random drafter shaped for the same target
     stands in (every stage still runs on the real 135M target)."""
-    from dflash_trt.embedded import embedded_drafter_path, ensure_embedded_target
     from dflash_trt.errors import DFlashError
+    from dflash_trt.presets.embedded import embedded_drafter_path, ensure_embedded_target
 
     try:
         target = ensure_embedded_target(progress=False)
@@ -361,8 +361,8 @@ def _embedded_pair(tmp_path_factory):
     try:
         return None, embedded_drafter_path()
     except DFlashError:
-        from dflash_trt.drafter import DFlashDrafter, save_drafter
-        from dflash_trt.tiny import tiny_drafter_config
+        from dflash_trt.models.drafter import DFlashDrafter, save_drafter
+        from dflash_trt.models.tiny import tiny_drafter_config
 
         d = tmp_path_factory.mktemp("smol") / "drafter"
         cfg = json.loads((target / "config.json").read_text())
@@ -428,7 +428,7 @@ def test_failed_rebuild_leaves_the_previous_bundle_intact(capsys, tiny, hopper, 
 def test_preset_found_in_the_local_hub_cache_is_used(tmp_path, monkeypatch):
     """`--target qwen3-8b` resolves to a snapshot in the Hugging Face cache layout
     (models--org--name/snapshots/<rev>); here tiny stand-ins sit where the real files would."""
-    from dflash_trt.tiny import make_tiny
+    from dflash_trt.models.tiny import make_tiny
 
     hub = tmp_path / "hub"
     t = hub / "models--Qwen--Qwen3-8B" / "snapshots" / "rev1"

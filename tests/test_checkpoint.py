@@ -14,10 +14,10 @@ import safetensors.torch as st
 import torch
 from safetensors import safe_open
 
-from dflash_trt.checkpoint import (CheckpointReader, ShardedWriter, TensorSpec, atomic_output_dir, check_finite,
-                                   load_config)
 from dflash_trt.cli import main
 from dflash_trt.errors import DFlashError
+from dflash_trt.io.atomic import atomic_output_dir
+from dflash_trt.io.checkpoint import CheckpointReader, ShardedWriter, TensorSpec, check_finite, load_config
 
 CFG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 32, "intermediate_size": 64,
        "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 64,
@@ -332,7 +332,7 @@ def test_quantize_groups_spanning_shards(tmp_path, fmt):
     quantizer holds zero-copy views of several shards at once. Same bytes as from one shard."""
     from safetensors.torch import load_file
 
-    from dflash_trt.quantize import quantize_checkpoint
+    from dflash_trt.quant.quantize import quantize_checkpoint
 
     sd = tiny_state(CFG)
     one = write_model(tmp_path / "one", sd=sd)

@@ -22,8 +22,8 @@ import pytest
 import safetensors.torch as st
 import torch
 
-from dflash_trt.convert import convert_checkpoint
 from dflash_trt.errors import DFlashError
+from dflash_trt.quant.convert import convert_checkpoint
 
 IDS = [[5, 17, 99, 3, 250, 42, 7, 7, 130, 64, 200, 11, 90, 1, 33, 77],
        [8, 1, 240, 66, 12, 13, 150, 151, 2, 99, 180, 23, 45, 67, 89, 101]]
@@ -122,8 +122,8 @@ def test_qwen3_matches_modelopt(tmp_path, quant):
 
 
 def test_nvfp4_weights_dequantize_to_source(llama, tmp_path):
-    from dflash_trt import formats
-    from dflash_trt.checkpoint import CheckpointReader
+    from dflash_trt.io import formats
+    from dflash_trt.io.checkpoint import CheckpointReader
 
     root, _, calib = llama
     convert_checkpoint(root / "src", tmp_path / "o", tp=2, quant="nvfp4", calib=calib, progress=False)

@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflash_trt import deploy, planner
+from dflash_trt.bundle.manifest import validate as validate_manifest
 from dflash_trt.cli import main
+from dflash_trt.deploy import planner
+from dflash_trt.deploy import values as deploy
 from dflash_trt.errors import DFlashError
-from dflash_trt.manifest import validate as validate_manifest
 
 helm = pytest.importorskip("helm_python")
 

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from dflash_trt.direct_io import BLOCK, DirectWriter
+from dflash_trt.io.direct_io import BLOCK, DirectWriter
 
 
 def _pieces(size: int, rng: random.Random) -> list[tuple[int, int]]:

@@ -6,8 +6,8 @@ import json
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash_trt.config import DrafterConfig, default_target_layer_ids, load_drafter_config
-from dflash_trt.drafter import DFlashDrafter, load_drafter, save_drafter
+from dflash_trt.models.config import DrafterConfig, default_target_layer_ids, load_drafter_config
+from dflash_trt.models.drafter import DFlashDrafter, load_drafter, save_drafter
 
 ZLAB = json.loads("""{
   "architectures": ["DFlashDraftModel"], "attention_bias": false, "attention_dropout": 0.0,

@@ -7,9 +7,14 @@ import json
 import pytest
 import torch
 
-from dflash_trt.embedded import (convert_gguf, embedded_drafter_path, ensure_embedded_gguf, ensure_embedded_target,
-                                 load_gguf_model)
-from dflash_trt.prompts import read_prompts
+from dflash_trt.presets.embedded import (
+    convert_gguf,
+    embedded_drafter_path,
+    ensure_embedded_gguf,
+    ensure_embedded_target,
+    load_gguf_model,
+)
+from dflash_trt.train.prompts import read_prompts
 
 PROMPTS = ["Write a Python function that reverses a string.", "What is the capital of France?",
            "def fib(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\""]
@@ -43,7 +48,7 @@ def test_conversion_matches_transformers_gguf_loader(tmp_path):
 
 
 def test_converted_folder_is_plain_and_matches_the_preset(target_dir):
-    from dflash_trt.presets import get_preset
+    from dflash_trt.presets.catalog import get_preset
 
     cfg = json.loads((target_dir / "config.json").read_text())
     assert "quantization_config" not in cfg and cfg["architectures"] == ["LlamaForCausalLM"]
@@ -60,8 +65,8 @@ def test_converted_folder_is_plain_and_matches_the_preset(target_dir):
 def test_committed_drafter_is_trained_and_lossless(target_dir):
     from safetensors import safe_open
 
-    from dflash_trt.api import encode_prompt, load_pair
-    from dflash_trt.runtime import generate
+    from dflash_trt.runtime.decode import generate
+    from dflash_trt.runtime.pair import encode_prompt, load_pair
 
     ddir = embedded_drafter_path()
     assert (ddir / "model.safetensors").stat().st_size <= 40 * 1024 * 1024

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from dflash_trt.config import DrafterConfig
-from dflash_trt.drafter import DFlashDrafter
-from dflash_trt.runtime import generate
-from dflash_trt.target import TargetModel
+from dflash_trt.models.config import DrafterConfig
+from dflash_trt.models.drafter import DFlashDrafter
+from dflash_trt.models.target import TargetModel
+from dflash_trt.runtime.decode import generate
 
 V, H = 64, 32
 

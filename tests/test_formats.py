@@ -5,8 +5,8 @@ import ctypes
 import pytest
 import torch
 
-from dflash_trt import formats
 from dflash_trt.errors import DFlashError
+from dflash_trt.io import formats
 
 C_KERNEL = ("formats", formats._ckernel)  # the c_or_torch fixture (conftest.py) runs tests both ways
 
@@ -151,7 +151,7 @@ def test_c_e4m3_rounding_equals_torch_on_every_float_in_range():
 
 
 def _portable_kernel():
-    from dflash_trt import ckernels
+    from dflash_trt.kernels import c_loader as ckernels
 
     sigs = {"e4m3_codes": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]}
     for n in formats._CK_DTYPES.values():

@@ -15,10 +15,10 @@ helm = pytest.importorskip("helm_python")
 kv = pytest.importorskip("kubernetes_validate")
 jsonschema = pytest.importorskip("jsonschema")
 
+from dflash_trt.deploy.values import default_chart_dir  # noqa: E402
 from dflash_trt.hardware import all_gpu_product_labels  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-CHART = ROOT / "deploy" / "helm" / "dflash-trt"
+CHART = default_chart_dir()
 LWS_CRD = Path(__file__).parent / "data" / "leaderworkerset-crd.yaml"
 K8S_VERSION = "1.33"
 

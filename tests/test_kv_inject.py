@@ -16,9 +16,9 @@ import sys
 import pytest
 import torch
 
-from dflash_trt.config import DrafterConfig
 from dflash_trt.errors import DFlashError
-from dflash_trt.kv_inject import _c_epilogue
+from dflash_trt.models.config import DrafterConfig
+from dflash_trt.runtime.kv_inject import _c_epilogue
 
 C_KERNEL = ("kv_epilogue", _c_epilogue)  # the c_or_torch fixture (conftest.py): C epilogue and torch epilogue
 
@@ -48,7 +48,7 @@ def _ids(c):
 
 def make_case(c: dict, seed: int = 0):
     """A random drafter of the case's shape, inputs, and empty caches (pages > needed, shuffled)."""
-    from dflash_trt.drafter import DFlashDrafter
+    from dflash_trt.models.drafter import DFlashDrafter
 
     cfg = DrafterConfig.from_dict(dict(
         hidden_size=H, num_hidden_layers=c["L"], num_attention_heads=c["nh"], num_key_value_heads=c["nkv"],
@@ -75,7 +75,7 @@ def make_case(c: dict, seed: int = 0):
 
 
 def run_reference(c, d, feats, pos, slots, k0, v0):
-    from dflash_trt.kv_inject import reference_inject_paged
+    from dflash_trt.runtime.kv_inject import reference_inject_paged
 
     kf, vf = torch.zeros(k0.shape), torch.zeros(v0.shape)  # float32 values before quantization
     reference_inject_paged(d, feats, pos, slots, kf, vf, c["page"])
@@ -86,7 +86,7 @@ def compare(c, got_k, got_v, ref_k, ref_v) -> dict:
     """Max |got - ref| (float32 caches), or for FP8 caches the number of codes outside the
     rounding of [ref - 1e-5, ref + 1e-5] (quantization is monotonic, so that interval's codes
     are the ones a 1e-5 difference before rounding can legitimately produce)."""
-    from dflash_trt.kv_inject import quantize_fp8
+    from dflash_trt.runtime.kv_inject import quantize_fp8
 
     out = {}
     for name, got, ref, scale in (("k", got_k, ref_k, K_SCALE), ("v", got_v, ref_v, V_SCALE)):
@@ -103,7 +103,7 @@ def compare(c, got_k, got_v, ref_k, ref_v) -> dict:
 
 
 def run_fused(c, backend: str):
-    from dflash_trt.kv_inject import inject_paged
+    from dflash_trt.runtime.kv_inject import inject_paged
 
     d, feats, pos, slots, k0, v0 = make_case(c)
     ref_k, ref_v = run_reference(c, d, feats, pos, slots, k0, v0)
@@ -122,7 +122,7 @@ def _check(c, res):
 # ------------------------------------------------------------------------------------ (1) and (2)
 @pytest.mark.parametrize("c", CASES, ids=_ids)
 def test_reference_is_the_drafter_module(c):
-    from dflash_trt.kv_inject import reference_kv
+    from dflash_trt.runtime.kv_inject import reference_kv
 
     d, feats, pos, *_ = make_case(c)
     with torch.no_grad():
@@ -142,7 +142,7 @@ def test_fused_torch_equals_reference(c, c_or_torch):
 
 def test_padding_slot_untouched_and_pages_written():
     c = CASES[3]
-    from dflash_trt.kv_inject import inject_paged
+    from dflash_trt.runtime.kv_inject import inject_paged
 
     d, feats, pos, slots, k0, v0 = make_case(c)
     k0.fill_(7.0)
@@ -155,7 +155,7 @@ def test_padding_slot_untouched_and_pages_written():
 
 @pytest.mark.parametrize("fp8", [False, True])
 def test_contiguous_equals_reference(fp8, c_or_torch):
-    from dflash_trt.kv_inject import inject_contiguous, reference_inject_contiguous
+    from dflash_trt.runtime.kv_inject import inject_contiguous, reference_inject_contiguous
 
     c = dict(CASES[1], fp8=fp8)
     d, feats, pos, *_ = make_case(c)
@@ -173,7 +173,7 @@ def test_contiguous_equals_reference(fp8, c_or_torch):
 def test_bfloat16_as_close_to_float32_as_the_reference(c_or_torch):
     """bfloat16 (the CPU runtime's dtype on bf16-capable CPUs): the fused path's error against a
     float32 computation with the same bf16 weights is no worse than the bf16 reference's own."""
-    from dflash_trt.kv_inject import inject_contiguous, reference_inject_contiguous
+    from dflash_trt.runtime.kv_inject import inject_contiguous, reference_inject_contiguous
 
     c = dict(CASES[6], fp8=False)
     d, feats, pos, *_ = make_case(c)
@@ -194,7 +194,7 @@ def test_bfloat16_as_close_to_float32_as_the_reference(c_or_torch):
 
 
 def test_injector_cached_and_rebuilt_on_weight_change():
-    from dflash_trt.kv_inject import fused_injector
+    from dflash_trt.runtime.kv_inject import fused_injector
 
     d, *_ = make_case(CASES[0])
     a = fused_injector(d)
@@ -229,7 +229,7 @@ def _main():
     """Child process (TRITON_INTERPRET=1): run (3) on every case, print JSON results on the last line."""
     import triton
 
-    from dflash_trt.kv_inject import inject_contiguous, reference_inject_contiguous
+    from dflash_trt.runtime.kv_inject import inject_contiguous, reference_inject_contiguous
 
     interpreted = bool(triton.knobs.runtime.interpret)
     out = {"paged": []}
@@ -252,7 +252,7 @@ def _main():
 
 # ------------------------------------------------------------------------------------- bad input
 def test_bad_inputs_one_line_errors():
-    from dflash_trt.kv_inject import inject_contiguous, inject_paged, slots_from_block_table
+    from dflash_trt.runtime.kv_inject import inject_contiguous, inject_paged, slots_from_block_table
 
     c = CASES[1]
     d, feats, pos, slots, k0, v0 = make_case(c)
@@ -279,7 +279,7 @@ def test_bad_inputs_one_line_errors():
 
 
 def test_slots_from_block_table():
-    from dflash_trt.kv_inject import slots_from_block_table
+    from dflash_trt.runtime.kv_inject import slots_from_block_table
 
     s = slots_from_block_table(torch.tensor([5, 2, 9]), torch.arange(10), 4)
     assert s.tolist() == [20, 21, 22, 23, 8, 9, 10, 11, 36, 37]
@@ -287,9 +287,9 @@ def test_slots_from_block_table():
 
 # ------------------------------------------------------------------------------------- runtime
 def test_runtime_tokens_identical_fused_on_and_off(tmp_path):
-    from dflash_trt.api import load_pair
-    from dflash_trt.runtime import SamplingParams, generate
-    from dflash_trt.tiny import make_tiny
+    from dflash_trt.models.tiny import make_tiny
+    from dflash_trt.runtime.decode import SamplingParams, generate
+    from dflash_trt.runtime.pair import load_pair
 
     make_tiny("qwen3", tmp_path / "t", tmp_path / "d", seed=5)
     pair = load_pair(tmp_path / "t", tmp_path / "d", "float32", max_len=512)

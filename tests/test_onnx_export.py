@@ -13,7 +13,7 @@ from dflash_trt.errors import DFlashError
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    from dflash_trt.tiny import make_tiny
+    from dflash_trt.models.tiny import make_tiny
 
     root = tmp_path_factory.mktemp("onnx")
     make_tiny("qwen3", root / "target", root / "drafter", seed=3)
@@ -22,7 +22,7 @@ def pair(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def exported(pair, tmp_path_factory):
-    from dflash_trt.onnx_export import export_onnx
+    from dflash_trt.bundle.onnx_export import export_onnx
 
     out = tmp_path_factory.mktemp("onnx_out") / "drafter.onnx"
     return export_onnx(pair[1], pair[0], out, page_size=4)
@@ -40,10 +40,10 @@ def test_graph_shape(exported):
 
 
 def test_onnxruntime_matches_pytorch(pair, exported):
-    from dflash_trt.drafter import load_drafter
-    from dflash_trt.kv_inject import reference_inject_paged
-    from dflash_trt.onnx_export import onnxruntime_session
-    from dflash_trt.target import load_target
+    from dflash_trt.bundle.onnx_export import onnxruntime_session
+    from dflash_trt.models.drafter import load_drafter
+    from dflash_trt.models.target import load_target
+    from dflash_trt.runtime.kv_inject import reference_inject_paged
 
     target_dir, drafter_dir = pair
     drafter = load_drafter(drafter_dir, torch.float32)
@@ -82,8 +82,8 @@ def test_onnxruntime_matches_pytorch(pair, exported):
 
 
 def test_bad_inputs(pair, tmp_path):
-    from dflash_trt.onnx_export import export_onnx
-    from dflash_trt.tiny import make_tiny
+    from dflash_trt.bundle.onnx_export import export_onnx
+    from dflash_trt.models.tiny import make_tiny
 
     with pytest.raises(DFlashError, match="power of two"):
         export_onnx(pair[1], pair[0], tmp_path / "x.onnx", page_size=12)

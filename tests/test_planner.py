@@ -4,13 +4,12 @@ formats' tensor shapes; KV bytes per token computed by hand; layouts and their r
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
 
-from dflash_trt import planner
 from dflash_trt.cli import main
+from dflash_trt.deploy import planner
 from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import catalog, get_hardware
 
@@ -54,8 +53,8 @@ def test_total_params_match_transformers(name):
 
 @pytest.mark.parametrize("name", ["qwen3-8b", "gpt-oss-120b"])
 def test_drafter_params_match_the_reference_drafter(name):
-    from dflash_trt.config import DrafterConfig
-    from dflash_trt.drafter import DFlashDrafter
+    from dflash_trt.models.config import DrafterConfig
+    from dflash_trt.models.drafter import DFlashDrafter
 
     _, _, dcfg = preset(name)
     with torch.device("meta"):

@@ -10,8 +10,10 @@ import re
 import pytest
 import torch
 
+from dflash_trt.bundle.plugin_build import ARCHS, build_plugin, sass_info
 from dflash_trt.errors import DFlashError
-from dflash_trt.plugin_build import ARCHS, build_plugin, sass_info
+from dflash_trt.kernels import kv_inject_trt
+from dflash_trt.paths import package_path
 
 
 @pytest.fixture(scope="module", params=["blackwell", "hopper"])
@@ -23,9 +25,7 @@ def built(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def trt_mod():
-    from dflash_trt.kv_inject import load_plugin_module
-
-    return load_plugin_module("trt_kv_inject")
+    return kv_inject_trt
 
 
 def _sha(p):
@@ -48,11 +48,9 @@ def test_every_arch_compiled_and_sass_confirmed(built):
 
 
 def test_manifest_source_hashes(built):
-    from dflash_trt.kv_inject import PLUGINS_DIR
-
     m = built[2]
-    assert m["source"]["kernel"]["sha256"] == _sha(PLUGINS_DIR / "kv_inject_kernel.py")
-    assert m["source"]["plugin"]["sha256"] == _sha(PLUGINS_DIR / "trt_kv_inject.py")
+    assert m["source"]["kernel"]["sha256"] == _sha(package_path("kernels", "kv_inject_triton.py"))
+    assert m["source"]["plugin"]["sha256"] == _sha(package_path("kernels", "kv_inject_trt.py"))
 
 
 @pytest.mark.parametrize("T", [1, 7, 16, 100])

@@ -23,9 +23,9 @@ import pytest
 import safetensors.torch as st
 import torch
 
-from dflash_trt.checkpoint import CheckpointReader
 from dflash_trt.errors import DFlashError
-from dflash_trt.quantize import check_format_for_arch, quantize_checkpoint
+from dflash_trt.io.checkpoint import CheckpointReader
+from dflash_trt.quant.quantize import check_format_for_arch, quantize_checkpoint
 
 CALIB_IDS = [[5, 17, 99, 3, 250, 42, 7, 7, 130, 64, 200, 11, 90, 1, 33, 77],
              [8, 1, 240, 66, 12, 13, 150, 151, 2, 99, 180, 23, 45, 67, 89, 101]]
@@ -177,14 +177,14 @@ def test_drafter_fp8_weights_only(tmp_path, tiny_pairs):
         assert float((back - w.float()).abs().max()) <= float(w.abs().max()) * 2 ** -4
     assert rep.quantized_modules > 0
     # read back as float weights (what the runtime needs to run an FP8 drafter on CPU)
-    from dflash_trt.quantize import dequantized_state_dict
+    from dflash_trt.models.weights import dequantized_state_dict
     deq = dequantized_state_dict(tmp_path / "d")
     with CheckpointReader(drafter) as src:
         assert sorted(deq) == sorted(src.keys())
         w = src.get("layers.0.mlp.down_proj.weight").float()
         assert float((deq["layers.0.mlp.down_proj.weight"] - w).abs().max()) <= float(w.abs().max()) * 2 ** -4
     # and load_drafter runs it (the weights FP8 encodes): `bench --drafter FP8_DIR` measures its tau
-    from dflash_trt.drafter import load_drafter
+    from dflash_trt.models.drafter import load_drafter
     d = load_drafter(tmp_path / "d")
     torch.testing.assert_close(d.layers[0].mlp.down_proj.weight, deq["layers.0.mlp.down_proj.weight"], rtol=0, atol=0)
     assert not torch.equal(d.fc.weight, load_drafter(drafter, torch.float32).fc.weight)

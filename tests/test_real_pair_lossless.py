@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from dflash_trt.api import encode_prompt, load_pair
-from dflash_trt.embedded import embedded_drafter_path, ensure_embedded_target
-from dflash_trt.prompts import read_prompts
-from dflash_trt.runtime import generate
+from dflash_trt.presets.embedded import embedded_drafter_path, ensure_embedded_target
+from dflash_trt.runtime.decode import generate
+from dflash_trt.runtime.pair import encode_prompt, load_pair
+from dflash_trt.train.prompts import read_prompts
 
 MAX_NEW = 40
 

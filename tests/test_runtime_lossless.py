@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from dflash_trt.api import load_pair
-from dflash_trt.runtime import generate
+from dflash_trt.runtime.decode import generate
+from dflash_trt.runtime.pair import load_pair
 
 N_PROMPTS = 20
 MAX_NEW = 24
@@ -98,8 +98,8 @@ def test_bfloat16_verify_pass_is_batch_invariant(tiny_pairs, arch):
     CPU), so bench and make run report `lossless` measured, never assumed."""
     import json
 
-    from dflash_trt.api import auto_dtype
-    from dflash_trt.target import KV_PAD, TargetModel
+    from dflash_trt.models.target import KV_PAD, TargetModel
+    from dflash_trt.runtime.pair import auto_dtype
 
     if auto_dtype() != torch.bfloat16:
         pytest.skip("this CPU has no native bf16 (AVX512-BF16 / AMX): `auto` runs float32 here, and "

@@ -11,11 +11,11 @@ import pytest
 import torch
 from scipy.stats import chi2_contingency
 
-from dflash_trt import runtime
-from dflash_trt.config import DrafterConfig
-from dflash_trt.drafter import DFlashDrafter
-from dflash_trt.runtime import SamplingParams, generate
-from dflash_trt.target import TargetModel
+from dflash_trt.models.config import DrafterConfig
+from dflash_trt.models.drafter import DFlashDrafter
+from dflash_trt.models.target import TargetModel
+from dflash_trt.runtime import decode as runtime
+from dflash_trt.runtime.decode import SamplingParams, generate
 
 V, H, ALPHA, SEEDS, N_TOK = 8, 32, 1e-3, 2500, 3
 TARGET_CFG = {

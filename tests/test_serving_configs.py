@@ -6,17 +6,23 @@ Oracles are the stacks' own code, read at the commits cited in dflash_trt/servin
 - vLLM eagle3_utils.get_eagle3_aux_layers_from_config: `[i + 1 for i in target_layer_ids]`;
 - SGLang dflash_utils.parse_dflash_draft_config: 0-based ids in [0, num_target_layers), and
   set_dflash_layers_to_capture: capture before layer id + 1;
-- this repository's speculators -> z-lab converter (dflash_trt.config, written independently).
+- this repository's speculators -> z-lab converter (dflash_trt.models.config, written independently).
 """
 import json
 
 import pytest
 
-from dflash_trt.config import DrafterConfig
+from dflash_trt.bundle.serving_configs import (
+    layer_ids_by_stack,
+    sglang_launch,
+    speculators_to_zlab,
+    trtllm_serve_config,
+    vllm_launch,
+    vllm_speculative_config,
+)
 from dflash_trt.errors import DFlashError
-from dflash_trt.presets import get_preset
-from dflash_trt.serving_configs import (layer_ids_by_stack, sglang_launch, speculators_to_zlab, trtllm_serve_config,
-                                        vllm_launch, vllm_speculative_config)
+from dflash_trt.models.config import DrafterConfig
+from dflash_trt.presets.catalog import get_preset
 
 QWEN_DRAFTER = get_preset("qwen3-8b").drafter_config()  # z-lab format, block 16, ids [1, 9, 17, 25, 33]
 

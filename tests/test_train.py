@@ -9,15 +9,24 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from dflash_trt.prompts import build_prompts
-from dflash_trt.train import (FrozenTarget, TrainConfig, block_loss, generate_responses, load_sequences, make_batch,
-                              sample_picks, target_features, train_drafter)
+from dflash_trt.train.prompts import build_prompts
+from dflash_trt.train.trainer import (
+    FrozenTarget,
+    TrainConfig,
+    block_loss,
+    generate_responses,
+    load_sequences,
+    make_batch,
+    sample_picks,
+    target_features,
+    train_drafter,
+)
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A tiny Llama target and a small data set of its own greedy answers."""
-    from dflash_trt.tiny import make_tiny
+    from dflash_trt.models.tiny import make_tiny
 
     root = tmp_path_factory.mktemp("train")
     make_tiny("llama", root / "target")
@@ -65,10 +74,10 @@ def test_block_mask_is_per_anchor(tiny):
 
 
 def test_training_lowers_loss_and_writes_zlab_checkpoint(tiny):
-    from dflash_trt.api import load_pair
-    from dflash_trt.config import read_json
-    from dflash_trt.drafter import DFlashDrafter, load_drafter
-    from dflash_trt.runtime import generate
+    from dflash_trt.models.config import read_json
+    from dflash_trt.models.drafter import DFlashDrafter, load_drafter
+    from dflash_trt.runtime.decode import generate
+    from dflash_trt.runtime.pair import load_pair
 
     out = tiny / "run"
     s = _run(tiny, out, steps=30, save_every=30)
@@ -78,7 +87,7 @@ def test_training_lowers_loss_and_writes_zlab_checkpoint(tiny):
     batch = make_batch(data, sample_picks(data, random.Random(123), 24, 4), 8, s["mask_token_id"])
     trained = load_drafter(out / "drafter", torch.float32)
     # the same config with the run's starting weights (seed 0 init from the target's last layer)
-    from dflash_trt.train import _read_target_tensors, init_from_target
+    from dflash_trt.train.trainer import _read_target_tensors, init_from_target
     torch.manual_seed(0)
     start = DFlashDrafter(trained.config)
     init_from_target(start, _read_target_tensors(tiny / "target", lambda k: k.startswith("model.")),

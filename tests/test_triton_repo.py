@@ -21,10 +21,10 @@ import yaml
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
+from dflash_trt.bundle.serving_configs import trtllm_serve_config
+from dflash_trt.bundle.triton_repo import llmapi_model_yaml, parse_model_config, write_triton_repo
 from dflash_trt.errors import DFlashError
-from dflash_trt.presets import get_preset
-from dflash_trt.serving_configs import trtllm_serve_config
-from dflash_trt.triton_repo import llmapi_model_yaml, parse_model_config, write_triton_repo
+from dflash_trt.presets.catalog import get_preset
 
 
 # ----------------------------------------------------------------- test double of Triton's API
@@ -215,7 +215,7 @@ def _generate_cli(target, drafter, prompt, max_new_tokens):
 
 def test_reference_model_returns_the_same_text_as_generate(tmp_path, pb_cleanup):
     """Triton is not running here: its Python-backend API is the test double above."""
-    from dflash_trt.tiny import make_tiny
+    from dflash_trt.models.tiny import make_tiny
 
     make_tiny("llama", tmp_path / "t", tmp_path / "d", seed=3)
     repo = _repo(tmp_path / "bundle", reference={"target": str(tmp_path / "t"), "drafter": str(tmp_path / "d"),
@@ -245,7 +245,7 @@ def test_reference_model_returns_the_same_text_as_generate(tmp_path, pb_cleanup)
 
 
 def test_reference_model_reports_bad_requests_as_errors(tmp_path, pb_cleanup):
-    from dflash_trt.tiny import make_tiny
+    from dflash_trt.models.tiny import make_tiny
 
     make_tiny("llama", tmp_path / "t", tmp_path / "d", seed=3)
     repo = _repo(tmp_path / "bundle", reference={"target": str(tmp_path / "t"), "drafter": str(tmp_path / "d"),

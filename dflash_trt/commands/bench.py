@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from importlib import resources
 
 import click
 
@@ -34,15 +35,14 @@ def bench_cmd(target, drafter, prompts_file, max_new_tokens, block_size, tempera
     """
     import torch
 
-    from dflash_trt.api import load_pair
-    from dflash_trt.bench import format_table, run_bench
-    from dflash_trt.presets import resolve_drafter, resolve_target
-    from dflash_trt.prompts import read_prompts
+    from dflash_trt.presets.catalog import resolve_drafter, resolve_target
+    from dflash_trt.runtime.bench import format_table, run_bench
+    from dflash_trt.runtime.pair import load_pair
+    from dflash_trt.train.prompts import read_prompts
 
     if threads:
         torch.set_num_threads(threads)
     if prompts_file is None:
-        from importlib import resources
         prompts_file = str(resources.files("dflash_trt").joinpath("data", "heldout_prompts.jsonl"))
     prompts = read_prompts(prompts_file)[:limit]
     pair = load_pair(resolve_target(target), resolve_drafter(drafter, target), dtype)

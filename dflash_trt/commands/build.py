@@ -48,7 +48,7 @@ def build_cmd(target, drafter, arch, gpu, quant, kv_cache, drafter_quant, tp, ep
       dflash-trt build --target gpt-oss-120b --gpu b300 --tp 8
       dflash-trt build --target my/target --drafter my/drafter --arch hopper --out engines/mine
     """
-    from dflash_trt.build import BuildOptions, build, format_summary
+    from dflash_trt.bundle.build import BuildOptions, build, format_summary
 
     opts = BuildOptions(target=target, drafter=drafter, arch=arch, gpu=gpu, quant=quant, kv_cache=kv_cache, tp=tp,
                         ep=ep, pp=pp, block_size=block_size, backend=backend, out=out, force=force,
@@ -76,7 +76,7 @@ def compile_cmd(bundle, as_json):
     Example (on the GPU node, e.g. in the Helm chart's init container):
       dflash-trt compile --bundle /models/smollm2-135m-blackwell-nvfp4
     """
-    from dflash_trt.compile import compile_bundle
+    from dflash_trt.bundle.gpu_compile import compile_bundle
 
     res = compile_bundle(bundle)
     click.echo(json.dumps(res, indent=2) if as_json else f"compiled {', '.join(res['outputs'])} in {res['bundle']}")
@@ -93,7 +93,7 @@ def verify_cmd(bundle, as_json):
     Example:
       dflash-trt verify --bundle engines/smollm2-135m-blackwell-nvfp4
     """
-    from dflash_trt.manifest import read_manifest, verify
+    from dflash_trt.bundle.manifest import read_manifest, verify
 
     problems = verify(bundle)
     n = len(read_manifest(bundle)["artifacts"])

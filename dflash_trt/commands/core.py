@@ -7,7 +7,6 @@ import sys
 import click
 
 
-
 def emit_json(obj) -> None:
     click.echo(json.dumps(obj, indent=2))
 
@@ -30,7 +29,7 @@ def make_tiny_cmd(arch, out, drafter_out, seed, block_size, no_mxfp4, as_json):
       dflash-trt make-tiny --arch qwen3 --out tiny/target --drafter-out tiny/drafter
       dflash-trt generate --target tiny/target --drafter tiny/drafter -p "hello"
     """
-    from dflash_trt.tiny import make_tiny
+    from dflash_trt.models.tiny import make_tiny
 
     s = make_tiny(arch, out, drafter_out, seed=seed, mxfp4=not no_mxfp4, block_size=block_size)
     if as_json:
@@ -52,8 +51,8 @@ def check_cmd(target, drafter, as_json):
     Example:
       dflash-trt check --target tiny/target --drafter tiny/drafter --json
     """
-    from dflash_trt.check import check_pair
-    from dflash_trt.presets import resolve_drafter, resolve_target
+    from dflash_trt.models.check import check_pair
+    from dflash_trt.presets.catalog import resolve_drafter, resolve_target
 
     tdir = resolve_target(target)
     ddir = resolve_drafter(drafter, target)
@@ -102,8 +101,8 @@ def generate_cmd(target, drafter, prompt, max_new_tokens, temperature, top_k, to
       dflash-trt generate -p "hello" --mode ar --json
       dflash-trt generate --target tiny/target --drafter tiny/drafter -p "hi" --temperature 0.8 --seed 3
     """
-    from dflash_trt.api import generate, load_pair
-    from dflash_trt.presets import resolve_drafter, resolve_target
+    from dflash_trt.presets.catalog import resolve_drafter, resolve_target
+    from dflash_trt.runtime.pair import generate, load_pair
 
     tdir = resolve_target(target)
     ddir = resolve_drafter(drafter, target) if mode == "dflash" else None

@@ -45,7 +45,8 @@ def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, max_seq_len, no
       dflash-trt plan --target ./my-model --drafter ./my-drafter --hardware dgx-b200 --nodes 2
       dflash-trt plan --bundle engines/gpt-oss-120b
     """
-    from dflash_trt import deploy, planner
+    from dflash_trt.deploy import planner
+    from dflash_trt.deploy import values as deploy
     from dflash_trt.errors import DFlashError
 
     if bundle:
@@ -89,7 +90,7 @@ def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, max_seq_len, no
 @click.option("--out", type=click.Path(file_okay=False), help="Output folder (default: <bundle>-deploy beside the "
               "bundle; the bundle itself is left as its manifest lists it).")
 @click.option("--render", is_flag=True, help="Also render the manifests with Helm's engine into <out>/manifests.")
-@click.option("--chart", type=click.Path(file_okay=False), help="Chart folder (default: deploy/helm/dflash-trt).")
+@click.option("--chart", type=click.Path(file_okay=False), help="Chart folder (default: the chart shipped in the package, dflash_trt/deploy/helm/dflash-trt).")
 @click.option("--release", default="dflash-trt", show_default=True, help="Release name used by --render.")
 @click.option("--namespace", default="default", show_default=True, help="Namespace used by --render.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary only.")
@@ -108,19 +109,20 @@ def deploy_cmd(bundle, nodes, gpus_per_node, replicas, gpu, pvc, ssh_secret, out
       dflash-trt deploy --bundle engines/gpt-oss-120b --render
       dflash-trt deploy --bundle engines/big --nodes 2 --out deploy-big
       dflash-trt deploy --bundle engines/smollm2-135m --gpu none      # CPU-only smoke test
-      helm install gptoss deploy/helm/dflash-trt -f engines/gpt-oss-120b-deploy/values.yaml
+      helm install gptoss dflash_trt/deploy/helm/dflash-trt -f engines/gpt-oss-120b-deploy/values.yaml
     """
-    from dflash_trt import deploy
+    from dflash_trt.deploy import values as deploy
 
     values, p = deploy.deploy_values(bundle, nodes=nodes, gpus_per_node=gpus_per_node, replicas=replicas,
                                      gpu=gpu, pvc=pvc, ssh_secret=ssh_secret)
     manifests = deploy.render(values, chart, release=release, namespace=namespace) if render else None
     out = Path(out) if out else deploy.default_out(bundle)
+    chart_dir = Path(chart) if chart else deploy.default_chart_dir()
     layout = asdict(p.chosen) if p else None
     header = (f"# Written by `dflash-trt deploy --bundle {bundle}`.\n"
               + (f"# Layout: tp {p.chosen.tp}, ep {p.chosen.ep}, {values['replicas']} replica(s) on {p.hardware} "
                  f"({p.chosen.reason}).\n" if p else "# CPU-only: the reference-runtime model, no GPU.\n")
-              + f"# Install: helm install {release} deploy/helm/dflash-trt -f {out / 'values.yaml'}\n")
+              + f"# Install: helm install {release} {chart_dir} -f {out / 'values.yaml'}\n")
     deploy.write_deployment(out, values, manifests, header)
     if as_json:
         click.echo(json.dumps({"values": str(out / "values.yaml"),
@@ -136,4 +138,4 @@ def deploy_cmd(bundle, nodes, gpus_per_node, replicas, gpu, pvc, ssh_secret, out
                    f"{values['gpu']['product']} per pod ({values['workload']['kind']})")
     else:
         click.echo("layout: CPU-only, model dflash_reference")
-    click.echo(f"install: helm install {release} deploy/helm/dflash-trt -f {out / 'values.yaml'}")
+    click.echo(f"install: helm install {release} {chart_dir} -f {out / 'values.yaml'}")

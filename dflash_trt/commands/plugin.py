@@ -32,7 +32,7 @@ def build_cmd(arch, out, as_json):
       dflash-trt plugin build --arch blackwell --out engines/plugin
       dflash-trt plugin build --arch hopper --json | jq '.kernels[].shared_mem'
     """
-    from dflash_trt.plugin_build import build_plugin
+    from dflash_trt.bundle.plugin_build import build_plugin
 
     m = build_plugin(arch.lower(), out, progress=not as_json)
     if as_json:
@@ -58,7 +58,7 @@ def export_onnx_cmd(drafter_dir, target_dir, out, page_size, as_json):
     Example:
       dflash-trt export-onnx --drafter drafters/qwen3-8b-dflash --target models/Qwen3-8B --out drafter.onnx
     """
-    from dflash_trt.onnx_export import export_onnx
+    from dflash_trt.bundle.onnx_export import export_onnx
 
     path = export_onnx(drafter_dir, target_dir, out, page_size=page_size)
     if as_json:

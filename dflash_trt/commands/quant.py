@@ -46,7 +46,7 @@ def quantize_cmd(model, fmt, kv_cache, calib, calib_samples, exclude, max_shard_
       dflash-trt quantize --model Qwen3-8B --format nvfp4 --calib prompts.jsonl --out Qwen3-8B-NVFP4
       dflash-trt quantize --model Qwen3-8B-DFlash-b16 --format fp8 --out drafter-fp8   # drafter: weights only
     """
-    from dflash_trt.quantize import quantize_checkpoint
+    from dflash_trt.quant.quantize import quantize_checkpoint
 
     rep = quantize_checkpoint(model, out, fmt, kv_cache=kv_cache, calib=calib, calib_samples=calib_samples,
                               exclude=list(exclude), max_shard_bytes=_size(max_shard_size),
@@ -87,7 +87,7 @@ def convert_cmd(model, quant, kv_cache, calib, calib_samples, tp, pp, ep, out, a
       dflash-trt convert --model Llama-3.1-8B --tp 2 --out trt-ckpt
       dflash-trt convert --model Qwen3-8B --quant fp8 --kv-cache fp8 --calib prompts.jsonl --tp 4 --out trt-fp8
     """
-    from dflash_trt.convert import convert_checkpoint
+    from dflash_trt.quant.convert import convert_checkpoint
 
     rep = convert_checkpoint(model, out, tp=tp, pp=pp, ep=ep, quant=quant, kv_cache=kv_cache, calib=calib,
                              calib_samples=calib_samples, progress=not as_json).to_dict()

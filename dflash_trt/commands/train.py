@@ -74,8 +74,8 @@ def train_drafter_cmd(target, data, prompts, out, layers, intermediate_size, tar
       dflash-trt train-drafter --out runs/d1 --prompts my_prompts.jsonl --steps 6000 --resume
     The drafter is OUT/drafter: `dflash-trt generate --drafter OUT/drafter ...`.
     """
-    from dflash_trt.presets import resolve_target
-    from dflash_trt.train import TrainConfig, train_drafter
+    from dflash_trt.presets.catalog import resolve_target
+    from dflash_trt.train.trainer import TrainConfig, train_drafter
 
     if (data is None) == (prompts is None):
         raise DFlashError("give exactly one of --data FILE.jsonl or --prompts FILE.jsonl")

@@ -53,7 +53,7 @@ def stats_from_result(result, block_size):
 
 class TritonPythonModel:
     def initialize(self, args):
-        from dflash_trt.api import load_pair  # the reference runtime; imported here, not at module load
+        from dflash_trt.runtime.pair import load_pair  # the reference runtime; imported here, not at module load
 
         model_dir = Path(args["model_repository"])
         version_dir = model_dir / str(args.get("model_version") or "1")
@@ -75,7 +75,7 @@ class TritonPythonModel:
                              f"block size {self.block_size}")
 
     def _run(self, request):
-        from dflash_trt.api import generate
+        from dflash_trt.runtime.pair import generate
 
         prompt = _prompt(request)
         max_tokens = _scalar(request, "sampling_param_max_tokens", self.settings.get("max_new_tokens", 128))

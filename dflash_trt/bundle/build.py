@@ -1,0 +1,640 @@
+"""`dflash-trt build`: from a (target, drafter) pair to one deployable, self-describing bundle.
+
+    check -> quantize -> convert (engine backend) -> plugin -> export-onnx -> compile -> package
+
+Each stage is a function from its inputs to output folder(s) inside the bundle plus a manifest
+entry holding the sha256 of its inputs (content hashes of the checkpoints, the options that
+matter, the code that produces it). A re-run reuses (hard-links) the previous bundle's outputs
+of every stage whose inputs hash is unchanged and reports it `skipped`; `--force` redoes all.
+
+The bundle is assembled in a temporary folder beside the destination and renamed into place
+only when complete, so an interrupted or failed build leaves the previous bundle as it was.
+
+Stages call the other tools' library functions (quantize_checkpoint, convert_checkpoint,
+build_plugin, export_onnx) and record the equivalent `dflash-trt` command line in the manifest,
+so that a stage can be re-run by hand.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import yaml
+
+from dflash_trt import __version__
+from dflash_trt.bundle.gpu_compile import detect_toolchain, run_compile, toolchain_fingerprint
+from dflash_trt.bundle.manifest import (
+    HashCache,
+    bundle_files,
+    is_bundle,
+    read_manifest,
+    sha256_file,
+    sha256_json,
+    write_manifest,
+)
+from dflash_trt.bundle.onnx_export import export_onnx
+from dflash_trt.bundle.plugin_build import build_plugin
+from dflash_trt.bundle.serving_configs import layer_ids_by_stack, sglang_launch, trtllm_serve_config, vllm_launch
+from dflash_trt.bundle.triton_repo import llmapi_model_yaml, write_triton_repo
+from dflash_trt.errors import DFlashError
+from dflash_trt.paths import package_path
+from dflash_trt.io.atomic import atomic_output_dir
+from dflash_trt.io.checkpoint import load_config
+from dflash_trt.models.check import check_pair
+from dflash_trt.models.config import load_drafter_config
+from dflash_trt.presets.catalog import PRESETS, resolve_drafter, resolve_target
+from dflash_trt.quant.convert import convert_checkpoint
+from dflash_trt.quant.quantize import quantize_checkpoint
+
+# GPU product -> (architecture, SM version). Hopper has no FP4 tensor cores.
+GPUS = {"b300": ("blackwell", 103), "b200": ("blackwell", 100), "gb200": ("blackwell", 100),
+        "h200": ("hopper", 90), "h100": ("hopper", 90)}
+ARCH_SMS = {"blackwell": [100, 103], "hopper": [90]}
+QUANTS = ("auto", "none", "fp8", "nvfp4")
+KV_CACHES = ("auto", "fp8", "bf16")
+BACKENDS = ("pytorch", "engine")
+TRITON_MODELS = ["tensorrt_llm", "dflash_reference"]
+# the reference model gets its own copy of the unquantized pair up to this size (CPU smoke tests)
+REFERENCE_COPY_MAX_BYTES = 4 << 30
+
+
+@dataclass
+class BuildOptions:
+    target: str | None = None          # preset name or folder; None = the embedded pair
+    drafter: str | None = None         # folder; None = the preset's drafter
+    arch: str = "auto"
+    gpu: str | None = None
+    quant: str = "auto"
+    kv_cache: str = "auto"
+    tp: int = 1
+    ep: int = 1
+    pp: int = 1
+    block_size: int | None = None
+    backend: str = "pytorch"
+    out: str | None = None
+    force: bool = False
+    drafter_quant: str = "auto"        # auto: FP8 when the target is quantized to FP8/NVFP4
+    calib: str | None = None           # calibration prompts (.jsonl) for activation / KV scales
+
+
+@dataclass
+class StageReport:
+    name: str
+    status: str
+    seconds: float = 0.0
+    outputs: list[str] = field(default_factory=list)
+    bytes: int = 0
+    note: str = ""
+
+
+# ----------------------------------------------------------------------------- small helpers
+def _dir_bytes(p: Path) -> int:
+    if p.is_file():
+        return p.stat().st_size
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+
+
+LINK_MIN_BYTES = 16 << 20
+
+
+def link_tree(src: Path, dst: Path) -> None:
+    """Copy a file or folder; files of 16 MiB and more (weights) as hard links, so a bundle of a
+    120B model costs no extra disk. Small files (configs, tokenizer) are real copies, so editing
+    one in the bundle never edits the source. Plain copy across file systems."""
+    def link(s, d):
+        if os.path.getsize(s) >= LINK_MIN_BYTES:
+            try:
+                os.link(s, d)
+                return d
+            except OSError:
+                pass
+        return shutil.copy2(s, d)
+
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    if src.is_file():
+        link(src, dst)
+    else:
+        shutil.copytree(src, dst, copy_function=link, ignore=shutil.ignore_patterns("__pycache__", ".cache"))
+
+
+def code_hash(*relpaths: str) -> str:
+    """sha256 of the package's source files that shape a stage's output (paths relative to the
+    package root; a folder counts with every file in it). A path that does not exist is an error:
+    a moved file silently left out of the hash would let a stale stage be reused."""
+    root = package_path()
+    parts = []
+    for rel in relpaths:
+        p = root / rel
+        if p.is_file():
+            parts.append([rel, sha256_file(p)])
+        elif p.is_dir():
+            parts += [[f.relative_to(root).as_posix(), sha256_file(f)] for f in sorted(p.rglob("*"))
+                      if f.is_file() and "__pycache__" not in f.parts]
+        else:
+            raise FileNotFoundError(f"code_hash: {p} does not exist (a stage names a source file that moved)")
+    return sha256_json(parts)
+
+
+def _cmd(*args) -> str:
+    """The `dflash-trt` command line equivalent to a stage step (recorded in the manifest;
+    output paths relative to the bundle root)."""
+    return "dflash-trt " + shlex.join(str(a) for a in args)
+
+
+# ------------------------------------------------------------------------- inputs and options
+def detect_arch() -> tuple[str, str | None]:
+    tc = detect_toolchain()
+    if not tc["gpus"]:
+        raise DFlashError("--arch auto: no NVIDIA GPU found on this machine (nvidia-smi); "
+                          "pass --arch blackwell or --arch hopper (and --gpu for the exact product)")
+    name, cap = tc["gpus"][0]["name"].lower(), tc["gpus"][0]["compute_cap"]
+    major = int(cap.split(".")[0]) if cap.split(".")[0].isdigit() else 0
+    if major == 9:
+        return "hopper", "h200" if "h200" in name else "h100" if "h100" in name else None
+    if major >= 10:
+        return "blackwell", next((g for g in ("gb200", "b300", "b200") if g in name), None)
+    raise DFlashError(f"--arch auto: GPU {tc['gpus'][0]['name']} (compute capability {cap}) is neither Hopper nor "
+                      "Blackwell; DFlash bundles target sm_90 / sm_100 / sm_103")
+
+
+def is_mxfp4(cfg: dict) -> bool:
+    return (cfg.get("quantization_config") or {}).get("quant_method") == "mxfp4" or cfg.get("model_type") == "gpt_oss"
+
+
+def num_experts(cfg: dict) -> int:
+    return int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+
+
+def resolve_settings(o: BuildOptions, cfg: dict, name: str) -> dict:
+    """Arch, GPU, quantization, KV cache and parallelism, checked against the target's config."""
+    if o.backend not in BACKENDS:
+        raise DFlashError(f"--backend {o.backend!r}: expected one of {', '.join(BACKENDS)}")
+    gpu = o.gpu.lower() if o.gpu else None
+    if gpu is not None and gpu not in GPUS:
+        raise DFlashError(f"--gpu {o.gpu!r}: expected one of {', '.join(GPUS)}")
+    arch = o.arch
+    if arch == "auto":
+        arch, detected = (GPUS[gpu][0], gpu) if gpu else detect_arch()
+        gpu = gpu or detected
+    if arch not in ARCH_SMS:
+        raise DFlashError(f"--arch {o.arch!r}: expected blackwell, hopper or auto")
+    if gpu is not None and GPUS[gpu][0] != arch:
+        raise DFlashError(f"--gpu {gpu} is a {GPUS[gpu][0]} GPU but --arch is {arch}")
+    sms = [GPUS[gpu][1]] if gpu else ARCH_SMS[arch]
+
+    if o.quant not in QUANTS:
+        raise DFlashError(f"--quant {o.quant!r}: expected one of {', '.join(QUANTS)}")
+    if is_mxfp4(cfg):
+        if o.quant in ("fp8", "nvfp4"):
+            raise DFlashError(f"--quant {o.quant}: {name} ships MXFP4 experts and TensorRT-LLM serves gpt-oss only as "
+                              "MXFP4 weights (with an FP8 KV cache); its experts are kept as they are: use --quant auto")
+        if o.backend == "engine":
+            raise DFlashError(f"--backend engine: TensorRT-LLM has no engine (TensorRT checkpoint) layout for {name} "
+                              "(gpt-oss); use --backend pytorch, which serves its MXFP4 checkpoint directly")
+        quant = "mxfp4"
+    elif o.quant == "auto":
+        quant = "nvfp4" if arch == "blackwell" else "fp8"
+    else:
+        quant = o.quant
+    if quant == "nvfp4" and arch == "hopper":
+        raise DFlashError("--quant nvfp4 with --arch hopper: NVFP4 needs Blackwell FP4 tensor cores (sm_100 / sm_103); "
+                          "Hopper (sm_90) runs FP8: use --quant fp8 or --quant auto")
+    if o.kv_cache not in KV_CACHES:
+        raise DFlashError(f"--kv-cache {o.kv_cache!r}: expected one of {', '.join(KV_CACHES)}")
+    kv = o.kv_cache if o.kv_cache != "auto" else ("bf16" if quant == "none" else "fp8")
+    if o.drafter_quant not in ("auto", "none", "fp8"):
+        raise DFlashError(f"--drafter-quant {o.drafter_quant!r}: expected auto, none or fp8")
+    dq = o.drafter_quant if o.drafter_quant != "auto" else ("fp8" if quant in ("fp8", "nvfp4") else "none")
+
+    for flag, v in (("--tp", o.tp), ("--ep", o.ep), ("--pp", o.pp)):
+        if v < 1:
+            raise DFlashError(f"{flag} {v}: must be at least 1")
+    heads = int(cfg.get("num_attention_heads", 0))
+    kvh = int(cfg.get("num_key_value_heads") or heads)
+    if heads % o.tp:
+        raise DFlashError(f"--tp {o.tp} does not divide the target's num_attention_heads = {heads}")
+    if kvh % o.tp and o.tp % kvh:
+        raise DFlashError(f"--tp {o.tp}: the target's num_key_value_heads = {kvh} can be neither split nor "
+                          "duplicated evenly across ranks")
+    experts = num_experts(cfg)
+    if o.ep > 1:
+        if not experts:
+            raise DFlashError(f"--ep {o.ep}: {name} is not a mixture-of-experts model (no num_local_experts)")
+        if experts % o.ep:
+            raise DFlashError(f"--ep {o.ep} does not divide the target's number of experts = {experts}")
+        if o.tp % o.ep:
+            raise DFlashError(f"--ep {o.ep} must divide --tp {o.tp} (TensorRT-LLM splits the tp ranks into "
+                              "expert-parallel x expert-tensor-parallel groups)")
+    layers = int(cfg.get("num_hidden_layers", 0))
+    if o.pp > 1 and layers % o.pp:
+        raise DFlashError(f"--pp {o.pp} does not divide the target's num_hidden_layers = {layers}")
+    return {"arch": arch, "gpu": gpu, "sm": sms, "quant": quant, "kv_cache": kv, "drafter_quant": dq}
+
+
+def resolve_pair(o: BuildOptions) -> tuple[Path, Path, str, str | None]:
+    """(target dir, drafter dir, target name, hub id). Presets come from the local caches only."""
+    spec = o.target
+    if spec is not None and not Path(spec).exists() and spec not in PRESETS:
+        raise DFlashError(f"--target {spec!r}: no such folder and not a preset (known: {', '.join(sorted(PRESETS))})")
+    tdir = Path(resolve_target(spec)).resolve()
+    ddir = Path(resolve_drafter(o.drafter, spec)).resolve()
+    name = spec if spec in PRESETS else ("smollm2-135m" if spec is None else tdir.name)
+    hf_id = PRESETS[name].hf_id if name in PRESETS else None
+    for folder, what in ((tdir, "target"), (ddir, "drafter")):
+        if not (folder / "config.json").is_file():
+            raise DFlashError(f"{folder}: the {what} folder has no config.json")
+        if not any(folder.glob("*.safetensors")):
+            raise DFlashError(f"{folder}: the {what} folder has no *.safetensors weights")
+    return tdir, ddir, name, hf_id
+
+
+def default_out(name: str, s: dict, o: BuildOptions) -> Path:
+    parts = [name.replace("/", "-"), s["gpu"] or s["arch"], s["quant"]]
+    if o.tp > 1 or o.ep > 1:
+        parts.append(f"tp{o.tp}" + (f"ep{o.ep}" if o.ep > 1 else ""))
+    if o.backend == "engine":
+        parts.append("engine")
+    return Path("engines") / "-".join(parts)
+
+
+# --------------------------------------------------------------------------------- the build
+class Builder:
+    """One build: assembles the bundle in `self.work`, reusing `self.prev` outputs where allowed."""
+
+    def __init__(self, o: BuildOptions, progress: bool = True):
+        self.o = o
+        self.progress = progress
+        self.reports: list[StageReport] = []
+
+    def log(self, msg: str) -> None:
+        if self.progress:
+            print(f"dflash-trt build: {msg}", file=sys.stderr, flush=True)
+
+    # one stage: hash inputs, reuse or run, record
+    def stage(self, name: str, inputs: dict, fn, outputs: list[str]) -> dict:
+        digest = sha256_json(inputs)
+        t0 = time.perf_counter()
+        prev = (self.prev_manifest or {}).get("stages", {}).get(name) if not self.o.force else None
+        if prev and prev.get("inputs_sha256") == digest and prev["status"] not in ("failed", "skipped") \
+                and self._outputs_intact(name, prev["outputs"]):
+            for p in prev["outputs"]:
+                link_tree(self.prev_dir / p, self.work / p)
+            # `status` stays the stage's outcome (done / deferred / not-needed: what deploy reads);
+            # `skipped` says that this run reused it
+            entry = dict(prev, skipped=True)
+            self.reused |= set(prev["outputs"])
+            self.log(f"{name}: skipped (inputs unchanged since the last build)")
+        else:
+            self.log(f"{name}: running")
+            entry = {"status": "done", "inputs_sha256": digest, "outputs": outputs}
+            entry.update(fn() or {})
+            entry["skipped"] = False
+        entry["inputs_sha256"] = digest
+        secs = time.perf_counter() - t0
+        entry["seconds"] = round(secs, 2)
+        size = sum(_dir_bytes(self.work / p) for p in entry["outputs"] if (self.work / p).exists())
+        self.stages[name] = entry
+        status = "skipped" if entry["skipped"] else entry["status"]
+        self.reports.append(StageReport(name, status, round(secs, 2), entry["outputs"], size, entry.get("reason", "")))
+        return entry
+
+    def _outputs_intact(self, name: str, outputs: list[str]) -> bool:
+        """Are a stage's outputs in the previous bundle exactly what its manifest recorded?
+        (A file edited since is re-made, not carried into the new bundle.)"""
+        arts = {a["path"]: a for a in self.prev_manifest.get("artifacts", [])}
+        stats = self.prev_manifest.get("artifact_stats", {})
+        for out in outputs:
+            root = self.prev_dir / out
+            if not root.exists():
+                return False
+            files = [root] if root.is_file() else [f for f in root.rglob("*") if f.is_file()]
+            for f in files:
+                rel = f.relative_to(self.prev_dir).as_posix()
+                a, st = arts.get(rel), f.stat()
+                if a is None or a["bytes"] != st.st_size:
+                    self.log(f"{name}: {rel} changed since the last build; re-running the stage")
+                    return False
+                if stats.get(rel) != [st.st_size, st.st_mtime_ns] and sha256_file(f) != a["sha256"]:
+                    self.log(f"{name}: {rel} changed since the last build; re-running the stage")
+                    return False
+        return True
+
+    def run(self) -> dict:
+        o = self.o
+        tdir, ddir, name, hf_id = resolve_pair(o)
+        tcfg = load_config(tdir)
+        s = resolve_settings(o, tcfg, name)
+        dcfg = load_drafter_config(ddir)
+        B = o.block_size or dcfg.block_size
+        if not 2 <= B <= dcfg.block_size:
+            raise DFlashError(f"--block-size {B}: must be between 2 and the drafter's trained block size {dcfg.block_size}")
+        dest = Path(o.out) if o.out else default_out(name, s, o)
+        if dest.exists() and not dest.is_dir():
+            raise DFlashError(f"--out {dest}: exists and is not a folder")
+        if dest.exists() and any(dest.iterdir()) and not is_bundle(dest) and not o.force:
+            raise DFlashError(f"--out {dest}: folder exists, is not empty and is not a dflash-trt bundle "
+                              "(no manifest.json); choose another --out or pass --force to replace it")
+        self.prev_dir = dest
+        self.prev_manifest = None
+        if is_bundle(dest) and not o.force:
+            try:
+                self.prev_manifest = read_manifest(dest)
+            except DFlashError as e:
+                self.log(f"previous bundle unreadable, rebuilding every stage ({e})")
+        cache = HashCache((self.prev_manifest or {}).get("input_files"))
+        self.stages, self.reused = {}, set()
+        t_hash = cache.tree(tdir)
+        d_hash = cache.tree(ddir)
+        common = {"tool_version": __version__, "target": t_hash, "drafter": d_hash}
+        if o.calib is not None and not Path(o.calib).is_file():
+            raise DFlashError(f"--calib {o.calib}: no such file")
+        calib_hash = cache.sha256(Path(o.calib)) if o.calib else None
+
+        with atomic_output_dir(dest) as work:
+            self.work = work
+            # check -------------------------------------------------------------------------
+            def do_check():
+                report = check_pair(tdir, ddir)
+                if not report["ok"]:
+                    probs = report["problems"]
+                    first = next((p for p in probs if "target" in p), probs[0])  # pair mismatches first
+                    raise DFlashError(f"check: the drafter does not fit the target ({len(probs)} problem(s)): {first}")
+                (work / "reports").mkdir(exist_ok=True)
+                (work / "reports" / "check.json").write_text(json.dumps(report, indent=2) + "\n")
+            self.stage("check", {**common, "code": code_hash("models/check.py", "models/config.py")}, do_check,
+                       ["reports/check.json"])
+
+            # quantize ----------------------------------------------------------------------
+            def do_quantize():
+                notes, cmds = [], []
+                if s["quant"] in ("fp8", "nvfp4"):
+                    kv = "fp8" if s["kv_cache"] == "fp8" else None
+                    cmds.append(_cmd("quantize", "--model", tdir, "--format", s["quant"], "--out", "target",
+                                     *(["--kv-cache", "fp8"] if kv else []), *(["--calib", o.calib] if o.calib else [])))
+                    rep = quantize_checkpoint(tdir, work / "target", s["quant"], kv_cache=kv, calib=o.calib,
+                                              progress=self.progress)
+                    notes += list(getattr(rep, "not_calibrated", None) or [])
+                else:
+                    link_tree(tdir, work / "target")
+                    notes.append("target kept as is" + (" (MXFP4 experts)" if s["quant"] == "mxfp4" else ""))
+                if s["drafter_quant"] == "fp8":
+                    cmds.append(_cmd("quantize", "--model", ddir, "--format", "fp8", "--out", "drafter"))
+                    quantize_checkpoint(ddir, work / "drafter", "fp8", progress=self.progress)
+                else:
+                    link_tree(ddir, work / "drafter")
+                    notes.append("drafter kept as is")
+                return {"commands": cmds, "reason": "; ".join(notes)}
+            self.stage("quantize", {**common, "quant": s["quant"], "kv_cache": s["kv_cache"],
+                                    "drafter_quant": s["drafter_quant"], "calib": calib_hash,
+                                    "code": code_hash("quant/quantize.py", "io/formats.py", "quant/calibrate.py", "io/checkpoint.py")},
+                       do_quantize, ["target", "drafter"])
+
+            # convert (engine backend) --------------------------------------------------------
+            def do_convert():
+                if o.backend != "engine":
+                    return {"status": "not-needed", "outputs": [],
+                            "reason": "the pytorch backend loads the Hugging Face checkpoint directly"}
+
+                q = "none" if s["quant"] == "none" else s["quant"]
+                kv = "fp8" if s["kv_cache"] == "fp8" else None
+                convert_checkpoint(tdir, work / "trtllm_ckpt", tp=o.tp, pp=o.pp, ep=o.ep, quant=q, kv_cache=kv,
+                                   calib=o.calib, progress=self.progress)
+                return {"commands": [_cmd("convert", "--model", tdir, "--quant", q, "--tp", o.tp, "--pp", o.pp,
+                                          "--ep", o.ep, *(["--kv-cache", "fp8"] if kv else []),
+                                          *(["--calib", o.calib] if o.calib else []), "--out", "trtllm_ckpt")]}
+            self.stage("convert", {**common, "backend": o.backend, "quant": s["quant"], "tp": o.tp, "pp": o.pp,
+                                   "ep": o.ep, "calib": calib_hash, "kv_cache": s["kv_cache"],
+                                   # the converter's code matters only when it runs
+                                   "code": code_hash("quant/convert.py", "io/checkpoint.py", "quant/calibrate.py")
+                                   if o.backend == "engine" else None},
+                       do_convert, ["trtllm_ckpt"] if o.backend == "engine" else [])
+
+            # plugin (AOT kernels) -----------------------------------------------------------
+            def do_plugin():
+                build_plugin(s["arch"], work / "plugins", progress=self.progress)
+                return {"commands": [_cmd("plugin", "build", "--arch", s["arch"], "--out", "plugins")]}
+            self.stage("plugin", {"tool_version": __version__, "arch": s["arch"],
+                                  "code": code_hash("kernels/kv_inject_triton.py", "kernels/kv_inject_trt.py", "runtime/kv_inject.py",
+                                                    "bundle/plugin_build.py")},
+                       do_plugin, ["plugins"])
+
+            # export-onnx ---------------------------------------------------------------------
+            def do_export():
+                export_onnx(ddir, tdir, work / "onnx" / "drafter.onnx")
+                return {"commands": [_cmd("export-onnx", "--drafter", ddir, "--target", tdir,
+                                          "--out", "onnx/drafter.onnx")]}
+            self.stage("export-onnx", {**common, "code": code_hash("bundle/onnx_export.py", "models/drafter.py",
+                                                                   "runtime/kv_inject.py", "kernels/kv_inject_trt.py")},
+                       do_export, ["onnx"])
+
+            # manifest skeleton: compile and package read it ---------------------------------
+            ids = _layer_ids(dcfg.target_layer_ids, int(tcfg["num_hidden_layers"]))
+            m = {
+                "schema_version": 1, "tool_version": __version__,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "target": {"name": name, "hf_id": hf_id, "path": str(tdir), "bundle_path": "target",
+                           "sha256": t_hash, "config": tcfg},
+                "drafter": {"path": str(ddir), "bundle_path": "drafter", "sha256": d_hash, "block_size": B,
+                            "trained_block_size": dcfg.block_size, "mask_token_id": dcfg.mask_token_id,
+                            "target_layer_ids": ids, "config": dcfg.raw},
+                "arch": s["arch"], "gpu": s["gpu"], "sm": s["sm"],
+                "quant": {"target": s["quant"], "drafter": s["drafter_quant"], "kv_cache": s["kv_cache"]},
+                "parallel": {"tp": o.tp, "ep": o.ep, "pp": o.pp},
+                "backend": o.backend,
+                "max_seq_len": min(int(tcfg.get("max_position_embeddings", 8192)), 32768),
+                "triton_model_repository": "triton", "triton_models": list(TRITON_MODELS),
+            }
+
+            # compile (GPU) -------------------------------------------------------------------
+
+            tc = detect_toolchain()
+
+            def do_compile():
+                res = run_compile(work, m, tc)
+                if res["status"] == "deferred":
+                    self.log(f"compile: deferred ({res['reason']}); run `dflash-trt compile --bundle {dest}` on the "
+                             "GPU node")
+                return {k: v for k, v in res.items() if k in ("status", "outputs", "commands", "reason", "engine_key")}
+            self.stage("compile", {**common, "backend": o.backend, "arch": s["arch"], "gpu": s["gpu"], "quant": s["quant"],
+                                   "tp": o.tp, "pp": o.pp, "block_size": B, "toolchain": toolchain_fingerprint(tc),
+                                   "onnx": self.stages["export-onnx"]["inputs_sha256"],
+                                   "plugin": self.stages["plugin"]["inputs_sha256"],
+                                   "convert": self.stages["convert"]["inputs_sha256"]},
+                       do_compile, [])
+
+            # package: serving configs + Triton repository -------------------------------------
+            def do_package():
+                m["serving_configs"] = write_configs(work, m, tcfg, B)
+                ref = reference_pair(work, ref_layout, tdir, ddir)
+                write_triton(work, m, tcfg, B, ref)
+                (work / "engines").mkdir(exist_ok=True)
+                (work / "engines" / "README.txt").write_text(
+                    "TensorRT engines of this bundle, written by `dflash-trt compile --bundle <bundle>` on the GPU\n"
+                    "node into engines/<gpu>-trt<version>/ (see manifest.json, stages.compile).\n")
+                return {}
+            ref_layout = reference_layout(s, tdir, ddir)
+            m["reference_runtime"] = {"layout": ref_layout}
+            pkg_out = ["configs", "triton", "engines/README.txt"] + (["reference"] if ref_layout == "copy" else [])
+            self.stage("package", {**common, "manifest": {k: v for k, v in m.items() if k != "created"},
+                                   "code": code_hash("bundle/serving_configs.py", "bundle/triton_repo.py",
+                                                   "assets/triton_templates")},
+                       do_package, pkg_out)
+            if "serving_configs" not in m:  # package was reused
+                m["serving_configs"] = self.stages["package"].get("serving_configs") or _configs_index(work)
+            self.stages["package"]["serving_configs"] = m["serving_configs"]
+
+            m["stages"] = {k: self.stages[k] for k in ("check", "quantize", "convert", "plugin", "export-onnx",
+                                                       "compile", "package")}
+            m["input_files"] = cache.entries
+            m["artifacts"] = self._artifacts(work)
+            m["serve"] = serve_commands(m)
+            write_manifest(work, m)
+        return {"bundle": str(dest), "manifest": m, "stages": [asdict(r) for r in self.reports]}
+
+    def _artifacts(self, work: Path) -> list[dict]:
+        """Artifact list. A file linked unchanged from the previous bundle keeps its recorded
+        sha256 when its size and mtime are those recorded (a hard link or copy2 keeps both), so a
+        re-run does not re-read multi-GB checkpoints; `verify` always re-hashes everything."""
+        old = {a["path"]: a for a in (self.prev_manifest or {}).get("artifacts", [])}
+        stats = (self.prev_manifest or {}).get("artifact_stats", {})
+        out = []
+        for rel in bundle_files(work):
+            st = (work / rel).stat()
+            prev = old.get(rel)
+            reused = any(rel == r or rel.startswith(r + "/") for r in self.reused)
+            if reused and prev and prev["bytes"] == st.st_size and stats.get(rel) == [st.st_size, st.st_mtime_ns]:
+                digest = prev["sha256"]
+            else:
+                digest = sha256_file(work / rel)
+            out.append({"path": rel, "bytes": st.st_size, "sha256": digest})
+        return out
+
+
+def _layer_ids(zlab_ids: list[int], num_layers: int) -> dict:
+    return layer_ids_by_stack(zlab_ids, num_layers)
+
+
+def reference_layout(s: dict, tdir: Path, ddir: Path) -> str:
+    """Where the dflash_reference model finds its pair. The reference runtime loads unquantized
+    checkpoints: "bundle" = the bundle's own target/ and drafter/ (not quantized); "copy" = a
+    copy of the source pair under reference/ (hard links; small models); "source" = the source
+    folders by absolute path (too big to carry; CPU smoke tests of such models are impractical)."""
+    if s["quant"] not in ("fp8", "nvfp4") and s["drafter_quant"] != "fp8":
+        return "bundle"
+    return "copy" if _dir_bytes(tdir) + _dir_bytes(ddir) <= REFERENCE_COPY_MAX_BYTES else "source"
+
+
+def reference_pair(work: Path, layout: str, tdir: Path, ddir: Path) -> dict:
+    if layout == "bundle":
+        return {"target": "target", "drafter": "drafter"}
+    if layout == "copy":
+        link_tree(tdir, work / "reference" / "target")
+        link_tree(ddir, work / "reference" / "drafter")
+        return {"target": "reference/target", "drafter": "reference/drafter"}
+    return {"target": str(tdir), "drafter": str(ddir)}
+
+
+def write_configs(work: Path, m: dict, tcfg: dict, B: int) -> dict:
+    """configs/: trtllm-serve.yaml, vllm.json (+ the bare --speculative-config JSON), sglang.json.
+    Paths are bundle-relative: run the commands from the bundle root."""
+    d = m["drafter"]
+    p = m["parallel"]
+    cfgdir = work / "configs"
+    cfgdir.mkdir(exist_ok=True)
+    serve = trtllm_serve_config(target_cfg=tcfg, drafter_path="drafter", block_size=B, mask_token_id=d["mask_token_id"],
+                                zlab_ids=d["target_layer_ids"]["trtllm"], tp=p["tp"], ep=p["ep"], pp=p["pp"],
+                                kv_cache=m["quant"]["kv_cache"], arch=m["arch"], max_seq_len=m["max_seq_len"])
+    (cfgdir / "trtllm-serve.yaml").write_text(
+        "# trtllm-serve target --config configs/trtllm-serve.yaml   (run from the bundle root)\n"
+        + yaml.safe_dump(serve, sort_keys=False))
+    kw = dict(target_path="target", drafter_path="drafter", block_size=B, zlab_ids=d["target_layer_ids"]["zlab"],
+              tp=p["tp"], ep=p["ep"], pp=p["pp"], kv_cache=m["quant"]["kv_cache"])
+    v = vllm_launch(**kw)
+    (cfgdir / "vllm.json").write_text(json.dumps(v, indent=2) + "\n")
+    (cfgdir / "vllm-speculative-config.json").write_text(json.dumps(v["speculative_config"], indent=2) + "\n")
+    g = sglang_launch(**kw)
+    (cfgdir / "sglang.json").write_text(json.dumps(g, indent=2) + "\n")
+    return _configs_index(work)
+
+
+def _configs_index(work: Path) -> dict:
+    return {"trtllm_serve": "configs/trtllm-serve.yaml", "vllm": "configs/vllm.json",
+            "vllm_speculative_config": "configs/vllm-speculative-config.json", "sglang": "configs/sglang.json"}
+
+
+def write_triton(work: Path, m: dict, tcfg: dict, B: int, ref: dict) -> None:
+    d, p = m["drafter"], m["parallel"]
+    serve = trtllm_serve_config(target_cfg=tcfg, drafter_path="drafter", block_size=B, mask_token_id=d["mask_token_id"],
+                                zlab_ids=d["target_layer_ids"]["trtllm"], tp=p["tp"], ep=p["ep"], pp=p["pp"],
+                                kv_cache=m["quant"]["kv_cache"], arch=m["arch"], max_seq_len=m["max_seq_len"])
+    llm_yaml = llmapi_model_yaml(serve, "target", decoupled=True, max_batch_size=0)
+    reference = {"target": ref["target"], "drafter": ref["drafter"], "block_size": B, "dtype": "float32",
+                 "max_new_tokens": 128, "chat": True}
+    write_triton_repo(work / "triton", llm_yaml=llm_yaml, reference=reference)
+
+
+def serve_commands(m: dict) -> dict:
+    """How to serve the bundle, from its root."""
+    return {
+        "triton": "tritonserver --model-repository triton",
+        "triton_multinode": "trtllm-llmapi-launch tritonserver --model-repository triton",
+        "trtllm_serve": "trtllm-serve target --config configs/trtllm-serve.yaml",
+        "vllm": "see configs/vllm.json (command)",
+        "sglang": "see configs/sglang.json (command)",
+    }
+
+
+def build(o: BuildOptions, progress: bool = True) -> dict:
+    b = Builder(o, progress)
+    res = b.run()
+    # the manifest inside the bundle was written before the rename; record artifact stats for
+    # the next run's reuse check (mtimes survive the rename)
+
+    bundle = Path(res["bundle"])
+    m = read_manifest(bundle)
+    m["artifact_stats"] = {a["path"]: [(bundle / a["path"]).stat().st_size, (bundle / a["path"]).stat().st_mtime_ns]
+                           for a in m["artifacts"]}
+    write_manifest(bundle, m)
+    res["manifest"] = m
+    return res
+
+
+def format_summary(res: dict) -> str:
+    rows = [("stage", "status", "time", "size", "output")]
+    notes = []
+    for r in res["stages"]:
+        entry = res["manifest"]["stages"][r["name"]]
+        status = r["status"]
+        if status == "skipped":
+            status = "skipped (unchanged" + ("" if entry["status"] == "done" else f", {entry['status']}") + ")"
+        rows.append((r["name"], status, f"{r['seconds']:.1f}s", _human(r["bytes"]) if r["outputs"] else "-",
+                     ", ".join(r["outputs"]) or "-"))
+        if entry.get("reason"):
+            notes.append(f"  {r['name']}: {entry['reason']}")
+    w = [max(len(row[i]) for row in rows) for i in range(4)]
+    lines = ["  ".join(row[i].ljust(w[i]) for i in range(4)) + "  " + row[4] for row in rows]
+    m = res["manifest"]
+    total = sum(a["bytes"] for a in m["artifacts"])
+    if notes:
+        lines += ["", "notes:"] + notes
+    lines.append("")
+    lines.append(f"bundle: {res['bundle']}  ({len(m['artifacts'])} files, {_human(total)}; manifest.json lists each "
+                 "with its sha256)")
+    lines.append("  configs/ trtllm-serve.yaml, vllm.json, sglang.json; triton/ " + ", ".join(m["triton_models"]))
+    if m["stages"]["compile"]["status"] == "deferred":
+        lines.append(f"  compile deferred: on the GPU node run `dflash-trt compile --bundle {res['bundle']}`")
+    return "\n".join(lines)
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1024 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"

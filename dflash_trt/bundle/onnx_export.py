@@ -1,0 +1,330 @@
+"""The DFlash drafter as an ONNX graph for TensorRT's ONNX parser (DESIGN.md §3, §6).
+
+One draft step: inject the accepted tokens' features into the paged drafter cache, then draft a
+block over everything in the cache. The injection after fc is ONE custom node, op `KVInject` in
+domain "dflash" with attribute plugin_namespace="dflash" (and aot=1): TensorRT's ONNX parser
+maps it by name to the `dflash::KVInject` plugin (kernels/kv_inject_trt.py) whose AOT kernel is
+built by `dflash-trt plugin build`. Everything else is standard ONNX (opset 18).
+
+Graph inputs
+  features [T, n_feat*H] f32   accepted tokens' target features (concatenated layer outputs)
+  positions [T] i32, slots [T] i32      their absolute positions and paged-cache slots
+  k_cache, v_cache [num_pages, L, nkv, page_size, hd] f32
+  block_ids [B] i64, block_positions [B] i64   the block (last verified token, then mask ids)
+  ctx_slots [S] i64            cache slots of every context token the block attends to, in order
+Graph outputs
+  logits [B, vocab] f32 (the target's lm_head over the drafter's normed states), k_cache_out, v_cache_out
+
+The drafter has no embedding and no lm_head: they are read from the target folder (only those two
+tensors are loaded, so this works for a 120B target on a small machine). Attention is
+non-causal, as in the drafter (DESIGN.md §3).
+
+onnxruntime runs the custom node through onnxruntime-extensions (`register_onnxruntime_kvinject`),
+whose Python ops live in the domain "ai.onnx.contrib": `for_onnxruntime(model)` returns a copy
+with the node moved there. The node's computation there is path (2) of dflash_trt.runtime.kv_inject.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from dflash_trt.errors import DFlashError
+from dflash_trt.kernels import kv_inject_trt
+from dflash_trt.models.drafter import load_drafter
+from dflash_trt.runtime.kv_inject import FusedKVInjector, check_page_size, fused_kv_from_ctx, scatter_paged
+
+OPSET = 18
+CUSTOM_DOMAIN = "dflash"
+ORT_CONTRIB_DOMAIN = "ai.onnx.contrib"
+EXTERNAL_DATA_ABOVE = 1 << 30  # protobuf stops at 2 GiB: big drafters keep weights in a side file
+
+
+# ---------------------------------------------------------------------------------- target tensors
+def read_target_head(target_dir: str | Path) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """(config, embed_tokens [V, H], lm_head [V, H]) of an HF target folder, reading only those tensors."""
+    target_dir = Path(target_dir)
+    cfg_path = target_dir / "config.json"
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except FileNotFoundError:
+        raise DFlashError(f"{cfg_path}: not found") from None
+    except json.JSONDecodeError as e:
+        raise DFlashError(f"{cfg_path}: invalid JSON ({e.msg} at line {e.lineno})") from None
+    cfg = cfg.get("text_config", cfg) if "hidden_size" not in cfg else cfg
+    index = target_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+    elif (target_dir / "model.safetensors").is_file():
+        with safe_open(str(target_dir / "model.safetensors"), "pt") as f:
+            weight_map = {k: "model.safetensors" for k in f.keys()}
+    else:
+        raise DFlashError(f"{target_dir}: no model.safetensors or model.safetensors.index.json")
+
+    def get(*names):
+        for n in names:
+            if n in weight_map:
+                with safe_open(str(target_dir / weight_map[n]), "pt") as f:
+                    return f.get_tensor(n)
+        return None
+
+    embed = get("model.embed_tokens.weight", "model.language_model.embed_tokens.weight", "embed_tokens.weight")
+    if embed is None:
+        raise DFlashError(f"{target_dir}: tensor model.embed_tokens.weight missing")
+    head = get("lm_head.weight")
+    if head is None:
+        if not cfg.get("tie_word_embeddings", False):
+            raise DFlashError(f"{target_dir}: tensor lm_head.weight missing and tie_word_embeddings is false")
+        head = embed
+    return cfg, embed, head
+
+
+# -------------------------------------------------------------------------------- graph building
+class _Graph:
+    """Minimal ONNX graph builder: unique names, float32/int64 initializers."""
+
+    def __init__(self):
+        self.nodes, self.inits, self._n = [], [], 0
+
+    def name(self, base):
+        self._n += 1
+        return f"{base}_{self._n}"
+
+    def init(self, base, array) -> str:
+        from onnx import numpy_helper
+
+        n = self.name(base)
+        self.inits.append(numpy_helper.from_array(np.array(array, order="C"), n))  # keeps 0-d as 0-d
+        return n
+
+    def ints(self, base, values) -> str:
+        return self.init(base, np.asarray(values, dtype=np.int64))
+
+    def op(self, op_type, inputs, n_out=1, domain=None, **attrs):
+        from onnx import helper
+
+        outs = [self.name(op_type.lower()) for _ in range(n_out)]
+        self.nodes.append(helper.make_node(op_type, inputs, outs, name=self.name(op_type), domain=domain, **attrs))
+        return outs[0] if n_out == 1 else outs
+
+    # composite helpers
+    def rms_norm(self, x, weight, eps):
+        sq = self.op("Mul", [x, x])
+        ms = self.op("ReduceMean", [sq, self.ints("axes", [-1])], keepdims=1)
+        rstd = self.op("Reciprocal", [self.op("Sqrt", [self.op("Add", [ms, self.init("eps", np.float32(eps))])])])
+        return self.op("Mul", [self.op("Mul", [x, rstd]), self.init("norm_w", weight)])
+
+    def linear(self, x, weight, bias=None):
+        y = self.op("MatMul", [x, self.init("w_t", weight.T)])
+        return self.op("Add", [y, self.init("b", bias)]) if bias is not None else y
+
+    def rope(self, x, cos, sin, hd):
+        half = hd // 2
+        lo = self.op("Slice", [x, self.ints("s", [0]), self.ints("e", [half]), self.ints("ax", [-1])])
+        hi = self.op("Slice", [x, self.ints("s", [half]), self.ints("e", [hd]), self.ints("ax", [-1])])
+        rot = self.op("Concat", [self.op("Neg", [hi]), lo], axis=-1)
+        return self.op("Add", [self.op("Mul", [x, cos]), self.op("Mul", [rot, sin])])
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().to(torch.float32).cpu().numpy()
+
+
+def build_model(drafter, embed: torch.Tensor, lm_head: torch.Tensor, page_size: int):
+    """The ONNX ModelProto of `drafter` (float32) with the target's embedding and lm_head."""
+    import onnx
+    from onnx import TensorProto, helper
+
+
+    check_page_size(page_size)
+    trt_mod = kv_inject_trt
+    c = drafter.config
+    L, nh, nkv, hd, H = c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.hidden_size
+    if embed.shape[1] != H or lm_head.shape[1] != H:
+        raise DFlashError(f"target embed_tokens/lm_head have hidden size {embed.shape[1]}, the drafter config "
+                          f"has hidden_size {H}")
+    if c.n_features * H != drafter.fc.weight.shape[1]:
+        raise DFlashError(f"fc.weight: shape {tuple(drafter.fc.weight.shape)} does not match {c.n_features} features")
+    inj = FusedKVInjector(drafter)
+    g = _Graph()
+    V = lm_head.shape[0]
+    cache_shape = ["num_pages", L, nkv, page_size, hd]
+    inputs = [
+        helper.make_tensor_value_info("features", TensorProto.FLOAT, ["T", c.n_features * H]),
+        helper.make_tensor_value_info("positions", TensorProto.INT32, ["T"]),
+        helper.make_tensor_value_info("slots", TensorProto.INT32, ["T"]),
+        helper.make_tensor_value_info("k_cache", TensorProto.FLOAT, cache_shape),
+        helper.make_tensor_value_info("v_cache", TensorProto.FLOAT, cache_shape),
+        helper.make_tensor_value_info("block_ids", TensorProto.INT64, ["B"]),
+        helper.make_tensor_value_info("block_positions", TensorProto.INT64, ["B"]),
+        helper.make_tensor_value_info("ctx_slots", TensorProto.INT64, ["S"]),
+    ]
+    cos_tab, sin_tab = g.init("rope_cos", _np(drafter.rope.cos)), g.init("rope_sin", _np(drafter.rope.sin))
+
+    # --- KV injection: fc (standard MatMul, TensorRT's GEMM) + the fused plugin node
+    ctx_raw = g.op("MatMul", ["features", g.init("fc_w_t", _np(inj.fc_w_t))])
+    scalars = g.init("kv_scalars", np.array([inj.eps, 1.0, 1.0], dtype=np.float32))
+    plugin_inputs = [ctx_raw, g.init("w_kv", _np(inj.w_kv)), g.init("b_kv", _np(inj.b_kv)),
+                     g.init("k_norm_w", _np(inj.k_norm_w)), cos_tab, sin_tab, "positions", "slots", scalars,
+                     "k_cache", "v_cache"]
+    assert len(plugin_inputs) == len(trt_mod.INPUT_NAMES)
+    g.nodes.append(helper.make_node(
+        trt_mod.PLUGIN_NAME, plugin_inputs, ["k_cache_out", "v_cache_out"], name="kv_inject", domain=CUSTOM_DOMAIN,
+        num_layers=L, num_kv_heads=nkv, head_dim=hd, page_size=page_size,
+        plugin_namespace=trt_mod.PLUGIN_NAMESPACE, aot=1))
+
+    # --- context K/V of every layer, gathered from the updated cache: [L, nkv, S, hd]
+    def gather_ctx(cache):
+        t = g.op("Transpose", [cache], perm=[1, 2, 0, 3, 4])                  # [L, nkv, P, page, hd]
+        t = g.op("Reshape", [t, g.ints("shape", [L, nkv, -1, hd])])          # [L, nkv, P*page, hd]
+        return g.op("Gather", [t, "ctx_slots"], axis=2)
+    k_all, v_all = gather_ctx("k_cache_out"), gather_ctx("v_cache_out")
+
+    # --- the draft pass (DFlashDrafter.forward_cached, mask=None: non-causal)
+    h = g.op("Gather", [g.init("embed_tokens", _np(embed)), "block_ids"], axis=0)   # [B, H]
+    cos_q = g.op("Gather", [cos_tab, "block_positions"], axis=0)                     # [B, hd]
+    sin_q = g.op("Gather", [sin_tab, "block_positions"], axis=0)
+    grp = nh // nkv
+    scale = g.init("attn_scale", np.float32(1.0 / math.sqrt(hd)))
+    for l, layer in enumerate(drafter.layers):
+        a = layer.self_attn
+        bias = (lambda p: _np(p.bias) if p.bias is not None else None)
+        x = g.rms_norm(h, _np(layer.input_layernorm.weight), layer.input_layernorm.eps)
+        q = g.op("Reshape", [g.linear(x, _np(a.q_proj.weight), bias(a.q_proj)), g.ints("shape", [-1, nh, hd])])
+        q = g.op("Transpose", [g.rms_norm(q, _np(a.q_norm.weight), a.q_norm.eps)], perm=[1, 0, 2])   # [nh, B, hd]
+        q = g.rope(q, cos_q, sin_q, hd)
+        k = g.op("Reshape", [g.linear(x, _np(a.k_proj.weight), bias(a.k_proj)), g.ints("shape", [-1, nkv, hd])])
+        k = g.rope(g.op("Transpose", [g.rms_norm(k, _np(a.k_norm.weight), a.k_norm.eps)], perm=[1, 0, 2]),
+                   cos_q, sin_q, hd)                                                             # [nkv, B, hd]
+        v = g.op("Reshape", [g.linear(x, _np(a.v_proj.weight), bias(a.v_proj)), g.ints("shape", [-1, nkv, hd])])
+        v = g.op("Transpose", [v], perm=[1, 0, 2])
+        li = g.init("layer", np.int64(l))
+        K = g.op("Concat", [g.op("Gather", [k_all, li], axis=0), k], axis=1)               # [nkv, S+B, hd]
+        Vv = g.op("Concat", [g.op("Gather", [v_all, li], axis=0), v], axis=1)
+        # GQA: query head i reads kv head i // grp -> group the queries per kv head
+        qg = g.op("Reshape", [q, g.ints("shape", [nkv, -1, hd])])                          # [nkv, grp*B, hd]
+        scores = g.op("Mul", [g.op("MatMul", [qg, g.op("Transpose", [K], perm=[0, 2, 1])]), scale])
+        o = g.op("MatMul", [g.op("Softmax", [scores], axis=-1), Vv])                        # [nkv, grp*B, hd]
+        o = g.op("Reshape", [o, g.ints("shape", [nh, -1, hd])])                             # [nh, B, hd]
+        o = g.op("Reshape", [g.op("Transpose", [o], perm=[1, 0, 2]), g.ints("shape", [-1, nh * hd])])
+        h = g.op("Add", [h, g.linear(o, _np(a.o_proj.weight), bias(a.o_proj))])
+        x = g.rms_norm(h, _np(layer.post_attention_layernorm.weight), layer.post_attention_layernorm.eps)
+        gate = g.linear(x, _np(layer.mlp.gate_proj.weight))
+        up = g.linear(x, _np(layer.mlp.up_proj.weight))
+        act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])             # silu(gate) * up
+        h = g.op("Add", [h, g.linear(act, _np(layer.mlp.down_proj.weight))])
+    h = g.rms_norm(h, _np(drafter.norm.weight), drafter.norm.eps)
+    g.nodes.append(helper.make_node("MatMul", [h, g.init("lm_head_t", _np(lm_head).T)], ["logits"], name="lm_head"))
+
+    outputs = [
+        helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["B", V]),
+        helper.make_tensor_value_info("k_cache_out", TensorProto.FLOAT, cache_shape),
+        helper.make_tensor_value_info("v_cache_out", TensorProto.FLOAT, cache_shape),
+    ]
+    graph = helper.make_graph(g.nodes, "dflash_drafter", inputs, outputs, g.inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
+                                                    helper.make_opsetid(CUSTOM_DOMAIN, 1)],
+                              producer_name="dflash-trt")
+    model.ir_version = 8  # onnxruntime >= 1.15 and TensorRT 10 both read IR 8
+    model.metadata_props.append(onnx.StringStringEntryProto(key="dflash.page_size", value=str(page_size)))
+    return model
+
+
+def export_onnx(drafter_dir, target_dir, out_file, page_size: int = 16) -> Path:
+    """Export the drafter at drafter_dir (with target_dir's embedding and lm_head) to out_file.
+    Weights go to `<out_file>.data` beside it when the model is over 1 GiB."""
+    import onnx
+
+
+    check_page_size(page_size)
+    drafter = load_drafter(drafter_dir, dtype=torch.float32)
+    tcfg, embed, head = read_target_head(target_dir)
+    if tcfg.get("hidden_size") != drafter.config.hidden_size:
+        raise DFlashError(f"{Path(target_dir) / 'config.json'}: hidden_size {tcfg.get('hidden_size')} does not "
+                          f"match the drafter's hidden_size {drafter.config.hidden_size}")
+    model = build_model(drafter, embed, head, page_size)
+    out_file = Path(out_file)
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_file.name}.", dir=out_file.parent))
+    try:
+        big = model.ByteSize() > EXTERNAL_DATA_ABOVE
+        onnx.save_model(model, str(tmp / out_file.name), save_as_external_data=big, all_tensors_to_one_file=True,
+                        location=out_file.name + ".data")
+        onnx.checker.check_model(str(tmp / out_file.name))
+        if big:
+            os.replace(tmp / (out_file.name + ".data"), out_file.with_name(out_file.name + ".data"))
+        os.replace(tmp / out_file.name, out_file)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_file
+
+
+# ---------------------------------------------------------------------------- onnxruntime support
+def for_onnxruntime(model):
+    """Copy of `model` with the dflash custom node(s) in onnxruntime-extensions' Python-op domain."""
+    import onnx
+
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    for node in m.graph.node:
+        if node.domain == CUSTOM_DOMAIN:
+            node.domain = ORT_CONTRIB_DOMAIN
+    for imp in m.opset_import:
+        if imp.domain == CUSTOM_DOMAIN:
+            imp.domain = ORT_CONTRIB_DOMAIN
+    return m
+
+
+_ORT_REGISTERED = False
+
+
+def register_onnxruntime_kvinject() -> None:
+    """Implement the KVInject node for onnxruntime through onnxruntime-extensions' Python ops
+    (computation: dflash_trt.runtime.kv_inject path (2)); call once before creating the session with
+    `onnxruntime_extensions.get_library_path()` registered."""
+    global _ORT_REGISTERED
+    if _ORT_REGISTERED:
+        return
+    from onnxruntime_extensions import PyCustomOpDef, onnx_op
+
+
+    trt_mod = kv_inject_trt
+    f, i32 = PyCustomOpDef.dt_float, PyCustomOpDef.dt_int32
+
+    @onnx_op(op_type=trt_mod.PLUGIN_NAME, inputs=[f, f, f, f, f, f, i32, i32, f, f, f], outputs=[f, f],
+             attrs={"num_layers": PyCustomOpDef.dt_int64, "num_kv_heads": PyCustomOpDef.dt_int64,
+                    "head_dim": PyCustomOpDef.dt_int64, "page_size": PyCustomOpDef.dt_int64,
+                    "plugin_namespace": PyCustomOpDef.dt_string, "aot": PyCustomOpDef.dt_int64})
+    def _kv_inject(ctx_raw, w_kv, b_kv, k_norm_w, cos, sin, positions, slots, scalars, k_cache, v_cache, **attrs):
+        L, nkv, page = int(attrs["num_layers"]), int(attrs["num_kv_heads"]), int(attrs["page_size"])
+        trt_mod.infer_shapes({n: a.shape for n, a in zip(trt_mod.INPUT_NAMES, (
+            ctx_raw, w_kv, b_kv, k_norm_w, cos, sin, positions, slots, scalars, k_cache, v_cache))},
+            L, nkv, int(attrs["head_dim"]), page)
+        t = torch.from_numpy
+        k, v = fused_kv_from_ctx(t(ctx_raw), t(w_kv).T, t(b_kv), t(k_norm_w), t(cos), t(sin),
+                                 t(positions).long(), float(scalars[0]), L, nkv)
+        k_out, v_out = t(k_cache.copy()), t(v_cache.copy())
+        scatter_paged(k, v, t(slots), k_out, v_out, page)
+        return k_out.numpy(), v_out.numpy()
+
+    _ORT_REGISTERED = True
+
+
+def onnxruntime_session(model_or_path):
+    """An onnxruntime CPU session for the exported drafter (custom node through onnxruntime-extensions)."""
+    import onnx
+    import onnxruntime as ort
+    from onnxruntime_extensions import get_library_path
+
+    register_onnxruntime_kvinject()
+    model = onnx.load(str(model_or_path)) if isinstance(model_or_path, (str, Path)) else model_or_path
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(get_library_path())
+    return ort.InferenceSession(for_onnxruntime(model).SerializeToString(), so, providers=["CPUExecutionProvider"])

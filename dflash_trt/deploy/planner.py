@@ -1,0 +1,596 @@
+"""Capacity planner: per-GPU memory of a (target, drafter) pair on a node type, and the
+TP / EP / replica layouts that fit, ranked — from the models' config.json alone (no weights).
+
+Memory per GPU of one layout:
+
+    weights (by format)  +  drafter weights (BF16)  +  activations  +  runtime reserve
+    + KV pool = FREE_GPU_MEMORY_FRACTION × what is left        (TensorRT-LLM's kv_cache_config default)
+
+The drafter is BF16, or FP8 (attention and MLP linears) when the bundle says so.
+
+Weights by format, bytes per element of a quantized linear layer's weight:
+    BF16 2 · FP8 1 (+ fp32 weight/input scales) · NVFP4 0.5 + 1/16 (FP8 scale per 16 elements,
+    + fp32 global and input scales) · MXFP4 0.5 + 1/32 (E8M0 scale per 32 elements; gpt-oss experts).
+Kept in BF16 whatever the format (DESIGN.md §5): embeddings, lm_head, routers, norms, biases,
+attention sinks, and all of gpt-oss outside its experts.
+
+Tensor parallel splits (TensorRT-LLM's mapping): q / o and MLPs by tp; k / v by tp with KV heads
+duplicated when tp exceeds them (ceil(kv_heads / tp) heads per GPU); experts by tp in total
+(ep ranks hold E/ep experts, each split over moe_tp = tp/ep); embedding and lm_head by vocab.
+Norms, routers and biases are replicated.
+
+KV cache per token: every full-attention layer keeps 2 · kv_heads · head_dim values per token;
+sliding-window layers (gpt-oss) keep at most window + block tokens per sequence; the drafter's
+cache holds the projected target features of every context token (DESIGN.md §3), so it grows with
+context too. Activations are a rough upper bound (stated below), not a measurement.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from dflash_trt.errors import DFlashError
+from dflash_trt.hardware import Hardware, get_hardware
+from dflash_trt.models.config import DrafterConfig
+from dflash_trt.presets.catalog import PRESETS
+
+GIB = 2**30
+
+# TensorRT-LLM's default kv_cache_config.free_gpu_memory_fraction: the share of the memory left
+# after weights and activations that becomes the KV pool.
+FREE_GPU_MEMORY_FRACTION = 0.9
+# CUDA context, NCCL buffers, CUDA graphs, cuBLAS/cuDNN workspaces: a fixed allowance per GPU
+# (an assumption, conservative for TensorRT-LLM's PyTorch backend on one node).
+RUNTIME_RESERVE_BYTES = 3 * GIB
+DEFAULT_MAX_NUM_TOKENS = 8192    # TensorRT-LLM's default max_num_tokens
+DEFAULT_MAX_BATCH_SIZE = 128
+DEFAULT_MAX_SEQ_LEN_CAP = 32768
+
+QUANT_FORMATS = ("auto", "none", "fp8", "nvfp4", "mxfp4")
+KV_FORMATS = ("auto", "fp8", "bf16")
+
+# Bytes per weight element of a quantized linear layer (scale tensors included).
+ELEMENT_BYTES = {"none": 2.0, "fp8": 1.0, "nvfp4": 0.5 + 1 / 16, "mxfp4": 0.5 + 1 / 32}
+# Per-tensor fp32 scalars that come with each quantized linear layer (weight_scale(_2), input_scale).
+SCALAR_BYTES_PER_LINEAR = {"none": 0, "fp8": 8, "nvfp4": 8, "mxfp4": 0}
+
+# Drafter shapes of presets whose drafter config.json is not shipped, from the facts gathered in
+# presets/SOURCES.md (z-lab model cards and the spec table cited there; DERIVED, not the HF files).
+# gpt-oss-120b: 8 layers, hidden 2880, intermediate 7680, 64 / 8 heads, head_dim 64, block 10,
+# mask 200000, ids [1,9,17,25,33] — these shapes give 0.785 B parameters, matching the "about
+# 0.78 B" published. llama-3.1-8b: 5 layers, 4096, 12288, 32 / 8 heads (head_dim 4096/32), block 10.
+PRESET_DRAFTER_SHAPES: dict[str, dict] = {
+    "gpt-oss-120b": {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "num_hidden_layers": 8,
+        "hidden_size": 2880, "intermediate_size": 7680, "num_attention_heads": 64,
+        "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 201088, "block_size": 10,
+        "num_target_layers": 36,
+        "dflash_config": {"mask_token_id": 200000, "target_layer_ids": [1, 9, 17, 25, 33]},
+    },
+    "llama-3.1-8b": {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "num_hidden_layers": 5,
+        "hidden_size": 4096, "intermediate_size": 12288, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "block_size": 10,
+        "num_target_layers": 32,
+        # mask_token_id of this drafter was not found (presets/SOURCES.md); the planner does not use it.
+        "dflash_config": {"mask_token_id": -1, "target_layer_ids": [1, 8, 15, 22, 29]},
+    },
+}
+
+DENSE_TYPES = {"llama", "qwen2", "qwen3", "mistral"}
+MOE_TYPES = {"gpt_oss", "qwen3_moe", "mixtral"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Model shapes and parameter groups
+
+
+@dataclass
+class Group:
+    """One family of tensors with the same format and the same tensor-parallel rule."""
+    name: str
+    elements: int          # whole model
+    split: str             # "tp" (divided by tp), "kv" (per-head, duplicated past kv_heads), "rep"
+    quantizable: bool      # a linear-layer weight that FP8 / NVFP4 (or MXFP4 for experts) applies to
+    linears: int = 0       # number of linear modules (for per-tensor scale bytes)
+    expert: bool = False
+    kv_heads: int = 0      # for split == "kv": heads in the tensor
+    active_fraction: float = 1.0   # share of it a token touches (experts: k / E)
+
+
+@dataclass
+class ModelShape:
+    name: str
+    model_type: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    intermediate: int
+    experts: int = 0
+    experts_per_token: int = 0
+    layer_types: list[str] = field(default_factory=list)
+    sliding_window: int | None = None
+    native_format: str = "none"
+    groups: list[Group] = field(default_factory=list)
+    has_embedding: bool = True
+
+    @property
+    def total_params(self) -> int:
+        return sum(g.elements for g in self.groups)
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token's forward pass multiplies by: the embedding table is a lookup and
+        is not counted (the convention of the gpt-oss model card); lm_head is (tied or not)."""
+        n = 0
+        for g in self.groups:
+            if g.name == "embed":
+                continue
+            n += round(g.elements * g.active_fraction)
+        if not any(g.name == "lm_head" for g in self.groups) and self.has_embedding:
+            n += self.vocab * self.hidden        # tied lm_head: the embedding matrix is multiplied
+        return n
+
+    @property
+    def full_layers(self) -> int:
+        return sum(1 for t in self.layer_types if t != "sliding_attention")
+
+    @property
+    def sliding_layers(self) -> int:
+        return self.layers - self.full_layers
+
+
+def _attention_groups(layers, hidden, heads, kv_heads, head_dim, bias, qk_norm, sinks) -> list[Group]:
+    q = heads * head_dim
+    kv = kv_heads * head_dim
+    groups = [
+        Group("attn_qo", layers * 2 * hidden * q, "tp", True, linears=2 * layers),
+        Group("attn_kv", layers * 2 * hidden * kv, "kv", True, linears=2 * layers, kv_heads=kv_heads),
+    ]
+    small = 0
+    if bias:
+        small += layers * (q + 2 * kv + hidden)
+    if qk_norm:
+        small += layers * 2 * head_dim
+    if sinks:
+        small += layers * heads
+    if small:
+        groups.append(Group("attn_small", small, "rep", False))
+    return groups
+
+
+def target_shape(cfg: dict, name: str = "target") -> ModelShape:
+    """Parameter groups of a Hugging Face decoder-only config (dense Llama / Qwen / Mistral, or
+    MoE gpt-oss / Qwen3-MoE / Mixtral)."""
+    mt = cfg.get("model_type")
+    if mt not in DENSE_TYPES | MOE_TYPES:
+        raise DFlashError(f"{name}: config.json model_type {mt!r} is not one the planner knows "
+                          f"({', '.join(sorted(DENSE_TYPES | MOE_TYPES))})")
+    for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+        if k not in cfg:
+            raise DFlashError(f"{name}: config.json has no field {k}")
+    H, L, nh, V = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["vocab_size"]
+    kvh = cfg.get("num_key_value_heads") or nh
+    hd = cfg.get("head_dim") or H // nh
+    E = (cfg.get("num_local_experts") or cfg.get("num_experts") or 0) if mt in MOE_TYPES else 0
+    k = cfg.get("num_experts_per_tok") or cfg.get("experts_per_token") or 0
+    inter = cfg.get("moe_intermediate_size") if mt == "qwen3_moe" else cfg.get("intermediate_size")
+    if inter is None:
+        raise DFlashError(f"{name}: config.json has no field intermediate_size")
+    layer_types = cfg.get("layer_types") or ["full_attention"] * L
+    sliding = cfg.get("sliding_window") if "sliding_attention" in layer_types else None
+
+    groups = [Group("embed", V * H, "tp", False)]
+    if not cfg.get("tie_word_embeddings", False):
+        groups.append(Group("lm_head", V * H, "tp", False))
+    groups += _attention_groups(L, H, nh, kvh, hd, bool(cfg.get("attention_bias", False)),
+                                qk_norm=mt in ("qwen3", "qwen3_moe"), sinks=mt == "gpt_oss")
+    groups.append(Group("norms", L * 2 * H + H, "rep", False))
+    if E:
+        moe_layers = L
+        dense_layers = 0
+        if mt == "qwen3_moe":
+            step = cfg.get("decoder_sparse_step", 1) or 1
+            only = set(cfg.get("mlp_only_layers") or [])
+            moe_layers = sum(1 for i in range(L) if i not in only and (i + 1) % step == 0)
+            dense_layers = L - moe_layers
+        frac = k / E
+        groups.append(Group("experts", moe_layers * E * 3 * H * inter, "tp", True,
+                            linears=moe_layers * E * 2, expert=True, active_fraction=frac))
+        router_bias = mt == "gpt_oss"
+        groups.append(Group("router", moe_layers * (H * E + (E if router_bias else 0)), "rep", False))
+        if mt == "gpt_oss":  # gate_up bias [E, 2I] and down bias [E, H]
+            groups.append(Group("expert_bias", moe_layers * E * (2 * inter + H), "rep", False,
+                                active_fraction=frac))
+        if dense_layers:
+            groups.append(Group("mlp", dense_layers * 3 * H * cfg["intermediate_size"], "tp", True,
+                                linears=3 * dense_layers))
+    else:
+        groups.append(Group("mlp", L * 3 * H * inter, "tp", True, linears=3 * L))
+        if cfg.get("mlp_bias"):
+            groups.append(Group("mlp_bias", L * (2 * inter + H), "rep", False))
+    return ModelShape(name=name, model_type=mt, hidden=H, layers=L, heads=nh, kv_heads=kvh, head_dim=hd,
+                      vocab=V, intermediate=inter, experts=E, experts_per_token=k, layer_types=layer_types,
+                      sliding_window=sliding, native_format=native_format(cfg), groups=groups)
+
+
+def drafter_shape(cfg: dict, name: str = "drafter") -> ModelShape:
+    """Parameter groups of a z-lab DFlash drafter (DESIGN.md §3): fc [H, n_feat·H], hidden_norm,
+    norm, Qwen3 decoder blocks; no embedding and no lm_head (it borrows the target's)."""
+    d = DrafterConfig.from_dict(cfg, name)
+    H, L = d.hidden_size, d.num_hidden_layers
+    groups = [Group("fc", d.n_features * H * H, "tp", False), Group("norms", 2 * H + L * 2 * H, "rep", False)]
+    groups += _attention_groups(L, H, d.num_attention_heads, d.num_key_value_heads, d.head_dim,
+                                d.attention_bias, qk_norm=True, sinks=False)
+    groups.append(Group("mlp", L * 3 * H * d.intermediate_size, "tp", True, linears=3 * L))
+    layer_types = cfg.get("layer_types") or ["full_attention"] * L
+    return ModelShape(name=name, model_type="dflash", hidden=H, layers=L, heads=d.num_attention_heads,
+                      kv_heads=d.num_key_value_heads, head_dim=d.head_dim, vocab=d.vocab_size,
+                      intermediate=d.intermediate_size, layer_types=layer_types,
+                      sliding_window=cfg.get("sliding_window") if "sliding_attention" in layer_types else None,
+                      groups=groups, has_embedding=False)
+
+
+def native_format(cfg: dict) -> str:
+    """The weight format a checkpoint ships in, from its quantization_config."""
+    q = cfg.get("quantization_config") or {}
+    method = str(q.get("quant_method", "")).lower()
+    if method == "mxfp4":
+        return "mxfp4"
+    algo = str(q.get("quant_algo") or (q.get("quantization") or {}).get("quant_algo") or "").upper()
+    if method == "modelopt" or algo:
+        if algo == "FP8":
+            return "fp8"
+        if algo == "NVFP4":
+            return "nvfp4"
+    return "none"
+
+
+# ---------------------------------------------------------------------------------------------
+# Formats
+
+
+def resolve_quant(shape: ModelShape, hw: Hardware, quant: str) -> str:
+    """The target's weight format. `auto` follows `dflash-trt build`: MXFP4 kept for gpt-oss, an
+    already-quantized checkpoint kept as is, else NVFP4 on Blackwell and FP8 on Hopper."""
+    if quant not in QUANT_FORMATS:
+        raise DFlashError(f"--quant {quant!r}: choose one of {', '.join(QUANT_FORMATS)}")
+    if quant == "auto":
+        if shape.native_format != "none":
+            quant = shape.native_format
+        else:
+            quant = "nvfp4" if hw.fp4 else "fp8"
+    if shape.model_type == "gpt_oss" and quant in ("fp8", "nvfp4"):
+        raise DFlashError(f"--quant {quant}: TensorRT-LLM serves gpt-oss with its MXFP4 experts only "
+                          "(no FP8 / NVFP4 weight path); use --quant mxfp4 (the default) or none")
+    if quant == "mxfp4" and shape.model_type != "gpt_oss":
+        raise DFlashError(f"--quant mxfp4: only gpt-oss ships MXFP4 experts; {shape.name} "
+                          f"(model_type {shape.model_type}) takes none, fp8 or nvfp4")
+    if quant == "nvfp4" and not hw.fp4:
+        raise DFlashError(f"--quant nvfp4: {hw.name} ({hw.sm}) has no FP4 tensor cores; NVFP4 needs "
+                          "Blackwell (sm_100/sm_103); use --quant fp8")
+    if quant == "fp8" and not hw.fp8:
+        raise DFlashError(f"--quant fp8: {hw.name} ({hw.sm}) has no FP8 tensor cores")
+    return quant
+
+
+def resolve_kv(quant: str, kv: str, hw: Hardware) -> str:
+    if kv not in KV_FORMATS:
+        raise DFlashError(f"--kv-cache {kv!r}: choose one of {', '.join(KV_FORMATS)}")
+    if kv == "auto":
+        kv = "fp8" if quant != "none" and hw.fp8 else "bf16"
+    return kv
+
+
+def weight_bytes(shape: ModelShape, fmt: str, tp: int = 1) -> int:
+    """Bytes of the model's weights on one GPU of a tp-way split (tp=1: the whole model)."""
+    total = 0.0
+    for g in shape.groups:
+        elems = _elements_per_gpu(g, shape, tp)
+        quantized = g.quantizable and (fmt in ("fp8", "nvfp4") or (fmt == "mxfp4" and g.expert))
+        if quantized:
+            total += elems * ELEMENT_BYTES[fmt] + g.linears * SCALAR_BYTES_PER_LINEAR[fmt]
+        else:
+            total += elems * 2.0
+    return int(math.ceil(total))
+
+
+def _elements_per_gpu(g: Group, shape: ModelShape, tp: int) -> float:
+    if g.split == "rep" or tp == 1:
+        return g.elements
+    if g.split == "kv":
+        return g.elements / g.kv_heads * math.ceil(g.kv_heads / tp)
+    if g.name in ("embed", "lm_head"):   # vocab padded to a multiple of tp
+        return math.ceil(shape.vocab / tp) * shape.hidden
+    return g.elements / tp
+
+
+def kv_bytes_per_token(shape: ModelShape, kv_format: str, tp: int = 1, sliding: bool = False) -> int:
+    """KV bytes per token of context on one GPU of a tp-way split: full-attention layers (or,
+    with sliding=True, the sliding-window layers)."""
+    layers = shape.sliding_layers if sliding else shape.full_layers
+    b = 1 if kv_format == "fp8" else 2
+    return layers * 2 * math.ceil(shape.kv_heads / tp) * shape.head_dim * b
+
+
+def activation_bytes(shape: ModelShape, tp: int, max_num_tokens: int, logits_tokens: int) -> int:
+    """A rough upper bound of TensorRT-LLM's activation memory per GPU: bf16 hidden, qkv and MLP
+    intermediates for max_num_tokens tokens in flight, plus fp32 logits (vocab/tp) for the tokens
+    the step samples or verifies (max_batch_size × block)."""
+    heads = shape.heads // tp + 2 * math.ceil(shape.kv_heads / tp)
+    inter = shape.intermediate * (shape.experts_per_token if shape.experts else 1)
+    per_token = 2 * (4 * shape.hidden + heads * shape.head_dim + 2 * inter // tp)
+    logits = logits_tokens * math.ceil(shape.vocab / tp) * 4
+    return max_num_tokens * per_token + logits
+
+
+# ---------------------------------------------------------------------------------------------
+# Planning
+
+
+@dataclass
+class Layout:
+    tp: int
+    ep: int
+    pp: int
+    replicas: int
+    nodes_per_replica: int
+    fits: bool
+    kv_tokens: int
+    max_sequences: int
+    reason: str
+    weights_bytes_per_gpu: int = 0
+    drafter_bytes_per_gpu: int = 0
+    activation_bytes_per_gpu: int = 0
+    runtime_reserve_bytes: int = RUNTIME_RESERVE_BYTES
+    kv_budget_bytes_per_gpu: int = 0
+    kv_bytes_per_token_per_gpu: int = 0
+    within_nvlink_domain: bool = True
+
+
+@dataclass
+class Plan:
+    target: str
+    drafter: str | None
+    hardware: str
+    nodes: int
+    gpus_per_node: int
+    quant: dict
+    max_seq_len: int
+    max_num_tokens: int
+    max_batch_size: int
+    kv_fraction: float
+    block_size: int
+    objective: str
+    total_params: int
+    active_params: int
+    drafter_params: int
+    weights_bytes: dict
+    weights_bytes_per_gpu: dict
+    kv_bytes_per_token: dict
+    layouts: list[Layout]
+
+    @property
+    def chosen(self) -> Layout | None:
+        return self.layouts[0] if self.layouts and self.layouts[0].fits else None
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["chosen"] = asdict(self.chosen) if self.chosen else None
+        return d
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def plan(target_cfg: dict, drafter_cfg: dict | None, hardware: str | Hardware, *, target_name: str = "target",
+         drafter_name: str | None = None, quant: str = "auto", kv_cache: str = "auto",
+         drafter_quant: str = "none", max_seq_len: int | None = None, nodes: int = 1, gpus_per_node: int | None = None,
+         max_num_tokens: int = DEFAULT_MAX_NUM_TOKENS, max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+         objective: str = "latency", tp: int | None = None, ep: int | None = None,
+         kv_fraction: float = FREE_GPU_MEMORY_FRACTION) -> Plan:
+    """Evaluate every TP / EP / replica layout of `nodes` nodes of `hardware`, ranked.
+
+    Ranking (fitting layouts first): objective "latency" prefers a replica inside one NVLink
+    domain, then the widest TP (fewest weight bytes read per GPU per step), then EP 1 (the
+    TensorRT-LLM latency recipe), then the most KV tokens; "throughput" prefers the most concurrent
+    sequences over all replicas, then the narrowest TP, then the widest EP. `tp` / `ep` restrict
+    the search to those values (a bundle whose model repository fixes them); `kv_fraction` is
+    kv_cache_config.free_gpu_memory_fraction."""
+    hw = hardware if isinstance(hardware, Hardware) else get_hardware(hardware)
+    if not 0 < kv_fraction <= 1:
+        raise DFlashError(f"free_gpu_memory_fraction {kv_fraction}: must be in (0, 1]")
+    if objective not in ("latency", "throughput"):
+        raise DFlashError(f"--objective {objective!r}: choose latency or throughput")
+    if nodes < 1:
+        raise DFlashError(f"--nodes {nodes}: must be at least 1")
+    gpn = gpus_per_node or hw.gpus_per_node
+    if gpn < 1:
+        raise DFlashError(f"--gpus-per-node {gpn}: must be at least 1")
+    target = target_shape(target_cfg, target_name)
+    drafter = drafter_shape(drafter_cfg, drafter_name or "drafter") if drafter_cfg else None
+    if drafter and drafter.hidden != target.hidden:
+        raise DFlashError(f"{drafter_name}: drafter hidden_size {drafter.hidden} != target hidden_size "
+                          f"{target.hidden} ({target_name})")
+    fmt = resolve_quant(target, hw, quant)
+    kv = resolve_kv(fmt, kv_cache, hw)
+    if drafter_quant not in ("none", "fp8"):
+        raise DFlashError(f"drafter quant {drafter_quant!r}: expected none or fp8")
+    max_pos = target_cfg.get("max_position_embeddings") or DEFAULT_MAX_SEQ_LEN_CAP
+    if max_seq_len is None:
+        max_seq_len = min(max_pos, DEFAULT_MAX_SEQ_LEN_CAP)
+    if max_seq_len < 1 or max_seq_len > max_pos:
+        raise DFlashError(f"--max-seq-len {max_seq_len}: must be in [1, {max_pos}] "
+                          f"(max_position_embeddings of {target_name})")
+    block = int((drafter_cfg or {}).get("block_size") or ((drafter_cfg or {}).get("dflash_config") or {})
+                .get("block_size") or 1)
+    logits_tokens = min(max_num_tokens, max_batch_size * block)
+    total_gpus = nodes * gpn
+
+    layouts: list[Layout] = []
+    # Powers of two only: the head counts of the models served are, and the chart's schema checks
+    # GPU counts against tp × pp for powers of two.
+    tps = [t for t in _divisors(total_gpus) if t & (t - 1) == 0 and (tp is None or t == tp)]
+    if tp is not None and tp & (tp - 1):
+        raise DFlashError(f"tp {tp}: the planner and the Helm chart take tensor parallel sizes that are powers of two")
+    if tp is not None and total_gpus % tp:
+        raise DFlashError(f"tp {tp}: {nodes} node(s) × {gpn} GPUs = {total_gpus} is not a multiple of tp "
+                          "(pass --nodes / --gpus-per-node)")
+    for t in tps:
+        eps = [e for e in _divisors(t) if target.experts and (ep is None or e == ep)] or [1]
+        if not target.experts:
+            eps = [1]
+        for e in eps:
+            layouts.append(_evaluate(target, drafter, hw, fmt, drafter_quant, kv, t, e, total_gpus, gpn,
+                                     max_seq_len, max_num_tokens, logits_tokens, block, kv_fraction))
+
+    if objective == "latency":
+        key = lambda l: (not l.fits, not l.within_nvlink_domain, -l.tp, l.ep, -l.kv_tokens)
+    else:
+        key = lambda l: (not l.fits, -l.max_sequences * l.replicas, l.tp, -l.ep)
+    layouts.sort(key=key)
+
+    ref = next((l for l in layouts if l.fits), max(layouts, key=lambda l: l.tp))
+    kvd = {
+        "target": kv_bytes_per_token(target, kv),
+        "drafter": kv_bytes_per_token(drafter, kv) if drafter else 0,
+        "format": kv,
+    }
+    if target.sliding_layers:
+        kvd["target_sliding_window"] = {"layers": target.sliding_layers, "window": target.sliding_window,
+                                        "bytes_per_token": kv_bytes_per_token(target, kv, sliding=True)}
+    return Plan(
+        target=target_name, drafter=drafter_name if drafter else None, hardware=hw.name, nodes=nodes,
+        gpus_per_node=gpn, quant={"target": fmt, "kv_cache": kv, "drafter": drafter_quant}, max_seq_len=max_seq_len,
+        max_num_tokens=max_num_tokens, max_batch_size=max_batch_size, kv_fraction=kv_fraction, block_size=block,
+        objective=objective,
+        total_params=target.total_params, active_params=target.active_params,
+        drafter_params=drafter.total_params if drafter else 0,
+        weights_bytes={"target": weight_bytes(target, fmt), "drafter": weight_bytes(drafter, drafter_quant) if drafter else 0},
+        weights_bytes_per_gpu={"tp": ref.tp, "ep": ref.ep, "target": ref.weights_bytes_per_gpu,
+                               "drafter": ref.drafter_bytes_per_gpu},
+        kv_bytes_per_token=kvd, layouts=layouts,
+    )
+
+
+def _evaluate(target, drafter, hw, fmt, dfmt, kv, tp, ep, total_gpus, gpn, max_seq_len, max_num_tokens,
+              logits_tokens, block, kv_fraction) -> Layout:
+    replicas = total_gpus // tp
+    nodes_per_replica = max(1, math.ceil(tp / gpn))
+    lay = Layout(tp=tp, ep=ep, pp=1, replicas=replicas, nodes_per_replica=nodes_per_replica, fits=False,
+                 kv_tokens=0, max_sequences=0, reason="", within_nvlink_domain=tp <= hw.nvlink_domain_gpus)
+    if tp > gpn and tp % gpn:
+        lay.reason = f"tp {tp} spans nodes but is not a multiple of {gpn} GPUs per node"
+        return lay
+    for m in filter(None, (target, drafter)):
+        if m.heads % tp:
+            lay.reason = f"tp {tp} does not divide the {m.heads} attention heads of the {m.name}"
+            return lay
+    if target.experts:
+        if target.experts % ep:
+            lay.reason = f"ep {ep} does not divide the {target.experts} experts"
+            return lay
+        if target.intermediate % (tp // ep):
+            lay.reason = f"moe tp {tp // ep} does not divide the expert intermediate size {target.intermediate}"
+            return lay
+    lay.weights_bytes_per_gpu = weight_bytes(target, fmt, tp)
+    lay.drafter_bytes_per_gpu = weight_bytes(drafter, dfmt, tp) if drafter else 0
+    lay.activation_bytes_per_gpu = activation_bytes(target, tp, max_num_tokens, logits_tokens)
+    fixed = lay.weights_bytes_per_gpu + lay.drafter_bytes_per_gpu + lay.activation_bytes_per_gpu + lay.runtime_reserve_bytes
+    per_tok = kv_bytes_per_token(target, kv, tp) + (kv_bytes_per_token(drafter, kv, tp) if drafter else 0)
+    lay.kv_bytes_per_token_per_gpu = per_tok
+    if fixed >= hw.memory_bytes:
+        lay.reason = (f"does not fit: weights {lay.weights_bytes_per_gpu / GIB:.1f} GiB + drafter "
+                      f"{lay.drafter_bytes_per_gpu / GIB:.1f} GiB + activations {lay.activation_bytes_per_gpu / GIB:.1f} GiB "
+                      f"+ runtime {lay.runtime_reserve_bytes / GIB:.1f} GiB per GPU > {hw.memory_bytes / GIB:.1f} GiB "
+                      f"of {hw.gpu}")
+        return lay
+    budget = int((hw.memory_bytes - fixed) * kv_fraction)
+    lay.kv_budget_bytes_per_gpu = budget
+    window = 0
+    if target.sliding_layers:
+        window = kv_bytes_per_token(target, kv, tp, sliding=True) * min(target.sliding_window + block, max_seq_len)
+    per_seq = max_seq_len * per_tok + window
+    lay.kv_tokens = budget // per_tok if per_tok else 0
+    lay.max_sequences = budget // per_seq if per_seq else 0
+    if lay.max_sequences < 1:
+        lay.reason = (f"does not fit: one sequence of {max_seq_len} tokens needs {per_seq / GIB:.2f} GiB of KV per GPU, "
+                      f"{budget / GIB:.2f} GiB left")
+        return lay
+    lay.fits = True
+    where = "one NVLink domain" if lay.within_nvlink_domain else "crosses NVLink domains"
+    lay.reason = (f"fits: {budget / GIB:.1f} GiB KV per GPU, {lay.kv_tokens:,} tokens, {lay.max_sequences:,} "
+                  f"sequences of {max_seq_len} per replica; {where}")
+    return lay
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+
+
+def load_target(target: str) -> tuple[str, dict, dict | None]:
+    """--target NAME|DIR → (name, config.json, the preset's drafter config or None)."""
+    if target in PRESETS:
+        p = PRESETS[target]
+        dcfg = p.drafter_config() or PRESET_DRAFTER_SHAPES.get(target)
+        return target, p.config(), dcfg
+    path = Path(target)
+    if path.is_dir():
+        return path.name, _read_json(path / "config.json"), None
+    raise DFlashError(f"--target {target!r}: neither a preset ({', '.join(sorted(PRESETS))}) nor a folder with config.json")
+
+
+def load_drafter(folder: str) -> tuple[str, dict]:
+    path = Path(folder)
+    if not path.is_dir():
+        raise DFlashError(f"--drafter {folder}: not a folder")
+    return path.name, _read_json(path / "config.json")
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise DFlashError(f"{path}: not found") from None
+    except json.JSONDecodeError as e:
+        raise DFlashError(f"{path}: invalid JSON ({e.msg} at line {e.lineno})") from None
+
+
+def format_plan(p: Plan) -> str:
+    """A human-readable report of a plan."""
+    gb = lambda b: f"{b / GIB:,.1f} GiB"
+    lines = [
+        f"target {p.target}: {p.total_params / 1e9:.2f} B parameters, {p.active_params / 1e9:.2f} B active per token; "
+        f"weights {gb(p.weights_bytes['target'])} as {p.quant['target']}",
+        (f"drafter {p.drafter}: {p.drafter_params / 1e9:.3f} B parameters, {gb(p.weights_bytes['drafter'])} "
+         f"{'bf16' if p.quant['drafter'] == 'none' else p.quant['drafter']}, "
+         f"block {p.block_size}") if p.drafter else "drafter: none given (plain decoding figures)",
+        f"KV cache ({p.quant['kv_cache']}): target {p.kv_bytes_per_token['target']:,} B/token"
+        + (f" + sliding-window layers {p.kv_bytes_per_token['target_sliding_window']['bytes_per_token']:,} B/token up to "
+           f"{p.kv_bytes_per_token['target_sliding_window']['window']} tokens" if "target_sliding_window" in p.kv_bytes_per_token else "")
+        + f"; drafter {p.kv_bytes_per_token['drafter']:,} B/token",
+        f"hardware {p.hardware}: {p.nodes} node(s) × {p.gpus_per_node} GPUs; max_seq_len {p.max_seq_len}, "
+        f"objective {p.objective}",
+        "",
+        f"{'rank':>4} {'tp':>3} {'ep':>3} {'repl':>4} {'weights/GPU':>12} {'KV tokens':>12} {'seqs/repl':>9}  reason",
+    ]
+    for i, l in enumerate(p.layouts, 1):
+        lines.append(f"{i if l.fits else '-':>4} {l.tp:>3} {l.ep:>3} {l.replicas:>4} "
+                     f"{gb(l.weights_bytes_per_gpu) if l.weights_bytes_per_gpu else '':>12} {l.kv_tokens:>12,} "
+                     f"{l.max_sequences:>9,}  {l.reason}")
+    c = p.chosen
+    lines.append("")
+    if c:
+        lines.append(f"chosen: tp {c.tp}, ep {c.ep}, {c.replicas} replica(s); per GPU: weights "
+                     f"{gb(c.weights_bytes_per_gpu)} + drafter {gb(c.drafter_bytes_per_gpu)} + activations "
+                     f"{gb(c.activation_bytes_per_gpu)} + runtime {gb(c.runtime_reserve_bytes)}, KV pool "
+                     f"{gb(c.kv_budget_bytes_per_gpu)} ({c.kv_bytes_per_token_per_gpu:,} B/token per GPU)")
+    else:
+        lines.append("chosen: nothing fits")
+    return "\n".join(lines)

@@ -1,0 +1,275 @@
+"""Helm values (and, on request, rendered manifests) for a bundle: `dflash-trt deploy`.
+
+The bundle manifest (`<bundle>/manifest.json`, written by `dflash-trt build`) keys this module
+relies on:
+
+    tool_version                 str
+    target.name                  str: preset name or folder name
+    target.config                dict: the target's Hugging Face config.json
+    drafter.config               dict: the drafter's config.json (else drafter.bundle_path or
+                                 drafter.path, a folder with config.json, relative to the bundle or
+                                 absolute; else the preset's drafter shapes)
+    quant.drafter                "fp8" | "none" (default none)
+    max_seq_len                  int: the planner's sequence length (default min(model max, 32768))
+    <triton_model_repository>/tensorrt_llm/1/model.yaml (optional file): kv_cache_config.
+                                 free_gpu_memory_fraction, max_batch_size, max_num_tokens
+    arch                         "blackwell" | "hopper"
+    gpu                          "b300" | "b200" | "gb200" | "h200" | "h100" | null (no GPU pinned:
+                                 a CPU-only deployment of the reference-runtime model)
+    quant.target                 "nvfp4" | "fp8" | "mxfp4" | "none"
+    quant.kv_cache               "fp8" | "bf16"
+    parallel.tp, parallel.ep     int: the layout search is restricted to them (the bundle's Triton
+                                 model was written for them); the planner picks the replicas
+    parallel.pp                  int: 1 (pipeline parallel bundles are not planned)
+    stages.compile.status        "deferred" turns on the chart's compile init container
+    triton_model_repository      str: the model repository folder, relative to the bundle
+    triton_models                [str]: its models; "dflash_reference" is the CPU-capable one
+
+The layout written by default is the planner's chosen layout for the bundle (`plan_for_bundle`),
+so `dflash-trt plan --bundle DIR` shows exactly what `deploy` will do.
+"""
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import yaml
+
+from dflash_trt.bundle.manifest import read_manifest as read_checked
+from dflash_trt.deploy import planner
+from dflash_trt.errors import DFlashError
+from dflash_trt.paths import package_path
+from dflash_trt.hardware import Hardware, hardware_for_gpu
+
+GIB = 2**30
+REFERENCE_MODEL = "dflash_reference"     # CPU-capable Triton model of the bundle
+SHM_PER_GPU_GIB = 2                       # /dev/shm per GPU: NCCL and Python-backend tensors
+HOST_MEMORY_BASE_GIB = 32                 # host memory per GPU pod besides /dev/shm
+CPU_PER_GPU = 4
+DEFAULT_SSH_SECRET = "dflash-trt-ssh"
+
+
+def default_chart_dir() -> Path:
+    """The chart shipped as package data: dflash_trt/deploy/helm/dflash-trt."""
+    return package_path("deploy", "helm", "dflash-trt")
+
+
+def default_out(bundle: str | Path) -> Path:
+    """<bundle>-deploy beside the bundle: writing inside it would add files its manifest does not
+    list (`dflash-trt verify` reports them)."""
+    b = Path(bundle).resolve()
+    return b.with_name(b.name + "-deploy")
+
+
+def read_manifest(bundle: str | Path) -> dict:
+    """manifest.json of a bundle, checked against the build's manifest schema."""
+    path = Path(bundle) / "manifest.json"
+    if not Path(bundle).is_dir():
+        raise DFlashError(f"{bundle}: not a folder")
+    m = read_checked(bundle)
+    if not isinstance(m["target"].get("config"), dict):
+        raise DFlashError(f"{path}: target.config must be the target's config.json object")
+    return m
+
+
+def _drafter_config(bundle: Path, m: dict) -> tuple[str | None, dict | None]:
+    """The drafter's config.json: drafter.config in the manifest, else <bundle>/<drafter.bundle_path>
+    or drafter.path, else the preset's drafter shapes for target.name; None if none is known."""
+    d = m.get("drafter") or {}
+    if isinstance(d.get("config"), dict):
+        return "drafter", d["config"]
+    for key in ("bundle_path", "path"):
+        if d.get(key):
+            p = Path(d[key])
+            p = p if p.is_absolute() else bundle / p
+            if (p / "config.json").is_file():
+                return p.name, planner._read_json(p / "config.json")
+    name = m["target"].get("name")
+    try:
+        _, _, dcfg = planner.load_target(name) if name else (None, None, None)
+    except DFlashError:
+        dcfg = None
+    if dcfg is not None:
+        return f"{name} drafter (preset shapes)", dcfg
+    return None, None
+
+
+def bundle_hardware(m: dict, gpu: str | None = None) -> Hardware | None:
+    """The catalog node type of the bundle's GPU (or of `gpu` when given); None = CPU-only."""
+    gpu = gpu or m.get("gpu")
+    if gpu in (None, "none", ""):
+        return None
+    hw = hardware_for_gpu(gpu)
+    arch = m.get("arch")
+    if arch and arch != hw.arch:
+        raise DFlashError(f"manifest.json: bundle built for arch {arch}, but {gpu} is {hw.arch}")
+    return hw
+
+
+def plan_for_bundle(bundle: str | Path, *, nodes: int = 1, gpus_per_node: int | None = None,
+                    gpu: str | None = None, max_seq_len: int | None = None,
+                    objective: str = "latency") -> planner.Plan | None:
+    """The planner run for a bundle: its target, drafter, formats and GPU; TP / EP fixed to the
+    bundle's when it records them (its Triton model was written for them). None for a bundle
+    without a GPU (CPU-only deployment)."""
+    bundle = Path(bundle)
+    m = read_manifest(bundle)
+    hw = bundle_hardware(m, gpu)
+    if hw is None:
+        return None
+    dname, dcfg = _drafter_config(bundle, m)
+    par = m.get("parallel") or {}
+    if int(par.get("pp") or 1) != 1:
+        raise DFlashError("manifest.json: parallel.pp > 1 is not planned; set the chart's parallel.pp by hand")
+    q = m["quant"]
+    llm = _llm_api_settings(bundle, m)
+    return planner.plan(m["target"]["config"], dcfg, hw, target_name=m["target"].get("name", "target"),
+                        drafter_name=dname, quant=q.get("target", "auto"), kv_cache=q.get("kv_cache", "auto"),
+                        drafter_quant=q.get("drafter") or "none", max_seq_len=max_seq_len or m.get("max_seq_len"), nodes=nodes, gpus_per_node=gpus_per_node, objective=objective,
+                        tp=par.get("tp"), ep=par.get("ep"), **llm)
+
+
+def _llm_api_settings(bundle: Path, m: dict) -> dict:
+    """KV fraction, batch and token limits from the bundle's TensorRT-LLM model.yaml (what the
+    server will really use), where present."""
+    path = bundle / m["triton_model_repository"] / "tensorrt_llm" / "1" / "model.yaml"
+    if not path.is_file():
+        return {}
+    try:
+        y = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise DFlashError(f"{path}: invalid YAML ({e})") from None
+    out = {}
+    frac = (y.get("kv_cache_config") or {}).get("free_gpu_memory_fraction")
+    if frac is not None:
+        out["kv_fraction"] = float(frac)
+    for key in ("max_batch_size", "max_num_tokens"):
+        if y.get(key):
+            out[key] = int(y[key])
+    return out
+
+
+def deploy_values(bundle: str | Path, *, nodes: int = 1, gpus_per_node: int | None = None,
+                  replicas: int | None = None, gpu: str | None = None, pvc: str | None = None,
+                  ssh_secret: str = DEFAULT_SSH_SECRET, max_seq_len: int | None = None) -> tuple[dict, planner.Plan | None]:
+    """Chart values for a bundle, and the plan they follow (None for CPU-only)."""
+    bundle = Path(bundle)
+    m = read_manifest(bundle)
+    models = list(m["triton_models"])
+    if replicas is not None and replicas < 0:
+        raise DFlashError(f"--replicas {replicas}: must be at least 0")
+    values: dict = {
+        "bundle": {"modelRepository": m["triton_model_repository"], "delivery": "pvc"},
+        "podAnnotations": {"dflash-trt/target": str(m["target"].get("name", "")),
+                           "dflash-trt/tool-version": str(m.get("tool_version", ""))},
+    }
+    compile_deferred = ((m.get("stages") or {}).get("compile") or {}).get("status") == "deferred"
+    p = plan_for_bundle(bundle, nodes=nodes, gpus_per_node=gpus_per_node, gpu=gpu, max_seq_len=max_seq_len)
+
+    if p is None:   # CPU-only: the reference-runtime model, one pod, no GPU
+        if REFERENCE_MODEL not in models:
+            raise DFlashError(f"manifest.json: no GPU and no {REFERENCE_MODEL} model in triton_models {models}; "
+                              "pass --gpu")
+        values.update({
+            "replicas": 1 if replicas is None else replicas,
+            "workload": {"kind": "Deployment"},
+            "gpu": {"count": 0, "product": ""},
+            "parallel": {"tp": 1, "pp": 1, "ep": 1},
+            "shmSize": "1Gi",
+            "resources": {"requests": {"cpu": "2", "memory": "8Gi"}, "limits": {"memory": "16Gi"}},
+            "compile": {"enabled": False},
+        })
+        values["bundle"]["models"] = [REFERENCE_MODEL]
+        values["bundle"]["pvc"] = _pvc(pvc, 10, rwx=False)
+        return values, None
+
+    chosen = p.chosen
+    if chosen is None:
+        rejected = p.layouts[0].reason if p.layouts else "no layout"
+        raise DFlashError(f"the bundle does not fit {nodes} × {p.hardware}: tp {p.layouts[0].tp}: {rejected}")
+    hw = hardware_for_gpu(gpu or m["gpu"])
+    gpn = p.gpus_per_node
+    pod_gpus = min(chosen.tp, gpn)
+    n_replicas = chosen.replicas if replicas is None else replicas
+    multi = chosen.tp > gpn
+    shm_gib = SHM_PER_GPU_GIB * pod_gpus
+    weights_gib_per_pod = math.ceil((chosen.weights_bytes_per_gpu + chosen.drafter_bytes_per_gpu) * pod_gpus / GIB)
+    gpu_models = [x for x in models if x != REFERENCE_MODEL]
+    bundle_gib = math.ceil((p.weights_bytes["target"] + p.weights_bytes["drafter"]) * 1.5 / GIB)
+    values.update({
+        "replicas": n_replicas,
+        "workload": {"kind": "LeaderWorkerSet" if multi else "Deployment"},
+        "gpu": {"count": pod_gpus, "product": hw.gpu_product},
+        "parallel": {"tp": chosen.tp, "pp": 1, "ep": chosen.ep},
+        "shmSize": f"{shm_gib}Gi",
+        "resources": {
+            "requests": {"cpu": str(CPU_PER_GPU * pod_gpus), "memory": f"{shm_gib + HOST_MEMORY_BASE_GIB}Gi"},
+            # Weights pass through host memory (page cache) while loading.
+            "limits": {"memory": f"{shm_gib + HOST_MEMORY_BASE_GIB + weights_gib_per_pod}Gi"},
+        },
+        "compile": {"enabled": compile_deferred},
+    })
+    values["bundle"]["models"] = gpu_models
+    values["bundle"]["pvc"] = _pvc(pvc, max(10, bundle_gib), rwx=multi or n_replicas > 1)
+    if multi:
+        values["multiNode"] = {"sshSecret": ssh_secret}
+    return values, p
+
+
+def _pvc(existing: str | None, size_gib: int, rwx: bool) -> dict:
+    if existing:
+        return {"existingClaim": existing, "create": False}
+    return {"existingClaim": "", "create": True, "size": f"{size_gib}Gi",
+            "accessModes": ["ReadWriteMany" if rwx else "ReadWriteOnce"]}
+
+
+def render(values: dict, chart: str | Path | None = None, release: str = "dflash-trt",
+           namespace: str = "default") -> dict[str, str]:
+    """Render the chart with Helm's own engine (helm-python-sdk): template path → manifest.
+    Helm validates the values against values.schema.json first."""
+    import helm_python as helm
+
+    chart = Path(chart) if chart else default_chart_dir()
+    if not (chart / "Chart.yaml").is_file():
+        raise DFlashError(f"{chart}: no Chart.yaml (pass --chart DIR: a dflash-trt Helm chart folder)")
+    with helm.Chart.load(str(chart)) as c:
+        try:
+            return c.render(values, name=release, namespace=namespace, is_install=True)
+        except helm.HelmError as e:
+            msg = " ".join(str(e).split())
+            raise DFlashError(f"{chart}: helm rejected the values: {msg}") from None
+
+
+def write_deployment(out: str | Path, values: dict, manifests: dict[str, str] | None, header: str = "") -> Path:
+    """values.yaml (+ manifests/*.yaml) into `out`, written to a temp folder and renamed."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        (tmp / "values.yaml").write_text(header + yaml.safe_dump(values, sort_keys=False))
+        if manifests is not None:
+            (tmp / "manifests").mkdir()
+            for name, text in sorted(manifests.items()):
+                if not text.strip() or name.endswith("NOTES.txt"):
+                    continue
+                (tmp / "manifests" / Path(name).name).write_text(text.lstrip("\n"))
+            notes = next((t for n, t in manifests.items() if n.endswith("NOTES.txt")), None)
+            if notes:
+                (tmp / "NOTES.txt").write_text(notes)
+        if out.exists():
+            if not (out / "values.yaml").is_file():
+                raise DFlashError(f"{out}: exists and is not a deploy folder (no values.yaml); choose another --out")
+            old = out.with_name(f".{out.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out

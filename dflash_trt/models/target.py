@@ -1,0 +1,261 @@
+"""Target models for the CPU reference runtime: Llama, Qwen3 and gpt-oss, gpt-fast style.
+
+One module per family would repeat 90% of the code, so one decoder handles all three, switched by
+config fields (qk-norm for Qwen3; biases, attention sinks, sliding windows and MoE for gpt-oss).
+Parameter names are Hugging Face's, so checkpoints load as they are.
+
+Static KV cache: every layer owns k/v buffers [n_kv, max_len, head_dim]; a forward writes its
+tokens at [start, start+T) and attends to [0, start+T). Cropping after a rejected draft is just
+calling the next forward with a smaller `start` (O(1), no copy).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash_trt.errors import DFlashError
+from dflash_trt.models.config import read_json
+from dflash_trt.models.layers import RMSNorm, RopeTable, SwiGLU, apply_rope
+from dflash_trt.models.weights import dequantize_mxfp4, load_strict, read_state_dict
+
+SUPPORTED = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "gpt_oss": "GptOssForCausalLM"}
+
+
+def hf_config(cfg: dict):
+    """The transformers config object for a config.json dict (used for RoPE and the oracles)."""
+    from transformers import AutoConfig
+
+    mt = cfg.get("model_type")
+    if mt not in SUPPORTED:
+        raise DFlashError(f"config.json: model_type {mt!r} is not supported (supported: {', '.join(SUPPORTED)})")
+    kw = {k: v for k, v in cfg.items() if k not in ("model_type", "transformers_version", "quantization_config")}
+    return AutoConfig.for_model(mt, **kw)
+
+
+KV_PAD = 64  # attention length granularity of the low-precision path (batch invariance)
+
+
+class Attention(nn.Module):
+    def __init__(self, c, layer_idx: int):
+        super().__init__()
+        self.nh, self.nkv = c.num_attention_heads, c.num_key_value_heads
+        self.hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        bias = bool(getattr(c, "attention_bias", False))
+        self.q_proj = nn.Linear(c.hidden_size, self.nh * self.hd, bias=bias)
+        self.k_proj = nn.Linear(c.hidden_size, self.nkv * self.hd, bias=bias)
+        self.v_proj = nn.Linear(c.hidden_size, self.nkv * self.hd, bias=bias)
+        self.o_proj = nn.Linear(self.nh * self.hd, c.hidden_size, bias=bias)
+        self.qk_norm = c.model_type == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.hd, c.rms_norm_eps)
+            self.k_norm = RMSNorm(self.hd, c.rms_norm_eps)
+        self.has_sinks = c.model_type == "gpt_oss"
+        if self.has_sinks:
+            self.sinks = nn.Parameter(torch.zeros(self.nh))
+        types = getattr(c, "layer_types", None)
+        self.window = c.sliding_window if types and types[layer_idx] == "sliding_attention" else None
+        self.k_cache = self.v_cache = None
+
+    def forward(self, x, cos, sin, start: int, mask):
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.nh, self.hd)
+        k = self.k_proj(x).view(T, self.nkv, self.hd)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(0, 1), cos, sin)
+        self.k_cache[:, start:start + T] = apply_rope(k.transpose(0, 1), cos, sin)
+        self.v_cache[:, start:start + T] = self.v_proj(x).view(T, self.nkv, self.hd).transpose(0, 1)
+        n = start + T
+        low_precision = q.dtype in (torch.bfloat16, torch.float16)
+        if low_precision:
+            # Batch invariance: in bf16 a query row's result must not depend on how many rows are
+            # computed together, so that a T-token verify pass and T one-token AR steps give bitwise
+            # identical logits and greedy DFlash is exactly lossless (tests/test_runtime_lossless.py).
+            # SDPA's CPU kernel is not invariant; HF's eager attention (bmm, float32 softmax, bmm) is,
+            # once the P·V reduction runs over whole KV_PAD chunks (oneDNN's K-loop tail otherwise
+            # changes the summation order with the length; masked rows add exact zeros).
+            n = min(-(-n // KV_PAD) * KV_PAD, self.k_cache.shape[1])
+            mask = F.pad(mask, (0, n - start - T), value=False)
+        k, v = self.k_cache[:, :n], self.v_cache[:, :n]
+        if self.window is not None:
+            mask = mask & (torch.arange(n)[None, :] > torch.arange(start, start + T)[:, None] - self.window)
+        if self.has_sinks:
+            o = self._attend_with_sinks(q, k, v, mask)
+        elif low_precision:
+            o = self._attend_eager(q, k, v, mask)
+        else:
+            o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask,
+                                               enable_gqa=self.nh != self.nkv)[0]
+        return self.o_proj(o.transpose(0, 1).reshape(T, self.nh * self.hd))
+
+    def _attend_eager(self, q, k, v, mask):
+        rep = self.nh // self.nkv
+        k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
+        s = (q @ k.transpose(1, 2)) * self.hd ** -0.5
+        p = torch.softmax(s.float().masked_fill(~mask, float("-inf")), dim=-1)
+        return p.to(v.dtype) @ v
+
+    def _attend_with_sinks(self, q, k, v, mask):
+        # gpt-oss: a learned per-head logit joins the softmax denominator and is then dropped. It goes
+        # first, so a row's entries keep their places whatever the row's length (batch invariance).
+        rep = self.nh // self.nkv
+        k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
+        s = (q @ k.transpose(1, 2)) * self.hd ** -0.5
+        s = s.masked_fill(~mask, float("-inf"))
+        s = torch.cat([self.sinks.to(s.dtype).view(-1, 1, 1).expand(-1, s.shape[1], 1), s], dim=-1)
+        p = torch.softmax(s - s.max(-1, keepdim=True).values, dim=-1)[..., 1:]
+        return p.to(v.dtype) @ v
+
+
+class MoE(nn.Module):
+    """gpt-oss MoE: softmax over the top-k router logits, clamped SwiGLU with +1 on `up`."""
+
+    def __init__(self, c):
+        super().__init__()
+        E, H, I = c.num_local_experts, c.hidden_size, c.intermediate_size
+        self.top_k, self.alpha, self.limit = c.num_experts_per_tok, c.swiglu_alpha, c.swiglu_limit
+        self.router = nn.Linear(H, E, bias=True)
+        self.experts = nn.Module()
+        self.experts.gate_up_proj = nn.Parameter(torch.zeros(E, H, 2 * I))
+        self.experts.gate_up_proj_bias = nn.Parameter(torch.zeros(E, 2 * I))
+        self.experts.down_proj = nn.Parameter(torch.zeros(E, I, H))
+        self.experts.down_proj_bias = nn.Parameter(torch.zeros(E, H))
+
+    def forward(self, x):
+        top, idx = torch.topk(self.router(x), self.top_k, dim=-1)
+        weights = torch.softmax(top, dim=-1)
+        out = torch.zeros_like(x)
+        ex = self.experts
+        for e in idx.unique().tolist():
+            tok, slot = torch.where(idx == e)
+            gu = x[tok] @ ex.gate_up_proj[e] + ex.gate_up_proj_bias[e]
+            gate, up = gu[..., ::2].clamp(max=self.limit), gu[..., 1::2].clamp(-self.limit, self.limit)
+            h = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+            y = h @ ex.down_proj[e] + ex.down_proj_bias[e]
+            out.index_add_(0, tok, y * weights[tok, slot, None])
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c, i: int):
+        super().__init__()
+        self.self_attn = Attention(c, i)
+        self.mlp = MoE(c) if c.model_type == "gpt_oss" else SwiGLU(c.hidden_size, c.intermediate_size,
+                                                                    bool(getattr(c, "mlp_bias", False)))
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def forward(self, x, cos, sin, start, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, start, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+
+class TargetModel(nn.Module):
+    def __init__(self, cfg: dict, dtype: torch.dtype = torch.float32, max_len: int = 4096):
+        super().__init__()
+        self.cfg = cfg
+        self.hf = c = hf_config(cfg)
+        self.model = Backbone(c)
+        self.tied = bool(getattr(c, "tie_word_embeddings", False))
+        if not self.tied:
+            self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        self.rope = RopeTable(c, max(max_len, 1), dtype)
+        self.num_layers = c.num_hidden_layers
+        self.hidden_size = c.hidden_size
+        self.vocab_size = c.vocab_size
+        self.max_len = 0
+        self.to(dtype)
+
+    @property
+    def dtype(self):
+        return self.model.embed_tokens.weight.dtype
+
+    def lm_head_weight(self):
+        return self.model.embed_tokens.weight if self.tied else self.lm_head.weight
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        w = self.lm_head_weight()
+        if h.dtype == torch.float32 and h.shape[0] > 1 and w.is_contiguous():
+            # (a tied embedding stays row-major for its lookups) W @ h.T is MKL's faster GEMM
+            # for a few rows and a large vocabulary: SmolLM2's 49152 x 576, 9 rows: 28 -> 14 ms
+            return (w @ h.t()).t()
+        return F.linear(h, w)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(tokens)
+
+    def setup_cache(self, max_len: int):
+        """Allocate (or keep, if large enough) the static KV cache."""
+        if max_len <= self.max_len:
+            return
+        max_len = -(-max_len // KV_PAD) * KV_PAD  # whole KV_PAD chunks: see Attention._attend_eager
+        if max_len > self.rope.cos.shape[0]:
+            self.rope = RopeTable(self.hf, max_len, self.dtype)
+        for layer in self.model.layers:
+            a = layer.self_attn
+            a.k_cache = torch.zeros(a.nkv, max_len, a.hd, dtype=self.dtype)
+            a.v_cache = torch.zeros(a.nkv, max_len, a.hd, dtype=self.dtype)
+        self.max_len = max_len
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, start: int, capture: list[int] = (), all_logits: bool = False):
+        """tokens [T] at positions [start, start+T). Returns (logits [T or 1, V], features [T, len(capture)*H]).
+        features are the outputs of the captured decoder layers (HF hidden_states[i + 1])."""
+        T = tokens.shape[0]
+        if start + T > self.max_len:
+            raise DFlashError(f"sequence of {start + T} tokens exceeds the KV cache ({self.max_len}); raise max_len")
+        pos = torch.arange(start, start + T)
+        cos, sin = self.rope(pos)
+        mask = torch.arange(start + T)[None, :] <= pos[:, None]
+        x = self.model.embed_tokens(tokens)
+        feats = {}
+        last = self.num_layers - 1
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, start, mask)
+            if i in capture and i != last:
+                feats[i] = x
+        x = self.model.norm(x)
+        if last in capture:  # HF's last hidden state is taken after the final norm
+            feats[last] = x
+        logits = self.logits(x if all_logits else x[-1:])
+        features = torch.cat([feats[i] for i in capture], dim=-1) if capture else None
+        return logits, features
+
+
+# ---------------------------------------------------------------------------------- loading
+def load_target(folder: str | Path, dtype: torch.dtype = torch.float32, max_len: int = 4096,
+                allow_pickle: bool = False) -> TargetModel:
+    folder = Path(folder)
+    cfg = read_json(folder / "config.json")
+    for k in ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+        if k not in cfg:
+            raise DFlashError(f"{folder / 'config.json'}: missing field {k}")
+    model = TargetModel(cfg, dtype=dtype, max_len=max_len)
+    state = dequantize_mxfp4(read_state_dict(folder, allow_pickle=allow_pickle))
+    if model.tied:
+        state.pop("lm_head.weight", None)
+    load_strict(model, state, folder)
+    return model.eval()
+
+
+def stop_token_ids(folder: str | Path) -> list[int]:
+    """End-of-sequence ids, from generation_config.json when present (as HF generate does)."""
+    folder = Path(folder)
+    src = folder / "generation_config.json"
+    d = json.loads(src.read_text()) if src.exists() else read_json(folder / "config.json")
+    eos = d.get("eos_token_id")
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
