@@ -28,7 +28,6 @@ import torch.nn.functional as F
 from dflash_trt.errors import DFlashError
 from dflash_trt.kernels import c_loader as ckernels
 from dflash_trt.kernels import kv_inject_trt
-from dflash_trt.kernels.kv_inject_triton import kv_inject_kernel as kern
 from dflash_trt.models.layers import apply_rope
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -328,7 +327,9 @@ class FusedKVInjector:
         return True
 
     def _launch_triton(self, features, positions, slots, k_cache, v_cache, page_shift, strides, k_scale, v_scale):
-        import triton  # optional: the plugin extra
+        import triton  # the `plugin` extra, as is the kernel module
+
+        from dflash_trt.kernels.kv_inject_triton import kv_inject_kernel as kern
 
         interpret = bool(triton.knobs.runtime.interpret)
         if not interpret and not features.is_cuda:
