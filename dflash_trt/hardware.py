@@ -62,3 +62,32 @@ def hardware_for_gpu(gpu: str) -> Hardware:
 
 def all_gpu_product_labels() -> list[str]:
     return [label for hw in catalog().values() for label in hw.gpu_product_labels]
+
+
+# The GPU / architecture / SM facts every stage uses (build's --gpu and --arch, the plugin's
+# cubins, quantize's FP4 check, the manifest schema, click choices) derive from the catalog.
+def gpus() -> dict[str, Hardware]:
+    """Bundle GPU id (b300, h200, ...) -> its node type, in catalog order."""
+    out: dict[str, Hardware] = {}
+    for hw in catalog().values():
+        out.setdefault(hw.gpu, hw)
+    return out
+
+
+def sm_number(hw: Hardware) -> int:
+    """"sm_103" -> 103."""
+    return int(hw.sm.removeprefix("sm_"))
+
+
+def arch_sms() -> dict[str, list[int]]:
+    """Architecture (blackwell, hopper) -> the SM versions of its GPUs, ascending."""
+    out: dict[str, set[int]] = {}
+    for hw in catalog().values():
+        out.setdefault(hw.arch, set()).add(sm_number(hw))
+    return {arch: sorted(sms) for arch, sms in out.items()}
+
+
+def arch_has_fp4(arch: str) -> bool:
+    """FP4 tensor cores on every GPU of the architecture (Blackwell yes, Hopper no)."""
+    hws = [hw for hw in catalog().values() if hw.arch == arch]
+    return bool(hws) and all(hw.fp4 for hw in hws)

@@ -36,7 +36,7 @@ objects, validate_all = _helm_test_helpers()
 
 def write_bundle(root: Path, target="gpt-oss-120b", gpu="b300", arch="blackwell", quant="mxfp4", kv="fp8",
                  tp=8, ep=1, compile_status="deferred", drafter_config=True) -> Path:
-    _, cfg, dcfg = planner.load_target(target)
+    _, cfg, dcfg = planner.target_configs(target)
     bundle = root / f"{target}-{gpu or arch}-{quant}-tp{tp}"
     bundle.mkdir(parents=True)
     ids = (dcfg or {}).get("dflash_config", {}).get("target_layer_ids", [1])

@@ -15,7 +15,7 @@ from dflash_trt.hardware import catalog, get_hardware
 
 
 def preset(name):
-    return planner.load_target(name)
+    return planner.target_configs(name)
 
 
 def hf_param_count(cfg: dict) -> int:

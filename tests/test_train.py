@@ -74,7 +74,7 @@ def test_block_mask_is_per_anchor(tiny):
 
 
 def test_training_lowers_loss_and_writes_zlab_checkpoint(tiny):
-    from dflash_trt.models.config import read_json
+    from dflash_trt.io.jsonio import read_json
     from dflash_trt.models.drafter import DFlashDrafter, load_drafter
     from dflash_trt.runtime.decode import generate
     from dflash_trt.runtime.pair import load_pair

@@ -43,11 +43,11 @@ from dflash_trt.bundle.plugin_build import build_plugin
 from dflash_trt.bundle.serving_configs import layer_ids_by_stack, sglang_launch, trtllm_serve_config, vllm_launch
 from dflash_trt.bundle.triton_repo import llmapi_model_yaml, write_triton_repo
 from dflash_trt.errors import DFlashError
-from dflash_trt.paths import package_path
 from dflash_trt.io.atomic import atomic_output_dir
 from dflash_trt.io.checkpoint import load_config
 from dflash_trt.models.check import check_pair
 from dflash_trt.models.config import load_drafter_config
+from dflash_trt.paths import package_path
 from dflash_trt.presets.catalog import PRESETS, resolve_drafter, resolve_target
 from dflash_trt.quant.convert import convert_checkpoint
 from dflash_trt.quant.quantize import quantize_checkpoint

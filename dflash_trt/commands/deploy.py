@@ -64,10 +64,10 @@ def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, max_seq_len, no
             raise DFlashError("--target NAME|DIR (or --bundle DIR) is required")
         if not hardware:
             raise DFlashError(f"--hardware is required: one of {', '.join(sorted(catalog()))}")
-        tname, tcfg, dcfg = planner.load_target(target)
+        tname, tcfg, dcfg = planner.target_configs(target)
         dname = f"{tname} drafter" if dcfg else None
         if drafter:
-            dname, dcfg = planner.load_drafter(drafter)
+            dname, dcfg = planner.drafter_config(drafter)
         p = planner.plan(tcfg, dcfg, hardware, target_name=tname, drafter_name=dname, quant=quant, kv_cache=kv_cache,
                          max_seq_len=max_seq_len, nodes=nodes, gpus_per_node=gpus_per_node, objective=objective)
     if as_json:

@@ -26,13 +26,13 @@ context too. Activations are a rough upper bound (stated below), not a measureme
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import Hardware, get_hardware
+from dflash_trt.io.jsonio import read_json
 from dflash_trt.models.config import DrafterConfig
 from dflash_trt.presets.catalog import PRESETS
 
@@ -534,7 +534,7 @@ def _evaluate(target, drafter, hw, fmt, dfmt, kv, tp, ep, total_gpus, gpn, max_s
 # Inputs
 
 
-def load_target(target: str) -> tuple[str, dict, dict | None]:
+def target_configs(target: str) -> tuple[str, dict, dict | None]:
     """--target NAME|DIR → (name, config.json, the preset's drafter config or None)."""
     if target in PRESETS:
         p = PRESETS[target]
@@ -542,24 +542,15 @@ def load_target(target: str) -> tuple[str, dict, dict | None]:
         return target, p.config(), dcfg
     path = Path(target)
     if path.is_dir():
-        return path.name, _read_json(path / "config.json"), None
+        return path.name, read_json(path / "config.json"), None
     raise DFlashError(f"--target {target!r}: neither a preset ({', '.join(sorted(PRESETS))}) nor a folder with config.json")
 
 
-def load_drafter(folder: str) -> tuple[str, dict]:
+def drafter_config(folder: str) -> tuple[str, dict]:
     path = Path(folder)
     if not path.is_dir():
         raise DFlashError(f"--drafter {folder}: not a folder")
-    return path.name, _read_json(path / "config.json")
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise DFlashError(f"{path}: not found") from None
-    except json.JSONDecodeError as e:
-        raise DFlashError(f"{path}: invalid JSON ({e.msg} at line {e.lineno})") from None
+    return path.name, read_json(path / "config.json")
 
 
 def format_plan(p: Plan) -> str:

@@ -41,8 +41,9 @@ import yaml
 from dflash_trt.bundle.manifest import read_manifest as read_checked
 from dflash_trt.deploy import planner
 from dflash_trt.errors import DFlashError
-from dflash_trt.paths import package_path
 from dflash_trt.hardware import Hardware, hardware_for_gpu
+from dflash_trt.io.jsonio import read_json
+from dflash_trt.paths import package_path
 
 GIB = 2**30
 REFERENCE_MODEL = "dflash_reference"     # CPU-capable Triton model of the bundle
@@ -86,10 +87,10 @@ def _drafter_config(bundle: Path, m: dict) -> tuple[str | None, dict | None]:
             p = Path(d[key])
             p = p if p.is_absolute() else bundle / p
             if (p / "config.json").is_file():
-                return p.name, planner._read_json(p / "config.json")
+                return p.name, read_json(p / "config.json")
     name = m["target"].get("name")
     try:
-        _, _, dcfg = planner.load_target(name) if name else (None, None, None)
+        _, _, dcfg = planner.target_configs(name) if name else (None, None, None)
     except DFlashError:
         dcfg = None
     if dcfg is not None:

@@ -31,6 +31,7 @@ from dflash_trt.errors import DFlashError
 from dflash_trt.io.atomic import disk_error, write_text
 from dflash_trt.io.direct_io import BLOCK, DirectWriter, OutFile
 from dflash_trt.io.formats import abs_max, block_abs_max
+from dflash_trt.io.jsonio import read_json
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool,
@@ -375,13 +376,7 @@ def load_config(folder: str | Path) -> dict:
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise DFlashError(f"{path}: missing (a Hugging Face checkpoint folder needs a config.json)")
-    try:
-        cfg = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DFlashError(f"{path}: invalid JSON ({e})") from None
-    if not isinstance(cfg, dict):
-        raise DFlashError(f"{path}: expected a JSON object")
-    return cfg
+    return read_json(path)
 
 
 def check_finite(name: str, tensor: torch.Tensor, file: str | Path | None = None) -> torch.Tensor | None:

@@ -5,7 +5,8 @@ from pathlib import Path
 
 from dflash_trt.errors import DFlashError
 from dflash_trt.io.checkpoint import CheckpointReader
-from dflash_trt.models.config import DrafterConfig, read_json
+from dflash_trt.io.jsonio import read_json
+from dflash_trt.models.config import DrafterConfig
 from dflash_trt.models.drafter import DFlashDrafter
 
 MAX_BLOCK = 64

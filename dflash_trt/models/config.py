@@ -6,11 +6,11 @@ is byte-compatible with the z-lab file apart from JSON whitespace.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_trt.errors import DFlashError
+from dflash_trt.io.jsonio import read_json
 
 # Fields a z-lab drafter config.json must carry (the Qwen3 decoder-block fields we use).
 REQUIRED_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
@@ -119,15 +119,6 @@ def speculators_to_zlab(d: dict, source: str = "config.json") -> dict:
     })
     out.setdefault("vocab_size", d.get("draft_vocab_size"))
     return out
-
-
-def read_json(path: Path) -> dict:
-    try:
-        return json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise DFlashError(f"{path}: not found") from None
-    except json.JSONDecodeError as e:
-        raise DFlashError(f"{path}: invalid JSON ({e.msg} at line {e.lineno})") from None
 
 
 def load_drafter_config(folder: str | Path) -> DrafterConfig:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_trt.errors import DFlashError
-from dflash_trt.models.config import read_json
+from dflash_trt.io.jsonio import read_json
 from dflash_trt.models.layers import RMSNorm, RopeTable, SwiGLU, apply_rope
 from dflash_trt.models.weights import dequantize_mxfp4, load_strict, read_state_dict
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import json
 import random
 import re
 import warnings
@@ -19,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_trt.errors import DFlashError
+from dflash_trt.io.jsonio import read_jsonl
 
 # Pure-Python, side-effect-free modules (importing them prints, opens or starts nothing).
 TRAIN_MODULES = (
@@ -157,38 +157,6 @@ def build_prompts(split: str, limit: int | None = None, seed: int = 0) -> list[d
     return rows[:limit] if limit else rows
 
 
-def write_jsonl(rows: list[dict], path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-    tmp.replace(path)
-    return path
-
-
 def read_prompts(path: str | Path) -> list[str]:
     """The `prompt` of each line of a JSONL prompt file."""
     return [row["prompt"] for row in read_jsonl(path, require="prompt")]
-
-
-def read_jsonl(path: str | Path, require: str | None = None) -> list[dict]:
-    path = Path(path)
-    try:
-        lines = path.read_text().splitlines()
-    except FileNotFoundError:
-        raise DFlashError(f"{path}: not found") from None
-    rows = []
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DFlashError(f"{path}:{i}: invalid JSON ({e.msg})") from None
-        if require and not (isinstance(row, dict) and isinstance(row.get(require), str)):
-            raise DFlashError(f"{path}:{i}: expected an object with a string field {require!r}")
-        rows.append(row)
-    if require and not rows:
-        raise DFlashError(f"{path}: no prompts in the file")
-    return rows
-

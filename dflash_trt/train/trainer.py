@@ -35,11 +35,12 @@ from tqdm import tqdm
 from dflash_trt.errors import DFlashError
 from dflash_trt.io.atomic import atomic_output_dir
 from dflash_trt.io.checkpoint import CheckpointReader
-from dflash_trt.models.config import DrafterConfig, default_target_layer_ids, read_json
+from dflash_trt.io.jsonio import read_json, read_jsonl
+from dflash_trt.models.config import DrafterConfig, default_target_layer_ids
 from dflash_trt.models.drafter import DFlashDrafter, load_drafter, save_drafter
 from dflash_trt.models.target import load_target
 from dflash_trt.runtime.pair import encode_prompt, resolve_dtype
-from dflash_trt.train.prompts import read_jsonl, read_prompts
+from dflash_trt.train.prompts import read_prompts
 
 
 # ------------------------------------------------------------------------------------ data
