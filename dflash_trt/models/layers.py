@@ -23,12 +23,29 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, batch-invariant in bf16/fp16: one row runs as two. oneDNN's brgemm blocks K
+    differently for M=1 than for M>=2 once K > 1024 (AVX512-BF16 without AMX: SmolLM2's down_proj
+    576x1536 gives ~1 output in 6000 one ulp off), so an AR step would not match its row of a
+    verify pass bitwise; every M>=2 agrees (measured M=2..32)."""
+    if x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16):
+        return F.linear(x.expand(2, -1), w, b)[:1]
+    return F.linear(x, w, b)
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters, same state-dict names) through `linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
 class SwiGLU(nn.Module):
     def __init__(self, hidden: int, inter: int, bias: bool = False):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
-        self.up_proj = nn.Linear(hidden, inter, bias=bias)
-        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        self.gate_proj = Linear(hidden, inter, bias=bias)
+        self.up_proj = Linear(hidden, inter, bias=bias)
+        self.down_proj = Linear(inter, hidden, bias=bias)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

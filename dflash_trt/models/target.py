@@ -19,7 +19,7 @@ from torch import nn
 
 from dflash_trt.errors import DFlashError
 from dflash_trt.io.jsonio import read_json
-from dflash_trt.models.layers import RMSNorm, RopeTable, SwiGLU, apply_rope
+from dflash_trt.models.layers import Linear, RMSNorm, RopeTable, SwiGLU, apply_rope, linear
 from dflash_trt.models.weights import dequantize_mxfp4, load_strict, read_state_dict
 
 SUPPORTED = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "gpt_oss": "GptOssForCausalLM"}
@@ -45,10 +45,10 @@ class Attention(nn.Module):
         self.nh, self.nkv = c.num_attention_heads, c.num_key_value_heads
         self.hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         bias = bool(getattr(c, "attention_bias", False))
-        self.q_proj = nn.Linear(c.hidden_size, self.nh * self.hd, bias=bias)
-        self.k_proj = nn.Linear(c.hidden_size, self.nkv * self.hd, bias=bias)
-        self.v_proj = nn.Linear(c.hidden_size, self.nkv * self.hd, bias=bias)
-        self.o_proj = nn.Linear(self.nh * self.hd, c.hidden_size, bias=bias)
+        self.q_proj = Linear(c.hidden_size, self.nh * self.hd, bias=bias)
+        self.k_proj = Linear(c.hidden_size, self.nkv * self.hd, bias=bias)
+        self.v_proj = Linear(c.hidden_size, self.nkv * self.hd, bias=bias)
+        self.o_proj = Linear(self.nh * self.hd, c.hidden_size, bias=bias)
         self.qk_norm = c.model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.hd, c.rms_norm_eps)
@@ -170,7 +170,7 @@ class TargetModel(nn.Module):
         self.model = Backbone(c)
         self.tied = bool(getattr(c, "tie_word_embeddings", False))
         if not self.tied:
-            self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+            self.lm_head = Linear(c.hidden_size, c.vocab_size, bias=False)
         self.rope = RopeTable(c, max(max_len, 1), dtype)
         self.num_layers = c.num_hidden_layers
         self.hidden_size = c.hidden_size
@@ -191,7 +191,7 @@ class TargetModel(nn.Module):
             # (a tied embedding stays row-major for its lookups) W @ h.T is MKL's faster GEMM
             # for a few rows and a large vocabulary: SmolLM2's 49152 x 576, 9 rows: 28 -> 14 ms
             return (w @ h.t()).t()
-        return F.linear(h, w)
+        return linear(h, w)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(tokens)
