@@ -32,14 +32,19 @@ def _deterministic():
 
 
 @pytest.fixture(params=["c", "torch"])
-def c_or_torch(request, monkeypatch):
+def c_or_torch(request):
     """Run a test through a C kernel library (dflash_trt.kernels.c_loader) and through the torch code used
     where no C compiler exists. The test module names the library: C_KERNEL = (name, loader)."""
-    from dflash_trt.kernels import c_loader as ckernels
+    from dflash_trt.kernels import c_loader
 
     name, loader = request.module.C_KERNEL
     if request.param == "torch":
-        monkeypatch.setitem(ckernels._LIBS, name, None)
-    elif loader() is None:
-        pytest.fail(f"no C compiler: the {name} C kernels cannot be tested")
-    return request.param
+        with c_loader.disabled():
+            assert loader() is None
+            yield request.param
+        return
+    if loader() is None:
+        error = c_loader.build_error(name)
+        pytest.fail(f"the {name} C kernels did not build:\n{error}" if error
+                    else f"no C compiler: the {name} C kernels cannot be tested")
+    yield request.param

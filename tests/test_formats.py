@@ -8,7 +8,7 @@ import torch
 from dflash_trt.errors import DFlashError
 from dflash_trt.io import formats
 
-C_KERNEL = ("formats", formats._ckernel)  # the c_or_torch fixture (conftest.py) runs tests both ways
+C_KERNEL = ("formats", formats.c_kernels)  # the c_or_torch fixture (conftest.py) runs tests both ways
 
 
 def test_e2m1_codes_and_ties_hand_computed():
@@ -135,7 +135,7 @@ def test_c_e4m3_rounding_equals_torch_on_every_float_in_range():
     scales are clamped to, [2^-9, 448], gives torch's float8_e4m3fn cast bit for bit."""
     import ctypes
 
-    lib = formats._ckernel()
+    lib = formats.c_kernels()
     if lib is None:
         pytest.skip("no C compiler: block scales are cast by torch")
     lo = int(torch.tensor(2.0 ** -9).view(torch.int32))
@@ -150,22 +150,12 @@ def test_c_e4m3_rounding_equals_torch_on_every_float_in_range():
         assert bad.numel() == 0, f"{x[bad[0]].item()!r}: C {got[bad[0]].item():#x}, torch {want[bad[0]].item():#x}"
 
 
-def _portable_kernel():
-    from dflash_trt.kernels import c_loader as ckernels
-
-    sigs = {"e4m3_codes": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]}
-    for n in formats._CK_DTYPES.values():
-        sigs["nvfp4_quantize_" + n] = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float] + [ctypes.c_void_p] * 3
-        sigs["block_abs_max_" + n] = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3
-    return ckernels.load("formats", formats._C_SOURCE, sigs, openmp=True, cflags=("-DDFLASH_PORTABLE",))
-
-
 def test_c_nvfp4_every_bf16_value_under_every_block_scale():
     """Exhaustive for bf16 inputs: every finite bf16 value x, in blocks whose maximum sets each
     of the block scales in turn, encodes to the same bytes in the AVX-512 build (which divides
     through a reciprocal and one correction step) as in the portable build (IEEE division), at
     global scales inside and outside the range where the reciprocal path is used."""
-    lib, portable = formats._ckernel(), _portable_kernel()
+    lib, portable = formats.c_kernels(), formats.c_kernels(portable=True)
     if lib is None or portable is None:
         pytest.skip("no C compiler")
     allx = torch.arange(0, 1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
@@ -196,7 +186,7 @@ def test_c_nvfp4_vector_build_equals_portable_build(dtype):
     """The CPU-specific loops (AVX-512 where compiled for it) and the portable loop give the same
     bytes, on blocks chosen to hit every rounding path: E2M1 ties at each threshold, all-zero
     blocks, and block scales that clamp (2^-9, 448), go subnormal or round up across a binade."""
-    lib, portable = formats._ckernel(), _portable_kernel()
+    lib, portable = formats.c_kernels(), formats.c_kernels(portable=True)
     if lib is None or portable is None:
         pytest.skip("no C compiler")
     g = torch.Generator().manual_seed(1)
@@ -213,7 +203,7 @@ def test_c_nvfp4_vector_build_equals_portable_build(dtype):
     sign = torch.randint(0, 2, pick.shape, generator=g).float() * 2 - 1
     w[5::13] = torch.cat([near[pick] * sign, torch.full((len(pick), 1), 6.0)], dim=1)
     w = w.to(dtype).contiguous()
-    name = formats._CK_DTYPES[dtype]
+    name = formats.C_KERNEL_DTYPES[dtype]
     # the amax pass's block maxima: the same in both builds, and equal to torch's
     maxima = []
     for k in (lib, portable):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -17,10 +18,11 @@ import pytest
 import torch
 
 from dflash_trt.errors import DFlashError
+from dflash_trt.kernels import c_loader
 from dflash_trt.models.config import DrafterConfig
-from dflash_trt.runtime.kv_inject import _c_epilogue
+from dflash_trt.runtime.kv_inject import c_epilogue, c_epilogue_max_head_dim
 
-C_KERNEL = ("kv_epilogue", _c_epilogue)  # the c_or_torch fixture (conftest.py): C epilogue and torch epilogue
+C_KERNEL = ("kv_inject", c_epilogue)  # the c_or_torch fixture (conftest.py): C epilogue and torch epilogue
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -138,6 +140,20 @@ def test_fused_torch_equals_reference(c, c_or_torch):
     _check(c, res)
     if not c["fp8"]:
         assert res["k"] > 0 or res["v"] > 0 or c["T"] == 1  # a different computation, not a copy of (1)
+
+
+def test_c_epilogue_head_dim_bound_agrees_with_the_header():
+    """The head_dim bound Python checks is read from the C library, whose scratch row is sized by
+    DFLASH_MAX_HEAD_DIM in csrc/dflash_kernels.h; at the bound the C epilogue runs, beyond it the
+    torch path, with the reference's results either way."""
+    lib = c_epilogue()
+    if lib is None:
+        pytest.skip("no C compiler")
+    bound = int(re.search(r"#define DFLASH_MAX_HEAD_DIM (\d+)", c_loader.HEADER.read_text()).group(1))
+    assert c_epilogue_max_head_dim(lib) == bound
+    for hd in (bound, bound + 64):
+        c = dict(CASES[1], nh=2, nkv=1, hd=hd)
+        _check(c, run_fused(c, "torch"))
 
 
 def test_padding_slot_untouched_and_pages_written():

@@ -1,25 +1,59 @@
-"""Small C kernels for CPU hot loops, compiled on first use with the system's C compiler.
+"""Small C kernels for CPU hot loops (kernels/csrc/*.c), compiled on first use with the system's C compiler.
 
 Why hand-written C: at the sizes the CPU runtime and the quantizer hit, eager torch spends its time
 in per-op dispatch and extra passes over memory, not arithmetic; one C loop does the work in one
 call. Plain C (no torch headers), so it compiles in well under a second, once per machine (kept
 under $DFLASH_TRT_HOME/kernels). Without a compiler (or with DFLASH_TRT_NO_CKERNEL=1) `load` returns None
-and callers use their torch code, which tests compare the kernels against. No -ffast-math: results
-must stay IEEE so that bytes and tolerances are what the tests pin.
+and callers use their torch code, which tests compare the kernels against. A compiler that fails is
+not the same as no compiler: `load` still returns None, but warns once with the first error and
+keeps the compiler's output for `build_error`. No -ffast-math: results must stay IEEE so that bytes
+and tolerances are what the tests pin.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
+from pathlib import Path
 
 from dflash_trt.paths import dflash_home
 
-_LIBS: dict[str, ctypes.CDLL | None] = {}
+CSRC_DIR = Path(__file__).parent / "csrc"
+HEADER = CSRC_DIR / "dflash_kernels.h"   # included by every source; on the include path of every build
+
+_LIBS: dict[tuple, ctypes.CDLL | None] = {}
+_BUILD_ERRORS: dict[str, str] = {}   # name -> the failed build's compiler output (this process)
+_disabled = False
+
+
+def compiler() -> str | None:
+    """The C compiler to use: $CC, else cc or gcc on PATH; None without one or with DFLASH_TRT_NO_CKERNEL=1."""
+    if os.environ.get("DFLASH_TRT_NO_CKERNEL") == "1":
+        return None
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def build_error(name: str) -> str | None:
+    """What the compiler said when library `name` failed to build in this process, or None (it
+    built, was not asked for, or there is no compiler)."""
+    return _BUILD_ERRORS.get(name)
+
+
+@contextlib.contextmanager
+def disabled():
+    """While active, `load` returns None, so callers take their torch path (tests run both)."""
+    global _disabled
+    before, _disabled = _disabled, True
+    try:
+        yield
+    finally:
+        _disabled = before
 
 
 def _cache_dir() -> str:
@@ -35,30 +69,55 @@ def _cpu_signature() -> str:
         return platform.processor()
 
 
-def load(name: str, source: str, signatures: dict[str, list], openmp: bool = False,
-         cflags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
-    """Compile `source` (with extra `cflags`) and return the library with argtypes set from
-    `signatures` ({function: [ctypes types]}, all returning void), or None if unavailable.
-    Compiled once per machine: the library is kept under $DFLASH_TRT_HOME/kernels, keyed by the
-    source, compiler, flags and CPU features (compiling costs ~0.5 s, a whole quantize of 1 GB)."""
-    key = name + "".join(cflags)
+def load(name: str, signatures: dict[str, list], openmp: bool = False, cflags: tuple[str, ...] = (),
+         path: str | os.PathLike | None = None) -> ctypes.CDLL | None:
+    """Compile kernels/csrc/<name>.c (or the C file at `path`) with extra `cflags` and return the
+    library with argtypes set from `signatures` ({function: [ctypes types]}, all returning void), or
+    None if unavailable. Compiled once per machine: the library is kept under $DFLASH_TRT_HOME/kernels,
+    keyed by the source and header bytes, compiler, flags and CPU features (compiling costs ~0.5 s,
+    a whole quantize of 1 GB)."""
+    if _disabled:
+        return None
+    src = Path(path) if path is not None else CSRC_DIR / f"{name}.c"
+    key = (name, str(src), *cflags)
     if key in _LIBS:
         return _LIBS[key]
-    lib = None
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc and os.environ.get("DFLASH_TRT_NO_CKERNEL") != "1":
-        digest = hashlib.sha256("\0".join([source, os.path.realpath(cc), repr(openmp), *cflags,
-                                           _cpu_signature()]).encode()).hexdigest()[:20]
-        cached = os.path.join(_cache_dir(), f"{name}-{digest}.so")
-        lib = _dlopen(cached) if os.path.exists(cached) else None
+    lib, cc = None, compiler()
+    if cc:
+        lib, error = _build(name, src, cc, openmp, list(cflags))
         if lib is None:
-            lib = _compile(cc, source, openmp, list(cflags), cached)
-        if lib is not None:
+            _report(name, src, error)
+        else:
             for fn, args in signatures.items():
                 getattr(lib, fn).argtypes = args
                 getattr(lib, fn).restype = None
     _LIBS[key] = lib
     return lib
+
+
+def _build(name: str, src: Path, cc: str, openmp: bool, cflags: list[str]) -> tuple[ctypes.CDLL | None, str]:
+    """The cached library, else a fresh compile: (library, "") or (None, why not)."""
+    try:
+        code = [src.read_bytes(), HEADER.read_bytes()]
+    except OSError as e:   # an install without its C sources: reported as a failed build
+        return None, f"{src}: cannot read the C source: {e}"
+    build = [os.path.realpath(cc), repr(openmp), *cflags, _cpu_signature()]
+    digest = hashlib.sha256(b"\0".join(code + [s.encode() for s in build])).hexdigest()[:20]
+    cached = os.path.join(_cache_dir(), f"{name}-{digest}.so")
+    lib = _dlopen(cached) if os.path.exists(cached) else None
+    return (lib, "") if lib is not None else _compile(cc, src, openmp, cflags, cached)
+
+
+def _report(name: str, src: Path, error: str) -> None:
+    """Keep the build error and warn once per library and process: the torch fallback is correct but
+    slower, and a silent fallback would hide a broken C source."""
+    if name in _BUILD_ERRORS:
+        return
+    _BUILD_ERRORS[name] = error
+    lines = [line for line in error.splitlines() if line.strip()]
+    first = next((line for line in lines if "error" in line), lines[0] if lines else "no output")
+    print(f"dflash-trt: warning: {src.name} did not compile, using the torch code instead: {first}",
+          file=sys.stderr)
 
 
 def _dlopen(path: str) -> ctypes.CDLL | None:
@@ -68,28 +127,33 @@ def _dlopen(path: str) -> ctypes.CDLL | None:
         return None
 
 
-def _compile(cc: str, source: str, openmp: bool, cflags: list[str], cached: str) -> ctypes.CDLL | None:
+def _compile(cc: str, src: Path, openmp: bool, cflags: list[str], cached: str) -> tuple[ctypes.CDLL | None, str]:
+    """(library, "") or, when every attempt failed, (None, what the last attempt's compiler said)."""
     d = tempfile.mkdtemp(prefix="dflash-trt-cc-")
     try:
-        src, so = os.path.join(d, "k.c"), os.path.join(d, "k.so")
-        with open(src, "w") as f:
-            f.write(source)
+        so, error = os.path.join(d, "k.so"), ""
         for flags in ((["-fopenmp"], []) if openmp else ([],)):  # OpenMP when asked and available
             for march in (["-march=native"], []):                 # a compiler without -march=native
-                r = subprocess.run([cc, "-O3", *march, "-ffp-contract=off", "-shared", "-fPIC", *flags, *cflags,
-                                    src, "-o", so], capture_output=True)
+                r = subprocess.run([cc, "-O3", *march, "-ffp-contract=off", "-I", str(CSRC_DIR), "-shared", "-fPIC",
+                                    *flags, *cflags, str(src), "-o", so], capture_output=True)
                 if r.returncode == 0:
                     break
-            if r.returncode != 0 or _dlopen(so) is None:
+            if r.returncode != 0:
+                error = r.stderr.decode(errors="replace")
+                continue
+            try:
+                ctypes.CDLL(so)
+            except OSError as e:
+                error = f"{src}: compiled, but the library does not load: {e}"
                 continue
             try:   # publish atomically; a read-only cache folder only costs the next process a compile
                 os.makedirs(os.path.dirname(cached), exist_ok=True)
                 tmp = f"{cached}.{os.getpid()}.tmp"
                 shutil.copyfile(so, tmp)
                 os.replace(tmp, cached)
-                return _dlopen(cached)
+                return _dlopen(cached), ""
             except OSError:
-                return _dlopen(so)   # the library stays mapped after its folder is removed
-        return None
+                return _dlopen(so), ""   # the library stays mapped after its folder is removed
+        return None, error
     finally:
         shutil.rmtree(d, ignore_errors=True)

@@ -191,69 +191,25 @@ def scatter_paged(k, v, slots, k_cache, v_cache, page_size: int, k_scale=None, v
     v_cache[page, :, :, off] = quantize_fp8(v, v_scale) if v_cache.dtype == FP8_DTYPE else v.to(v_cache.dtype)
 
 
-# The CPU epilogue of path (2) as one C loop (dflash_trt.kernels.c_loader): hidden_norm's 1/rms, bias, k_norm,
-# RoPE and the write into the cache rows, per token and kv head, in float32. In torch the same
-# epilogue is ~12 ops; at decode sizes each costs more than its arithmetic once the GEMMs have
-# evicted the dispatcher's code and data from cache (measured in bench/bench_kv_inject.py), so one
-# call instead of twelve is most of the fused path's gain over the reference. Without a C
-# compiler (or for FP8 caches) `fused_kv_from_ctx` does the same in torch.
-_C_EPILOGUE = r"""
-#include <stdint.h>
-#include <string.h>
-#include <math.h>
-static inline float ld_f32(const void *p, int64_t i) { return ((const float *)p)[i]; }
-static inline void st_f32(void *p, int64_t i, float x) { ((float *)p)[i] = x; }
-static inline float ld_bf16(const void *p, int64_t i) {
-    uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16; float f; memcpy(&f, &u, 4); return f;
-}
-static inline void st_bf16(void *p, int64_t i, float x) {   /* round to nearest even, as torch */
-    uint32_t u; memcpy(&u, &x, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) { ((uint16_t *)p)[i] = (uint16_t)((u >> 16) | 0x40); return; }
-    u += 0x7fffu + ((u >> 16) & 1u); ((uint16_t *)p)[i] = (uint16_t)(u >> 16);
-}
-#define EPILOGUE(NAME, LD, ST)                                                                    \
-void kv_epilogue_##NAME(const void *ctx, const void *kv, const void *bias, const void *knw,     \
-        const void *cos, const void *sin, const int64_t *pos, const int64_t *slots, int64_t start, \
-        int64_t T, int64_t H, int64_t L, int64_t nkv, int64_t hd, float eps,                     \
-        void *kc, void *vc, int64_t sP, int64_t sL, int64_t sH, int64_t sT, int64_t shift) {     \
-    const int64_t N = L * 2 * nkv * hd, half = hd / 2, mask = ((int64_t)1 << shift) - 1;       \
-    float k[512];                                                                                 \
-    for (int64_t t = 0; t < T; t++) {                                                             \
-        float ss = 0.0f;                                                                          \
-        for (int64_t i = 0; i < H; i++) { float x = LD(ctx, t * H + i); ss += x * x; }            \
-        const float rstd = 1.0f / sqrtf(ss / (float)H + eps);                                     \
-        const int64_t slot = slots ? slots[t] : start + t;                                        \
-        if (slot < 0) continue;                                                                   \
-        const int64_t row = (slot >> shift) * sP + (slot & mask) * sT, p = pos[t];               \
-        for (int64_t l = 0; l < L; l++) for (int64_t h = 0; h < nkv; h++) {                       \
-            const int64_t ko = (l * 2 * nkv + h) * hd, vo = ((l * 2 + 1) * nkv + h) * hd;         \
-            const int64_t dst = row + l * sL + h * sH;                                            \
-            float kss = 0.0f;                                                                     \
-            for (int64_t i = 0; i < hd; i++) {                                                    \
-                float x = LD(kv, t * N + ko + i) * rstd + (bias ? LD(bias, ko + i) : 0.0f);        \
-                k[i] = x; kss += x * x;                                                           \
-            }                                                                                     \
-            const float kr = 1.0f / sqrtf(kss / (float)hd + eps);                                 \
-            for (int64_t i = 0; i < hd; i++) k[i] = k[i] * kr * LD(knw, l * hd + i);              \
-            for (int64_t i = 0; i < hd; i++) {                                                    \
-                float rot = i < half ? -k[i + half] : k[i - half];                                \
-                ST(kc, dst + i, k[i] * LD(cos, p * hd + i) + rot * LD(sin, p * hd + i));          \
-                ST(vc, dst + i, LD(kv, t * N + vo + i) * rstd + (bias ? LD(bias, vo + i) : 0.0f)); \
-            }                                                                                     \
-        }                                                                                         \
-    }                                                                                             \
-}
-EPILOGUE(f32, ld_f32, st_f32)
-EPILOGUE(bf16, ld_bf16, st_bf16)
-"""
+# The CPU epilogue of path (2) as one C loop (dflash_trt/kernels/csrc/kv_inject.c, compiled by
+# dflash_trt.kernels.c_loader): hidden_norm's 1/rms, bias, k_norm, RoPE and the write into the cache
+# rows, ~12 torch ops in one call, which is most of the fused path's gain over the reference at
+# decode sizes. Without a C compiler (or for FP8 caches) `fused_kv_from_ctx` does the same in torch.
 _EPI_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
-_EPI_MAX_HEAD_DIM = 512
+_EPI_ARGS = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 6 + [ctypes.c_float] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 5
 
 
-def _c_epilogue():
-    i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-    args = [ptr] * 8 + [i64] * 6 + [f32, ptr, ptr] + [i64] * 5
-    return ckernels.load("kv_epilogue", _C_EPILOGUE, {f"kv_epilogue_{n}": args for n in _EPI_DTYPES.values()})
+def c_epilogue() -> ctypes.CDLL | None:
+    """The C epilogue library, or None without a C compiler."""
+    return ckernels.load("kv_inject", {f"kv_epilogue_{n}": _EPI_ARGS for n in _EPI_DTYPES.values()})
+
+
+@functools.cache
+def c_epilogue_max_head_dim(lib: ctypes.CDLL) -> int:
+    """The largest head_dim `lib` (c_epilogue()) handles. Read from the library itself: the bound is
+    the size of its scratch array (DFLASH_MAX_HEAD_DIM in csrc/dflash_kernels.h), so the number Python
+    checks is the one the loaded code was compiled with."""
+    return ctypes.c_int32.in_dll(lib, "dflash_max_head_dim").value
 
 
 class FusedKVInjector:
@@ -307,13 +263,13 @@ class FusedKVInjector:
                                  rope_w=self.rope_w)
 
     def _inject_c(self, features, positions, slots, start, k_cache, v_cache, page_shift, strides) -> bool:
-        """The C epilogue (see _C_EPILOGUE); False when it does not apply (then the torch path runs)."""
+        """The C epilogue (see c_epilogue); False when it does not apply (then the torch path runs)."""
         dt = features.dtype
-        if (dt not in _EPI_DTYPES or k_cache.dtype != dt or v_cache.dtype != dt or self.hd > _EPI_MAX_HEAD_DIM
+        if (dt not in _EPI_DTYPES or k_cache.dtype != dt or v_cache.dtype != dt
                 or self.cos.dtype != dt or k_cache.stride() != v_cache.stride()):
             return False
-        lib = _c_epilogue()
-        if lib is None:
+        lib = c_epilogue()
+        if lib is None or self.hd > c_epilogue_max_head_dim(lib):
             return False
         ctx_raw = (features @ self.fc_w_t).contiguous()                          # GEMM 1: fc
         kv = (ctx_raw @ self.w_kv_t).contiguous()                                 # GEMM 2: all layers' K|V
