@@ -9,16 +9,16 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from dflash_trt.train.data import generate_responses, load_sequences, target_features
 from dflash_trt.train.prompts import build_prompts
 from dflash_trt.train.trainer import (
     FrozenTarget,
     TrainConfig,
     block_loss,
-    generate_responses,
-    load_sequences,
+    init_from_target,
     make_batch,
+    read_target_tensors,
     sample_picks,
-    target_features,
     train_drafter,
 )
 
@@ -87,10 +87,9 @@ def test_training_lowers_loss_and_writes_zlab_checkpoint(tiny):
     batch = make_batch(data, sample_picks(data, random.Random(123), 24, 4), 8, s["mask_token_id"])
     trained = load_drafter(out / "drafter", torch.float32)
     # the same config with the run's starting weights (seed 0 init from the target's last layer)
-    from dflash_trt.train.trainer import _read_target_tensors, init_from_target
     torch.manual_seed(0)
     start = DFlashDrafter(trained.config)
-    init_from_target(start, _read_target_tensors(tiny / "target", lambda k: k.startswith("model.")),
+    init_from_target(start, read_target_tensors(tiny / "target", lambda k: k.startswith("model.")),
                      read_json(tiny / "target" / "config.json"))
     with torch.no_grad():
         before, after = block_loss(start, frozen, batch, 4.0), block_loss(trained, frozen, batch, 4.0)

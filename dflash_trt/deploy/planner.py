@@ -385,8 +385,30 @@ class Plan:
         return d
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+# Layout order per objective, fitting layouts first (plan()'s docstring gives the reasons).
+RANKING = {
+    "latency": lambda l: (not l.fits, not l.within_nvlink_domain, -l.tp, l.ep, -l.kv_tokens),
+    "throughput": lambda l: (not l.fits, -l.max_sequences * l.replicas, l.tp, -l.ep),
+}
+
+
+@dataclass
+class Sizing:
+    """What every candidate layout of one plan is sized against: the two models and their
+    formats, the nodes, and the serving limits."""
+    target: ModelShape
+    drafter: ModelShape | None
+    hw: Hardware
+    gpus_per_node: int
+    total_gpus: int
+    quant: str             # the target's weight format
+    drafter_quant: str
+    kv: str                # the KV cache format
+    max_seq_len: int
+    max_num_tokens: int
+    logits_tokens: int     # tokens one step computes logits for: max_batch_size × block, at most max_num_tokens
+    block: int
+    kv_fraction: float
 
 
 def plan(target_cfg: dict, drafter_cfg: dict | None, hardware: str | Hardware, *, target_name: str = "target",
@@ -404,15 +426,8 @@ def plan(target_cfg: dict, drafter_cfg: dict | None, hardware: str | Hardware, *
     the search to those values (a bundle whose model repository fixes them); `kv_fraction` is
     kv_cache_config.free_gpu_memory_fraction."""
     hw = hardware if isinstance(hardware, Hardware) else get_hardware(hardware)
-    if not 0 < kv_fraction <= 1:
-        raise DFlashError(f"free_gpu_memory_fraction {kv_fraction}: must be in (0, 1]")
-    if objective not in ("latency", "throughput"):
-        raise DFlashError(f"--objective {objective!r}: choose latency or throughput")
-    if nodes < 1:
-        raise DFlashError(f"--nodes {nodes}: must be at least 1")
     gpn = gpus_per_node or hw.gpus_per_node
-    if gpn < 1:
-        raise DFlashError(f"--gpus-per-node {gpn}: must be at least 1")
+    _check_options(kv_fraction, objective, nodes, gpn)
     target = target_shape(target_cfg, target_name)
     drafter = drafter_shape(drafter_cfg, drafter_name or "drafter") if drafter_cfg else None
     if drafter and drafter.hidden != target.hidden:
@@ -422,49 +437,15 @@ def plan(target_cfg: dict, drafter_cfg: dict | None, hardware: str | Hardware, *
     kv = resolve_kv(fmt, kv_cache, hw)
     if drafter_quant not in ("none", "fp8"):
         raise DFlashError(f"drafter quant {drafter_quant!r}: expected none or fp8")
-    max_pos = target_cfg.get("max_position_embeddings") or DEFAULT_MAX_SEQ_LEN_CAP
-    if max_seq_len is None:
-        max_seq_len = min(max_pos, DEFAULT_MAX_SEQ_LEN_CAP)
-    if max_seq_len < 1 or max_seq_len > max_pos:
-        raise DFlashError(f"--max-seq-len {max_seq_len}: must be in [1, {max_pos}] "
-                          f"(max_position_embeddings of {target_name})")
-    block = int((drafter_cfg or {}).get("block_size") or ((drafter_cfg or {}).get("dflash_config") or {})
-                .get("block_size") or 1)
-    logits_tokens = min(max_num_tokens, max_batch_size * block)
-    total_gpus = nodes * gpn
+    max_seq_len = _max_seq_len(target_cfg, max_seq_len, target_name)
+    block = _block_size(drafter_cfg)
+    s = Sizing(target, drafter, hw, gpn, nodes * gpn, fmt, drafter_quant, kv, max_seq_len, max_num_tokens,
+               min(max_num_tokens, max_batch_size * block), block, kv_fraction)
 
-    layouts: list[Layout] = []
-    # Powers of two only: the head counts of the models served are, and the chart's schema checks
-    # GPU counts against tp × pp for powers of two.
-    tps = [t for t in _divisors(total_gpus) if t & (t - 1) == 0 and (tp is None or t == tp)]
-    if tp is not None and tp & (tp - 1):
-        raise DFlashError(f"tp {tp}: the planner and the Helm chart take tensor parallel sizes that are powers of two")
-    if tp is not None and total_gpus % tp:
-        raise DFlashError(f"tp {tp}: {nodes} node(s) × {gpn} GPUs = {total_gpus} is not a multiple of tp "
-                          "(pass --nodes / --gpus-per-node)")
-    for t in tps:
-        eps = [e for e in _divisors(t) if target.experts and (ep is None or e == ep)] or [1]
-        if not target.experts:
-            eps = [1]
-        for e in eps:
-            layouts.append(_evaluate(target, drafter, hw, fmt, drafter_quant, kv, t, e, total_gpus, gpn,
-                                     max_seq_len, max_num_tokens, logits_tokens, block, kv_fraction))
+    layouts = [_evaluate(s, t, e) for t, e in _candidate_layouts(s, nodes, tp, ep)]
+    layouts.sort(key=RANKING[objective])
 
-    if objective == "latency":
-        key = lambda l: (not l.fits, not l.within_nvlink_domain, -l.tp, l.ep, -l.kv_tokens)
-    else:
-        key = lambda l: (not l.fits, -l.max_sequences * l.replicas, l.tp, -l.ep)
-    layouts.sort(key=key)
-
-    ref = next((l for l in layouts if l.fits), max(layouts, key=lambda l: l.tp))
-    kvd = {
-        "target": kv_bytes_per_token(target, kv),
-        "drafter": kv_bytes_per_token(drafter, kv) if drafter else 0,
-        "format": kv,
-    }
-    if target.sliding_layers:
-        kvd["target_sliding_window"] = {"layers": target.sliding_layers, "window": target.sliding_window,
-                                        "bytes_per_token": kv_bytes_per_token(target, kv, sliding=True)}
+    ref = next((l for l in layouts if l.fits), max(layouts, key=lambda l: l.tp))  # the per-GPU weights reported
     return Plan(
         target=target_name, drafter=drafter_name if drafter else None, hardware=hw.name, nodes=nodes,
         gpus_per_node=gpn, quant={"target": fmt, "kv_cache": kv, "drafter": drafter_quant}, max_seq_len=max_seq_len,
@@ -475,35 +456,75 @@ def plan(target_cfg: dict, drafter_cfg: dict | None, hardware: str | Hardware, *
         weights_bytes={"target": weight_bytes(target, fmt), "drafter": weight_bytes(drafter, drafter_quant) if drafter else 0},
         weights_bytes_per_gpu={"tp": ref.tp, "ep": ref.ep, "target": ref.weights_bytes_per_gpu,
                                "drafter": ref.drafter_bytes_per_gpu},
-        kv_bytes_per_token=kvd, layouts=layouts,
+        kv_bytes_per_token=_kv_bytes_per_token(target, drafter, kv), layouts=layouts,
     )
 
 
-def _evaluate(target, drafter, hw, fmt, dfmt, kv, tp, ep, total_gpus, gpn, max_seq_len, max_num_tokens,
-              logits_tokens, block, kv_fraction) -> Layout:
-    replicas = total_gpus // tp
-    nodes_per_replica = max(1, math.ceil(tp / gpn))
-    lay = Layout(tp=tp, ep=ep, pp=1, replicas=replicas, nodes_per_replica=nodes_per_replica, fits=False,
-                 kv_tokens=0, max_sequences=0, reason="", within_nvlink_domain=tp <= hw.nvlink_domain_gpus)
-    if tp > gpn and tp % gpn:
-        lay.reason = f"tp {tp} spans nodes but is not a multiple of {gpn} GPUs per node"
+def _check_options(kv_fraction: float, objective: str, nodes: int, gpus_per_node: int) -> None:
+    if not 0 < kv_fraction <= 1:
+        raise DFlashError(f"free_gpu_memory_fraction {kv_fraction}: must be in (0, 1]")
+    if objective not in RANKING:
+        raise DFlashError(f"--objective {objective!r}: choose latency or throughput")
+    if nodes < 1:
+        raise DFlashError(f"--nodes {nodes}: must be at least 1")
+    if gpus_per_node < 1:
+        raise DFlashError(f"--gpus-per-node {gpus_per_node}: must be at least 1")
+
+
+def _max_seq_len(target_cfg: dict, max_seq_len: int | None, target_name: str) -> int:
+    """--max-seq-len, checked against the target's max_position_embeddings (default: that, capped)."""
+    max_pos = target_cfg.get("max_position_embeddings") or DEFAULT_MAX_SEQ_LEN_CAP
+    if max_seq_len is None:
+        max_seq_len = min(max_pos, DEFAULT_MAX_SEQ_LEN_CAP)
+    if max_seq_len < 1 or max_seq_len > max_pos:
+        raise DFlashError(f"--max-seq-len {max_seq_len}: must be in [1, {max_pos}] "
+                          f"(max_position_embeddings of {target_name})")
+    return max_seq_len
+
+
+def _block_size(drafter_cfg: dict | None) -> int:
+    """The drafter's block size (top level or in dflash_config); 1 without a drafter."""
+    d = drafter_cfg or {}
+    return int(d.get("block_size") or (d.get("dflash_config") or {}).get("block_size") or 1)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _candidate_layouts(s: Sizing, nodes: int, tp: int | None, ep: int | None) -> list[tuple[int, int]]:
+    """The (tp, ep) pairs to evaluate: every tp that divides the GPUs, each ep that divides tp
+    for an MoE target (else 1); `tp` / `ep` pin them. Powers of two only: the head counts of
+    the models served are, and the chart's schema checks GPU counts against tp × pp for powers
+    of two."""
+    if tp is not None and tp & (tp - 1):
+        raise DFlashError(f"tp {tp}: the planner and the Helm chart take tensor parallel sizes that are powers of two")
+    if tp is not None and s.total_gpus % tp:
+        raise DFlashError(f"tp {tp}: {nodes} node(s) × {s.gpus_per_node} GPUs = {s.total_gpus} is not a multiple "
+                          "of tp (pass --nodes / --gpus-per-node)")
+    pairs = []
+    for t in _divisors(s.total_gpus):
+        if t & (t - 1) or (tp is not None and t != tp):
+            continue
+        eps = [e for e in _divisors(t) if ep is None or e == ep] if s.target.experts else []
+        pairs += [(t, e) for e in eps or [1]]
+    return pairs
+
+
+def _evaluate(s: Sizing, tp: int, ep: int) -> Layout:
+    """One layout: whether the models split this way, and if so what one GPU holds and how
+    much KV cache (tokens, whole sequences) the rest of its memory gives."""
+    lay = Layout(tp=tp, ep=ep, pp=1, replicas=s.total_gpus // tp, nodes_per_replica=max(1, math.ceil(tp / s.gpus_per_node)),
+                 fits=False, kv_tokens=0, max_sequences=0, reason=_split_error(s, tp, ep),
+                 within_nvlink_domain=tp <= s.hw.nvlink_domain_gpus)
+    if lay.reason:
         return lay
-    for m in filter(None, (target, drafter)):
-        if m.heads % tp:
-            lay.reason = f"tp {tp} does not divide the {m.heads} attention heads of the {m.name}"
-            return lay
-    if target.experts:
-        if target.experts % ep:
-            lay.reason = f"ep {ep} does not divide the {target.experts} experts"
-            return lay
-        if target.intermediate % (tp // ep):
-            lay.reason = f"moe tp {tp // ep} does not divide the expert intermediate size {target.intermediate}"
-            return lay
-    lay.weights_bytes_per_gpu = weight_bytes(target, fmt, tp)
-    lay.drafter_bytes_per_gpu = weight_bytes(drafter, dfmt, tp) if drafter else 0
-    lay.activation_bytes_per_gpu = activation_bytes(target, tp, max_num_tokens, logits_tokens)
+    target, drafter, hw = s.target, s.drafter, s.hw
+    lay.weights_bytes_per_gpu = weight_bytes(target, s.quant, tp)
+    lay.drafter_bytes_per_gpu = weight_bytes(drafter, s.drafter_quant, tp) if drafter else 0
+    lay.activation_bytes_per_gpu = activation_bytes(target, tp, s.max_num_tokens, s.logits_tokens)
     fixed = lay.weights_bytes_per_gpu + lay.drafter_bytes_per_gpu + lay.activation_bytes_per_gpu + lay.runtime_reserve_bytes
-    per_tok = kv_bytes_per_token(target, kv, tp) + (kv_bytes_per_token(drafter, kv, tp) if drafter else 0)
+    per_tok = kv_bytes_per_token(target, s.kv, tp) + (kv_bytes_per_token(drafter, s.kv, tp) if drafter else 0)
     lay.kv_bytes_per_token_per_gpu = per_tok
     if fixed >= hw.memory_bytes:
         lay.reason = (f"does not fit: weights {lay.weights_bytes_per_gpu / GIB:.1f} GiB + drafter "
@@ -511,23 +532,47 @@ def _evaluate(target, drafter, hw, fmt, dfmt, kv, tp, ep, total_gpus, gpn, max_s
                       f"+ runtime {lay.runtime_reserve_bytes / GIB:.1f} GiB per GPU > {hw.memory_bytes / GIB:.1f} GiB "
                       f"of {hw.gpu}")
         return lay
-    budget = int((hw.memory_bytes - fixed) * kv_fraction)
+    budget = int((hw.memory_bytes - fixed) * s.kv_fraction)
     lay.kv_budget_bytes_per_gpu = budget
-    window = 0
+    window = 0   # sliding-window layers hold at most window + block tokens of each sequence
     if target.sliding_layers:
-        window = kv_bytes_per_token(target, kv, tp, sliding=True) * min(target.sliding_window + block, max_seq_len)
-    per_seq = max_seq_len * per_tok + window
+        window = kv_bytes_per_token(target, s.kv, tp, sliding=True) * min(target.sliding_window + s.block, s.max_seq_len)
+    per_seq = s.max_seq_len * per_tok + window
     lay.kv_tokens = budget // per_tok if per_tok else 0
     lay.max_sequences = budget // per_seq if per_seq else 0
     if lay.max_sequences < 1:
-        lay.reason = (f"does not fit: one sequence of {max_seq_len} tokens needs {per_seq / GIB:.2f} GiB of KV per GPU, "
+        lay.reason = (f"does not fit: one sequence of {s.max_seq_len} tokens needs {per_seq / GIB:.2f} GiB of KV per GPU, "
                       f"{budget / GIB:.2f} GiB left")
         return lay
     lay.fits = True
     where = "one NVLink domain" if lay.within_nvlink_domain else "crosses NVLink domains"
     lay.reason = (f"fits: {budget / GIB:.1f} GiB KV per GPU, {lay.kv_tokens:,} tokens, {lay.max_sequences:,} "
-                  f"sequences of {max_seq_len} per replica; {where}")
+                  f"sequences of {s.max_seq_len} per replica; {where}")
     return lay
+
+
+def _split_error(s: Sizing, tp: int, ep: int) -> str:
+    """Why the models cannot be split tp (and ep) ways; "" when they can."""
+    if tp > s.gpus_per_node and tp % s.gpus_per_node:
+        return f"tp {tp} spans nodes but is not a multiple of {s.gpus_per_node} GPUs per node"
+    for m in filter(None, (s.target, s.drafter)):
+        if m.heads % tp:
+            return f"tp {tp} does not divide the {m.heads} attention heads of the {m.name}"
+    if s.target.experts and s.target.experts % ep:
+        return f"ep {ep} does not divide the {s.target.experts} experts"
+    if s.target.experts and s.target.intermediate % (tp // ep):
+        return f"moe tp {tp // ep} does not divide the expert intermediate size {s.target.intermediate}"
+    return ""
+
+
+def _kv_bytes_per_token(target: ModelShape, drafter: ModelShape | None, kv: str) -> dict:
+    """Plan.kv_bytes_per_token: KV bytes per token of context of each model (unsplit)."""
+    d = {"target": kv_bytes_per_token(target, kv), "drafter": kv_bytes_per_token(drafter, kv) if drafter else 0,
+         "format": kv}
+    if target.sliding_layers:
+        d["target_sliding_window"] = {"layers": target.sliding_layers, "window": target.sliding_window,
+                                      "bytes_per_token": kv_bytes_per_token(target, kv, sliding=True)}
+    return d
 
 
 # ---------------------------------------------------------------------------------------------

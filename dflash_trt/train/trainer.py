@@ -3,9 +3,9 @@
     prompts ──target generates──▶ responses (JSONL) ──target forward──▶ cached features (bf16)
             ──▶ random anchors, masked blocks, per-anchor attention, decayed CE ──▶ z-lab drafter
 
-Data: the target's own (greedy) answers, so the labels are exactly the tokens the target emits at
-decode time. The target is frozen, so its hidden states at the chosen layers are computed once and
-cached on disk; a training step then only runs the drafter and the (frozen) lm_head.
+The data (the target's own greedy answers and its cached features) comes from train/data.py;
+this module holds the drafter's config and initial weights, the batches, the loss, the τ
+estimate, the resumable state and the training loop.
 
 A block = [anchor token, MASK × (B-1)] at positions anchor..anchor+B-1 sees the context strictly
 before its anchor and its own block (bidirectionally), never other blocks; slot k predicts the
@@ -17,10 +17,8 @@ reads), DIR/features (the cached target features), DIR/log.jsonl (loss and τ pe
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
-import os
 import random
 import sys
 import time
@@ -35,135 +33,14 @@ from tqdm import tqdm
 from dflash_trt.errors import DFlashError
 from dflash_trt.io.atomic import atomic_output_dir
 from dflash_trt.io.checkpoint import CheckpointReader
-from dflash_trt.io.jsonio import read_json, read_jsonl
+from dflash_trt.io.jsonio import read_json
 from dflash_trt.models.config import DrafterConfig, default_target_layer_ids
 from dflash_trt.models.drafter import DFlashDrafter, load_drafter, save_drafter
-from dflash_trt.models.target import load_target
-from dflash_trt.runtime.pair import encode_prompt, resolve_dtype
-from dflash_trt.train.prompts import read_prompts
+from dflash_trt.runtime.pair import resolve_dtype
+from dflash_trt.train.data import Sequences, load_sequences, prepare_data, target_features
 
 
-# ------------------------------------------------------------------------------------ data
-def generate_responses(target_dir: str | Path, prompts: list[str], out_path: str | Path, *,
-                       max_new_tokens: int = 192, batch_size: int = 16, progress: bool = True,
-                       threads: int | None = None, dtype: str = "auto") -> Path:
-    """Answer each prompt with the target (greedy, chat template) and append rows
-    `{"prompt", "prompt_ids", "output_ids"}` to out_path. Resumable: prompts already in the file
-    are skipped. Uses transformers' batched generate (left padding): this is data, not the product.
-    dtype "auto" is the runtime's default (bfloat16 where the CPU has native bf16): the answers
-    are then the ones the deployed target gives, and batched bf16 generate ran 2x faster than
-    float32 here (0.98 vs 0.50 prompts/s per core at batch 48)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    if threads:
-        torch.set_num_threads(threads)
-    out_path = Path(out_path)
-    done = {r["prompt"] for r in read_jsonl(out_path)} if out_path.exists() else set()
-    todo = [p for p in dict.fromkeys(prompts) if p not in done]
-    if not todo:
-        return out_path
-    tok = AutoTokenizer.from_pretrained(str(target_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=resolve_dtype(dtype)).eval()
-    eos = model.generation_config.eos_token_id
-    pad = tok.pad_token_id if tok.pad_token_id is not None else (eos[0] if isinstance(eos, list) else eos)
-    encoded = sorted(((p, encode_prompt(tok, p)) for p in todo), key=lambda x: len(x[1]))  # less padding
-    batches = [encoded[i:i + batch_size] for i in range(0, len(encoded), batch_size)]
-    random.Random(0).shuffle(batches)  # a mix of lengths early, so the progress rate is honest
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    bar = tqdm(total=len(todo), desc="generating responses", unit="prompt", disable=not progress,
-               file=sys.stderr, dynamic_ncols=True)
-    with open(out_path, "a") as f, torch.no_grad():
-        for batch in batches:
-            width = max(len(ids) for _, ids in batch)
-            input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for _, ids in batch])
-            attn = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for _, ids in batch])
-            gen = model.generate(input_ids=input_ids, attention_mask=attn, max_new_tokens=max_new_tokens,
-                                 do_sample=False, pad_token_id=pad)
-            for (prompt, ids), row in zip(batch, gen[:, width:].tolist()):
-                row = _strip_after_eos(row, eos)
-                f.write(json.dumps({"prompt": prompt, "prompt_ids": ids, "output_ids": row}) + "\n")
-            f.flush()
-            bar.update(len(batch))
-    bar.close()
-    return out_path
-
-
-def _strip_after_eos(row: list[int], eos) -> list[int]:
-    stops = set(eos if isinstance(eos, list) else [eos])
-    for i, t in enumerate(row):
-        if t in stops:
-            return row[: i + 1]  # keep the end token: drafting it is part of decoding
-    return row
-
-
-@dataclass
-class Sequences:
-    """Token sequences (prompt + target response) with the target's features, packed flat."""
-    tokens: torch.Tensor       # [N_tok] int64
-    offsets: torch.Tensor      # [n_seq + 1] int64: sequence i is tokens[offsets[i]:offsets[i+1]]
-    prompt_lens: torch.Tensor  # [n_seq] int64
-    features: torch.Tensor | None = None  # [N_tok, n_feat * H] bfloat16
-
-    def __len__(self) -> int:
-        return len(self.prompt_lens)
-
-    def seq(self, i: int) -> slice:
-        return slice(int(self.offsets[i]), int(self.offsets[i + 1]))
-
-
-def load_sequences(path: str | Path, tokenizer=None) -> tuple[Sequences, list[str]]:
-    """A data JSONL: rows with `prompt_ids` + `output_ids` (as generate_responses writes), or with
-    text `prompt` + `response` (tokenized with the chat template; needs the tokenizer)."""
-    rows = read_jsonl(path)
-    toks, plens, prompts = [], [], []
-    for i, r in enumerate(rows, 1):
-        if "prompt_ids" in r and "output_ids" in r:
-            p, o = list(r["prompt_ids"]), list(r["output_ids"])
-        elif "prompt" in r and "response" in r:
-            if tokenizer is None:
-                raise DFlashError(f"{path}: text rows need the target's tokenizer")
-            p = encode_prompt(tokenizer, r["prompt"])
-            o = tokenizer(r["response"], add_special_tokens=False)["input_ids"]
-        else:
-            raise DFlashError(f"{path}: row {i} has neither prompt_ids/output_ids nor prompt/response")
-        if len(o) < 2:
-            continue  # nothing to draft
-        toks.append(torch.tensor(p + o, dtype=torch.long))
-        plens.append(len(p))
-        prompts.append(r.get("prompt", ""))
-    if not toks:
-        raise DFlashError(f"{path}: no usable sequences (each needs at least 2 response tokens)")
-    lens = torch.tensor([len(t) for t in toks])
-    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
-    return Sequences(torch.cat(toks), offsets, torch.tensor(plens)), prompts
-
-
-def target_features(target_dir: str | Path, data: Sequences, layer_ids: list[int], cache_dir: Path,
-                    progress: bool = True, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Features [N_tok, n*H] (bf16) of the captured target layers over every sequence, computed
-    with our target runtime in `dtype` (the same code that captures them at decode time). Cached
-    per sequence (keyed by its tokens, the layers, the dtype and the target's config), so data
-    that grows, as a resumed generation does, only costs the new sequences."""
-    cfg_text = (Path(target_dir) / "config.json").read_text()
-    salt = hashlib.sha256(json.dumps([layer_ids, cfg_text, str(dtype)]).encode()).hexdigest()[:12]
-    folder = cache_dir / f"layers-{salt}"
-    folder.mkdir(parents=True, exist_ok=True)
-    keys = [hashlib.sha256(data.tokens[data.seq(i)].numpy().tobytes()).hexdigest()[:24] for i in range(len(data))]
-    todo = [i for i, k in enumerate(keys) if not (folder / f"{k}.safetensors").is_file()]
-    if todo:
-        target = load_target(target_dir, dtype=dtype)
-        target.setup_cache(max(data.seq(i).stop - data.seq(i).start for i in todo) + 1)
-        for i in tqdm(todo, desc="target features", unit="seq", disable=not progress, file=sys.stderr,
-                      dynamic_ncols=True):
-            if (folder / f"{keys[i]}.safetensors").is_file():
-                continue   # another process sharing the cache computed it meanwhile
-            _, feats = target(data.tokens[data.seq(i)], 0, capture=layer_ids)
-            tmp = folder / f".{keys[i]}.{os.getpid()}.tmp"
-            save_file({"features": feats.to(torch.bfloat16).contiguous()}, str(tmp))
-            os.replace(tmp, folder / f"{keys[i]}.safetensors")
-    return torch.cat([load_file(str(folder / f"{k}.safetensors"))["features"] for k in keys])
-
-
+# ------------------------------------------------------------------------------------ model
 def choose_mask_token(tokenizer, used: torch.Tensor) -> int:
     """mask_token_id: the tokenizer's mask token if it has one; else the highest-id special
     (added) token that is not bos/eos/pad/unk and never occurs in the training data. For SmolLM2
@@ -187,7 +64,6 @@ def default_gamma(block_size: int) -> float:
     return max(1.0, 4.0 + (block_size - 8) * 3.0 / 8.0)
 
 
-# ------------------------------------------------------------------------------------ model
 @dataclass
 class TrainConfig:
     layers: int = 1
@@ -285,7 +161,8 @@ def _init_from_drafter(drafter, folder: Path) -> list[str]:
     return json.loads(meta.read_text()).get("init", []) if meta.is_file() else []
 
 
-def _read_target_tensors(target_dir: Path, names_wanted) -> dict:
+def read_target_tensors(target_dir: Path, names_wanted) -> dict:
+    """The target checkpoint's tensors whose names pass names_wanted, as float32."""
     with CheckpointReader(target_dir) as r:
         return {k: r.get(k).float() for k in r.keys() if names_wanted(k)}
 
@@ -357,7 +234,7 @@ class FrozenTarget:
 
     def __init__(self, target_dir: Path, target_cfg: dict):
         tied = bool(target_cfg.get("tie_word_embeddings", False))
-        st = _read_target_tensors(target_dir, lambda k: k in ("model.embed_tokens.weight", "lm_head.weight"))
+        st = read_target_tensors(target_dir, lambda k: k in ("model.embed_tokens.weight", "lm_head.weight"))
         self.embed = st["model.embed_tokens.weight"]
         # bf16 copy for the big matmul: AMX/AVX512-bf16 CPUs run it several times faster.
         self.lm_head = (st["model.embed_tokens.weight"] if tied or "lm_head.weight" not in st
@@ -428,28 +305,25 @@ def estimate_tau(drafter, frozen: FrozenTarget, data: Sequences, max_new_tokens:
 def _save_state(run_dir: Path, drafter, opt, step: int, tc: TrainConfig, rng: random.Random, extra: dict) -> None:
     """Resume state: weights (fp32) and AdamW moments as safetensors, the rest as JSON. No pickle."""
     with atomic_output_dir(run_dir / "state") as tmp:
-        _write_state(tmp, drafter, opt, step, tc, rng, extra)
-
-
-def _write_state(tmp: Path, drafter, opt, step: int, tc: TrainConfig, rng: random.Random, extra: dict) -> None:
-    save_file({k: v.detach().contiguous() for k, v in drafter.state_dict().items()}, str(tmp / "model.safetensors"))
-    names = {id(p): n for n, p in drafter.named_parameters()}
-    moments, steps = {}, {}
-    for group in opt.param_groups:
-        for p in group["params"]:
-            st = opt.state.get(p)
-            if st:
-                n = names[id(p)]
-                moments[f"exp_avg.{n}"] = st["exp_avg"].contiguous()
-                moments[f"exp_avg_sq.{n}"] = st["exp_avg_sq"].contiguous()
-                steps[n] = float(st["step"])
-    save_file(moments or {"empty": torch.zeros(1)}, str(tmp / "optimizer.safetensors"))
-    py_state = rng.getstate()
-    (tmp / "state.json").write_text(json.dumps({
-        "step": step, "train_config": asdict(tc), "drafter_config": drafter.config.to_dict(),
-        "adam_steps": steps, "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
-        "python_rng": [py_state[0], list(py_state[1]), py_state[2]], **extra,
-    }, indent=1) + "\n")
+        save_file({k: v.detach().contiguous() for k, v in drafter.state_dict().items()}, str(tmp / "model.safetensors"))
+        names = {id(p): n for n, p in drafter.named_parameters()}
+        moments, steps = {}, {}
+        for group in opt.param_groups:
+            for p in group["params"]:
+                st = opt.state.get(p)
+                if st:
+                    n = names[id(p)]
+                    moments[f"exp_avg.{n}"] = st["exp_avg"].contiguous()
+                    moments[f"exp_avg_sq.{n}"] = st["exp_avg_sq"].contiguous()
+                    steps[n] = float(st["step"])
+        save_file(moments or {"empty": torch.zeros(1)}, str(tmp / "optimizer.safetensors"))
+        py_state = rng.getstate()
+        (tmp / "state.json").write_text(json.dumps({
+            "step": step, "train_config": asdict(tc), "drafter_config": drafter.config.to_dict(),
+            "adam_steps": steps,
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+            "python_rng": [py_state[0], list(py_state[1]), py_state[2]], **extra,
+        }, indent=1) + "\n")
 
 
 def _load_state(run_dir: Path, drafter, opt) -> tuple[int, list, dict]:
@@ -467,18 +341,157 @@ def _load_state(run_dir: Path, drafter, opt) -> tuple[int, list, dict]:
 
 
 # ------------------------------------------------------------------------------------ driver
-def _is_prompt_only(path: Path) -> bool:
-    rows = read_jsonl(path)
-    return bool(rows) and all("prompt" in r and "output_ids" not in r and "response" not in r for r in rows)
+# Settings that make a run what it is: --resume takes them from the run's state, not the command line.
+RUN_SETTINGS = ("layers", "block_size", "intermediate_size", "target_layer_ids", "mask_token_id",
+                "blocks_per_step", "anchors_per_seq", "gamma", "seed", "init_from_target")
 
 
-def prepare_data(target_dir: Path, path: Path, out_path: Path, max_new_tokens: int, progress: bool,
-                 dtype: torch.dtype = torch.float32) -> Path:
-    """A prompt-only JSONL is answered by the target first (resumable, into out_path)."""
-    if _is_prompt_only(path):
-        return generate_responses(target_dir, read_prompts(path), out_path, max_new_tokens=max_new_tokens,
-                                  progress=progress, dtype=dtype)
-    return path
+@dataclass
+class Run:
+    """One training session: what setup builds, then the progress that each step advances and
+    each save records."""
+    out_dir: Path
+    tc: TrainConfig
+    data: Sequences
+    eval_data: Sequences | None
+    drafter: DFlashDrafter
+    frozen: FrozenTarget
+    opt: torch.optim.AdamW
+    rng: random.Random           # draws the anchors; saved, so a resumed run draws what a straight one would
+    gamma: float
+    target_dtype: torch.dtype
+    init_notes: list[str]        # how the weights started, for the model card
+    step: int = 0
+    elapsed_before: float = 0.0  # training seconds of the sessions before this one (--resume)
+    t_start: float = 0.0         # time.perf_counter() when this session started training
+    tau: float | None = None
+    first_loss: float | None = None
+    last_loss: float | None = None
+    loss_ema: float | None = None
+    saved_at: int = -1           # the step last saved (the final save may fall on a periodic one)
+
+    def seconds(self) -> float:
+        return self.elapsed_before + time.perf_counter() - self.t_start
+
+
+def learning_rate(tc: TrainConfig, step: int) -> float:
+    """Linear warm-up, then cosine down to 10% of tc.lr at tc.steps."""
+    if step < tc.warmup:
+        return tc.lr * (step + 1) / tc.warmup
+    frac = min(1.0, (step - tc.warmup) / max(1, tc.steps - tc.warmup))
+    return tc.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def _check_out_dir(out_dir: Path, resume: bool) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if resume and not (out_dir / "state" / "state.json").is_file():
+        raise DFlashError(f"{out_dir}/state/state.json: nothing to resume (no checkpoint saved yet)")
+    if not resume and (out_dir / "state").exists():
+        raise DFlashError(f"{out_dir}: already holds a training run; pass --resume to continue it or choose another --out")
+
+
+def _load_data(target_dir: Path, path: str | Path, answers_path: Path, tokenizer, max_new_tokens: int,
+               progress: bool, dtype: torch.dtype) -> Sequences:
+    """Sequences of a data JSONL; a prompt-only one is answered by the target first (into answers_path)."""
+    path = prepare_data(target_dir, Path(path), answers_path, max_new_tokens, progress, dtype)
+    return load_sequences(path, tokenizer)[0]
+
+
+def _initial_weights(drafter, tc: TrainConfig, target_dir: Path, target_cfg: dict) -> list[str]:
+    """A new run starts from a trained drafter (--init-from), or from the target's last layers,
+    or from the seeded random init. Returns the notes for the model card."""
+    if tc.init_from:
+        return [f"all weights <- {tc.init_from}"] + _init_from_drafter(drafter, Path(tc.init_from))
+    if tc.init_from_target:
+        want = lambda k: k.startswith("model.layers.") or k == "model.norm.weight"  # noqa: E731
+        return init_from_target(drafter, read_target_tensors(target_dir, want), target_cfg)
+    return []
+
+
+def _setup(target_dir: Path, data_path: str | Path, out_dir: Path, tc: TrainConfig, *, eval_path, resume: bool,
+           progress: bool, max_new_tokens: int, feature_cache, dtype: str) -> Run:
+    """Data and target features, the drafter and its optimizer; on --resume, the saved state."""
+    from transformers import AutoTokenizer
+
+    _check_out_dir(out_dir, resume)
+    target_cfg = read_json(target_dir / "config.json")
+    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+    if resume:  # the run's own settings win: a resumed run is the same run
+        saved = json.loads((out_dir / "state" / "state.json").read_text())["train_config"]
+        for k in RUN_SETTINGS:
+            setattr(tc, k, saved[k])
+
+    target_dtype = resolve_dtype(dtype)
+    data = _load_data(target_dir, data_path, out_dir / "data.jsonl", tokenizer, max_new_tokens, progress, target_dtype)
+    if tc.mask_token_id is None:
+        tc.mask_token_id = choose_mask_token(tokenizer, data.tokens)
+    dcfg = drafter_config_for(target_cfg, tc, tc.mask_token_id)
+    cache = Path(feature_cache) if feature_cache else out_dir / "features"
+    data.features = target_features(target_dir, data, dcfg.target_layer_ids, cache, progress, target_dtype)
+    eval_data = None
+    if eval_path is not None:
+        eval_data = _load_data(target_dir, eval_path, out_dir / "eval_data.jsonl", tokenizer, max_new_tokens,
+                               progress, target_dtype)
+        eval_data.features = target_features(target_dir, eval_data, dcfg.target_layer_ids, cache, progress,
+                                             target_dtype)
+
+    torch.manual_seed(tc.seed)  # the drafter's random init
+    longest = max(int((d.offsets[1:] - d.offsets[:-1]).max()) for d in (data, eval_data) if d is not None)
+    drafter = DFlashDrafter(dcfg, max_len=longest + tc.block_size + 1)
+    init_notes = [] if resume else _initial_weights(drafter, tc, target_dir, target_cfg)
+    frozen = FrozenTarget(target_dir, target_cfg)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay)
+    run = Run(out_dir, tc, data, eval_data, drafter, frozen, opt, random.Random(tc.seed),
+              tc.gamma or default_gamma(tc.block_size), target_dtype, init_notes)
+    if resume:
+        run.step, py_rng, meta = _load_state(out_dir, drafter, opt)
+        run.rng.setstate((py_rng[0], tuple(py_rng[1]), py_rng[2]))
+        run.elapsed_before = float(meta.get("train_seconds", 0.0))
+        run.init_notes, run.tau = meta.get("init", []), meta.get("tau")
+    return run
+
+
+def _train_step(run: Run) -> None:
+    """One optimisation step: the scheduled lr, a batch of random anchors, the decayed CE, AdamW."""
+    tc = run.tc
+    for g in run.opt.param_groups:
+        g["lr"] = learning_rate(tc, run.step)
+    picks = sample_picks(run.data, run.rng, tc.blocks_per_step, tc.anchors_per_seq)
+    loss = block_loss(run.drafter, run.frozen, make_batch(run.data, picks, tc.block_size, tc.mask_token_id), run.gamma)
+    run.opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(run.drafter.parameters(), 1.0)
+    run.opt.step()
+    run.step += 1
+    run.last_loss = loss.detach().item()
+    run.first_loss = run.last_loss if run.first_loss is None else run.first_loss
+    run.loss_ema = run.last_loss if run.loss_ema is None else 0.95 * run.loss_ema + 0.05 * run.last_loss
+
+
+def _held_out_tau(run: Run) -> float:
+    run.drafter.eval()
+    tau = estimate_tau(run.drafter, run.frozen, run.eval_data, run.tc.eval_max_new_tokens)["tau"]
+    run.drafter.train()
+    return tau
+
+
+def _save(run: Run) -> None:
+    """Checkpoint (at most once per step): the resume state, then the z-lab drafter (bf16), with
+    a fresh τ when there is held-out data."""
+    if run.saved_at == run.step:
+        return
+    run.saved_at = run.step
+    if run.eval_data is not None:
+        run.tau = _held_out_tau(run)
+    _save_state(run.out_dir, run.drafter, run.opt, run.step, run.tc, run.rng,
+                {"train_seconds": run.seconds(), "tau": run.tau, "init": run.init_notes, "loss": run.last_loss})
+    save_drafter(run.drafter, run.out_dir / "drafter", dtype=torch.bfloat16)
+
+
+def _log(run: Run) -> None:
+    with open(run.out_dir / "log.jsonl", "a") as f:
+        f.write(json.dumps({"step": run.step, "loss": run.last_loss, "loss_ema": run.loss_ema,
+                            "lr": learning_rate(run.tc, run.step - 1), "tau": run.tau, "seconds": run.seconds()}) + "\n")
 
 
 def train_drafter(target_dir: str | Path, data_path: str | Path, out_dir: str | Path, tc: TrainConfig, *,
@@ -492,135 +505,41 @@ def train_drafter(target_dir: str | Path, data_path: str | Path, out_dir: str | 
     `dtype` is the target's, for its answers and features: "auto" is the runtime's default
     (bfloat16 on CPUs with native bf16), so the drafter learns the target it will run with;
     bf16 also computed features 2.2x faster than float32 here."""
-    from transformers import AutoTokenizer
-
-
     if threads:
         torch.set_num_threads(threads)
-    target_dir, out_dir = Path(target_dir), Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if resume and not (out_dir / "state" / "state.json").is_file():
-        raise DFlashError(f"{out_dir}/state/state.json: nothing to resume (no checkpoint saved yet)")
-    if not resume and (out_dir / "state").exists():
-        raise DFlashError(f"{out_dir}: already holds a training run; pass --resume to continue it or choose another --out")
-    target_cfg = read_json(target_dir / "config.json")
-    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
-
-    meta = {}
-    if resume:  # the run's own settings win: a resumed run is the same run
-        meta = json.loads((out_dir / "state" / "state.json").read_text())
-        saved = meta["train_config"]
-        for k in ("layers", "block_size", "intermediate_size", "target_layer_ids", "mask_token_id",
-                  "blocks_per_step", "anchors_per_seq", "gamma", "seed", "init_from_target"):
-            setattr(tc, k, saved[k])
-
-    target_dtype = resolve_dtype(dtype)
-    data_path = prepare_data(target_dir, Path(data_path), out_dir / "data.jsonl", max_new_tokens, progress,
-                             target_dtype)
-    data, _ = load_sequences(data_path, tokenizer)
-    mask_id = tc.mask_token_id if tc.mask_token_id is not None else choose_mask_token(tokenizer, data.tokens)
-    tc.mask_token_id = mask_id
-    dcfg = drafter_config_for(target_cfg, tc, mask_id)
-    ids = dcfg.target_layer_ids
-    cache = Path(feature_cache) if feature_cache else out_dir / "features"
-    data.features = target_features(target_dir, data, ids, cache, progress, target_dtype)
-
-    eval_data = None
-    if eval_path is not None:
-        eval_path = prepare_data(target_dir, Path(eval_path), out_dir / "eval_data.jsonl", max_new_tokens, progress,
-                                 target_dtype)
-        eval_data, _ = load_sequences(eval_path, tokenizer)
-        eval_data.features = target_features(target_dir, eval_data, ids, cache, progress, target_dtype)
-
-    torch.manual_seed(tc.seed)
-    max_len = int((data.offsets[1:] - data.offsets[:-1]).max()) + tc.block_size + 1
-    if eval_data is not None:
-        max_len = max(max_len, int((eval_data.offsets[1:] - eval_data.offsets[:-1]).max()) + tc.block_size + 1)
-    drafter = DFlashDrafter(dcfg, max_len=max_len)
-    init_notes = []
-    if tc.init_from and not resume:
-        init_notes = [f"all weights <- {tc.init_from}"] + _init_from_drafter(drafter, Path(tc.init_from))
-    elif tc.init_from_target and not resume:
-        want = lambda k: k.startswith("model.layers.") or k == "model.norm.weight"  # noqa: E731
-        init_notes = init_from_target(drafter, _read_target_tensors(target_dir, want), target_cfg)
-    frozen = FrozenTarget(target_dir, target_cfg)
-    gamma = tc.gamma or default_gamma(tc.block_size)
-    opt = torch.optim.AdamW(drafter.parameters(), lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay)
-    rng = random.Random(tc.seed)
-    step, elapsed_before = 0, 0.0
-    if resume:
-        step, py_rng, meta = _load_state(out_dir, drafter, opt)
-        rng.setstate((py_rng[0], tuple(py_rng[1]), py_rng[2]))
-        elapsed_before = float(meta.get("train_seconds", 0.0))
-        init_notes = meta.get("init", [])
-
-    def lr_at(s):  # linear warm-up, then cosine to 10%
-        if s < tc.warmup:
-            return tc.lr * (s + 1) / tc.warmup
-        frac = min(1.0, (s - tc.warmup) / max(1, tc.steps - tc.warmup))
-        return tc.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
-
-    log_path = out_dir / "log.jsonl"
-    first_loss = last_loss = None
-    tau = meta.get("tau")
-    t_start = time.perf_counter()
-    bar = tqdm(total=tc.steps, initial=step, desc="train-drafter", unit="step", disable=not progress,
+    run = _setup(Path(target_dir), data_path, Path(out_dir), tc, eval_path=eval_path, resume=resume,
+                 progress=progress, max_new_tokens=max_new_tokens, feature_cache=feature_cache, dtype=dtype)
+    run.t_start = time.perf_counter()
+    bar = tqdm(total=tc.steps, initial=run.step, desc="train-drafter", unit="step", disable=not progress,
                file=sys.stderr, dynamic_ncols=True)
-    ema = None
-
-    saved_at = -1
-
-    def save():
-        nonlocal tau, saved_at
-        if saved_at == step:
-            return
-        saved_at = step
-        if eval_data is not None:
-            drafter.eval()
-            tau = estimate_tau(drafter, frozen, eval_data, tc.eval_max_new_tokens)["tau"]
-            drafter.train()
-        secs = elapsed_before + time.perf_counter() - t_start
-        _save_state(out_dir, drafter, opt, step, tc, rng, {"train_seconds": secs, "tau": tau, "init": init_notes,
-                                                            "loss": last_loss})
-        save_drafter(drafter, out_dir / "drafter", dtype=torch.bfloat16)
-
-    drafter.train()
+    run.drafter.train()
     stopped_early = False
-    while step < tc.steps:
-        if (time_limit_s is not None and time.perf_counter() - t_start > time_limit_s) or \
-                (stop_after is not None and step >= stop_after):
+    while run.step < tc.steps:
+        if (time_limit_s is not None and time.perf_counter() - run.t_start > time_limit_s) or \
+                (stop_after is not None and run.step >= stop_after):
             stopped_early = True
             break
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step)
-        batch = make_batch(data, sample_picks(data, rng, tc.blocks_per_step, tc.anchors_per_seq),
-                           tc.block_size, mask_id)
-        loss = block_loss(drafter, frozen, batch, gamma)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
-        opt.step()
-        step += 1
-        last_loss = loss.detach().item()
-        first_loss = last_loss if first_loss is None else first_loss
-        ema = last_loss if ema is None else 0.95 * ema + 0.05 * last_loss
-        if eval_data is not None and tc.eval_every and step % tc.eval_every == 0 and step % tc.save_every:
-            drafter.eval()
-            tau = estimate_tau(drafter, frozen, eval_data, tc.eval_max_new_tokens)["tau"]
-            drafter.train()
+        _train_step(run)
+        step = run.step
+        if run.eval_data is not None and tc.eval_every and step % tc.eval_every == 0 and step % tc.save_every:
+            run.tau = _held_out_tau(run)  # a save estimates τ itself
         if tc.save_every and step % tc.save_every == 0:
-            save()
-        bar.set_postfix(loss=f"{ema:.3f}", tau="-" if tau is None else f"{tau:.2f}")
+            _save(run)
+        bar.set_postfix(loss=f"{run.loss_ema:.3f}", tau="-" if run.tau is None else f"{run.tau:.2f}")
         bar.update(1)
         if step % 10 == 0 or step == tc.steps:
-            with open(log_path, "a") as f:
-                f.write(json.dumps({"step": step, "loss": last_loss, "loss_ema": ema, "lr": lr_at(step - 1),
-                                    "tau": tau, "seconds": elapsed_before + time.perf_counter() - t_start}) + "\n")
+            _log(run)
     bar.close()
-    save()
-    return {"drafter": str(out_dir / "drafter"), "step": step, "steps": tc.steps, "first_loss": first_loss,
-            "last_loss": last_loss, "tau_estimate": tau, "mask_token_id": mask_id, "target_layer_ids": ids,
-            "dtype": str(target_dtype).removeprefix("torch."),
-            "block_size": tc.block_size, "layers": tc.layers, "intermediate_size": dcfg.intermediate_size,
-            "train_seconds": elapsed_before + time.perf_counter() - t_start, "stopped_early": stopped_early,
-            "n_sequences": len(data), "n_tokens": int(data.offsets[-1])}
+    _save(run)
+    return _summary(run, stopped_early)
+
+
+def _summary(run: Run, stopped_early: bool) -> dict:
+    tc, cfg = run.tc, run.drafter.config
+    return {"drafter": str(run.out_dir / "drafter"), "step": run.step, "steps": tc.steps,
+            "first_loss": run.first_loss, "last_loss": run.last_loss, "tau_estimate": run.tau,
+            "mask_token_id": tc.mask_token_id, "target_layer_ids": cfg.target_layer_ids,
+            "dtype": str(run.target_dtype).removeprefix("torch."),
+            "block_size": tc.block_size, "layers": tc.layers, "intermediate_size": cfg.intermediate_size,
+            "train_seconds": run.seconds(), "stopped_early": stopped_early,
+            "n_sequences": len(run.data), "n_tokens": int(run.data.offsets[-1])}

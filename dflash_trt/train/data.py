@@ -1,0 +1,163 @@
+"""Training data of a DFlash drafter: the target's own answers, and its features over them.
+
+    prompts ──target generates──▶ responses (JSONL) ──target forward──▶ cached features (bf16)
+
+The answers are the target's greedy ones, so the labels are exactly the tokens the target emits
+at decode time. The target is frozen, so its hidden states at the chosen layers are computed
+once and cached on disk (one file per sequence); a training step then only runs the drafter
+and the (frozen) lm_head.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from dflash_trt.errors import DFlashError
+from dflash_trt.io.jsonio import read_jsonl
+from dflash_trt.models.target import load_target
+from dflash_trt.runtime.pair import encode_prompt, resolve_dtype
+from dflash_trt.train.prompts import read_prompts
+
+
+def generate_responses(target_dir: str | Path, prompts: list[str], out_path: str | Path, *,
+                       max_new_tokens: int = 192, batch_size: int = 16, progress: bool = True,
+                       threads: int | None = None, dtype: str = "auto") -> Path:
+    """Answer each prompt with the target (greedy, chat template) and append rows
+    `{"prompt", "prompt_ids", "output_ids"}` to out_path. Resumable: prompts already in the file
+    are skipped. Uses transformers' batched generate (left padding): this is data, not the product.
+    dtype "auto" is the runtime's default (bfloat16 where the CPU has native bf16): the answers
+    are then the ones the deployed target gives, and batched bf16 generate ran 2x faster than
+    float32 here (0.98 vs 0.50 prompts/s per core at batch 48)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if threads:
+        torch.set_num_threads(threads)
+    out_path = Path(out_path)
+    done = {r["prompt"] for r in read_jsonl(out_path)} if out_path.exists() else set()
+    todo = [p for p in dict.fromkeys(prompts) if p not in done]
+    if not todo:
+        return out_path
+    tok = AutoTokenizer.from_pretrained(str(target_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=resolve_dtype(dtype)).eval()
+    eos = model.generation_config.eos_token_id
+    pad = tok.pad_token_id if tok.pad_token_id is not None else (eos[0] if isinstance(eos, list) else eos)
+    encoded = sorted(((p, encode_prompt(tok, p)) for p in todo), key=lambda x: len(x[1]))  # less padding
+    batches = [encoded[i:i + batch_size] for i in range(0, len(encoded), batch_size)]
+    random.Random(0).shuffle(batches)  # a mix of lengths early, so the progress rate is honest
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    bar = tqdm(total=len(todo), desc="generating responses", unit="prompt", disable=not progress,
+               file=sys.stderr, dynamic_ncols=True)
+    with open(out_path, "a") as f, torch.no_grad():
+        for batch in batches:
+            width = max(len(ids) for _, ids in batch)
+            input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for _, ids in batch])
+            attn = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for _, ids in batch])
+            gen = model.generate(input_ids=input_ids, attention_mask=attn, max_new_tokens=max_new_tokens,
+                                 do_sample=False, pad_token_id=pad)
+            for (prompt, ids), row in zip(batch, gen[:, width:].tolist()):
+                row = _strip_after_eos(row, eos)
+                f.write(json.dumps({"prompt": prompt, "prompt_ids": ids, "output_ids": row}) + "\n")
+            f.flush()
+            bar.update(len(batch))
+    bar.close()
+    return out_path
+
+
+def _strip_after_eos(row: list[int], eos) -> list[int]:
+    stops = set(eos if isinstance(eos, list) else [eos])
+    for i, t in enumerate(row):
+        if t in stops:
+            return row[: i + 1]  # keep the end token: drafting it is part of decoding
+    return row
+
+
+@dataclass
+class Sequences:
+    """Token sequences (prompt + target response) with the target's features, packed flat."""
+    tokens: torch.Tensor       # [N_tok] int64
+    offsets: torch.Tensor      # [n_seq + 1] int64: sequence i is tokens[offsets[i]:offsets[i+1]]
+    prompt_lens: torch.Tensor  # [n_seq] int64
+    features: torch.Tensor | None = None  # [N_tok, n_feat * H] bfloat16
+
+    def __len__(self) -> int:
+        return len(self.prompt_lens)
+
+    def seq(self, i: int) -> slice:
+        return slice(int(self.offsets[i]), int(self.offsets[i + 1]))
+
+
+def load_sequences(path: str | Path, tokenizer=None) -> tuple[Sequences, list[str]]:
+    """A data JSONL: rows with `prompt_ids` + `output_ids` (as generate_responses writes), or with
+    text `prompt` + `response` (tokenized with the chat template; needs the tokenizer)."""
+    rows = read_jsonl(path)
+    toks, plens, prompts = [], [], []
+    for i, r in enumerate(rows, 1):
+        if "prompt_ids" in r and "output_ids" in r:
+            p, o = list(r["prompt_ids"]), list(r["output_ids"])
+        elif "prompt" in r and "response" in r:
+            if tokenizer is None:
+                raise DFlashError(f"{path}: text rows need the target's tokenizer")
+            p = encode_prompt(tokenizer, r["prompt"])
+            o = tokenizer(r["response"], add_special_tokens=False)["input_ids"]
+        else:
+            raise DFlashError(f"{path}: row {i} has neither prompt_ids/output_ids nor prompt/response")
+        if len(o) < 2:
+            continue  # nothing to draft
+        toks.append(torch.tensor(p + o, dtype=torch.long))
+        plens.append(len(p))
+        prompts.append(r.get("prompt", ""))
+    if not toks:
+        raise DFlashError(f"{path}: no usable sequences (each needs at least 2 response tokens)")
+    lens = torch.tensor([len(t) for t in toks])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
+    return Sequences(torch.cat(toks), offsets, torch.tensor(plens)), prompts
+
+
+def target_features(target_dir: str | Path, data: Sequences, layer_ids: list[int], cache_dir: Path,
+                    progress: bool = True, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Features [N_tok, n*H] (bf16) of the captured target layers over every sequence, computed
+    with our target runtime in `dtype` (the same code that captures them at decode time). Cached
+    per sequence (keyed by its tokens, the layers, the dtype and the target's config), so data
+    that grows, as a resumed generation does, only costs the new sequences."""
+    cfg_text = (Path(target_dir) / "config.json").read_text()
+    salt = hashlib.sha256(json.dumps([layer_ids, cfg_text, str(dtype)]).encode()).hexdigest()[:12]
+    folder = cache_dir / f"layers-{salt}"
+    folder.mkdir(parents=True, exist_ok=True)
+    keys = [hashlib.sha256(data.tokens[data.seq(i)].numpy().tobytes()).hexdigest()[:24] for i in range(len(data))]
+    todo = [i for i, k in enumerate(keys) if not (folder / f"{k}.safetensors").is_file()]
+    if todo:
+        target = load_target(target_dir, dtype=dtype)
+        target.setup_cache(max(data.seq(i).stop - data.seq(i).start for i in todo) + 1)
+        for i in tqdm(todo, desc="target features", unit="seq", disable=not progress, file=sys.stderr,
+                      dynamic_ncols=True):
+            if (folder / f"{keys[i]}.safetensors").is_file():
+                continue   # another process sharing the cache computed it meanwhile
+            _, feats = target(data.tokens[data.seq(i)], 0, capture=layer_ids)
+            tmp = folder / f".{keys[i]}.{os.getpid()}.tmp"
+            save_file({"features": feats.to(torch.bfloat16).contiguous()}, str(tmp))
+            os.replace(tmp, folder / f"{keys[i]}.safetensors")
+    return torch.cat([load_file(str(folder / f"{k}.safetensors"))["features"] for k in keys])
+
+
+def _is_prompt_only(path: Path) -> bool:
+    rows = read_jsonl(path)
+    return bool(rows) and all("prompt" in r and "output_ids" not in r and "response" not in r for r in rows)
+
+
+def prepare_data(target_dir: Path, path: Path, out_path: Path, max_new_tokens: int, progress: bool,
+                 dtype: torch.dtype = torch.float32) -> Path:
+    """A prompt-only JSONL is answered by the target first (resumable, into out_path)."""
+    if _is_prompt_only(path):
+        return generate_responses(target_dir, read_prompts(path), out_path, max_new_tokens=max_new_tokens,
+                                  progress=progress, dtype=dtype)
+    return path
+
