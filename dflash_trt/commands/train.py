@@ -61,7 +61,7 @@ def _layer_list(ctx, param, value):
 def train_drafter_cmd(target, data, prompts, out, layers, intermediate_size, target_layers, block_size, steps, lr,
                       blocks_per_step, mask_token_id, save_every, eval_every, eval_prompts, max_new_tokens,
                       init_from, feature_cache, resume, time_limit, threads, dtype, seed, as_json):
-    """Train a DFlash block-diffusion drafter for a target (DESIGN.md §4 recipe): the target
+    """Train a DFlash block-diffusion drafter for a target (the recipe in docs/decode-loop.md): the target
     answers prompts, its hidden states at the chosen layers are cached once, then random anchors,
     masked blocks with per-anchor attention and a position-decayed cross-entropy; the target's
     embeddings and lm_head stay frozen. Checkpoints every --save-every steps; --resume continues.

@@ -11,7 +11,7 @@ The drafter is BF16, or FP8 (attention and MLP linears) when the bundle says so.
 Weights by format, bytes per element of a quantized linear layer's weight:
     BF16 2 · FP8 1 (+ fp32 weight/input scales) · NVFP4 0.5 + 1/16 (FP8 scale per 16 elements,
     + fp32 global and input scales) · MXFP4 0.5 + 1/32 (E8M0 scale per 32 elements; gpt-oss experts).
-Kept in BF16 whatever the format (DESIGN.md §5): embeddings, lm_head, routers, norms, biases,
+Kept in BF16 whatever the format (docs/formats.md): embeddings, lm_head, routers, norms, biases,
 attention sinks, and all of gpt-oss outside its experts.
 
 Tensor parallel splits (TensorRT-LLM's mapping): q / o and MLPs by tp; k / v by tp with KV heads
@@ -21,7 +21,7 @@ Norms, routers and biases are replicated.
 
 KV cache per token: every full-attention layer keeps 2 · kv_heads · head_dim values per token;
 sliding-window layers (gpt-oss) keep at most window + block tokens per sequence; the drafter's
-cache holds the projected target features of every context token (DESIGN.md §3), so it grows with
+cache holds the projected target features of every context token (docs/decode-loop.md), so it grows with
 context too. Activations are a rough upper bound (stated below), not a measurement.
 """
 from __future__ import annotations
@@ -220,7 +220,7 @@ def target_shape(cfg: dict, name: str = "target") -> ModelShape:
 
 
 def drafter_shape(cfg: dict, name: str = "drafter") -> ModelShape:
-    """Parameter groups of a z-lab DFlash drafter (DESIGN.md §3): fc [H, n_feat·H], hidden_norm,
+    """Parameter groups of a z-lab DFlash drafter (docs/formats.md): fc [H, n_feat·H], hidden_norm,
     norm, Qwen3 decoder blocks; no embedding and no lm_head (it borrows the target's)."""
     d = DrafterConfig.from_dict(cfg, name)
     H, L = d.hidden_size, d.num_hidden_layers

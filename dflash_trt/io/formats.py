@@ -1,5 +1,5 @@
 """Low-precision number formats: FP8 (E4M3), NVFP4 (E2M1 + FP8 block scales + fp32 global
-scale) and MXFP4 (E2M1 + E8M0 block scales, gpt-oss). DESIGN.md §5.
+scale) and MXFP4 (E2M1 + E8M0 block scales, gpt-oss). docs/formats.md.
 
 The FP8 and NVFP4 encoders reproduce NVIDIA ModelOpt's export arithmetic operation for
 operation (same dtypes at each step, same tie-breaking), because the output must be

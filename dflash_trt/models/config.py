@@ -1,5 +1,5 @@
 """DFlash drafter configuration: the z-lab `config.json` format, and conversion from the
-vLLM speculators format (DESIGN.md §3).
+vLLM speculators format (docs/formats.md).
 
 The config.json is kept as read (`raw`) and written back unchanged, so a load → save round trip
 is byte-compatible with the z-lab file apart from JSON whitespace.
@@ -53,7 +53,7 @@ class DrafterConfig:
     @classmethod
     def from_dict(cls, d: dict, source: str = "config.json") -> "DrafterConfig":
         if d.get("speculators_model_type") == "dflash":
-            d = speculators_to_zlab(d, source)
+            d = zlab_config_from_speculators(d, source)
         missing = [k for k in REQUIRED_FIELDS if k not in d]
         if missing:
             raise DFlashError(f"{source}: missing field(s) {', '.join(missing)} in the drafter config")
@@ -102,7 +102,7 @@ class DrafterConfig:
         return d
 
 
-def speculators_to_zlab(d: dict, source: str = "config.json") -> dict:
+def zlab_config_from_speculators(d: dict, source: str = "config.json") -> dict:
     """vLLM speculators DFlash config → z-lab config. speculators counts hidden-state *indices*
     (0 = embeddings), so its `aux_hidden_state_layer_ids` are z-lab's decoder-layer ids + 1."""
     layer = d.get("transformer_layer_config")

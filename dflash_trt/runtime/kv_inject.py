@@ -1,5 +1,5 @@
 """KV injection: accepted tokens' target features → K, V of every drafter layer, written into the
-drafter's KV cache (DESIGN.md §3). Three implementations of one semantics:
+drafter's KV cache (docs/decode-loop.md). Three implementations of one semantics:
 
 1. `reference_kv` / `reference_inject_*`: plain PyTorch, mirroring `dflash_trt.models.drafter` line by
    line (fc → hidden_norm → per layer k_proj → k_norm → RoPE, v_proj), then a per-layer write.

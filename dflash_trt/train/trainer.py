@@ -1,4 +1,4 @@
-"""Training a DFlash drafter for a (small) target: the public recipe (DESIGN.md §4).
+"""Training a DFlash drafter for a (small) target: the public recipe (docs/decode-loop.md).
 
     prompts ──target generates──▶ responses (JSONL) ──target forward──▶ cached features (bf16)
             ──▶ random anchors, masked blocks, per-anchor attention, decayed CE ──▶ z-lab drafter
