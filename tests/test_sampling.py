@@ -14,8 +14,9 @@ from scipy.stats import chi2_contingency
 from dflash_trt.models.config import DrafterConfig
 from dflash_trt.models.drafter import DFlashDrafter
 from dflash_trt.models.target import TargetModel
-from dflash_trt.runtime import decode as runtime
-from dflash_trt.runtime.decode import SamplingParams, generate
+from dflash_trt.runtime import decode
+from dflash_trt.runtime.decode import generate
+from dflash_trt.runtime.sampling import SamplingParams
 
 V, H, ALPHA, SEEDS, N_TOK = 8, 32, 1e-3, 2500, 3
 TARGET_CFG = {
@@ -100,7 +101,7 @@ def test_broken_acceptance_is_detected(monkeypatch):
     target, drafter = _target(False), _drafter(False)
     sp = SamplingParams(1.0)
     _, ar_pairs, _ = _counts(target, None, "ar", sp)
-    monkeypatch.setattr(runtime, "_speculative_accept",
+    monkeypatch.setattr(decode, "speculative_accept",
                         lambda draft, q, p, gen: draft.tolist() + [int(torch.multinomial(p[len(draft)], 1, generator=gen))])
     _, bad_pairs, _ = _counts(target, drafter, "dflash", sp)
     assert _p_value(ar_pairs, bad_pairs) < ALPHA

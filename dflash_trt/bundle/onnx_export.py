@@ -137,27 +137,15 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.detach().to(torch.float32).cpu().numpy()
 
 
-def build_model(drafter, embed: torch.Tensor, lm_head: torch.Tensor, page_size: int):
-    """The ONNX ModelProto of `drafter` (float32) with the target's embedding and lm_head."""
-    import onnx
+def _bias(linear) -> np.ndarray | None:
+    return _np(linear.bias) if linear.bias is not None else None
+
+
+def _graph_inputs(c, cache_shape) -> list:
     from onnx import TensorProto, helper
 
-
-    check_page_size(page_size)
-    trt_mod = kv_inject_trt
-    c = drafter.config
-    L, nh, nkv, hd, H = c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.hidden_size
-    if embed.shape[1] != H or lm_head.shape[1] != H:
-        raise DFlashError(f"target embed_tokens/lm_head have hidden size {embed.shape[1]}, the drafter config "
-                          f"has hidden_size {H}")
-    if c.n_features * H != drafter.fc.weight.shape[1]:
-        raise DFlashError(f"fc.weight: shape {tuple(drafter.fc.weight.shape)} does not match {c.n_features} features")
-    inj = FusedKVInjector(drafter)
-    g = _Graph()
-    V = lm_head.shape[0]
-    cache_shape = ["num_pages", L, nkv, page_size, hd]
-    inputs = [
-        helper.make_tensor_value_info("features", TensorProto.FLOAT, ["T", c.n_features * H]),
+    return [
+        helper.make_tensor_value_info("features", TensorProto.FLOAT, ["T", c.n_features * c.hidden_size]),
         helper.make_tensor_value_info("positions", TensorProto.INT32, ["T"]),
         helper.make_tensor_value_info("slots", TensorProto.INT32, ["T"]),
         helper.make_tensor_value_info("k_cache", TensorProto.FLOAT, cache_shape),
@@ -166,69 +154,115 @@ def build_model(drafter, embed: torch.Tensor, lm_head: torch.Tensor, page_size: 
         helper.make_tensor_value_info("block_positions", TensorProto.INT64, ["B"]),
         helper.make_tensor_value_info("ctx_slots", TensorProto.INT64, ["S"]),
     ]
-    cos_tab, sin_tab = g.init("rope_cos", _np(drafter.rope.cos)), g.init("rope_sin", _np(drafter.rope.sin))
 
-    # --- KV injection: fc (standard MatMul, TensorRT's GEMM) + the fused plugin node
+
+def _graph_outputs(vocab: int, cache_shape) -> list:
+    from onnx import TensorProto, helper
+
+    return [
+        helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["B", vocab]),
+        helper.make_tensor_value_info("k_cache_out", TensorProto.FLOAT, cache_shape),
+        helper.make_tensor_value_info("v_cache_out", TensorProto.FLOAT, cache_shape),
+    ]
+
+
+def _kv_inject(g: _Graph, drafter, cos_tab: str, sin_tab: str, page_size: int) -> None:
+    """fc (a standard MatMul: TensorRT's GEMM), then the fused plugin node writing every layer's
+    K/V of the accepted tokens into the paged cache: outputs k_cache_out, v_cache_out."""
+    from onnx import helper
+
+    c = drafter.config
+    inj = FusedKVInjector(drafter)
     ctx_raw = g.op("MatMul", ["features", g.init("fc_w_t", _np(inj.fc_w_t))])
     scalars = g.init("kv_scalars", np.array([inj.eps, 1.0, 1.0], dtype=np.float32))
     plugin_inputs = [ctx_raw, g.init("w_kv", _np(inj.w_kv)), g.init("b_kv", _np(inj.b_kv)),
                      g.init("k_norm_w", _np(inj.k_norm_w)), cos_tab, sin_tab, "positions", "slots", scalars,
                      "k_cache", "v_cache"]
-    assert len(plugin_inputs) == len(trt_mod.INPUT_NAMES)
+    assert len(plugin_inputs) == len(kv_inject_trt.INPUT_NAMES)
     g.nodes.append(helper.make_node(
-        trt_mod.PLUGIN_NAME, plugin_inputs, ["k_cache_out", "v_cache_out"], name="kv_inject", domain=CUSTOM_DOMAIN,
-        num_layers=L, num_kv_heads=nkv, head_dim=hd, page_size=page_size,
-        plugin_namespace=trt_mod.PLUGIN_NAMESPACE, aot=1))
+        kv_inject_trt.PLUGIN_NAME, plugin_inputs, ["k_cache_out", "v_cache_out"], name="kv_inject",
+        domain=CUSTOM_DOMAIN, num_layers=c.num_hidden_layers, num_kv_heads=c.num_key_value_heads,
+        head_dim=c.head_dim, page_size=page_size, plugin_namespace=kv_inject_trt.PLUGIN_NAMESPACE, aot=1))
 
-    # --- context K/V of every layer, gathered from the updated cache: [L, nkv, S, hd]
-    def gather_ctx(cache):
-        t = g.op("Transpose", [cache], perm=[1, 2, 0, 3, 4])                  # [L, nkv, P, page, hd]
-        t = g.op("Reshape", [t, g.ints("shape", [L, nkv, -1, hd])])          # [L, nkv, P*page, hd]
-        return g.op("Gather", [t, "ctx_slots"], axis=2)
-    k_all, v_all = gather_ctx("k_cache_out"), gather_ctx("v_cache_out")
 
-    # --- the draft pass (DFlashDrafter.forward_cached, mask=None: non-causal)
+def _gather_ctx(g: _Graph, cache: str, c) -> str:
+    """Context K or V of every layer, gathered from the updated paged cache: [L, nkv, S, hd]."""
+    L, nkv, hd = c.num_hidden_layers, c.num_key_value_heads, c.head_dim
+    t = g.op("Transpose", [cache], perm=[1, 2, 0, 3, 4])                  # [L, nkv, P, page, hd]
+    t = g.op("Reshape", [t, g.ints("shape", [L, nkv, -1, hd])])          # [L, nkv, P*page, hd]
+    return g.op("Gather", [t, "ctx_slots"], axis=2)
+
+
+def _attention(g: _Graph, a, x: str, l: int, k_all: str, v_all: str, cos_q: str, sin_q: str, scale: str, c) -> str:
+    """Layer l's non-causal attention of the block over [context, block]: o_proj's output [B, H]."""
+    nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    q = g.op("Reshape", [g.linear(x, _np(a.q_proj.weight), _bias(a.q_proj)), g.ints("shape", [-1, nh, hd])])
+    q = g.op("Transpose", [g.rms_norm(q, _np(a.q_norm.weight), a.q_norm.eps)], perm=[1, 0, 2])   # [nh, B, hd]
+    q = g.rope(q, cos_q, sin_q, hd)
+    k = g.op("Reshape", [g.linear(x, _np(a.k_proj.weight), _bias(a.k_proj)), g.ints("shape", [-1, nkv, hd])])
+    k = g.rope(g.op("Transpose", [g.rms_norm(k, _np(a.k_norm.weight), a.k_norm.eps)], perm=[1, 0, 2]),
+               cos_q, sin_q, hd)                                                                 # [nkv, B, hd]
+    v = g.op("Reshape", [g.linear(x, _np(a.v_proj.weight), _bias(a.v_proj)), g.ints("shape", [-1, nkv, hd])])
+    v = g.op("Transpose", [v], perm=[1, 0, 2])
+    li = g.init("layer", np.int64(l))
+    K = g.op("Concat", [g.op("Gather", [k_all, li], axis=0), k], axis=1)                   # [nkv, S+B, hd]
+    Vv = g.op("Concat", [g.op("Gather", [v_all, li], axis=0), v], axis=1)
+    # GQA: query head i reads kv head i // (nh // nkv) -> group the queries per kv head
+    qg = g.op("Reshape", [q, g.ints("shape", [nkv, -1, hd])])                              # [nkv, grp*B, hd]
+    scores = g.op("Mul", [g.op("MatMul", [qg, g.op("Transpose", [K], perm=[0, 2, 1])]), scale])
+    o = g.op("MatMul", [g.op("Softmax", [scores], axis=-1), Vv])                            # [nkv, grp*B, hd]
+    o = g.op("Reshape", [o, g.ints("shape", [nh, -1, hd])])                                 # [nh, B, hd]
+    o = g.op("Reshape", [g.op("Transpose", [o], perm=[1, 0, 2]), g.ints("shape", [-1, nh * hd])])
+    return g.linear(o, _np(a.o_proj.weight), _bias(a.o_proj))
+
+
+def _mlp(g: _Graph, mlp, x: str) -> str:
+    gate = g.linear(x, _np(mlp.gate_proj.weight))
+    up = g.linear(x, _np(mlp.up_proj.weight))
+    act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])                 # silu(gate) * up
+    return g.linear(act, _np(mlp.down_proj.weight))
+
+
+def _decoder_layer(g: _Graph, layer, l: int, h: str, k_all: str, v_all: str, cos_q: str, sin_q: str, scale: str,
+                   c) -> str:
+    x = g.rms_norm(h, _np(layer.input_layernorm.weight), layer.input_layernorm.eps)
+    h = g.op("Add", [h, _attention(g, layer.self_attn, x, l, k_all, v_all, cos_q, sin_q, scale, c)])
+    x = g.rms_norm(h, _np(layer.post_attention_layernorm.weight), layer.post_attention_layernorm.eps)
+    return g.op("Add", [h, _mlp(g, layer.mlp, x)])
+
+
+def build_model(drafter, embed: torch.Tensor, lm_head: torch.Tensor, page_size: int):
+    """The ONNX ModelProto of `drafter` (float32) with the target's embedding and lm_head."""
+    import onnx
+    from onnx import helper
+
+    check_page_size(page_size)
+    c = drafter.config
+    H = c.hidden_size
+    if embed.shape[1] != H or lm_head.shape[1] != H:
+        raise DFlashError(f"target embed_tokens/lm_head have hidden size {embed.shape[1]}, the drafter config "
+                          f"has hidden_size {H}")
+    if c.n_features * H != drafter.fc.weight.shape[1]:
+        raise DFlashError(f"fc.weight: shape {tuple(drafter.fc.weight.shape)} does not match {c.n_features} features")
+    g = _Graph()
+    cache_shape = ["num_pages", c.num_hidden_layers, c.num_key_value_heads, page_size, c.head_dim]
+    cos_tab, sin_tab = g.init("rope_cos", _np(drafter.rope.cos)), g.init("rope_sin", _np(drafter.rope.sin))
+
+    _kv_inject(g, drafter, cos_tab, sin_tab, page_size)
+    k_all, v_all = _gather_ctx(g, "k_cache_out", c), _gather_ctx(g, "v_cache_out", c)
+
+    # the draft pass (DFlashDrafter.forward_cached, mask=None: non-causal)
     h = g.op("Gather", [g.init("embed_tokens", _np(embed)), "block_ids"], axis=0)   # [B, H]
     cos_q = g.op("Gather", [cos_tab, "block_positions"], axis=0)                     # [B, hd]
     sin_q = g.op("Gather", [sin_tab, "block_positions"], axis=0)
-    grp = nh // nkv
-    scale = g.init("attn_scale", np.float32(1.0 / math.sqrt(hd)))
+    scale = g.init("attn_scale", np.float32(1.0 / math.sqrt(c.head_dim)))
     for l, layer in enumerate(drafter.layers):
-        a = layer.self_attn
-        bias = (lambda p: _np(p.bias) if p.bias is not None else None)
-        x = g.rms_norm(h, _np(layer.input_layernorm.weight), layer.input_layernorm.eps)
-        q = g.op("Reshape", [g.linear(x, _np(a.q_proj.weight), bias(a.q_proj)), g.ints("shape", [-1, nh, hd])])
-        q = g.op("Transpose", [g.rms_norm(q, _np(a.q_norm.weight), a.q_norm.eps)], perm=[1, 0, 2])   # [nh, B, hd]
-        q = g.rope(q, cos_q, sin_q, hd)
-        k = g.op("Reshape", [g.linear(x, _np(a.k_proj.weight), bias(a.k_proj)), g.ints("shape", [-1, nkv, hd])])
-        k = g.rope(g.op("Transpose", [g.rms_norm(k, _np(a.k_norm.weight), a.k_norm.eps)], perm=[1, 0, 2]),
-                   cos_q, sin_q, hd)                                                             # [nkv, B, hd]
-        v = g.op("Reshape", [g.linear(x, _np(a.v_proj.weight), bias(a.v_proj)), g.ints("shape", [-1, nkv, hd])])
-        v = g.op("Transpose", [v], perm=[1, 0, 2])
-        li = g.init("layer", np.int64(l))
-        K = g.op("Concat", [g.op("Gather", [k_all, li], axis=0), k], axis=1)               # [nkv, S+B, hd]
-        Vv = g.op("Concat", [g.op("Gather", [v_all, li], axis=0), v], axis=1)
-        # GQA: query head i reads kv head i // grp -> group the queries per kv head
-        qg = g.op("Reshape", [q, g.ints("shape", [nkv, -1, hd])])                          # [nkv, grp*B, hd]
-        scores = g.op("Mul", [g.op("MatMul", [qg, g.op("Transpose", [K], perm=[0, 2, 1])]), scale])
-        o = g.op("MatMul", [g.op("Softmax", [scores], axis=-1), Vv])                        # [nkv, grp*B, hd]
-        o = g.op("Reshape", [o, g.ints("shape", [nh, -1, hd])])                             # [nh, B, hd]
-        o = g.op("Reshape", [g.op("Transpose", [o], perm=[1, 0, 2]), g.ints("shape", [-1, nh * hd])])
-        h = g.op("Add", [h, g.linear(o, _np(a.o_proj.weight), bias(a.o_proj))])
-        x = g.rms_norm(h, _np(layer.post_attention_layernorm.weight), layer.post_attention_layernorm.eps)
-        gate = g.linear(x, _np(layer.mlp.gate_proj.weight))
-        up = g.linear(x, _np(layer.mlp.up_proj.weight))
-        act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])             # silu(gate) * up
-        h = g.op("Add", [h, g.linear(act, _np(layer.mlp.down_proj.weight))])
+        h = _decoder_layer(g, layer, l, h, k_all, v_all, cos_q, sin_q, scale, c)
     h = g.rms_norm(h, _np(drafter.norm.weight), drafter.norm.eps)
     g.nodes.append(helper.make_node("MatMul", [h, g.init("lm_head_t", _np(lm_head).T)], ["logits"], name="lm_head"))
 
-    outputs = [
-        helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["B", V]),
-        helper.make_tensor_value_info("k_cache_out", TensorProto.FLOAT, cache_shape),
-        helper.make_tensor_value_info("v_cache_out", TensorProto.FLOAT, cache_shape),
-    ]
-    graph = helper.make_graph(g.nodes, "dflash_drafter", inputs, outputs, g.inits)
+    graph = helper.make_graph(g.nodes, "dflash_drafter", _graph_inputs(c, cache_shape),
+                              _graph_outputs(lm_head.shape[0], cache_shape), g.inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
                                                     helper.make_opsetid(CUSTOM_DOMAIN, 1)],
                               producer_name="dflash-trt")

@@ -11,8 +11,9 @@ import sys
 
 from tqdm import tqdm
 
-from dflash_trt.runtime.decode import SamplingParams, generate
+from dflash_trt.runtime.decode import generate
 from dflash_trt.runtime.pair import encode_prompt
+from dflash_trt.runtime.sampling import SamplingParams
 
 
 def run_bench(pair, prompts: list[str], *, max_new_tokens: int = 128, block_size: int | None = None,

@@ -9,6 +9,7 @@ distribution is the target's. `mode="ar"` runs the same target code one token at
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -16,34 +17,13 @@ import torch
 from dflash_trt.models.drafter import DFlashDrafter
 from dflash_trt.models.target import TargetModel
 from dflash_trt.runtime.kv_inject import fused_injector
-
-
-@dataclass
-class SamplingParams:
-    temperature: float = 0.0   # 0 = greedy
-    top_k: int = 0             # 0 = off
-    top_p: float = 1.0         # 1 = off
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0
-
-
-def probs_from_logits(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, then top-p (nucleus), applied identically to target and draft."""
-    logits = logits.double() / sp.temperature
-    if sp.top_k and sp.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, sp.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if sp.top_p < 1.0:
-        sp_, idx = torch.sort(probs, dim=-1, descending=True)
-        cum = sp_.cumsum(-1)
-        drop = (cum - sp_) >= sp.top_p  # keep the smallest prefix whose mass reaches top_p
-        sp_ = sp_.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, idx, sp_)
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
+from dflash_trt.runtime.sampling import (
+    SamplingParams,
+    probs_from_logits,
+    sample_token,
+    sample_tokens,
+    speculative_accept,
+)
 
 
 @dataclass
@@ -64,15 +44,28 @@ class GenerationResult:
 class DrafterCache:
     """Static drafter KV cache: projected context K/V only (block K/V are never stored)."""
 
-    def __init__(self, drafter: DFlashDrafter, max_len: int):
+    def __init__(self, drafter: DFlashDrafter, max_len: int, fused_inject: bool = True):
         c = drafter.config
         dt = drafter.fc.weight.dtype
         self.k = torch.zeros(c.num_hidden_layers, c.num_key_value_heads, max_len, c.head_dim, dtype=dt)
         self.v = torch.zeros_like(self.k)
         self.length = 0
+        self.drafter = drafter
+        # built once per drafter (concatenated, transposed weights), looked up once per generate
+        self.fused = fused_injector(drafter) if fused_inject else None
 
     def views(self):
         return [(self.k[i, :, :self.length], self.v[i, :, :self.length]) for i in range(self.k.shape[0])]
+
+    def inject(self, features, start: int) -> None:
+        """Write the K/V of the tokens at positions start.. from their target features; the
+        cache then ends after them (a shorter write crops it: rejected drafts are never stored)."""
+        if self.fused is None:
+            inject_reference(self.drafter, features, start, self)
+            return
+        T = features.shape[0]
+        self.fused.inject_contiguous(features, torch.arange(start, start + T), self.k, self.v, start)
+        self.length = start + T
 
 
 def inject_reference(drafter: DFlashDrafter, features, start: int, cache: DrafterCache) -> None:
@@ -85,16 +78,50 @@ def inject_reference(drafter: DFlashDrafter, features, start: int, cache: Drafte
     cache.length = start + T
 
 
-def _injector(drafter: DFlashDrafter, fused: bool):
-    if not fused:
-        return lambda feats, start, cache: inject_reference(drafter, feats, start, cache)
+@contextmanager
+def timed(timings: dict, key: str):
+    t0 = time.perf_counter()
+    yield
+    timings[key] += time.perf_counter() - t0
 
-    inj = fused_injector(drafter)  # built once per drafter (concatenated, transposed weights)
 
-    def run(feats, start, cache):
-        inj.inject_contiguous(feats, torch.arange(start, start + feats.shape[0]), cache.k, cache.v, start)
-        cache.length = start + feats.shape[0]
-    return run
+def prefill(target: TargetModel, prompt_ids: list[int], capture, sp: SamplingParams, gen) -> tuple[int, torch.Tensor]:
+    """One target pass over the prompt: the first new token, and the prompt's features at `capture`."""
+    logits, feats = target(torch.tensor(prompt_ids), 0, capture)
+    return sample_token(logits[-1], sp, gen), feats
+
+
+def ar_step(target: TargetModel, token: int, pos: int) -> torch.Tensor:
+    """One target pass over one token at `pos`: the logits of the next one."""
+    logits, _ = target(torch.tensor([token]), pos)
+    return logits[-1]
+
+
+def draft(target: TargetModel, drafter: DFlashDrafter, cache: DrafterCache, last_token: int, pos: int, b: int,
+          sp: SamplingParams, gen):
+    """One drafter pass over the block [last verified token, mask × (b-1)] at positions pos..pos+b-1.
+    Returns the block to verify (drafts filled in), the drafts, and their distribution (sampling only)."""
+    block = torch.full((b,), drafter.config.mask_token_id, dtype=torch.long)
+    block[0] = last_token
+    h = drafter.forward_cached(target.embed(block), torch.arange(pos, pos + b), cache.views())
+    drafts, q = sample_tokens(target.logits(h[1:]), sp, gen)
+    block[1:] = drafts
+    return block, drafts, q
+
+
+def verify(target: TargetModel, block: torch.Tensor, pos: int, capture):
+    """One target pass over the block: logits at every position, and the features to inject."""
+    return target(block, pos, capture, all_logits=True)
+
+
+def accept(drafts: torch.Tensor, q: torch.Tensor | None, logits: torch.Tensor, sp: SamplingParams, gen) -> list[int]:
+    """The accepted drafts plus one bonus token from the target. Greedy: the longest prefix the
+    target agrees with; sampling: speculative sampling (the output distribution is the target's)."""
+    if sp.greedy:
+        tgt = logits.float().argmax(-1)
+        n = int((drafts == tgt[:-1]).cumprod(0).sum())
+        return drafts[:n].tolist() + [int(tgt[n])]
+    return speculative_accept(drafts, q, probs_from_logits(logits, sp), gen)
 
 
 @torch.no_grad()
@@ -107,91 +134,47 @@ def generate(target: TargetModel, drafter: DFlashDrafter | None, prompt_ids: lis
     stop = set(stop_ids)
     P = len(prompt_ids)
     B = block_size or (drafter.config.block_size if drafter is not None else 1)
+    if mode not in ("ar", "dflash"):
+        raise ValueError(f"unknown mode {mode!r}")
     if mode == "dflash" and drafter is None:
         raise ValueError("mode='dflash' needs a drafter")
-    target.setup_cache(P + max_new_tokens + B + 1)
+    max_len = P + max_new_tokens + B + 1
+    target.setup_cache(max_len)
     t = {"prefill": 0.0, "draft": 0.0, "verify": 0.0, "inject": 0.0}
     t0 = time.perf_counter()
-
-    def pick(logits_row):  # one token from the target's distribution at one position
-        if sp.greedy:
-            return int(logits_row.float().argmax())  # float: ~2x faster than bf16 argmax, same index
-        return int(torch.multinomial(probs_from_logits(logits_row, sp), 1, generator=gen))
-
     capture = drafter.config.target_layer_ids if mode == "dflash" else ()
-    logits, feats = target(torch.tensor(prompt_ids), 0, capture)
-    out = [pick(logits[-1])]
-    t["prefill"] = time.perf_counter() - t0
-    accepted: list[int] = []
+    with timed(t, "prefill"):
+        first, feats = prefill(target, prompt_ids, capture, sp, gen)
+    out, accepted = [first], []
+    pos = P  # position of out[-1], the last verified token (not yet in the target cache)
 
     if mode == "ar":
-        pos = P
         while len(out) < max_new_tokens and out[-1] not in stop:
-            tv = time.perf_counter()
-            logits, _ = target(torch.tensor(out[-1:]), pos)
-            t["verify"] += time.perf_counter() - tv
-            out.append(pick(logits[-1]))
+            with timed(t, "verify"):
+                logits = ar_step(target, out[-1], pos)
+            out.append(sample_token(logits, sp, gen))
             pos += 1
-    elif mode == "dflash":
-        cache = DrafterCache(drafter, P + max_new_tokens + B + 1)
-        inject = _injector(drafter, fused_inject)
-        ti = time.perf_counter()
-        inject(feats, 0, cache)
-        t["inject"] += time.perf_counter() - ti
-        mask_id = drafter.config.mask_token_id
-        pos = P  # position of out[-1], the last verified token (not yet in the target cache)
+    else:
+        cache = DrafterCache(drafter, max_len, fused_inject)
+        with timed(t, "inject"):
+            cache.inject(feats, 0)
         while len(out) < max_new_tokens and out[-1] not in stop:
             b = min(B, max_new_tokens - len(out) + 1)  # never draft past the length limit
-            td = time.perf_counter()
-            block = torch.full((b,), mask_id, dtype=torch.long)
-            block[0] = out[-1]
-            h = drafter.forward_cached(target.embed(block), torch.arange(pos, pos + b), cache.views())
-            d_logits = target.logits(h[1:])
-            if sp.greedy:
-                draft = d_logits.float().argmax(-1)
-            else:
-                q = probs_from_logits(d_logits, sp)
-                draft = torch.multinomial(q, 1, generator=gen).squeeze(-1)
-            block[1:] = draft
-            tv = time.perf_counter()
-            t["draft"] += tv - td
-            logits, feats = target(block, pos, capture, all_logits=True)
-            t["verify"] += time.perf_counter() - tv
-            if sp.greedy:
-                tgt = logits.float().argmax(-1)
-                n = int((draft == tgt[:-1]).cumprod(0).sum())
-                new = draft[:n].tolist() + [int(tgt[n])]
-            else:
-                new = _speculative_accept(draft, q, probs_from_logits(logits, sp), gen)
-                n = len(new) - 1
+            with timed(t, "draft"):
+                block, drafts, q = draft(target, drafter, cache, out[-1], pos, b, sp, gen)
+            with timed(t, "verify"):
+                logits, feats = verify(target, block, pos, capture)
+            new = accept(drafts, q, logits, sp, gen)
             for tok in new:  # same stop / length rule as AR, token by token
                 out.append(tok)
                 if tok in stop or len(out) >= max_new_tokens:
                     break
             accepted.append(len(new))
-            ti = time.perf_counter()
-            inject(feats[: n + 1], pos, cache)  # last verified token + accepted drafts
-            t["inject"] += time.perf_counter() - ti
-            pos += n + 1
-    else:
-        raise ValueError(f"unknown mode {mode!r}")
+            with timed(t, "inject"):
+                cache.inject(feats[:len(new)], pos)  # last verified token + accepted drafts
+            pos += len(new)
 
     secs = time.perf_counter() - t0
     t["bookkeeping"] = max(0.0, secs - sum(t.values()))
     tau = sum(accepted) / len(accepted) if accepted else None
     return GenerationResult(out, tau, len(accepted), accepted, secs, len(out) / secs if secs else 0.0, t)
-
-
-def _speculative_accept(draft, q, p, gen) -> list[int]:
-    """Speculative sampling over one block: accept draft[i] with prob min(1, p/q), else
-    resample from norm(max(p - q, 0)) and stop; all accepted → bonus token from p[-1]."""
-    new = []
-    for i, x in enumerate(draft.tolist()):
-        if torch.rand((), generator=gen, dtype=torch.float64) * q[i, x] <= p[i, x]:
-            new.append(x)
-            continue
-        resid = (p[i] - q[i]).clamp_min(0)
-        new.append(int(torch.multinomial(resid / resid.sum(), 1, generator=gen)))
-        return new
-    new.append(int(torch.multinomial(p[len(draft)], 1, generator=gen)))
-    return new

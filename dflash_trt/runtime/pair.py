@@ -9,7 +9,8 @@ import torch
 from dflash_trt.errors import DFlashError
 from dflash_trt.models.drafter import load_drafter
 from dflash_trt.models.target import load_target, stop_token_ids
-from dflash_trt.runtime import decode as runtime
+from dflash_trt.runtime import decode
+from dflash_trt.runtime.sampling import SamplingParams
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
@@ -93,15 +94,15 @@ def encode_prompt(tokenizer, prompt: str, chat: bool = True) -> list[int]:
 def generate(pair: Pair, prompt: str | list[int], *, max_new_tokens: int = 128, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, block_size: int | None = None,
              mode: str = "dflash", chat: bool = True, fused_inject: bool = True):
-    """Generate from text (or token ids). Returns a runtime.GenerationResult with `.text` set."""
+    """Generate from text (or token ids). Returns a decode.GenerationResult with `.text` set."""
     if block_size is not None and block_size < 2 and mode == "dflash":
         raise DFlashError(f"--block-size {block_size}: must be at least 2")
     ids = encode_prompt(pair.tokenizer, prompt, chat) if isinstance(prompt, str) else list(prompt)
     if not ids:
         raise DFlashError("the prompt is empty")
-    res = runtime.generate(pair.target, pair.drafter if mode == "dflash" else None, ids,
-                           max_new_tokens=max_new_tokens, seed=seed, block_size=block_size, mode=mode,
-                           sampling=runtime.SamplingParams(temperature, top_k, top_p),
-                           stop_ids=pair.stop_ids, fused_inject=fused_inject)
+    res = decode.generate(pair.target, pair.drafter if mode == "dflash" else None, ids,
+                          max_new_tokens=max_new_tokens, seed=seed, block_size=block_size, mode=mode,
+                          sampling=SamplingParams(temperature, top_k, top_p),
+                          stop_ids=pair.stop_ids, fused_inject=fused_inject)
     res.text = pair.tokenizer.decode(res.token_ids, skip_special_tokens=True)
     return res
