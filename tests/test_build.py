@@ -51,6 +51,41 @@ def _drafter_for_other_target(target: Path, dst: Path, **changes) -> Path:
     return dst
 
 
+# ------------------------------------------------------------------------------- the pipeline
+def test_declared_pipeline_is_the_manifests_stage_list():
+    from dflash_trt.bundle.build import PIPELINE, Builder, code_hash
+    from dflash_trt.bundle.manifest import STAGES as MANIFEST_STAGES
+    from dflash_trt.paths import package_path
+
+    assert [st.name for st in PIPELINE] == list(MANIFEST_STAGES) == STAGES
+    for st in PIPELINE:
+        assert callable(getattr(Builder, st.method, None)), st.method
+        for rel in st.code:
+            assert (package_path() / rel).exists(), f"{st.name}: {rel}"
+        if st.code:
+            code_hash(*st.code)  # raises for a missing path
+        assert all(name in STAGES[:STAGES.index(st.name)] for _, name in st.after), st.name
+
+
+def test_gpu_facts_come_from_the_hardware_catalog():
+    from dflash_trt.bundle.manifest import MANIFEST_SCHEMA
+    from dflash_trt.commands.build import build_cmd
+    from dflash_trt.commands.deploy import deploy_cmd
+    from dflash_trt.commands.plugin import ARCHS_HELP
+    from dflash_trt.hardware import arch_has_fp4, arch_sms, gpus
+
+    ids = ["b300", "b200", "gb200", "h200", "h100"]
+    assert list(gpus()) == ids
+    assert arch_sms() == {"blackwell": [100, 103], "hopper": [90]}
+    assert arch_has_fp4("blackwell") and not arch_has_fp4("hopper")
+    assert MANIFEST_SCHEMA["properties"]["gpu"]["enum"] == [*ids, None]
+    assert MANIFEST_SCHEMA["properties"]["arch"]["enum"] == ["blackwell", "hopper"]
+    choices = {p.name: list(p.type.choices) for p in build_cmd.params if p.name in ("gpu", "arch")}
+    assert choices == {"gpu": ids, "arch": ["blackwell", "hopper", "auto"]}
+    assert [list(p.type.choices) for p in deploy_cmd.params if p.name == "gpu"] == [[*ids, "none"]]
+    assert ARCHS_HELP == "blackwell (sm_100 + sm_103) or hopper (sm_90)"
+
+
 # ------------------------------------------------------------------------------- bad input
 @pytest.mark.parametrize("args, message", [
     (["--target", "no-such-model"], "not a preset"),

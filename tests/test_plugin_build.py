@@ -10,8 +10,9 @@ import re
 import pytest
 import torch
 
-from dflash_trt.bundle.plugin_build import ARCHS, build_plugin, sass_info
+from dflash_trt.bundle.plugin_build import build_plugin, sass_info
 from dflash_trt.errors import DFlashError
+from dflash_trt.hardware import arch_sms
 from dflash_trt.kernels import kv_inject_trt
 from dflash_trt.paths import package_path
 
@@ -35,7 +36,7 @@ def _sha(p):
 def test_every_arch_compiled_and_sass_confirmed(built):
     arch, out, m = built
     assert json.loads((out / "plugin.json").read_text()) == m
-    assert m["sms"] == list(ARCHS[arch]) and {k["sm"] for k in m["kernels"]} == set(ARCHS[arch])
+    assert m["sms"] == list(arch_sms()[arch]) and {k["sm"] for k in m["kernels"]} == set(arch_sms()[arch])
     assert {(k["head_dim"], k["cache_dtype"]) for k in m["kernels"]} == {(64, "bf16"), (64, "fp8e4m3"),
                                                                          (128, "bf16"), (128, "fp8e4m3")}
     for k in m["kernels"]:
@@ -111,7 +112,7 @@ def test_shape_inference(trt_mod):
 
 def test_select_kernel(built, trt_mod):
     arch, _, m = built
-    sm = ARCHS[arch][-1]
+    sm = arch_sms()[arch][-1]
     k = trt_mod.select_kernel(m, sm, 128, "bf16", "fp8e4m3")
     assert (k["sm"], k["head_dim"], k["cache_dtype"]) == (sm, 128, "fp8e4m3")
     with pytest.raises(ValueError, match="no kernel for sm_80"):

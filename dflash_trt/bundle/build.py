@@ -43,6 +43,7 @@ from dflash_trt.bundle.plugin_build import build_plugin
 from dflash_trt.bundle.serving_configs import layer_ids_by_stack, sglang_launch, trtllm_serve_config, vllm_launch
 from dflash_trt.bundle.triton_repo import llmapi_model_yaml, write_triton_repo
 from dflash_trt.errors import DFlashError
+from dflash_trt.hardware import arch_has_fp4, arch_sms, gpus, sm_number
 from dflash_trt.io.atomic import atomic_output_dir
 from dflash_trt.io.checkpoint import load_config
 from dflash_trt.models.check import check_pair
@@ -52,10 +53,6 @@ from dflash_trt.presets.catalog import PRESETS, resolve_drafter, resolve_target
 from dflash_trt.quant.convert import convert_checkpoint
 from dflash_trt.quant.quantize import quantize_checkpoint
 
-# GPU product -> (architecture, SM version). Hopper has no FP4 tensor cores.
-GPUS = {"b300": ("blackwell", 103), "b200": ("blackwell", 100), "gb200": ("blackwell", 100),
-        "h200": ("hopper", 90), "h100": ("hopper", 90)}
-ARCH_SMS = {"blackwell": [100, 103], "hopper": [90]}
 QUANTS = ("auto", "none", "fp8", "nvfp4")
 KV_CACHES = ("auto", "fp8", "bf16")
 BACKENDS = ("pytorch", "engine")
@@ -149,18 +146,25 @@ def _cmd(*args) -> str:
 
 # ------------------------------------------------------------------------- inputs and options
 def detect_arch() -> tuple[str, str | None]:
+    """This machine's first GPU: its architecture, from the compute capability, and its bundle
+    GPU id when the name shows one."""
     tc = detect_toolchain()
+    sms_of = arch_sms()
     if not tc["gpus"]:
         raise DFlashError("--arch auto: no NVIDIA GPU found on this machine (nvidia-smi); "
-                          "pass --arch blackwell or --arch hopper (and --gpu for the exact product)")
+                          f"pass {' or '.join(f'--arch {a}' for a in sms_of)} (and --gpu for the exact product)")
     name, cap = tc["gpus"][0]["name"].lower(), tc["gpus"][0]["compute_cap"]
     major = int(cap.split(".")[0]) if cap.split(".")[0].isdigit() else 0
-    if major == 9:
-        return "hopper", "h200" if "h200" in name else "h100" if "h100" in name else None
-    if major >= 10:
-        return "blackwell", next((g for g in ("gb200", "b300", "b200") if g in name), None)
-    raise DFlashError(f"--arch auto: GPU {tc['gpus'][0]['name']} (compute capability {cap}) is neither Hopper nor "
-                      "Blackwell; DFlash bundles target sm_90 / sm_100 / sm_103")
+    # the newest architecture the compute capability reaches: 9.x is Hopper, 10.x and above Blackwell
+    reached = [(min(sms), arch) for arch, sms in sms_of.items() if major >= min(sms) // 10]
+    if not reached:
+        all_sms = sorted({sm for sms in sms_of.values() for sm in sms})
+        raise DFlashError(f"--arch auto: GPU {tc['gpus'][0]['name']} (compute capability {cap}) is neither Hopper nor "
+                          f"Blackwell; DFlash bundles target {' / '.join(f'sm_{sm}' for sm in all_sms)}")
+    arch = max(reached)[1]
+    # longest id first: "gb200" contains "b200"
+    ids = sorted((g for g, hw in gpus().items() if hw.arch == arch), key=len, reverse=True)
+    return arch, next((g for g in ids if g in name), None)
 
 
 def is_mxfp4(cfg: dict) -> bool:
@@ -171,23 +175,28 @@ def num_experts(cfg: dict) -> int:
     return int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
 
 
+def resolve_gpu(o: BuildOptions) -> tuple[str, str | None, list[int]]:
+    """(arch, GPU id or None, SM versions to build kernels for) from --arch / --gpu or this machine."""
+    by_id, sms_of = gpus(), arch_sms()
+    gpu = o.gpu.lower() if o.gpu else None
+    if gpu is not None and gpu not in by_id:
+        raise DFlashError(f"--gpu {o.gpu!r}: expected one of {', '.join(by_id)}")
+    arch = o.arch
+    if arch == "auto":
+        arch, detected = (by_id[gpu].arch, gpu) if gpu else detect_arch()
+        gpu = gpu or detected
+    if arch not in sms_of:
+        raise DFlashError(f"--arch {o.arch!r}: expected {', '.join(sms_of)} or auto")
+    if gpu is not None and by_id[gpu].arch != arch:
+        raise DFlashError(f"--gpu {gpu} is a {by_id[gpu].arch} GPU but --arch is {arch}")
+    return arch, gpu, [sm_number(by_id[gpu])] if gpu else sms_of[arch]
+
+
 def resolve_settings(o: BuildOptions, cfg: dict, name: str) -> dict:
     """Arch, GPU, quantization, KV cache and parallelism, checked against the target's config."""
     if o.backend not in BACKENDS:
         raise DFlashError(f"--backend {o.backend!r}: expected one of {', '.join(BACKENDS)}")
-    gpu = o.gpu.lower() if o.gpu else None
-    if gpu is not None and gpu not in GPUS:
-        raise DFlashError(f"--gpu {o.gpu!r}: expected one of {', '.join(GPUS)}")
-    arch = o.arch
-    if arch == "auto":
-        arch, detected = (GPUS[gpu][0], gpu) if gpu else detect_arch()
-        gpu = gpu or detected
-    if arch not in ARCH_SMS:
-        raise DFlashError(f"--arch {o.arch!r}: expected blackwell, hopper or auto")
-    if gpu is not None and GPUS[gpu][0] != arch:
-        raise DFlashError(f"--gpu {gpu} is a {GPUS[gpu][0]} GPU but --arch is {arch}")
-    sms = [GPUS[gpu][1]] if gpu else ARCH_SMS[arch]
-
+    arch, gpu, sms = resolve_gpu(o)
     if o.quant not in QUANTS:
         raise DFlashError(f"--quant {o.quant!r}: expected one of {', '.join(QUANTS)}")
     if is_mxfp4(cfg):
@@ -199,11 +208,11 @@ def resolve_settings(o: BuildOptions, cfg: dict, name: str) -> dict:
                               "(gpt-oss); use --backend pytorch, which serves its MXFP4 checkpoint directly")
         quant = "mxfp4"
     elif o.quant == "auto":
-        quant = "nvfp4" if arch == "blackwell" else "fp8"
+        quant = "nvfp4" if arch_has_fp4(arch) else "fp8"
     else:
         quant = o.quant
-    if quant == "nvfp4" and arch == "hopper":
-        raise DFlashError("--quant nvfp4 with --arch hopper: NVFP4 needs Blackwell FP4 tensor cores (sm_100 / sm_103); "
+    if quant == "nvfp4" and not arch_has_fp4(arch):
+        raise DFlashError(f"--quant nvfp4 with --arch {arch}: NVFP4 needs Blackwell FP4 tensor cores (sm_100 / sm_103); "
                           "Hopper (sm_90) runs FP8: use --quant fp8 or --quant auto")
     if o.kv_cache not in KV_CACHES:
         raise DFlashError(f"--kv-cache {o.kv_cache!r}: expected one of {', '.join(KV_CACHES)}")
@@ -211,7 +220,12 @@ def resolve_settings(o: BuildOptions, cfg: dict, name: str) -> dict:
     if o.drafter_quant not in ("auto", "none", "fp8"):
         raise DFlashError(f"--drafter-quant {o.drafter_quant!r}: expected auto, none or fp8")
     dq = o.drafter_quant if o.drafter_quant != "auto" else ("fp8" if quant in ("fp8", "nvfp4") else "none")
+    check_parallel(o, cfg, name)
+    return {"arch": arch, "gpu": gpu, "sm": sms, "quant": quant, "kv_cache": kv, "drafter_quant": dq}
 
+
+def check_parallel(o: BuildOptions, cfg: dict, name: str) -> None:
+    """--tp / --ep / --pp against the target's heads, experts and layers."""
     for flag, v in (("--tp", o.tp), ("--ep", o.ep), ("--pp", o.pp)):
         if v < 1:
             raise DFlashError(f"{flag} {v}: must be at least 1")
@@ -234,7 +248,6 @@ def resolve_settings(o: BuildOptions, cfg: dict, name: str) -> dict:
     layers = int(cfg.get("num_hidden_layers", 0))
     if o.pp > 1 and layers % o.pp:
         raise DFlashError(f"--pp {o.pp} does not divide the target's num_hidden_layers = {layers}")
-    return {"arch": arch, "gpu": gpu, "sm": sms, "quant": quant, "kv_cache": kv, "drafter_quant": dq}
 
 
 def resolve_pair(o: BuildOptions) -> tuple[Path, Path, str, str | None]:
@@ -264,8 +277,47 @@ def default_out(name: str, s: dict, o: BuildOptions) -> Path:
 
 
 # --------------------------------------------------------------------------------- the build
+@dataclass(frozen=True)
+class Stage:
+    """One step of the pipeline. Its inputs hash covers `inputs` (keys of Builder.facts), the
+    inputs hashes of the stages in `after` (as key -> stage name) and, as "code", the package
+    source files in `code`; an unchanged hash reuses the previous bundle's `outputs`."""
+    name: str
+    method: str                              # the Builder method that runs it: () -> manifest entry fields
+    inputs: tuple[str, ...]
+    code: tuple[str, ...] = ()               # package-relative paths (code_hash)
+    outputs: tuple[str, ...] = ()            # bundle-relative paths it writes
+    after: tuple[tuple[str, str], ...] = ()
+    engine_only: bool = False                # --backend pytorch: not-needed, no outputs, code not hashed
+    reads_manifest: bool = False             # needs the manifest's first part (Builder._start_manifest)
+
+
+COMMON = ("tool_version", "target", "drafter")
+PACKAGE_OUTPUTS = ("configs", "triton", "engines/README.txt")  # + reference/ when the pair is copied
+PIPELINE = (
+    Stage("check", "_check", COMMON, code=("models/check.py", "models/config.py"), outputs=("reports/check.json",)),
+    Stage("quantize", "_quantize", (*COMMON, "quant", "kv_cache", "drafter_quant", "calib"),
+          code=("quant/quantize.py", "io/formats.py", "quant/calibrate.py", "io/checkpoint.py"),
+          outputs=("target", "drafter")),
+    Stage("convert", "_convert", (*COMMON, "backend", "quant", "tp", "pp", "ep", "calib", "kv_cache"),
+          code=("quant/convert.py", "io/checkpoint.py", "quant/calibrate.py"), outputs=("trtllm_ckpt",),
+          engine_only=True),
+    Stage("plugin", "_plugin", ("tool_version", "arch"),
+          code=("kernels/kv_inject_triton.py", "kernels/kv_inject_trt.py", "runtime/kv_inject.py",
+                "bundle/plugin_build.py"), outputs=("plugins",)),
+    Stage("export-onnx", "_export_onnx", COMMON,
+          code=("bundle/onnx_export.py", "models/drafter.py", "runtime/kv_inject.py", "kernels/kv_inject_trt.py"),
+          outputs=("onnx",)),
+    Stage("compile", "_compile", (*COMMON, "backend", "arch", "gpu", "quant", "tp", "pp", "block_size", "toolchain"),
+          after=(("onnx", "export-onnx"), ("plugin", "plugin"), ("convert", "convert")), reads_manifest=True),
+    Stage("package", "_package", (*COMMON, "manifest"),
+          code=("bundle/serving_configs.py", "bundle/triton_repo.py", "assets/triton_templates"),
+          outputs=PACKAGE_OUTPUTS, reads_manifest=True),
+)
+
+
 class Builder:
-    """One build: assembles the bundle in `self.work`, reusing `self.prev` outputs where allowed."""
+    """One build: runs PIPELINE into `self.work`, reusing the previous bundle's outputs where allowed."""
 
     def __init__(self, o: BuildOptions, progress: bool = True):
         self.o = o
@@ -326,176 +378,184 @@ class Builder:
         return True
 
     def run(self) -> dict:
+        self._resolve()
+        self._read_previous()
+        self._hash_inputs()
+        with atomic_output_dir(self.dest) as work:
+            self.work = work
+            self.manifest = None
+            for st in PIPELINE:
+                if st.reads_manifest and self.manifest is None:
+                    self._start_manifest()
+                self._run_stage(st)
+            write_manifest(work, self._finish_manifest())
+        return {"bundle": str(self.dest), "manifest": self.manifest, "stages": [asdict(r) for r in self.reports]}
+
+    def _resolve(self) -> None:
+        """The pair, its configs, the settings, the block size and the bundle folder."""
         o = self.o
-        tdir, ddir, name, hf_id = resolve_pair(o)
-        tcfg = load_config(tdir)
-        s = resolve_settings(o, tcfg, name)
-        dcfg = load_drafter_config(ddir)
-        B = o.block_size or dcfg.block_size
-        if not 2 <= B <= dcfg.block_size:
-            raise DFlashError(f"--block-size {B}: must be between 2 and the drafter's trained block size {dcfg.block_size}")
-        dest = Path(o.out) if o.out else default_out(name, s, o)
+        self.tdir, self.ddir, self.name, self.hf_id = resolve_pair(o)
+        self.tcfg = load_config(self.tdir)
+        self.settings = resolve_settings(o, self.tcfg, self.name)
+        self.dcfg = load_drafter_config(self.ddir)
+        self.block_size = B = o.block_size or self.dcfg.block_size
+        if not 2 <= B <= self.dcfg.block_size:
+            raise DFlashError(f"--block-size {B}: must be between 2 and the drafter's trained block size "
+                              f"{self.dcfg.block_size}")
+        self.dest = dest = Path(o.out) if o.out else default_out(self.name, self.settings, o)
         if dest.exists() and not dest.is_dir():
             raise DFlashError(f"--out {dest}: exists and is not a folder")
         if dest.exists() and any(dest.iterdir()) and not is_bundle(dest) and not o.force:
             raise DFlashError(f"--out {dest}: folder exists, is not empty and is not a dflash-trt bundle "
                               "(no manifest.json); choose another --out or pass --force to replace it")
-        self.prev_dir = dest
+
+    def _read_previous(self) -> None:
+        """The bundle already at the destination, whose unchanged stages are reused."""
+        self.prev_dir = self.dest
         self.prev_manifest = None
-        if is_bundle(dest) and not o.force:
+        if is_bundle(self.dest) and not self.o.force:
             try:
-                self.prev_manifest = read_manifest(dest)
+                self.prev_manifest = read_manifest(self.dest)
             except DFlashError as e:
                 self.log(f"previous bundle unreadable, rebuilding every stage ({e})")
-        cache = HashCache((self.prev_manifest or {}).get("input_files"))
+
+    def _hash_inputs(self) -> None:
+        """`self.facts`: every value a stage's inputs hash may name (Stage.inputs)."""
+        o, s = self.o, self.settings
+        self.cache = HashCache((self.prev_manifest or {}).get("input_files"))
         self.stages, self.reused = {}, set()
-        t_hash = cache.tree(tdir)
-        d_hash = cache.tree(ddir)
-        common = {"tool_version": __version__, "target": t_hash, "drafter": d_hash}
+        t_hash = self.cache.tree(self.tdir)
+        d_hash = self.cache.tree(self.ddir)
         if o.calib is not None and not Path(o.calib).is_file():
             raise DFlashError(f"--calib {o.calib}: no such file")
-        calib_hash = cache.sha256(Path(o.calib)) if o.calib else None
+        self.toolchain = detect_toolchain()
+        self.facts = {
+            "tool_version": __version__, "target": t_hash, "drafter": d_hash,
+            "calib": self.cache.sha256(Path(o.calib)) if o.calib else None,
+            "arch": s["arch"], "gpu": s["gpu"], "quant": s["quant"], "kv_cache": s["kv_cache"],
+            "drafter_quant": s["drafter_quant"], "backend": o.backend, "tp": o.tp, "ep": o.ep, "pp": o.pp,
+            "block_size": self.block_size, "toolchain": toolchain_fingerprint(self.toolchain),
+        }
 
-        with atomic_output_dir(dest) as work:
-            self.work = work
-            # check -------------------------------------------------------------------------
-            def do_check():
-                report = check_pair(tdir, ddir)
-                if not report["ok"]:
-                    probs = report["problems"]
-                    first = next((p for p in probs if "target" in p), probs[0])  # pair mismatches first
-                    raise DFlashError(f"check: the drafter does not fit the target ({len(probs)} problem(s)): {first}")
-                (work / "reports").mkdir(exist_ok=True)
-                (work / "reports" / "check.json").write_text(json.dumps(report, indent=2) + "\n")
-            self.stage("check", {**common, "code": code_hash("models/check.py", "models/config.py")}, do_check,
-                       ["reports/check.json"])
+    def _start_manifest(self) -> None:
+        """The manifest's first part, which compile and package read (and package hashes). Made
+        after check: the layer ids below raise for a bad pair, which check explains better."""
+        o, s, tcfg, dcfg = self.o, self.settings, self.tcfg, self.dcfg
+        ids = layer_ids_by_stack(dcfg.target_layer_ids, int(tcfg["num_hidden_layers"]))
+        self.manifest = m = {
+            "schema_version": 1, "tool_version": __version__,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "target": {"name": self.name, "hf_id": self.hf_id, "path": str(self.tdir), "bundle_path": "target",
+                       "sha256": self.facts["target"], "config": tcfg},
+            "drafter": {"path": str(self.ddir), "bundle_path": "drafter", "sha256": self.facts["drafter"],
+                        "block_size": self.block_size, "trained_block_size": dcfg.block_size,
+                        "mask_token_id": dcfg.mask_token_id, "target_layer_ids": ids, "config": dcfg.raw},
+            "arch": s["arch"], "gpu": s["gpu"], "sm": s["sm"],
+            "quant": {"target": s["quant"], "drafter": s["drafter_quant"], "kv_cache": s["kv_cache"]},
+            "parallel": {"tp": o.tp, "ep": o.ep, "pp": o.pp},
+            "backend": o.backend,
+            "max_seq_len": min(int(tcfg.get("max_position_embeddings", 8192)), 32768),
+            "triton_model_repository": "triton", "triton_models": list(TRITON_MODELS),
+            "reference_runtime": {"layout": reference_layout(s, self.tdir, self.ddir)},
+        }
+        self.facts["manifest"] = {k: v for k, v in m.items() if k != "created"}
 
-            # quantize ----------------------------------------------------------------------
-            def do_quantize():
-                notes, cmds = [], []
-                if s["quant"] in ("fp8", "nvfp4"):
-                    kv = "fp8" if s["kv_cache"] == "fp8" else None
-                    cmds.append(_cmd("quantize", "--model", tdir, "--format", s["quant"], "--out", "target",
-                                     *(["--kv-cache", "fp8"] if kv else []), *(["--calib", o.calib] if o.calib else [])))
-                    rep = quantize_checkpoint(tdir, work / "target", s["quant"], kv_cache=kv, calib=o.calib,
-                                              progress=self.progress)
-                    notes += list(getattr(rep, "not_calibrated", None) or [])
-                else:
-                    link_tree(tdir, work / "target")
-                    notes.append("target kept as is" + (" (MXFP4 experts)" if s["quant"] == "mxfp4" else ""))
-                if s["drafter_quant"] == "fp8":
-                    cmds.append(_cmd("quantize", "--model", ddir, "--format", "fp8", "--out", "drafter"))
-                    quantize_checkpoint(ddir, work / "drafter", "fp8", progress=self.progress)
-                else:
-                    link_tree(ddir, work / "drafter")
-                    notes.append("drafter kept as is")
-                return {"commands": cmds, "reason": "; ".join(notes)}
-            self.stage("quantize", {**common, "quant": s["quant"], "kv_cache": s["kv_cache"],
-                                    "drafter_quant": s["drafter_quant"], "calib": calib_hash,
-                                    "code": code_hash("quant/quantize.py", "io/formats.py", "quant/calibrate.py", "io/checkpoint.py")},
-                       do_quantize, ["target", "drafter"])
+    def _run_stage(self, st: Stage) -> None:
+        needed = not st.engine_only or self.o.backend == "engine"
+        inputs = {k: self.facts[k] for k in st.inputs}
+        inputs |= {key: self.stages[name]["inputs_sha256"] for key, name in st.after}
+        if st.code:
+            inputs["code"] = code_hash(*st.code) if needed else None  # code counts only where it runs
+        run = getattr(self, st.method) if needed else self._not_needed
+        self.stage(st.name, inputs, run, list(st.outputs) if needed else [])
 
-            # convert (engine backend) --------------------------------------------------------
-            def do_convert():
-                if o.backend != "engine":
-                    return {"status": "not-needed", "outputs": [],
-                            "reason": "the pytorch backend loads the Hugging Face checkpoint directly"}
+    def _finish_manifest(self) -> dict:
+        m = self.manifest
+        if "serving_configs" not in m:  # package was reused
+            m["serving_configs"] = self.stages["package"].get("serving_configs") or _configs_index(self.work)
+        self.stages["package"]["serving_configs"] = m["serving_configs"]
+        m["stages"] = {st.name: self.stages[st.name] for st in PIPELINE}
+        m["input_files"] = self.cache.entries
+        m["artifacts"] = self._artifacts(self.work)
+        m["serve"] = serve_commands(m)
+        return m
 
-                q = "none" if s["quant"] == "none" else s["quant"]
-                kv = "fp8" if s["kv_cache"] == "fp8" else None
-                convert_checkpoint(tdir, work / "trtllm_ckpt", tp=o.tp, pp=o.pp, ep=o.ep, quant=q, kv_cache=kv,
-                                   calib=o.calib, progress=self.progress)
-                return {"commands": [_cmd("convert", "--model", tdir, "--quant", q, "--tp", o.tp, "--pp", o.pp,
-                                          "--ep", o.ep, *(["--kv-cache", "fp8"] if kv else []),
-                                          *(["--calib", o.calib] if o.calib else []), "--out", "trtllm_ckpt")]}
-            self.stage("convert", {**common, "backend": o.backend, "quant": s["quant"], "tp": o.tp, "pp": o.pp,
-                                   "ep": o.ep, "calib": calib_hash, "kv_cache": s["kv_cache"],
-                                   # the converter's code matters only when it runs
-                                   "code": code_hash("quant/convert.py", "io/checkpoint.py", "quant/calibrate.py")
-                                   if o.backend == "engine" else None},
-                       do_convert, ["trtllm_ckpt"] if o.backend == "engine" else [])
+    # ---------------------------------------------------------------- the stages (PIPELINE's methods)
+    def _check(self) -> dict:
+        report = check_pair(self.tdir, self.ddir)
+        if not report["ok"]:
+            probs = report["problems"]
+            first = next((p for p in probs if "target" in p), probs[0])  # pair mismatches first
+            raise DFlashError(f"check: the drafter does not fit the target ({len(probs)} problem(s)): {first}")
+        (self.work / "reports").mkdir(exist_ok=True)
+        (self.work / "reports" / "check.json").write_text(json.dumps(report, indent=2) + "\n")
+        return {}
 
-            # plugin (AOT kernels) -----------------------------------------------------------
-            def do_plugin():
-                build_plugin(s["arch"], work / "plugins", progress=self.progress)
-                return {"commands": [_cmd("plugin", "build", "--arch", s["arch"], "--out", "plugins")]}
-            self.stage("plugin", {"tool_version": __version__, "arch": s["arch"],
-                                  "code": code_hash("kernels/kv_inject_triton.py", "kernels/kv_inject_trt.py", "runtime/kv_inject.py",
-                                                    "bundle/plugin_build.py")},
-                       do_plugin, ["plugins"])
+    def _quantize(self) -> dict:
+        o, s, work, tdir, ddir = self.o, self.settings, self.work, self.tdir, self.ddir
+        notes, cmds = [], []
+        if s["quant"] in ("fp8", "nvfp4"):
+            kv = "fp8" if s["kv_cache"] == "fp8" else None
+            cmds.append(_cmd("quantize", "--model", tdir, "--format", s["quant"], "--out", "target",
+                             *(["--kv-cache", "fp8"] if kv else []), *(["--calib", o.calib] if o.calib else [])))
+            rep = quantize_checkpoint(tdir, work / "target", s["quant"], kv_cache=kv, calib=o.calib,
+                                      progress=self.progress)
+            notes += list(getattr(rep, "not_calibrated", None) or [])
+        else:
+            link_tree(tdir, work / "target")
+            notes.append("target kept as is" + (" (MXFP4 experts)" if s["quant"] == "mxfp4" else ""))
+        if s["drafter_quant"] == "fp8":
+            cmds.append(_cmd("quantize", "--model", ddir, "--format", "fp8", "--out", "drafter"))
+            quantize_checkpoint(ddir, work / "drafter", "fp8", progress=self.progress)
+        else:
+            link_tree(ddir, work / "drafter")
+            notes.append("drafter kept as is")
+        return {"commands": cmds, "reason": "; ".join(notes)}
 
-            # export-onnx ---------------------------------------------------------------------
-            def do_export():
-                export_onnx(ddir, tdir, work / "onnx" / "drafter.onnx")
-                return {"commands": [_cmd("export-onnx", "--drafter", ddir, "--target", tdir,
-                                          "--out", "onnx/drafter.onnx")]}
-            self.stage("export-onnx", {**common, "code": code_hash("bundle/onnx_export.py", "models/drafter.py",
-                                                                   "runtime/kv_inject.py", "kernels/kv_inject_trt.py")},
-                       do_export, ["onnx"])
+    def _not_needed(self) -> dict:
+        """An engine-only stage of a pytorch-backend build."""
+        return {"status": "not-needed", "outputs": [],
+                "reason": "the pytorch backend loads the Hugging Face checkpoint directly"}
 
-            # manifest skeleton: compile and package read it ---------------------------------
-            ids = _layer_ids(dcfg.target_layer_ids, int(tcfg["num_hidden_layers"]))
-            m = {
-                "schema_version": 1, "tool_version": __version__,
-                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "target": {"name": name, "hf_id": hf_id, "path": str(tdir), "bundle_path": "target",
-                           "sha256": t_hash, "config": tcfg},
-                "drafter": {"path": str(ddir), "bundle_path": "drafter", "sha256": d_hash, "block_size": B,
-                            "trained_block_size": dcfg.block_size, "mask_token_id": dcfg.mask_token_id,
-                            "target_layer_ids": ids, "config": dcfg.raw},
-                "arch": s["arch"], "gpu": s["gpu"], "sm": s["sm"],
-                "quant": {"target": s["quant"], "drafter": s["drafter_quant"], "kv_cache": s["kv_cache"]},
-                "parallel": {"tp": o.tp, "ep": o.ep, "pp": o.pp},
-                "backend": o.backend,
-                "max_seq_len": min(int(tcfg.get("max_position_embeddings", 8192)), 32768),
-                "triton_model_repository": "triton", "triton_models": list(TRITON_MODELS),
-            }
+    def _convert(self) -> dict:
+        o, s = self.o, self.settings
+        q = "none" if s["quant"] == "none" else s["quant"]
+        kv = "fp8" if s["kv_cache"] == "fp8" else None
+        convert_checkpoint(self.tdir, self.work / "trtllm_ckpt", tp=o.tp, pp=o.pp, ep=o.ep, quant=q, kv_cache=kv,
+                           calib=o.calib, progress=self.progress)
+        return {"commands": [_cmd("convert", "--model", self.tdir, "--quant", q, "--tp", o.tp, "--pp", o.pp,
+                                  "--ep", o.ep, *(["--kv-cache", "fp8"] if kv else []),
+                                  *(["--calib", o.calib] if o.calib else []), "--out", "trtllm_ckpt")]}
 
-            # compile (GPU) -------------------------------------------------------------------
+    def _plugin(self) -> dict:
+        arch = self.settings["arch"]
+        build_plugin(arch, self.work / "plugins", progress=self.progress)
+        return {"commands": [_cmd("plugin", "build", "--arch", arch, "--out", "plugins")]}
 
-            tc = detect_toolchain()
+    def _export_onnx(self) -> dict:
+        export_onnx(self.ddir, self.tdir, self.work / "onnx" / "drafter.onnx")
+        return {"commands": [_cmd("export-onnx", "--drafter", self.ddir, "--target", self.tdir,
+                                  "--out", "onnx/drafter.onnx")]}
 
-            def do_compile():
-                res = run_compile(work, m, tc)
-                if res["status"] == "deferred":
-                    self.log(f"compile: deferred ({res['reason']}); run `dflash-trt compile --bundle {dest}` on the "
-                             "GPU node")
-                return {k: v for k, v in res.items() if k in ("status", "outputs", "commands", "reason", "engine_key")}
-            self.stage("compile", {**common, "backend": o.backend, "arch": s["arch"], "gpu": s["gpu"], "quant": s["quant"],
-                                   "tp": o.tp, "pp": o.pp, "block_size": B, "toolchain": toolchain_fingerprint(tc),
-                                   "onnx": self.stages["export-onnx"]["inputs_sha256"],
-                                   "plugin": self.stages["plugin"]["inputs_sha256"],
-                                   "convert": self.stages["convert"]["inputs_sha256"]},
-                       do_compile, [])
+    def _compile(self) -> dict:
+        res = run_compile(self.work, self.manifest, self.toolchain)
+        if res["status"] == "deferred":
+            self.log(f"compile: deferred ({res['reason']}); run `dflash-trt compile --bundle {self.dest}` on the "
+                     "GPU node")
+        return {k: v for k, v in res.items() if k in ("status", "outputs", "commands", "reason", "engine_key")}
 
-            # package: serving configs + Triton repository -------------------------------------
-            def do_package():
-                m["serving_configs"] = write_configs(work, m, tcfg, B)
-                ref = reference_pair(work, ref_layout, tdir, ddir)
-                write_triton(work, m, tcfg, B, ref)
-                (work / "engines").mkdir(exist_ok=True)
-                (work / "engines" / "README.txt").write_text(
-                    "TensorRT engines of this bundle, written by `dflash-trt compile --bundle <bundle>` on the GPU\n"
-                    "node into engines/<gpu>-trt<version>/ (see manifest.json, stages.compile).\n")
-                return {}
-            ref_layout = reference_layout(s, tdir, ddir)
-            m["reference_runtime"] = {"layout": ref_layout}
-            pkg_out = ["configs", "triton", "engines/README.txt"] + (["reference"] if ref_layout == "copy" else [])
-            self.stage("package", {**common, "manifest": {k: v for k, v in m.items() if k != "created"},
-                                   "code": code_hash("bundle/serving_configs.py", "bundle/triton_repo.py",
-                                                   "assets/triton_templates")},
-                       do_package, pkg_out)
-            if "serving_configs" not in m:  # package was reused
-                m["serving_configs"] = self.stages["package"].get("serving_configs") or _configs_index(work)
-            self.stages["package"]["serving_configs"] = m["serving_configs"]
-
-            m["stages"] = {k: self.stages[k] for k in ("check", "quantize", "convert", "plugin", "export-onnx",
-                                                       "compile", "package")}
-            m["input_files"] = cache.entries
-            m["artifacts"] = self._artifacts(work)
-            m["serve"] = serve_commands(m)
-            write_manifest(work, m)
-        return {"bundle": str(dest), "manifest": m, "stages": [asdict(r) for r in self.reports]}
+    def _package(self) -> dict:
+        """Serving configs, the Triton repository and engines/README.txt."""
+        m, work = self.manifest, self.work
+        m["serving_configs"] = write_configs(work, m, self.tcfg, self.block_size)
+        layout = m["reference_runtime"]["layout"]
+        write_triton(work, m, self.tcfg, self.block_size, reference_pair(work, layout, self.tdir, self.ddir))
+        (work / "engines").mkdir(exist_ok=True)
+        (work / "engines" / "README.txt").write_text(
+            "TensorRT engines of this bundle, written by `dflash-trt compile --bundle <bundle>` on the GPU\n"
+            "node into engines/<gpu>-trt<version>/ (see manifest.json, stages.compile).\n")
+        # the reference model's copy of the pair, when it has one
+        return {"outputs": [*PACKAGE_OUTPUTS, "reference"]} if layout == "copy" else {}
 
     def _artifacts(self, work: Path) -> list[dict]:
         """Artifact list. A file linked unchanged from the previous bundle keeps its recorded
@@ -514,10 +574,6 @@ class Builder:
                 digest = sha256_file(work / rel)
             out.append({"path": rel, "bytes": st.st_size, "sha256": digest})
         return out
-
-
-def _layer_ids(zlab_ids: list[int], num_layers: int) -> dict:
-    return layer_ids_by_stack(zlab_ids, num_layers)
 
 
 def reference_layout(s: dict, tdir: Path, ddir: Path) -> str:

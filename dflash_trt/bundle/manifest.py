@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 from dflash_trt.errors import DFlashError
+from dflash_trt.hardware import arch_sms, gpus
 
 MANIFEST_NAME = "manifest.json"
 SCHEMA_VERSION = 1
@@ -52,8 +53,8 @@ MANIFEST_SCHEMA: dict = {
                                                                       "sglang")}},
             },
         },
-        "arch": {"enum": ["blackwell", "hopper"]},
-        "gpu": {"enum": ["b300", "b200", "gb200", "h200", "h100", None]},
+        "arch": {"enum": list(arch_sms())},
+        "gpu": {"enum": [*gpus(), None]},
         "sm": {"type": "array", "items": {"type": "integer"}},
         "quant": {
             "type": "object", "required": ["target", "kv_cache"],
@@ -166,7 +167,10 @@ def list_artifacts(bundle: str | Path, cache: HashCache | None = None) -> list[d
 
 
 def read_manifest(bundle: str | Path) -> dict:
+    """manifest.json of a bundle, checked against MANIFEST_SCHEMA."""
     path = Path(bundle) / MANIFEST_NAME
+    if not Path(bundle).is_dir():
+        raise DFlashError(f"{bundle}: not a folder")
     if not path.is_file():
         raise DFlashError(f"{path}: missing; {bundle} is not a dflash-trt bundle")
     try:
@@ -176,6 +180,8 @@ def read_manifest(bundle: str | Path) -> dict:
     if not isinstance(m, dict):
         raise DFlashError(f"{path}: expected a JSON object")
     validate(m, str(path))
+    if not isinstance(m["target"].get("config"), dict):  # the schema's check, without jsonschema installed
+        raise DFlashError(f"{path}: target.config must be the target's config.json object")
     return m
 
 

@@ -1,4 +1,4 @@
-"""The DFlash drafter as an ONNX graph for TensorRT's ONNX parser (DESIGN.md §3, §6).
+"""The DFlash drafter as an ONNX graph for TensorRT's ONNX parser (docs/decode-loop.md, docs/kernels.md).
 
 One draft step: inject the accepted tokens' features into the paged drafter cache, then draft a
 block over everything in the cache. The injection after fc is ONE custom node, op `KVInject` in
@@ -17,7 +17,7 @@ Graph outputs
 
 The drafter has no embedding and no lm_head: they are read from the target folder (only those two
 tensors are loaded, so this works for a 120B target on a small machine). Attention is
-non-causal, as in the drafter (DESIGN.md §3).
+non-causal, as in the drafter (docs/decode-loop.md).
 
 onnxruntime runs the custom node through onnxruntime-extensions (`register_onnxruntime_kvinject`),
 whose Python ops live in the domain "ai.onnx.contrib": `for_onnxruntime(model)` returns a copy

@@ -25,10 +25,10 @@ from pathlib import Path
 from tqdm import tqdm
 
 from dflash_trt.errors import DFlashError
+from dflash_trt.hardware import arch_sms
 from dflash_trt.io.atomic import atomic_output_dir
 from dflash_trt.kernels import kv_inject_trt
 
-ARCHS: dict[str, tuple[int, ...]] = {"blackwell": (100, 103), "hopper": (90,)}
 MANIFEST_FORMAT = "dflash-trt-plugin/1"
 # (head_dim, activation/weight dtype, cache dtype); FP8 caches are written as e4m3fn bit patterns.
 VARIANTS = [(hd, "bf16", cache) for hd in (64, 128) for cache in ("bf16", "fp8e4m3")]
@@ -53,8 +53,9 @@ def kernel_signature(arg_names, act: str, cache: str) -> dict:
 
 def build_plugin(arch: str, out_dir: str | Path, variants=None, progress: bool = False) -> dict:
     """Compile the kernel for `arch` into out_dir (replaced atomically); returns the manifest."""
-    if arch not in ARCHS:
-        raise DFlashError(f"--arch {arch!r}: expected one of {', '.join(ARCHS)}")
+    sms_of = arch_sms()
+    if arch not in sms_of:
+        raise DFlashError(f"--arch {arch!r}: expected one of {', '.join(sms_of)}")
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise DFlashError("TRITON_INTERPRET is set: unset it to compile the plugin ahead of time")
     import triton
@@ -71,7 +72,7 @@ def build_plugin(arch: str, out_dir: str | Path, variants=None, progress: bool =
 
 
     kernels = []
-    jobs = [(sm, v) for sm in ARCHS[arch] for v in variants]
+    jobs = [(sm, v) for sm in sms_of[arch] for v in variants]
     with atomic_output_dir(out_dir) as tmp:
 
         for sm, (hd, act, cache) in tqdm(jobs, desc=f"plugin {arch}", disable=not progress, unit="kernel"):
@@ -96,7 +97,7 @@ def build_plugin(arch: str, out_dir: str | Path, variants=None, progress: bool =
                 "cubin_sha256": _sha256(tmp / f"{stem}.cubin"), "ptx_sha256": _sha256(tmp / f"{stem}.ptx"),
             })
         manifest = {
-            "format": MANIFEST_FORMAT, "plugin_id": tmod.PLUGIN_ID, "arch": arch, "sms": list(ARCHS[arch]),
+            "format": MANIFEST_FORMAT, "plugin_id": tmod.PLUGIN_ID, "arch": arch, "sms": list(sms_of[arch]),
             "kernel": tmod.KERNEL_NAME, "triton_version": triton.__version__,
             "grid": {"formula": list(tmod.GRID_FORMULA), "BLOCK_T": "constexprs.BLOCK_T"},
             "arg_order": [n for n in fn.arg_names if n not in CONSTEXPRS],

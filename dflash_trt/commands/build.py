@@ -6,14 +6,16 @@ import sys
 
 import click
 
+from dflash_trt.hardware import arch_sms, gpus
+
 
 @click.command("build")
 @click.option("--target", help="Preset name (gpt-oss-120b, qwen3-8b, llama-3.1-8b, smollm2-135m) or a checkpoint "
               "folder. Default: the embedded pair (smollm2-135m + our drafter).")
 @click.option("--drafter", type=click.Path(), help="DFlash drafter folder (default: the preset's drafter).")
-@click.option("--arch", type=click.Choice(["blackwell", "hopper", "auto"]), default="auto", show_default=True,
+@click.option("--arch", type=click.Choice([*arch_sms(), "auto"]), default="auto", show_default=True,
               help="GPU architecture to build for; auto = this machine's GPU (or the one --gpu names).")
-@click.option("--gpu", type=click.Choice(["b300", "b200", "gb200", "h200", "h100"]),
+@click.option("--gpu", type=click.Choice(list(gpus())),
               help="Exact GPU product (narrows the kernels to its SM version; recorded for deploy).")
 @click.option("--quant", type=click.Choice(["auto", "none", "fp8", "nvfp4"]), default="auto", show_default=True,
               help="Target weights: auto = NVFP4 on Blackwell, FP8 on Hopper, MXFP4 kept for gpt-oss.")

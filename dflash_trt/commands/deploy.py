@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from dflash_trt.hardware import catalog
+from dflash_trt.hardware import catalog, gpus
 
 HARDWARE = click.Choice(sorted(catalog()))
 
@@ -82,7 +82,7 @@ def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, max_seq_len, no
 @click.option("--nodes", type=int, default=1, show_default=True, help="Nodes available for this model.")
 @click.option("--gpus-per-node", type=int, help="Default: the bundle GPU's node type (8 on DGX / HGX, 4 on GB200).")
 @click.option("--replicas", type=int, help="Model instances; default: the planner's (nodes × GPUs / tp).")
-@click.option("--gpu", type=click.Choice(["b300", "b200", "gb200", "h200", "h100", "none"]),
+@click.option("--gpu", type=click.Choice([*gpus(), "none"]),
               help="Override the bundle's GPU; none = CPU-only smoke test of the reference model.")
 @click.option("--pvc", help="Existing PersistentVolumeClaim holding the bundle (default: the chart creates one).")
 @click.option("--ssh-secret", default="dflash-trt-ssh", show_default=True,

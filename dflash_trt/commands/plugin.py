@@ -5,6 +5,11 @@ import json
 
 import click
 
+from dflash_trt.hardware import arch_sms
+
+# "blackwell (sm_100 + sm_103) or hopper (sm_90)"
+ARCHS_HELP = " or ".join(f"{arch} ({' + '.join(f'sm_{sm}' for sm in sms)})" for arch, sms in arch_sms().items())
+
 
 @click.group("plugin")
 def plugin_group():
@@ -18,7 +23,7 @@ def plugin_group():
 
 
 @plugin_group.command("build")
-@click.option("--arch", type=str, required=True, help="GPU architecture: blackwell (sm_100 + sm_103) or hopper (sm_90).")
+@click.option("--arch", type=str, required=True, help=f"GPU architecture: {ARCHS_HELP}.")
 @click.option("--out", "out", type=click.Path(file_okay=False), default="engines/plugin", show_default=True,
               help="Output folder (replaced atomically).")
 @click.option("--json", "as_json", is_flag=True, help="Print the plugin.json manifest on stdout.")

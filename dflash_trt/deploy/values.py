@@ -38,7 +38,7 @@ from pathlib import Path
 
 import yaml
 
-from dflash_trt.bundle.manifest import read_manifest as read_checked
+from dflash_trt.bundle.manifest import read_manifest
 from dflash_trt.deploy import planner
 from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import Hardware, hardware_for_gpu
@@ -63,17 +63,6 @@ def default_out(bundle: str | Path) -> Path:
     list (`dflash-trt verify` reports them)."""
     b = Path(bundle).resolve()
     return b.with_name(b.name + "-deploy")
-
-
-def read_manifest(bundle: str | Path) -> dict:
-    """manifest.json of a bundle, checked against the build's manifest schema."""
-    path = Path(bundle) / "manifest.json"
-    if not Path(bundle).is_dir():
-        raise DFlashError(f"{bundle}: not a folder")
-    m = read_checked(bundle)
-    if not isinstance(m["target"].get("config"), dict):
-        raise DFlashError(f"{path}: target.config must be the target's config.json object")
-    return m
 
 
 def _drafter_config(bundle: Path, m: dict) -> tuple[str | None, dict | None]:

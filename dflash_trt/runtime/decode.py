@@ -1,4 +1,4 @@
-"""The DFlash decode loop (DESIGN.md §4) and its autoregressive baseline, in one file.
+"""The DFlash decode loop (docs/decode-loop.md) and its autoregressive baseline, in one file.
 
     prefill → [draft a block in one drafter pass → verify it in one target pass → accept a
     prefix + one bonus token → crop caches (a length) → inject accepted features] → ...
