@@ -1,4 +1,4 @@
-"""Ahead-of-time build of the KV-injection plugin kernel for the user's GPU (DESIGN.md §6).
+"""Ahead-of-time build of the KV-injection plugin kernel for the user's GPU (docs/kernels.md).
 
 `build_plugin("blackwell" | "hopper", out_dir)` compiles kernels/kv_inject_triton.py with Triton
 for every SM of the architecture (blackwell: sm_100, sm_103; hopper: sm_90) and every shipped

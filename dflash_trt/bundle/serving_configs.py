@@ -2,12 +2,12 @@
 (`trtllm-serve --config`), vLLM (`--speculative-config`) and SGLang (launch arguments).
 
 The one thing that silently goes wrong between stacks is the numbering of the target layers
-whose hidden states feed the drafter (DESIGN.md §3). A wrong id does not fail: it only drops
+whose hidden states feed the drafter (docs/layer-ids.md). A wrong id does not fail: it only drops
 acceptance. So every convention is one function below, each pinned to the code that defines it:
 
 - z-lab / TensorRT-LLM: `dflash_config.target_layer_ids`, 0-based decoder-layer OUTPUTS
   (feature i = HF `hidden_states[i + 1]`). TensorRT-LLM's `DFlashDecodingConfig.target_layer_ids`
-  takes the same numbers (DESIGN.md §6).
+  takes the same numbers (docs/layer-ids.md).
 - vllm-project/speculators: `aux_hidden_state_layer_ids` count hidden-state indices, 0 = the
   embeddings, so they are z-lab + 1 (speculators `convert/dflash` converter and its test
   `tests/unit/convert/test_dflash_converter.py`: [1,9,17,25,33] -> [2,10,18,26,34]).

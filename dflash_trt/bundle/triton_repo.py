@@ -1,4 +1,4 @@
-"""The bundle's Triton model repository (DESIGN.md §7):
+"""The bundle's Triton model repository (docs/pipeline.md):
 
     triton/
       tensorrt_llm/      TensorRT-LLM LLM API (PyTorch backend) with DFlash, Python backend, GPU

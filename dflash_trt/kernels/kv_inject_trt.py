@@ -1,4 +1,4 @@
-"""TensorRT plugin `dflash::KVInject` for the drafter KV-injection kernel (kv_inject_kernel.py).
+"""TensorRT plugin `dflash::KVInject` for the drafter KV-injection kernel (kv_inject_triton.py).
 
 Registered through TensorRT's Python plugin API (`tensorrt.plugin`: register / aot_impl). TensorRT
 is imported only inside `register_plugin()`, so everything else here -- the kernel configuration,
