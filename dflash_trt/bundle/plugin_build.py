@@ -4,7 +4,7 @@
 for every SM of the architecture (blackwell: sm_100, sm_103; hopper: sm_90) and every shipped
 variant (head_dim 64/128 x bf16 or FP8 cache), on a CPU-only machine, into
 
-    out_dir/kv_inject_hd{64,128}_bf16_{bf16,fp8}.sm_{NN}.{cubin,ptx}
+    out_dir/kv_inject_hd{64,128}_bf16_{bf16,fp8e4m3}.sm_{NN}.{cubin,ptx}
     out_dir/plugin.json   kernel names, launch grid formula, num_warps, shared memory, block
                           sizes, dtypes, argument order, source hashes
 
