@@ -1,7 +1,9 @@
-"""Shared fixtures: tiny pairs of every supported family, built once per test session."""
+"""Shared fixtures: tiny pairs of every supported family, built once per test session. Shared
+helpers that are not fixtures are in helpers.py."""
 from __future__ import annotations
 
 import os
+import sys
 
 # Busy-waiting OpenMP threads stall when other processes share the 2 cores; set before torch loads.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -24,6 +26,13 @@ def tiny_pairs(tmp_path_factory):
         make_tiny(arch, root / arch, root / f"{arch}-drafter", seed=i)
         out[arch] = (root / arch, root / f"{arch}-drafter")
     return out
+
+
+@pytest.fixture
+def pb_cleanup():
+    """Removes the Triton API test double that helpers.load_model_module installs."""
+    yield
+    sys.modules.pop("triton_python_backend_utils", None)
 
 
 @pytest.fixture(autouse=True)

@@ -10,23 +10,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import generate_json, load_model_module, make_pb_utils, run_cli, triton_args
 
 from dflash_trt.bundle.manifest import read_manifest, verify
-from dflash_trt.cli import main
 
 STAGES = ["check", "quantize", "convert", "plugin", "export-onnx", "compile", "package"]
 ENGINE_SUFFIXES = (".plan", ".engine")
-
-
-def cli(capsys, *args):
-    """Run the real CLI in-process: (exit code, stdout, stderr)."""
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as e:
-        code = e.code or 0
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 @pytest.fixture(scope="module")
@@ -91,29 +80,29 @@ def test_gpu_facts_come_from_the_hardware_catalog():
     (["--target", "no-such-model"], "not a preset"),
     (["--target", "qwen3-8b"], "huggingface-cli download Qwen/Qwen3-8B"),
 ])
-def test_unknown_or_missing_preset(capsys, tmp_path, monkeypatch, args, message):
+def test_unknown_or_missing_preset(tmp_path, monkeypatch, args, message):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-hub"))
     monkeypatch.setenv("DFLASH_TRT_HOME", str(tmp_path / "home"))
-    code, out, err = cli(capsys, "build", *args, "--arch", "hopper", "--out", str(tmp_path / "b"))
+    code, out, err = run_cli("build", *args, "--arch", "hopper", "--out", str(tmp_path / "b"))
     assert code == 1 and message in err and "Traceback" not in err
     assert not (tmp_path / "b").exists()
 
 
-def test_missing_weights(capsys, tiny, tmp_path):
+def test_missing_weights(tiny, tmp_path):
     t = tmp_path / "t"
     shutil.copytree(tiny / "llama", t)
     for f in t.glob("*.safetensors"):
         f.unlink()
-    code, _, err = cli(capsys, "build", "--target", str(t), "--drafter", str(tiny / "llama-drafter"),
-                       "--arch", "hopper", "--out", str(tmp_path / "b"))
+    code, _, err = run_cli("build", "--target", str(t), "--drafter", str(tiny / "llama-drafter"),
+                           "--arch", "hopper", "--out", str(tmp_path / "b"))
     assert code == 1 and "no *.safetensors weights" in err and not (tmp_path / "b").exists()
 
 
 @pytest.mark.parametrize("field, value", [("hidden_size", 96), ("vocab_size", 1000)])
-def test_drafter_for_another_target(capsys, tiny, tmp_path, field, value):
+def test_drafter_for_another_target(tiny, tmp_path, field, value):
     d = _drafter_for_other_target(tiny / "llama", tmp_path / "d", **{field: value})
-    code, _, err = cli(capsys, "build", "--target", str(tiny / "llama"), "--drafter", str(d), "--arch", "hopper",
-                       "--out", str(tmp_path / "b"))
+    code, _, err = run_cli("build", "--target", str(tiny / "llama"), "--drafter", str(d), "--arch", "hopper",
+                           "--out", str(tmp_path / "b"))
     assert code == 1 and "check: the drafter does not fit the target" in err and field in err
     assert not (tmp_path / "b").exists() and not list(tmp_path.glob(".b.*"))  # nothing half-written
 
@@ -126,46 +115,31 @@ def test_drafter_for_another_target(capsys, tiny, tmp_path, field, value):
     ("gptoss", ["--backend", "engine"], "no engine (TensorRT checkpoint) layout"),
     ("gptoss", ["--quant", "fp8"], "MXFP4"),
 ])
-def test_impossible_requests_are_refused(capsys, tiny, tmp_path, pair, args, message):
-    code, _, err = cli(capsys, "build", "--target", str(tiny / pair), "--drafter", str(tiny / f"{pair}-drafter"),
-                       "--arch", "hopper", "--out", str(tmp_path / "b"), *args)
+def test_impossible_requests_are_refused(tiny, tmp_path, pair, args, message):
+    code, _, err = run_cli("build", "--target", str(tiny / pair), "--drafter", str(tiny / f"{pair}-drafter"),
+                           "--arch", "hopper", "--out", str(tmp_path / "b"), *args)
     assert code == 1 and message in err, err
     assert not (tmp_path / "b").exists()
 
 
-def test_existing_non_bundle_folder_needs_force(capsys, tiny, tmp_path):
+def test_existing_non_bundle_folder_needs_force(tiny, tmp_path):
     out = tmp_path / "precious"
     out.mkdir()
     (out / "notes.txt").write_text("not a bundle")
-    code, _, err = cli(capsys, "build", "--target", str(tiny / "llama"), "--drafter", str(tiny / "llama-drafter"),
-                       "--arch", "hopper", "--quant", "none", "--out", str(out))
+    code, _, err = run_cli("build", "--target", str(tiny / "llama"), "--drafter", str(tiny / "llama-drafter"),
+                           "--arch", "hopper", "--quant", "none", "--out", str(out))
     assert code == 1 and "is not a dflash-trt bundle" in err and "--force" in err
     assert (out / "notes.txt").read_text() == "not a bundle"
 
 
-def test_arch_auto_without_gpu_says_what_to_pass(capsys, tiny, tmp_path, monkeypatch):
+def test_arch_auto_without_gpu_says_what_to_pass(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi
-    code, _, err = cli(capsys, "build", "--target", str(tiny / "llama"), "--drafter", str(tiny / "llama-drafter"),
-                       "--out", str(tmp_path / "b"))
+    code, _, err = run_cli("build", "--target", str(tiny / "llama"), "--drafter", str(tiny / "llama-drafter"),
+                           "--out", str(tmp_path / "b"))
     assert code == 1 and "no NVIDIA GPU found" in err and "--arch blackwell" in err
 
 
 # --------------------------------------------------------------------------- full builds
-def run_cli(*args):
-    """The real CLI in-process, usable from module-scoped fixtures: (code, stdout, stderr)."""
-    import contextlib
-    import io
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            main(list(args))
-            code = 0
-        except SystemExit as e:
-            code = e.code or 0
-    return code, out.getvalue(), err.getvalue()
-
-
 def build_json(*args):
     code, out, err = run_cli("build", *args, "--json")
     assert code == 0, err
@@ -289,31 +263,31 @@ def test_changed_input_reruns_only_what_depends_on_it(tiny, hopper, tmp_path):
     assert verify(copy) == []
 
 
-def test_verify_detects_tampered_missing_and_unlisted_files(capsys, hopper, tmp_path):
+def test_verify_detects_tampered_missing_and_unlisted_files(hopper, tmp_path):
     bundle, _ = hopper
     copy = tmp_path / "b"
     shutil.copytree(bundle, copy)
-    assert cli(capsys, "verify", "--bundle", str(copy))[0] == 0
+    assert run_cli("verify", "--bundle", str(copy))[0] == 0
     onnx = copy / "onnx" / "drafter.onnx"
     data = bytearray(onnx.read_bytes())
     data[len(data) // 2] ^= 0xFF
     onnx.write_bytes(bytes(data))
     (copy / "configs" / "sglang.json").unlink()
     (copy / "configs" / "extra.txt").write_text("x")
-    code, out, err = cli(capsys, "verify", "--bundle", str(copy))
+    code, out, err = run_cli("verify", "--bundle", str(copy))
     assert code == 1
     assert "onnx/drafter.onnx: sha256" in err and "configs/sglang.json: missing" in err
     assert "configs/extra.txt: not listed" in err and "Traceback" not in err
-    code, out, _ = cli(capsys, "verify", "--bundle", str(copy), "--json")
+    code, out, _ = run_cli("verify", "--bundle", str(copy), "--json")
     report = json.loads(out)
     assert code == 1 and not report["ok"] and len(report["problems"]) == 3
 
 
-def test_compile_without_gpu_is_refused_with_the_reason(capsys, hopper, tmp_path):
+def test_compile_without_gpu_is_refused_with_the_reason(hopper, tmp_path):
     bundle, _ = hopper
     copy = tmp_path / "b"
     shutil.copytree(bundle, copy)
-    code, _, err = cli(capsys, "compile", "--bundle", str(copy))
+    code, _, err = run_cli("compile", "--bundle", str(copy))
     assert code == 1 and "cannot run here" in err and "no NVIDIA GPU" in err
     assert _engine_files(copy) == [] and verify(copy) == []
 
@@ -356,29 +330,24 @@ def test_engine_backend_converts_and_defers_trtllm_build(tiny, tmp_path):
     assert _engine_files(bundle) == []
 
 
-def test_bundles_reference_model_serves_the_same_text_as_generate(tiny, hopper):
+def test_bundles_reference_model_serves_the_same_text_as_generate(tiny, hopper, pb_cleanup):
     """The bundle's own triton/dflash_reference, with its bundle-relative paths, run in-process
-    through the Triton API test double of test_triton_repo (no Triton server runs here)."""
+    through the Triton API test double of tests/helpers.py (no Triton server runs here)."""
     import numpy as np
-    from test_triton_repo import _generate_cli, load_model_module, make_pb_utils, triton_args
 
     bundle, _ = hopper
     repo = bundle / "triton"
     pb = make_pb_utils(repo / "dflash_reference" / "1")
-    try:
-        mod = load_model_module(repo / "dflash_reference" / "1" / "model.py", pb)
-        model = mod.TritonPythonModel()
-        model.initialize(triton_args(repo, "dflash_reference"))
-        assert model.target_dir == (bundle / "reference" / "target").resolve()
-        req = pb.InferenceRequest([pb.Tensor("text_input", np.array([b"hello there"], dtype=np.object_)),
-                                   pb.Tensor("sampling_param_max_tokens", np.array([16], dtype=np.int32))])
-        model.execute([req])
-    finally:
-        import sys
-        sys.modules.pop("triton_python_backend_utils", None)
+    mod = load_model_module(repo / "dflash_reference" / "1" / "model.py", pb)
+    model = mod.TritonPythonModel()
+    model.initialize(triton_args(repo, "dflash_reference"))
+    assert model.target_dir == (bundle / "reference" / "target").resolve()
+    req = pb.InferenceRequest([pb.Tensor("text_input", np.array([b"hello there"], dtype=np.object_)),
+                               pb.Tensor("sampling_param_max_tokens", np.array([16], dtype=np.int32))])
+    model.execute([req])
     [(resp, flags)] = req.get_response_sender().sent
     text = {t.name(): t.as_numpy() for t in resp.output_tensors()}["text_output"][0].decode()
-    assert text == _generate_cli(tiny / "llama", tiny / "llama-drafter", "hello there", 16)["text"]
+    assert text == generate_json(tiny / "llama", tiny / "llama-drafter", "hello there", 16)["text"]
 
 
 # ----------------------------------------------------------------------- the embedded pair
@@ -446,15 +415,15 @@ def test_arch_auto_reads_the_gpu_from_nvidia_smi(tiny, tmp_path, monkeypatch):
     assert c["status"] == "deferred" and "TensorRT" in c["reason"] and "no NVIDIA GPU" not in c["reason"]
 
 
-def test_failed_rebuild_leaves_the_previous_bundle_intact(capsys, tiny, hopper, tmp_path):
+def test_failed_rebuild_leaves_the_previous_bundle_intact(tiny, hopper, tmp_path):
     bundle, _ = hopper
     copy = tmp_path / "b"
     shutil.copytree(bundle, copy)
     before = read_manifest(copy)
     # engine backend + FP8 needs calibration prompts: the convert stage fails after check and
     # quantize have already written into the temporary folder
-    code, _, err = cli(capsys, "build", "--target", str(tiny / "llama"), "--drafter", str(tiny / "llama-drafter"),
-                       "--arch", "hopper", "--gpu", "h200", "--backend", "engine", "--out", str(copy))
+    code, _, err = run_cli("build", "--target", str(tiny / "llama"), "--drafter", str(tiny / "llama-drafter"),
+                           "--arch", "hopper", "--gpu", "h200", "--backend", "engine", "--out", str(copy))
     assert code == 1 and "--calib" in err
     assert read_manifest(copy) == before and verify(copy) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]  # no temporary folder left beside it

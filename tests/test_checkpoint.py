@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import safetensors.torch as st
 import torch
+from helpers import run_cli
 from safetensors import safe_open
 
-from dflash_trt.cli import main
 from dflash_trt.errors import DFlashError
 from dflash_trt.io.atomic import atomic_output_dir
 from dflash_trt.io.checkpoint import CheckpointReader, ShardedWriter, TensorSpec, check_finite, load_config
@@ -181,19 +181,10 @@ def test_pickle_refused_unless_allowed(tmp_path):
 
 # ------------------------------------------------------------------ bad input through the CLI
 
-def error_lines(capsys) -> list[str]:
-    """stderr lines that are not progress-bar output; there must be no traceback."""
-    err = capsys.readouterr().err
+def error_lines(err: str) -> list[str]:
+    """The lines of stderr text that are not progress-bar output; there must be no traceback."""
     assert "Traceback" not in err
     return [line for line in err.replace("\r", "\n").splitlines() if line.strip() and "%|" not in line]
-
-
-def run_cli(args) -> int:
-    try:
-        main(args)
-    except SystemExit as e:
-        return e.code
-    return 0
 
 
 def corrupt(kind: str, m: Path) -> str:
@@ -251,7 +242,7 @@ BAD = ["truncated", "header_too_long", "overlap", "out_of_range", "bad_span", "u
 
 @pytest.mark.parametrize("kind", BAD)
 @pytest.mark.parametrize("command", ["quantize", "convert"])
-def test_bad_checkpoint_one_line_error_nothing_written(tmp_path, capsys, kind, command):
+def test_bad_checkpoint_one_line_error_nothing_written(tmp_path, kind, command):
     m = write_model(tmp_path / "m")
     pattern = corrupt(kind, m)
     out = tmp_path / "out"
@@ -259,8 +250,9 @@ def test_bad_checkpoint_one_line_error_nothing_written(tmp_path, capsys, kind, c
     (out / "previous.txt").write_text("keep me")
     args = ["quantize", "--model", str(m), "--format", "fp8", "--out", str(out)] if command == "quantize" else \
         ["convert", "--model", str(m), "--tp", "1", "--out", str(out)]
-    assert run_cli(args) == 1
-    err = error_lines(capsys)
+    code, _, stderr = run_cli(*args)
+    assert code == 1
+    err = error_lines(stderr)
     assert len(err) == 1 and err[0].startswith("error: "), err
     import re
     assert re.search(pattern, err[0]), err[0]
@@ -269,7 +261,7 @@ def test_bad_checkpoint_one_line_error_nothing_written(tmp_path, capsys, kind, c
 
 
 @pytest.mark.parametrize("kind", ["missing", "absolute", "dotdot", "not_in_shard"])
-def test_bad_index_json(tmp_path, capsys, kind):
+def test_bad_index_json(tmp_path, kind):
     m = write_model(tmp_path / "m", shards=2)
     idx = json.loads((m / "model.safetensors.index.json").read_text())
     name = "model.norm.weight"
@@ -278,8 +270,9 @@ def test_bad_index_json(tmp_path, capsys, kind):
                                "not_in_shard": "model-00001-of-00002.safetensors"
                                if idx["weight_map"][name].startswith("model-00002") else "model-00002-of-00002.safetensors"}[kind]
     (m / "model.safetensors.index.json").write_text(json.dumps(idx))
-    assert run_cli(["quantize", "--model", str(m), "--format", "nvfp4", "--out", str(tmp_path / "out")]) == 1
-    err = error_lines(capsys)
+    code, _, stderr = run_cli("quantize", "--model", str(m), "--format", "nvfp4", "--out", str(tmp_path / "out"))
+    assert code == 1
+    err = error_lines(stderr)
     assert len(err) == 1 and "model.safetensors.index.json" in err[0], err
     assert {"missing": "does not exist", "absolute": "absolute path", "dotdot": "path with '..'",
             "not_in_shard": "which does not contain it"}[kind] in err[0]
@@ -287,15 +280,17 @@ def test_bad_index_json(tmp_path, capsys, kind):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
 
 
-def test_pickle_checkpoint_refused_by_cli(tmp_path, capsys):
+def test_pickle_checkpoint_refused_by_cli(tmp_path):
     m = tmp_path / "m"
     m.mkdir()
     (m / "config.json").write_text(json.dumps(CFG))
     torch.save(tiny_state(), m / "pytorch_model.bin")
-    assert run_cli(["quantize", "--model", str(m), "--format", "fp8", "--out", str(tmp_path / "out")]) == 1
-    assert "pickle checkpoint refused" in capsys.readouterr().err
+    code, _, err = run_cli("quantize", "--model", str(m), "--format", "fp8", "--out", str(tmp_path / "out"))
+    assert code == 1
+    assert "pickle checkpoint refused" in err
     assert not (tmp_path / "out").exists()
-    assert run_cli(["quantize", "--model", str(m), "--format", "fp8", "--allow-pickle", "--out", str(tmp_path / "out")]) == 0
+    code, _, _ = run_cli("quantize", "--model", str(m), "--format", "fp8", "--allow-pickle", "--out", str(tmp_path / "out"))
+    assert code == 0
     assert (tmp_path / "out" / "model.safetensors").exists()
 
 
@@ -313,14 +308,15 @@ def small_fs(tmp_path):
 
 
 @pytest.mark.parametrize("command", ["quantize", "convert"])
-def test_disk_full_during_write(tmp_path, small_fs, capsys, command):
+def test_disk_full_during_write(tmp_path, small_fs, command):
     cfg = dict(CFG, hidden_size=128, intermediate_size=512, vocab_size=256)
     m = write_model(tmp_path / "m", cfg=cfg)   # ~0.6 MB of bf16: does not fit in 256 KiB
     out = small_fs / "out"
     args = ["quantize", "--model", str(m), "--format", "fp8", "--out", str(out)] if command == "quantize" else \
         ["convert", "--model", str(m), "--tp", "2", "--out", str(out)]
-    assert run_cli(args) == 1
-    err = error_lines(capsys)
+    code, _, stderr = run_cli(*args)
+    assert code == 1
+    err = error_lines(stderr)
     assert len(err) == 1 and "disk full while writing" in err[0] and ".safetensors" in err[0], err
     assert list(small_fs.iterdir()) == []   # the temp folder was removed: nothing half-written
     assert shutil.disk_usage(small_fs).used < 64 * 1024

@@ -6,16 +6,8 @@ import shutil
 
 import pytest
 import torch
+from helpers import run_cli
 from safetensors.torch import load_file
-
-from dflash_trt.cli import main
-
-
-def run(argv, capsys):
-    with pytest.raises(SystemExit) as e:
-        main(argv)
-    out = capsys.readouterr()
-    return e.value.code, out.out, out.err
 
 
 @pytest.fixture
@@ -37,12 +29,12 @@ def gen_args(t, d):
     return ["generate", "--target", str(t), "--drafter", str(d), "-p", "hi", "--max-new-tokens", "4"]
 
 
-def test_good_pair_checks_ok_and_generates(pair, capsys):
+def test_good_pair_checks_ok_and_generates(pair):
     t, d = pair
-    code, out, _ = run(["check", "--target", str(t), "--drafter", str(d), "--json"], capsys)
+    code, out, _ = run_cli("check", "--target", str(t), "--drafter", str(d), "--json")
     rep = json.loads(out)
     assert code == 0 and rep["ok"] and rep["problems"] == [] and rep["block_size"] == 8
-    code, out, _ = run(gen_args(t, d) + ["--json"], capsys)
+    code, out, _ = run_cli(*gen_args(t, d), "--json")
     res = json.loads(out)
     assert code == 0 and len(res["token_ids"]) == 4 and set(res) >= {
         "text", "token_ids", "tau", "blocks", "accepted_per_block", "seconds", "tokens_per_s"}
@@ -55,34 +47,34 @@ def test_good_pair_checks_ok_and_generates(pair, capsys):
     (lambda c: c["dflash_config"].update(mask_token_id=100000), "mask_token_id = 100000 outside the target vocabulary"),
     (lambda c: c.update(block_size=1), "block_size = 1"),
 ])
-def test_check_names_the_bad_field(pair, capsys, edit, needle):
+def test_check_names_the_bad_field(pair, edit, needle):
     t, d = pair
     edit_config(d, edit)
-    code, out, err = run(["check", "--target", str(t), "--drafter", str(d)], capsys)
+    code, out, err = run_cli("check", "--target", str(t), "--drafter", str(d))
     assert code == 1 and needle in err
 
 
-def test_generate_refuses_missing_config_field(pair, capsys):
+def test_generate_refuses_missing_config_field(pair):
     t, d = pair
     edit_config(d, lambda c: c.pop("vocab_size"))
-    code, _, err = run(gen_args(t, d), capsys)
+    code, _, err = run_cli(*gen_args(t, d))
     assert code == 1 and err.startswith("error: ") and "vocab_size" in err and len(err.strip().splitlines()) == 1
 
 
-def test_truncated_safetensors(pair, capsys):
+def test_truncated_safetensors(pair):
     t, d = pair
     f = t / "model.safetensors"
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
-    code, _, err = run(gen_args(t, d), capsys)
+    code, _, err = run_cli(*gen_args(t, d))
     assert code == 1 and "model.safetensors" in err and len(err.strip().splitlines()) == 1
 
 
-def test_pickle_checkpoint_refused_unless_opted_in(pair, capsys):
+def test_pickle_checkpoint_refused_unless_opted_in(pair):
     t, d = pair
     state = load_file(d / "model.safetensors")
     (d / "model.safetensors").unlink()
     torch.save(state, d / "pytorch_model.bin")
-    code, _, err = run(gen_args(t, d), capsys)
+    code, _, err = run_cli(*gen_args(t, d))
     assert code == 1 and "pytorch_model.bin" in err and "pickle" in err
-    code, out, _ = run(gen_args(t, d) + ["--allow-pickle", "--json"], capsys)
+    code, out, _ = run_cli(*gen_args(t, d), "--allow-pickle", "--json")
     assert code == 0 and len(json.loads(out)["token_ids"]) == 4

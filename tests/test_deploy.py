@@ -11,27 +11,16 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import objects, run_cli, validate_all
 
 from dflash_trt.bundle.manifest import validate as validate_manifest
-from dflash_trt.cli import main
 from dflash_trt.deploy import planner
 from dflash_trt.deploy import values as deploy
 from dflash_trt.errors import DFlashError
 
 helm = pytest.importorskip("helm_python")
-
-
-def _helm_test_helpers():
-    """objects() and validate_all() of test_helm.py, loaded by path (works in any import mode)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("_dflash_test_helm", Path(__file__).with_name("test_helm.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.objects, mod.validate_all
-
-
-objects, validate_all = _helm_test_helpers()
+pytest.importorskip("kubernetes_validate")   # for validate_all
+pytest.importorskip("jsonschema")
 
 
 def write_bundle(root: Path, target="gpt-oss-120b", gpu="b300", arch="blackwell", quant="mxfp4", kv="fp8",
@@ -62,13 +51,6 @@ def write_bundle(root: Path, target="gpt-oss-120b", gpu="b300", arch="blackwell"
     return bundle
 
 
-def run_cli(args, capsys):
-    with pytest.raises(SystemExit) as e:
-        main(args)
-    out = capsys.readouterr()
-    return e.value.code, out.out, out.err
-
-
 def test_values_agree_with_the_bundle(tmp_path):
     b = write_bundle(tmp_path)
     values, p = deploy.deploy_values(b)
@@ -88,13 +70,13 @@ def test_values_agree_with_the_bundle(tmp_path):
     assert "'--model-repository=/bundle/triton'" in serve and "'--load-model=tensorrt_llm'" in serve
 
 
-def test_default_layout_is_the_planners_choice(tmp_path, capsys):
+def test_default_layout_is_the_planners_choice(tmp_path):
     # A bundle written for TP 1: the planner fits 8 replicas of it on a DGX B300, and deploy writes that.
     b = write_bundle(tmp_path, tp=1)
-    code, out, _ = run_cli(["plan", "--bundle", str(b), "--json"], capsys)
+    code, out, _ = run_cli("plan", "--bundle", str(b), "--json")
     assert code == 0
     chosen = json.loads(out)["chosen"]
-    code, out, _ = run_cli(["deploy", "--bundle", str(b), "--json"], capsys)
+    code, out, _ = run_cli("deploy", "--bundle", str(b), "--json")
     assert code == 0
     d = json.loads(out)
     v = yaml.safe_load(Path(d["values"]).read_text())
@@ -104,8 +86,7 @@ def test_default_layout_is_the_planners_choice(tmp_path, capsys):
     assert Path(d["values"]).parent == b.with_name(b.name + "-deploy")   # beside the bundle, not in it
     assert sorted(p.name for p in b.iterdir()) == ["manifest.json"]
     # Same with two nodes: 16 replicas.
-    code, out, _ = run_cli(["deploy", "--bundle", str(b), "--nodes", "2", "--json", "--out", str(tmp_path / "two")],
-                           capsys)
+    code, out, _ = run_cli("deploy", "--bundle", str(b), "--nodes", "2", "--json", "--out", str(tmp_path / "two"))
     assert json.loads(out)["values_content"]["replicas"] == 16
 
 
@@ -164,10 +145,10 @@ def test_cpu_only_embedded_pair(tmp_path):
     assert "nvidia.com/gpu" not in json.dumps(objs)
 
 
-def test_render_writes_values_and_manifests(tmp_path, capsys):
+def test_render_writes_values_and_manifests(tmp_path):
     b = write_bundle(tmp_path)
     out = tmp_path / "out"
-    code, stdout, _ = run_cli(["deploy", "--bundle", str(b), "--out", str(out), "--render"], capsys)
+    code, stdout, _ = run_cli("deploy", "--bundle", str(b), "--out", str(out), "--render")
     assert code == 0 and "helm install" in stdout
     assert (out / "values.yaml").read_text().startswith("# Written by `dflash-trt deploy")
     names = sorted(p.name for p in (out / "manifests").iterdir())
@@ -176,41 +157,41 @@ def test_render_writes_values_and_manifests(tmp_path, capsys):
     # The values file is what helm install -f would read: it renders on its own.
     validate_all(objects(deploy.render(yaml.safe_load((out / "values.yaml").read_text()))))
     # Re-running replaces the folder; nothing half-written is left beside it.
-    code, _, _ = run_cli(["deploy", "--bundle", str(b), "--out", str(out)], capsys)
+    code, _, _ = run_cli("deploy", "--bundle", str(b), "--out", str(out))
     assert code == 0 and not (out / "manifests").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([b.name, "out"])
 
 
-def test_bad_input(tmp_path, capsys):
-    code, _, err = run_cli(["deploy", "--bundle", str(tmp_path)], capsys)
+def test_bad_input(tmp_path):
+    code, _, err = run_cli("deploy", "--bundle", str(tmp_path))
     assert code == 1 and "manifest.json" in err and "Traceback" not in err
     b = write_bundle(tmp_path)
-    code, _, err = run_cli(["deploy", "--bundle", str(b), "--gpu", "h200"], capsys)
+    code, _, err = run_cli("deploy", "--bundle", str(b), "--gpu", "h200")
     assert code == 1 and "built for arch blackwell" in err
     big = write_bundle(tmp_path, gpu="h100", arch="hopper", quant="none", kv="bf16", tp=1)
-    code, _, err = run_cli(["deploy", "--bundle", str(big)], capsys)
+    code, _, err = run_cli("deploy", "--bundle", str(big))
     assert code == 1 and "does not fit" in err
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "precious.txt").write_text("x")
-    code, _, err = run_cli(["deploy", "--bundle", str(b), "--out", str(tmp_path / "taken")], capsys)
+    code, _, err = run_cli("deploy", "--bundle", str(b), "--out", str(tmp_path / "taken"))
     assert code == 1 and "not a deploy folder" in err and (tmp_path / "taken" / "precious.txt").exists()
     with pytest.raises(DFlashError, match="helm rejected the values"):
         deploy.render({"replicas": -1})
 
 
-def test_real_build_output(tmp_path, capsys):
+def test_real_build_output(tmp_path):
     """A bundle from `dflash-trt build` itself (tiny Qwen3 pair, H200 FP8, compile deferred here):
     deploy reads its manifest, the values agree with it, the render validates, and the bundle
     still verifies (deploy writes nothing inside it)."""
-    code, _, err = run_cli(["make-tiny", "--arch", "qwen3", "--out", str(tmp_path / "t"),
-                            "--drafter-out", str(tmp_path / "d")], capsys)
+    code, _, err = run_cli("make-tiny", "--arch", "qwen3", "--out", str(tmp_path / "t"),
+                           "--drafter-out", str(tmp_path / "d"))
     assert code == 0, err
     b = tmp_path / "bundle"
-    code, _, err = run_cli(["build", "--target", str(tmp_path / "t"), "--drafter", str(tmp_path / "d"),
-                            "--gpu", "h200", "--quant", "fp8", "--tp", "2", "--out", str(b)], capsys)
+    code, _, err = run_cli("build", "--target", str(tmp_path / "t"), "--drafter", str(tmp_path / "d"),
+                           "--gpu", "h200", "--quant", "fp8", "--tp", "2", "--out", str(b))
     assert code == 0, err
     m = json.loads((b / "manifest.json").read_text())
-    code, out, err = run_cli(["deploy", "--bundle", str(b), "--render", "--json"], capsys)
+    code, out, err = run_cli("deploy", "--bundle", str(b), "--render", "--json")
     assert code == 0, err
     v = json.loads(out)["values_content"]
     assert v["parallel"]["tp"] == m["parallel"]["tp"] == 2
@@ -225,5 +206,5 @@ def test_real_build_output(tmp_path, capsys):
     assert (p.max_batch_size, p.max_num_tokens) == (llm["max_batch_size"], llm["max_num_tokens"])
     manifests = Path(json.loads(out)["manifests"])
     validate_all([d for p in manifests.iterdir() for d in yaml.safe_load_all(p.read_text()) if d])
-    code, out, err = run_cli(["verify", "--bundle", str(b)], capsys)
+    code, out, err = run_cli("verify", "--bundle", str(b))
     assert code == 0, out + err

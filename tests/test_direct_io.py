@@ -59,7 +59,7 @@ def test_borrowed_aligned_memory_is_written_in_place(tmp_path):
     w.wait(w.pwrite(f, memoryview(head), 0))
     ticket = w.pwrite(f, memoryview(data.numpy()), offset, address=data.data_ptr())
     if f.direct:
-        assert w._free.qsize() == 2   # no staging buffer in use: the middle went in place
+        assert w.free_buffers.qsize() == 2   # no staging buffer in use: the middle went in place
     w.wait(ticket)
     w.finish(f, offset + size)
     w.close()

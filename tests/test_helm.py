@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import copy
 import json
-from pathlib import Path
 
 import pytest
 import yaml
+from helpers import K8S_VERSION, LWS_CRD, lws_schema, objects, validate_all
 
 helm = pytest.importorskip("helm_python")
 kv = pytest.importorskip("kubernetes_validate")
@@ -19,8 +19,6 @@ from dflash_trt.deploy.values import default_chart_dir  # noqa: E402
 from dflash_trt.hardware import all_gpu_product_labels  # noqa: E402
 
 CHART = default_chart_dir()
-LWS_CRD = Path(__file__).parent / "data" / "leaderworkerset-crd.yaml"
-K8S_VERSION = "1.33"
 
 # The four deployments the chart must get right (issue 7).
 SCENARIOS = {
@@ -70,43 +68,6 @@ SCENARIOS = {
 def render(values: dict | None, name: str = "rel") -> dict[str, str]:
     with helm.Chart.load(str(CHART)) as chart:
         return chart.render(values, name=name, namespace="serving", is_install=True)
-
-
-def objects(manifests: dict[str, str]) -> list[dict]:
-    out = []
-    for path, text in manifests.items():
-        if path.endswith("NOTES.txt"):
-            continue
-        out += [d for d in yaml.safe_load_all(text) if d]
-    return out
-
-
-def lws_schema() -> dict:
-    crd = yaml.safe_load(LWS_CRD.read_text())
-    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
-    return version["schema"]["openAPIV3Schema"]
-
-
-def validate_all(objs: list[dict]) -> list[str]:
-    """Validate every object; returns the kinds validated."""
-    kinds = []
-    for o in objs:
-        if o["kind"] == "LeaderWorkerSet":
-            jsonschema.validate(o, lws_schema())
-            # CRD schemas do not reject unknown fields (the API server prunes them): check the
-            # leader and worker pod templates as Pods against the strict Kubernetes schema too.
-            tpl = o["spec"]["leaderWorkerTemplate"]
-            for role in ("leaderTemplate", "workerTemplate"):
-                kv.validate({"apiVersion": "v1", "kind": "Pod", "metadata": tpl[role].get("metadata", {}),
-                             "spec": tpl[role]["spec"]}, K8S_VERSION, strict=True)
-        elif o["apiVersion"].startswith("monitoring.coreos.com/"):
-            # A Prometheus Operator CRD: no schema kept here; check the fields we rely on.
-            ep = o["spec"]["endpoints"][0]
-            assert ep["port"] == "metrics" and ep["path"] == "/metrics"
-        else:
-            kv.validate(o, K8S_VERSION, strict=True)
-        kinds.append(o["kind"])
-    return kinds
 
 
 def pod_specs(obj: dict) -> list[dict]:

@@ -7,6 +7,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from helpers import run_cli
 
 from dflash_trt.errors import DFlashError
 
@@ -99,13 +100,11 @@ def test_bad_inputs(pair, tmp_path):
 
 
 def test_cli_export(pair, tmp_path):
-    from click.testing import CliRunner
-
-    from dflash_trt.cli import cli
+    import json
 
     out = tmp_path / "d.onnx"
-    r = CliRunner().invoke(cli, ["export-onnx", "--drafter", str(pair[1]), "--target", str(pair[0]),
-                                 "--out", str(out), "--json"])
-    assert r.exit_code == 0, r.output
-    import json
-    assert json.loads(r.output)["onnx"] == str(out) and out.is_file()
+    code, stdout, err = run_cli("export-onnx", "--drafter", str(pair[1]), "--target", str(pair[0]),
+                                "--out", str(out), "--json")
+    assert code == 0, stdout + err
+    assert json.loads(stdout)["onnx"] == str(out) and out.is_file()
+    assert err.strip() == ""   # --json: the terminal shows nothing but the JSON

@@ -7,8 +7,8 @@ import json
 
 import pytest
 import torch
+from helpers import run_cli
 
-from dflash_trt.cli import main
 from dflash_trt.deploy import planner
 from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import catalog, get_hardware
@@ -183,15 +183,8 @@ def test_hardware_catalog():
         get_hardware("dgx-a100")
 
 
-def run_cli(args, capsys):
-    with pytest.raises(SystemExit) as e:
-        main(args)
-    out = capsys.readouterr()
-    return e.value.code, out.out, out.err
-
-
-def test_plan_cli_json(capsys):
-    code, out, _ = run_cli(["plan", "--target", "gpt-oss-120b", "--hardware", "dgx-b300", "--json"], capsys)
+def test_plan_cli_json():
+    code, out, _ = run_cli("plan", "--target", "gpt-oss-120b", "--hardware", "dgx-b300", "--json")
     assert code == 0
     d = json.loads(out)
     for key in ("total_params", "active_params", "weights_bytes_per_gpu", "kv_bytes_per_token", "layouts", "chosen"):
@@ -204,20 +197,20 @@ def test_plan_cli_json(capsys):
     assert d["weights_bytes_per_gpu"]["target"] == d["chosen"]["weights_bytes_per_gpu"]
 
 
-def test_plan_cli_folder_and_errors(tmp_path, capsys):
+def test_plan_cli_folder_and_errors(tmp_path):
     _, cfg, dcfg = preset("qwen3-8b")
     (tmp_path / "t").mkdir()
     (tmp_path / "t" / "config.json").write_text(json.dumps(cfg))
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "config.json").write_text(json.dumps(dcfg))
-    code, out, _ = run_cli(["plan", "--target", str(tmp_path / "t"), "--drafter", str(tmp_path / "d"),
-                            "--hardware", "hgx-h100", "--max-seq-len", "4096"], capsys)
+    code, out, _ = run_cli("plan", "--target", str(tmp_path / "t"), "--drafter", str(tmp_path / "d"),
+                           "--hardware", "hgx-h100", "--max-seq-len", "4096")
     assert code == 0 and "chosen: tp 8" in out and "drafter d:" in out
-    code, _, err = run_cli(["plan", "--target", "qwen3-8b", "--hardware", "hgx-h100", "--quant", "nvfp4"], capsys)
+    code, _, err = run_cli("plan", "--target", "qwen3-8b", "--hardware", "hgx-h100", "--quant", "nvfp4")
     assert code == 1 and err.startswith("error: --quant nvfp4") and "Traceback" not in err
-    code, _, err = run_cli(["plan", "--target", str(tmp_path / "missing"), "--hardware", "hgx-h100"], capsys)
+    code, _, err = run_cli("plan", "--target", str(tmp_path / "missing"), "--hardware", "hgx-h100")
     assert code == 1 and "neither a preset" in err
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "config.json").write_text("{nope")
-    code, _, err = run_cli(["plan", "--target", str(tmp_path / "bad"), "--hardware", "hgx-h100"], capsys)
+    code, _, err = run_cli("plan", "--target", str(tmp_path / "bad"), "--hardware", "hgx-h100")
     assert code == 1 and "invalid JSON" in err

@@ -9,6 +9,7 @@ import re
 
 import pytest
 import torch
+from helpers import run_cli
 
 from dflash_trt.bundle.plugin_build import build_plugin, sass_info
 from dflash_trt.errors import DFlashError
@@ -125,16 +126,11 @@ def test_unknown_arch(tmp_path):
     assert not (tmp_path / "p").exists()
 
 
-def test_cli(tmp_path, capsys):
-    from dflash_trt.cli import main
-
-    with pytest.raises(SystemExit) as e:
-        main(["plugin", "build", "--arch", "hopper", "--out", str(tmp_path / "p"), "--json"])
-    assert e.value.code == 0
-    m = json.loads(capsys.readouterr().out)
+def test_cli(tmp_path):
+    code, out, _ = run_cli("plugin", "build", "--arch", "hopper", "--out", str(tmp_path / "p"), "--json")
+    assert code == 0
+    m = json.loads(out)
     assert m["arch"] == "hopper" and (tmp_path / "p" / "plugin.json").is_file()
-    with pytest.raises(SystemExit) as e:
-        main(["plugin", "build", "--arch", "volta", "--out", str(tmp_path / "q")])
-    assert e.value.code == 1
-    err = capsys.readouterr().err
+    code, _, err = run_cli("plugin", "build", "--arch", "volta", "--out", str(tmp_path / "q"))
+    assert code == 1
     assert err.strip() == "error: --arch 'volta': expected one of blackwell, hopper"

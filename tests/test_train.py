@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+from helpers import run_cli
 from safetensors import safe_open
 
 from dflash_trt.train.data import generate_responses, load_sequences, target_features
@@ -139,18 +140,16 @@ def test_refuses_to_overwrite_a_run_without_resume(tiny):
         _run(tiny, tiny / "straight", steps=2)
 
 
-def test_cli_trains_and_reports_json(tiny, capsys):
-    from dflash_trt.cli import main
-
+def test_cli_trains_and_reports_json(tiny):
     out = tiny / "cli-run"
-    with pytest.raises(SystemExit) as e:
-        main(["train-drafter", "--target", str(tiny / "target"), "--data", str(tiny / "data.jsonl"), "--out", str(out),
-              "--steps", "3", "--block-size", "8", "--blocks-per-step", "8", "--threads", "1", "--json"])
-    assert e.value.code == 0
-    summary = json.loads(capsys.readouterr().out)
+    code, stdout, _ = run_cli("train-drafter", "--target", str(tiny / "target"), "--data", str(tiny / "data.jsonl"),
+                              "--out", str(out), "--steps", "3", "--block-size", "8", "--blocks-per-step", "8",
+                              "--threads", "1", "--json")
+    assert code == 0
+    summary = json.loads(stdout)
     assert summary["step"] == 3 and (out / "drafter" / "config.json").is_file()
-    with pytest.raises(SystemExit) as e:  # nothing to resume in a fresh folder: one-line error, exit 1
-        main(["train-drafter", "--target", str(tiny / "target"), "--data", str(tiny / "data.jsonl"),
-              "--out", str(tiny / "fresh"), "--resume"])
-    assert e.value.code == 1
-    assert "nothing to resume" in capsys.readouterr().err
+    # nothing to resume in a fresh folder: one-line error, exit 1
+    code, _, err = run_cli("train-drafter", "--target", str(tiny / "target"), "--data", str(tiny / "data.jsonl"),
+                           "--out", str(tiny / "fresh"), "--resume")
+    assert code == 1
+    assert "nothing to resume" in err

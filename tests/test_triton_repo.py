@@ -4,135 +4,22 @@
   protobuf text_format), which rejects unknown fields;
 - the reference-runtime model's 1/model.py is exercised IN-PROCESS. No Triton server runs here:
   `triton_python_backend_utils` (the module Triton's Python backend injects) is replaced by a
-  small test double of Triton's API (Tensor, InferenceRequest / InferenceResponse, response
-  sender, TritonError). The model code and the runtime under it are the real ones, and its text
+  small test double of Triton's API (tests/helpers.py: Tensor, InferenceRequest /
+  InferenceResponse, response sender, TritonError). The model code and the runtime under it are the real ones, and its text
   is compared with what `dflash-trt generate` prints for the same request.
 """
-import importlib.util
-import json
-import subprocess
-import sys
-import types
-from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
 from google.protobuf import text_format
+from helpers import generate_json, load_model_module, make_pb_utils, triton_args
 from tritonclient.grpc import model_config_pb2
 
 from dflash_trt.bundle.serving_configs import trtllm_serve_config
 from dflash_trt.bundle.triton_repo import llmapi_model_yaml, parse_model_config, write_triton_repo
 from dflash_trt.errors import DFlashError
 from dflash_trt.presets.catalog import get_preset
-
-
-# ----------------------------------------------------------------- test double of Triton's API
-def make_pb_utils(model_dir: Path) -> types.ModuleType:
-    """A minimal `triton_python_backend_utils` with the shapes of Triton's Python-backend objects."""
-    pb = types.ModuleType("triton_python_backend_utils")
-    pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
-
-    class TritonModelException(Exception):
-        pass
-
-    class TritonError:
-        def __init__(self, message, code=None):
-            self._message = message
-
-        def message(self):
-            return self._message
-
-    class Tensor:
-        def __init__(self, name, array):
-            self._name, self._array = name, np.asarray(array)
-
-        def name(self):
-            return self._name
-
-        def as_numpy(self):
-            return self._array
-
-        def is_cpu(self):
-            return True
-
-    class InferenceResponse:
-        def __init__(self, output_tensors=(), error=None):
-            self._tensors, self._error = list(output_tensors), error
-
-        def output_tensors(self):
-            return self._tensors
-
-        def has_error(self):
-            return self._error is not None
-
-        def error(self):
-            return self._error
-
-    class ResponseSender:
-        def __init__(self):
-            self.sent = []  # (response, flags)
-
-        def send(self, response=None, flags=0):
-            self.sent.append((response, flags))
-
-    class InferenceRequest:
-        def __init__(self, inputs, request_id=""):
-            self._inputs, self._id, self._sender = list(inputs), request_id, ResponseSender()
-
-        def inputs(self):
-            return self._inputs
-
-        def request_id(self):
-            return self._id
-
-        def get_response_sender(self):
-            return self._sender
-
-        def is_cancelled(self):
-            return False
-
-    class Logger:
-        @staticmethod
-        def log_info(msg):
-            pass
-
-        log_warn = log_error = log_verbose = log_info
-
-    def get_input_tensor_by_name(request, name):
-        return next((t for t in request.inputs() if t.name() == name), None)
-
-    def get_output_tensor_by_name(response, name):
-        return next((t for t in response.output_tensors() if t.name() == name), None)
-
-    for obj in (TritonModelException, TritonError, Tensor, InferenceResponse, InferenceRequest, Logger,
-                get_input_tensor_by_name, get_output_tensor_by_name):
-        setattr(pb, obj.__name__, obj)
-    pb.get_model_dir = lambda: str(model_dir)
-    return pb
-
-
-def load_model_module(model_py: Path, pb):
-    sys.modules["triton_python_backend_utils"] = pb
-    spec = importlib.util.spec_from_file_location(f"triton_model_{model_py.parent.parent.name}", model_py)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def triton_args(repo: Path, name: str) -> dict:
-    """The `args` dict Triton passes to initialize()."""
-    cfg = parse_model_config((repo / name / "config.pbtxt").read_text())
-    from google.protobuf.json_format import MessageToJson
-    return {"model_config": MessageToJson(cfg), "model_instance_kind": "CPU", "model_instance_name": f"{name}_0",
-            "model_instance_device_id": "0", "model_repository": str(repo / name), "model_version": "1",
-            "model_name": name}
-
-
-@pytest.fixture
-def pb_cleanup():
-    yield
-    sys.modules.pop("triton_python_backend_utils", None)
 
 
 # ---------------------------------------------------------------------------- config.pbtxt
@@ -206,13 +93,6 @@ def test_llmapi_model_reads_triton_requests_and_bundle_paths(tmp_path, pb_cleanu
 
 
 # -------------------------------------------------------------- the reference model, in-process
-def _generate_cli(target, drafter, prompt, max_new_tokens):
-    out = subprocess.run([sys.executable, "-m", "dflash_trt.cli", "generate", "--target", str(target), "--drafter",
-                          str(drafter), "-p", prompt, "--max-new-tokens", str(max_new_tokens), "--json"],
-                         capture_output=True, text=True, check=True)
-    return json.loads(out.stdout)
-
-
 def test_reference_model_returns_the_same_text_as_generate(tmp_path, pb_cleanup):
     """Triton is not running here: its Python-backend API is the test double above."""
     from dflash_trt.models.tiny import make_tiny
@@ -231,7 +111,7 @@ def test_reference_model_returns_the_same_text_as_generate(tmp_path, pb_cleanup)
                                      pb.Tensor("sampling_param_max_tokens", np.array([24], dtype=np.int32)),
                                      pb.Tensor("streaming", np.array([s]))]) for s in (False, True)]
     assert model.execute(requests) is None  # decoupled: answers go through the senders
-    expected = _generate_cli(tmp_path / "t", tmp_path / "d", prompt, 24)
+    expected = generate_json(tmp_path / "t", tmp_path / "d", prompt, 24)
     for req in requests:
         [(resp, flags)] = req.get_response_sender().sent
         assert flags == pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL and not resp.has_error()

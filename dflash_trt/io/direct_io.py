@@ -47,9 +47,9 @@ class OutFile:
 class DirectWriter:
     def __init__(self, staging_bytes: int = STAGING_BYTES, buffers: int = STAGING_BUFFERS):
         self._staging = staging_bytes
-        self._free: queue.Queue = queue.Queue()
+        self.free_buffers: queue.Queue = queue.Queue()   # staging buffers no write holds now
         for _ in range(buffers):   # anonymous mappings are page-aligned, as O_DIRECT needs
-            self._free.put(memoryview(mmap.mmap(-1, staging_bytes)))
+            self.free_buffers.put(memoryview(mmap.mmap(-1, staging_bytes)))
         self._jobs: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._submitted = self._done = 0   # jobs, for tickets
@@ -63,14 +63,14 @@ class DirectWriter:
         if direct:
             try:
                 fd = os.open(path, flags | direct, 0o644)
-                probe = self._free.get()
+                probe = self.free_buffers.get()
                 try:    # some filesystems accept the flag at open and refuse the write
                     os.pwrite(fd, probe[:BLOCK], 0)
                     return OutFile(path, fd, True)
                 except OSError:
                     os.close(fd)
                 finally:
-                    self._free.put(probe)
+                    self.free_buffers.put(probe)
             except OSError:
                 pass
         return OutFile(path, os.open(path, flags, 0o644), False)
@@ -131,13 +131,13 @@ class DirectWriter:
             self.drain()
             self._raise(f)
             if f.direct and f.pending:
-                buf = self._free.get()
+                buf = self.free_buffers.get()
                 try:
                     for blk in sorted(f.pending):
                         buf[:BLOCK] = f.pending[blk]
                         _pwrite_all(f.fd, buf[:BLOCK], blk * BLOCK)
                 finally:
-                    self._free.put(buf)
+                    self.free_buffers.put(buf)
                 f.pending.clear()
             if f.direct:
                 os.ftruncate(f.fd, size)   # the last block (or the probe) may run past the end
@@ -168,10 +168,10 @@ class DirectWriter:
     def _take(self) -> memoryview:
         """A free staging buffer, waiting for the disk to release one if none is free."""
         try:
-            return self._free.get_nowait()
+            return self.free_buffers.get_nowait()
         except queue.Empty:
             t = time.perf_counter()
-            buf = self._free.get()
+            buf = self.free_buffers.get()
             self.wait_seconds += time.perf_counter() - t
             return buf
 
@@ -207,7 +207,7 @@ class DirectWriter:
                 f.error = e if isinstance(e, OSError) else OSError(errno.EIO, f"background write failed: {e}")
             finally:
                 if not borrowed:
-                    self._free.put(buf)
+                    self.free_buffers.put(buf)
                 with self._done_cv:   # jobs complete in order: one thread, FIFO
                     self._done += 1
                     self._done_cv.notify_all()

@@ -1,0 +1,200 @@
+"""Helpers shared by the test modules (tests import them as `from helpers import ...`; fixtures
+live in conftest.py): the CLI run in-process, a test double of Triton's Python-backend API, and
+validation of rendered Kubernetes objects."""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import json
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from dflash_trt.bundle.triton_repo import parse_model_config
+from dflash_trt.cli import main
+
+
+# ------------------------------------------------------------------------------------ the CLI
+def run_cli(*argv: str) -> tuple[int, str, str]:
+    """`dflash-trt ARGV...` in-process: (exit code, stdout, stderr). main() always ends in SystemExit
+    (click usage errors exit 2). Redirection, not capsys, so module-scoped fixtures can use it too."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), pytest.raises(SystemExit) as e:
+        main(list(argv))
+    return e.value.code, out.getvalue(), err.getvalue()
+
+
+def generate_json(target, drafter, prompt: str, max_new_tokens: int) -> dict:
+    """`dflash-trt generate --json` in a fresh process: what a user running it would get."""
+    out = subprocess.run([sys.executable, "-m", "dflash_trt.cli", "generate", "--target", str(target), "--drafter",
+                          str(drafter), "-p", prompt, "--max-new-tokens", str(max_new_tokens), "--json"],
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
+# ----------------------------------------------------------------- test double of Triton's API
+# The objects of `triton_python_backend_utils` (the module Triton's Python backend injects), with
+# the methods the bundle's model.py files call. No Triton server runs in these tests.
+class TritonModelException(Exception):
+    pass
+
+
+class TritonError:
+    def __init__(self, message, code=None):
+        self._message = message
+
+    def message(self):
+        return self._message
+
+
+class Tensor:
+    def __init__(self, name, array):
+        self._name, self._array = name, np.asarray(array)
+
+    def name(self):
+        return self._name
+
+    def as_numpy(self):
+        return self._array
+
+    def is_cpu(self):
+        return True
+
+
+class InferenceResponse:
+    def __init__(self, output_tensors=(), error=None):
+        self._tensors, self._error = list(output_tensors), error
+
+    def output_tensors(self):
+        return self._tensors
+
+    def has_error(self):
+        return self._error is not None
+
+    def error(self):
+        return self._error
+
+
+class ResponseSender:
+    def __init__(self):
+        self.sent = []  # (response, flags)
+
+    def send(self, response=None, flags=0):
+        self.sent.append((response, flags))
+
+
+class InferenceRequest:
+    def __init__(self, inputs, request_id=""):
+        self._inputs, self._id, self._sender = list(inputs), request_id, ResponseSender()
+
+    def inputs(self):
+        return self._inputs
+
+    def request_id(self):
+        return self._id
+
+    def get_response_sender(self):
+        return self._sender
+
+    def is_cancelled(self):
+        return False
+
+
+class Logger:
+    @staticmethod
+    def log_info(msg):
+        pass
+
+    log_warn = log_error = log_verbose = log_info
+
+
+def get_input_tensor_by_name(request, name):
+    return next((t for t in request.inputs() if t.name() == name), None)
+
+
+def get_output_tensor_by_name(response, name):
+    return next((t for t in response.output_tensors() if t.name() == name), None)
+
+
+def make_pb_utils(model_dir: Path) -> types.ModuleType:
+    """A minimal `triton_python_backend_utils` for the model in model_dir."""
+    pb = types.ModuleType("triton_python_backend_utils")
+    pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+    for obj in (TritonModelException, TritonError, Tensor, InferenceResponse, InferenceRequest, Logger,
+                get_input_tensor_by_name, get_output_tensor_by_name):
+        setattr(pb, obj.__name__, obj)
+    pb.get_model_dir = lambda: str(model_dir)
+    return pb
+
+
+def load_model_module(model_py: Path, pb):
+    """Import a bundle's model.py with pb as its `triton_python_backend_utils` (the conftest
+    fixture pb_cleanup removes it from sys.modules afterwards)."""
+    sys.modules["triton_python_backend_utils"] = pb
+    spec = importlib.util.spec_from_file_location(f"triton_model_{model_py.parent.parent.name}", model_py)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def triton_args(repo: Path, name: str) -> dict:
+    """The `args` dict Triton passes to initialize()."""
+    from google.protobuf.json_format import MessageToJson
+
+    cfg = parse_model_config((repo / name / "config.pbtxt").read_text())
+    return {"model_config": MessageToJson(cfg), "model_instance_kind": "CPU", "model_instance_name": f"{name}_0",
+            "model_instance_device_id": "0", "model_repository": str(repo / name), "model_version": "1",
+            "model_name": name}
+
+
+# ------------------------------------------------------------------ rendered Kubernetes objects
+LWS_CRD = Path(__file__).parent / "data" / "leaderworkerset-crd.yaml"
+K8S_VERSION = "1.33"
+
+
+def objects(manifests: dict[str, str]) -> list[dict]:
+    """The Kubernetes objects of rendered chart files {path: yaml text}, NOTES.txt left out."""
+    out = []
+    for path, text in manifests.items():
+        if path.endswith("NOTES.txt"):
+            continue
+        out += [d for d in yaml.safe_load_all(text) if d]
+    return out
+
+
+def lws_schema() -> dict:
+    crd = yaml.safe_load(LWS_CRD.read_text())
+    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    return version["schema"]["openAPIV3Schema"]
+
+
+def validate_all(objs: list[dict]) -> list[str]:
+    """Validate every object; returns the kinds validated. The modules that call it skip
+    themselves when kubernetes-validate or jsonschema is missing."""
+    import jsonschema
+    import kubernetes_validate as kv
+
+    kinds = []
+    for o in objs:
+        if o["kind"] == "LeaderWorkerSet":
+            jsonschema.validate(o, lws_schema())
+            # CRD schemas do not reject unknown fields (the API server prunes them): check the
+            # leader and worker pod templates as Pods against the strict Kubernetes schema too.
+            tpl = o["spec"]["leaderWorkerTemplate"]
+            for role in ("leaderTemplate", "workerTemplate"):
+                kv.validate({"apiVersion": "v1", "kind": "Pod", "metadata": tpl[role].get("metadata", {}),
+                             "spec": tpl[role]["spec"]}, K8S_VERSION, strict=True)
+        elif o["apiVersion"].startswith("monitoring.coreos.com/"):
+            # A Prometheus Operator CRD: no schema kept here; check the fields we rely on.
+            ep = o["spec"]["endpoints"][0]
+            assert ep["port"] == "metrics" and ep["path"] == "/metrics"
+        else:
+            kv.validate(o, K8S_VERSION, strict=True)
+        kinds.append(o["kind"])
+    return kinds
