@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import generate_json, load_model_module, make_pb_utils, run_cli, triton_args
 
 from dflash_trt.bundle.manifest import read_manifest, verify
+
+from helpers import generate_json, load_model_module, make_pb_utils, run_cli, triton_args
 
 STAGES = ["check", "quantize", "convert", "plugin", "export-onnx", "compile", "package"]
 ENGINE_SUFFIXES = (".plan", ".engine")

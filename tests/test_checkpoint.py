@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 import safetensors.torch as st
 import torch
-from helpers import run_cli
 from safetensors import safe_open
 
 from dflash_trt.errors import DFlashError
 from dflash_trt.io.atomic import atomic_output_dir
 from dflash_trt.io.checkpoint import CheckpointReader, ShardedWriter, TensorSpec, check_finite, load_config
+
+from helpers import run_cli
 
 CFG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 32, "intermediate_size": 64,
        "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 64,

@@ -6,8 +6,9 @@ import shutil
 
 import pytest
 import torch
-from helpers import run_cli
 from safetensors.torch import load_file
+
+from helpers import run_cli
 
 
 @pytest.fixture

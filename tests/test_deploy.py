@@ -11,12 +11,13 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import objects, run_cli, validate_all
 
 from dflash_trt.bundle.manifest import validate as validate_manifest
 from dflash_trt.deploy import planner
 from dflash_trt.deploy import values as deploy
 from dflash_trt.errors import DFlashError
+
+from helpers import objects, run_cli, validate_all
 
 helm = pytest.importorskip("helm_python")
 pytest.importorskip("kubernetes_validate")   # for validate_all

@@ -9,6 +9,7 @@ import json
 
 import pytest
 import yaml
+
 from helpers import K8S_VERSION, LWS_CRD, lws_schema, objects, validate_all
 
 helm = pytest.importorskip("helm_python")

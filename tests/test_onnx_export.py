@@ -7,9 +7,10 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from helpers import run_cli
 
 from dflash_trt.errors import DFlashError
+
+from helpers import run_cli
 
 
 @pytest.fixture(scope="module")

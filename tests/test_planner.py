@@ -7,11 +7,12 @@ import json
 
 import pytest
 import torch
-from helpers import run_cli
 
 from dflash_trt.deploy import planner
 from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import catalog, get_hardware
+
+from helpers import run_cli
 
 
 def preset(name):

@@ -9,13 +9,14 @@ import re
 
 import pytest
 import torch
-from helpers import run_cli
 
 from dflash_trt.bundle.plugin_build import build_plugin, sass_info
 from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import arch_sms
 from dflash_trt.kernels import kv_inject_trt
 from dflash_trt.paths import package_path
+
+from helpers import run_cli
 
 
 @pytest.fixture(scope="module", params=["blackwell", "hopper"])

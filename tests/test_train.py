@@ -7,7 +7,6 @@ import random
 
 import pytest
 import torch
-from helpers import run_cli
 from safetensors import safe_open
 
 from dflash_trt.train.data import generate_responses, load_sequences, target_features
@@ -22,6 +21,8 @@ from dflash_trt.train.trainer import (
     sample_picks,
     train_drafter,
 )
+
+from helpers import run_cli
 
 
 @pytest.fixture(scope="module")

@@ -13,13 +13,14 @@ import numpy as np
 import pytest
 import yaml
 from google.protobuf import text_format
-from helpers import generate_json, load_model_module, make_pb_utils, triton_args
 from tritonclient.grpc import model_config_pb2
 
 from dflash_trt.bundle.serving_configs import trtllm_serve_config
 from dflash_trt.bundle.triton_repo import llmapi_model_yaml, parse_model_config, write_triton_repo
 from dflash_trt.errors import DFlashError
 from dflash_trt.presets.catalog import get_preset
+
+from helpers import generate_json, load_model_module, make_pb_utils, triton_args
 
 
 # ---------------------------------------------------------------------------- config.pbtxt
