@@ -25,6 +25,7 @@ import torch
 
 from dflash_trt.errors import DFlashError
 from dflash_trt.io.checkpoint import CheckpointReader
+from dflash_trt.quant.linear import HF_EXPORT, TRTLLM_EXPORT, linear_specs, per_tensor_scale, quantize_linear
 from dflash_trt.quant.quantize import check_format_for_arch, quantize_checkpoint
 
 CALIB_IDS = [[5, 17, 99, 3, 250, 42, 7, 7, 130, 64, 200, 11, 90, 1, 33, 77],
@@ -210,3 +211,19 @@ def test_check_format_for_arch():
         check_format_for_arch("nvfp4", "hopper")
     check_format_for_arch("nvfp4", "blackwell")
     check_format_for_arch("fp8", "hopper")
+    # GPU ids and SMs resolve through the hardware catalog
+    check_format_for_arch("nvfp4", "b200")
+    check_format_for_arch("nvfp4", "sm_103")
+    for arch in ("h200", "sm_90", "ampere"):
+        with pytest.raises(DFlashError, match="NVFP4 weights need Blackwell"):
+            check_format_for_arch("nvfp4", arch)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("export", [HF_EXPORT, TRTLLM_EXPORT], ids=["hf", "trtllm"])
+def test_linear_specs_describe_quantize_linear(export, fmt):
+    """quantize and convert plan their files with linear_specs and fill them with quantize_linear."""
+    w = torch.randn(48, 64, dtype=torch.bfloat16)
+    got = quantize_linear(export, "m", w, fmt, per_tensor_scale(fmt, w.abs().amax().float()), input_amax=3.0)
+    want = linear_specs(export, "m", fmt, 48, 64, input_scale=True)
+    assert [(n, t.dtype, tuple(t.shape)) for n, t in got] == [(s.name, s.dtype, s.shape) for s in want]

@@ -7,7 +7,9 @@ One pass over the input: every HF tensor is read once and its slice for each ran
 straight into that rank's file (all rank files are open at once, each a streaming writer), so
 memory stays at about one tensor (one fused q/k/v or gate/up group) whatever the model size.
 
-Per rank r of tp:
+The layout is data: LAYER_LAYOUT (and MODEL_LAYOUT) map HF tensors to TensorRT-LLM ones, with
+how each rank's part is taken and whether it is a quantized Linear; planning and writing are
+loops over it. Per rank r of tp:
 - q/k/v -> attention.qkv = [q_r; k_r; v_r] (heads split on dim 0; when kv heads < tp each rank
   gets a copy of kv head r*kv//tp); o_proj -> attention.dense (split on dim 1).
 - gate_proj -> mlp.fc, up_proj -> mlp.gate (dim 0); down_proj -> mlp.proj (dim 1).
@@ -24,7 +26,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -42,11 +44,19 @@ from dflash_trt.io.checkpoint import (
     load_config,
 )
 from dflash_trt.io.direct_io import DirectWriter
-from dflash_trt.quant.calibrate import calibrate, load_calib_samples
+from dflash_trt.quant.calibrate import CalibrationResult, calibrate, load_calib_samples
+from dflash_trt.quant.linear import (
+    FORMATS,
+    MODELOPT_VERSION,
+    TRTLLM_EXPORT,
+    linear_specs,
+    per_tensor_scale,
+    quantize_linear,
+)
 
 # TensorRT-LLM maps Qwen3ForCausalLM to its QWenForCausalLM; qwen_type "qwen3" turns on the q/k norms.
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-QUANTS = ("none", "fp8", "nvfp4")
+QUANTS = ("none", *FORMATS)
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
@@ -85,6 +95,73 @@ def _geometry(cfg: dict, tp: int) -> Geometry:
     return g
 
 
+# ----------------------------------------------------------------------------------------------
+# the HF -> TensorRT-LLM layout
+
+@dataclass(frozen=True)
+class Row:
+    """TensorRT-LLM tensors made from HF ones, read together: trt[k] from hf[k], except for
+    split "qkv", whose sources are concatenated into its one output."""
+    hf: tuple[str, ...]
+    trt: tuple[str, ...]
+    split: str              # rank r's part: see _rank_parts
+    kind: str = "tensor"    # "tensor": copied; "linear": quantized with --quant, all of hf sharing one
+                            # weight scale and one activation scale (one GEMM in the engine);
+                            # "kv_scales": FP8 KV-cache scales from calibration (hf: the attention)
+    optional: bool = False  # only where the checkpoint has hf[0]
+
+
+# Names under model. / transformer.; in the order of TensorRT-LLM's files.
+MODEL_LAYOUT = (
+    Row(("model.embed_tokens.weight", "lm_head.weight"), ("transformer.vocab_embedding.weight", "lm_head.weight"),
+        "vocab"),
+    Row(("model.norm.weight",), ("transformer.ln_f.weight",), "all"),
+)
+# Tied embeddings: lm_head is the embedding matrix, and TensorRT-LLM engines get their own copy.
+TIED = {"lm_head.weight": "model.embed_tokens.weight"}
+# Names under model.layers.{i}. / transformer.layers.{i}.
+LAYER_LAYOUT = (
+    Row(("input_layernorm.weight",), ("input_layernorm.weight",), "all"),
+    Row(("post_attention_layernorm.weight",), ("post_layernorm.weight",), "all"),
+    Row(("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"), ("attention.qkv.weight",),
+        "qkv", "linear"),
+    Row(("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"), ("attention.qkv.bias",),
+        "qkv", optional=True),
+    Row(("self_attn.o_proj.weight",), ("attention.dense.weight",), "cols", "linear"),
+    Row(("self_attn.q_norm.weight", "self_attn.k_norm.weight"),   # Qwen3
+        ("attention.q_layernorm.weight", "attention.k_layernorm.weight"), "all", optional=True),
+    Row(("self_attn",), ("attention.k_cache_scaling_factor", "attention.v_cache_scaling_factor",
+                         "attention.kv_cache_scaling_factor"), "all", "kv_scales"),
+    Row(("mlp.gate_proj.weight", "mlp.up_proj.weight"), ("mlp.fc.weight", "mlp.gate.weight"), "rows", "linear"),
+    Row(("mlp.down_proj.weight",), ("mlp.proj.weight",), "cols", "linear"),
+)
+
+
+def _layout(reader: CheckpointReader, g: Geometry, kv_cache: str | None) -> list[Row]:
+    """This checkpoint's rows, with full names: optional ones where present, KV scales with --kv-cache fp8."""
+    rows = [replace(row, hf=tuple(n if n in reader else TIED.get(n, n) for n in row.hf)) for row in MODEL_LAYOUT]
+    for i in range(g.layers):
+        h, t = f"model.layers.{i}.", f"transformer.layers.{i}."
+        for row in LAYER_LAYOUT:
+            if (row.kind == "kv_scales" and kv_cache != "fp8") or (row.optional and h + row.hf[0] not in reader):
+                continue
+            rows.append(replace(row, hf=tuple(h + n for n in row.hf), trt=tuple(t + n for n in row.trt)))
+    return rows
+
+
+def _rank_parts(row: Row, tensors: list[torch.Tensor], g: Geometry, r: int) -> list[torch.Tensor]:
+    """Rank r's part of each of the row's outputs, from its HF tensors (in row.hf order):
+    "rows" / "cols": dim 0 / 1 in tp equal chunks; "vocab": dim 0, the vocabulary padded to a
+    multiple of tp when read; "qkv": q by attention heads, k and v by kv heads (one duplicated
+    head per rank when fewer than tp), concatenated; "all": replicated."""
+    if row.split == "qkv":
+        q, k, v = tensors
+        return [torch.cat([_split(q, g.tp, r, 0), _kv_slice(k, g, r), _kv_slice(v, g, r)])]
+    if row.split == "all":
+        return [t.contiguous() for t in tensors]
+    return [_split(t, g.tp, r, 1 if row.split == "cols" else 0) for t in tensors]
+
+
 def _kv_slice(w: torch.Tensor, g: Geometry, r: int) -> torch.Tensor:
     """Rank r's kv heads: a split when kv_heads >= tp, else one duplicated head."""
     heads = w.reshape(g.kv_heads, g.head_dim, *w.shape[1:])
@@ -110,7 +187,7 @@ def trtllm_config(cfg: dict, g: Geometry, dtype: torch.dtype, quant: str, kv_cac
     rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
     rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if rope.get("rope_type", "default") != "default" else None
     c = {
-        "producer": {"name": "modelopt", "version": "0.47.0"},
+        "producer": {"name": "modelopt", "version": MODELOPT_VERSION},
         "architecture": ARCHITECTURES[mt],
         "dtype": _DTYPE_NAMES[dtype],
         "logits_dtype": "float16" if dtype == torch.bfloat16 else _DTYPE_NAMES[dtype],
@@ -181,6 +258,42 @@ def convert_checkpoint(model: str | Path, out: str | Path, tp: int = 1, pp: int 
     model, out = Path(model), Path(out)
     cfg = load_config(model)
     mt = cfg.get("model_type")
+    _check_options(model, mt, tp, pp, ep, quant, kv_cache, calib)
+    g = _geometry(cfg, tp)
+    with CheckpointReader(model) as reader:
+        check_shapes(reader, cfg, model / "config.json")
+        if cfg.get("quantization_config"):
+            raise DFlashError(f"{model / 'config.json'}: already quantized ({cfg['quantization_config'].get('quant_method')}); "
+                              "convert takes the unquantized checkpoint")
+        dtype = reader.meta("model.layers.0.self_attn.q_proj.weight")[0]
+        if dtype not in _DTYPE_NAMES:
+            raise DFlashError(f"{reader.file_of('model.layers.0.self_attn.q_proj.weight')}: weights are {dtype}, expected bf16/fp16/fp32")
+        calib_res = None
+        if calib is not None:
+            calib_res = calibrate(reader, cfg, load_calib_samples(calib, model, calib_samples), progress=progress)
+        rows = _layout(reader, g, kv_cache)
+        specs = _plan(reader, rows, g, quant, dtype)   # every rank's, alike
+        with atomic_output_dir(out) as tmp, Progress(reader.total_bytes, len(reader), f"convert tp{tp}", progress) as bar:
+            io = DirectWriter()
+            writers = [ShardedWriter(tmp, specs, max_shard_bytes=1 << 62, prefix=f"rank{r}",
+                                     metadata={"producer": "dflash-trt"}, io=io) for r in range(tp)]
+            try:
+                for row in rows:
+                    _write_row(reader, row, g, quant, calib_res, writers, bar)
+                files = [f for w in writers for f in w.close()]
+            except BaseException:
+                for w in writers:
+                    w.abort()
+                raise
+            finally:
+                io.close()
+            write_text(tmp / "config.json", json.dumps(trtllm_config(cfg, g, dtype, quant, kv_cache, pp), indent=4))
+    return ConvertReport(str(out), ARCHITECTURES[mt], tp, pp, quant, kv_cache, files, tp * sum(s.nbytes for s in specs),
+                         calib is not None, [], round(time.time() - t0, 3))
+
+
+def _check_options(model: Path, mt: str | None, tp: int, pp: int, ep: int, quant: str, kv_cache: str | None,
+                   calib) -> None:
     if mt == "gpt_oss":
         raise DFlashError("gpt-oss: TensorRT-LLM has no engine (TensorRT) checkpoint layout for it; serve it with "
                           "the PyTorch backend straight from the Hugging Face folder (trtllm-serve <dir>, see "
@@ -201,199 +314,65 @@ def convert_checkpoint(model: str | Path, out: str | Path, tp: int = 1, pp: int 
     if (quant != "none" or kv_cache) and calib is None:
         raise DFlashError(f"--quant {quant}" + (" --kv-cache fp8" if kv_cache else "") + ": TensorRT-LLM engines use static "
                           "activation / KV scales; give calibration prompts with --calib FILE.jsonl")
-    g = _geometry(cfg, tp)
-    with CheckpointReader(model) as reader:
-        check_shapes(reader, cfg, model / "config.json")
-        if cfg.get("quantization_config"):
-            raise DFlashError(f"{model / 'config.json'}: already quantized ({cfg['quantization_config'].get('quant_method')}); "
-                              "convert takes the unquantized checkpoint")
-        dtype = reader.meta("model.layers.0.self_attn.q_proj.weight")[0]
-        if dtype not in _DTYPE_NAMES:
-            raise DFlashError(f"{reader.file_of('model.layers.0.self_attn.q_proj.weight')}: weights are {dtype}, expected bf16/fp16/fp32")
-        calib_res = None
-        if calib is not None:
-            calib_res = calibrate(reader, cfg, load_calib_samples(calib, model, calib_samples), progress=progress)
-        plan = _plan(reader, cfg, g, quant, kv_cache, dtype)
-        specs_by_rank = [[TensorSpec(n, dt, shp) for n, (dt, shp) in plan.items()] for _ in range(tp)]
-        with atomic_output_dir(out) as tmp, Progress(reader.total_bytes, len(reader), f"convert tp{tp}", progress) as bar:
-            io = DirectWriter()
-            writers = [ShardedWriter(tmp, specs_by_rank[r], max_shard_bytes=1 << 62, prefix=f"rank{r}",
-                                     metadata={"producer": "dflash-trt"}, io=io) for r in range(tp)]
-            try:
-                _write_all(reader, cfg, g, quant, kv_cache, calib_res, writers, bar)
-                files = [f for w in writers for f in w.close()]
-            except BaseException:
-                for w in writers:
-                    w.abort()
-                raise
-            finally:
-                io.close()
-            write_text(tmp / "config.json", json.dumps(trtllm_config(cfg, g, dtype, quant, kv_cache, pp), indent=4))
-            bytes_out = sum(s.nbytes for sp in specs_by_rank for s in sp)
-    return ConvertReport(str(out), ARCHITECTURES[mt], tp, pp, quant, kv_cache, files, bytes_out,
-                         calib is not None, [], round(time.time() - t0, 3))
 
 
-def _linear_specs(name: str, out: int, inp: int, dtype, quant: str, with_act: bool) -> dict:
-    if quant == "none":
-        return {name + ".weight": (dtype, (out, inp))}
-    # ModelOpt writes FP8 scalars as [1] tensors and NVFP4 scalars as 0-dim ones: so do we.
-    scalar = (1,) if quant == "fp8" else ()
-    if quant == "fp8":
-        d = {name + ".weight": (torch.float8_e4m3fn, (out, inp)), name + ".weights_scaling_factor": (torch.float32, scalar)}
-    else:
-        d = {name + ".weight": (torch.uint8, (out, inp // 2)),
-             name + ".weights_scaling_factor": (torch.float8_e4m3fn, (out, inp // formats.NVFP4_BLOCK)),
-             name + ".weights_scaling_factor_2": (torch.float32, scalar)}
-    if with_act:
-        d[name + ".activation_scaling_factor"] = (torch.float32, scalar)
-    return d
+def _plan(reader: CheckpointReader, rows: list[Row], g: Geometry, quant: str, dtype: torch.dtype) -> list[TensorSpec]:
+    """One rank's output tensors, in file order."""
+    specs = []
+    for row in rows:
+        if row.kind == "kv_scales":
+            specs += [TensorSpec(n, torch.float32, (1,)) for n in row.trt]
+            continue
+        # the shapes are what the slicing gives: run it on shape-only (meta) tensors
+        metas = [_prepared(torch.empty(reader.meta(n)[1], device="meta"), row, g) for n in row.hf]
+        for name, part in zip(row.trt, _rank_parts(row, metas, g, 0)):
+            if row.kind == "linear" and quant != "none":
+                specs += linear_specs(TRTLLM_EXPORT, name.removesuffix(".weight"), quant, *part.shape, input_scale=True)
+            else:
+                specs.append(TensorSpec(name, dtype, tuple(part.shape)))
+    return specs
 
 
-def _plan(reader, cfg, g: Geometry, quant, kv_cache, dtype) -> dict:
-    """Per-rank output tensors (identical for every rank): name -> (dtype, shape)."""
-    tp = g.tp
-    q_r = g.heads // tp * g.head_dim
-    kv_r = (g.kv_heads // tp if g.kv_heads >= tp else 1) * g.head_dim
-    p: dict = {"transformer.vocab_embedding.weight": (dtype, (g.vocab_padded // tp, g.hidden)),
-               "lm_head.weight": (dtype, (g.vocab_padded // tp, g.hidden)),
-               "transformer.ln_f.weight": (dtype, (g.hidden,))}
-    for i in range(g.layers):
-        t = f"transformer.layers.{i}"
-        p[f"{t}.input_layernorm.weight"] = (dtype, (g.hidden,))
-        p[f"{t}.post_layernorm.weight"] = (dtype, (g.hidden,))
-        p.update(_linear_specs(f"{t}.attention.qkv", q_r + 2 * kv_r, g.hidden, dtype, quant, quant != "none"))
-        if f"model.layers.{i}.self_attn.q_proj.bias" in reader:
-            p[f"{t}.attention.qkv.bias"] = (dtype, (q_r + 2 * kv_r,))
-        p.update(_linear_specs(f"{t}.attention.dense", g.hidden, g.heads * g.head_dim // tp, dtype, quant, quant != "none"))
-        if f"model.layers.{i}.self_attn.q_norm.weight" in reader:
-            p[f"{t}.attention.q_layernorm.weight"] = (dtype, (g.head_dim,))
-            p[f"{t}.attention.k_layernorm.weight"] = (dtype, (g.head_dim,))
-        if kv_cache == "fp8":
-            for k in ("k_cache_scaling_factor", "v_cache_scaling_factor", "kv_cache_scaling_factor"):
-                p[f"{t}.attention.{k}"] = (torch.float32, (1,))
-        p.update(_linear_specs(f"{t}.mlp.fc", g.inter // tp, g.hidden, dtype, quant, quant != "none"))
-        p.update(_linear_specs(f"{t}.mlp.gate", g.inter // tp, g.hidden, dtype, quant, quant != "none"))
-        p.update(_linear_specs(f"{t}.mlp.proj", g.hidden, g.inter // tp, dtype, quant, quant != "none"))
-    return p
-
-
-def _read(reader, name):
+def _read(reader: CheckpointReader, name: str, row: Row, g: Geometry) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the HF tensor as its row slices it, its amax from the NaN / Inf check)."""
     t = reader.get(name)
-    check_finite(name, t, reader.file_of(name))
-    return t
+    amax = check_finite(name, t, reader.file_of(name))
+    return _prepared(t, row, g), amax
 
 
-def _write_all(reader, cfg, g: Geometry, quant, kv_cache, calib, writers, bar) -> None:
-    tp = g.tp
+def _prepared(t: torch.Tensor, row: Row, g: Geometry) -> torch.Tensor:
+    """A source as its row slices it: the vocabulary padded to a multiple of tp for "vocab"."""
+    return _pad_vocab(t, g) if row.split == "vocab" else t
 
-    def seen(*names):
-        bar.update(sum(reader.nbytes(n) for n in names), len(names))
 
-    def put(r, name, t):
-        writers[r].write(name, t.contiguous())
+def _write_row(reader: CheckpointReader, row: Row, g: Geometry, quant: str, calib: CalibrationResult | None,
+               writers: list[ShardedWriter], bar: Progress) -> None:
+    """Read the row's HF tensors once (each checked for NaN / Inf) and write every rank's part."""
+    if row.kind == "kv_scales":
+        _write_kv_scales(row, calib, writers)
+        return
+    read = {n: _read(reader, n, row, g) for n in dict.fromkeys(row.hf)}   # once each (tied embeddings)
+    tensors = [read[n][0] for n in row.hf]
+    scale = act_amax = None
+    if row.kind == "linear" and quant != "none":
+        # one scale for the fused GEMM, from the whole (unsplit) weights and all of its inputs
+        scale = per_tensor_scale(quant, torch.stack([amax for _, amax in read.values()]).max())
+        act_amax = max(calib.input_amax[n.removesuffix(".weight")] for n in read)
+    for r, writer in enumerate(writers):
+        for name, part in zip(row.trt, _rank_parts(row, tensors, g, r)):
+            if scale is None:
+                writer.write(name, part)
+                continue
+            for n, t in quantize_linear(TRTLLM_EXPORT, name.removesuffix(".weight"), part, quant, scale, act_amax):
+                writer.write(n, t)
+    bar.update(sum(reader.nbytes(n) for n in read), len(read))
 
-    scalar = (1,) if quant == "fp8" else ()
 
-    def act_scale(modules):
-        amax = max(calib.input_amax[m] for m in modules)
-        a = torch.tensor(amax, dtype=torch.float32)
-        s = formats.fp8_scale_from_amax(a) if quant == "fp8" else formats.nvfp4_global_scale(a)
-        return s.reshape(scalar)
-
-    def put_linear(r, name, w_r, qparams, modules):
-        """w_r: this rank's slice; qparams: scales computed on the whole (unsplit) GEMM."""
-        if quant == "none":
-            put(r, name + ".weight", w_r)
-            return
-        if quant == "fp8":
-            put(r, name + ".weight", formats.fp8_quantize(w_r, qparams, torch.float32))
-            put(r, name + ".weights_scaling_factor", qparams.reshape(1))
-        else:
-            packed, bs, gs = formats.nvfp4_quantize(w_r, global_scale=qparams)
-            put(r, name + ".weight", packed)
-            put(r, name + ".weights_scaling_factor", bs)
-            put(r, name + ".weights_scaling_factor_2", gs.reshape(scalar))
-        put(r, name + ".activation_scaling_factor", act_scale(modules))
-
-    def scale_for(*ws):
-        amax = torch.stack([w.abs().amax().float() for w in ws]).max()
-        if quant == "fp8":
-            return formats.fp8_scale_from_amax(amax)
-        if quant == "nvfp4":
-            return formats.nvfp4_global_scale(amax)
-        return None
-
-    # embeddings, lm_head, final norm
-    emb = _pad_vocab(_read(reader, "model.embed_tokens.weight"), g)
-    for r in range(tp):
-        put(r, "transformer.vocab_embedding.weight", _split(emb, tp, r, 0))
-    seen("model.embed_tokens.weight")
-    if "lm_head.weight" in reader:
-        head = _pad_vocab(_read(reader, "lm_head.weight"), g)
-        seen("lm_head.weight")
-    else:
-        head = emb   # tied: TensorRT-LLM engines get their own copy
-    for r in range(tp):
-        put(r, "lm_head.weight", _split(head, tp, r, 0))
-    del emb, head
-    norm = _read(reader, "model.norm.weight")
-    for r in range(tp):
-        put(r, "transformer.ln_f.weight", norm)
-    seen("model.norm.weight")
-
-    for i in range(g.layers):
-        h, t = f"model.layers.{i}", f"transformer.layers.{i}"
-        for src, dst in (("input_layernorm", "input_layernorm"), ("post_attention_layernorm", "post_layernorm")):
-            w = _read(reader, f"{h}.{src}.weight")
-            for r in range(tp):
-                put(r, f"{t}.{dst}.weight", w)
-            seen(f"{h}.{src}.weight")
-        qn, kn, vn = (f"{h}.self_attn.{x}_proj" for x in "qkv")
-        wq, wk, wv = (_read(reader, n + ".weight") for n in (qn, kn, vn))
-        s = scale_for(wq, wk, wv)
-        for r in range(tp):
-            qkv = torch.cat([_split(wq, tp, r, 0), _kv_slice(wk, g, r), _kv_slice(wv, g, r)])
-            put_linear(r, f"{t}.attention.qkv", qkv, s, (qn, kn, vn))
-        seen(qn + ".weight", kn + ".weight", vn + ".weight")
-        del wq, wk, wv
-        if f"{qn}.bias" in reader:
-            bq, bk, bv = (_read(reader, n + ".bias") for n in (qn, kn, vn))
-            for r in range(tp):
-                put(r, f"{t}.attention.qkv.bias", torch.cat([_split(bq, tp, r, 0), _kv_slice(bk, g, r), _kv_slice(bv, g, r)]))
-            seen(qn + ".bias", kn + ".bias", vn + ".bias")
-        on = f"{h}.self_attn.o_proj"
-        wo = _read(reader, on + ".weight")
-        s = scale_for(wo)
-        for r in range(tp):
-            put_linear(r, f"{t}.attention.dense", _split(wo, tp, r, 1), s, (on,))
-        seen(on + ".weight")
-        del wo
-        if f"{h}.self_attn.q_norm.weight" in reader:
-            for src, dst in (("q_norm", "q_layernorm"), ("k_norm", "k_layernorm")):
-                w = _read(reader, f"{h}.self_attn.{src}.weight")
-                for r in range(tp):
-                    put(r, f"{t}.attention.{dst}.weight", w)
-                seen(f"{h}.self_attn.{src}.weight")
-        if kv_cache == "fp8":
-            a = f"{h}.self_attn"
-            ks = torch.clamp(torch.tensor(calib.k_amax[a], dtype=torch.float32) / formats.FP8_E4M3_MAX, min=1.0).reshape(1)
-            vs = torch.clamp(torch.tensor(calib.v_amax[a], dtype=torch.float32) / formats.FP8_E4M3_MAX, min=1.0).reshape(1)
-            for r in range(tp):
-                put(r, f"{t}.attention.k_cache_scaling_factor", ks)
-                put(r, f"{t}.attention.v_cache_scaling_factor", vs)
-                put(r, f"{t}.attention.kv_cache_scaling_factor", torch.maximum(ks, vs))
-        gn, un, dn = (f"{h}.mlp.{x}_proj" for x in ("gate", "up", "down"))
-        wg, wu = _read(reader, gn + ".weight"), _read(reader, un + ".weight")
-        s = scale_for(wg, wu)
-        for r in range(tp):
-            put_linear(r, f"{t}.mlp.fc", _split(wg, tp, r, 0), s, (gn, un))
-            put_linear(r, f"{t}.mlp.gate", _split(wu, tp, r, 0), s, (gn, un))
-        seen(gn + ".weight", un + ".weight")
-        del wg, wu
-        wd = _read(reader, dn + ".weight")
-        s = scale_for(wd)
-        for r in range(tp):
-            put_linear(r, f"{t}.mlp.proj", _split(wd, tp, r, 1), s, (dn,))
-        seen(dn + ".weight")
-        del wd
+def _write_kv_scales(row: Row, calib: CalibrationResult, writers: list[ShardedWriter]) -> None:
+    """k / v / kv_cache_scaling_factor = max(amax/448, 1): ModelOpt's clamp for FP8 KV caches."""
+    a = row.hf[0]
+    ks = torch.clamp(torch.tensor(calib.k_amax[a], dtype=torch.float32) / formats.FP8_E4M3_MAX, min=1.0).reshape(1)
+    vs = torch.clamp(torch.tensor(calib.v_amax[a], dtype=torch.float32) / formats.FP8_E4M3_MAX, min=1.0).reshape(1)
+    for writer in writers:
+        for name, t in zip(row.trt, (ks, vs, torch.maximum(ks, vs))):
+            writer.write(name, t)

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from dflash_trt.errors import DFlashError
+from dflash_trt.hardware import arch_has_fp4, catalog
 from dflash_trt.io import formats
 from dflash_trt.io.atomic import atomic_output_dir, disk_error, write_text
 from dflash_trt.io.checkpoint import (
@@ -41,10 +42,15 @@ from dflash_trt.io.checkpoint import (
     check_shapes,
     load_config,
 )
-from dflash_trt.quant.calibrate import LayerCalibrator, layer_tensors, load_calib_samples
-
-FORMATS = ("fp8", "nvfp4")
-MODELOPT_VERSION = "0.47.0"   # the ModelOpt release whose export format we reproduce
+from dflash_trt.quant.calibrate import CalibrationResult, LayerCalibrator, layer_tensors, load_calib_samples
+from dflash_trt.quant.linear import (
+    FORMATS,
+    HF_EXPORT,
+    MODELOPT_VERSION,
+    linear_specs,
+    per_tensor_scale,
+    quantize_linear,
+)
 
 # Modules ModelOpt leaves unquantized by default (its *_DEFAULT_CFG), as module-name globs.
 DEFAULT_EXCLUDE = ("*lm_head*", "*embed_tokens*", "*router*", "*mlp.gate", "*block_sparse_moe.gate",
@@ -56,10 +62,21 @@ GROUP_IN_MEMORY_BYTES = 256 * 2**20  # fused groups up to this size are read onc
 
 
 def check_format_for_arch(fmt: str, arch: str) -> None:
-    """For the build stage: NVFP4 needs Blackwell tensor cores (sm_100/sm_103/sm_120)."""
-    if fmt == "nvfp4" and arch.lower() in ("hopper", "sm_90", "sm90", "h100", "h200", "ampere", "ada"):
+    """For the build stage: NVFP4 needs FP4 tensor cores; the hardware catalog says which
+    architectures have them. `arch` names an architecture, a GPU or an SM (blackwell, h200,
+    sm_90); one the catalog does not list (ampere, ada) has none."""
+    if fmt == "nvfp4" and not arch_has_fp4(_catalog_arch(arch)):
         raise DFlashError(f"--arch {arch}: NVFP4 weights need Blackwell (sm_100/sm_103/sm_120) FP4 tensor cores; "
                           "quantize with --format fp8 for Hopper")
+
+
+def _catalog_arch(name: str) -> str:
+    """The catalog architecture of an architecture, GPU id or SM name; the name itself if unlisted."""
+    name = name.lower()
+    for hw in catalog().values():
+        if name in (hw.arch, hw.gpu, hw.sm, hw.sm.replace("_", "")):
+            return hw.arch
+    return name
 
 
 def check_format_for_model(fmt: str, cfg: dict) -> None:
@@ -99,6 +116,57 @@ class QuantizeReport:
         return dict(self.__dict__)
 
 
+@dataclass
+class QuantizePlan:
+    """Everything decided before any weight is read: what is quantized, every output tensor, the configs."""
+    fmt: str
+    kv_cache: str | None
+    linears: dict[str, Linear]        # weight tensor name -> the Linear it belongs to
+    groups: dict[str, list[str]]      # fused-group key -> its weight tensor names
+    excluded: list[str]               # modules left unquantized (hf_quant_config's exclude_modules)
+    calibrated_modules: set[str]      # modules that get an input_scale
+    attn_modules: list[str]           # "model.layers.{i}.self_attn" whose k_proj is quantized
+    kv_names: list[str]               # their k_scale / v_scale tensors (--kv-cache fp8)
+    specs: list[TensorSpec]           # every output tensor, in file order
+    hf_quant: dict                    # hf_quant_config.json
+    config: dict                      # config.json: the input's, with quantization_config
+    not_calibrated: list[str]         # what the output lacks without --calib (for the report)
+
+    @property
+    def bytes_out(self) -> int:
+        return sum(s.nbytes for s in self.specs)
+
+
+def plan_quantization(reader: CheckpointReader, cfg: dict, fmt: str, kv_cache: str | None, exclude: list[str],
+                      calibrated: bool) -> QuantizePlan:
+    linears, excluded = plan_linears(reader, fmt, exclude, cfg)
+    if not linears:
+        raise DFlashError(f"{reader.folder}: no Linear weights to quantize (all excluded?)")
+    groups: dict[str, list[str]] = {}
+    for name, lin in linears.items():
+        groups.setdefault(lin.group, []).append(name)
+    attn_modules = sorted({lin.module.rpartition(".")[0] for lin in linears.values()
+                           if lin.module.endswith(".self_attn.k_proj")})
+    kv_names = [n for a in attn_modules for n in (a + ".k_proj.k_scale", a + ".v_proj.v_scale")] \
+        if kv_cache == "fp8" else []
+    # with --calib, every quantized Linear inside a decoder layer gets an input_scale
+    calibrated_modules = {lin.module for lin in linears.values() if _layer_index(lin.module) is not None} \
+        if calibrated else set()
+    hf_quant = hf_quant_config(fmt, kv_cache, excluded)
+    return QuantizePlan(fmt, kv_cache, linears, groups, excluded, calibrated_modules, attn_modules, kv_names,
+                        specs=_output_specs(reader, linears, fmt, calibrated_modules, kv_names), hf_quant=hf_quant,
+                        config=dict(cfg, quantization_config=config_quantization_section(hf_quant)),
+                        not_calibrated=[] if calibrated else _not_calibrated(kv_cache))
+
+
+def _not_calibrated(kv_cache: str | None) -> list[str]:
+    out = ["input_scale (activation scales): not written; consumers quantize activations dynamically or need "
+           "--calib FILE.jsonl"]
+    if kv_cache == "fp8":
+        out.append("k_scale/v_scale (FP8 KV cache): set to 1.0, TensorRT-LLM's default, not calibrated")
+    return out
+
+
 def plan_linears(reader: CheckpointReader, fmt: str, exclude: list[str], cfg: dict) -> tuple[dict[str, Linear], list[str]]:
     """Which 2-D weights get quantized (keyed by weight tensor name), and the excluded modules
     (ModelOpt lists the Linear / Embedding modules it left unquantized)."""
@@ -136,17 +204,8 @@ def _output_specs(reader, linears, fmt, calibrated_modules, kv_names) -> list[Te
         lin = linears.get(name)
         if lin is None:
             specs.append(TensorSpec(name, dtype, tuple(shape)))
-            continue
-        m = lin.module
-        out, inp = shape
-        if fmt == "fp8":
-            specs += [TensorSpec(name, torch.float8_e4m3fn, (out, inp)), TensorSpec(m + ".weight_scale", torch.float32, ())]
         else:
-            specs += [TensorSpec(name, torch.uint8, (out, inp // 2)),
-                      TensorSpec(m + ".weight_scale", torch.float8_e4m3fn, (out, inp // formats.NVFP4_BLOCK)),
-                      TensorSpec(m + ".weight_scale_2", torch.float32, ())]
-        if m in calibrated_modules:
-            specs.append(TensorSpec(m + ".input_scale", torch.float32, ()))
+            specs += linear_specs(HF_EXPORT, lin.module, fmt, *shape, input_scale=lin.module in calibrated_modules)
     specs += [TensorSpec(n, torch.float32, ()) for n in kv_names]
     return specs
 
@@ -176,11 +235,6 @@ def config_quantization_section(hf_quant: dict) -> dict:
     return out
 
 
-def _input_scale(amax: float, fmt: str) -> torch.Tensor:
-    a = torch.tensor(amax, dtype=torch.float32)
-    return formats.fp8_scale_from_amax(a) if fmt == "fp8" else formats.nvfp4_global_scale(a)
-
-
 def quantize_checkpoint(model: str | Path, out: str | Path, fmt: str, kv_cache: str | None = None,
                         calib: str | Path | None = None, calib_samples: int = 64, exclude: list[str] = (),
                         max_shard_bytes: int = 5 * 2**30, progress: bool = True,
@@ -197,94 +251,188 @@ def quantize_checkpoint(model: str | Path, out: str | Path, fmt: str, kv_cache: 
         raise DFlashError(f"--out {out}: must differ from --model (the input is read while the output is written)")
     with CheckpointReader(model, allow_pickle=allow_pickle) as reader:
         check_shapes(reader, cfg, model / "config.json")
-        linears, excluded = plan_linears(reader, fmt, list(exclude), cfg)
-        if not linears:
-            raise DFlashError(f"{model}: no Linear weights to quantize (all excluded?)")
-        is_drafter = "DFlashDraftModel" in (cfg.get("architectures") or [])
-
-        not_calibrated: list[str] = []
-        attn_modules = sorted({lin.module.rpartition(".")[0] for lin in linears.values()
-                               if lin.module.endswith(".self_attn.k_proj")})
-        kv_names = [n for a in attn_modules for n in (a + ".k_proj.k_scale", a + ".v_proj.v_scale")] \
-            if kv_cache == "fp8" else []
-        cal, n_samples = None, 0
+        plan = plan_quantization(reader, cfg, fmt, kv_cache, list(exclude), calibrated=calib is not None)
+        cal = None
         if calib is not None:
-            if is_drafter:
+            if "DFlashDraftModel" in (cfg.get("architectures") or []):
                 raise DFlashError(f"{model}: --calib is for targets; a DFlash drafter's activations come from its "
                                   "target (quantize the drafter without --calib: weights only)")
-            samples = load_calib_samples(calib, model, calib_samples)
-            n_samples = len(samples)
-            cal = LayerCalibrator(reader, cfg, samples)
-            # every quantized Linear inside a decoder layer gets an input_scale
-            calibrated_modules = {lin.module for lin in linears.values() if _layer_index(lin.module) is not None}
-        else:
-            calibrated_modules = set()
-            not_calibrated.append("input_scale (activation scales): not written; consumers quantize activations "
-                                  "dynamically or need --calib FILE.jsonl")
-            if kv_cache == "fp8":
-                not_calibrated.append("k_scale/v_scale (FP8 KV cache): set to 1.0, TensorRT-LLM's default, not calibrated")
-
-        specs = _output_specs(reader, linears, fmt, calibrated_modules, kv_names)
-        groups: dict[str, list[str]] = {}
-        for name, lin in linears.items():
-            groups.setdefault(lin.group, []).append(name)
-
+            cal = LayerCalibrator(reader, cfg, load_calib_samples(calib, model, calib_samples))
         with atomic_output_dir(out) as tmp, \
-                Progress(reader.total_bytes, len(reader), f"quantize {fmt}" + (" + calibrate" if cal else ""),
+                Progress(reader.total_bytes, len(reader), f"quantize {fmt}" + (" + calibrate" if cal is not None else ""),
                          progress) as bar:
-            writer = ShardedWriter(tmp, specs, max_shard_bytes, metadata={"producer": "dflash-trt"})
-            try:
-                done: set[str] = set()
-                input_amax: dict[str, float] = {}
-                if cal is not None:
-                    # One read per weight: layer i is loaded, calibrated (its inputs come from
-                    # layers < i only), quantized with the scales just measured, written, dropped.
-                    for i in range(cal.num_layers):
-                        tensors = layer_tensors(reader, i)
-                        cal.step(i, tensors)
-                        res = cal.result
-                        group_amax: dict[str, float] = {}   # fused groups share the max, as in ModelOpt
-                        for n in tensors:
-                            lin = linears.get(n)
-                            if lin is not None and lin.module in res.input_amax:
-                                group_amax[lin.group] = max(group_amax.get(lin.group, 0.0), res.input_amax[lin.module])
-                        for n in tensors:
-                            lin = linears.get(n)
-                            if lin is not None and lin.module in calibrated_modules:
-                                if lin.group not in group_amax:
-                                    raise DFlashError(f"calibration recorded no input for {lin.module}")
-                                input_amax[lin.module] = group_amax[lin.group]
-                        a = f"model.layers.{i}.self_attn"
-                        if kv_cache == "fp8" and a in attn_modules:
-                            writer.write(a + ".k_proj.k_scale", formats.fp8_scale_from_amax(res.k_amax[a]))
-                            writer.write(a + ".v_proj.v_scale", formats.fp8_scale_from_amax(res.v_amax[a]))
-                        def load_layer(n, slot=None, blocks=False, check=True, tensors=tensors):
-                            return tensors[n], *_checked_amax(n, tensors[n], None, blocks, check)
-                        _write_tensors(list(tensors), load_layer, linears, groups, fmt, input_amax, writer, bar, done)
-                        del tensors
-                elif kv_cache == "fp8":
-                    for n in kv_names:
-                        writer.write(n, torch.tensor(1.0))
-                rest = [n for n in reader.keys() if n not in done]
-                _write_tensors(rest, _streaming_loader(reader), linears, groups, fmt, input_amax, writer, bar, done)
-                files = writer.close()
-                disk_wait = writer.disk_wait_seconds
-            except BaseException:
-                writer.abort()
-                raise
-            hfq = hf_quant_config(fmt, kv_cache, excluded)
-            out_cfg = dict(cfg)
-            out_cfg["quantization_config"] = config_quantization_section(hfq)
-            write_text(tmp / "hf_quant_config.json", json.dumps(hfq, indent=4))
-            write_text(tmp / "config.json", json.dumps(out_cfg, indent=4))
+            files, disk_wait = _write_weights(plan, reader, cal, tmp, max_shard_bytes, bar)
+            write_text(tmp / "hf_quant_config.json", json.dumps(plan.hf_quant, indent=4))
+            write_text(tmp / "config.json", json.dumps(plan.config, indent=4))
             _copy_side_files(model, tmp)
-            bytes_out = sum(s.nbytes for s in specs)
-    return QuantizeReport(out=str(out), format=fmt, kv_cache=kv_cache, quantized_modules=len(linears),
-                          copied_tensors=len(reader) - len(linears), exclude_modules=excluded,
-                          bytes_in=reader.total_bytes, bytes_out=bytes_out, files=files,
-                          calibrated=calib is not None, calibration_samples=n_samples,
-                          not_calibrated=not_calibrated, seconds=round(time.time() - t0, 3),
+    return QuantizeReport(out=str(out), format=fmt, kv_cache=kv_cache, quantized_modules=len(plan.linears),
+                          copied_tensors=len(reader) - len(plan.linears), exclude_modules=plan.excluded,
+                          bytes_in=reader.total_bytes, bytes_out=plan.bytes_out, files=files,
+                          calibrated=cal is not None, calibration_samples=cal.result.samples if cal else 0,
+                          not_calibrated=plan.not_calibrated, seconds=round(time.time() - t0, 3),
                           disk_wait_seconds=round(disk_wait, 3))
+
+
+def _write_weights(plan: QuantizePlan, reader: CheckpointReader, cal: LayerCalibrator | None, folder: Path,
+                   max_shard_bytes: int, bar: Progress) -> tuple[list[str], float]:
+    """Every planned tensor into `folder`'s shards: with calibration, the decoder layers first
+    (the calibrated pass), then whatever is left, streamed. Returns (files, disk wait seconds)."""
+    writer = ShardedWriter(folder, plan.specs, max_shard_bytes, metadata={"producer": "dflash-trt"})
+    try:
+        done: set[str] = set()
+        input_amax: dict[str, float] = {}
+        if cal is not None:
+            _write_calibrated_layers(plan, reader, cal, writer, bar, done, input_amax)
+        elif plan.kv_cache == "fp8":
+            for n in plan.kv_names:
+                writer.write(n, torch.tensor(1.0))
+        rest = [n for n in reader.keys() if n not in done]
+        _write_tensors(rest, StreamingLoader(reader), plan, input_amax, writer, bar, done)
+        files = writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    return files, writer.disk_wait_seconds
+
+
+# ----------------------------------------------------------------------------------------------
+# the calibrated pass
+
+def _write_calibrated_layers(plan: QuantizePlan, reader: CheckpointReader, cal: LayerCalibrator,
+                             writer: ShardedWriter, bar: Progress, done: set[str], input_amax: dict[str, float]) -> None:
+    """One read per weight: layer i is loaded, calibrated (its inputs come from layers < i only),
+    quantized with the scales just measured, written, dropped. Fills `done` and `input_amax`."""
+    for i in range(cal.num_layers):
+        tensors = layer_tensors(reader, i)
+        cal.step(i, tensors)
+        input_amax.update(_group_input_amax(plan, tensors, cal.result))
+        a = f"model.layers.{i}.self_attn"
+        if plan.kv_cache == "fp8" and a in plan.attn_modules:
+            writer.write(a + ".k_proj.k_scale", formats.fp8_scale_from_amax(cal.result.k_amax[a]))
+            writer.write(a + ".v_proj.v_scale", formats.fp8_scale_from_amax(cal.result.v_amax[a]))
+        _write_tensors(list(tensors), LayerLoader(tensors), plan, input_amax, writer, bar, done)
+        del tensors
+
+
+def _group_input_amax(plan: QuantizePlan, tensors: dict[str, torch.Tensor], res: CalibrationResult) -> dict[str, float]:
+    """Module -> the input amax its input_scale comes from: the max over its fused group, as in ModelOpt."""
+    group_amax: dict[str, float] = {}
+    for n in tensors:
+        lin = plan.linears.get(n)
+        if lin is not None and lin.module in res.input_amax:
+            group_amax[lin.group] = max(group_amax.get(lin.group, 0.0), res.input_amax[lin.module])
+    out = {}
+    for n in tensors:
+        lin = plan.linears.get(n)
+        if lin is not None and lin.module in plan.calibrated_modules:
+            if lin.group not in group_amax:
+                raise DFlashError(f"calibration recorded no input for {lin.module}")
+            out[lin.module] = group_amax[lin.group]
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# loading: both passes read tensors through a loader, `load(name, slot, blocks, check)` ->
+# (tensor, amax, block amax or None): amax from the NaN / Inf check (skipped with check=False, for
+# a tensor checked before), and with `blocks` the max of each NVFP4 block, from the same pass.
+
+class StreamingLoader:
+    """Zero-copy views of the checkpoint (reader.view). A view is valid until the next load into
+    the same slot, which releases its pages: callers use one slot per tensor they hold at the
+    same time, so resident memory stays at those tensors."""
+
+    def __init__(self, reader: CheckpointReader):
+        self.reader = reader
+        self.held: dict[str, str] = {}   # slot -> the tensor viewed in it
+
+    def load(self, name: str, slot: str = "copy", blocks: bool = False, check: bool = True
+             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        prev = self.held.pop(slot, None)
+        if prev is not None:
+            self.reader.release(prev)
+        t = self.reader.view(name)
+        self.held[slot] = name
+        return t, *_checked_amax(name, t, self.reader.file_of(name), blocks, check)
+
+    def fits_in_memory(self, names: list[str]) -> bool:
+        """Whether a fused group is small enough to hold whole (a larger one is read twice)."""
+        return sum(self.reader.nbytes(n) for n in names) <= GROUP_IN_MEMORY_BYTES
+
+
+class LayerLoader:
+    """A decoder layer's tensors, already in memory (read once, for calibration): slots do not apply."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+
+    def load(self, name: str, slot: str | None = None, blocks: bool = False, check: bool = True
+             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        t = self.tensors[name]
+        return t, *_checked_amax(name, t, None, blocks, check)
+
+    def fits_in_memory(self, names: list[str]) -> bool:
+        return True
+
+
+# ----------------------------------------------------------------------------------------------
+# writing (both passes)
+
+def _write_tensors(names: list[str], loader: StreamingLoader | LayerLoader, plan: QuantizePlan,
+                   input_amax: dict[str, float], writer: ShardedWriter, bar: Progress, done: set[str]) -> None:
+    """Copy or quantize `names` (a quantized one with its whole fused group), skipping those done."""
+    for name in names:
+        if name in done:
+            continue
+        lin = plan.linears.get(name)
+        if lin is None:
+            t, _, _ = loader.load(name)
+            writer.write(name, t)
+            bar.update(t.numel() * t.element_size())
+            done.add(name)
+            continue
+        members = plan.groups[lin.group]
+        _quantize_group(loader, members, plan, input_amax, writer, bar)
+        done.update(members)
+
+
+def _quantize_group(loader: StreamingLoader | LayerLoader, members: list[str], plan: QuantizePlan,
+                    input_amax: dict[str, float], writer: ShardedWriter, bar: Progress) -> None:
+    """Quantize one fused group (or a lone Linear). Its tensors are held together when small
+    (one slot each); a larger group goes through one slot, and for NVFP4 is read twice (amax
+    pass, then quantize pass) to bound memory: NVFP4 needs the group's amax before any member
+    is encoded (the shared weight_scale_2). FP8 scales each member on its own."""
+    hold = loader.fits_in_memory(members)
+    slots = [f"group{i}" if hold else "group" for i in range(len(members))]
+    if plan.fmt == "fp8":
+        for n, slot in zip(members, slots):
+            w, amax, _ = loader.load(n, slot)
+            _write_linear(n, w, per_tensor_scale("fp8", amax), None, plan, input_amax, writer, bar)
+        return
+    held, block_amax = {}, {}
+    amax = torch.zeros((), dtype=torch.float32)
+    for n, slot in zip(members, slots):
+        t, a, block_amax[n] = loader.load(n, slot, blocks=True)
+        amax = torch.maximum(amax, a)
+        if hold:
+            held[n] = t
+        del t
+    global_scale = per_tensor_scale("nvfp4", amax)
+    for n, slot in zip(members, slots):
+        w = held.pop(n) if hold else loader.load(n, slot, check=False)[0]   # checked, block maxima kept, above
+        _write_linear(n, w, global_scale, block_amax.pop(n), plan, input_amax, writer, bar)
+        del w
+
+
+def _write_linear(name: str, w: torch.Tensor, scale: torch.Tensor, block_amax: torch.Tensor | None, plan: QuantizePlan,
+                  input_amax: dict[str, float], writer: ShardedWriter, bar: Progress) -> None:
+    m = plan.linears[name].module
+    out = scales_out = None
+    if plan.fmt == "nvfp4":   # encoded straight into the writer's buffers, which go to disk uncopied
+        out, scales_out = writer.out_buffer(name), writer.out_buffer(f"{m}.{HF_EXPORT.scale}")
+    for n, t in quantize_linear(HF_EXPORT, m, w, plan.fmt, scale, input_amax.get(m), out=out,
+                                scales_out=scales_out, block_amax=block_amax):
+        writer.write(n, t)
+    bar.update(w.numel() * w.element_size())
 
 
 def _layer_index(name: str) -> int | None:
@@ -302,86 +450,6 @@ def _checked_amax(name: str, t: torch.Tensor, file, blocks: bool, check: bool
     if blocks:
         return check_finite_blocks(name, t, file)
     return check_finite(name, t, file), None
-
-
-def _streaming_loader(reader: CheckpointReader):
-    """load(name, slot, blocks, check) -> (tensor, amax, block amax or None), a zero-copy view
-    of the checkpoint (reader.view), checked for NaN / Inf (the pass that finds amax; skipped
-    with check=False, for a tensor checked before); with `blocks`, the max of each NVFP4 block
-    from the same pass. The view is valid until the next load into the same slot, which
-    releases its pages; callers use one slot per tensor they hold at the same time."""
-    held: dict[str, str] = {}
-
-    def load(n, slot="copy", blocks=False, check=True):
-        prev = held.pop(slot, None)
-        if prev is not None:
-            reader.release(prev)
-        t = reader.view(n)
-        held[slot] = n
-        return t, *_checked_amax(n, t, reader.file_of(n), blocks, check)
-    load.nbytes = reader.nbytes
-    return load
-
-
-def _write_tensors(names, load, linears, groups, fmt, input_amax, writer, bar, done: set) -> None:
-    """Copy or quantize `names` (quantized ones with their whole fused group)."""
-    for name in names:
-        if name in done:
-            continue
-        lin = linears.get(name)
-        if lin is None:
-            t, _, _ = load(name)
-            writer.write(name, t)
-            bar.update(t.numel() * t.element_size())
-            done.add(name)
-            continue
-        members = groups[lin.group]
-        _quantize_group(load, members, linears, fmt, input_amax, writer, bar)
-        done.update(members)
-
-
-def _quantize_group(load, members, linears, fmt, input_amax, writer, bar) -> None:
-    """Quantize one fused group (or a lone Linear). Streaming from disk, the group's tensors are
-    held together when small; larger groups are read twice (amax pass, then quantize pass) to
-    bound memory. NVFP4 needs the group's amax before any member is encoded (shared scale 2)."""
-    nbytes = getattr(load, "nbytes", None)
-    cache = {} if nbytes is None or sum(nbytes(n) for n in members) <= GROUP_IN_MEMORY_BYTES else None
-
-    blocks = fmt == "nvfp4"
-
-    def get(n, check=True):
-        if cache is not None and n in cache:
-            return cache.pop(n)
-        return load(n, f"group{members.index(n)}" if cache is not None else "group", blocks, check)
-
-    global_scale, block_amax = None, {}
-    if fmt == "nvfp4":
-        amax = torch.zeros((), dtype=torch.float32)
-        for n in members:
-            t, a, block_amax[n] = get(n)
-            amax = torch.maximum(amax, a)
-            if cache is not None:
-                cache[n] = (t, a, block_amax[n])
-            del t
-        global_scale = formats.nvfp4_global_scale(amax)
-    for n in members:
-        w, amax, _ = get(n, check=not blocks)   # NVFP4: checked, and block maxima kept, above
-        m = linears[n].module
-        if fmt == "fp8":
-            scale = formats.fp8_scale_from_amax(amax)
-            writer.write(n, formats.fp8_quantize(w, scale))
-            writer.write(m + ".weight_scale", scale)
-        else:
-            packed, bscale, gscale = formats.nvfp4_quantize(w, global_scale=global_scale, out=writer.out_buffer(n),
-                                                            block_amax=block_amax.pop(n, None),
-                                                            scales_out=writer.out_buffer(m + ".weight_scale"))
-            writer.write(n, packed)
-            writer.write(m + ".weight_scale", bscale)
-            writer.write(m + ".weight_scale_2", gscale.reshape(()))
-        if m in input_amax:
-            writer.write(m + ".input_scale", _input_scale(input_amax[m], fmt))
-        bar.update(w.numel() * w.element_size())
-        del w
 
 
 _WEIGHT_FILE = re.compile(r"(\.safetensors|\.bin|\.pt|\.pth|\.ckpt)$|^model\.safetensors\.index\.json$|"
