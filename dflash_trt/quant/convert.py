@@ -1,6 +1,6 @@
 """`dflash-trt convert`: a Hugging Face Llama / Qwen3 checkpoint -> TensorRT-LLM checkpoint
 (`config.json` + `rank{N}.safetensors`) for the TensorRT engine path (TensorRT-LLM <= 1.2).
-DESIGN.md §6. The layout is the one ModelOpt's `export_tensorrt_llm_checkpoint` writes
+docs/formats.md. The layout is the one ModelOpt's `export_tensorrt_llm_checkpoint` writes
 (tests/test_convert.py compares tensors byte for byte).
 
 One pass over the input: every HF tensor is read once and its slice for each rank is written

@@ -1,5 +1,5 @@
 """`dflash-trt quantize`: a Hugging Face checkpoint -> ModelOpt-style unified HF checkpoint
-(FP8 or NVFP4 weights, optional FP8 KV cache), streaming tensor by tensor. DESIGN.md §5.
+(FP8 or NVFP4 weights, optional FP8 KV cache), streaming tensor by tensor. docs/formats.md.
 
 Pipeline: validate (headers, shapes vs config.json) -> plan every output tensor (name, dtype,
 shape) -> stream: read one tensor (or one fused group, when small), check it is finite,
@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from dflash_trt.errors import DFlashError
-from dflash_trt.hardware import arch_has_fp4, catalog
+from dflash_trt.hardware import arch_has_fp4, arch_sms, catalog
 from dflash_trt.io import formats
 from dflash_trt.io.atomic import atomic_output_dir, disk_error, write_text
 from dflash_trt.io.checkpoint import (
@@ -66,7 +66,8 @@ def check_format_for_arch(fmt: str, arch: str) -> None:
     architectures have them. `arch` names an architecture, a GPU or an SM (blackwell, h200,
     sm_90); one the catalog does not list (ampere, ada) has none."""
     if fmt == "nvfp4" and not arch_has_fp4(_catalog_arch(arch)):
-        raise DFlashError(f"--arch {arch}: NVFP4 weights need Blackwell (sm_100/sm_103/sm_120) FP4 tensor cores; "
+        fp4 = "/".join(f"sm_{sm}" for a, sms in arch_sms().items() if arch_has_fp4(a) for sm in sms)
+        raise DFlashError(f"--arch {arch}: NVFP4 weights need Blackwell ({fp4}) FP4 tensor cores; "
                           "quantize with --format fp8 for Hopper")
 
 
