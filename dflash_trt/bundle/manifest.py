@@ -18,6 +18,7 @@ from pathlib import Path
 
 from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import arch_sms, gpus
+from dflash_trt.io.jsonio import read_json
 
 MANIFEST_NAME = "manifest.json"
 SCHEMA_VERSION = 1
@@ -173,12 +174,7 @@ def read_manifest(bundle: str | Path) -> dict:
         raise DFlashError(f"{bundle}: not a folder")
     if not path.is_file():
         raise DFlashError(f"{path}: missing; {bundle} is not a dflash-trt bundle")
-    try:
-        m = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DFlashError(f"{path}: invalid JSON ({e})") from None
-    if not isinstance(m, dict):
-        raise DFlashError(f"{path}: expected a JSON object")
+    m = read_json(path)
     validate(m, str(path))
     if not isinstance(m["target"].get("config"), dict):  # the schema's check, without jsonschema installed
         raise DFlashError(f"{path}: target.config must be the target's config.json object")

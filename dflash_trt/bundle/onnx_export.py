@@ -25,7 +25,6 @@ with the node moved there. The node's computation there is path (2) of dflash_tr
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
@@ -37,6 +36,7 @@ import torch
 from safetensors import safe_open
 
 from dflash_trt.errors import DFlashError
+from dflash_trt.io.jsonio import read_json
 from dflash_trt.kernels import kv_inject_trt
 from dflash_trt.models.drafter import load_drafter
 from dflash_trt.runtime.kv_inject import FusedKVInjector, check_page_size, fused_kv_from_ctx, scatter_paged
@@ -51,17 +51,11 @@ EXTERNAL_DATA_ABOVE = 1 << 30  # protobuf stops at 2 GiB: big drafters keep weig
 def read_target_head(target_dir: str | Path) -> tuple[dict, torch.Tensor, torch.Tensor]:
     """(config, embed_tokens [V, H], lm_head [V, H]) of an HF target folder, reading only those tensors."""
     target_dir = Path(target_dir)
-    cfg_path = target_dir / "config.json"
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except FileNotFoundError:
-        raise DFlashError(f"{cfg_path}: not found") from None
-    except json.JSONDecodeError as e:
-        raise DFlashError(f"{cfg_path}: invalid JSON ({e.msg} at line {e.lineno})") from None
+    cfg = read_json(target_dir / "config.json")
     cfg = cfg.get("text_config", cfg) if "hidden_size" not in cfg else cfg
     index = target_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = read_json(index)["weight_map"]
     elif (target_dir / "model.safetensors").is_file():
         with safe_open(str(target_dir / "model.safetensors"), "pt") as f:
             weight_map = {k: "model.safetensors" for k in f.keys()}

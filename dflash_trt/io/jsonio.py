@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Iterator
 
 from dflash_trt.errors import DFlashError
 
@@ -33,18 +34,23 @@ def read_json(path: str | Path) -> dict:
     return obj
 
 
-def read_jsonl(path: str | Path, require: str | None = None) -> list[dict]:
-    """A JSON Lines file (blank lines skipped). With `require`, every row must be an object with
-    that string field, and the file must have at least one row."""
+def iter_jsonl(path: str | Path) -> Iterator[tuple[int, object]]:
+    """(line number, value) for each non-blank line of a JSON Lines file, read as it goes."""
     path = Path(path)
-    rows = []
     for i, line in enumerate(_read_text(path).splitlines(), 1):
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            yield i, json.loads(line)
         except json.JSONDecodeError as e:
             raise DFlashError(f"{path}:{i}: invalid JSON ({e.msg})") from None
+
+
+def read_jsonl(path: str | Path, require: str | None = None) -> list[dict]:
+    """A JSON Lines file (blank lines skipped). With `require`, every row must be an object with
+    that string field, and the file must have at least one row."""
+    rows = []
+    for i, row in iter_jsonl(path):
         if require and not (isinstance(row, dict) and isinstance(row.get(require), str)):
             raise DFlashError(f"{path}:{i}: expected an object with a string field {require!r}")
         rows.append(row)

@@ -10,7 +10,6 @@ calling the next forward with a smaller `start` (O(1), no copy).
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -254,7 +253,7 @@ def stop_token_ids(folder: str | Path) -> list[int]:
     """End-of-sequence ids, from generation_config.json when present (as HF generate does)."""
     folder = Path(folder)
     src = folder / "generation_config.json"
-    d = json.loads(src.read_text()) if src.exists() else read_json(folder / "config.json")
+    d = read_json(src if src.exists() else folder / "config.json")
     eos = d.get("eos_token_id")
     if eos is None:
         return []

@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from dflash_trt.errors import DFlashError
 from dflash_trt.io.atomic import atomic_output_dir
 from dflash_trt.io.formats import mxfp4_encode
+from dflash_trt.io.jsonio import read_json
 from dflash_trt.models.config import DrafterConfig, default_target_layer_ids
 from dflash_trt.models.drafter import DFlashDrafter, save_drafter
 
@@ -117,7 +118,7 @@ def make_tiny(arch: str, target_out: str | Path, drafter_out: str | Path | None 
     summary = {"arch": arch, "target": str(target_out), "vocab_size": len(tok),
                "num_hidden_layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size}
     if drafter_out is not None:
-        dcfg = tiny_drafter_config(json.loads((target_out / "config.json").read_text()),
+        dcfg = tiny_drafter_config(read_json(target_out / "config.json"),
                                    tok.convert_tokens_to_ids(MASK_TOKEN), block_size, drafter_layers)
         torch.manual_seed(seed + 1)
         drafter = DFlashDrafter(dcfg)
@@ -143,7 +144,7 @@ def _store_experts_mxfp4(folder: Path) -> None:
         else:
             out[k] = v
     save_file(out, path, metadata={"format": "pt"})
-    cfg = json.loads((folder / "config.json").read_text())
+    cfg = read_json(folder / "config.json")
     cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
         "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
     (folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")

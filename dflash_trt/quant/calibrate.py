@@ -11,7 +11,6 @@ Qwen3, gpt-oss), so calibration and the runtime share one implementation.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from tqdm import tqdm
 
 from dflash_trt.errors import DFlashError
 from dflash_trt.io.checkpoint import CheckpointReader, check_finite
+from dflash_trt.io.jsonio import iter_jsonl
 from dflash_trt.models.layers import RopeTable
 from dflash_trt.models.target import DecoderLayer, hf_config
 from dflash_trt.models.weights import dequantize_mxfp4
@@ -43,33 +43,26 @@ def load_calib_samples(path: str | Path, model_dir: str | Path, n: int, max_toke
         raise DFlashError(f"{path}: calibration file not found")
     tok = None
     out = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if len(out) >= n:
-                break
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DFlashError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
-            if not isinstance(rec, dict):
-                raise DFlashError(f"{path}:{lineno}: expected a JSON object")
-            if "input_ids" in rec:
-                ids = rec["input_ids"]
-                if not (isinstance(ids, list) and ids and all(isinstance(i, int) and i >= 0 for i in ids)):
-                    raise DFlashError(f"{path}:{lineno}: input_ids must be a non-empty list of token ids")
-            elif "text" in rec or "messages" in rec:
-                if tok is None:
-                    tok = _tokenizer(model_dir)
-                if "messages" in rec:
-                    ids = tok.apply_chat_template(rec["messages"], tokenize=True)
-                    ids = ids["input_ids"] if isinstance(ids, dict) else ids
-                else:
-                    ids = tok(rec["text"])["input_ids"]
+    for lineno, rec in iter_jsonl(path):
+        if len(out) >= n:
+            break
+        if not isinstance(rec, dict):
+            raise DFlashError(f"{path}:{lineno}: expected a JSON object")
+        if "input_ids" in rec:
+            ids = rec["input_ids"]
+            if not (isinstance(ids, list) and ids and all(isinstance(i, int) and i >= 0 for i in ids)):
+                raise DFlashError(f"{path}:{lineno}: input_ids must be a non-empty list of token ids")
+        elif "text" in rec or "messages" in rec:
+            if tok is None:
+                tok = _tokenizer(model_dir)
+            if "messages" in rec:
+                ids = tok.apply_chat_template(rec["messages"], tokenize=True)
+                ids = ids["input_ids"] if isinstance(ids, dict) else ids
             else:
-                raise DFlashError(f"{path}:{lineno}: needs one of input_ids, text or messages")
-            out.append(torch.tensor(list(ids)[:max_tokens], dtype=torch.long))
+                ids = tok(rec["text"])["input_ids"]
+        else:
+            raise DFlashError(f"{path}:{lineno}: needs one of input_ids, text or messages")
+        out.append(torch.tensor(list(ids)[:max_tokens], dtype=torch.long))
     if not out:
         raise DFlashError(f"{path}: no calibration samples")
     return out

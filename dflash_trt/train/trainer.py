@@ -158,7 +158,7 @@ def _init_from_drafter(drafter, folder: Path) -> list[str]:
             raise DFlashError(f"--init-from {folder}: tensor {k} does not fit this drafter config")
     drafter.load_state_dict(src.state_dict())
     meta = folder.parent / "state" / "state.json"
-    return json.loads(meta.read_text()).get("init", []) if meta.is_file() else []
+    return read_json(meta).get("init", []) if meta.is_file() else []
 
 
 def read_target_tensors(target_dir: Path, names_wanted) -> dict:
@@ -328,7 +328,7 @@ def _save_state(run_dir: Path, drafter, opt, step: int, tc: TrainConfig, rng: ra
 
 def _load_state(run_dir: Path, drafter, opt) -> tuple[int, list, dict]:
     sdir = run_dir / "state"
-    meta = json.loads((sdir / "state.json").read_text())
+    meta = read_json(sdir / "state.json")
     drafter.load_state_dict(load_file(str(sdir / "model.safetensors")))
     moments = load_file(str(sdir / "optimizer.safetensors"))
     for n, p in drafter.named_parameters():
@@ -417,7 +417,7 @@ def _setup(target_dir: Path, data_path: str | Path, out_dir: Path, tc: TrainConf
     target_cfg = read_json(target_dir / "config.json")
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     if resume:  # the run's own settings win: a resumed run is the same run
-        saved = json.loads((out_dir / "state" / "state.json").read_text())["train_config"]
+        saved = read_json(out_dir / "state" / "state.json")["train_config"]
         for k in RUN_SETTINGS:
             setattr(tc, k, saved[k])
 
