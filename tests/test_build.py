@@ -57,6 +57,16 @@ def test_declared_pipeline_is_the_manifests_stage_list():
         assert all(name in STAGES[:STAGES.index(st.name)] for _, name in st.after), st.name
 
 
+
+def test_code_hash_refuses_a_moved_source_file():
+    """A stage naming a file that no longer exists must fail, not hash what is left (which would
+    let a stale stage be reused after a move)."""
+    from dflash_trt.bundle.build import code_hash
+
+    assert code_hash("io/formats.py") != code_hash("io/formats.py", "kernels/csrc")
+    with pytest.raises(FileNotFoundError, match="formats.py"):
+        code_hash("formats.py")
+
 def test_gpu_facts_come_from_the_hardware_catalog():
     from dflash_trt.bundle.manifest import MANIFEST_SCHEMA
     from dflash_trt.commands.build import build_cmd
