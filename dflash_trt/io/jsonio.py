@@ -2,6 +2,7 @@
 (and the line, for JSONL), never a traceback."""
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Iterator
@@ -9,9 +10,11 @@ from typing import Iterator
 from dflash_trt.errors import DFlashError
 
 
-def _read_text(path: Path) -> str:
+@contextlib.contextmanager
+def _reading(path: Path) -> Iterator[None]:
+    """Turn the ways reading a text file fails into one line naming it."""
     try:
-        return path.read_text(encoding="utf-8")
+        yield
     except FileNotFoundError:
         raise DFlashError(f"{path}: not found") from None
     except IsADirectoryError:
@@ -20,6 +23,11 @@ def _read_text(path: Path) -> str:
         raise DFlashError(f"{path}: not UTF-8 text (byte {e.start})") from None
     except OSError as e:
         raise DFlashError(f"{path}: cannot read ({e.strerror})") from None
+
+
+def _read_text(path: Path) -> str:
+    with _reading(path):
+        return path.read_text(encoding="utf-8")
 
 
 def read_json(path: str | Path) -> dict:
@@ -35,15 +43,18 @@ def read_json(path: str | Path) -> dict:
 
 
 def iter_jsonl(path: str | Path) -> Iterator[tuple[int, object]]:
-    """(line number, value) for each non-blank line of a JSON Lines file, read as it goes."""
+    """(line number, value) for each non-blank line of a JSON Lines file, read as it goes (a
+    caller that stops early reads no further; lines end at \n only, as JSON Lines says)."""
     path = Path(path)
-    for i, line in enumerate(_read_text(path).splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            yield i, json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DFlashError(f"{path}:{i}: invalid JSON ({e.msg})") from None
+    with _reading(path), open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DFlashError(f"{path}:{i}: invalid JSON ({e.msg})") from None
+            yield i, value
 
 
 def read_jsonl(path: str | Path, require: str | None = None) -> list[dict]:
@@ -57,13 +68,3 @@ def read_jsonl(path: str | Path, require: str | None = None) -> list[dict]:
     if require and not rows:
         raise DFlashError(f"{path}: no prompts in the file")
     return rows
-
-
-def write_jsonl(rows: list[dict], path: str | Path) -> Path:
-    """Rows as JSON Lines, replacing `path` in one rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-    tmp.replace(path)
-    return path
