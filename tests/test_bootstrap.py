@@ -29,7 +29,7 @@ from helpers import objects
 
 helm = pytest.importorskip("helm_python")
 
-from dflash_trt.deploy.values import default_chart_dir  # noqa: E402
+from dflash_trt.deploy.values import default_chart_dir
 
 NAMESPACE = "serving"
 RELEASE = "rel"
@@ -60,10 +60,10 @@ def _missing() -> str | None:
     if absent:
         return f"missing {', '.join(absent)} (apt-get install openmpi-bin openssh-server; .ci/run does)"
     probe = f"dft-probe-{os.getpid()}"
-    r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    r = subprocess.run(["ip", "netns", "add", probe], check=False, capture_output=True, text=True)
     if r.returncode:
         return f"cannot create a network namespace: {r.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    subprocess.run(["ip", "netns", "del", probe], check=False, capture_output=True)
     return None
 
 
@@ -134,7 +134,7 @@ class Group:
         return "127.0.0.1 localhost\n" + own + dns
 
     def _ip(self, *args: str) -> None:
-        subprocess.run(["ip", *args], check=True, capture_output=True)
+        subprocess.run(["ip", *args], check=True, check=False, capture_output=True)
 
     def _net(self) -> None:
         for ns in self.ns.values():
@@ -179,12 +179,12 @@ class Group:
     def run_leader(self, timeout: float) -> subprocess.CompletedProcess:
         # mpirun refuses root unless told; the pods run it as uid 1000 (podSecurityContext).
         env = self.pod_env("leader", {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"})
-        return subprocess.run(self.command("leader", "leader.sh", env), capture_output=True, text=True,
+        return subprocess.run(self.command("leader", "leader.sh", env), check=False, capture_output=True, text=True,
                               timeout=timeout)
 
     def kill(self, role: str) -> None:
         """Kill every process of a pod's network namespace (sshd, its sessions, orted)."""
-        pids = subprocess.run(["ip", "netns", "pids", self.ns[role]], capture_output=True, text=True).stdout.split()
+        pids = subprocess.run(["ip", "netns", "pids", self.ns[role]], check=False, capture_output=True, text=True).stdout.split()
         for pid in pids:
             try:
                 os.kill(int(pid), 9)
@@ -202,7 +202,7 @@ class Group:
                 p.kill()
             p.wait(timeout=10)
         for ns in self.ns.values():
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+            subprocess.run(["ip", "netns", "del", ns], check=False, capture_output=True)
 
     def probes(self, role: str) -> dict[int, dict]:
         out = {}
