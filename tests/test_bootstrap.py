@@ -134,7 +134,7 @@ class Group:
         return "127.0.0.1 localhost\n" + own + dns
 
     def _ip(self, *args: str) -> None:
-        subprocess.run(["ip", *args], check=True, check=False, capture_output=True)
+        subprocess.run(["ip", *args], check=True, capture_output=True)
 
     def _net(self) -> None:
         for ns in self.ns.values():
