@@ -282,3 +282,60 @@ def test_leader_fails_with_a_clear_line_when_a_worker_is_gone(group):
     assert f"waiting for worker {group.fqdn['worker']}" in r.stdout
     assert wait <= took < wait + 40
     assert not group.probes("leader") and not group.probes("worker")
+
+
+METRICS_SERVER = """
+import http.server, pathlib, sys
+page = pathlib.Path(sys.argv[1])
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = page.read_bytes()
+        self.send_response(200); self.send_header("Content-Length", str(len(body))); self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(("127.0.0.1", 8002), H).serve_forever()
+"""
+BUSY = ('# HELP nv_inference_pending_request_count Instantaneous number of pending requests\n'
+        'nv_inference_pending_request_count{model="tensorrt_llm",version="1"} 0\n'
+        'dflash_requests_active{model="tensorrt_llm",version="1"} 2\n'
+        'dflash_requests_waiting{model="tensorrt_llm",version="1"} 1\n')
+IDLE = BUSY.replace("} 2\n", "} 0\n").replace("} 1\n", "} 0\n")
+
+
+@pytest.mark.parametrize("drain_seconds,goes_idle", [(30, True), (8, False)])
+def test_prestop_drain_waits_for_in_flight_requests(tmp_path, drain_seconds, goes_idle):
+    """The rendered drain.sh against a pod's metrics port (a server in a private network
+    namespace, so 8002 is free): it waits while requests are in flight, returns once they reach
+    0, and never waits past shutdown.drainSeconds."""
+    with helm.Chart.load(str(default_chart_dir())) as chart:
+        objs = objects(chart.render({"shutdown": {"drainSeconds": drain_seconds}}, name=RELEASE,
+                                    namespace=NAMESPACE, is_install=True))
+    (cm,) = [o for o in objs if o["kind"] == "ConfigMap"]
+    (tmp_path / "drain.sh").write_text(cm["data"]["drain.sh"])
+    page = tmp_path / "metrics"
+    page.write_text(BUSY)
+    ns = f"dftd{os.getpid() % 10000}{random.randint(0, 99)}"
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    try:
+        subprocess.run(["ip", "-n", ns, "link", "set", "lo", "up"], check=True)
+        server = subprocess.Popen(["ip", "netns", "exec", ns, "python3", "-c", METRICS_SERVER, str(page)])
+        time.sleep(1)
+        t0 = time.monotonic()
+        drain = subprocess.Popen(["ip", "netns", "exec", ns, "/bin/sh", str(tmp_path / "drain.sh")],
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if goes_idle:
+            time.sleep(9)
+            page.write_text(IDLE)
+        out, _ = drain.communicate(timeout=drain_seconds + 30)
+        took = time.monotonic() - t0
+        server.kill()
+        server.wait()
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], check=False, capture_output=True)
+    assert drain.returncode == 0, out
+    assert "dflash-trt: drain: 3 request(s) in flight" in out
+    if goes_idle:
+        assert "dflash-trt: drain: no request in flight" in out and 9 <= took < 20, (took, out)
+    else:
+        assert "no request in flight" not in out and drain_seconds <= took < drain_seconds + 10, (took, out)

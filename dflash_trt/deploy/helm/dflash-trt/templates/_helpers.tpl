@@ -98,6 +98,10 @@ app.kubernetes.io/component: inference
 {{- if lt $world (mul 2 $gpus) }}
 {{- fail (printf "a LeaderWorkerSet spans nodes: parallel.tp × parallel.pp (%d) must be at least twice gpu.count (%d); use workload.kind Deployment" $world $gpus) }}
 {{- end }}
+{{- $startup := mul (int $v.probes.startup.periodSeconds) (int $v.probes.startup.failureThreshold) }}
+{{- if ge (int $v.multiNode.workerWaitSeconds) $startup }}
+{{- fail (printf "multiNode.workerWaitSeconds %d must be shorter than the startup probe's allowance (probes.startup.periodSeconds × failureThreshold = %d s), or the probe kills the leader before it can say which worker is missing" (int $v.multiNode.workerWaitSeconds) $startup) }}
+{{- end }}
 {{- if not $v.multiNode.sshSecret }}
 {{- fail "multiNode.sshSecret is required for a LeaderWorkerSet (the leader starts MPI ranks over ssh); see values.yaml" }}
 {{- end }}
