@@ -335,8 +335,8 @@ REFUSED = {
     "lws inside one node": ({**LWS_OK, "workload": {"kind": "LeaderWorkerSet"}, "parallel": {"tp": 8}},
                             "must be at least twice gpu.count"),
     "worker wait past the startup probe": ({**LWS_OK, "multiNode": {**LWS_OK["multiNode"], "workerWaitSeconds": 4000}},
-                                           "multiNode.workerWaitSeconds 4000 must be shorter than the startup probe's "
-                                           "allowance (probes.startup.periodSeconds × failureThreshold = 3600 s)"),
+                                           ("multiNode.workerWaitSeconds 4000 must be shorter than the startup probe's "
+                                            "allowance (probes.startup.periodSeconds × failureThreshold = 3600 s)")),
     "compile on": ({"compile": {"enabled": True}}, "compile: removed — the chart compiles nothing at pod start"),
     "rwo with a lws": ({**LWS_OK, "bundle": {"pvc": RWO}},
                        "attach the volume to one node, but a LeaderWorkerSet puts its 2 pods on 2 nodes"),
