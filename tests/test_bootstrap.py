@@ -80,7 +80,9 @@ def render_group(values: dict) -> dict:
     tpl = lws["spec"]["leaderWorkerTemplate"]
     env = {role: {e["name"]: e["value"] for e in tpl[f"{role}Template"]["spec"]["containers"][0]["env"]}
            for role in ("leader", "worker")}
-    return {"lws": lws, "scripts": cm["data"], "env": env, "services": services}
+    secret_keys = {role: [i["key"] for v in tpl[f"{role}Template"]["spec"]["volumes"] if v["name"] == "ssh"
+                          for i in v["secret"]["items"]] for role in ("leader", "worker")}
+    return {"lws": lws, "scripts": cm["data"], "env": env, "services": services, "secret_keys": secret_keys}
 
 
 def probe_rank_script(rank_sh: str) -> str:
@@ -116,8 +118,9 @@ class Group:
                 (d / sub).mkdir(parents=True)
             (d / "etc-up/hosts").write_text(self.hosts_file(role))
             secret = d / "etc-up/dflash-trt/ssh"
-            shutil.copy(key, secret / "id_ed25519")
-            shutil.copy(key.with_suffix(".pub"), secret / "authorized_keys")
+            files = {"id_ed25519": key, "authorized_keys": key.with_suffix(".pub")}
+            for name in rendered["secret_keys"][role]:     # the Secret items the pod mounts
+                shutil.copy(files[name], secret / name)
             for f in secret.iterdir():
                 f.chmod(0o440)                       # the Secret volume's defaultMode 288
             for name, text in scripts.items():

@@ -222,6 +222,10 @@ def test_two_node_leaderworkerset():
         env = {e["name"]: e["value"] for e in c["env"]}
         assert env["NCCL_IB_HCA"] == "mlx5" and env["NCCL_SOCKET_IFNAME"] == "eth0"
         assert env["OMPI_MCA_orte_keep_fqdn_hostnames"] == "1"
+    # Each pod mounts only the half of the ssh key pair it uses.
+    for spec, key in ((leader, "id_ed25519"), (worker, "authorized_keys")):
+        (vol,) = [v for v in spec["volumes"] if v["name"] == "ssh"]
+        assert vol["secret"]["items"] == [{"key": key, "path": key}]
     # Worker DNS: the pods' subdomain is the LWS name, and no Service of the chart takes it, so the
     # LWS controller creates its headless Service (CreateHeadlessServiceIfNotExists).
     assert lws["spec"]["networkConfig"] == {"subdomainPolicy": "Shared"}

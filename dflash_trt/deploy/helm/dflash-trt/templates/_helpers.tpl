@@ -378,6 +378,11 @@ volumes:
     secret:
       secretName: {{ $v.multiNode.sshSecret }}
       defaultMode: 288  # 0440
+      # The leader needs only the private key (mpirun does not tree-spawn), a worker only the
+      # public one.
+      items:
+        - key: {{ if eq $role "worker" }}authorized_keys{{ else }}id_ed25519{{ end }}
+          path: {{ if eq $role "worker" }}authorized_keys{{ else }}id_ed25519{{ end }}
   {{- end }}
 {{- end }}
 
