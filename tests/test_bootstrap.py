@@ -33,7 +33,7 @@ from dflash_trt.deploy.values import default_chart_dir
 
 NAMESPACE = "serving"
 RELEASE = "rel"
-TOOLS = ("ip", "unshare", "mpirun", "ssh", "ssh-keygen", "/usr/sbin/sshd")
+TOOLS = ("ip", "unshare", "mpirun", "orted", "ssh", "ssh-keygen", "/usr/sbin/sshd")
 # Values of a TP16 group on two 8-GPU nodes, with every env-setting value turned on.
 VALUES = {
     "gpu": {"count": 8, "product": "NVIDIA-B300-SXM6-AC"},
@@ -50,7 +50,10 @@ PROBE = ("exec python3 -c 'import json, os, socket; r = os.environ[\"OMPI_COMM_W
          "os.makedirs(\"/tmp/probe\", exist_ok=True); "
          "json.dump({\"host\": socket.gethostname(), \"rank\": int(r), \"env\": dict(os.environ)}, "
          "open(\"/tmp/probe/rank-\" + r + \".json\", \"w\")); print(\"probe rank\", r, socket.gethostname())'")
-POD_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# The image keeps Open MPI off sshd's default PATH, as the Triton image does (HPC-X under
+# /opt/hpcx/ompi): here /opt/ompi/bin holds mpirun and orted, and the system orted is hidden.
+OMPI_BIN = "/opt/ompi/bin"
+POD_PATH = f"{OMPI_BIN}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
 def _missing() -> str | None:
@@ -123,6 +126,9 @@ class Group:
                 shutil.copy(files[name], secret / name)
             for f in secret.iterdir():
                 f.chmod(0o440)                       # the Secret volume's defaultMode 288
+            (d / "opt/ompi/bin").mkdir(parents=True)
+            shutil.copy(Path(os.path.realpath(shutil.which("mpirun"))), d / "opt/ompi/bin/mpirun")
+            shutil.copy(Path(os.path.realpath(shutil.which("orted"))), d / "opt/ompi/bin/orted")
             for name, text in scripts.items():
                 (d / "opt/dflash-trt" / name).write_text(text)
                 (d / "opt/dflash-trt" / name).chmod(0o555)
@@ -166,6 +172,7 @@ class Group:
         setup = " && ".join([
             f"mount -t overlay overlay -o lowerdir=/etc,upperdir={d}/etc-up,workdir={d}/etc-work /etc",
             f"mount --bind {d}/opt /opt",
+            f"mount --bind /dev/null {os.path.realpath(shutil.which('orted'))}",   # not on sshd's PATH
             "mount -t tmpfs tmpfs /run", "mkdir -p /run/sshd",   # sshd started as root wants it
             f"mount --bind {d}/tmp /tmp",
             f"hostname {self.pods[role]}",
@@ -266,6 +273,19 @@ def test_without_fqdn_host_names_mpirun_fails(group):
     assert r.returncode != 0
     assert f"Could not resolve hostname {group.pods['worker']}:" in r.stderr, r.stderr
     assert not group.probes("worker")
+
+
+def test_without_prefix_orted_is_not_found_on_the_worker(group):
+    # The oracle can fail: without --prefix, orted on the worker starts with sshd's environment,
+    # whose PATH has no Open MPI, so no rank starts there.
+    leader_sh = group.root / "leader/opt/dflash-trt/leader.sh"
+    text = leader_sh.read_text()
+    assert '--prefix "$prefix" ' in text
+    leader_sh.write_text(text.replace('--prefix "$prefix" ', ""))
+    group.start_worker()
+    r = group.run_leader(timeout=180)
+    assert r.returncode != 0 and not group.probes("worker"), r.stdout + r.stderr
+    assert "ORTE was unable to reliably start one or more daemons" in r.stderr, r.stderr
 
 
 def test_leader_fails_with_a_clear_line_when_a_worker_is_gone(group):
