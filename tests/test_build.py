@@ -356,6 +356,7 @@ def test_bundles_reference_model_serves_the_same_text_as_generate(tiny, hopper, 
     req = pb.InferenceRequest([pb.Tensor("text_input", np.array([b"hello there"], dtype=np.object_)),
                                pb.Tensor("sampling_param_max_tokens", np.array([16], dtype=np.int32))])
     model.execute([req])
+    model.finalize()  # the decode slot answers, then stops
     [(resp, flags)] = req.get_response_sender().sent
     text = {t.name(): t.as_numpy() for t in resp.output_tensors()}["text_output"][0].decode()
     assert text == generate_json(tiny / "llama", tiny / "llama-drafter", "hello there", 16)["text"]

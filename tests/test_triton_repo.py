@@ -112,6 +112,7 @@ def test_reference_model_returns_the_same_text_as_generate(tmp_path, pb_cleanup)
                                      pb.Tensor("sampling_param_max_tokens", np.array([24], dtype=np.int32)),
                                      pb.Tensor("streaming", np.array([s]))]) for s in (False, True)]
     assert model.execute(requests) is None  # decoupled: answers go through the senders
+    model.finalize()  # the decode slot drains the queue before it stops
     expected = generate_json(tmp_path / "t", tmp_path / "d", prompt, 24)
     for req in requests:
         [(resp, flags)] = req.get_response_sender().sent
@@ -136,7 +137,7 @@ def test_reference_model_reports_bad_requests_as_errors(tmp_path, pb_cleanup):
     model = mod.TritonPythonModel()
     model.initialize(triton_args(repo, "dflash_reference"))
     req = pb.InferenceRequest([pb.Tensor("sampling_param_max_tokens", np.array([4], dtype=np.int32))])
-    model.execute([req])
+    model.execute([req])  # refused before it is queued
     [(resp, flags)] = req.get_response_sender().sent
     assert resp.has_error() and "text_input" in resp.error().message()
     assert flags == pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
