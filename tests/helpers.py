@@ -164,9 +164,14 @@ def load_model_module(model_py: Path, pb):
     """Import a bundle's model.py with pb as its `triton_python_backend_utils` (the conftest
     fixture pb_cleanup removes it from sys.modules afterwards)."""
     sys.modules["triton_python_backend_utils"] = pb
+    sys.modules.pop("dflash_metrics", None)  # each model folder has its own copy
     spec = importlib.util.spec_from_file_location(f"triton_model_{model_py.parent.parent.name}", model_py)
     mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    sys.path.insert(0, str(model_py.parent))  # Triton's Python backend imports the model's sibling files
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(model_py.parent))
     return mod
 
 

@@ -106,6 +106,10 @@ class TorchLlmArgs(Strict):
     max_num_tokens: int | None = 8192
     cuda_graph_config: CudaGraphConfig | None = None
     moe_config: MoeConfig | None = None
+    # TorchLlmArgs.enable_iter_perf_stats (bool, default False): read in the stored llm_args.py
+    # versions of the index (e.g. TorchLlmArgs "enable_iter_perf_stats: bool = Field(default=False,
+    # description='Enable iteration performance statistics.')"), not in the 0004396 pages read
+    enable_iter_perf_stats: bool = False
 
     @model_validator(mode="after")
     def _dflash_backend(self):

@@ -149,6 +149,9 @@ def trtllm_serve_config(*, target_cfg: dict, drafter_path: str, block_size: int,
         "max_seq_len": max_seq_len,
         "kv_cache_config": kv_cfg,
         "cuda_graph_config": {"enable_padding": True, "max_batch_size": max_batch_size},
+        # iteration stats (waiting requests, KV-cache blocks) for trtllm-serve's /metrics and the
+        # Triton model's dflash_* metrics (LLM.get_stats_async)
+        "enable_iter_perf_stats": True,
         "speculative_config": {
             "decoding_type": "DFlash",
             "speculative_model": drafter_path,

@@ -15,12 +15,9 @@ returns; `decode_slots` worker threads (each with its own pair and KV cache) dec
 through the request's response sender with one final response (the reference runtime produces
 a generation in one call, so a streaming request gets its full, cumulative text at once).
 
-Custom metrics (Triton's Python-backend metrics API, labels model / version), shared with the
-tensorrt_llm model: dflash_requests_active, dflash_requests_waiting, dflash_kv_cache_utilization
-(KV positions reserved by the active requests over the slots' capacity), dflash_acceptance_length
-(mean tokens per verify block over the last ACCEPTANCE_WINDOW blocks), and the counters
-dflash_draft_blocks_total, dflash_accepted_tokens_total (tokens from verify blocks, bonus
-included: their ratio is tau).
+Custom metrics: 1/dflash_metrics.py (the same families as the tensorrt_llm model). Here
+dflash_kv_cache_utilization is the KV positions reserved by the active requests (prompt +
+max_tokens + one block) over the slots' capacity.
 """
 import collections
 import json
@@ -32,19 +29,7 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 import yaml
-
-ACCEPTANCE_WINDOW = 256  # verify blocks in dflash_acceptance_length
-GAUGES = {
-    "dflash_requests_active": "requests being decoded",
-    "dflash_requests_waiting": "requests accepted and waiting for a decode slot",
-    "dflash_kv_cache_utilization": "fraction of the KV-cache capacity reserved by active requests (0..1)",
-    "dflash_acceptance_length": f"mean tokens per verify block over the last {ACCEPTANCE_WINDOW} blocks",
-}
-COUNTERS = {
-    "dflash_draft_blocks_total": "verify blocks (one drafted block each)",
-    "dflash_accepted_tokens_total": "tokens produced by verify blocks, bonus token included",
-}
-
+from dflash_metrics import Metrics  # 1/dflash_metrics.py, shared with the tensorrt_llm model
 
 def _scalar(request, name, default=None):
     tensor = pb_utils.get_input_tensor_by_name(request, name)
@@ -79,30 +64,6 @@ def stats_from_result(result, block_size):
     drafted = blocks * (block_size - 1)
     accepted = sum(max(0, a - 1) for a in result.accepted_per_block)
     return accepted, drafted, (accepted / drafted if drafted else 0.0)
-
-
-class Metrics:
-    """The dflash_* families, one metric each for this model and version."""
-
-    def __init__(self, model, version):
-        labels = {"model": model, "version": str(version)}
-        kinds = [(GAUGES, pb_utils.MetricFamily.GAUGE), (COUNTERS, pb_utils.MetricFamily.COUNTER)]
-        self.families = {n: pb_utils.MetricFamily(name=n, description=d, kind=k)
-                         for table, k in kinds for n, d in table.items()}
-        self.m = {n: f.Metric(labels=labels) for n, f in self.families.items()}
-        self.window = collections.deque(maxlen=ACCEPTANCE_WINDOW)
-        self.lock = threading.Lock()
-
-    def set(self, name, value):
-        self.m[name].set(float(value))
-
-    def blocks_done(self, accepted_per_block):
-        with self.lock:
-            self.window.extend(accepted_per_block)
-            self.m["dflash_draft_blocks_total"].increment(float(len(accepted_per_block)))
-            self.m["dflash_accepted_tokens_total"].increment(float(sum(accepted_per_block)))
-            if self.window:
-                self.set("dflash_acceptance_length", sum(self.window) / len(self.window))
 
 
 class TritonPythonModel:
