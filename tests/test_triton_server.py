@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import urllib.request
 
 import numpy as np
@@ -37,6 +38,13 @@ def _binary_runs() -> str | None:
         return f"{binary} cannot execute here: {e}"
     if "error while loading shared libraries" in p.stderr:
         return f"{binary} cannot start here: {p.stderr.strip().splitlines()[-1]}"
+    # the Python-backend stub links the base interpreter's libpython3.x.so (absent from a static build)
+    stub = pytriton_dist() / "python_backend_stubs" / f"{sys.version_info.major}.{sys.version_info.minor}"
+    ldd = subprocess.run(["ldd", str(stub / "triton_python_backend_stub")], capture_output=True, text=True,
+                         env=server_environment(default_stub_env()), check=False)
+    missing = [line.strip() for line in ldd.stdout.splitlines() if "not found" in line]
+    if missing:
+        return f"the Python-backend stub cannot start here: {missing[0]}"
     return None
 
 
@@ -182,3 +190,31 @@ def test_server_stops_cleanly(server):
     assert not server.ready()
     log = server.log_path.read_text()
     assert "successfully unloaded" in log or "Successfully unloaded" in log, log[-2000:]
+
+
+def test_dflash_trt_serve_command_runs_and_stops_on_sigterm(server):
+    """`dflash-trt serve --bundle DIR` in its own process: ready, answers, exits 0 on SIGTERM
+    (what a pod's stop sends) with tritonserver gone."""
+    import signal
+
+    from dflash_trt.bundle.triton_server import free_port
+
+    ports = [free_port() for _ in range(3)]
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_trt.cli", "serve", "--bundle", str(server.bundle),
+                             "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
+                             "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        info = json.loads("".join(iter(proc.stdout.readline, "}\n")) + "}")
+        assert info["grpc"] == f"127.0.0.1:{ports[1]}" and info["models"] == ["dflash_reference"]
+        responses, error = _stream(types.SimpleNamespace(grpc_url=info["grpc"]), _inputs(max_tokens=8))
+        assert error is None and responses[0]["text_output"][0]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=90)
+    assert proc.returncode == 0, err
+    assert "tritonserver stopped (exit code 0)" in err
+
+
+def test_serve_refuses_a_folder_that_is_not_a_bundle(tmp_path):
+    code, _, err = run_cli("serve", "--bundle", str(tmp_path))
+    assert code == 1 and "no triton/ model repository" in err
