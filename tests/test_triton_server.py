@@ -218,3 +218,31 @@ def test_dflash_trt_serve_command_runs_and_stops_on_sigterm(server):
 def test_serve_refuses_a_folder_that_is_not_a_bundle(tmp_path):
     code, _, err = run_cli("serve", "--bundle", str(tmp_path))
     assert code == 1 and "no triton/ model repository" in err
+
+
+@pytest.mark.slow
+def test_embedded_pair_through_the_server_is_lossless_with_real_acceptance(tmp_path):
+    """The embedded SmolLM2-135M target and our trained drafter: the text streamed back equals
+    `dflash-trt generate` and the drafter's acceptance survives the server (tau well above 1)."""
+    from dflash_trt.errors import DFlashError
+    from dflash_trt.presets.embedded import embedded_drafter_path, ensure_embedded_target
+
+    if _binary_runs():
+        pytest.skip(_binary_runs())
+    try:
+        ensure_embedded_target(progress=False)
+        embedded_drafter_path()
+    except DFlashError as e:
+        pytest.fail(f"the embedded pair is part of the package: {e}")
+    code, _, err = run_cli("build", "--arch", "hopper", "--quant", "none", "--out", str(tmp_path / "b"))
+    assert code == 0, err
+    prompt, n = "Write a Python function that reverses a list", 48
+    with TritonServer(tmp_path / "b" / "triton", ["dflash_reference"], work=tmp_path / "srv") as srv:
+        [out], error = _stream(srv, _inputs(prompt=prompt, max_tokens=n))
+    assert error is None
+    gen = subprocess.run([sys.executable, "-m", "dflash_trt.cli", "generate", "-p", prompt, "--max-new-tokens", str(n),
+                          "--dtype", "float32", "--json"], capture_output=True, text=True, check=True)
+    expected = json.loads(gen.stdout)
+    assert out["text_output"][0].decode() == expected["text"]
+    assert out["tau"][0] == pytest.approx(expected["tau"]) and expected["tau"] > 1.5
+    assert int(out["total_accepted_draft_tokens"][0]) > 0
