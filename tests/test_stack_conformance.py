@@ -22,10 +22,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import upstream_trtllm as trt
 import yaml
 from pydantic import ValidationError
 
-import upstream_trtllm as trt
 from helpers import run_cli
 
 CACHE = Path(__file__).parent / ".cache" / "wheels"

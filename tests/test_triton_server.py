@@ -32,7 +32,7 @@ def _binary_runs() -> str | None:
     """None when tritonserver can execute here, else why not (the one reason to skip)."""
     binary = pytriton_dist() / "bin" / "tritonserver"
     try:
-        p = subprocess.run([str(binary), "--help"], capture_output=True, text=True,
+        p = subprocess.run([str(binary), "--help"], capture_output=True, text=True, check=False,
                            env=server_environment(default_stub_env()), timeout=60)
     except OSError as e:
         return f"{binary} cannot execute here: {e}"
@@ -57,7 +57,7 @@ def server(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("served")
     make_tiny("llama", root / "t", root / "d", seed=1)
-    code, out, err = run_cli("build", "--target", str(root / "t"), "--drafter", str(root / "d"), "--arch", "hopper",
+    code, _, err = run_cli("build", "--target", str(root / "t"), "--drafter", str(root / "d"), "--arch", "hopper",
                              "--quant", "none", "--out", str(root / "bundle"), "--json")
     assert code == 0, err
     srv = TritonServer(root / "bundle" / "triton", ["dflash_reference"], work=root / "server")

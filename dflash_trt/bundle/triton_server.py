@@ -46,7 +46,7 @@ def pytriton_dist() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise DFlashError(f"no Triton server: the `nvidia-pytriton` wheel is not installed; "
                           f"pip install --no-deps '{PYTRITON_SPEC}' (it pins numpy<2, so without its dependencies)")
-    dist = Path(list(spec.submodule_search_locations)[0]) / "tritonserver"
+    dist = Path(next(iter(spec.submodule_search_locations))) / "tritonserver"
     if not (dist / "bin" / "tritonserver").is_file():
         raise DFlashError(f"{dist}: no bin/tritonserver in the nvidia-pytriton wheel")
     return dist
@@ -71,7 +71,8 @@ def make_stub_env(dest: Path, progress: bool = True) -> Path:
         if progress:
             print(f"dflash-trt serve: creating the Python-backend stub env {dest} (numpy<2)", file=sys.stderr)
         subprocess.run([str(base_python()), "-m", "venv", str(dest)], check=True)
-        subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", STUB_NUMPY], check=True)
+    # idempotent (and offline) once numpy<2 is there; completes an env a failed run left half-made
+    subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", STUB_NUMPY], check=True)
     site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           capture_output=True, text=True, check=True).stdout.strip()
     ours = sysconfig.get_paths()["purelib"]
@@ -84,7 +85,7 @@ def check_stub_env(env: Path) -> None:
     if not py.exists():
         raise DFlashError(f"{env}: no Python-backend stub env; create it with `dflash-trt serve --make-stub-env` "
                           "(a venv with numpy<2: Triton's stub misreads BYTES tensors under numpy 2)")
-    probe = subprocess.run([str(py), "-c", "import numpy, dflash_trt; print(numpy.__version__)"],
+    probe = subprocess.run([str(py), "-c", "import numpy, dflash_trt; print(numpy.__version__)"], check=False,
                            capture_output=True, text=True)
     if probe.returncode != 0:
         raise DFlashError(f"{env}: the stub env cannot import numpy and dflash_trt "
@@ -180,8 +181,9 @@ class TritonServer:
 
     def start(self, timeout: float = 180.0) -> TritonServer:
         check_stub_env(self.stub_env)
-        if not (self.repo / "dflash_reference").is_dir() and "dflash_reference" in self.models:
-            raise DFlashError(f"{self.repo}: no dflash_reference model (is this a bundle's triton/ folder?)")
+        for m in self.models:
+            if not (self.repo / m / "config.pbtxt").is_file():
+                raise DFlashError(f"{self.repo}: no model {m} (no {m}/config.pbtxt; is this a bundle's triton/ folder?)")
         self.work.mkdir(parents=True, exist_ok=True)
         argv, env = self.command(), self.environment()
         self._log = open(self.log_path, "wb")

@@ -35,7 +35,8 @@ def serve_cmd(bundle, models, host, http_port, grpc_port, metrics_port, stub_env
       dflash-trt serve --bundle engines/smollm2-135m-hopper-fp8
       curl localhost:8000/v2/health/ready; curl -s localhost:8002/metrics | grep dflash_
     """
-    from dflash_trt.bundle.triton_server import TritonServer, default_stub_env, make_stub_env as make_env
+    from dflash_trt.bundle.triton_server import TritonServer, default_stub_env
+    from dflash_trt.bundle.triton_server import make_stub_env as make_env
     from dflash_trt.errors import DFlashError
 
     env = Path(stub_env) if stub_env else default_stub_env()
