@@ -9,6 +9,7 @@ setup installs both).
 import json
 import queue
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -40,6 +41,8 @@ def _binary_runs() -> str | None:
         return f"{binary} cannot start here: {p.stderr.strip().splitlines()[-1]}"
     # the Python-backend stub links the base interpreter's libpython3.x.so (absent from a static build)
     stub = pytriton_dist() / "python_backend_stubs" / f"{sys.version_info.major}.{sys.version_info.minor}"
+    if not shutil.which("ldd"):
+        return None  # cannot tell ahead; the server start reports a stub that cannot load
     ldd = subprocess.run(["ldd", str(stub / "triton_python_backend_stub")], capture_output=True, text=True,
                          env=server_environment(default_stub_env()), check=False)
     missing = [line.strip() for line in ldd.stdout.splitlines() if "not found" in line]

@@ -7,12 +7,15 @@ We use its files only; pytriton's own Python package is never imported (it pins 
 Three things make its Python backend work outside NVIDIA's container (measured on this CPU):
 
 - The stub (`triton_python_backend_stub`) is built against numpy 1.x and embeds the Python of
-  the `python3` first on PATH: its sys.path is that interpreter's, not PYTHONPATH. Under numpy 2
-  the stub misreads BYTES tensors (`deserialize_bytes_tensor` sees a garbage length prefix),
-  because numpy 2 changed the array-descriptor layout the stub was compiled against. So the
-  server runs with a small "stub env" first on PATH: a venv of the same base interpreter with
-  numpy<2, whose site-packages add ours after its own (a .pth file), so the models import
-  dflash_trt, torch and yaml from our environment and numpy 1.x from theirs.
+  the `python3` first on PATH: its sys.path is that interpreter's, not PYTHONPATH. With numpy 2
+  there, the first BYTES request kills the stub: `deserialize_bytes_tensor` reads a length prefix
+  of 0x05050505 for the 5-byte string "hello" ("unpack_from requires a buffer of at least
+  84215049 bytes ... actual buffer size is 9"; numpy 2.2.6); with numpy 1.26.4 the same request
+  round-trips. (Our reading: the stub's numpy 1.x C-API view of the request buffer is wrong
+  under numpy 2's changed ABI.) So the server runs with a small "stub env" first on PATH: a venv
+  of the same base interpreter with numpy<2, whose site-packages add ours after its own (a .pth
+  file), so the models import dflash_trt, torch and yaml from our environment and numpy 1.x
+  from theirs.
 - LD_LIBRARY_PATH holds the wheel's `nvidia_pytriton.libs` and the lib folder of the base
   interpreter whose libpython3.x.so the stub links (pyenv / uv interpreters are not in ld's path).
 - The stub for this Python version is placed in the backend folder, as pytriton itself does
