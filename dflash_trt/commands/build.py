@@ -73,7 +73,8 @@ def build_cmd(target, drafter, arch, gpu, quant, kv_cache, drafter_quant, stacks
     if as_json:
         m = res["manifest"]
         click.echo(json.dumps({"bundle": res["bundle"], "stages": res["stages"],
-                               "compile": m["stages"]["compile"], "artifacts": m["artifacts"],
+                               "compile": m["stages"]["compile"], "serving_stacks": m["serving_stacks"],
+                               "serving_configs": m["serving_configs"], "artifacts": m["artifacts"],
                                "manifest": f"{res['bundle']}/manifest.json"}, indent=2))
     else:
         click.echo(format_summary(res))
