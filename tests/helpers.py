@@ -114,6 +114,33 @@ class Logger:
     log_warn = log_error = log_verbose = log_info
 
 
+class MetricFamily:
+    """Triton's custom-metrics API (pb_utils.MetricFamily / Metric): values kept in memory."""
+    GAUGE, COUNTER = "gauge", "counter"
+
+    def __init__(self, name, description, kind):
+        self.name, self.description, self.kind, self.metrics = name, description, kind, []
+
+    def Metric(self, labels=None):  # noqa: N802 (Triton's name)
+        metric = _Metric(labels or {})
+        self.metrics.append(metric)
+        return metric
+
+
+class _Metric:
+    def __init__(self, labels):
+        self.labels, self._value = labels, 0.0
+
+    def set(self, value):
+        self._value = float(value)
+
+    def increment(self, value):
+        self._value += float(value)
+
+    def value(self):
+        return self._value
+
+
 def get_input_tensor_by_name(request, name):
     return next((t for t in request.inputs() if t.name() == name), None)
 
@@ -127,7 +154,7 @@ def make_pb_utils(model_dir: Path) -> types.ModuleType:
     pb = types.ModuleType("triton_python_backend_utils")
     pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
     for obj in (TritonModelException, TritonError, Tensor, InferenceResponse, InferenceRequest, Logger,
-                get_input_tensor_by_name, get_output_tensor_by_name):
+                MetricFamily, get_input_tensor_by_name, get_output_tensor_by_name):
         setattr(pb, obj.__name__, obj)
     pb.get_model_dir = lambda: str(model_dir)
     return pb
@@ -137,9 +164,14 @@ def load_model_module(model_py: Path, pb):
     """Import a bundle's model.py with pb as its `triton_python_backend_utils` (the conftest
     fixture pb_cleanup removes it from sys.modules afterwards)."""
     sys.modules["triton_python_backend_utils"] = pb
+    sys.modules.pop("dflash_metrics", None)  # each model folder has its own copy
     spec = importlib.util.spec_from_file_location(f"triton_model_{model_py.parent.parent.name}", model_py)
     mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    sys.path.insert(0, str(model_py.parent))  # Triton's Python backend imports the model's sibling files
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(model_py.parent))
     return mod
 
 

@@ -161,7 +161,7 @@ def build_json(*args):
 def hopper(tiny, tmp_path_factory):
     bundle = tmp_path_factory.mktemp("engines") / "llama-hopper"
     res = build_json("--target", str(tiny / "llama"), "--drafter", str(tiny / "llama-drafter"), "--arch", "hopper",
-                     "--gpu", "h200", "--out", str(bundle))
+                     "--gpu", "h200", "--trt-drafter-engine", "--out", str(bundle))  # every stage runs
     return bundle, res
 
 
@@ -182,10 +182,11 @@ def test_build_completes_with_compile_deferred(hopper):
     assert any("dflash_trt.bundle.gpu_compile drafter --onnx onnx/drafter.onnx --plugins plugins" in x for x in c["commands"])
     assert _engine_files(bundle) == []  # never a faked engine
     assert (m["arch"], m["gpu"], m["sm"], m["quant"]) == ("hopper", "h200", [90],
-                                                          {"target": "fp8", "drafter": "fp8", "kv_cache": "fp8"})
+                                                          {"target": "fp8", "drafter": "none", "kv_cache": "fp8"})
     assert m["parallel"] == {"tp": 1, "ep": 1, "pp": 1} and m["backend"] == "pytorch"
     assert m["triton_model_repository"] == "triton" and m["triton_models"] == ["tensorrt_llm", "dflash_reference"]
-    for rel in ("target/hf_quant_config.json", "drafter/hf_quant_config.json", "plugins/plugin.json",
+    assert not (bundle / "drafter/hf_quant_config.json").exists()  # bf16: what every stack's DFlash loader takes
+    for rel in ("target/hf_quant_config.json", "plugins/plugin.json",
                 "onnx/drafter.onnx", "configs/trtllm-serve.yaml", "configs/vllm.json", "configs/sglang.json",
                 "triton/tensorrt_llm/config.pbtxt", "triton/tensorrt_llm/1/model.py", "triton/tensorrt_llm/1/model.yaml",
                 "triton/dflash_reference/config.pbtxt", "triton/dflash_reference/1/model.py", "engines/README.txt"):
@@ -235,7 +236,7 @@ def test_every_bundle_config_pbtxt_parses(hopper):
 def test_second_run_skips_every_stage_and_force_redoes_them(tiny, hopper):
     bundle, first = hopper
     args = ["--target", str(tiny / "llama"), "--drafter", str(tiny / "llama-drafter"), "--arch", "hopper",
-            "--gpu", "h200", "--out", str(bundle)]
+            "--gpu", "h200", "--trt-drafter-engine", "--out", str(bundle)]
     code, out, err = run_cli("build", *args)
     assert code == 0, err
     m = read_manifest(bundle)
@@ -265,7 +266,7 @@ def test_changed_input_reruns_only_what_depends_on_it(tiny, hopper, tmp_path):
     copy = tmp_path / "b"
     shutil.copytree(bundle, copy)
     res = build_json("--target", str(tiny / "llama"), "--drafter", str(tiny / "llama-drafter"), "--arch", "hopper",
-                     "--gpu", "h200", "--out", str(copy), "--block-size", "4")
+                     "--gpu", "h200", "--trt-drafter-engine", "--out", str(copy), "--block-size", "4")
     status = {s["name"]: s["status"] for s in res["stages"]}
     assert status == {"check": "skipped", "quantize": "skipped", "convert": "skipped", "plugin": "skipped",
                       "export-onnx": "skipped", "compile": "deferred", "package": "done"}
@@ -303,6 +304,61 @@ def test_compile_without_gpu_is_refused_with_the_reason(hopper, tmp_path):
     assert _engine_files(copy) == [] and verify(copy) == []
 
 
+def test_default_bundle_holds_only_what_its_serving_files_load(tiny, tmp_path):
+    """No --trt-drafter-engine / --backend engine: no plugins/, onnx/ or engines to compile, and a
+    bf16 drafter (the serving stacks' DFlash loaders run the Hugging Face drafter as it is)."""
+    bundle = tmp_path / "plain"
+    res = build_json("--target", str(tiny / "llama"), "--drafter", str(tiny / "llama-drafter"), "--arch", "blackwell",
+                     "--out", str(bundle))
+    assert [s["status"] for s in res["stages"]] == ["done", "done", "not-needed", "not-needed", "not-needed",
+                                                    "not-needed", "done"]
+    m = read_manifest(bundle)
+    assert m["quant"]["drafter"] == "none" and m["trt_drafter_engine"] is False
+    assert "--trt-drafter-engine" in m["stages"]["plugin"]["reason"]
+    for gone in ("plugins", "onnx", "trtllm_ckpt", "drafter/hf_quant_config.json"):
+        assert not (bundle / gone).exists(), gone
+    assert m["serving_stacks"] == {"served": ["trtllm", "vllm", "sglang"], "skipped": {}}
+    code, _, err = run_cli("compile", "--bundle", str(bundle))
+    assert code == 1 and "nothing to compile" in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--drafter-quant", "fp8"], "TensorRT-LLM cannot load an FP8 drafter"),
+    (["--drafter-quant", "fp8", "--stacks", "vllm,sglang"], "SGLang cannot load an FP8 drafter"),
+    (["--stacks", "sglang", "--pp", "2"], "only supports pp_size == 1"),
+    (["--stacks", "tensorrt"], "expected a comma list of trtllm, vllm, sglang"),
+])
+def test_a_stack_that_cannot_load_the_bundle_is_refused_before_writing(tiny, tmp_path, args, message):
+    code, _, err = run_cli("build", "--target", str(tiny / "llama"), "--drafter", str(tiny / "llama-drafter"),
+                           "--arch", "hopper", "--out", str(tmp_path / "b"), *args)
+    assert code == 1 and message in err and "Traceback" not in err
+    assert not (tmp_path / "b").exists()
+
+
+def test_stack_whose_rules_the_layout_breaks_is_skipped_with_the_reason(tiny, tmp_path):
+    bundle = tmp_path / "pp2"
+    code, out, err = run_cli("build", "--target", str(tiny / "llama"), "--drafter", str(tiny / "llama-drafter"),
+                             "--arch", "hopper", "--quant", "none", "--pp", "2", "--out", str(bundle))
+    assert code == 0, err
+    m = read_manifest(bundle)
+    assert m["serving_stacks"]["served"] == ["trtllm", "vllm"]
+    assert "pp_size == 1" in m["serving_stacks"]["skipped"]["sglang"]
+    assert "no SGLang config: --pp 2" in out
+    assert not (bundle / "configs/sglang.json").exists() and "sglang" not in m["serving_configs"]
+    assert (bundle / "configs/trtllm-serve.yaml").is_file()
+
+
+def test_fp8_drafter_only_for_vllm(tiny, tmp_path):
+    bundle = tmp_path / "v"
+    build_json("--target", str(tiny / "llama"), "--drafter", str(tiny / "llama-drafter"), "--arch", "hopper",
+               "--drafter-quant", "fp8", "--stacks", "vllm", "--out", str(bundle))
+    m = read_manifest(bundle)
+    assert m["quant"]["drafter"] == "fp8" and m["serving_stacks"]["served"] == ["vllm"]
+    assert sorted(p.name for p in (bundle / "configs").iterdir()) == ["vllm-speculative-config.json", "vllm.json"]
+    assert m["triton_models"] == ["dflash_reference"] and not (bundle / "triton/tensorrt_llm").exists()
+    assert (bundle / "drafter/hf_quant_config.json").is_file()
+
+
 def test_gpt_oss_builds_with_pytorch_backend_keeping_mxfp4(tiny, tmp_path):
     from safetensors import safe_open
 
@@ -314,7 +370,8 @@ def test_gpt_oss_builds_with_pytorch_backend_keeping_mxfp4(tiny, tmp_path):
     m = read_manifest(bundle)
     assert m["quant"] == {"target": "mxfp4", "drafter": "none", "kv_cache": "fp8"}
     assert m["parallel"] == {"tp": 2, "ep": 2, "pp": 1} and m["sm"] == [100, 103]
-    assert m["stages"]["compile"]["status"] == "deferred" and _engine_files(bundle) == []
+    assert m["stages"]["compile"]["status"] == "not-needed" and _engine_files(bundle) == []
+    assert not (bundle / "plugins").exists() and not (bundle / "onnx").exists()
     # the experts are the shipped MXFP4 bytes, unchanged
     with safe_open(bundle / "target" / "model.safetensors", "pt") as f:
         blocks = [k for k in f.keys() if k.endswith("_blocks")]
@@ -323,7 +380,11 @@ def test_gpt_oss_builds_with_pytorch_backend_keeping_mxfp4(tiny, tmp_path):
     serve = yaml.safe_load((bundle / "configs/trtllm-serve.yaml").read_text())
     assert serve["moe_config"] == {"backend": "TRTLLM"} and serve["moe_expert_parallel_size"] == 2
     assert serve["tensor_parallel_size"] == 2 and serve["kv_cache_config"]["dtype"] == "fp8"
-    assert json.loads((bundle / "plugins/plugin.json").read_text())["sms"] == [100, 103]
+    # per-layer windows from the target's own layer_types / sliding_window (read independently here)
+    tcfg = json.loads((tiny / "gptoss" / "config.json").read_text())
+    assert serve["kv_cache_config"]["max_attention_window"] == [
+        tcfg["sliding_window"] if t == "sliding_attention" else serve["max_seq_len"] for t in tcfg["layer_types"]]
+    assert serve["max_batch_size"] > 0
 
 
 def test_engine_backend_converts_and_defers_trtllm_build(tiny, tmp_path):
@@ -356,6 +417,7 @@ def test_bundles_reference_model_serves_the_same_text_as_generate(tiny, hopper, 
     req = pb.InferenceRequest([pb.Tensor("text_input", np.array([b"hello there"], dtype=np.object_)),
                                pb.Tensor("sampling_param_max_tokens", np.array([16], dtype=np.int32))])
     model.execute([req])
+    model.finalize()  # the decode slot answers, then stops
     [(resp, flags)] = req.get_response_sender().sent
     text = {t.name(): t.as_numpy() for t in resp.output_tensors()}["text_output"][0].decode()
     assert text == generate_json(tiny / "llama", tiny / "llama-drafter", "hello there", 16)["text"]
@@ -393,9 +455,10 @@ def test_embedded_pair_builds_with_compile_deferred(tmp_path_factory, arch, quan
     args = (["--target", target] if target else []) + ["--drafter", str(drafter), "--arch", arch, "--out", str(bundle)]
     res = build_json(*args)
     m = read_manifest(bundle)
-    assert m["target"]["name"] == "smollm2-135m" and m["quant"]["target"] == quant
-    assert {k: v["status"] for k, v in m["stages"].items()}["compile"] == "deferred"
-    assert [s["status"] for s in res["stages"]] == ["done", "done", "not-needed", "done", "done", "deferred", "done"]
+    assert m["target"]["name"] == "smollm2-135m" and m["quant"]["target"] == quant and m["quant"]["drafter"] == "none"
+    # nothing to compile: the serving files load target/ and drafter/ as they are
+    assert [s["status"] for s in res["stages"]] == ["done", "done", "not-needed", "not-needed", "not-needed",
+                                                    "not-needed", "done"]
     d = json.loads((Path(drafter) / "config.json").read_text())
     spec = yaml.safe_load((bundle / "triton/tensorrt_llm/1/model.yaml").read_text())["speculative_config"]
     assert (spec["max_draft_len"], spec["mask_token_id"], spec["target_layer_ids"]) == \
@@ -419,7 +482,7 @@ def test_arch_auto_reads_the_gpu_from_nvidia_smi(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
     bundle = tmp_path / "auto"
     build_json("--target", str(tiny / "llama"), "--drafter", str(tiny / "llama-drafter"), "--quant", "none",
-               "--out", str(bundle))
+               "--trt-drafter-engine", "--out", str(bundle))
     m = read_manifest(bundle)
     assert (m["arch"], m["gpu"], m["sm"]) == ("blackwell", "b300", [103])
     c = m["stages"]["compile"]
@@ -467,7 +530,7 @@ def test_rebuild_remakes_a_stage_whose_output_was_edited(hopper, tiny, tmp_path)
     sg = copy / "configs" / "sglang.json"
     sg.write_text(sg.read_text().replace("DFLASH", "EAGLE3"))  # same stage inputs, edited output
     res = build_json("--target", str(tiny / "llama"), "--drafter", str(tiny / "llama-drafter"), "--arch", "hopper",
-                     "--gpu", "h200", "--out", str(copy))
+                     "--gpu", "h200", "--trt-drafter-engine", "--out", str(copy))
     status = {s["name"]: s["status"] for s in res["stages"]}
     assert status["package"] == "done" and status["quantize"] == "skipped"
     assert "DFLASH" in sg.read_text() and verify(copy) == []

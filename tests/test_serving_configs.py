@@ -107,3 +107,33 @@ def test_sglang_launch_holds_zero_based_ids_and_capture_points():
     assert a[a.index("--speculative-algorithm") + 1] == "DFLASH"
     assert a[a.index("--speculative-dflash-block-size") + 1] == "10"
     assert a[a.index("--ep-size") + 1] == "2" and a[a.index("--kv-cache-dtype") + 1] == "fp8_e4m3"
+
+
+def test_each_stacks_dflash_rules():
+    from dflash_trt.bundle.serving_configs import STACKS, fp8_drafter_problem, stack_layout_problems
+
+    assert [s for s in STACKS if stack_layout_problems(s, tp=8, pp=1, block_size=16)] == []
+    assert [s for s in STACKS if stack_layout_problems(s, tp=1, pp=2, block_size=16)] == ["sglang"]
+    assert "pp_size == 1" in stack_layout_problems("sglang", tp=1, pp=2, block_size=16)[0]
+    assert [s for s in STACKS if fp8_drafter_problem(s)] == ["trtllm", "sglang"]  # vLLM quantizes its drafter
+    assert "modeling_dflash.py" in fp8_drafter_problem("trtllm")
+    assert "supports_quantization = False" in fp8_drafter_problem("sglang")
+
+
+def test_kv_cache_dtype_names_per_stack():
+    tcfg = get_preset("qwen3-8b").config()
+    kw = dict(target_path="t", drafter_path="d", block_size=16, zlab_ids=[1, 9, 17, 25, 33], tp=1, ep=1, pp=1,
+              kv_cache="fp8")
+    t = trtllm_serve_config(target_cfg=tcfg, drafter_path="d", block_size=16, mask_token_id=1,
+                            zlab_ids=[1, 9, 17, 25, 33], tp=1, ep=1, pp=1, kv_cache="fp8", arch="hopper")
+    v, g = vllm_launch(**kw)["argv"], sglang_launch(**kw)["argv"]
+    assert t["kv_cache_config"]["dtype"] == "fp8"
+    assert v[v.index("--kv-cache-dtype") + 1] == "fp8" and g[g.index("--kv-cache-dtype") + 1] == "fp8_e4m3"
+
+
+def test_max_attention_window_only_for_sliding_layers():
+    from dflash_trt.bundle.serving_configs import max_attention_window
+
+    gpt = {"layer_types": ["sliding_attention", "full_attention"] * 2, "sliding_window": 128}
+    assert max_attention_window(gpt, 8192) == [128, 8192, 128, 8192]
+    assert max_attention_window(get_preset("qwen3-8b").config(), 8192) is None

@@ -84,13 +84,61 @@ def test_llmapi_model_reads_triton_requests_and_bundle_paths(tmp_path, pb_cleanu
         pb.Tensor("sampling_param_temperature", np.array([0.5], dtype=np.float32)),
         pb.Tensor("sampling_param_stop", np.array([b"\n\n", b"END"], dtype=np.object_)),
     ])
-    prompt, params, streaming, reason = mod.read_request(req)
-    assert prompt == "hello" and streaming is True and reason is False
+    prompt, params, streaming, flags = mod.read_request(req)
+    assert prompt == "hello" and streaming is True
+    assert flags == {"return_finish_reason": False, "return_stop_reason": False, "return_cumulative_logprob": False}
     assert params["max_tokens"] == 7 and params["temperature"] == pytest.approx(0.5) and params["stop"] == ["\n\n", "END"]
+    # upstream helpers.get_sampling_params_from_request defaults
+    assert (params["best_of"], params["exclude_input_from_output"], params["return_perf_metrics"]) == (1, False, False)
     llm_args, triton_config = mod.load_llm_args(repo / "tensorrt_llm" / "1", tmp_path)
     assert llm_args["model"] == str(tmp_path / "target")
     assert llm_args["speculative_config"]["speculative_model"] == str(tmp_path / "drafter")
     assert "triton_config" not in llm_args and triton_config["decoupled"] is True
+
+
+def test_llmapi_model_has_upstreams_full_interface(tmp_path):
+    """Every input and output of TensorRT-LLM's llmapi model (tests/upstream_trtllm.py, read from
+    its config.pbtxt), with the same types, dims and optionality, and nothing else."""
+    import upstream_trtllm as trt
+
+    cfg = parse_model_config((_repo(tmp_path) / "tensorrt_llm" / "config.pbtxt").read_text())
+    dt = model_config_pb2.DataType.Name
+    assert [(i.name, dt(i.data_type), list(i.dims), i.optional) for i in cfg.input] == trt.LLMAPI_INPUTS
+    assert [(o.name, dt(o.data_type), list(o.dims)) for o in cfg.output] == trt.LLMAPI_OUTPUTS
+
+
+def test_llmapi_model_streams_cumulative_text(tmp_path, pb_cleanup):
+    """upstream _create_response sends output.text, the whole text so far, in every streamed
+    response. RequestOutput here is a plain record with the attributes that function reads."""
+    import types
+
+    import upstream_trtllm as trt
+
+    assert trt.LLMAPI_STREAMS == "cumulative"
+    repo = _repo(tmp_path)
+    pb = make_pb_utils(repo / "tensorrt_llm" / "1")
+    mod = load_model_module(repo / "tensorrt_llm" / "1" / "model.py", pb)
+    flags = {"return_finish_reason": True, "return_stop_reason": False, "return_cumulative_logprob": False}
+    texts = []
+    for so_far in ("Hel", "Hello", "Hello world"):
+        out = types.SimpleNamespace(outputs=[types.SimpleNamespace(text=so_far, finish_reason=None, stop_reason=None,
+                                                                   cumulative_logprob=None)])
+        tensors = {t.name(): t.as_numpy() for t in mod.response_tensors(out, flags, perf=False)}
+        texts.append(tensors["text_output"][0].decode())
+        assert set(tensors) == {"text_output", "finish_reason"}
+    assert texts == ["Hel", "Hello", "Hello world"]
+
+
+def test_llmapi_verify_blocks_add_up_to_the_request_counters(tmp_path, pb_cleanup):
+    import types
+
+    repo = _repo(tmp_path)
+    mod = load_model_module(repo / "tensorrt_llm" / "1" / "model.py", make_pb_utils(repo / "tensorrt_llm" / "1"))
+    spec = types.SimpleNamespace(total_draft_tokens=15 * 7, total_accepted_draft_tokens=23)
+    out = types.SimpleNamespace(outputs=[types.SimpleNamespace(
+        request_perf_metrics=types.SimpleNamespace(speculative_decoding=spec))])
+    blocks = mod.verify_blocks(out, max_draft_len=15)
+    assert len(blocks) == 7 and sum(blocks) == 23 + 7  # accepted drafts + one bonus token per block
 
 
 # -------------------------------------------------------------- the reference model, in-process
@@ -112,6 +160,7 @@ def test_reference_model_returns_the_same_text_as_generate(tmp_path, pb_cleanup)
                                      pb.Tensor("sampling_param_max_tokens", np.array([24], dtype=np.int32)),
                                      pb.Tensor("streaming", np.array([s]))]) for s in (False, True)]
     assert model.execute(requests) is None  # decoupled: answers go through the senders
+    model.finalize()  # the decode slot drains the queue before it stops
     expected = generate_json(tmp_path / "t", tmp_path / "d", prompt, 24)
     for req in requests:
         [(resp, flags)] = req.get_response_sender().sent
@@ -136,7 +185,7 @@ def test_reference_model_reports_bad_requests_as_errors(tmp_path, pb_cleanup):
     model = mod.TritonPythonModel()
     model.initialize(triton_args(repo, "dflash_reference"))
     req = pb.InferenceRequest([pb.Tensor("sampling_param_max_tokens", np.array([4], dtype=np.int32))])
-    model.execute([req])
+    model.execute([req])  # refused before it is queued
     [(resp, flags)] = req.get_response_sender().sent
     assert resp.has_error() and "text_input" in resp.error().message()
     assert flags == pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL

@@ -40,7 +40,16 @@ from dflash_trt.bundle.manifest import (
 )
 from dflash_trt.bundle.onnx_export import export_onnx
 from dflash_trt.bundle.plugin_build import build_plugin
-from dflash_trt.bundle.serving_configs import layer_ids_by_stack, sglang_launch, trtllm_serve_config, vllm_launch
+from dflash_trt.bundle.serving_configs import (
+    STACK_NAMES,
+    STACKS,
+    fp8_drafter_problem,
+    layer_ids_by_stack,
+    sglang_launch,
+    stack_layout_problems,
+    trtllm_serve_config,
+    vllm_launch,
+)
 from dflash_trt.bundle.triton_repo import llmapi_model_yaml, write_triton_repo
 from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import arch_has_fp4, arch_sms, gpus, sm_number
@@ -56,7 +65,7 @@ from dflash_trt.quant.quantize import quantize_checkpoint
 QUANTS = ("auto", "none", "fp8", "nvfp4")
 KV_CACHES = ("auto", "fp8", "bf16")
 BACKENDS = ("pytorch", "engine")
-TRITON_MODELS = ["tensorrt_llm", "dflash_reference"]
+TRITON_MODELS = ["tensorrt_llm", "dflash_reference"]  # tensorrt_llm only when the trtllm stack is served
 # the reference model gets its own copy of the unquantized pair up to this size (CPU smoke tests)
 REFERENCE_COPY_MAX_BYTES = 4 << 30
 
@@ -76,8 +85,10 @@ class BuildOptions:
     backend: str = "pytorch"
     out: str | None = None
     force: bool = False
-    drafter_quant: str = "auto"        # auto: FP8 when the target is quantized to FP8/NVFP4
+    drafter_quant: str = "auto"        # auto = none: the drafter stays bf16, the precision every stack loads
     calib: str | None = None           # calibration prompts (.jsonl) for activation / KV scales
+    stacks: tuple[str, ...] | None = None  # serving stacks to write configs for; None = every stack that fits
+    trt_drafter: bool = False          # opt-in: plugins/, onnx/ and the drafter.plan compile job
 
 
 @dataclass
@@ -219,7 +230,9 @@ def resolve_settings(o: BuildOptions, cfg: dict, name: str) -> dict:
     kv = o.kv_cache if o.kv_cache != "auto" else ("bf16" if quant == "none" else "fp8")
     if o.drafter_quant not in ("auto", "none", "fp8"):
         raise DFlashError(f"--drafter-quant {o.drafter_quant!r}: expected auto, none or fp8")
-    dq = o.drafter_quant if o.drafter_quant != "auto" else ("fp8" if quant in ("fp8", "nvfp4") else "none")
+    # auto = none: the drafter is a few percent of the target's bytes, and bf16 is what every stack's
+    # DFlash loader takes (FP8 only vLLM: resolve_stacks)
+    dq = "none" if o.drafter_quant == "auto" else o.drafter_quant
     check_parallel(o, cfg, name)
     return {"arch": arch, "gpu": gpu, "sm": sms, "quant": quant, "kv_cache": kv, "drafter_quant": dq}
 
@@ -248,6 +261,33 @@ def check_parallel(o: BuildOptions, cfg: dict, name: str) -> None:
     layers = int(cfg.get("num_hidden_layers", 0))
     if o.pp > 1 and layers % o.pp:
         raise DFlashError(f"--pp {o.pp} does not divide the target's num_hidden_layers = {layers}")
+
+
+def resolve_stacks(o: BuildOptions, s: dict, block_size: int) -> tuple[list[str], dict[str, str]]:
+    """(stacks that get a config, {stack: why not} for the others), by each stack's own DFlash
+    rules (bundle/serving_configs.py). A stack named in --stacks that cannot serve the layout, or
+    an FP8 drafter for a stack that cannot load one, is an error before anything is written."""
+    explicit = o.stacks is not None
+    wanted = list(o.stacks) if explicit else list(STACKS)
+    unknown = [x for x in wanted if x not in STACKS]
+    if unknown or not wanted:
+        raise DFlashError(f"--stacks {','.join(wanted)}: expected a comma list of {', '.join(STACKS)}")
+    served, skipped = [], {}
+    for stack in wanted:
+        if s["drafter_quant"] == "fp8" and fp8_drafter_problem(stack):
+            raise DFlashError(f"--drafter-quant fp8: {STACK_NAMES[stack]} cannot load an FP8 drafter: "
+                              f"{fp8_drafter_problem(stack)}; use --drafter-quant none, or --stacks vllm")
+        problems = stack_layout_problems(stack, tp=o.tp, pp=o.pp, block_size=block_size)
+        if problems and explicit:
+            raise DFlashError(f"--stacks {stack}: {STACK_NAMES[stack]} cannot serve this layout: {'; '.join(problems)}")
+        if problems:
+            skipped[stack] = "; ".join(problems)
+        else:
+            served.append(stack)
+    if not served:
+        raise DFlashError("no serving stack can serve this layout: "
+                          + "; ".join(f"{STACK_NAMES[k]}: {v}" for k, v in skipped.items()))
+    return served, skipped
 
 
 def resolve_pair(o: BuildOptions) -> tuple[Path, Path, str, str | None]:
@@ -288,7 +328,9 @@ class Stage:
     code: tuple[str, ...] = ()               # package-relative paths (code_hash)
     outputs: tuple[str, ...] = ()            # bundle-relative paths it writes
     after: tuple[tuple[str, str], ...] = ()
-    engine_only: bool = False                # --backend pytorch: not-needed, no outputs, code not hashed
+    # when it runs: "" always; "engine" with --backend engine; "trt_drafter" with --trt-drafter-engine;
+    # "compile" with either. Otherwise not-needed: no outputs, code not hashed
+    needs: str = ""
     reads_manifest: bool = False             # needs the manifest's first part (Builder._start_manifest)
 
 
@@ -303,16 +345,19 @@ PIPELINE = (
     Stage("convert", "_convert", (*COMMON, "backend", "quant", "tp", "pp", "ep", "calib", "kv_cache"),
           code=("quant/convert.py", "quant/linear.py", "io/formats.py", "kernels/csrc", "kernels/c_loader.py",
                 "io/checkpoint.py", "quant/calibrate.py"), outputs=("trtllm_ckpt",),
-          engine_only=True),
+          needs="engine"),
     Stage("plugin", "_plugin", ("tool_version", "arch"),
           code=("kernels/kv_inject_triton.py", "kernels/kv_inject_trt.py", "runtime/kv_inject.py",
-                "bundle/plugin_build.py", "hardware.json"), outputs=("plugins",)),  # the catalog gives the SMs
+                "bundle/plugin_build.py", "hardware.json"), outputs=("plugins",),  # the catalog gives the SMs
+          needs="trt_drafter"),
     Stage("export-onnx", "_export_onnx", COMMON,
           code=("bundle/onnx_export.py", "models/drafter.py", "models/layers.py", "models/config.py",
                 "runtime/kv_inject.py", "kernels/kv_inject_trt.py"),
-          outputs=("onnx",)),
-    Stage("compile", "_compile", (*COMMON, "backend", "arch", "gpu", "quant", "tp", "pp", "block_size", "toolchain"),
-          after=(("onnx", "export-onnx"), ("plugin", "plugin"), ("convert", "convert")), reads_manifest=True),
+          outputs=("onnx",), needs="trt_drafter"),
+    Stage("compile", "_compile", (*COMMON, "backend", "arch", "gpu", "quant", "tp", "pp", "block_size", "toolchain",
+                                  "trt_drafter"),
+          after=(("onnx", "export-onnx"), ("plugin", "plugin"), ("convert", "convert")), reads_manifest=True,
+          needs="compile"),
     Stage("package", "_package", (*COMMON, "manifest"),
           code=("bundle/serving_configs.py", "bundle/triton_repo.py", "assets/triton_templates"),
           outputs=PACKAGE_OUTPUTS, reads_manifest=True),
@@ -405,6 +450,7 @@ class Builder:
         if not 2 <= B <= self.dcfg.block_size:
             raise DFlashError(f"--block-size {B}: must be between 2 and the drafter's trained block size "
                               f"{self.dcfg.block_size}")
+        self.stacks, self.skipped_stacks = resolve_stacks(o, self.settings, B)
         self.dest = dest = Path(o.out) if o.out else default_out(self.name, self.settings, o)
         if dest.exists() and not dest.is_dir():
             raise DFlashError(f"--out {dest}: exists and is not a folder")
@@ -438,6 +484,7 @@ class Builder:
             "arch": s["arch"], "gpu": s["gpu"], "quant": s["quant"], "kv_cache": s["kv_cache"],
             "drafter_quant": s["drafter_quant"], "backend": o.backend, "tp": o.tp, "ep": o.ep, "pp": o.pp,
             "block_size": self.block_size, "toolchain": toolchain_fingerprint(self.toolchain),
+            "trt_drafter": o.trt_drafter,
         }
 
     def _start_manifest(self) -> None:
@@ -458,24 +505,32 @@ class Builder:
             "parallel": {"tp": o.tp, "ep": o.ep, "pp": o.pp},
             "backend": o.backend,
             "max_seq_len": min(int(tcfg.get("max_position_embeddings", 8192)), 32768),
-            "triton_model_repository": "triton", "triton_models": list(TRITON_MODELS),
+            "triton_model_repository": "triton",
+            "triton_models": [x for x in TRITON_MODELS if x != "tensorrt_llm" or "trtllm" in self.stacks],
+            # which stacks got a config, and why the others did not (their own DFlash rules)
+            "serving_stacks": {"served": list(self.stacks), "skipped": dict(self.skipped_stacks)},
+            "trt_drafter_engine": o.trt_drafter,
             "reference_runtime": {"layout": reference_layout(s, self.tdir, self.ddir)},
         }
         self.facts["manifest"] = {k: v for k, v in m.items() if k != "created"}
 
+    def _needed(self, st: Stage) -> bool:
+        engine, trt = self.o.backend == "engine", self.o.trt_drafter
+        return {"": True, "engine": engine, "trt_drafter": trt, "compile": engine or trt}[st.needs]
+
     def _run_stage(self, st: Stage) -> None:
-        needed = not st.engine_only or self.o.backend == "engine"
+        needed = self._needed(st)
         inputs = {k: self.facts[k] for k in st.inputs}
         inputs |= {key: self.stages[name]["inputs_sha256"] for key, name in st.after}
         if st.code:
             inputs["code"] = code_hash(*st.code) if needed else None  # code counts only where it runs
-        run = getattr(self, st.method) if needed else self._not_needed
+        run = getattr(self, st.method) if needed else (lambda: self._not_needed(st))
         self.stage(st.name, inputs, run, list(st.outputs) if needed else [])
 
     def _finish_manifest(self) -> dict:
         m = self.manifest
         if "serving_configs" not in m:  # package was reused
-            m["serving_configs"] = self.stages["package"].get("serving_configs") or _configs_index(self.work)
+            m["serving_configs"] = self.stages["package"].get("serving_configs") or _configs_index(m)
         self.stages["package"]["serving_configs"] = m["serving_configs"]
         m["stages"] = {st.name: self.stages[st.name] for st in PIPELINE}
         m["input_files"] = self.cache.entries
@@ -515,10 +570,12 @@ class Builder:
             notes.append("drafter kept as is")
         return {"commands": cmds, "reason": "; ".join(notes)}
 
-    def _not_needed(self) -> dict:
-        """An engine-only stage of a pytorch-backend build."""
-        return {"status": "not-needed", "outputs": [],
-                "reason": "the pytorch backend loads the Hugging Face checkpoint directly"}
+    def _not_needed(self, st: Stage) -> dict:
+        """A stage whose artifacts this build does not ask for (nothing in the serving files loads them)."""
+        why = {"engine": "the pytorch backend loads the Hugging Face checkpoint directly",
+               "trt_drafter": "no --trt-drafter-engine: every serving stack runs its own DFlash drafter from drafter/",
+               "compile": "nothing to compile: no --backend engine and no --trt-drafter-engine"}[st.needs]
+        return {"status": "not-needed", "outputs": [], "reason": why}
 
     def _convert(self) -> dict:
         o, s = self.o, self.settings
@@ -556,7 +613,9 @@ class Builder:
         (work / "engines").mkdir(exist_ok=True)
         (work / "engines" / "README.txt").write_text(
             "TensorRT engines of this bundle, written by `dflash-trt compile --bundle <bundle>` on the GPU\n"
-            "node into engines/<gpu>-trt<version>/ (see manifest.json, stages.compile).\n")
+            "node into engines/<gpu>-trt<version>/ (see manifest.json, stages.compile), only for bundles built\n"
+            "with --trt-drafter-engine or --backend engine. The serving configs load no engine: every stack\n"
+            "runs the Hugging Face checkpoints in target/ and drafter/ as they are.\n")
         # the reference model's copy of the pair, when it has one
         return {"outputs": [*PACKAGE_OUTPUTS, "reference"]} if layout == "copy" else {}
 
@@ -600,53 +659,68 @@ def reference_pair(work: Path, layout: str, tdir: Path, ddir: Path) -> dict:
 
 
 def write_configs(work: Path, m: dict, tcfg: dict, B: int) -> dict:
-    """configs/: trtllm-serve.yaml, vllm.json (+ the bare --speculative-config JSON), sglang.json.
-    Paths are bundle-relative: run the commands from the bundle root."""
+    """configs/: trtllm-serve.yaml, vllm.json (+ the bare --speculative-config JSON), sglang.json,
+    each only for a served stack (manifest serving_stacks). Paths are bundle-relative: run the
+    commands from the bundle root."""
     d = m["drafter"]
     p = m["parallel"]
+    served = m["serving_stacks"]["served"]
     cfgdir = work / "configs"
     cfgdir.mkdir(exist_ok=True)
-    serve = trtllm_serve_config(target_cfg=tcfg, drafter_path="drafter", block_size=B, mask_token_id=d["mask_token_id"],
-                                zlab_ids=d["target_layer_ids"]["trtllm"], tp=p["tp"], ep=p["ep"], pp=p["pp"],
-                                kv_cache=m["quant"]["kv_cache"], arch=m["arch"], max_seq_len=m["max_seq_len"])
-    (cfgdir / "trtllm-serve.yaml").write_text(
-        "# trtllm-serve target --config configs/trtllm-serve.yaml   (run from the bundle root)\n"
-        + yaml.safe_dump(serve, sort_keys=False))
+    if "trtllm" in served:
+        (cfgdir / "trtllm-serve.yaml").write_text(
+            "# trtllm-serve target --config configs/trtllm-serve.yaml   (run from the bundle root)\n"
+            + yaml.safe_dump(_trtllm_config(m, tcfg, B), sort_keys=False))
     kw = dict(target_path="target", drafter_path="drafter", block_size=B, zlab_ids=d["target_layer_ids"]["zlab"],
               tp=p["tp"], ep=p["ep"], pp=p["pp"], kv_cache=m["quant"]["kv_cache"])
-    v = vllm_launch(**kw)
-    (cfgdir / "vllm.json").write_text(json.dumps(v, indent=2) + "\n")
-    (cfgdir / "vllm-speculative-config.json").write_text(json.dumps(v["speculative_config"], indent=2) + "\n")
-    g = sglang_launch(**kw)
-    (cfgdir / "sglang.json").write_text(json.dumps(g, indent=2) + "\n")
-    return _configs_index(work)
+    if "vllm" in served:
+        v = vllm_launch(**kw)
+        (cfgdir / "vllm.json").write_text(json.dumps(v, indent=2) + "\n")
+        (cfgdir / "vllm-speculative-config.json").write_text(json.dumps(v["speculative_config"], indent=2) + "\n")
+    if "sglang" in served:
+        (cfgdir / "sglang.json").write_text(json.dumps(sglang_launch(**kw), indent=2) + "\n")
+    return _configs_index(m)
 
 
-def _configs_index(work: Path) -> dict:
-    return {"trtllm_serve": "configs/trtllm-serve.yaml", "vllm": "configs/vllm.json",
-            "vllm_speculative_config": "configs/vllm-speculative-config.json", "sglang": "configs/sglang.json"}
+CONFIG_FILES = {"trtllm": {"trtllm_serve": "configs/trtllm-serve.yaml"},
+                "vllm": {"vllm": "configs/vllm.json", "vllm_speculative_config": "configs/vllm-speculative-config.json"},
+                "sglang": {"sglang": "configs/sglang.json"}}
+
+
+def _configs_index(m: dict) -> dict:
+    return {k: v for stack in m["serving_stacks"]["served"] for k, v in CONFIG_FILES[stack].items()}
+
+
+def _trtllm_config(m: dict, tcfg: dict, B: int) -> dict:
+    d, p = m["drafter"], m["parallel"]
+    return trtllm_serve_config(target_cfg=tcfg, drafter_path="drafter", block_size=B, mask_token_id=d["mask_token_id"],
+                               zlab_ids=d["target_layer_ids"]["trtllm"], tp=p["tp"], ep=p["ep"], pp=p["pp"],
+                               kv_cache=m["quant"]["kv_cache"], arch=m["arch"], max_seq_len=m["max_seq_len"])
 
 
 def write_triton(work: Path, m: dict, tcfg: dict, B: int, ref: dict) -> None:
-    d, p = m["drafter"], m["parallel"]
-    serve = trtllm_serve_config(target_cfg=tcfg, drafter_path="drafter", block_size=B, mask_token_id=d["mask_token_id"],
-                                zlab_ids=d["target_layer_ids"]["trtllm"], tp=p["tp"], ep=p["ep"], pp=p["pp"],
-                                kv_cache=m["quant"]["kv_cache"], arch=m["arch"], max_seq_len=m["max_seq_len"])
-    llm_yaml = llmapi_model_yaml(serve, "target", decoupled=True, max_batch_size=0)
+    served = m["serving_stacks"]["served"]
+    llm_yaml = llmapi_model_yaml(_trtllm_config(m, tcfg, B), "target", decoupled=True, max_batch_size=0) \
+        if "trtllm" in served else None
     reference = {"target": ref["target"], "drafter": ref["drafter"], "block_size": B, "dtype": "float32",
-                 "max_new_tokens": 128, "chat": True}
+                 "max_new_tokens": 128, "chat": True, "decode_slots": 1, "max_queue": 64,
+                 "max_prompt_bytes": 1 << 20}
     write_triton_repo(work / "triton", llm_yaml=llm_yaml, reference=reference)
 
 
 def serve_commands(m: dict) -> dict:
     """How to serve the bundle, from its root."""
-    return {
-        "triton": "tritonserver --model-repository triton",
-        "triton_multinode": "trtllm-llmapi-launch tritonserver --model-repository triton",
-        "trtllm_serve": "trtllm-serve target --config configs/trtllm-serve.yaml",
-        "vllm": "see configs/vllm.json (command)",
-        "sglang": "see configs/sglang.json (command)",
-    }
+    served = m["serving_stacks"]["served"]
+    out = {"triton_cpu": "dflash-trt serve --bundle .   # the dflash_reference model, any machine"}
+    if "trtllm" in served:
+        out |= {"triton": "tritonserver --model-repository triton",
+                "triton_multinode": "trtllm-llmapi-launch tritonserver --model-repository triton",
+                "trtllm_serve": "trtllm-serve target --config configs/trtllm-serve.yaml"}
+    if "vllm" in served:
+        out["vllm"] = "see configs/vllm.json (command)"
+    if "sglang" in served:
+        out["sglang"] = "see configs/sglang.json (command)"
+    return out
 
 
 def build(o: BuildOptions, progress: bool = True) -> dict:
@@ -685,7 +759,10 @@ def format_summary(res: dict) -> str:
     lines.append("")
     lines.append(f"bundle: {res['bundle']}  ({len(m['artifacts'])} files, {_human(total)}; manifest.json lists each "
                  "with its sha256)")
-    lines.append("  configs/ trtllm-serve.yaml, vllm.json, sglang.json; triton/ " + ", ".join(m["triton_models"]))
+    files = [v.removeprefix("configs/") for k, v in m["serving_configs"].items() if k != "vllm_speculative_config"]
+    lines.append(f"  configs/ {', '.join(files)}; triton/ " + ", ".join(m["triton_models"]))
+    for stack, why in m.get("serving_stacks", {}).get("skipped", {}).items():
+        lines.append(f"  no {STACK_NAMES[stack]} config: {why}")
     if m["stages"]["compile"]["status"] == "deferred":
         lines.append(f"  compile deferred: on the GPU node run `dflash-trt compile --bundle {res['bundle']}`")
     return "\n".join(lines)

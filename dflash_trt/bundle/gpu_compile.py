@@ -72,14 +72,16 @@ def engine_key(tc: dict) -> str:
 
 def compile_jobs(manifest: dict, key: str = "<gpu>-trt<version>") -> list[dict]:
     """The commands of the compile stage, relative to the bundle root (run from there)."""
-    jobs = [{
-        "name": "drafter-engine",
-        "outputs": [f"engines/{key}/drafter.plan"],
-        "argv": [sys.executable if key != "<gpu>-trt<version>" else "python", "-m", "dflash_trt.bundle.gpu_compile", "drafter",
-                 "--onnx", "onnx/drafter.onnx", "--plugins", "plugins",
-                 "--max-tokens", str(max(64, 4 * manifest["drafter"]["block_size"])),
-                 "--out", f"engines/{key}/drafter.plan"],
-    }]
+    jobs = []
+    if manifest.get("trt_drafter_engine"):  # opt-in (build --trt-drafter-engine): no serving file loads it
+        jobs.append({
+            "name": "drafter-engine",
+            "outputs": [f"engines/{key}/drafter.plan"],
+            "argv": [sys.executable if key != "<gpu>-trt<version>" else "python", "-m", "dflash_trt.bundle.gpu_compile",
+                     "drafter", "--onnx", "onnx/drafter.onnx", "--plugins", "plugins",
+                     "--max-tokens", str(max(64, 4 * manifest["drafter"]["block_size"])),
+                     "--out", f"engines/{key}/drafter.plan"],
+        })
     if manifest["backend"] == "engine":
         p = manifest["parallel"]
         B = manifest["drafter"]["block_size"]
@@ -145,6 +147,9 @@ def compile_bundle(bundle: str | Path) -> dict:
     if problems:
         raise DFlashError(f"{bundle}: bundle does not match its manifest ({len(problems)} problem(s)), first: {problems[0]}")
     m = read_manifest(bundle)
+    if not compile_jobs(m):
+        raise DFlashError(f"{bundle}: nothing to compile: the bundle was built without --trt-drafter-engine and "
+                          "--backend engine; its serving files load the checkpoints as they are")
     tc = detect_toolchain()
     res = run_compile(bundle, m, tc)
     if res["status"] == "deferred":

@@ -83,6 +83,13 @@ MANIFEST_SCHEMA: dict = {
         "triton_model_repository": {"type": "string"},
         "triton_models": {"type": "array", "items": {"type": "string"}},
         "serving_configs": {"type": "object"},
+        # which stacks got a config; a skipped stack maps to the upstream rule the layout breaks
+        "serving_stacks": {
+            "type": "object", "required": ["served", "skipped"],
+            "properties": {"served": {"type": "array", "items": {"enum": ["trtllm", "vllm", "sglang"]}},
+                           "skipped": {"type": "object", "additionalProperties": {"type": "string"}}},
+        },
+        "trt_drafter_engine": {"type": "boolean"},  # build --trt-drafter-engine: plugins/, onnx/, drafter.plan
         "artifacts": {
             "type": "array",
             "items": {"type": "object", "required": ["path", "bytes", "sha256"],

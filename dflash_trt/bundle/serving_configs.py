@@ -29,6 +29,65 @@ import shlex
 
 from dflash_trt.errors import DFlashError
 
+# ------------------------------------------------------------------------ each stack's rules
+# The versions every rule below was read from (tests/upstream_contract.py holds the full
+# contract; tests/test_stack_conformance.py runs vLLM's and SGLang's own code on our files).
+STACKS = ("trtllm", "vllm", "sglang")
+STACK_NAMES = {"trtllm": "TensorRT-LLM", "vllm": "vLLM", "sglang": "SGLang"}
+CHECKED_AGAINST = {
+    "trtllm": "NVIDIA/TensorRT-LLM main: tensorrt_llm/llmapi/llm_args.py @ 0004396720054fd8e205cbf616f21f0b57c6b412, "
+              "tensorrt_llm/_torch/models/modeling_dflash.py @ 009d8fa431bd3de92245aab80f8b57dc70da1ac4",
+    "vllm": "vllm 0.33.0 (PyPI wheel): vllm/config/speculative.py",
+    "sglang": "sglang 0.5.23 (PyPI wheel): sglang/srt/arg_groups/speculative_hook.py, sglang/srt/models/dflash.py",
+}
+# KV-cache dtype names: TensorRT-LLM KvCacheConfig.dtype ("auto", "fp8", ...); vLLM --kv-cache-dtype
+# ("fp8"); SGLang --kv-cache-dtype choices ("fp8_e4m3", "fp8_e5m2", ...; no bare "fp8").
+KV_CACHE_FP8 = {"trtllm": "fp8", "vllm": "fp8", "sglang": "fp8_e4m3"}
+# Why a stack cannot load an FP8 drafter (vLLM can: its DFlash drafter builds every linear,
+# fc included, with the draft quant_config: vllm/model_executor/models/qwen3_dflash.py).
+FP8_DRAFTER_REFUSED = {
+    "trtllm": "TensorRT-LLM's DFlash drafter loader (DFlashForCausalLM.load_weights, "
+              "tensorrt_llm/_torch/models/modeling_dflash.py) builds fc as torch.nn.Linear in fc.weight's dtype, "
+              "drops fc.weight_scale and slices qkv_proj.weight with no scales; nn.Linear(dtype=float8_e4m3fn) "
+              "raises NotImplementedError",
+    "sglang": "SGLang's DFlash drafter (sglang/srt/models/dflash.py DFlashDraftModel) has "
+              "supports_quantization = False and builds fc as a plain Linear",
+}
+
+
+def stack_layout_problems(stack: str, *, tp: int, pp: int, block_size: int) -> list[str]:
+    """The stack's DFlash rules this layout breaks (empty: the stack can serve it)."""
+    if stack == "trtllm":
+        # DFlashDecodingConfig: max_draft_len (NonNegativeInt) = B - 1 drafted tokens per step
+        return [] if block_size - 1 > 0 else [f"max_draft_len = {block_size - 1}: must be > 0"]
+    if stack == "sglang":
+        # sglang/srt/arg_groups/speculative_hook.py _handle_dflash
+        out = []
+        if pp != 1:
+            out.append(f"--pp {pp}: SGLang's _handle_dflash raises \"Currently DFLASH speculative decoding only "
+                       "supports pp_size == 1\"")
+        if block_size <= 0:
+            out.append(f"block size {block_size}: --speculative-dflash-block-size must be positive")
+        return out
+    if stack == "vllm":
+        # vllm/config/speculative.py: num_speculative_tokens Field(gt=0); _verify_and_get_draft_tp
+        # accepts 1 or the target's tensor_parallel_size (we write the target's)
+        return [] if block_size - 1 > 0 else [f"num_speculative_tokens = {block_size - 1}: must be > 0"]
+    raise DFlashError(f"unknown serving stack {stack!r}: expected one of {', '.join(STACKS)}")
+
+
+def fp8_drafter_problem(stack: str) -> str | None:
+    return FP8_DRAFTER_REFUSED.get(stack)
+
+
+def max_attention_window(target_cfg: dict, max_seq_len: int) -> list[int] | None:
+    """TensorRT-LLM KvCacheConfig.max_attention_window, one entry per layer, for targets with
+    per-layer sliding windows (gpt-oss: layer_types "sliding_attention" + sliding_window)."""
+    types, window = target_cfg.get("layer_types"), target_cfg.get("sliding_window")
+    if not types or not window or "sliding_attention" not in types:
+        return None
+    return [min(int(window), max_seq_len) if t == "sliding_attention" else max_seq_len for t in types]
+
 
 def zlab_to_speculators(ids: list[int]) -> list[int]:
     return [int(i) + 1 for i in ids]
@@ -75,6 +134,10 @@ def trtllm_serve_config(*, target_cfg: dict, drafter_path: str, block_size: int,
     """The YAML given to `trtllm-serve <target> --config trtllm-serve.yaml` (LLM-API arguments;
     the same keys go into Triton's llmapi model.yaml)."""
     max_seq_len = max_seq_len or min(int(target_cfg.get("max_position_embeddings", 8192)), 32768)
+    kv_cfg = {"free_gpu_memory_fraction": 0.85, "dtype": KV_CACHE_FP8["trtllm"] if kv_cache == "fp8" else "auto"}
+    window = max_attention_window(target_cfg, max_seq_len)
+    if window:
+        kv_cfg["max_attention_window"] = window
     cfg = {
         "backend": "pytorch",
         "tensor_parallel_size": tp,
@@ -84,8 +147,11 @@ def trtllm_serve_config(*, target_cfg: dict, drafter_path: str, block_size: int,
         "max_batch_size": max_batch_size,
         "max_num_tokens": 8192,
         "max_seq_len": max_seq_len,
-        "kv_cache_config": {"free_gpu_memory_fraction": 0.85, "dtype": "fp8" if kv_cache == "fp8" else "auto"},
+        "kv_cache_config": kv_cfg,
         "cuda_graph_config": {"enable_padding": True, "max_batch_size": max_batch_size},
+        # iteration stats (waiting requests, KV-cache blocks) for trtllm-serve's /metrics and the
+        # Triton model's dflash_* metrics (LLM.get_stats_async)
+        "enable_iter_perf_stats": True,
         "speculative_config": {
             "decoding_type": "DFlash",
             "speculative_model": drafter_path,
@@ -118,7 +184,7 @@ def vllm_launch(*, target_path: str, drafter_path: str, block_size: int, zlab_id
     if ep > 1:
         argv += ["--enable-expert-parallel"]
     if kv_cache == "fp8":
-        argv += ["--kv-cache-dtype", "fp8"]
+        argv += ["--kv-cache-dtype", KV_CACHE_FP8["vllm"]]
     return {
         "speculative_config": spec,
         # what vLLM derives from the drafter's dflash_config (z-lab ids + 1); pin them with
@@ -138,7 +204,7 @@ def sglang_launch(*, target_path: str, drafter_path: str, block_size: int, zlab_
     if ep > 1:
         argv += ["--ep-size", str(ep)]
     if kv_cache == "fp8":
-        argv += ["--kv-cache-dtype", "fp8_e4m3"]
+        argv += ["--kv-cache-dtype", KV_CACHE_FP8["sglang"]]
     return {
         "argv": argv,
         "command": shlex.join(argv),

@@ -2,9 +2,9 @@
 
     triton/
       tensorrt_llm/      TensorRT-LLM LLM API (PyTorch backend) with DFlash, Python backend, GPU
-        config.pbtxt  1/model.py  1/model.yaml
+        config.pbtxt  1/model.py  1/model.yaml  1/dflash_metrics.py     (only when the trtllm stack is served)
       dflash_reference/  the dflash-trt reference runtime, Python backend, CPU: smoke tests anywhere
-        config.pbtxt  1/model.py  1/model.yaml
+        config.pbtxt  1/model.py  1/model.yaml  1/dflash_metrics.py
 
 config.pbtxt files are protobuf text of `inference.ModelConfig`; they are rendered from the
 templates in dflash_trt/assets/triton_templates and then parsed back with Triton's own schema
@@ -27,6 +27,11 @@ MODELS = ("tensorrt_llm", "dflash_reference")
 
 def _template(model: str, name: str) -> str:
     return resources.files("dflash_trt").joinpath("assets", "triton_templates", model, name).read_text()
+
+
+def _shared(name: str) -> str:
+    """A file both models carry in their 1/ folder."""
+    return resources.files("dflash_trt").joinpath("assets", "triton_templates", name).read_text()
 
 
 def parse_model_config(text: str, source: str = "config.pbtxt"):
@@ -56,22 +61,29 @@ def _yaml(header: str, data: dict) -> str:
     return header + yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
 
 
-def write_triton_repo(dest: str | Path, *, llm_yaml: dict, reference: dict, validate: bool = True) -> list[Path]:
-    """Write the two-model repository under dest. `llm_yaml` from llmapi_model_yaml();
-    `reference` = {target, drafter, block_size, dtype, max_new_tokens, chat}. Returns the files."""
+def write_triton_repo(dest: str | Path, *, llm_yaml: dict | None, reference: dict, validate: bool = True) -> list[Path]:
+    """Write the repository under dest. `llm_yaml` from llmapi_model_yaml(), or None when the
+    bundle serves no TensorRT-LLM (then only dflash_reference is written); `reference` = {target,
+    drafter, block_size, dtype, max_new_tokens, chat, decode_slots, max_queue, max_prompt_bytes}.
+    Returns the files."""
     dest = Path(dest)
-    tc = llm_yaml["triton_config"]
-    decoupled = "true" if tc["decoupled"] else "false"
-    files = {
-        "tensorrt_llm/config.pbtxt": Template(_template("tensorrt_llm", "config.pbtxt")).substitute(
-            max_batch_size=int(tc["max_batch_size"]), decoupled=decoupled),
-        "tensorrt_llm/1/model.py": _template("tensorrt_llm", "model.py"),
-        "tensorrt_llm/1/model.yaml": _yaml(
-            "# TensorRT-LLM LLM API arguments (tensorrt_llm.LLM), written by dflash-trt build.\n"
-            "# Relative paths are relative to the bundle root. triton_config mirrors config.pbtxt.\n", llm_yaml),
+    files = {}
+    if llm_yaml is not None:
+        tc = llm_yaml["triton_config"]
+        files |= {
+            "tensorrt_llm/config.pbtxt": Template(_template("tensorrt_llm", "config.pbtxt")).substitute(
+                max_batch_size=int(tc["max_batch_size"]), decoupled="true" if tc["decoupled"] else "false"),
+            "tensorrt_llm/1/model.py": _template("tensorrt_llm", "model.py"),
+            "tensorrt_llm/1/dflash_metrics.py": _shared("dflash_metrics.py"),
+            "tensorrt_llm/1/model.yaml": _yaml(
+                "# TensorRT-LLM LLM API arguments (tensorrt_llm.LLM), written by dflash-trt build.\n"
+                "# Relative paths are relative to the bundle root. triton_config mirrors config.pbtxt.\n", llm_yaml),
+        }
+    files |= {
         "dflash_reference/config.pbtxt": Template(_template("dflash_reference", "config.pbtxt")).substitute(
             decoupled="true"),
         "dflash_reference/1/model.py": _template("dflash_reference", "model.py"),
+        "dflash_reference/1/dflash_metrics.py": _shared("dflash_metrics.py"),
         "dflash_reference/1/model.yaml": _yaml(
             "# dflash-trt reference runtime settings, written by dflash-trt build.\n"
             "# Relative paths are relative to the bundle root.\n", reference),

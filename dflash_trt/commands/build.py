@@ -22,7 +22,15 @@ from dflash_trt.hardware import arch_sms, gpus
 @click.option("--kv-cache", type=click.Choice(["auto", "fp8", "bf16"]), default="auto", show_default=True,
               help="KV-cache format: auto = FP8 when the weights are quantized, else BF16.")
 @click.option("--drafter-quant", type=click.Choice(["auto", "none", "fp8"]), default="auto", show_default=True,
-              help="Drafter weights: auto = FP8 when the target is quantized to FP8 / NVFP4.")
+              help="Drafter weights: auto = none (bf16, a few percent of the target's bytes; every stack loads "
+              "it). fp8 only with --stacks vllm: TensorRT-LLM's and SGLang's DFlash loaders take no FP8 drafter.")
+@click.option("--stacks", help="Serving stacks to write configs for, a comma list of trtllm, vllm, sglang. Default: "
+              "every stack whose DFlash rules the layout meets (the others are skipped, with the reason in the "
+              "manifest and summary); a stack named here that cannot serve the layout is an error.")
+@click.option("--trt-drafter-engine", is_flag=True, help="Also build the drafter as a standalone TensorRT engine: "
+              "plugins/ (KV-injection plugin cubins), onnx/drafter.onnx, and engines/<gpu>/drafter.plan from "
+              "`dflash-trt compile`. No serving file loads them (TensorRT-LLM, vLLM and SGLang run their own DFlash "
+              "drafter from drafter/): for custom TensorRT runtimes and for benchmarking the plugin.")
 @click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel size.")
 @click.option("--ep", type=int, default=1, show_default=True, help="Expert-parallel size (MoE targets).")
 @click.option("--pp", type=int, default=1, show_default=True, help="Pipeline-parallel size.")
@@ -30,18 +38,23 @@ from dflash_trt.hardware import arch_sms, gpus
 @click.option("--calib", type=click.Path(dir_okay=False), help="Calibration prompts (.jsonl, {\"prompt\": ...} "
               "lines) for activation and KV-cache scales; required for quantized engine-backend targets.")
 @click.option("--backend", type=click.Choice(["pytorch", "engine"]), default="pytorch", show_default=True,
-              help="TensorRT-LLM backend: pytorch loads the checkpoint; engine builds TensorRT engines.")
+              help="pytorch: TensorRT-LLM's PyTorch backend loads target/ at start (what every serving file uses). "
+              "engine: ALSO convert the target to a TensorRT-LLM engine checkpoint (trtllm_ckpt/) with its "
+              "trtllm-build command (run by `dflash-trt compile`); no serving file loads it, since DFlash runs only "
+              "on the PyTorch backend (DFlashDecodingConfig.supports_backend), so an engine serves the target "
+              "without DFlash.")
 @click.option("--out", type=click.Path(file_okay=False), help="Bundle folder (default: engines/<target>-<gpu|arch>-<quant>).")
 @click.option("--force", is_flag=True, help="Redo every stage; replace a non-bundle --out folder.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
-def build_cmd(target, drafter, arch, gpu, quant, kv_cache, drafter_quant, tp, ep, pp, block_size, calib, backend, out,
-              force, as_json):
+def build_cmd(target, drafter, arch, gpu, quant, kv_cache, drafter_quant, stacks, trt_drafter_engine, tp, ep, pp,
+              block_size, calib, backend, out, force, as_json):
     """Build a deployable bundle: check -> quantize -> convert -> plugin -> export-onnx -> compile
     -> package. Re-running skips every stage whose inputs did not change (--force redoes them).
-    Without a GPU and TensorRT, compile is recorded as deferred with its commands; run
-    `dflash-trt compile --bundle DIR` on the GPU node. The bundle holds manifest.json, the
-    quantized checkpoints, plugins/, onnx/, engines/, configs/ (trtllm-serve, vLLM, SGLang)
-    and triton/ (a Triton model repository).
+    The bundle holds manifest.json, the (quantized) target and the bf16 drafter, configs/
+    (trtllm-serve, vLLM, SGLang: each checked against that stack's DFlash rules) and triton/ (a
+    Triton model repository). Nothing in it needs compiling at pod start; convert, plugin,
+    export-onnx and compile run only for --backend engine / --trt-drafter-engine (without a GPU
+    and TensorRT, compile is recorded as deferred: `dflash-trt compile --bundle DIR` on the GPU node).
 
     \b
     Examples:
@@ -54,12 +67,14 @@ def build_cmd(target, drafter, arch, gpu, quant, kv_cache, drafter_quant, tp, ep
 
     opts = BuildOptions(target=target, drafter=drafter, arch=arch, gpu=gpu, quant=quant, kv_cache=kv_cache, tp=tp,
                         ep=ep, pp=pp, block_size=block_size, backend=backend, out=out, force=force,
-                        drafter_quant=drafter_quant, calib=calib)
+                        drafter_quant=drafter_quant, calib=calib, trt_drafter=trt_drafter_engine,
+                        stacks=tuple(x.strip() for x in stacks.split(",") if x.strip()) if stacks is not None else None)
     res = build(opts, progress=True)
     if as_json:
         m = res["manifest"]
         click.echo(json.dumps({"bundle": res["bundle"], "stages": res["stages"],
-                               "compile": m["stages"]["compile"], "artifacts": m["artifacts"],
+                               "compile": m["stages"]["compile"], "serving_stacks": m["serving_stacks"],
+                               "serving_configs": m["serving_configs"], "artifacts": m["artifacts"],
                                "manifest": f"{res['bundle']}/manifest.json"}, indent=2))
     else:
         click.echo(format_summary(res))
@@ -70,12 +85,13 @@ def build_cmd(target, drafter, arch, gpu, quant, kv_cache, drafter_quant, tp, ep
 @click.option("--json", "as_json", is_flag=True)
 def compile_cmd(bundle, as_json):
     """Run a bundle's deferred GPU stage here: TensorRT engines for the drafter (ONNX graph +
-    the KV-injection plugin) and, for the engine backend, the target (trtllm-build). Needs an
+    the KV-injection plugin; bundles built with --trt-drafter-engine) and, for the engine
+    backend, the target (trtllm-build). No serving file loads either. Needs an
     NVIDIA GPU and TensorRT (/ TensorRT-LLM); fails with the reason where they are missing.
     Engines go to <bundle>/engines/<gpu>-trt<version>/ and into the manifest.
 
     \b
-    Example (on the GPU node, e.g. in the Helm chart's init container):
+    Example (on the GPU node):
       dflash-trt compile --bundle /models/smollm2-135m-blackwell-nvfp4
     """
     from dflash_trt.bundle.gpu_compile import compile_bundle

@@ -1,24 +1,35 @@
 """Triton Python-backend model serving the dflash-trt reference runtime (lossless DFlash, CPU).
 
-Written into a bundle by `dflash-trt build`. It needs the `dflash-trt` package in the Python
-environment of Triton's Python backend (`pip install dflash-trt`). Settings come from
-1/model.yaml: `target` and `drafter` (absolute, or relative to the bundle root, which is two
-folders above this model's folder), `dtype`, `max_new_tokens`, `chat`.
+Written into a bundle by `dflash-trt build`; `dflash-trt serve --bundle DIR` runs it in a real
+Triton server on any machine. It needs the `dflash-trt` package in the Python environment of
+Triton's Python backend. Settings come from 1/model.yaml: `target` and `drafter` (absolute, or
+relative to the bundle root, two folders above this model's folder), `dtype`, `block_size`,
+`max_new_tokens`, `chat`, `decode_slots` (pairs loaded, requests decoded at once), `max_queue`
+(accepted requests waiting for a slot; more are refused), `max_prompt_bytes`.
 
-Request tensors (same names as TensorRT-LLM's llmapi model): text_input, streaming,
+Request tensors (the names of TensorRT-LLM's llmapi model): text_input, streaming,
 sampling_param_{temperature,top_k,top_p,max_tokens,seed}, plus block_size and raw_prompt.
 Response tensors: text_output, finish_reason, acceptance_rate, total_accepted_draft_tokens,
-total_draft_tokens, tau. The model is decoupled: each request gets its responses through its
-response sender, the last one flagged final.
+total_draft_tokens, tau. The model is decoupled: execute() validates each request, queues it and
+returns; `decode_slots` worker threads (each with its own pair and KV cache) decode and answer
+through the request's response sender with one final response (the reference runtime produces
+a generation in one call, so a streaming request gets its full, cumulative text at once).
+
+Custom metrics: 1/dflash_metrics.py (the same families as the tensorrt_llm model). Here
+dflash_kv_cache_utilization is the KV positions reserved by the active requests (prompt +
+max_tokens + one block) over the slots' capacity.
 """
+import collections
 import json
 import os
+import queue
+import threading
 from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 import yaml
-
+from dflash_metrics import Metrics  # 1/dflash_metrics.py, shared with the tensorrt_llm model
 
 def _scalar(request, name, default=None):
     tensor = pb_utils.get_input_tensor_by_name(request, name)
@@ -31,7 +42,7 @@ def _scalar(request, name, default=None):
     return value.decode("utf-8") if isinstance(value, bytes) else value.item() if hasattr(value, "item") else value
 
 
-def _prompt(request):
+def _prompt(request, max_bytes):
     tensor = pb_utils.get_input_tensor_by_name(request, "text_input")
     if tensor is None:
         raise pb_utils.TritonModelException("input text_input is missing")
@@ -39,7 +50,11 @@ def _prompt(request):
     if arr.size != 1:
         raise pb_utils.TritonModelException(f"input text_input: one prompt per request, got {arr.size}")
     value = arr[0]
-    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+    raw = value if isinstance(value, bytes) else str(value).encode("utf-8")
+    if len(raw) > max_bytes:
+        raise pb_utils.TritonModelException(f"input text_input: {len(raw)} bytes, more than this model's "
+                                            f"max_prompt_bytes = {max_bytes}")
+    return raw.decode("utf-8", errors="replace")
 
 
 def stats_from_result(result, block_size):
@@ -56,9 +71,9 @@ class TritonPythonModel:
         from dflash_trt.runtime.pair import load_pair  # the reference runtime; imported here, not at module load
 
         model_dir = Path(args["model_repository"])
-        version_dir = model_dir / str(args.get("model_version") or "1")
-        with open(version_dir / "model.yaml") as f:
-            self.settings = yaml.safe_load(f) or {}
+        version = str(args.get("model_version") or "1")
+        with open(model_dir / version / "model.yaml") as f:
+            self.settings = s = yaml.safe_load(f) or {}
         self.model_config = json.loads(args["model_config"])
         bundle_root = Path(os.environ.get("DFLASH_BUNDLE_ROOT") or model_dir.parent.parent)
 
@@ -66,32 +81,56 @@ class TritonPythonModel:
             p = Path(str(p))
             return p if p.is_absolute() else (bundle_root / p).resolve()
 
-        self.target_dir = where(self.settings["target"])
-        self.drafter_dir = where(self.settings["drafter"])
-        self.pair = load_pair(self.target_dir, self.drafter_dir, self.settings.get("dtype", "float32"))
-        self.block_size = int(self.settings["block_size"])
-        self.logger = pb_utils.Logger
-        self.logger.log_info(f"[dflash_reference] target {self.target_dir}, drafter {self.drafter_dir}, "
-                             f"block size {self.block_size}")
+        self.target_dir, self.drafter_dir = where(s["target"]), where(s["drafter"])
+        self.block_size = int(s["block_size"])
+        self.max_len = int(s.get("max_len", 4096))
+        self.max_prompt_bytes = int(s.get("max_prompt_bytes", 1 << 20))
+        slots = max(1, int(s.get("decode_slots", 1)))
+        # one pair per slot: a pair owns its KV caches, so two requests never share one
+        self.pairs = [load_pair(self.target_dir, self.drafter_dir, s.get("dtype", "float32"), max_len=self.max_len)
+                      for _ in range(slots)]
+        self.metrics = Metrics(args.get("model_name", "dflash_reference"), version)
+        self.queue = queue.Queue(maxsize=max(1, int(s.get("max_queue", 64))))
+        self.reserved = [0] * slots  # KV positions reserved by each slot's active request
+        self.workers = [threading.Thread(target=self._worker, args=(i,), daemon=True) for i in range(slots)]
+        for w in self.workers:
+            w.start()
+        pb_utils.Logger.log_info(f"[dflash_reference] target {self.target_dir}, drafter {self.drafter_dir}, "
+                                 f"block size {self.block_size}, {slots} decode slot(s)")
 
-    def _run(self, request):
-        from dflash_trt.runtime.pair import generate
-
-        prompt = _prompt(request)
-        max_tokens = _scalar(request, "sampling_param_max_tokens", self.settings.get("max_new_tokens", 128))
+    def _parse(self, request):
+        """The generate() arguments of a request; a bad request raises before it is queued."""
+        prompt = _prompt(request, self.max_prompt_bytes)
+        max_tokens = int(_scalar(request, "sampling_param_max_tokens", self.settings.get("max_new_tokens", 128)))
+        if max_tokens < 1:
+            raise pb_utils.TritonModelException(f"input sampling_param_max_tokens: {max_tokens}, must be at least 1")
         block_size = int(_scalar(request, "block_size", self.block_size))
-        raw = bool(_scalar(request, "raw_prompt", not self.settings.get("chat", True)))
-        result = generate(
-            self.pair, prompt,
-            max_new_tokens=int(max_tokens),
+        if not 2 <= block_size <= self.block_size:
+            raise pb_utils.TritonModelException(f"input block_size: {block_size}, must be 2..{self.block_size}")
+        return dict(
+            prompt=prompt, max_new_tokens=max_tokens, block_size=block_size,
+            chat=not bool(_scalar(request, "raw_prompt", not self.settings.get("chat", True))),
             temperature=float(_scalar(request, "sampling_param_temperature", 0.0)),
             top_k=int(_scalar(request, "sampling_param_top_k", 0)),
             top_p=float(_scalar(request, "sampling_param_top_p", 1.0)),
             seed=int(_scalar(request, "sampling_param_seed", 0)),
-            block_size=block_size, mode="dflash", chat=not raw,
         )
-        accepted, drafted, rate = stats_from_result(result, block_size)
-        finish = "length" if len(result.token_ids) >= int(max_tokens) else "stop"
+
+    def _generate(self, slot, kw):
+        from dflash_trt.runtime.pair import encode_prompt, generate
+
+        pair = self.pairs[slot]
+        ids = encode_prompt(pair.tokenizer, kw.pop("prompt"), kw.pop("chat"))
+        need = len(ids) + kw["max_new_tokens"] + kw["block_size"] + 1
+        if need > self.max_len:
+            raise pb_utils.TritonModelException(f"prompt of {len(ids)} tokens + {kw['max_new_tokens']} new tokens "
+                                                f"exceeds this model's max_len = {self.max_len}")
+        self.reserved[slot] = need
+        self._gauges()
+        result = generate(pair, ids, mode="dflash", **kw)
+        self.metrics.blocks_done(list(result.accepted_per_block))
+        accepted, drafted, rate = stats_from_result(result, kw["block_size"])
+        finish = "length" if len(result.token_ids) >= kw["max_new_tokens"] else "stop"
         tensors = [
             pb_utils.Tensor("text_output", np.array([result.text.encode("utf-8")], dtype=np.object_)),
             pb_utils.Tensor("finish_reason", np.array([finish.encode("utf-8")], dtype=np.object_)),
@@ -102,17 +141,45 @@ class TritonPythonModel:
         ]
         return pb_utils.InferenceResponse(output_tensors=tensors)
 
+    def _gauges(self):
+        active = sum(1 for r in self.reserved if r)
+        self.metrics.set("dflash_requests_active", active)
+        self.metrics.set("dflash_requests_waiting", self.queue.qsize())
+        self.metrics.set("dflash_kv_cache_utilization", sum(self.reserved) / (self.max_len * len(self.reserved)))
+
+    def _worker(self, slot):
+        while True:
+            item = self.queue.get()
+            if item is None:
+                return
+            sender, kw = item
+            try:
+                response = self._generate(slot, kw)
+            except Exception as e:  # report to the client, keep serving
+                response = pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(e)))
+            finally:
+                self.reserved[slot] = 0
+                self._gauges()
+            sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
     def execute(self, requests):
-        # Decoupled: answer through each request's sender. The reference runtime produces the
-        # whole generation in one call, so a streaming request gets it as one final response.
         for request in requests:
             sender = request.get_response_sender()
             try:
-                response = self._run(request)
-            except Exception as e:  # report to the client, keep serving
-                response = pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(e)))
-            sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                self.queue.put_nowait((sender, self._parse(request)))
+            except queue.Full:
+                sender.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(
+                    f"dflash_reference: {self.queue.maxsize} requests already waiting (max_queue); retry later")),
+                    flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            except Exception as e:
+                sender.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(e))),
+                            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        self._gauges()
         return None
 
     def finalize(self):
-        self.pair = None
+        for _ in self.workers:
+            self.queue.put(None)
+        for w in self.workers:
+            w.join(timeout=60)
+        self.pairs = []

@@ -1,0 +1,242 @@
+"""A real Triton Inference Server for a bundle's model repository, on any machine (no GPU).
+
+The server is the `tritonserver` 2.51 binary and Python backend that the PyPI wheel
+`nvidia-pytriton` ships (pytriton/tritonserver/{bin,backends/python,python_backend_stubs/3.x}).
+We use its files only; pytriton's own Python package is never imported (it pins numpy<2).
+
+Three things make its Python backend work outside NVIDIA's container (measured on this CPU):
+
+- The stub (`triton_python_backend_stub`) is built against numpy 1.x and embeds the Python of
+  the `python3` first on PATH: its sys.path is that interpreter's, not PYTHONPATH. With numpy 2
+  there, the first BYTES request kills the stub: `deserialize_bytes_tensor` reads a length prefix
+  of 0x05050505 for the 5-byte string "hello" ("unpack_from requires a buffer of at least
+  84215049 bytes ... actual buffer size is 9"; numpy 2.2.6); with numpy 1.26.4 the same request
+  round-trips. (Our reading: the stub's numpy 1.x C-API view of the request buffer is wrong
+  under numpy 2's changed ABI.) So the server runs with a small "stub env" first on PATH: a venv
+  of the same base interpreter with numpy<2, whose site-packages add ours after its own (a .pth
+  file), so the models import dflash_trt, torch and yaml from our environment and numpy 1.x
+  from theirs.
+- LD_LIBRARY_PATH holds the wheel's `nvidia_pytriton.libs` and the lib folder of the base
+  interpreter whose libpython3.x.so the stub links (pyenv / uv interpreters are not in ld's path).
+- The stub for this Python version is placed in the backend folder, as pytriton itself does
+  (pytriton/triton.py `_prepare_triton_inference_server`).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from dflash_trt.errors import DFlashError
+
+PYTRITON_SPEC = "nvidia-pytriton==0.7.0"
+STUB_NUMPY = "numpy<2"
+STUB_PTH = "zz-dflash-trt-main-env.pth"  # sorts last: numpy 1.x of the stub env wins
+
+
+def pytriton_dist() -> Path:
+    """The wheel's tritonserver folder (found without importing pytriton)."""
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise DFlashError(f"no Triton server: the `nvidia-pytriton` wheel is not installed; "
+                          f"pip install --no-deps '{PYTRITON_SPEC}' (it pins numpy<2, so without its dependencies)")
+    dist = Path(next(iter(spec.submodule_search_locations))) / "tritonserver"
+    if not (dist / "bin" / "tritonserver").is_file():
+        raise DFlashError(f"{dist}: no bin/tritonserver in the nvidia-pytriton wheel")
+    return dist
+
+
+def default_stub_env() -> Path:
+    """Where the stub env lives: $DFLASH_TRITON_STUB_ENV, else inside this (virtual) environment."""
+    return Path(os.environ.get("DFLASH_TRITON_STUB_ENV") or Path(sys.prefix) / "triton-stub")
+
+
+def base_python() -> Path:
+    """The interpreter our venv was made from (the one whose libpython the stub loads)."""
+    return Path(getattr(sys, "_base_executable", sys.executable)).resolve()
+
+
+def make_stub_env(dest: Path, progress: bool = True) -> Path:
+    """Create the stub env: `python -m venv` of the base interpreter, `pip install numpy<2`, and a
+    .pth that adds this environment's site-packages after its own."""
+    dest = Path(dest)
+    py = dest / "bin" / "python3"
+    if not py.exists():
+        if progress:
+            print(f"dflash-trt serve: creating the Python-backend stub env {dest} (numpy<2)", file=sys.stderr)
+        subprocess.run([str(base_python()), "-m", "venv", str(dest)], check=True)
+    # idempotent (and offline) once numpy<2 is there; completes an env a failed run left half-made
+    subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", STUB_NUMPY], check=True)
+    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    ours = sysconfig.get_paths()["purelib"]
+    (Path(site) / STUB_PTH).write_text(f"import site; site.addsitedir({ours!r})\n")
+    return dest
+
+
+def check_stub_env(env: Path) -> None:
+    py = Path(env) / "bin" / "python3"
+    if not py.exists():
+        raise DFlashError(f"{env}: no Python-backend stub env; create it with `dflash-trt serve --make-stub-env` "
+                          "(a venv with numpy<2: Triton's stub misreads BYTES tensors under numpy 2)")
+    probe = subprocess.run([str(py), "-c", "import numpy, dflash_trt; print(numpy.__version__)"], check=False,
+                           capture_output=True, text=True)
+    if probe.returncode != 0:
+        raise DFlashError(f"{env}: the stub env cannot import numpy and dflash_trt "
+                          f"({probe.stderr.strip().splitlines()[-1] if probe.stderr.strip() else 'no output'}); "
+                          "re-create it with `dflash-trt serve --make-stub-env`")
+    if int(probe.stdout.split(".")[0]) >= 2:
+        raise DFlashError(f"{env}: numpy {probe.stdout.strip()} in the stub env; Triton 2.51's Python-backend stub "
+                          "needs numpy<2 (BYTES tensors are misread under numpy 2)")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _backend_dir(work: Path, dist: Path) -> Path:
+    """backends/python with the stub for this Python version (links, not copies)."""
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = dist / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub.is_file():
+        raise DFlashError(f"nvidia-pytriton ships no Python-backend stub for Python {version} ({stub})")
+    py = work / "backends" / "python"
+    py.mkdir(parents=True, exist_ok=True)
+    for f in (dist / "backends" / "python").iterdir():
+        (py / f.name).unlink(missing_ok=True)
+        (py / f.name).symlink_to(f)
+    (py / stub.name).unlink(missing_ok=True)
+    shutil.copy2(stub, py / stub.name)
+    return work / "backends"
+
+
+def server_environment(stub_env: Path, extra: dict | None = None) -> dict:
+    """os.environ with the wheel's and the base interpreter's libraries and the stub env first."""
+    dist = pytriton_dist()
+    env = dict(os.environ)
+    libs = [str(dist.parent.parent / "nvidia_pytriton.libs"), sysconfig.get_config_var("LIBDIR") or "",
+            str(base_python().parent.parent / "lib")]
+    env["LD_LIBRARY_PATH"] = ":".join([p for p in libs if p] + [env.get("LD_LIBRARY_PATH", "")]).rstrip(":")
+    env["PATH"] = f"{Path(stub_env) / 'bin'}:{env.get('PATH', '')}"
+    env.pop("PYTHONPATH", None)  # the stub ignores it; keep the models' imports those of the stub env
+    env.update(extra or {})
+    return env
+
+
+class TritonServer:
+    """tritonserver on loopback (or `host`) serving `repo` with `models` loaded explicitly.
+
+        with TritonServer(bundle / "triton", ["dflash_reference"], work=tmp) as server:
+            server.grpc_url ...
+    """
+
+    def __init__(self, repo: Path, models: list[str], *, work: Path, host: str = "127.0.0.1",
+                 http_port: int | None = None, grpc_port: int | None = None, metrics_port: int | None = None,
+                 stub_env: Path | None = None, env: dict | None = None, log_verbose: int = 0):
+        self.repo, self.models, self.work, self.host = Path(repo), list(models), Path(work), host
+        self.http_port = http_port or free_port()
+        self.grpc_port = grpc_port or free_port()
+        self.metrics_port = metrics_port or free_port()
+        self.stub_env = Path(stub_env) if stub_env else default_stub_env()
+        self.extra_env = env or {}
+        self.log_verbose = log_verbose
+        self.proc: subprocess.Popen | None = None
+        self.log_path = self.work / "tritonserver.log"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.host}:{self.grpc_port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.host}:{self.http_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.host}:{self.metrics_port}/metrics"
+
+    def command(self) -> list[str]:
+        dist = pytriton_dist()
+        argv = [str(dist / "bin" / "tritonserver"), "--model-repository", str(self.repo.resolve()),
+                "--model-control-mode", "explicit", *[f"--load-model={m}" for m in self.models],
+                "--backend-directory", str(_backend_dir(self.work, dist)),
+                "--cache-directory", str(dist / "caches"),
+                "--http-address", self.host, "--http-port", str(self.http_port),
+                "--grpc-address", self.host, "--grpc-port", str(self.grpc_port),
+                "--metrics-address", self.host, "--metrics-port", str(self.metrics_port),
+                "--allow-metrics", "true", "--allow-gpu-metrics", "false", "--allow-cpu-metrics", "false",
+                "--log-verbose", str(self.log_verbose)]
+        return argv
+
+    def environment(self) -> dict:
+        return server_environment(self.stub_env, self.extra_env)
+
+    def start(self, timeout: float = 180.0) -> TritonServer:
+        check_stub_env(self.stub_env)
+        for m in self.models:
+            if not (self.repo / m / "config.pbtxt").is_file():
+                raise DFlashError(f"{self.repo}: no model {m} (no {m}/config.pbtxt; is this a bundle's triton/ folder?)")
+        self.work.mkdir(parents=True, exist_ok=True)
+        argv, env = self.command(), self.environment()
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        self.wait_ready(timeout)
+        return self
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.http_url}/v2/health/ready", timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return False
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise DFlashError(f"tritonserver exited with code {self.proc.returncode} before it was ready; "
+                                  f"log {self.log_path}:\n{self.log_tail()}")
+            if self.ready():
+                return
+            time.sleep(0.5)
+        self.stop()
+        raise DFlashError(f"tritonserver was not ready after {timeout:.0f} s; log {self.log_path}:\n{self.log_tail()}")
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """SIGINT (Triton's graceful shutdown: models' finalize() run), then SIGKILL after timeout.
+        Returns the exit code."""
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+    def __enter__(self) -> TritonServer:
+        return self.start() if self.proc is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,67 @@
+"""serve: a bundle's reference model behind a real Triton Inference Server, on any machine."""
+from __future__ import annotations
+
+import json
+import signal
+import tempfile
+from pathlib import Path
+
+import click
+
+
+@click.command("serve")
+@click.option("--bundle", type=click.Path(file_okay=False, exists=True), help="A dflash-trt bundle (its triton/ "
+              "folder is the model repository).")
+@click.option("--model", "models", multiple=True, default=["dflash_reference"], show_default=True,
+              help="Models to load. dflash_reference runs on CPU; tensorrt_llm needs TensorRT-LLM and a GPU.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address the HTTP, gRPC and metrics "
+              "endpoints listen on (0.0.0.0 to accept other machines).")
+@click.option("--http-port", type=int, default=8000, show_default=True)
+@click.option("--grpc-port", type=int, default=8001, show_default=True)
+@click.option("--metrics-port", type=int, default=8002, show_default=True)
+@click.option("--stub-env", type=click.Path(file_okay=False), help="Python env (numpy<2) for Triton's "
+              "Python-backend stub. Default: $DFLASH_TRITON_STUB_ENV or <this env>/triton-stub.")
+@click.option("--make-stub-env", is_flag=True, help="Create the stub env (python -m venv + pip install 'numpy<2') "
+              "and exit; `make setup` runs it.")
+@click.option("--json", "as_json", is_flag=True, help="Print the endpoints as JSON once the server is ready.")
+def serve_cmd(bundle, models, host, http_port, grpc_port, metrics_port, stub_env, make_stub_env, as_json):
+    """Run Triton Inference Server 2.51 (from the PyPI wheel nvidia-pytriton) on a bundle's
+    triton/ model repository, in the foreground until Ctrl-C. Needs no GPU for dflash_reference:
+    lossless DFlash on CPU, same request tensors as TensorRT-LLM's llmapi model, custom metrics
+    (dflash_*) on /metrics.
+
+    \b
+    Examples:
+      dflash-trt serve --bundle engines/smollm2-135m-hopper-fp8
+      curl localhost:8000/v2/health/ready; curl -s localhost:8002/metrics | grep dflash_
+    """
+    from dflash_trt.bundle.triton_server import TritonServer, default_stub_env
+    from dflash_trt.bundle.triton_server import make_stub_env as make_env
+    from dflash_trt.errors import DFlashError
+
+    env = Path(stub_env) if stub_env else default_stub_env()
+    if make_stub_env:
+        click.echo(f"stub env ready: {make_env(env)}")
+        return
+    if not bundle:
+        raise DFlashError("serve: --bundle DIR is required (or --make-stub-env)")
+    repo = Path(bundle) / "triton"
+    if not repo.is_dir():
+        raise DFlashError(f"{bundle}: no triton/ model repository (is it a dflash-trt bundle?)")
+    work = Path(tempfile.mkdtemp(prefix="dflash-trt-serve-"))
+    server = TritonServer(repo, list(models), work=work, host=host, http_port=http_port, grpc_port=grpc_port,
+                          metrics_port=metrics_port, stub_env=env)
+    server.start()
+    info = {"http": server.http_url, "grpc": server.grpc_url, "metrics": server.metrics_url, "models": list(models),
+            "log": str(server.log_path)}
+    click.echo(json.dumps(info, indent=2) if as_json else
+               f"serving {', '.join(models)} from {repo}: HTTP {info['http']}, gRPC {info['grpc']}, "
+               f"metrics {info['metrics']} (log {info['log']}); Ctrl-C stops", err=not as_json)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a pod's stop = Ctrl-C
+    try:
+        server.proc.wait()  # returns early only if the server dies by itself
+    except KeyboardInterrupt:
+        pass
+    finally:
+        code = server.stop()
+    click.echo(f"tritonserver stopped (exit code {code})", err=True)

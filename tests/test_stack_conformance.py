@@ -1,0 +1,338 @@
+"""Every serving file a bundle writes, checked against the code of the stack that loads it.
+
+- vLLM 0.33.0 and SGLang 0.5.23: their PyPI wheels are fetched with `pip download --no-deps`
+  into tests/.cache/wheels (never installed: their dependencies pull a CUDA torch). Their config
+  modules do not import without those dependencies, so the definitions are read with `ast`
+  from the wheel's own files, and the DFlash rule functions (SGLang `_handle_dflash`, vLLM
+  `_verify_and_get_draft_tp`) are compiled from that source and RUN on our arguments. Only the
+  environment around them is supplied (a CUDA device name, SGLang's resolution bookkeeping).
+- TensorRT-LLM: no wheel with DFlash on PyPI; tests/upstream_trtllm.py is its contract, read
+  from its source at the cited commits, as pydantic models with extra="forbid".
+"""
+from __future__ import annotations
+
+import ast
+import json
+import logging
+import subprocess
+import sys
+import types
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+import upstream_trtllm as trt
+import yaml
+from pydantic import ValidationError
+
+from helpers import run_cli
+
+CACHE = Path(__file__).parent / ".cache" / "wheels"
+WHEELS = {"vllm": "vllm==0.33.0", "sglang": "sglang==0.5.23"}
+
+
+# ------------------------------------------------------------------------- upstream sources
+def _wheel(name: str) -> Path:
+    spec = WHEELS[name]
+    version = spec.split("==")[1]
+    found = sorted(CACHE.glob(f"{name}-{version}-*.whl"))
+    if not found:
+        CACHE.mkdir(parents=True, exist_ok=True)
+        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                            "--disable-pip-version-check", "-q", spec, "-d", str(CACHE)],
+                           capture_output=True, text=True, check=False)
+        found = sorted(CACHE.glob(f"{name}-{version}-*.whl"))
+        assert found, f"pip download --no-deps {spec} failed: {r.stderr.strip()[-500:]}"
+    return found[0]
+
+
+def _source(name: str, path: str) -> str:
+    with zipfile.ZipFile(_wheel(name)) as z:
+        return z.read(path).decode()
+
+
+def _function(src: str, name: str, cls: str | None = None) -> ast.FunctionDef:
+    tree = ast.parse(src)
+    scope = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls).body if cls else tree.body
+    return next(n for n in scope if isinstance(n, ast.FunctionDef) and n.name == name)
+
+
+def _compile_function(src: str, name: str, namespace: dict, cls: str | None = None):
+    """Upstream's function, compiled from its own source text, with `namespace` as its globals."""
+    fn = _function(src, name, cls)
+    fn.decorator_list = []  # staticmethod etc.
+    code = compile(ast.Module(body=[fn], type_ignores=[]), filename=f"<upstream {name}>", mode="exec")
+    exec(code, namespace)  # noqa: S102 (the wheel's own code, on our arguments)
+    return namespace[name]
+
+
+def _class_fields(src: str, cls: str) -> dict[str, ast.AST | None]:
+    """{field: default expression} of a dataclass / msgspec.Struct body."""
+    node = next(n for n in ast.walk(ast.parse(src)) if isinstance(n, ast.ClassDef) and n.name == cls)
+    return {s.target.id: s.value for s in node.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
+
+
+def _literal_values(src: str, name: str) -> set[str]:
+    """The strings of a module-level `X = Literal[...]` alias, following aliases of aliases."""
+    aliases = {}
+    for n in ast.parse(src).body:
+        if isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name):
+            aliases[n.targets[0].id] = n.value
+        elif isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name) and n.value is not None:
+            aliases[n.target.id] = n.value
+
+    def walk(node):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            yield node.value
+        elif isinstance(node, ast.Name) and node.id in aliases:
+            yield from walk(aliases[node.id])
+        elif isinstance(node, ast.Subscript):
+            yield from walk(node.slice)
+        elif isinstance(node, (ast.Tuple, ast.List)):
+            for e in node.elts:
+                yield from walk(e)
+        elif isinstance(node, ast.BinOp):
+            yield from walk(node.left)
+            yield from walk(node.right)
+    return set(walk(aliases[name]))
+
+
+# ------------------------------------------------------------------------------ the bundles
+@pytest.fixture(scope="module")
+def bundles(tmp_path_factory, tiny_pairs):
+    """Default bundles of a dense and a MoE/sliding-window pair, a tp=2 and a pp=2 one (which
+    SGLang cannot serve: its config must be absent, and any it got would fail its rule below)."""
+    root = tmp_path_factory.mktemp("conf")
+    out = {}
+    for name, pair, args in (("llama", "llama", ["--arch", "hopper"]),
+                             ("gptoss", "gpt-oss", ["--arch", "blackwell", "--tp", "2", "--ep", "2"]),
+                             ("llama-tp2", "llama", ["--arch", "blackwell", "--tp", "2", "--quant", "none"]),
+                             ("llama-pp2", "llama", ["--arch", "hopper", "--pp", "2", "--quant", "none"])):
+        t, d = tiny_pairs[pair]
+        code, _, err = run_cli("build", "--target", str(t), "--drafter", str(d), *args, "--out", str(root / name))
+        assert code == 0, err
+        out[name] = root / name
+    return out
+
+
+def _trtllm_files(bundle: Path) -> list[tuple[str, dict]]:
+    serve = yaml.safe_load((bundle / "configs/trtllm-serve.yaml").read_text())
+    model_yaml = yaml.safe_load((bundle / "triton/tensorrt_llm/1/model.yaml").read_text())
+    model_yaml.pop("triton_config")  # upstream's model.py reads it apart (get_model_config include_keys)
+    return [("configs/trtllm-serve.yaml", serve), ("triton/tensorrt_llm/1/model.yaml", model_yaml)]
+
+
+# --------------------------------------------------------------------------------- TensorRT-LLM
+@pytest.mark.parametrize("name", ["llama", "gptoss", "llama-tp2", "llama-pp2"])
+def test_trtllm_files_validate_against_the_contract(bundles, name):
+    for rel, cfg in _trtllm_files(bundles[name]):
+        args = trt.TorchLlmArgs(**cfg)  # extra="forbid" at every level: an unknown key fails
+        assert args.speculative_config.decoding_type == "DFlash", rel
+        assert args.speculative_config.max_draft_len > 0
+
+
+def test_trtllm_contract_catches_unknown_key_wrong_literal_and_zero_draft(bundles):
+    """Negative controls: the contract is not vacuous."""
+    _, cfg = _trtllm_files(bundles["llama"])[0]
+    for mutate, field in ((lambda c: c.__setitem__("speculative_decoding", True), "speculative_decoding"),
+                          (lambda c: c["speculative_config"].__setitem__("draft_model", "x"), "draft_model"),
+                          (lambda c: c["speculative_config"].__setitem__("attention_backend", "FLASHINFER"),
+                           "attention_backend"),
+                          (lambda c: c["kv_cache_config"].__setitem__("dtype", "fp8_e4m3"), "dtype"),
+                          (lambda c: c["speculative_config"].__setitem__("max_draft_len", 0), "max_draft_len"),
+                          (lambda c: c.__setitem__("backend", "trt"), "pytorch backend")):
+        bad = json.loads(json.dumps(cfg))
+        mutate(bad)
+        with pytest.raises(ValidationError, match=field):
+            trt.TorchLlmArgs(**bad)
+
+
+def test_trtllm_drafter_loads_as_upstreams_loader_builds_it(bundles):
+    """DFlashForCausalLM.load_weights: fc = nn.Linear(in, out, dtype=fc.weight.dtype) then
+    copy_ of the checkpoint's fc.weight. Run here on CPU with the bundle's own tensor (the
+    dtype check behind the FP8 failure is device-independent)."""
+    from safetensors import safe_open
+
+    for name in ("llama", "gptoss"):
+        drafter = bundles[name] / "drafter"
+        assert trt.drafter_loader_problems(drafter) == []
+        [f] = list(drafter.glob("*.safetensors"))
+        with safe_open(str(f), "pt") as st:
+            w = st.get_tensor("fc.weight")
+        fc = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=w.dtype)
+        fc.weight.data.copy_(w)
+    with pytest.raises(NotImplementedError, match="Float8_e4m3fn"):
+        torch.nn.Linear(8, 8, bias=False, dtype=torch.float8_e4m3fn)
+
+
+def test_an_fp8_drafter_breaks_the_trtllm_loader_rule(tiny_pairs, tmp_path):
+    """Mutation: the FP8 drafter a vLLM-only bundle carries is what TensorRT-LLM could not load."""
+    t, d = tiny_pairs["llama"]
+    code, _, err = run_cli("build", "--target", str(t), "--drafter", str(d), "--arch", "hopper", "--drafter-quant",
+                           "fp8", "--stacks", "vllm", "--out", str(tmp_path / "b"))
+    assert code == 0, err
+    problems = trt.drafter_loader_problems(tmp_path / "b" / "drafter")
+    assert any("fc.weight: F8_E4M3" in p for p in problems) and any("weight_scale" in p for p in problems)
+
+
+def test_trtllm_max_attention_window_for_sliding_layers(bundles):
+    serve = yaml.safe_load((bundles["gptoss"] / "configs/trtllm-serve.yaml").read_text())
+    kv = trt.KvCacheConfig(**serve["kv_cache_config"])
+    assert kv.max_attention_window and len(kv.max_attention_window) == serve_layers(bundles["gptoss"])
+    assert "max_attention_window" not in yaml.safe_load(
+        (bundles["llama"] / "configs/trtllm-serve.yaml").read_text())["kv_cache_config"]
+
+
+def serve_layers(bundle: Path) -> int:
+    return json.loads((bundle / "target/config.json").read_text())["num_hidden_layers"]
+
+
+# --------------------------------------------------------------------------------------- vLLM
+VLLM_SPEC = "vllm/config/speculative.py"
+
+
+def test_vllm_speculative_config_uses_only_its_fields_and_method(bundles):
+    src = _source("vllm", VLLM_SPEC)
+    fields = _class_fields(src, "SpeculativeConfig")
+    methods = _literal_values(src, "SpeculativeMethod")
+    assert "dflash" in methods
+    for name in bundles:
+        v = json.loads((bundles[name] / "configs/vllm.json").read_text())
+        spec = v["speculative_config"]
+        assert set(spec) <= set(fields), set(spec) - set(fields)
+        assert spec["method"] in methods
+        assert spec["num_speculative_tokens"] > 0  # Field(default=None, gt=0)
+        assert json.loads((bundles[name] / "configs/vllm-speculative-config.json").read_text()) == spec
+
+
+def test_vllm_draft_tensor_parallel_rule_runs_on_our_config(bundles):
+    verify = _compile_function(_source("vllm", VLLM_SPEC), "_verify_and_get_draft_tp", {}, cls="SpeculativeConfig")
+    for name in bundles:
+        v = json.loads((bundles[name] / "configs/vllm.json").read_text())
+        argv = v["argv"]
+        tp = int(argv[argv.index("--tensor-parallel-size") + 1])
+        target = types.SimpleNamespace(tensor_parallel_size=tp)
+        assert verify(target, v["speculative_config"].get("draft_tensor_parallel_size")) in (1, tp)
+    with pytest.raises(ValueError, match="cannot be other value than 1"):  # their rule, live
+        verify(types.SimpleNamespace(tensor_parallel_size=4), 2)
+
+
+def test_vllm_cli_flags_and_kv_cache_dtype_exist(bundles):
+    args_src = _source("vllm", "vllm/engine/arg_utils.py")
+    engine_fields = _class_fields(args_src, "EngineArgs")
+    cache_dtypes = _literal_values(_source("vllm", "vllm/config/cache.py"), "CacheDType")
+    for name in bundles:
+        argv = json.loads((bundles[name] / "configs/vllm.json").read_text())["argv"]
+        assert argv[:2] == ["vllm", "serve"]
+        for flag in (a for a in argv if a.startswith("--")):
+            assert flag[2:].replace("-", "_") in engine_fields, flag
+        if "--kv-cache-dtype" in argv:
+            assert argv[argv.index("--kv-cache-dtype") + 1] in cache_dtypes
+
+
+# -------------------------------------------------------------------------------------- SGLang
+SGL_HOOK = "sglang/srt/arg_groups/speculative_hook.py"
+SGL_FIELDS = [f"sglang/srt/arg_groups/fields/{m}.py" for m in
+              ("device", "disagg", "exec_", "lora", "memory", "mm", "model", "observability", "parallel", "schedule",
+               "serving", "spec")]
+
+
+def _sglang_fields() -> tuple[dict, dict]:
+    """({field: default}, {--flag or alias: field}) from SGLang's field modules."""
+    defaults, flags = {}, {}
+    for path in SGL_FIELDS:
+        for cls in ast.walk(ast.parse(_source("sglang", path))):
+            if not isinstance(cls, ast.ClassDef):
+                continue
+            for s in cls.body:
+                if not (isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)) or s.target.id.startswith("_"):
+                    continue
+                name = s.target.id
+                try:
+                    defaults[name] = ast.literal_eval(s.value) if s.value is not None else None
+                except ValueError:
+                    defaults[name] = None
+                flags["--" + name.replace("_", "-")] = name  # arg_utils: "--" + name.replace("_", "-")
+                for kw in (k for c in ast.walk(s.annotation) if isinstance(c, ast.Call) for k in c.keywords):
+                    if kw.arg == "aliases":
+                        flags |= {a: name for a in ast.literal_eval(kw.value)}
+    return defaults, flags
+
+
+def _sglang_args(argv: list[str]) -> tuple[types.SimpleNamespace, dict]:
+    defaults, flags = _sglang_fields()
+    args = dict(defaults)
+    assert argv[:3] == ["python", "-m", "sglang.launch_server"]
+    rest = argv[3:]
+    for flag, value in zip(rest[::2], rest[1::2], strict=True):
+        assert flag in flags, f"{flag}: not an SGLang 0.5.23 server argument"
+        field = flags[flag]
+        args[field] = int(value) if isinstance(defaults.get(field), int) or value.isdigit() else value
+    args["device"] = "cuda"  # the GPU node it will run on (SGLang resolves "auto" there)
+    return types.SimpleNamespace(**args), flags
+
+
+def _handle_dflash():
+    """SGLang's `_handle_dflash`, compiled from its source; the bookkeeping it calls records the
+    values it resolves onto the namespace (declare_resolution), as SGLang's does."""
+    def declare_resolution(server_args, _who, **kw):
+        for k, v in kw.items():
+            setattr(server_args, k, v)
+
+    env = types.SimpleNamespace(get=lambda: False)
+    ns = {"json": json, "logger": logging.getLogger("sglang-under-test"),
+          "resolving_view": lambda sa: sa, "declare_resolution": declare_resolution,
+          "current_platform": types.SimpleNamespace(is_out_of_tree=lambda: False),
+          "attn_dp_enabled_of": lambda cfg: bool(getattr(cfg, "enable_dp_attention", False)),
+          "envs": types.SimpleNamespace(SGLANG_ENABLE_DP_SPEC_PREFILL_COORDINATION=env),
+          # picks the draft attention kernel for the GPU found at start: nothing to check here
+          "_resolve_dflash_draft_attention_backend": lambda server_args: None,
+          "ServerArgs": object}
+    return _compile_function(_source("sglang", SGL_HOOK), "_handle_dflash", ns)
+
+
+def test_sglang_handle_dflash_accepts_our_arguments(bundles):
+    handle = _handle_dflash()
+    assert not (bundles["llama-pp2"] / "configs/sglang.json").exists()
+    for name in bundles:
+        if not (bundles[name] / "configs/sglang.json").exists():
+            continue
+        g = json.loads((bundles[name] / "configs/sglang.json").read_text())
+        args, _ = _sglang_args(g["argv"])
+        handle(args)  # raises ValueError on any DFLASH rule our arguments break
+        assert args.speculative_num_draft_tokens == int(g["argv"][g["argv"].index("--speculative-dflash-block-size")
+                                                                  + 1])
+
+
+def test_sglang_handle_dflash_refuses_pp2():
+    """Mutation: the --pp-size 2 an unchecked build used to write fails SGLang's own rule."""
+    handle = _handle_dflash()
+    args, _ = _sglang_args(["python", "-m", "sglang.launch_server", "--model-path", "t", "--speculative-algorithm",
+                            "DFLASH", "--speculative-draft-model-path", "d", "--speculative-dflash-block-size", "8",
+                            "--tp-size", "2", "--pp-size", "2"])
+    with pytest.raises(ValueError, match="only supports pp_size == 1"):
+        handle(args)
+
+
+def test_sglang_kv_cache_dtype_and_drafter_precision(bundles):
+    model_src = _source("sglang", "sglang/srt/arg_groups/fields/model.py")
+    field = next(s for s in ast.walk(ast.parse(model_src)) if isinstance(s, ast.AnnAssign)
+                 and isinstance(s.target, ast.Name) and s.target.id == "kv_cache_dtype")
+    choices = next(ast.literal_eval(k.value) for c in ast.walk(field.annotation) if isinstance(c, ast.Call)
+                   for k in c.keywords if k.arg == "choices")
+    dflash_src = _source("sglang", "sglang/srt/models/dflash.py")
+    fields = _class_fields(dflash_src, "DFlashDraftModel")
+    cls = next(n for n in ast.walk(ast.parse(dflash_src)) if isinstance(n, ast.ClassDef) and n.name == "DFlashDraftModel")
+    supports = next(ast.literal_eval(s.value) for s in cls.body if isinstance(s, ast.Assign)
+                    and s.targets[0].id == "supports_quantization")
+    assert supports is False and "fp8" not in choices and "fp8_e4m3" in choices
+    del fields
+    for name in (n for n in bundles if (bundles[n] / "configs/sglang.json").exists()):
+        argv = json.loads((bundles[name] / "configs/sglang.json").read_text())["argv"]
+        if "--kv-cache-dtype" in argv:
+            assert argv[argv.index("--kv-cache-dtype") + 1] in choices
+        # supports_quantization = False: the drafter it points to must be unquantized
+        drafter = json.loads((bundles[name] / "drafter/config.json").read_text())
+        assert "quantization_config" not in drafter
+        assert trt.drafter_loader_problems(bundles[name] / "drafter") == []

@@ -1,0 +1,189 @@
+"""TensorRT-LLM's contract for the files our bundle hands it, written down from its source (no
+TensorRT-LLM wheel with DFlash exists on PyPI, and it needs a GPU). Each model and rule names the
+upstream file and commit it was read from (repository NVIDIA/TensorRT-LLM):
+
+  LLM_ARGS   tensorrt_llm/llmapi/llm_args.py              @ 0004396720054fd8e205cbf616f21f0b57c6b412
+  DFLASH     tensorrt_llm/_torch/models/modeling_dflash.py @ 009d8fa431bd3de92245aab80f8b57dc70da1ac4
+  LLMAPI_PB  triton_backend/all_models/llmapi/tensorrt_llm/config.pbtxt @ 0a71057313ec0626527e164a8fc0205c5822e2f5
+  LLMAPI_PY  triton_backend/all_models/llmapi/tensorrt_llm/1/model.py   @ 044a90d209e380c95e23e8ae42f3583fa05ada78
+
+Upstream's config classes derive from StrictBaseModel (extra="forbid"), so an unknown key is a
+load-time error there; the models below forbid extras too. Only the fields our files use, and
+the ones next to them, are listed: a field we start writing must be added here from the source.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, model_validator
+
+LLM_ARGS = "tensorrt_llm/llmapi/llm_args.py@0004396720054fd8e205cbf616f21f0b57c6b412"
+DFLASH = "tensorrt_llm/_torch/models/modeling_dflash.py@009d8fa431bd3de92245aab80f8b57dc70da1ac4"
+LLMAPI_PB = "triton_backend/all_models/llmapi/tensorrt_llm/config.pbtxt@0a71057313ec0626527e164a8fc0205c5822e2f5"
+LLMAPI_PY = "triton_backend/all_models/llmapi/tensorrt_llm/1/model.py@044a90d209e380c95e23e8ae42f3583fa05ada78"
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # LLM_ARGS: class StrictBaseModel
+
+
+class DFlashDecodingConfig(Strict):
+    """LLM_ARGS: DecodingBaseConfig fields + class DFlashDecodingConfig."""
+    # DecodingBaseConfig
+    max_draft_len: NonNegativeInt | None = None
+    max_total_draft_tokens: int | None = None
+    speculative_model: str | None = None  # validation_alias speculative_model | speculative_model_dir
+    max_concurrency: PositiveInt | None = None
+    draft_len_schedule: dict[int, int] | None = None
+    load_format: str | None = None
+    acceptance_rate_window_size: NonNegativeInt | None = None
+    acceptance_rate_threshold: float | None = Field(default=None, ge=0.0, le=1.0)
+    use_rejection_sampling: bool = False
+    enable_penalty: bool = False
+    # DFlashDecodingConfig
+    decoding_type: Literal["DFlash"] = "DFlash"
+    mask_token_id: int | None = None
+    target_layer_ids: list[int] | None = None
+    attention_backend: Literal["VANILLA", "TRTLLM"] = "VANILLA"
+
+    @model_validator(mode="after")
+    def _draft_len(self):
+        # DFlash drafts max_draft_len tokens per step (tokens_per_gen_step = max_draft_len + 1);
+        # the other drafting configs of LLM_ARGS (Eagle, NGram, SA, DraftTarget, MTP) raise
+        # "max_draft_len must be > 0"; at this commit DFlash's own class does not check it, so 0
+        # would silently mean "no speculation": we hold our files to the same > 0 rule.
+        if self.max_draft_len is None or self.max_draft_len <= 0:
+            raise ValueError("max_draft_len must be > 0 for DFlash")
+        return self
+
+
+class KvCacheConfig(Strict):
+    """LLM_ARGS: class KvCacheConfig (the fields used and a few beside them)."""
+    enable_block_reuse: bool = True
+    max_tokens: int | None = None
+    max_attention_window: list[PositiveInt] | None = Field(default=None, min_length=1)
+    free_gpu_memory_fraction: float | None = Field(default=0.9, ge=0, le=1)
+    host_cache_size: int | None = None
+    enable_partial_reuse: bool = True
+    tokens_per_block: int = 32
+    # `dtype: str`; the values its description and telemetry categories list
+    dtype: Literal["auto", "float16", "bfloat16", "float32", "fp8", "fp8_ds_mla", "nvfp4"] = "auto"
+
+
+class CudaGraphConfig(Strict):
+    """LLM_ARGS: BaseCudaGraphConfig + DecodeCudaGraphConfig."""
+    batch_sizes: list[int] | None = None
+    max_batch_size: NonNegativeInt = 0
+    enable_padding: bool = False
+    mode: Literal["decode"] = "decode"
+
+
+class MoeConfig(Strict):
+    """LLM_ARGS: class MoeConfig."""
+    backend: Literal["AUTO", "CUTLASS", "CUTEDSL", "TRTLLM", "DEEPGEMM", "DENSEGEMM", "VANILLA", "TRITON", "MARLIN",
+                     "MEGAMOE_DEEPGEMM", "MEGAMOE_CUTEDSL"] = "AUTO"
+    max_num_tokens: int | None = None
+
+
+class TorchLlmArgs(Strict):
+    """LLM_ARGS: BaseLlmArgs (extra="forbid") fields we write, plus TorchLlmArgs' cuda_graph_config
+    and moe_config. `model` is trtllm-serve's positional argument / model.yaml's `model`."""
+    model: str | None = None
+    backend: str | None = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    context_parallel_size: int = 1
+    moe_expert_parallel_size: int | None = None
+    moe_tensor_parallel_size: int | None = None
+    enable_attention_dp: bool = False
+    kv_cache_config: KvCacheConfig = Field(default_factory=KvCacheConfig)
+    speculative_config: DFlashDecodingConfig | None = None
+    max_batch_size: int | None = 2048
+    max_input_len: int | None = 1024
+    max_seq_len: int | None = None
+    max_beam_width: int | None = 1
+    max_num_tokens: int | None = 8192
+    cuda_graph_config: CudaGraphConfig | None = None
+    moe_config: MoeConfig | None = None
+    # TorchLlmArgs.enable_iter_perf_stats (bool, default False): read in the stored llm_args.py
+    # versions of the index (e.g. TorchLlmArgs "enable_iter_perf_stats: bool = Field(default=False,
+    # description='Enable iteration performance statistics.')"), not in the 0004396 pages read
+    enable_iter_perf_stats: bool = False
+
+    @model_validator(mode="after")
+    def _dflash_backend(self):
+        # DFlashDecodingConfig.supports_backend: backend == "pytorch"
+        if self.speculative_config is not None and self.backend not in (None, "pytorch"):
+            raise ValueError(f"DFlash supports only the pytorch backend, not {self.backend!r}")
+        return self
+
+
+def drafter_loader_problems(drafter_dir: Path) -> list[str]:
+    """DFLASH: DFlashForCausalLM.load_weights takes fc.weight as is into
+    `nn.Linear(..., dtype=fc.weight.dtype)`, and neither it nor _build_fused_kv_buffers (which
+    slices qkv_proj.weight) reads a *_scale tensor. So every drafter tensor must be a plain
+    floating weight: an FP8 tensor, or a scale tensor beside one, is a load-time failure or a
+    silently wrong weight. Returns what breaks the rule, by tensor name."""
+    from safetensors import safe_open
+
+    problems = []
+    for f in sorted(Path(drafter_dir).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for name in st.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                t = st.get_slice(name)
+                dtype = t.get_dtype()
+                if name.endswith(("_scale", "_scale_2")):
+                    problems.append(f"{name}: a scale tensor, which the loader drops")
+                elif dtype.startswith("F8"):
+                    problems.append(f"{name}: {dtype}, built as nn.Linear(dtype=float8), which cannot be created")
+    return problems
+
+
+# LLMAPI_PB: the llmapi model's tensors, (name, data_type, dims, optional)
+LLMAPI_INPUTS = [
+    ("text_input", "TYPE_STRING", [-1], False),
+    ("image_url", "TYPE_STRING", [-1], True),
+    ("streaming", "TYPE_BOOL", [1], True),
+    ("sampling_param_best_of", "TYPE_INT32", [1], True),
+    ("sampling_param_temperature", "TYPE_FP32", [1], True),
+    ("sampling_param_top_k", "TYPE_INT32", [1], True),
+    ("sampling_param_top_p", "TYPE_FP32", [1], True),
+    ("sampling_param_frequency_penalty", "TYPE_FP32", [1], True),
+    ("sampling_param_presence_penalty", "TYPE_FP32", [1], True),
+    ("sampling_param_max_tokens", "TYPE_INT32", [1], True),
+    ("sampling_param_stop", "TYPE_STRING", [-1], True),
+    ("sampling_param_seed", "TYPE_UINT64", [1], True),
+    ("sampling_param_exclude_input_from_output", "TYPE_BOOL", [1], True),
+    ("sampling_param_return_perf_metrics", "TYPE_BOOL", [1], True),
+    ("return_finish_reason", "TYPE_BOOL", [1], True),
+    ("return_stop_reason", "TYPE_BOOL", [1], True),
+    ("return_cumulative_logprob", "TYPE_BOOL", [1], True),
+    ("stop", "TYPE_BOOL", [1], True),
+    ("lora_id", "TYPE_UINT64", [1], True),
+    ("lora_name", "TYPE_STRING", [1], True),
+    ("lora_path", "TYPE_STRING", [1], True),
+    ("lora_ckpt_source", "TYPE_STRING", [1], True),
+]
+LLMAPI_OUTPUTS = [
+    ("text_output", "TYPE_STRING", [-1]),
+    ("finish_reason", "TYPE_STRING", [-1]),
+    ("stop_reason", "TYPE_STRING", [-1]),
+    ("cumulative_logprob", "TYPE_FP32", [-1]),
+    ("kv_cache_reused_block", "TYPE_INT32", [-1]),
+    ("kv_cache_missed_block", "TYPE_INT32", [-1]),
+    ("kv_cache_alloc_new_blocks", "TYPE_INT32", [-1]),
+    ("kv_cache_alloc_total_blocks", "TYPE_INT32", [-1]),
+    ("kv_cache_hit_rate", "TYPE_FP32", [-1]),
+    ("arrival_time_ns", "TYPE_INT64", [1]),
+    ("first_scheduled_time_ns", "TYPE_INT64", [1]),
+    ("first_token_time_ns", "TYPE_INT64", [1]),
+    ("last_token_time_ns", "TYPE_INT64", [1]),
+    ("acceptance_rate", "TYPE_FP32", [1]),
+    ("total_accepted_draft_tokens", "TYPE_INT32", [1]),
+    ("total_draft_tokens", "TYPE_INT32", [1]),
+]
+# LLMAPI_PY: `_create_response` puts `output.text` (the whole text so far) into every streamed
+# response, not the delta; and SamplingParams gets best_of (default 1), exclude_input_from_output
+# (False) and return_perf_metrics (False) by default (helpers.get_sampling_params_from_request).
+LLMAPI_STREAMS = "cumulative"
