@@ -241,7 +241,7 @@ def test_second_run_skips_every_stage_and_force_redoes_them(tiny, hopper):
     assert code == 0, err
     m = read_manifest(bundle)
     assert all(e["skipped"] for e in m["stages"].values())
-    # status keeps each stage's outcome: deploy turns its compile init container on from it
+    # status keeps each stage's outcome (a skipped stage stays deferred, so `compile` still runs it)
     assert m["stages"]["compile"]["status"] == "deferred" and m["stages"]["quantize"]["status"] == "done"
     assert "skipped (unchanged)" in out and "skipped (unchanged, deferred)" in out
     assert err.count("skipped (inputs unchanged") == len(STAGES)

@@ -3,8 +3,8 @@
 
 TensorRT builds an engine for the GPU it runs on, so this stage can only run on the GPU node.
 Where no GPU or no TensorRT is present (a CPU build machine) the stage is recorded `deferred`,
-with the exact commands; `dflash-trt compile --bundle DIR` runs them later on the GPU node (the
-Helm chart's init container does that) and adds the engines to the bundle under
+with the exact commands; `dflash-trt compile --bundle DIR` runs them later on the GPU node (by
+hand: the Helm chart compiles nothing at pod start) and adds the engines to the bundle under
 `engines/<gpu>-trt<version>/`, a key that lets a volume cache engines per GPU product and
 TensorRT version. Nothing here ever writes an engine file it did not get from TensorRT.
 """
