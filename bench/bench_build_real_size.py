@@ -291,7 +291,7 @@ def main() -> int:
     ap.add_argument("--log", default=None, help="progress log file (default: stderr)")
     ap.add_argument("--check-disk", action="store_true", help="only say whether the disk has room (exit 0 / 3)")
     a = ap.parse_args()
-    logf = open(a.log, "a") if a.log else sys.stderr
+    logf = open(a.log, "a") if a.log else sys.stderr  # noqa: SIM115 -- the run's log, open until exit
 
     def log(msg: str) -> None:
         print(f"{time.strftime('%H:%M:%S')} {msg}", file=logf, flush=True)

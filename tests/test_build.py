@@ -89,11 +89,12 @@ def test_gpu_facts_come_from_the_hardware_catalog():
 # ------------------------------------------------------------------------------- bad input
 @pytest.mark.parametrize("args, message", [
     (["--target", "no-such-model"], "not a preset"),
-    (["--target", "qwen3-8b"], "huggingface-cli download Qwen/Qwen3-8B"),
+    (["--target", "qwen3-8b"], "hf download Qwen/Qwen3-8B"),
 ])
 def test_unknown_or_missing_preset(tmp_path, monkeypatch, args, message):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-hub"))
     monkeypatch.setenv("DFLASH_TRT_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     code, out, err = run_cli("build", *args, "--arch", "hopper", "--out", str(tmp_path / "b"))
     assert code == 1 and message in err and "Traceback" not in err
     assert not (tmp_path / "b").exists()
@@ -442,13 +443,17 @@ def test_failed_rebuild_leaves_the_previous_bundle_intact(tiny, hopper, tmp_path
 
 def test_preset_found_in_the_local_hub_cache_is_used(tmp_path, monkeypatch):
     """`--target qwen3-8b` resolves to a snapshot in the Hugging Face cache layout
-    (models--org--name/snapshots/<rev>); here tiny stand-ins sit where the real files would."""
+    (models--org--name/snapshots/<rev>, the preset's pinned commit for the target, refs/main for the
+    drafter); here tiny stand-ins sit where the real files would (tests/test_hub.py: the full layout)."""
     from dflash_trt.models.tiny import make_tiny
+    from dflash_trt.presets.catalog import PRESETS
 
     hub = tmp_path / "hub"
-    t = hub / "models--Qwen--Qwen3-8B" / "snapshots" / "rev1"
-    d = hub / "models--z-lab--Qwen3-8B-DFlash-b16" / "snapshots" / "rev2"
+    t = hub / "models--Qwen--Qwen3-8B" / "snapshots" / PRESETS["qwen3-8b"].revision
+    d = hub / "models--z-lab--Qwen3-8B-DFlash-b16" / "snapshots" / ("2" * 40)
     make_tiny("qwen3", t, d, seed=4)
+    (d.parent.parent / "refs").mkdir()
+    (d.parent.parent / "refs" / "main").write_text("2" * 40)
     monkeypatch.setenv("HF_HUB_CACHE", str(hub))
     monkeypatch.setenv("DFLASH_TRT_HOME", str(tmp_path / "home"))
     monkeypatch.chdir(tmp_path)

@@ -50,6 +50,7 @@ from dflash_trt.models.check import check_pair
 from dflash_trt.models.config import load_drafter_config
 from dflash_trt.paths import package_path
 from dflash_trt.presets.catalog import PRESETS, resolve_drafter, resolve_target
+from dflash_trt.presets.hub import snapshot_revision
 from dflash_trt.quant.convert import convert_checkpoint
 from dflash_trt.quant.quantize import quantize_checkpoint
 
@@ -251,14 +252,13 @@ def check_parallel(o: BuildOptions, cfg: dict, name: str) -> None:
 
 
 def resolve_pair(o: BuildOptions) -> tuple[Path, Path, str, str | None]:
-    """(target dir, drafter dir, target name, hub id). Presets come from the local caches only."""
+    """(target dir, drafter dir, target name, hub id). Presets and hub ids: presets/hub.py."""
     spec = o.target
-    if spec is not None and not Path(spec).exists() and spec not in PRESETS:
-        raise DFlashError(f"--target {spec!r}: no such folder and not a preset (known: {', '.join(sorted(PRESETS))})")
     tdir = Path(resolve_target(spec)).resolve()
     ddir = Path(resolve_drafter(o.drafter, spec)).resolve()
-    name = spec if spec in PRESETS else ("smollm2-135m" if spec is None else tdir.name)
-    hf_id = PRESETS[name].hf_id if name in PRESETS else None
+    hub = spec is not None and not Path(spec).exists() and spec not in PRESETS  # an org/name hub id
+    name = spec if spec in PRESETS or hub else ("smollm2-135m" if spec is None else tdir.name)
+    hf_id = PRESETS[name].hf_id if name in PRESETS else (spec if hub else None)
     for folder, what in ((tdir, "target"), (ddir, "drafter")):
         if not (folder / "config.json").is_file():
             raise DFlashError(f"{folder}: the {what} folder has no config.json")
@@ -449,8 +449,9 @@ class Builder:
             "schema_version": 1, "tool_version": __version__,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "target": {"name": self.name, "hf_id": self.hf_id, "path": str(self.tdir), "bundle_path": "target",
-                       "sha256": self.facts["target"], "config": tcfg},
+                       "revision": snapshot_revision(self.tdir), "sha256": self.facts["target"], "config": tcfg},
             "drafter": {"path": str(self.ddir), "bundle_path": "drafter", "sha256": self.facts["drafter"],
+                        "revision": snapshot_revision(self.ddir),
                         "block_size": self.block_size, "trained_block_size": dcfg.block_size,
                         "mask_token_id": dcfg.mask_token_id, "target_layer_ids": ids, "config": dcfg.raw},
             "arch": s["arch"], "gpu": s["gpu"], "sm": s["sm"],

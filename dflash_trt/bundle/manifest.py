@@ -41,12 +41,14 @@ MANIFEST_SCHEMA: dict = {
             "type": "object", "required": ["name", "path", "config"],
             "properties": {"name": {"type": "string"}, "path": {"type": "string"},
                            "config": {"type": "object"}, "hf_id": {"type": ["string", "null"]},
+                           "revision": {"type": ["string", "null"]},  # the hub commit (a cache snapshot)
                            "bundle_path": {"type": "string"}},
         },
         "drafter": {
             "type": "object", "required": ["path", "block_size", "mask_token_id", "target_layer_ids"],
             "properties": {
                 "path": {"type": "string"}, "bundle_path": {"type": "string"},
+                "revision": {"type": ["string", "null"]},
                 "block_size": {"type": "integer", "minimum": 2},
                 "mask_token_id": {"type": "integer", "minimum": 0},
                 "target_layer_ids": {"type": "object", "required": ["zlab", "speculators", "vllm", "sglang"],
