@@ -48,8 +48,24 @@ EXTERNAL_DATA_ABOVE = 1 << 30  # protobuf stops at 2 GiB: big drafters keep weig
 
 
 # ---------------------------------------------------------------------------------- target tensors
-def read_target_head(target_dir: str | Path) -> tuple[dict, torch.Tensor, torch.Tensor]:
-    """(config, embed_tokens [V, H], lm_head [V, H]) of an HF target folder, reading only those tensors."""
+class TensorRows:
+    """One 2-D tensor of a safetensors file, read a slab of rows at a time as float32 (a
+    201088 x 2880 bf16 embedding is 1.2 GB, 2.3 GB as float32: never held whole)."""
+
+    def __init__(self, path: Path, name: str):
+        self.path, self.name = path, name
+        with safe_open(str(path), "pt") as f:
+            self.shape = tuple(f.get_slice(name).get_shape())
+
+    def slabs(self, rows: int = 8192):
+        with safe_open(str(self.path), "pt") as f:
+            sl = f.get_slice(self.name)
+            for r in range(0, self.shape[0], rows):
+                yield sl[r:r + rows].to(torch.float32).numpy()
+
+
+def target_head_rows(target_dir: str | Path) -> tuple[dict, TensorRows, TensorRows]:
+    """(config, embed_tokens [V, H], lm_head [V, H]) of an HF target folder, as row sources of only those tensors."""
     target_dir = Path(target_dir)
     cfg = read_json(target_dir / "config.json")
     cfg = cfg.get("text_config", cfg) if "hidden_size" not in cfg else cfg
@@ -63,11 +79,7 @@ def read_target_head(target_dir: str | Path) -> tuple[dict, torch.Tensor, torch.
         raise DFlashError(f"{target_dir}: no model.safetensors or model.safetensors.index.json")
 
     def get(*names):
-        for n in names:
-            if n in weight_map:
-                with safe_open(str(target_dir / weight_map[n]), "pt") as f:
-                    return f.get_tensor(n)
-        return None
+        return next((TensorRows(target_dir / weight_map[n], n) for n in names if n in weight_map), None)
 
     embed = get("model.embed_tokens.weight", "model.language_model.embed_tokens.weight", "embed_tokens.weight")
     if embed is None:
@@ -81,11 +93,45 @@ def read_target_head(target_dir: str | Path) -> tuple[dict, torch.Tensor, torch.
 
 
 # -------------------------------------------------------------------------------- graph building
-class _Graph:
-    """Minimal ONNX graph builder: unique names, float32/int64 initializers."""
+class ExternalData:
+    """The side file of a big model's weights, written as the graph is built: each initializer's
+    bytes go to disk at once and the graph keeps only a reference (ONNX external data: location,
+    offset, length), so the model is never in memory twice and no protobuf message passes 2 GiB.
+    (onnx.save_model(save_as_external_data=True) needs the whole model in memory first.)"""
 
-    def __init__(self):
-        self.nodes, self.inits, self._n = [], [], 0
+    ALIGN = 4096   # offsets page-aligned, as onnx's own writer can do, so readers may mmap them
+
+    def __init__(self, path: Path):
+        self.path, self.offset = path, 0
+        self.f = open(path, "wb")  # noqa: SIM115 -- open for the graph build, closed by close()
+
+    def tensor(self, name: str, shape, dtype, slabs):
+        import onnx
+        from onnx import helper
+
+        pad = -self.offset % self.ALIGN
+        self.f.write(b"\0" * pad)
+        start = self.offset = self.offset + pad
+        for slab in slabs:
+            self.f.write(memoryview(np.ascontiguousarray(slab)).cast("B"))
+            self.offset += slab.nbytes
+        t = onnx.TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(np.dtype(dtype)), dims=list(shape),
+                             data_location=onnx.TensorProto.EXTERNAL)
+        for k, v in (("location", self.path.name), ("offset", str(start)), ("length", str(self.offset - start))):
+            t.external_data.add(key=k, value=v)
+        return t
+
+    def close(self) -> None:
+        self.f.close()
+
+
+class _Graph:
+    """Minimal ONNX graph builder: unique names, float32/int64 initializers (to `data` when given)."""
+
+    EXTERNAL_MIN = 1024   # smaller initializers stay inline (onnx's own size_threshold)
+
+    def __init__(self, data: ExternalData | None = None):
+        self.nodes, self.inits, self._n, self.data = [], [], 0, data
 
     def name(self, base):
         self._n += 1
@@ -95,7 +141,19 @@ class _Graph:
         from onnx import numpy_helper
 
         n = self.name(base)
-        self.inits.append(numpy_helper.from_array(np.array(array, order="C"), n))  # keeps 0-d as 0-d
+        a = np.array(array, order="C")  # keeps 0-d as 0-d
+        if self.data is not None and a.nbytes >= self.EXTERNAL_MIN:
+            self.inits.append(self.data.tensor(n, a.shape, a.dtype, [a]))
+        else:
+            self.inits.append(numpy_helper.from_array(a, n))
+        return n
+
+    def init_rows(self, base, rows: TensorRows) -> str:
+        """A float32 initializer from a target tensor, streamed slab by slab when external."""
+        if self.data is None:
+            return self.init(base, np.concatenate(list(rows.slabs())))
+        n = self.name(base)
+        self.inits.append(self.data.tensor(n, rows.shape, np.float32, rows.slabs()))
         return n
 
     def ints(self, base, values) -> str:
@@ -225,8 +283,9 @@ def _decoder_layer(g: _Graph, layer, l: int, h: str, k_all: str, v_all: str, cos
     return g.op("Add", [h, _mlp(g, layer.mlp, x)])
 
 
-def build_model(drafter, embed: torch.Tensor, lm_head: torch.Tensor, page_size: int):
-    """The ONNX ModelProto of `drafter` (float32) with the target's embedding and lm_head."""
+def build_model(drafter, embed: TensorRows, lm_head: TensorRows, page_size: int, data: ExternalData | None = None):
+    """The ONNX ModelProto of `drafter` (float32) with the target's embedding and lm_head; the
+    weights go to `data` as they are made when given (big models)."""
     import onnx
     from onnx import helper
 
@@ -238,7 +297,7 @@ def build_model(drafter, embed: torch.Tensor, lm_head: torch.Tensor, page_size: 
                           f"has hidden_size {H}")
     if c.n_features * H != drafter.fc.weight.shape[1]:
         raise DFlashError(f"fc.weight: shape {tuple(drafter.fc.weight.shape)} does not match {c.n_features} features")
-    g = _Graph()
+    g = _Graph(data)
     cache_shape = ["num_pages", c.num_hidden_layers, c.num_key_value_heads, page_size, c.head_dim]
     cos_tab, sin_tab = g.init("rope_cos", _np(drafter.rope.cos)), g.init("rope_sin", _np(drafter.rope.sin))
 
@@ -246,14 +305,15 @@ def build_model(drafter, embed: torch.Tensor, lm_head: torch.Tensor, page_size: 
     k_all, v_all = _gather_ctx(g, "k_cache_out", c), _gather_ctx(g, "v_cache_out", c)
 
     # the draft pass (DFlashDrafter.forward_cached, mask=None: non-causal)
-    h = g.op("Gather", [g.init("embed_tokens", _np(embed)), "block_ids"], axis=0)   # [B, H]
+    h = g.op("Gather", [g.init_rows("embed_tokens", embed), "block_ids"], axis=0)   # [B, H]
     cos_q = g.op("Gather", [cos_tab, "block_positions"], axis=0)                     # [B, hd]
     sin_q = g.op("Gather", [sin_tab, "block_positions"], axis=0)
     scale = g.init("attn_scale", np.float32(1.0 / math.sqrt(c.head_dim)))
     for l, layer in enumerate(drafter.layers):
         h = _decoder_layer(g, layer, l, h, k_all, v_all, cos_q, sin_q, scale, c)
     h = g.rms_norm(h, _np(drafter.norm.weight), drafter.norm.eps)
-    g.nodes.append(helper.make_node("MatMul", [h, g.init("lm_head_t", _np(lm_head).T)], ["logits"], name="lm_head"))
+    # Gemm with transB: lm_head stays [V, H] as stored, so it streams by rows (no [H, V] copy)
+    g.nodes.append(helper.make_node("Gemm", [h, g.init_rows("lm_head", lm_head)], ["logits"], name="lm_head", transB=1))
 
     graph = helper.make_graph(g.nodes, "dflash_drafter", _graph_inputs(c, cache_shape),
                               _graph_outputs(lm_head.shape[0], cache_shape), g.inits)
@@ -267,27 +327,34 @@ def build_model(drafter, embed: torch.Tensor, lm_head: torch.Tensor, page_size: 
 
 def export_onnx(drafter_dir, target_dir, out_file, page_size: int = 16) -> Path:
     """Export the drafter at drafter_dir (with target_dir's embedding and lm_head) to out_file.
-    Weights go to `<out_file>.data` beside it when the model is over 1 GiB."""
+    Weights go to `<out_file>.data` beside it, written as the graph is built, when the model is
+    over 1 GiB (float32)."""
     import onnx
-
 
     check_page_size(page_size)
     drafter = load_drafter(drafter_dir, dtype=torch.float32)
-    tcfg, embed, head = read_target_head(target_dir)
+    tcfg, embed, head = target_head_rows(target_dir)
     if tcfg.get("hidden_size") != drafter.config.hidden_size:
         raise DFlashError(f"{Path(target_dir) / 'config.json'}: hidden_size {tcfg.get('hidden_size')} does not "
                           f"match the drafter's hidden_size {drafter.config.hidden_size}")
-    model = build_model(drafter, embed, head, page_size)
+    n_params = sum(p.numel() for p in drafter.parameters()) + math.prod(embed.shape) + math.prod(head.shape)
+    big = 4 * n_params > EXTERNAL_DATA_ABOVE
     out_file = Path(out_file)
     out_file.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_file.name}.", dir=out_file.parent))
+    data_name = out_file.name + ".data"
     try:
-        big = model.ByteSize() > EXTERNAL_DATA_ABOVE
-        onnx.save_model(model, str(tmp / out_file.name), save_as_external_data=big, all_tensors_to_one_file=True,
-                        location=out_file.name + ".data")
+        data = ExternalData(tmp / data_name) if big else None
+        try:
+            model = build_model(drafter, embed, head, page_size, data)
+        finally:
+            if data is not None:
+                data.close()
+        del drafter
+        onnx.save_model(model, str(tmp / out_file.name))
         onnx.checker.check_model(str(tmp / out_file.name))
         if big:
-            os.replace(tmp / (out_file.name + ".data"), out_file.with_name(out_file.name + ".data"))
+            os.replace(tmp / data_name, out_file.with_name(data_name))
         os.replace(tmp / out_file.name, out_file)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
