@@ -203,7 +203,7 @@ def _reset_hwm(pid: int) -> None:
 STAGE_LINE = re.compile(r"^dflash-trt build: ([\w-]+): (running|skipped)")
 
 
-def timed_build(target: Path, drafter: Path, arch: str, out: Path, log) -> dict:
+def timed_build(target: Path, drafter: Path, arch: str, out: Path, log, rss_limit_mb: float) -> dict:
     """Run one build in a child; split its life into phases at the stage lines it prints."""
     cmd = [sys.executable, "-m", "dflash_trt.cli", "build", "--target", str(target), "--drafter", str(drafter),
            "--arch", arch, "--out", str(out), "--json"]
@@ -220,6 +220,9 @@ def timed_build(target: Path, drafter: Path, arch: str, out: Path, log) -> dict:
                 last_io.update(io)
             if hwm is not None:
                 last_hwm[0] = hwm
+                if hwm > rss_limit_mb:   # the machine is shared: stop before it swaps
+                    log(f"  [{arch}] peak RSS {hwm:.0f} MB over --rss-limit-mb {rss_limit_mb:.0f}: stopping the build")
+                    p.kill()
             time.sleep(0.05)
     stdout_box = []
     threading.Thread(target=lambda: stdout_box.append(p.stdout.read()), daemon=True).start()
@@ -290,6 +293,9 @@ def main() -> int:
     ap.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
     ap.add_argument("--log", default=None, help="progress log file (default: stderr)")
     ap.add_argument("--check-disk", action="store_true", help="only say whether the disk has room (exit 0 / 3)")
+    ap.add_argument("--keep-checkpoint", action="store_true",
+                    help="write the pair to <workdir>/pair once and keep it (re-runs skip the 14 GB write)")
+    ap.add_argument("--rss-limit-mb", type=float, default=8000, help="stop a build whose RSS passes this")
     a = ap.parse_args()
     logf = open(a.log, "a") if a.log else sys.stderr  # noqa: SIM115 -- the run's log, open until exit
 
@@ -307,18 +313,21 @@ def main() -> int:
     from dflash_trt.models.tiny import make_tiny
     from dflash_trt.presets.catalog import get_preset
 
-    work = Path(tempfile.mkdtemp(prefix="bench-build-", dir=base))
+    work = base / "pair" if a.keep_checkpoint else Path(tempfile.mkdtemp(prefix="bench-build-", dir=base))
     result: dict = {"workdir": str(work)}
     try:
-        make_tiny("gpt-oss", work / "tiny")   # only its tokenizer files are used
-        cfg = get_preset("gpt-oss-20b").config()
         t0 = time.perf_counter()
-        tb = write_target(work / "target", cfg, work / "tiny")
-        db = write_drafter(work / "drafter")
+        if not (work / "written").is_file():
+            shutil.rmtree(work, ignore_errors=True)
+            make_tiny("gpt-oss", work / "tiny")   # only its tokenizer files are used
+            write_target(work / "target", get_preset("gpt-oss-20b").config(), work / "tiny")
+            write_drafter(work / "drafter")
+            (work / "written").write_text("")
+        tb, db = (sum(f.stat().st_size for f in (work / d).iterdir()) for d in ("target", "drafter"))
         result["checkpoint"] = {"target_bytes": tb, "drafter_bytes": db,
                                 "write_seconds": round(time.perf_counter() - t0, 1),
                                 "target_files": sorted(f.name for f in (work / "target").iterdir())}
-        log(f"wrote target {tb / 1e9:.2f} GB + drafter {db / 1e9:.2f} GB in {result['checkpoint']['write_seconds']} s")
+        log(f"target {tb / 1e9:.2f} GB + drafter {db / 1e9:.2f} GB ready in {result['checkpoint']['write_seconds']} s")
         result["page_cache_dropped"] = drop_caches()
         result["cp"] = timed_cp(work / "target", work / "copy")
         shutil.rmtree(work / "copy")
@@ -326,7 +335,7 @@ def main() -> int:
         result["builds"] = []
         for arch in a.arch or ["blackwell", "hopper"]:
             drop_caches()
-            r = timed_build(work / "target", work / "drafter", arch, work / f"bundle-{arch}", log)
+            r = timed_build(work / "target", work / "drafter", arch, work / f"bundle-{arch}", log, a.rss_limit_mb)
             shutil.rmtree(work / f"bundle-{arch}", ignore_errors=True)
             log(f"build {arch}: {r['wall_seconds']} s, peak RSS {r['peak_rss_mb']} MB")
             result["builds"].append(r)
@@ -338,7 +347,11 @@ def main() -> int:
         result["projection_gpt_oss_120b"] = {b["arch"]: project(b["phases"], tb, GPT_OSS_120B_BYTES)
                                              for b in result["builds"]}
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        if a.keep_checkpoint:
+            for d in work.glob("bundle-*"):
+                shutil.rmtree(d, ignore_errors=True)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
     print(json.dumps(result, indent=2))
     return 0
 
