@@ -14,7 +14,7 @@ Then, in this run and on the same disk, each after emptying the page cache when 
     child process: wall time, and per phase (the build's own `<stage>: running` lines on stderr mark
     the boundaries) wall time, bytes read / written (/proc/<pid>/io: rchar/wchar through syscalls,
     read_bytes/write_bytes at the block layer; mmap reads show only in read_bytes) and peak RSS
-    (VmHWM, reset between phases through /proc/<pid>/clear_refs); whole-build peak RSS from wait4.
+    (VmHWM, reset between phases through /proc/<pid>/clear_refs); the build's peak RSS is the largest.
     Each bundle is deleted after it is measured.
 Prints one JSON object: the measurements, the issue's targets (peak RSS <= 2 GB; wall <= 3x cp)
 and a projection to gpt-oss-120b (65 GB) from the measured per-byte cost of each phase.
@@ -245,7 +245,7 @@ def timed_build(target: Path, drafter: Path, arch: str, out: Path, log, rss_limi
             close(now)
             _reset_hwm(p.pid)
             cur = {"name": m.group(1), "t": now, "io": _proc_io(p.pid) or dict(last_io)}
-    _, status, ru = os.wait4(p.pid, 0)
+    _, status, _ = os.wait4(p.pid, 0)
     now = time.perf_counter()
     close(now)
     phases[-1]["phase"] += " + finish (artifact hashes, manifest, rename)"
@@ -254,7 +254,8 @@ def timed_build(target: Path, drafter: Path, arch: str, out: Path, log, rss_limi
         raise SystemExit(f"build --arch {arch} failed (exit {p.returncode}):\n{''.join(err_lines[-20:])}")
     time.sleep(0.1)
     res = json.loads(stdout_box[0]) if stdout_box and stdout_box[0] else {}
-    return {"arch": arch, "wall_seconds": round(now - t0, 2), "peak_rss_mb": round(ru.ru_maxrss / 1024, 1),
+    # the whole build's peak is the largest phase peak (wait4's ru_maxrss is reset with VmHWM)
+    return {"arch": arch, "wall_seconds": round(now - t0, 2), "peak_rss_mb": max(ph["peak_rss_mb"] for ph in phases),
             "phases": phases, "stage_status": {s["name"]: s["status"] for s in res.get("stages", [])},
             "bundle_bytes": sum(a["bytes"] for a in res.get("artifacts", []))}
 

@@ -478,3 +478,23 @@ def test_rebuild_remakes_a_stage_whose_output_was_edited(hopper, tiny, tmp_path)
     assert "DFLASH" in sg.read_text() and verify(copy) == []
     sha = {a["path"]: a["sha256"] for a in read_manifest(copy)["artifacts"]}
     assert sha == {a["path"]: a["sha256"] for a in before["artifacts"]}
+
+
+def test_hash_cache_knows_hard_links_of_what_it_hashed(tmp_path):
+    """A bundle's hard link of a multi-GB input reuses the input's sha256 (not read twice), and
+    only while the bytes are the same."""
+    from dflash_trt.bundle.manifest import HashCache, sha256_file
+
+    src, link = tmp_path / "w.safetensors", tmp_path / "link.safetensors"
+    src.write_bytes(b"x" * 1000)
+    cache = HashCache()
+    digest = cache.sha256(src)
+    os.link(src, link)
+    assert cache.linked(link) == digest == sha256_file(link)
+    (tmp_path / "copy").write_bytes(src.read_bytes())
+    assert cache.linked(tmp_path / "copy") is None          # same bytes, another inode: not known
+    with open(link, "r+b") as f:
+        f.write(b"y")
+    st = link.stat()   # the kernel's mtime clock is coarse (a few ms): make sure this edit shows in it
+    os.utime(link, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
+    assert cache.linked(link) is None                       # edited since (mtime moved)

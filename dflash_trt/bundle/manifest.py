@@ -129,6 +129,7 @@ class HashCache:
 
     def __init__(self, entries: dict | None = None):
         self.entries: dict[str, dict] = dict(entries or {})
+        self._inodes: dict[tuple, str] = {}   # (dev, inode, size, mtime_ns) -> sha256, this run only
 
     def sha256(self, path: Path) -> str:
         path = Path(path).resolve()
@@ -136,10 +137,18 @@ class HashCache:
         key = str(path)
         hit = self.entries.get(key)
         if hit and hit.get("bytes") == st.st_size and hit.get("mtime_ns") == st.st_mtime_ns:
-            return hit["sha256"]
-        digest = sha256_file(path)
-        self.entries[key] = {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}
+            digest = hit["sha256"]
+        else:
+            digest = sha256_file(path)
+            self.entries[key] = {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}
+        self._inodes[(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)] = digest
         return digest
+
+    def linked(self, path: Path) -> str | None:
+        """The sha256 of a file that is a hard link of one hashed in this run (same inode, size
+        and mtime: the same bytes), e.g. a bundle's copy of a multi-GB input; else None."""
+        st = Path(path).stat()
+        return self._inodes.get((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
 
     def tree(self, folder: Path) -> str:
         """One digest over every file under folder (relative names and content hashes)."""

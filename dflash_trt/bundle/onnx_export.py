@@ -30,6 +30,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -38,7 +39,10 @@ from safetensors import safe_open
 from dflash_trt.errors import DFlashError
 from dflash_trt.io.jsonio import read_json
 from dflash_trt.kernels import kv_inject_trt
-from dflash_trt.models.drafter import load_drafter
+from dflash_trt.io.checkpoint import CheckpointReader
+from dflash_trt.models.config import load_drafter_config
+from dflash_trt.models.drafter import DFlashDrafter, _hf_rope_config, load_drafter
+from dflash_trt.models.layers import RopeTable
 from dflash_trt.runtime.kv_inject import FusedKVInjector, check_page_size, fused_kv_from_ctx, scatter_paged
 
 OPSET = 18
@@ -92,6 +96,51 @@ def target_head_rows(target_dir: str | Path) -> tuple[dict, TensorRows, TensorRo
     return cfg, embed, head
 
 
+class DrafterWeights:
+    """A drafter whose tensors are read from its checkpoint one at a time, as float32, when the
+    graph needs them: the module (`.module`) is built on the meta device, shapes only, so a
+    real-size drafter (0.8B parameters, 3.1 GB as float32) is never in memory whole. Names are
+    checked against the checkpoint as load_drafter checks them (missing / mis-shaped refused)."""
+
+    def __init__(self, folder: str | Path):
+        folder = Path(folder)
+        cfg = load_drafter_config(folder)
+        with torch.device("meta"):
+            self.module = DFlashDrafter(cfg, max_len=16)
+        self.module.rope = RopeTable(_hf_rope_config(cfg), cfg.max_position_embeddings, torch.float32)
+        self.reader = CheckpointReader(folder)
+        self._key: dict[int, str] = {}
+        for name, p in self.module.named_parameters():
+            key = name if name in self.reader else "model." + name   # speculators exports prefix `model.`
+            if key not in self.reader:
+                raise DFlashError(f"{folder}: tensor {name} missing from the checkpoint")
+            if tuple(self.reader.meta(key)[1]) != tuple(p.shape):
+                raise DFlashError(f"{folder}: tensor {name} has shape {tuple(self.reader.meta(key)[1])}, "
+                                  f"config implies {tuple(p.shape)}")
+            self._key[id(p)] = key
+
+    def __call__(self, param: torch.Tensor) -> np.ndarray:
+        return self.reader.get(self._key[id(param)]).to(torch.float32).numpy()
+
+    def injector(self) -> FusedKVInjector:
+        """FusedKVInjector over float32 copies of only the tensors it reads (fc, hidden_norm and
+        each layer's k_proj, v_proj, k_norm), as load_drafter(dtype=float32) would give them."""
+        d = self.module
+
+        def t(p):
+            return None if p is None else torch.from_numpy(self(p))
+
+        def lin(m):
+            return SimpleNamespace(weight=t(m.weight), bias=t(m.bias), out_features=m.out_features)
+
+        layers = [SimpleNamespace(self_attn=SimpleNamespace(k_proj=lin(a.k_proj), v_proj=lin(a.v_proj),
+                                                            k_norm=SimpleNamespace(weight=t(a.k_norm.weight))))
+                  for a in (layer.self_attn for layer in d.layers)]
+        return FusedKVInjector(SimpleNamespace(config=d.config, fc=SimpleNamespace(weight=t(d.fc.weight)),
+                                               hidden_norm=SimpleNamespace(weight=t(d.hidden_norm.weight)),
+                                               layers=layers, rope=d.rope))
+
+
 # -------------------------------------------------------------------------------- graph building
 class ExternalData:
     """The side file of a big model's weights, written as the graph is built: each initializer's
@@ -130,8 +179,12 @@ class _Graph:
 
     EXTERNAL_MIN = 1024   # smaller initializers stay inline (onnx's own size_threshold)
 
-    def __init__(self, data: ExternalData | None = None):
+    def __init__(self, data: ExternalData | None = None, weights=None):
         self.nodes, self.inits, self._n, self.data = [], [], 0, data
+        self.w = weights or _np   # a drafter parameter -> float32 array (DrafterWeights: read on demand)
+
+    def bias(self, linear) -> np.ndarray | None:
+        return self.w(linear.bias) if linear.bias is not None else None
 
     def name(self, base):
         self._n += 1
@@ -189,8 +242,6 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.detach().to(torch.float32).cpu().numpy()
 
 
-def _bias(linear) -> np.ndarray | None:
-    return _np(linear.bias) if linear.bias is not None else None
 
 
 def _graph_inputs(c, cache_shape) -> list:
@@ -218,13 +269,12 @@ def _graph_outputs(vocab: int, cache_shape) -> list:
     ]
 
 
-def _kv_inject(g: _Graph, drafter, cos_tab: str, sin_tab: str, page_size: int) -> None:
+def _kv_inject(g: _Graph, inj: FusedKVInjector, cos_tab: str, sin_tab: str, page_size: int) -> None:
     """fc (a standard MatMul: TensorRT's GEMM), then the fused plugin node writing every layer's
     K/V of the accepted tokens into the paged cache: outputs k_cache_out, v_cache_out."""
     from onnx import helper
 
-    c = drafter.config
-    inj = FusedKVInjector(drafter)
+    c = inj.config
     ctx_raw = g.op("MatMul", ["features", g.init("fc_w_t", _np(inj.fc_w_t))])
     scalars = g.init("kv_scalars", np.array([inj.eps, 1.0, 1.0], dtype=np.float32))
     plugin_inputs = [ctx_raw, g.init("w_kv", _np(inj.w_kv)), g.init("b_kv", _np(inj.b_kv)),
@@ -248,13 +298,13 @@ def _gather_ctx(g: _Graph, cache: str, c) -> str:
 def _attention(g: _Graph, a, x: str, l: int, k_all: str, v_all: str, cos_q: str, sin_q: str, scale: str, c) -> str:
     """Layer l's non-causal attention of the block over [context, block]: o_proj's output [B, H]."""
     nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-    q = g.op("Reshape", [g.linear(x, _np(a.q_proj.weight), _bias(a.q_proj)), g.ints("shape", [-1, nh, hd])])
-    q = g.op("Transpose", [g.rms_norm(q, _np(a.q_norm.weight), a.q_norm.eps)], perm=[1, 0, 2])   # [nh, B, hd]
+    q = g.op("Reshape", [g.linear(x, g.w(a.q_proj.weight), g.bias(a.q_proj)), g.ints("shape", [-1, nh, hd])])
+    q = g.op("Transpose", [g.rms_norm(q, g.w(a.q_norm.weight), a.q_norm.eps)], perm=[1, 0, 2])   # [nh, B, hd]
     q = g.rope(q, cos_q, sin_q, hd)
-    k = g.op("Reshape", [g.linear(x, _np(a.k_proj.weight), _bias(a.k_proj)), g.ints("shape", [-1, nkv, hd])])
-    k = g.rope(g.op("Transpose", [g.rms_norm(k, _np(a.k_norm.weight), a.k_norm.eps)], perm=[1, 0, 2]),
+    k = g.op("Reshape", [g.linear(x, g.w(a.k_proj.weight), g.bias(a.k_proj)), g.ints("shape", [-1, nkv, hd])])
+    k = g.rope(g.op("Transpose", [g.rms_norm(k, g.w(a.k_norm.weight), a.k_norm.eps)], perm=[1, 0, 2]),
                cos_q, sin_q, hd)                                                                 # [nkv, B, hd]
-    v = g.op("Reshape", [g.linear(x, _np(a.v_proj.weight), _bias(a.v_proj)), g.ints("shape", [-1, nkv, hd])])
+    v = g.op("Reshape", [g.linear(x, g.w(a.v_proj.weight), g.bias(a.v_proj)), g.ints("shape", [-1, nkv, hd])])
     v = g.op("Transpose", [v], perm=[1, 0, 2])
     li = g.init("layer", np.int64(l))
     K = g.op("Concat", [g.op("Gather", [k_all, li], axis=0), k], axis=1)                   # [nkv, S+B, hd]
@@ -265,27 +315,29 @@ def _attention(g: _Graph, a, x: str, l: int, k_all: str, v_all: str, cos_q: str,
     o = g.op("MatMul", [g.op("Softmax", [scores], axis=-1), Vv])                            # [nkv, grp*B, hd]
     o = g.op("Reshape", [o, g.ints("shape", [nh, -1, hd])])                                 # [nh, B, hd]
     o = g.op("Reshape", [g.op("Transpose", [o], perm=[1, 0, 2]), g.ints("shape", [-1, nh * hd])])
-    return g.linear(o, _np(a.o_proj.weight), _bias(a.o_proj))
+    return g.linear(o, g.w(a.o_proj.weight), g.bias(a.o_proj))
 
 
 def _mlp(g: _Graph, mlp, x: str) -> str:
-    gate = g.linear(x, _np(mlp.gate_proj.weight))
-    up = g.linear(x, _np(mlp.up_proj.weight))
+    gate = g.linear(x, g.w(mlp.gate_proj.weight))
+    up = g.linear(x, g.w(mlp.up_proj.weight))
     act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])                 # silu(gate) * up
-    return g.linear(act, _np(mlp.down_proj.weight))
+    return g.linear(act, g.w(mlp.down_proj.weight))
 
 
 def _decoder_layer(g: _Graph, layer, l: int, h: str, k_all: str, v_all: str, cos_q: str, sin_q: str, scale: str,
                    c) -> str:
-    x = g.rms_norm(h, _np(layer.input_layernorm.weight), layer.input_layernorm.eps)
+    x = g.rms_norm(h, g.w(layer.input_layernorm.weight), layer.input_layernorm.eps)
     h = g.op("Add", [h, _attention(g, layer.self_attn, x, l, k_all, v_all, cos_q, sin_q, scale, c)])
-    x = g.rms_norm(h, _np(layer.post_attention_layernorm.weight), layer.post_attention_layernorm.eps)
+    x = g.rms_norm(h, g.w(layer.post_attention_layernorm.weight), layer.post_attention_layernorm.eps)
     return g.op("Add", [h, _mlp(g, layer.mlp, x)])
 
 
-def build_model(drafter, embed: TensorRows, lm_head: TensorRows, page_size: int, data: ExternalData | None = None):
+def build_model(drafter, embed: TensorRows, lm_head: TensorRows, page_size: int, data: ExternalData | None = None,
+                weights: DrafterWeights | None = None):
     """The ONNX ModelProto of `drafter` (float32) with the target's embedding and lm_head; the
-    weights go to `data` as they are made when given (big models)."""
+    weights go to `data` as they are made when given (big models). `weights`: the drafter's
+    tensors read on demand (then `drafter` is weights.module, on the meta device)."""
     import onnx
     from onnx import helper
 
@@ -297,11 +349,11 @@ def build_model(drafter, embed: TensorRows, lm_head: TensorRows, page_size: int,
                           f"has hidden_size {H}")
     if c.n_features * H != drafter.fc.weight.shape[1]:
         raise DFlashError(f"fc.weight: shape {tuple(drafter.fc.weight.shape)} does not match {c.n_features} features")
-    g = _Graph(data)
+    g = _Graph(data, weights)
     cache_shape = ["num_pages", c.num_hidden_layers, c.num_key_value_heads, page_size, c.head_dim]
     cos_tab, sin_tab = g.init("rope_cos", _np(drafter.rope.cos)), g.init("rope_sin", _np(drafter.rope.sin))
 
-    _kv_inject(g, drafter, cos_tab, sin_tab, page_size)
+    _kv_inject(g, weights.injector() if weights else FusedKVInjector(drafter), cos_tab, sin_tab, page_size)
     k_all, v_all = _gather_ctx(g, "k_cache_out", c), _gather_ctx(g, "v_cache_out", c)
 
     # the draft pass (DFlashDrafter.forward_cached, mask=None: non-causal)
@@ -311,7 +363,7 @@ def build_model(drafter, embed: TensorRows, lm_head: TensorRows, page_size: int,
     scale = g.init("attn_scale", np.float32(1.0 / math.sqrt(c.head_dim)))
     for l, layer in enumerate(drafter.layers):
         h = _decoder_layer(g, layer, l, h, k_all, v_all, cos_q, sin_q, scale, c)
-    h = g.rms_norm(h, _np(drafter.norm.weight), drafter.norm.eps)
+    h = g.rms_norm(h, g.w(drafter.norm.weight), drafter.norm.eps)
     # Gemm with transB: lm_head stays [V, H] as stored, so it streams by rows (no [H, V] copy)
     g.nodes.append(helper.make_node("Gemm", [h, g.init_rows("lm_head", lm_head)], ["logits"], name="lm_head", transB=1))
 
@@ -332,7 +384,11 @@ def export_onnx(drafter_dir, target_dir, out_file, page_size: int = 16) -> Path:
     import onnx
 
     check_page_size(page_size)
-    drafter = load_drafter(drafter_dir, dtype=torch.float32)
+    if (Path(drafter_dir) / "hf_quant_config.json").is_file():   # FP8 / NVFP4: dequantized whole, as the runtime does
+        weights, drafter = None, load_drafter(drafter_dir, dtype=torch.float32)
+    else:
+        weights = DrafterWeights(drafter_dir)
+        drafter = weights.module
     tcfg, embed, head = target_head_rows(target_dir)
     if tcfg.get("hidden_size") != drafter.config.hidden_size:
         raise DFlashError(f"{Path(target_dir) / 'config.json'}: hidden_size {tcfg.get('hidden_size')} does not "
@@ -346,11 +402,10 @@ def export_onnx(drafter_dir, target_dir, out_file, page_size: int = 16) -> Path:
     try:
         data = ExternalData(tmp / data_name) if big else None
         try:
-            model = build_model(drafter, embed, head, page_size, data)
+            model = build_model(drafter, embed, head, page_size, data, weights)
         finally:
             if data is not None:
                 data.close()
-        del drafter
         onnx.save_model(model, str(tmp / out_file.name))
         onnx.checker.check_model(str(tmp / out_file.name))
         if big:
