@@ -17,7 +17,7 @@ import pytest
 from huggingface_hub import scan_cache_dir
 from safetensors.torch import load_file, save_file
 
-from dflash_trt.bundle.manifest import read_manifest
+from dflash_trt.bundle.manifest import read_manifest, sha256_file, verify
 from dflash_trt.errors import DFlashError
 from dflash_trt.presets.catalog import PRESETS
 from dflash_trt.presets.hub import check_disk, download_command, resolve_hub_id
@@ -196,3 +196,30 @@ def test_no_room_for_the_download_is_refused_before_the_first_byte(tmp_path):
     with pytest.raises(DFlashError, match=r"to download but .* GB free"):
         check_disk(tmp_path / "not" / "yet", 1 << 60, "target x/y", "hf download x/y")
     check_disk(tmp_path, 1 << 20, "target x/y", "hf download x/y")   # room: no error
+
+
+def test_cache_blobs_are_hashed_by_their_names_and_verify_rereads_them(cached_qwen, monkeypatch):
+    """A snapshot's LFS blobs are named by their sha256: the build takes the name instead of
+    reading a multi-GB file; `verify` re-reads, so a blob whose name lies is caught there.
+    (Every file hard-linked into the bundle here, as files of 16 MiB and more are.)"""
+    from dflash_trt.bundle import build
+
+    monkeypatch.setattr(build, "LINK_MIN_BYTES", 0)
+    _, t, _ = cached_qwen
+    code, out, err = run_cli("build", "--target", "qwen3-8b", "--arch", "hopper", "--quant", "none", "--json")
+    assert code == 0, err
+    bundle = Path(json.loads(out)["bundle"])
+    shard = "target/model-00001-of-00002.safetensors"
+    arts = {a["path"]: a["sha256"] for a in read_manifest(bundle)["artifacts"]}
+    assert arts[shard] == sha256_file(bundle / shard) == (t / shard.split("/")[1]).resolve().name
+    assert verify(bundle) == []
+    # a blob whose name is not its content's hash: the build believes the name, verify does not
+    blob = (t / "model-00001-of-00002.safetensors").resolve()
+    liar = blob.with_name("e" * 64)
+    blob.rename(liar)
+    (t / "model-00001-of-00002.safetensors").unlink()
+    (t / "model-00001-of-00002.safetensors").symlink_to(os.path.relpath(liar, t))
+    code, out, err = run_cli("build", "--target", "qwen3-8b", "--arch", "hopper", "--quant", "none", "--force",
+                             "--json")
+    assert code == 0, err
+    assert any(shard in p for p in verify(bundle))

@@ -107,8 +107,8 @@ def link_tree(src: Path, dst: Path) -> None:
     one in the bundle never edits the source. Plain copy across file systems."""
     def link(s, d):
         if os.path.getsize(s) >= LINK_MIN_BYTES:
-            try:
-                os.link(s, d)
+            try:  # to the file itself: Linux link(2) of a symlink (a Hugging Face snapshot's) links the symlink
+                os.link(os.path.realpath(s), d)
                 return d
             except OSError:
                 pass

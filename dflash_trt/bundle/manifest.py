@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -123,6 +124,20 @@ def sha256_json(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
+HUB_LFS_BLOB = re.compile(r"[0-9a-f]{64}")
+
+
+def hub_blob_sha256(resolved: Path) -> str | None:
+    """The sha256 of a Hugging Face cache blob of a large (LFS) file: its name
+    (models--org--name/blobs/<sha256>, the hub's LFS object id, which huggingface_hub names it
+    by), so a cached 65 GB checkpoint is not read to be hashed; `verify` re-reads a bundle's
+    files. Small files' blobs are named by their git sha1 (40 hex digits) and are hashed."""
+    p = Path(resolved)
+    if p.parent.name == "blobs" and p.parent.parent.name.startswith("models--") and HUB_LFS_BLOB.fullmatch(p.name):
+        return p.name
+    return None
+
+
 class HashCache:
     """sha256 of files, remembered by (size, mtime_ns) so that re-runs do not re-read unchanged
     multi-GB checkpoints. Stored in the manifest under `input_files`."""
@@ -138,6 +153,8 @@ class HashCache:
         hit = self.entries.get(key)
         if hit and hit.get("bytes") == st.st_size and hit.get("mtime_ns") == st.st_mtime_ns:
             digest = hit["sha256"]
+        elif hub_blob_sha256(path):
+            digest = hub_blob_sha256(path)
         else:
             digest = sha256_file(path)
             self.entries[key] = {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}
