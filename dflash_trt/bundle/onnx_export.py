@@ -37,9 +37,9 @@ import torch
 from safetensors import safe_open
 
 from dflash_trt.errors import DFlashError
+from dflash_trt.io.checkpoint import CheckpointReader
 from dflash_trt.io.jsonio import read_json
 from dflash_trt.kernels import kv_inject_trt
-from dflash_trt.io.checkpoint import CheckpointReader
 from dflash_trt.models.config import load_drafter_config
 from dflash_trt.models.drafter import DFlashDrafter, _hf_rope_config, load_drafter
 from dflash_trt.models.layers import RopeTable
