@@ -10,20 +10,25 @@ Writes, streamed with bounded memory (one 64 MiB chunk at a time):
   - a drafter of the published z-lab/gpt-oss-20b-DFlash shape (config below), bf16, random.
 Then, in this run and on the same disk, each after emptying the page cache when root:
   - `cp -r` of the target folder (+ `sync`), timed, the copy deleted right after;
-  - `dflash-trt build --target T --drafter D --arch blackwell` and `--arch hopper`, each in a fresh
-    child process: wall time, and per phase (the build's own `<stage>: running` lines on stderr mark
+  - `dflash-trt build --arch blackwell` and `--arch hopper`, the pair given two ways (--layout):
+    as folders (`--target DIR --drafter DIR`: every input byte is read to be hashed) and as the
+    preset found in the Hugging Face cache (`--target gpt-oss-20b`, the files moved into
+    models--openai--gpt-oss-20b/blobs + snapshots/<pinned commit>, as `hf download` leaves them:
+    weights hashed by their blob names). Each build runs in a fresh child process: wall time, and per phase (the build's own `<stage>: running` lines on stderr mark
     the boundaries) wall time, bytes read / written (/proc/<pid>/io: rchar/wchar through syscalls,
     read_bytes/write_bytes at the block layer; mmap reads show only in read_bytes) and peak RSS
     (VmHWM, reset between phases through /proc/<pid>/clear_refs); the build's peak RSS is the largest.
     Each bundle is deleted after it is measured.
 Prints one JSON object: the measurements, the issue's targets (peak RSS <= 2 GB; wall <= 3x cp)
-and a projection to gpt-oss-120b (65 GB) from the measured per-byte cost of each phase.
+and a projection to gpt-oss-120b (65 GB): the phases that work on the target's bytes scaled by
+65.2 / 13.8, the others (drafter, embedding, lm_head: same shapes in the 120b pair) as measured.
 
     .venv/bin/python bench/bench_build_real_size.py --json --workdir /var/tmp/dflash-bench
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -42,8 +47,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from dflash_trt.bundle.manifest import sha256_file
+
 CHUNK = 64 << 20
-GPT_OSS_120B_BYTES = 65_200_000_000   # the 120b safetensors total at b5c939de (presets/configs/SOURCES.md)
+GPT_OSS_120B_BYTES = 65_200_000_000   # the 120b safetensors total at b5c939de (search-index id 67564356224)
 # z-lab/gpt-oss-20b-DFlash config.json as quoted (trimmed) in a public test suite (SOURCES.md,
 # search-index id 53379779500), plus the fields our reader wants that the quote left out.
 DRAFTER_CONFIG = {
@@ -203,13 +210,12 @@ def _reset_hwm(pid: int) -> None:
 STAGE_LINE = re.compile(r"^dflash-trt build: ([\w-]+): (running|skipped)")
 
 
-def timed_build(target: Path, drafter: Path, arch: str, out: Path, log, rss_limit_mb: float) -> dict:
+def timed_build(pair: list[str], env: dict, arch: str, out: Path, log, rss_limit_mb: float) -> dict:
     """Run one build in a child; split its life into phases at the stage lines it prints."""
-    cmd = [sys.executable, "-m", "dflash_trt.cli", "build", "--target", str(target), "--drafter", str(drafter),
-           "--arch", arch, "--out", str(out), "--json"]
+    cmd = [sys.executable, "-m", "dflash_trt.cli", "build", *pair, "--arch", arch, "--out", str(out), "--json"]
     t0 = time.perf_counter()
     p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                         env=dict(os.environ, PYTHONPATH=str(ROOT), **env))
     phases, cur = [], {"name": "resolve + hash inputs", "t": t0, "io": _proc_io(p.pid)}
     last_io, last_hwm = dict(cur["io"]), [None]
 
@@ -255,7 +261,7 @@ def timed_build(target: Path, drafter: Path, arch: str, out: Path, log, rss_limi
     time.sleep(0.1)
     res = json.loads(stdout_box[0]) if stdout_box and stdout_box[0] else {}
     # the whole build's peak is the largest phase peak (wait4's ru_maxrss is reset with VmHWM)
-    return {"arch": arch, "wall_seconds": round(now - t0, 2), "peak_rss_mb": max(ph["peak_rss_mb"] for ph in phases),
+    return {"arch": arch, "command": "dflash-trt " + " ".join(cmd[3:]), "wall_seconds": round(now - t0, 2), "peak_rss_mb": max(ph["peak_rss_mb"] for ph in phases),
             "phases": phases, "stage_status": {s["name"]: s["status"] for s in res.get("stages", [])},
             "bundle_bytes": sum(a["bytes"] for a in res.get("artifacts", []))}
 
@@ -269,13 +275,68 @@ def timed_cp(src: Path, dst: Path) -> dict:
     return {"cp_seconds": round(t1 - t0, 2), "cp_plus_sync_seconds": round(t2 - t0, 2)}
 
 
-def project(phases: list[dict], measured_bytes: int, target_bytes: int) -> dict:
-    """Scale each phase's time by the checkpoint size (all phases that read the checkpoint are
-    linear in its bytes; the fixed ones, e.g. the plugin build, are over-projected, an upper bound)."""
+# Phases whose work grows with the target's bytes; the others read the drafter and the target's
+# embedding / lm_head, which have the same shapes in the gpt-oss-120b pair (hidden 2880, vocab
+# 201088, an 8-layer drafter: presets/configs/SOURCES.md), so they are kept as measured.
+TARGET_PHASES = ("resolve + hash inputs", "check")
+
+
+def project(phases: list[dict], cp_seconds: float, measured_bytes: int, target_bytes: int) -> dict:
     f = target_bytes / measured_bytes
-    per = {ph["phase"]: round(ph["seconds"] * f, 1) for ph in phases}
-    return {"bytes": target_bytes, "scale": round(f, 2), "wall_seconds": round(sum(per.values()), 1),
-            "phases_seconds": per, "dominant_phase": max(per, key=per.get)}
+    per = {ph["phase"]: round(ph["seconds"] * (f if ph["phase"] in TARGET_PHASES else 1), 1) for ph in phases}
+    wall = round(sum(per.values()), 1)
+    return {"target_bytes": target_bytes, "scale": round(f, 2), "wall_seconds": wall, "phases_seconds": per,
+            "dominant_phase": max(per, key=per.get), "cp_seconds": round(cp_seconds * f, 1),
+            "wall_over_cp": round(wall / (cp_seconds * f), 2)}
+
+
+# ------------------------------------------------------------------------------ the HF cache layout
+CACHE_REPOS = {"target": ("openai/gpt-oss-20b", None), "drafter": ("z-lab/gpt-oss-20b-DFlash", "d" * 40)}
+
+
+def _blob_name(path: Path, sums: dict) -> str:
+    """As huggingface_hub names blobs: LFS files (weights) by their sha256, others by git sha1."""
+    if path.suffix == ".safetensors":
+        if path.name not in sums:
+            sums[path.name] = sha256_file(path)
+        return sums[path.name]
+    data = path.read_bytes()
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def to_hf_cache(work: Path) -> Path:
+    """Move the pair into work/hub as `hf download` lays it out (renames: no copy); returns the cache."""
+    from dflash_trt.presets.catalog import get_preset
+
+    sums_file = work / "sha256.json"
+    sums = json.loads(sums_file.read_text()) if sums_file.is_file() else {}
+    hub = work / "hub"
+    for role, (repo_id, commit) in CACHE_REPOS.items():
+        commit = commit or get_preset("gpt-oss-20b").revision
+        repo = hub / f"models--{repo_id.replace('/', '--')}"
+        snap = repo / "snapshots" / commit
+        (repo / "blobs").mkdir(parents=True, exist_ok=True)
+        snap.mkdir(parents=True, exist_ok=True)
+        for f in sorted((work / role).iterdir()):
+            blob = repo / "blobs" / _blob_name(f, sums)
+            f.rename(blob)
+            (snap / f.name).symlink_to(os.path.relpath(blob, snap))
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / "main").write_text(commit)
+        (work / role).rmdir()
+    sums_file.write_text(json.dumps(sums))
+    return hub
+
+
+def from_hf_cache(work: Path) -> None:
+    """Undo to_hf_cache: the plain folders back."""
+    for role, (repo_id, _) in CACHE_REPOS.items():
+        repo = work / "hub" / f"models--{repo_id.replace('/', '--')}"
+        (snap,) = (repo / "snapshots").iterdir()
+        (work / role).mkdir()
+        for link in snap.iterdir():
+            link.resolve().rename(work / role / link.name)
+    shutil.rmtree(work / "hub")
 
 
 def needed_bytes() -> int:
@@ -296,6 +357,9 @@ def main() -> int:
     ap.add_argument("--check-disk", action="store_true", help="only say whether the disk has room (exit 0 / 3)")
     ap.add_argument("--keep-checkpoint", action="store_true",
                     help="write the pair to <workdir>/pair once and keep it (re-runs skip the 14 GB write)")
+    ap.add_argument("--layout", action="append", choices=["folder", "hf-cache"],
+                    help="where the pair is: plain folders (--target DIR --drafter DIR) or the Hugging Face cache "
+                         "(--target gpt-oss-20b); default both")
     ap.add_argument("--rss-limit-mb", type=float, default=8000, help="stop a build whose RSS passes this")
     a = ap.parse_args()
     logf = open(a.log, "a") if a.log else sys.stderr  # noqa: SIM115 -- the run's log, open until exit
@@ -318,6 +382,8 @@ def main() -> int:
     result: dict = {"workdir": str(work)}
     try:
         t0 = time.perf_counter()
+        if (work / "hub").is_dir():   # a kept pair left in the cache layout by an interrupted run
+            from_hf_cache(work)
         if not (work / "written").is_file():
             shutil.rmtree(work, ignore_errors=True)
             make_tiny("gpt-oss", work / "tiny")   # only its tokenizer files are used
@@ -334,18 +400,31 @@ def main() -> int:
         shutil.rmtree(work / "copy")
         log(f"cp: {result['cp']}")
         result["builds"] = []
-        for arch in a.arch or ["blackwell", "hopper"]:
-            drop_caches()
-            r = timed_build(work / "target", work / "drafter", arch, work / f"bundle-{arch}", log, a.rss_limit_mb)
-            shutil.rmtree(work / f"bundle-{arch}", ignore_errors=True)
-            log(f"build {arch}: {r['wall_seconds']} s, peak RSS {r['peak_rss_mb']} MB")
-            result["builds"].append(r)
+        for layout in a.layout or ["folder", "hf-cache"]:
+            if layout == "folder":
+                pair, env = ["--target", str(work / "target"), "--drafter", str(work / "drafter")], {}
+            else:   # `--target gpt-oss-20b` found in the Hugging Face cache, as after `hf download`
+                hub = to_hf_cache(work)
+                pair = ["--target", "gpt-oss-20b"]
+                env = {"HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "1", "DFLASH_TRT_HOME": str(work / "home")}
+            try:
+                for arch in a.arch or ["blackwell", "hopper"]:
+                    drop_caches()
+                    r = timed_build(pair, env, arch, work / f"bundle-{arch}", log, a.rss_limit_mb)
+                    shutil.rmtree(work / f"bundle-{arch}", ignore_errors=True)
+                    log(f"build {layout} {arch}: {r['wall_seconds']} s, peak RSS {r['peak_rss_mb']} MB")
+                    result["builds"].append({"layout": layout, **r})
+            finally:
+                if layout == "hf-cache":
+                    from_hf_cache(work)
         cp_s = result["cp"]["cp_plus_sync_seconds"]
         result["targets"] = {
-            b["arch"]: {"peak_rss_mb": b["peak_rss_mb"], "rss_ok": b["peak_rss_mb"] <= 2048,
-                        "wall_over_cp": round(b["wall_seconds"] / cp_s, 2), "wall_ok": b["wall_seconds"] <= 3 * cp_s}
+            f"{b['layout']}/{b['arch']}": {
+                "peak_rss_mb": b["peak_rss_mb"], "rss_ok": b["peak_rss_mb"] <= 2048,
+                "wall_over_cp": round(b["wall_seconds"] / cp_s, 2), "wall_ok": b["wall_seconds"] <= 3 * cp_s}
             for b in result["builds"]}
-        result["projection_gpt_oss_120b"] = {b["arch"]: project(b["phases"], tb, GPT_OSS_120B_BYTES)
+        result["projection_gpt_oss_120b"] = {f"{b['layout']}/{b['arch']}": project(b["phases"], cp_s, tb,
+                                                                                  GPT_OSS_120B_BYTES)
                                              for b in result["builds"]}
     finally:
         if a.keep_checkpoint:
