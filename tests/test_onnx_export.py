@@ -119,8 +119,12 @@ def test_external_data_export_is_the_same_model(pair, exported, tmp_path, monkey
 
     from dflash_trt.bundle import onnx_export
 
+    from dflash_trt.bundle.manifest import HashCache, sha256_file
+
     monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_ABOVE", 0)
-    out = onnx_export.export_onnx(pair[1], pair[0], tmp_path / "drafter.onnx", page_size=4)
+    hashes = HashCache()
+    out = onnx_export.export_onnx(pair[1], pair[0], tmp_path / "drafter.onnx", page_size=4, hashes=hashes)
+    assert hashes.linked(tmp_path / "drafter.onnx.data") == sha256_file(tmp_path / "drafter.onnx.data")
     assert (tmp_path / "drafter.onnx.data").is_file() and sorted(p.name for p in tmp_path.iterdir()) == [
         "drafter.onnx", "drafter.onnx.data"]
     small = onnx.load(str(out), load_external_data=False)

@@ -537,7 +537,7 @@ class Builder:
         return {"commands": [_cmd("plugin", "build", "--arch", arch, "--out", "plugins")]}
 
     def _export_onnx(self) -> dict:
-        export_onnx(self.ddir, self.tdir, self.work / "onnx" / "drafter.onnx")
+        export_onnx(self.ddir, self.tdir, self.work / "onnx" / "drafter.onnx", hashes=self.cache)
         return {"commands": [_cmd("export-onnx", "--drafter", self.ddir, "--target", self.tdir,
                                   "--out", "onnx/drafter.onnx")]}
 

@@ -161,9 +161,14 @@ class HashCache:
         self._inodes[(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)] = digest
         return digest
 
+    def remember(self, path: Path, digest: str) -> None:
+        """The sha256 of a file just written by this run, computed while writing it."""
+        st = Path(path).stat()
+        self._inodes[(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)] = digest
+
     def linked(self, path: Path) -> str | None:
-        """The sha256 of a file that is a hard link of one hashed in this run (same inode, size
-        and mtime: the same bytes), e.g. a bundle's copy of a multi-GB input; else None."""
+        """The sha256 of a file that is (a hard link of) one hashed or remembered in this run (same
+        inode, size and mtime: the same bytes), e.g. a bundle's copy of a multi-GB input; else None."""
         st = Path(path).stat()
         return self._inodes.get((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
 

@@ -25,6 +25,7 @@ with the node moved there. The node's computation there is path (2) of dflash_tr
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import shutil
@@ -153,16 +154,21 @@ class ExternalData:
     def __init__(self, path: Path):
         self.path, self.offset = path, 0
         self.f = open(path, "wb")  # noqa: SIM115 -- open for the graph build, closed by close()
+        self.sha256 = hashlib.sha256()   # of the file as written: the bundle's manifest needs it
+
+    def _write(self, b) -> None:
+        self.f.write(b)
+        self.sha256.update(b)
 
     def tensor(self, name: str, shape, dtype, slabs):
         import onnx
         from onnx import helper
 
         pad = -self.offset % self.ALIGN
-        self.f.write(b"\0" * pad)
+        self._write(b"\0" * pad)
         start = self.offset = self.offset + pad
         for slab in slabs:
-            self.f.write(memoryview(np.ascontiguousarray(slab)).cast("B"))
+            self._write(memoryview(np.ascontiguousarray(slab)).cast("B"))
             self.offset += slab.nbytes
         t = onnx.TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(np.dtype(dtype)), dims=list(shape),
                              data_location=onnx.TensorProto.EXTERNAL)
@@ -377,10 +383,11 @@ def build_model(drafter, embed: TensorRows, lm_head: TensorRows, page_size: int,
     return model
 
 
-def export_onnx(drafter_dir, target_dir, out_file, page_size: int = 16) -> Path:
+def export_onnx(drafter_dir, target_dir, out_file, page_size: int = 16, hashes=None) -> Path:
     """Export the drafter at drafter_dir (with target_dir's embedding and lm_head) to out_file.
     Weights go to `<out_file>.data` beside it, written as the graph is built, when the model is
-    over 1 GiB (float32)."""
+    over 1 GiB (float32); its sha256, taken while writing, is given to `hashes` (a
+    bundle.manifest.HashCache) so that the bundle's manifest need not read it back."""
     import onnx
 
     check_page_size(page_size)
@@ -410,6 +417,8 @@ def export_onnx(drafter_dir, target_dir, out_file, page_size: int = 16) -> Path:
         onnx.checker.check_model(str(tmp / out_file.name))
         if big:
             os.replace(tmp / data_name, out_file.with_name(data_name))
+            if hashes is not None:
+                hashes.remember(out_file.with_name(data_name), data.sha256.hexdigest())
         os.replace(tmp / out_file.name, out_file)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
