@@ -574,7 +574,7 @@ class Builder:
             reused = any(rel == r or rel.startswith(r + "/") for r in self.reused)
             if reused and prev and prev["bytes"] == st.st_size and stats.get(rel) == [st.st_size, st.st_mtime_ns]:
                 digest = prev["sha256"]
-            else:  # a hard link of an input (link_tree) was hashed already with the inputs
+            else:  # an input's hard link (link_tree), or what export-onnx hashed as it wrote: known already
                 digest = self.cache.linked(work / rel) or sha256_file(work / rel)
             out.append({"path": rel, "bytes": st.st_size, "sha256": digest})
         return out
