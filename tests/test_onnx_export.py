@@ -118,7 +118,6 @@ def test_external_data_export_is_the_same_model(pair, exported, tmp_path, monkey
     from onnx import numpy_helper
 
     from dflash_trt.bundle import onnx_export
-
     from dflash_trt.bundle.manifest import HashCache, sha256_file
 
     monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_ABOVE", 0)
@@ -137,3 +136,24 @@ def test_external_data_export_is_the_same_model(pair, exported, tmp_path, monkey
     for k, w in want.items():
         np.testing.assert_array_equal(got[k], w)
     onnx_export.onnxruntime_session(out)
+
+
+def test_external_data_offsets_survive_odd_sizes(tmp_path):
+    """Initializers whose byte sizes are not multiples of the alignment read back exactly (onnx's
+    own loader follows each tensor's location / offset / length)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from dflash_trt.bundle.onnx_export import ExternalData
+
+    rng = np.random.default_rng(0)
+    arrays = {"a": rng.standard_normal((3, 5)).astype(np.float32), "b": np.arange(1001, dtype=np.int64),
+              "c": rng.standard_normal((7, 11, 13)).astype(np.float32)}
+    data = ExternalData(tmp_path / "m.onnx.data")
+    inits = [data.tensor(n, a.shape, a.dtype, [a[:1], a[1:]]) for n, a in arrays.items()]   # in two slabs
+    data.close()
+    out = helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 5])
+    graph = helper.make_graph([helper.make_node("Identity", ["a"], ["y"])], "g", [], [out], inits)
+    onnx.save_model(helper.make_model(graph), str(tmp_path / "m.onnx"))
+    got = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(tmp_path / "m.onnx")).graph.initializer}
+    for n, a in arrays.items():
+        np.testing.assert_array_equal(got[n], a)
