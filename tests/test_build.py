@@ -443,17 +443,15 @@ def test_failed_rebuild_leaves_the_previous_bundle_intact(tiny, hopper, tmp_path
 
 def test_preset_found_in_the_local_hub_cache_is_used(tmp_path, monkeypatch):
     """`--target qwen3-8b` resolves to a snapshot in the Hugging Face cache layout
-    (models--org--name/snapshots/<rev>, the preset's pinned commit for the target, refs/main for the
-    drafter); here tiny stand-ins sit where the real files would (tests/test_hub.py: the full layout)."""
+    (models--org--name/snapshots/<rev>, the preset's pinned commits); here tiny stand-ins sit where
+    the real files would (tests/test_hub.py: the full layout, blobs and refs)."""
     from dflash_trt.models.tiny import make_tiny
     from dflash_trt.presets.catalog import PRESETS
 
     hub = tmp_path / "hub"
     t = hub / "models--Qwen--Qwen3-8B" / "snapshots" / PRESETS["qwen3-8b"].revision
-    d = hub / "models--z-lab--Qwen3-8B-DFlash-b16" / "snapshots" / ("2" * 40)
+    d = hub / "models--z-lab--Qwen3-8B-DFlash-b16" / "snapshots" / PRESETS["qwen3-8b"].drafter_revision
     make_tiny("qwen3", t, d, seed=4)
-    (d.parent.parent / "refs").mkdir()
-    (d.parent.parent / "refs" / "main").write_text("2" * 40)
     monkeypatch.setenv("HF_HUB_CACHE", str(hub))
     monkeypatch.setenv("DFLASH_TRT_HOME", str(tmp_path / "home"))
     monkeypatch.chdir(tmp_path)

@@ -25,7 +25,7 @@ from dflash_trt.presets.hub import check_disk, download_command, resolve_hub_id
 from helpers import run_cli
 
 QWEN_REV = PRESETS["qwen3-8b"].revision
-DRAFTER_REV = "0123456789abcdef0123456789abcdef01234567"   # what refs/main points at
+DRAFTER_REV = PRESETS["qwen3-8b"].drafter_revision
 
 
 def put_in_cache(cache: Path, repo_id: str, commit: str, src: Path, refs: tuple[str, ...] = ("main",)) -> Path:
