@@ -179,9 +179,16 @@ def test_download_command_fetches_only_what_the_pipeline_reads():
     assert cmd.endswith("--exclude '*/*'")   # not original/ and metal/ (the same weights again)
 
 
-def test_unreachable_hub_gives_the_one_line_message(tmp_path):
+@pytest.mark.parametrize("cached", [False, True])
+def test_unreachable_hub_gives_the_one_line_message(tmp_path, cached):
     """A real connection failure (a closed local port), in a fresh process so that huggingface_hub
-    reads HF_HUB_OFFLINE=0 and HF_ENDPOINT at import."""
+    reads HF_HUB_OFFLINE=0 and HF_ENDPOINT at import. With the hub on, a cached snapshot that is
+    incomplete (here: only config.json, as a config-only fetch leaves it) is completed by a
+    download, so the message says what was there."""
+    if cached:
+        (tmp_path / "cfg").mkdir()
+        (tmp_path / "cfg" / "config.json").write_text("{}")
+        put_in_cache(tmp_path / "hub", "someone/model", "c" * 40, tmp_path / "cfg")
     env = dict(os.environ, HF_HUB_OFFLINE="0", HF_ENDPOINT="http://127.0.0.1:9", HF_HUB_CACHE=str(tmp_path / "hub"),
                DFLASH_TRT_HOME=str(tmp_path / "home"), HF_HUB_ETAG_TIMEOUT="2", HF_HUB_DOWNLOAD_TIMEOUT="2")
     res = subprocess.run([sys.executable, "-m", "dflash_trt.cli", "check", "--target", "someone/model",
@@ -190,6 +197,7 @@ def test_unreachable_hub_gives_the_one_line_message(tmp_path):
     assert res.returncode == 1 and "\n" not in line, res.stderr
     assert line.startswith("error: target someone/model not found and the hub is unreachable (")
     assert "`hf download someone/model --include" in line
+    assert ("(there, but no *.safetensors weights)" in line) == cached
 
 
 def test_no_room_for_the_download_is_refused_before_the_first_byte(tmp_path):

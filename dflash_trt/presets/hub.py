@@ -96,20 +96,27 @@ def cached_snapshot(hf_id: str, revision: str) -> tuple[Path | None, list[str]]:
     return None, held
 
 
-def check_complete(folder: Path, what: str, hint: str) -> Path:
-    """A found snapshot has config.json and every shard its index names (an interrupted download
-    leaves a dangling or missing one)."""
+def snapshot_problem(folder: Path) -> str | None:
+    """Why a found snapshot is not complete (None: it is): config.json and every shard its index
+    names must be there (an interrupted download leaves a missing or dangling one)."""
     if not (folder / "config.json").is_file():
-        raise DFlashError(f"{what} at {folder}: no config.json; {hint}")
+        return "no config.json"
     index = next(iter(sorted(folder.glob("*.safetensors.index.json"))), None)
     if index is not None:
         shards = sorted(set(read_json(index).get("weight_map", {}).values()))
         missing = [s for s in shards if not (folder / s).is_file()]
         if missing:
-            raise DFlashError(f"{what} at {folder}: incomplete snapshot, {len(missing)} of {len(shards)} shard(s) named "
-                              f"in {index.name} missing ({', '.join(missing[:3])}); {hint}")
+            return (f"incomplete snapshot, {len(missing)} of {len(shards)} shard(s) named in {index.name} missing "
+                    f"({', '.join(missing[:3])})")
     elif not any(folder.glob("*.safetensors")):
-        raise DFlashError(f"{what} at {folder}: no *.safetensors weights; {hint}")
+        return "no *.safetensors weights"
+    return None
+
+
+def check_complete(folder: Path, what: str, hint: str) -> Path:
+    problem = snapshot_problem(folder)
+    if problem:
+        raise DFlashError(f"{what} at {folder}: {problem}; {hint}")
     return folder
 
 
@@ -122,12 +129,17 @@ def resolve_hub_id(hf_id: str, revision: str | None = None, role: str = "target"
     if (mine / "config.json").is_file():
         return check_complete(mine, what, f"complete it or remove it ({mine})")
     snap, held = cached_snapshot(hf_id, rev)
-    if snap is not None:
-        return check_complete(snap, what, f"finish the download: `{cmd}`")
     looked = f"looked in {mine} and {repo_folder(hf_id) / 'snapshots' / (rev if COMMIT.match(rev) else '')}"
     if not COMMIT.match(rev):
         looked += f" (via refs/{rev})"
-    if held:
+    if snap is not None:
+        problem = snapshot_problem(snap)
+        if problem is None:
+            return snap
+        if hub_offline():
+            raise DFlashError(f"{what} at {snap}: {problem}; finish the download: `{cmd}`")
+        looked += f" (there, but {problem})"   # e.g. only config.json fetched by another tool: download the rest
+    elif held:
         looked += f", which holds revision(s) {', '.join(held)} but not {rev}"
     if hub_offline():
         raise DFlashError(f"{what} not found and the hub is off (HF_HUB_OFFLINE): {looked}; on a machine with hub "
