@@ -50,6 +50,7 @@ def build_cmd(target, drafter, arch, gpu, quant, kv_cache, drafter_quant, tp, ep
       dflash-trt build --arch hopper --gpu h200 --json        # FP8 for H200
       dflash-trt build --target gpt-oss-120b --gpu b300 --tp 8
       dflash-trt build --target my/target --drafter my/drafter --arch hopper --out engines/mine
+      dflash-trt build --target openai/gpt-oss-20b --drafter z-lab/gpt-oss-20b-DFlash --arch hopper
     """
     from dflash_trt.bundle.build import BuildOptions, build, format_summary
 

@@ -12,7 +12,8 @@ for, in this order, and how it is fetched when it is in none of them.
      the .incomplete blobs), with huggingface_hub's byte progress bar; HF_TOKEN / `hf auth login`
      are honoured by huggingface_hub itself.
 Offline, the error is one line naming every place looked in and the `hf download` command that
-fills the cache. A snapshot is checked complete (every shard of its index present) wherever found.
+fills the cache. A snapshot is checked complete (every shard of its index present) wherever found;
+with the hub on, an incomplete cached one is completed by the download.
 """
 from __future__ import annotations
 
