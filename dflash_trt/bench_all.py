@@ -7,6 +7,9 @@
 - kv_inject.json: fused KV injection against the reference (bench/bench_kv_inject.py);
 - quantize.json: streaming NVFP4 quantization of multi-GB synthetic checkpoints against
   `cat` and ModelOpt (bench/bench_quantize.py). Skipped with --quick.
+- build_real_size.json: `dflash-trt build` end to end on a gpt-oss-20b-sized pair (13.8 GB),
+  both arches, against `cp` (bench/bench_build_real_size.py). Skipped with --quick, and when the
+  disk lacks the ~31 GB it needs (a line says how much).
 """
 from __future__ import annotations
 
@@ -40,6 +43,16 @@ def _script(name: str, args: list[str], out: Path) -> dict | None:
     return json.loads(res.stdout)
 
 
+def _build_real_size(out: Path) -> dict | None:
+    """bench_build_real_size.py when the disk has room; its --check-disk prints why not."""
+    script = ROOT / "bench" / "bench_build_real_size.py"
+    if subprocess.run([sys.executable, str(script), "--check-disk"], check=False).returncode:
+        return {"skipped": "not enough free disk (see the line above)"}
+    r = _script("bench_build_real_size.py", ["--json", "--log", str(out / "build_real_size.log")],
+                out / "build_real_size.json")
+    return r and {k: r[k] for k in ("cp", "targets", "projection_gpt_oss_120b")}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=".bench", help="folder for the JSON reports")
@@ -69,6 +82,7 @@ def main() -> int:
         q = _script("bench_quantize.py", ["--json"], out / "quantize.json")
         if q is not None:
             summary["quantize"] = q
+        summary["build_real_size"] = _build_real_size(out)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary, indent=2))
     return 0

@@ -7,6 +7,8 @@ import sys
 
 # Busy-waiting OpenMP threads stall when other processes share the 2 cores; set before torch loads.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Tests never reach the Hugging Face hub (tests/test_hub.py tests the unreachable case on its own).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch

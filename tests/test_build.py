@@ -89,11 +89,12 @@ def test_gpu_facts_come_from_the_hardware_catalog():
 # ------------------------------------------------------------------------------- bad input
 @pytest.mark.parametrize("args, message", [
     (["--target", "no-such-model"], "not a preset"),
-    (["--target", "qwen3-8b"], "huggingface-cli download Qwen/Qwen3-8B"),
+    (["--target", "qwen3-8b"], "hf download Qwen/Qwen3-8B"),
 ])
 def test_unknown_or_missing_preset(tmp_path, monkeypatch, args, message):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-hub"))
     monkeypatch.setenv("DFLASH_TRT_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     code, out, err = run_cli("build", *args, "--arch", "hopper", "--out", str(tmp_path / "b"))
     assert code == 1 and message in err and "Traceback" not in err
     assert not (tmp_path / "b").exists()
@@ -505,12 +506,14 @@ def test_failed_rebuild_leaves_the_previous_bundle_intact(tiny, hopper, tmp_path
 
 def test_preset_found_in_the_local_hub_cache_is_used(tmp_path, monkeypatch):
     """`--target qwen3-8b` resolves to a snapshot in the Hugging Face cache layout
-    (models--org--name/snapshots/<rev>); here tiny stand-ins sit where the real files would."""
+    (models--org--name/snapshots/<rev>, the preset's pinned commits); here tiny stand-ins sit where
+    the real files would (tests/test_hub.py: the full layout, blobs and refs)."""
     from dflash_trt.models.tiny import make_tiny
+    from dflash_trt.presets.catalog import PRESETS
 
     hub = tmp_path / "hub"
-    t = hub / "models--Qwen--Qwen3-8B" / "snapshots" / "rev1"
-    d = hub / "models--z-lab--Qwen3-8B-DFlash-b16" / "snapshots" / "rev2"
+    t = hub / "models--Qwen--Qwen3-8B" / "snapshots" / PRESETS["qwen3-8b"].revision
+    d = hub / "models--z-lab--Qwen3-8B-DFlash-b16" / "snapshots" / PRESETS["qwen3-8b"].drafter_revision
     make_tiny("qwen3", t, d, seed=4)
     monkeypatch.setenv("HF_HUB_CACHE", str(hub))
     monkeypatch.setenv("DFLASH_TRT_HOME", str(tmp_path / "home"))
@@ -536,3 +539,23 @@ def test_rebuild_remakes_a_stage_whose_output_was_edited(hopper, tiny, tmp_path)
     assert "DFLASH" in sg.read_text() and verify(copy) == []
     sha = {a["path"]: a["sha256"] for a in read_manifest(copy)["artifacts"]}
     assert sha == {a["path"]: a["sha256"] for a in before["artifacts"]}
+
+
+def test_hash_cache_knows_hard_links_of_what_it_hashed(tmp_path):
+    """A bundle's hard link of a multi-GB input reuses the input's sha256 (not read twice), and
+    only while the bytes are the same."""
+    from dflash_trt.bundle.manifest import HashCache, sha256_file
+
+    src, link = tmp_path / "w.safetensors", tmp_path / "link.safetensors"
+    src.write_bytes(b"x" * 1000)
+    cache = HashCache()
+    digest = cache.sha256(src)
+    os.link(src, link)
+    assert cache.linked(link) == digest == sha256_file(link)
+    (tmp_path / "copy").write_bytes(src.read_bytes())
+    assert cache.linked(tmp_path / "copy") is None          # same bytes, another inode: not known
+    with open(link, "r+b") as f:
+        f.write(b"y")
+    st = link.stat()   # the kernel's mtime clock is coarse (a few ms): make sure this edit shows in it
+    os.utime(link, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
+    assert cache.linked(link) is None                       # edited since (mtime moved)

@@ -44,7 +44,8 @@ BASE_MODULES = {"__init__", "errors", "paths", "hardware"}
 # or optional extras. Anything else is imported at module top.
 LAZY_OK = {"torch", "transformers", "tokenizers", "safetensors", "numpy", "triton", "onnx", "onnxruntime",
            "onnxruntime_extensions", "tensorrt", "tensorrt_llm", "modelopt", "tritonclient", "helm_python",
-           "jsonschema", "google", "kubernetes_validate", "gguf", "huggingface_hub", "accelerate"}
+           "jsonschema", "google", "kubernetes_validate", "gguf", "huggingface_hub", "accelerate",
+           "httpx", "httpx2"}  # huggingface_hub's HTTP client (presets/hub.py catches its transport errors)
 # Our own modules that import an optional dependency at their top: imported lazily themselves.
 OPTIONAL_OWN = {"dflash_trt.kernels.kv_inject_triton"}
 

@@ -109,3 +109,51 @@ def test_cli_export(pair, tmp_path):
     assert code == 0, stdout + err
     assert json.loads(stdout)["onnx"] == str(out) and out.is_file()
     assert err.strip() == ""   # --json: the terminal shows nothing but the JSON
+
+
+def test_external_data_export_is_the_same_model(pair, exported, tmp_path, monkeypatch):
+    """A model over EXTERNAL_DATA_ABOVE streams its weights into drafter.onnx.data as the graph is
+    built (real-size drafters: protobuf stops at 2 GiB); onnx loads it back to the same tensors
+    and onnxruntime runs it (forced here on the tiny pair by lowering the threshold)."""
+    from onnx import numpy_helper
+
+    from dflash_trt.bundle import onnx_export
+    from dflash_trt.bundle.manifest import HashCache, sha256_file
+
+    monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_ABOVE", 0)
+    hashes = HashCache()
+    out = onnx_export.export_onnx(pair[1], pair[0], tmp_path / "drafter.onnx", page_size=4, hashes=hashes)
+    assert hashes.linked(tmp_path / "drafter.onnx.data") == sha256_file(tmp_path / "drafter.onnx.data")
+    assert (tmp_path / "drafter.onnx.data").is_file() and sorted(p.name for p in tmp_path.iterdir()) == [
+        "drafter.onnx", "drafter.onnx.data"]
+    small = onnx.load(str(out), load_external_data=False)
+    assert sum(t.data_location == onnx.TensorProto.EXTERNAL for t in small.graph.initializer) > 10
+    a, b = onnx.load(str(out)), onnx.load(str(exported))
+    assert [n.op_type for n in a.graph.node] == [n.op_type for n in b.graph.node]
+    want = {t.name: numpy_helper.to_array(t) for t in b.graph.initializer}
+    got = {t.name: numpy_helper.to_array(t) for t in a.graph.initializer}
+    assert got.keys() == want.keys()
+    for k, w in want.items():
+        np.testing.assert_array_equal(got[k], w)
+    onnx_export.onnxruntime_session(out)
+
+
+def test_external_data_offsets_survive_odd_sizes(tmp_path):
+    """Initializers whose byte sizes are not multiples of the alignment read back exactly (onnx's
+    own loader follows each tensor's location / offset / length)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from dflash_trt.bundle.onnx_export import ExternalData
+
+    rng = np.random.default_rng(0)
+    arrays = {"a": rng.standard_normal((3, 5)).astype(np.float32), "b": np.arange(1001, dtype=np.int64),
+              "c": rng.standard_normal((7, 11, 13)).astype(np.float32)}
+    data = ExternalData(tmp_path / "m.onnx.data")
+    inits = [data.tensor(n, a.shape, a.dtype, [a[:1], a[1:]]) for n, a in arrays.items()]   # in two slabs
+    data.close()
+    out = helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 5])
+    graph = helper.make_graph([helper.make_node("Identity", ["a"], ["y"])], "g", [], [out], inits)
+    onnx.save_model(helper.make_model(graph), str(tmp_path / "m.onnx"))
+    got = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(tmp_path / "m.onnx")).graph.initializer}
+    for n, a in arrays.items():
+        np.testing.assert_array_equal(got[n], a)

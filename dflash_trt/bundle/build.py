@@ -59,6 +59,7 @@ from dflash_trt.models.check import check_pair
 from dflash_trt.models.config import load_drafter_config
 from dflash_trt.paths import package_path
 from dflash_trt.presets.catalog import PRESETS, resolve_drafter, resolve_target
+from dflash_trt.presets.hub import snapshot_revision
 from dflash_trt.quant.convert import convert_checkpoint
 from dflash_trt.quant.quantize import quantize_checkpoint
 
@@ -117,8 +118,8 @@ def link_tree(src: Path, dst: Path) -> None:
     one in the bundle never edits the source. Plain copy across file systems."""
     def link(s, d):
         if os.path.getsize(s) >= LINK_MIN_BYTES:
-            try:
-                os.link(s, d)
+            try:  # to the file itself: Linux link(2) of a symlink (a Hugging Face snapshot's) links the symlink
+                os.link(os.path.realpath(s), d)
                 return d
             except OSError:
                 pass
@@ -291,14 +292,13 @@ def resolve_stacks(o: BuildOptions, s: dict, block_size: int) -> tuple[list[str]
 
 
 def resolve_pair(o: BuildOptions) -> tuple[Path, Path, str, str | None]:
-    """(target dir, drafter dir, target name, hub id). Presets come from the local caches only."""
+    """(target dir, drafter dir, target name, hub id). Presets and hub ids: presets/hub.py."""
     spec = o.target
-    if spec is not None and not Path(spec).exists() and spec not in PRESETS:
-        raise DFlashError(f"--target {spec!r}: no such folder and not a preset (known: {', '.join(sorted(PRESETS))})")
     tdir = Path(resolve_target(spec)).resolve()
     ddir = Path(resolve_drafter(o.drafter, spec)).resolve()
-    name = spec if spec in PRESETS else ("smollm2-135m" if spec is None else tdir.name)
-    hf_id = PRESETS[name].hf_id if name in PRESETS else None
+    hub = spec is not None and not Path(spec).exists() and spec not in PRESETS  # an org/name hub id
+    name = spec if spec in PRESETS or hub else ("smollm2-135m" if spec is None else tdir.name)
+    hf_id = PRESETS[name].hf_id if name in PRESETS else (spec if hub else None)
     for folder, what in ((tdir, "target"), (ddir, "drafter")):
         if not (folder / "config.json").is_file():
             raise DFlashError(f"{folder}: the {what} folder has no config.json")
@@ -496,8 +496,9 @@ class Builder:
             "schema_version": 1, "tool_version": __version__,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "target": {"name": self.name, "hf_id": self.hf_id, "path": str(self.tdir), "bundle_path": "target",
-                       "sha256": self.facts["target"], "config": tcfg},
+                       "revision": snapshot_revision(self.tdir), "sha256": self.facts["target"], "config": tcfg},
             "drafter": {"path": str(self.ddir), "bundle_path": "drafter", "sha256": self.facts["drafter"],
+                        "revision": snapshot_revision(self.ddir),
                         "block_size": self.block_size, "trained_block_size": dcfg.block_size,
                         "mask_token_id": dcfg.mask_token_id, "target_layer_ids": ids, "config": dcfg.raw},
             "arch": s["arch"], "gpu": s["gpu"], "sm": s["sm"],
@@ -593,7 +594,7 @@ class Builder:
         return {"commands": [_cmd("plugin", "build", "--arch", arch, "--out", "plugins")]}
 
     def _export_onnx(self) -> dict:
-        export_onnx(self.ddir, self.tdir, self.work / "onnx" / "drafter.onnx")
+        export_onnx(self.ddir, self.tdir, self.work / "onnx" / "drafter.onnx", hashes=self.cache)
         return {"commands": [_cmd("export-onnx", "--drafter", self.ddir, "--target", self.tdir,
                                   "--out", "onnx/drafter.onnx")]}
 
@@ -632,8 +633,8 @@ class Builder:
             reused = any(rel == r or rel.startswith(r + "/") for r in self.reused)
             if reused and prev and prev["bytes"] == st.st_size and stats.get(rel) == [st.st_size, st.st_mtime_ns]:
                 digest = prev["sha256"]
-            else:
-                digest = sha256_file(work / rel)
+            else:  # an input's hard link (link_tree), or what export-onnx hashed as it wrote: known already
+                digest = self.cache.linked(work / rel) or sha256_file(work / rel)
             out.append({"path": rel, "bytes": st.st_size, "sha256": digest})
         return out
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -41,12 +42,14 @@ MANIFEST_SCHEMA: dict = {
             "type": "object", "required": ["name", "path", "config"],
             "properties": {"name": {"type": "string"}, "path": {"type": "string"},
                            "config": {"type": "object"}, "hf_id": {"type": ["string", "null"]},
+                           "revision": {"type": ["string", "null"]},  # the hub commit (a cache snapshot)
                            "bundle_path": {"type": "string"}},
         },
         "drafter": {
             "type": "object", "required": ["path", "block_size", "mask_token_id", "target_layer_ids"],
             "properties": {
                 "path": {"type": "string"}, "bundle_path": {"type": "string"},
+                "revision": {"type": ["string", "null"]},
                 "block_size": {"type": "integer", "minimum": 2},
                 "mask_token_id": {"type": "integer", "minimum": 0},
                 "target_layer_ids": {"type": "object", "required": ["zlab", "speculators", "vllm", "sglang"],
@@ -128,12 +131,27 @@ def sha256_json(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
+HUB_LFS_BLOB = re.compile(r"[0-9a-f]{64}")
+
+
+def hub_blob_sha256(resolved: Path) -> str | None:
+    """The sha256 of a Hugging Face cache blob of a large (LFS) file: its name
+    (models--org--name/blobs/<sha256>, the hub's LFS object id, which huggingface_hub names it
+    by), so a cached 65 GB checkpoint is not read to be hashed; `verify` re-reads a bundle's
+    files. Small files' blobs are named by their git sha1 (40 hex digits) and are hashed."""
+    p = Path(resolved)
+    if p.parent.name == "blobs" and p.parent.parent.name.startswith("models--") and HUB_LFS_BLOB.fullmatch(p.name):
+        return p.name
+    return None
+
+
 class HashCache:
     """sha256 of files, remembered by (size, mtime_ns) so that re-runs do not re-read unchanged
     multi-GB checkpoints. Stored in the manifest under `input_files`."""
 
     def __init__(self, entries: dict | None = None):
         self.entries: dict[str, dict] = dict(entries or {})
+        self._inodes: dict[tuple, str] = {}   # (dev, inode, size, mtime_ns) -> sha256, this run only
 
     def sha256(self, path: Path) -> str:
         path = Path(path).resolve()
@@ -141,10 +159,25 @@ class HashCache:
         key = str(path)
         hit = self.entries.get(key)
         if hit and hit.get("bytes") == st.st_size and hit.get("mtime_ns") == st.st_mtime_ns:
-            return hit["sha256"]
-        digest = sha256_file(path)
-        self.entries[key] = {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}
+            digest = hit["sha256"]
+        elif hub_blob_sha256(path):
+            digest = hub_blob_sha256(path)
+        else:
+            digest = sha256_file(path)
+            self.entries[key] = {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}
+        self._inodes[(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)] = digest
         return digest
+
+    def remember(self, path: Path, digest: str) -> None:
+        """The sha256 of a file just written by this run, computed while writing it."""
+        st = Path(path).stat()
+        self._inodes[(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)] = digest
+
+    def linked(self, path: Path) -> str | None:
+        """The sha256 of a file that is (a hard link of) one hashed or remembered in this run (same
+        inode, size and mtime: the same bytes), e.g. a bundle's copy of a multi-GB input; else None."""
+        st = Path(path).stat()
+        return self._inodes.get((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
 
     def tree(self, folder: Path) -> str:
         """One digest over every file under folder (relative names and content hashes)."""

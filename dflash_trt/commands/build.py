@@ -10,9 +10,10 @@ from dflash_trt.hardware import arch_sms, gpus
 
 
 @click.command("build")
-@click.option("--target", help="Preset name (gpt-oss-120b, qwen3-8b, llama-3.1-8b, smollm2-135m) or a checkpoint "
-              "folder. Default: the embedded pair (smollm2-135m + our drafter).")
-@click.option("--drafter", type=click.Path(), help="DFlash drafter folder (default: the preset's drafter).")
+@click.option("--target", help="Preset name (gpt-oss-120b, gpt-oss-20b, qwen3-8b, llama-3.1-8b, smollm2-135m), a "
+              "checkpoint folder or a hub id (org/name); presets and hub ids are found in $DFLASH_TRT_HOME/models or "
+              "the Hugging Face cache, else downloaded. Default: the embedded pair (smollm2-135m + our drafter).")
+@click.option("--drafter", type=click.Path(), help="DFlash drafter folder or hub id (default: the preset's drafter).")
 @click.option("--arch", type=click.Choice([*arch_sms(), "auto"]), default="auto", show_default=True,
               help="GPU architecture to build for; auto = this machine's GPU (or the one --gpu names).")
 @click.option("--gpu", type=click.Choice(list(gpus())),
@@ -62,6 +63,7 @@ def build_cmd(target, drafter, arch, gpu, quant, kv_cache, drafter_quant, stacks
       dflash-trt build --arch hopper --gpu h200 --json        # FP8 for H200
       dflash-trt build --target gpt-oss-120b --gpu b300 --tp 8
       dflash-trt build --target my/target --drafter my/drafter --arch hopper --out engines/mine
+      dflash-trt build --target openai/gpt-oss-20b --drafter z-lab/gpt-oss-20b-DFlash --arch hopper
     """
     from dflash_trt.bundle.build import BuildOptions, build, format_summary
 

@@ -39,8 +39,9 @@ def make_tiny_cmd(arch, out, drafter_out, seed, block_size, no_mxfp4, as_json):
 
 
 @click.command("check")
-@click.option("--target", type=click.Path(), help="Target folder or preset name (default: the embedded target).")
-@click.option("--drafter", type=click.Path(), help="DFlash drafter folder (default: the preset's drafter).")
+@click.option("--target", type=click.Path(), help="Target folder, preset name or hub id (org/name; found in the "
+              "Hugging Face cache or downloaded). Default: the embedded target.")
+@click.option("--drafter", type=click.Path(), help="DFlash drafter folder or hub id (default: the preset's drafter).")
 @click.option("--json", "as_json", is_flag=True)
 def check_cmd(target, drafter, as_json):
     """Validate a (target, drafter) pair without loading weights: hidden sizes, target_layer_ids
