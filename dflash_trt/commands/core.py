@@ -41,11 +41,16 @@ def make_tiny_cmd(arch, out, drafter_out, seed, block_size, no_mxfp4, as_json):
 @click.command("check")
 @click.option("--target", type=click.Path(), help="Target folder or preset name (default: the embedded target).")
 @click.option("--drafter", type=click.Path(), help="DFlash drafter folder (default: the preset's drafter).")
+@click.option("--scan/--no-scan", default=True, show_default=True,
+              help="Read every weight once (streaming, bounded memory) and report NaN / Inf tensors.")
 @click.option("--json", "as_json", is_flag=True)
-def check_cmd(target, drafter, as_json):
-    """Validate a (target, drafter) pair without loading weights: hidden sizes, target_layer_ids
-    against the target's depth, mask_token_id inside the vocabulary, vocab / tokenizer sizes,
-    block_size, tensor shapes and dtypes. Exit 1 if any problem is found.
+def check_cmd(target, drafter, scan, as_json):
+    """Validate a (target, drafter) pair without loading it: each config's types and ranges
+    (heads divide hidden_size, layer_types per layer, block_size 2..64, ...), hidden sizes,
+    target_layer_ids (sorted, unique, inside the target's depth), mask_token_id inside the
+    vocabulary, vocab / tokenizer sizes, tensor shapes and dtypes from the headers, and (--scan)
+    NaN / Inf weights. `generate`, `bench` and `build` refuse what this refuses, with the same
+    message. Exit 1 if any problem is found.
 
     \b
     Example:
@@ -56,7 +61,7 @@ def check_cmd(target, drafter, as_json):
 
     tdir = resolve_target(target)
     ddir = resolve_drafter(drafter, target)
-    report = check_pair(tdir, ddir)
+    report = check_pair(tdir, ddir, scan=scan)
     if as_json:
         emit_json(report)
     elif report["ok"]:
@@ -86,10 +91,11 @@ def check_cmd(target, drafter, as_json):
 @click.option("--raw", is_flag=True, help="Feed the prompt as raw text, without the chat template.")
 @click.option("--allow-pickle", is_flag=True,
               help="Accept .bin/.pt pickle weights (loaded with torch.load(weights_only=True)); refused otherwise.")
+@click.option("--allow-nonfinite", is_flag=True, help="Load weights holding NaN / Inf (refused otherwise).")
 @click.option("--fused/--no-fused", default=True, show_default=True, help="Fused KV-injection path.")
 @click.option("--json", "as_json", is_flag=True)
 def generate_cmd(target, drafter, prompt, max_new_tokens, temperature, top_k, top_p, seed, block_size, mode,
-                 dtype, raw, allow_pickle, fused, as_json):
+                 dtype, raw, allow_pickle, allow_nonfinite, fused, as_json):
     """Generate text with lossless DFlash speculative decoding (or plain AR with --mode ar).
 
     Greedy output is token-identical to --mode ar; with --temperature > 0 speculative sampling
@@ -106,7 +112,7 @@ def generate_cmd(target, drafter, prompt, max_new_tokens, temperature, top_k, to
 
     tdir = resolve_target(target)
     ddir = resolve_drafter(drafter, target) if mode == "dflash" else None
-    pair = load_pair(tdir, ddir, dtype, allow_pickle=allow_pickle)
+    pair = load_pair(tdir, ddir, dtype, allow_pickle=allow_pickle, allow_nonfinite=allow_nonfinite)
     res = generate(pair, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                    seed=seed, block_size=block_size, mode=mode, chat=not raw, fused_inject=fused)
     out = {"text": res.text, "token_ids": res.token_ids, "tau": res.tau, "blocks": res.blocks,

@@ -18,6 +18,7 @@ from torch import nn
 
 from dflash_trt.errors import DFlashError
 from dflash_trt.io.jsonio import read_json
+from dflash_trt.models.config import require_target_config
 from dflash_trt.models.layers import Linear, RMSNorm, RopeTable, SwiGLU, apply_rope, linear
 from dflash_trt.models.weights import dequantize_mxfp4, load_strict, read_state_dict
 
@@ -237,10 +238,9 @@ class TargetModel(nn.Module):
 def load_target(folder: str | Path, dtype: torch.dtype = torch.float32, max_len: int = 4096,
                 allow_pickle: bool = False) -> TargetModel:
     folder = Path(folder)
-    cfg = read_json(folder / "config.json")
-    for k in ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
-        if k not in cfg:
-            raise DFlashError(f"{folder / 'config.json'}: missing field {k}")
+    cfg = require_target_config(read_json(folder / "config.json"), str(folder / "config.json"))
+    if "model_type" not in cfg:
+        raise DFlashError(f"{folder / 'config.json'}: missing field model_type")
     model = TargetModel(cfg, dtype=dtype, max_len=max_len)
     state = dequantize_mxfp4(read_state_dict(folder, allow_pickle=allow_pickle))
     if model.tied:
