@@ -28,7 +28,6 @@ from __future__ import annotations
 import math
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +35,7 @@ import torch
 from safetensors import safe_open
 
 from dflash_trt.errors import DFlashError
+from dflash_trt.io.atomic import disk_error, no_new_empty_dirs, temp_dir_beside
 from dflash_trt.io.jsonio import read_json
 from dflash_trt.kernels import kv_inject_trt
 from dflash_trt.models.drafter import load_drafter
@@ -279,18 +279,26 @@ def export_onnx(drafter_dir, target_dir, out_file, page_size: int = 16) -> Path:
                           f"match the drafter's hidden_size {drafter.config.hidden_size}")
     model = build_model(drafter, embed, head, page_size)
     out_file = Path(out_file)
-    out_file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_file.name}.", dir=out_file.parent))
-    try:
-        big = model.ByteSize() > EXTERNAL_DATA_ABOVE
-        onnx.save_model(model, str(tmp / out_file.name), save_as_external_data=big, all_tensors_to_one_file=True,
-                        location=out_file.name + ".data")
-        onnx.checker.check_model(str(tmp / out_file.name))
-        if big:
-            os.replace(tmp / (out_file.name + ".data"), out_file.with_name(out_file.name + ".data"))
-        os.replace(tmp / out_file.name, out_file)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    if out_file.is_dir():
+        raise DFlashError(f"{out_file}: is a folder; --out names the ONNX file to write")
+    with no_new_empty_dirs(out_file.parent):
+        try:
+            out_file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = temp_dir_beside(out_file)
+        except OSError as e:
+            raise disk_error(out_file.parent, "a temporary folder", e) from None
+        try:
+            big = model.ByteSize() > EXTERNAL_DATA_ABOVE
+            onnx.save_model(model, str(tmp / out_file.name), save_as_external_data=big, all_tensors_to_one_file=True,
+                            location=out_file.name + ".data")
+            onnx.checker.check_model(str(tmp / out_file.name))
+            if big:
+                os.replace(tmp / (out_file.name + ".data"), out_file.with_name(out_file.name + ".data"))
+            os.replace(tmp / out_file.name, out_file)
+        except OSError as e:
+            raise disk_error(out_file, "the ONNX file", e) from None
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return out_file
 
 

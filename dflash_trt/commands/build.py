@@ -33,9 +33,10 @@ from dflash_trt.hardware import arch_sms, gpus
               help="TensorRT-LLM backend: pytorch loads the checkpoint; engine builds TensorRT engines.")
 @click.option("--out", type=click.Path(file_okay=False), help="Bundle folder (default: engines/<target>-<gpu|arch>-<quant>).")
 @click.option("--force", is_flag=True, help="Redo every stage; replace a non-bundle --out folder.")
+@click.option("--allow-nonfinite", is_flag=True, help="Build from weights holding NaN / Inf (check refuses them).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 def build_cmd(target, drafter, arch, gpu, quant, kv_cache, drafter_quant, tp, ep, pp, block_size, calib, backend, out,
-              force, as_json):
+              force, allow_nonfinite, as_json):
     """Build a deployable bundle: check -> quantize -> convert -> plugin -> export-onnx -> compile
     -> package. Re-running skips every stage whose inputs did not change (--force redoes them).
     Without a GPU and TensorRT, compile is recorded as deferred with its commands; run
@@ -54,7 +55,7 @@ def build_cmd(target, drafter, arch, gpu, quant, kv_cache, drafter_quant, tp, ep
 
     opts = BuildOptions(target=target, drafter=drafter, arch=arch, gpu=gpu, quant=quant, kv_cache=kv_cache, tp=tp,
                         ep=ep, pp=pp, block_size=block_size, backend=backend, out=out, force=force,
-                        drafter_quant=drafter_quant, calib=calib)
+                        drafter_quant=drafter_quant, calib=calib, allow_nonfinite=allow_nonfinite)
     res = build(opts, progress=True)
     if as_json:
         m = res["manifest"]

@@ -577,6 +577,7 @@ class TensorSpec:
 
 
 OUT_BUFFERS = 4
+MAX_SHARDS = 99999  # model-00001-of-99999.safetensors
 
 
 class ShardedWriter:
@@ -610,6 +611,9 @@ class ShardedWriter:
             groups[-1].append(s)
             size += s.nbytes
         n = len(groups)
+        if n > MAX_SHARDS:
+            raise DFlashError(f"{self.folder}: {n} shards of at most {max_shard_bytes} bytes each; the shard names "
+                              f"allow at most {MAX_SHARDS}: raise the maximum shard size")
         self.shard_names = [f"{prefix}.safetensors"] if n == 1 else \
             [f"{prefix}-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         self._where: dict[str, tuple[int, int, TensorSpec]] = {}  # name -> (shard, absolute offset, spec)

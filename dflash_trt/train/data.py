@@ -23,9 +23,12 @@ from tqdm import tqdm
 
 from dflash_trt.errors import DFlashError
 from dflash_trt.io.jsonio import read_jsonl
+from dflash_trt.models.config import MAX_VOCAB
 from dflash_trt.models.target import load_target
 from dflash_trt.runtime.pair import encode_prompt, resolve_dtype
 from dflash_trt.train.prompts import read_prompts
+
+MAX_SEQUENCE = 1 << 16  # tokens per training sequence (prompt + response)
 
 
 def generate_responses(target_dir: str | Path, prompts: list[str], out_path: str | Path, *,
@@ -42,7 +45,8 @@ def generate_responses(target_dir: str | Path, prompts: list[str], out_path: str
     if threads:
         torch.set_num_threads(threads)
     out_path = Path(out_path)
-    done = {r["prompt"] for r in read_jsonl(out_path)} if out_path.exists() else set()
+    done = {r["prompt"] for r in read_jsonl(out_path) if isinstance(r, dict) and isinstance(r.get("prompt"), str)} \
+        if out_path.exists() else set()
     todo = [p for p in dict.fromkeys(prompts) if p not in done]
     if not todo:
         return out_path
@@ -100,16 +104,24 @@ def load_sequences(path: str | Path, tokenizer=None) -> tuple[Sequences, list[st
     text `prompt` + `response` (tokenized with the chat template; needs the tokenizer)."""
     rows = read_jsonl(path)
     toks, plens, prompts = [], [], []
+    vocab = len(tokenizer) if tokenizer is not None else MAX_VOCAB
     for i, r in enumerate(rows, 1):
+        if not isinstance(r, dict):
+            raise DFlashError(f"{path}: row {i} is a JSON {type(r).__name__}, expected an object")
         if "prompt_ids" in r and "output_ids" in r:
-            p, o = list(r["prompt_ids"]), list(r["output_ids"])
+            p, o = _token_ids(path, i, r, "prompt_ids", vocab), _token_ids(path, i, r, "output_ids", vocab)
         elif "prompt" in r and "response" in r:
             if tokenizer is None:
                 raise DFlashError(f"{path}: text rows need the target's tokenizer")
+            if not (isinstance(r["prompt"], str) and isinstance(r["response"], str)):
+                raise DFlashError(f"{path}: row {i}: prompt and response must be strings")
             p = encode_prompt(tokenizer, r["prompt"])
             o = tokenizer(r["response"], add_special_tokens=False)["input_ids"]
         else:
             raise DFlashError(f"{path}: row {i} has neither prompt_ids/output_ids nor prompt/response")
+        if len(p) + len(o) > MAX_SEQUENCE:
+            raise DFlashError(f"{path}: row {i} has {len(p) + len(o)} tokens; a training sequence may have at most "
+                              f"{MAX_SEQUENCE}")
         if len(o) < 2:
             continue  # nothing to draft
         toks.append(torch.tensor(p + o, dtype=torch.long))
@@ -120,6 +132,14 @@ def load_sequences(path: str | Path, tokenizer=None) -> tuple[Sequences, list[st
     lens = torch.tensor([len(t) for t in toks])
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
     return Sequences(torch.cat(toks), offsets, torch.tensor(plens)), prompts
+
+
+def _token_ids(path, i: int, row: dict, key: str, vocab: int) -> list[int]:
+    ids = row[key]
+    if not (isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                                          for t in ids)):
+        raise DFlashError(f"{path}: row {i}: {key} must be a list of token ids in 0..{vocab - 1}")
+    return ids
 
 
 def target_features(target_dir: str | Path, data: Sequences, layer_ids: list[int], cache_dir: Path,
@@ -150,7 +170,8 @@ def target_features(target_dir: str | Path, data: Sequences, layer_ids: list[int
 
 def _is_prompt_only(path: Path) -> bool:
     rows = read_jsonl(path)
-    return bool(rows) and all("prompt" in r and "output_ids" not in r and "response" not in r for r in rows)
+    return bool(rows) and all(isinstance(r, dict) and "prompt" in r and "output_ids" not in r and "response" not in r
+                              for r in rows)
 
 
 def prepare_data(target_dir: Path, path: Path, out_path: Path, max_new_tokens: int, progress: bool,
