@@ -201,6 +201,17 @@ def atomic_output_dir(dest: str | Path) -> Iterator[Path]:
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
             raise disk_error(dest, "the output folder", e) from None
-        except BaseException:
+        except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
+            io = io_failure(e)
+            if io:
+                raise DFlashError(f"{dest}: cannot write the output folder ({io}); nothing was published") from None
             raise
+
+
+def io_failure(e: BaseException) -> str | None:
+    """The I/O error inside a library's own exception type, or None: safetensors reports a failed
+    write as SafetensorError("Error while serializing: I/O error: File too large (os error 27)")."""
+    if type(e).__name__ == "SafetensorError" and "I/O error" in str(e):
+        return str(e).split("I/O error:", 1)[1].strip()
+    return None

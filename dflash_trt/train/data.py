@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from dflash_trt.errors import DFlashError
+from dflash_trt.io.atomic import io_failure
 from dflash_trt.io.jsonio import read_jsonl
 from dflash_trt.models.config import MAX_VOCAB
 from dflash_trt.models.target import load_target
@@ -163,8 +164,15 @@ def target_features(target_dir: str | Path, data: Sequences, layer_ids: list[int
                 continue   # another process sharing the cache computed it meanwhile
             _, feats = target(data.tokens[data.seq(i)], 0, capture=layer_ids)
             tmp = folder / f".{keys[i]}.{os.getpid()}.tmp"
-            save_file({"features": feats.to(torch.bfloat16).contiguous()}, str(tmp))
-            os.replace(tmp, folder / f"{keys[i]}.safetensors")
+            try:
+                save_file({"features": feats.to(torch.bfloat16).contiguous()}, str(tmp))
+                os.replace(tmp, folder / f"{keys[i]}.safetensors")
+            except Exception as e:  # OSError, or safetensors' own error type for a failed write
+                tmp.unlink(missing_ok=True)
+                why = io_failure(e) or (e.strerror if isinstance(e, OSError) else None)
+                if why is None:
+                    raise
+                raise DFlashError(f"{folder}: cannot write the feature cache ({why})") from None
     return torch.cat([load_file(str(folder / f"{k}.safetensors"))["features"] for k in keys])
 
 
