@@ -6,6 +6,9 @@ import sys
 
 import click
 
+from dflash_trt.commands import SEED, FiniteFloatRange
+from dflash_trt.errors import DFlashError
+
 
 def emit_json(obj) -> None:
     click.echo(json.dumps(obj, indent=2))
@@ -15,8 +18,8 @@ def emit_json(obj) -> None:
 @click.option("--arch", type=click.Choice(["llama", "qwen3", "gpt-oss"]), required=True, help="Model family.")
 @click.option("--out", "out", type=click.Path(file_okay=False), required=True, help="Target folder to write.")
 @click.option("--drafter-out", type=click.Path(file_okay=False), help="Also write a matching random drafter here.")
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--block-size", type=int, default=8, show_default=True, help="Drafter block size.")
+@click.option("--seed", type=SEED, default=0, show_default=True)
+@click.option("--block-size", type=click.IntRange(2, 64), default=8, show_default=True, help="Drafter block size.")
 @click.option("--no-mxfp4", is_flag=True, help="gpt-oss: store experts dense instead of MXFP4.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
 def make_tiny_cmd(arch, out, drafter_out, seed, block_size, no_mxfp4, as_json):
@@ -71,7 +74,9 @@ def check_cmd(target, drafter, scan, as_json):
         for p in report["problems"]:
             click.echo(f"problem: {p}", err=True)
     if not report["ok"]:
-        sys.exit(1)
+        if as_json:
+            sys.exit(1)
+        raise DFlashError(f"check: {len(report['problems'])} problem(s) with the pair {tdir} + {ddir}")
 
 
 @click.command("generate")
@@ -79,10 +84,10 @@ def check_cmd(target, drafter, scan, as_json):
 @click.option("--drafter", type=click.Path(), help="DFlash drafter folder (default: the preset's drafter).")
 @click.option("--prompt", "-p", required=True, help="User message (rendered with the chat template if any).")
 @click.option("--max-new-tokens", type=click.IntRange(1), default=128, show_default=True)
-@click.option("--temperature", type=click.FloatRange(0), default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--temperature", type=FiniteFloatRange(0), default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--top-k", type=click.IntRange(0), default=0, show_default=True, help="0 = off.")
-@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--top-p", type=FiniteFloatRange(0, 1, min_open=True), default=1.0, show_default=True)
+@click.option("--seed", type=SEED, default=0, show_default=True)
 @click.option("--block-size", type=click.IntRange(2, 64), help="Draft block size (default: the drafter's).")
 @click.option("--mode", type=click.Choice(["dflash", "ar"]), default="dflash", show_default=True,
               help="ar = plain autoregressive decoding of the target (the baseline).")

@@ -121,6 +121,19 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, TensorInfo], dict]:
     for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
         if b1 < e0:
             raise DFlashError(f"{path}: tensors {n0!r} and {n1!r} have overlapping data_offsets")
+    # The safetensors library's own rule (safetensors/src/tensor.rs, Metadata::validate and
+    # read_metadata, huggingface/safetensors@000a16f): tensors tile the data region exactly, from
+    # byte 0 to the end of the file. A header length off by a few bytes (JSON that still parses)
+    # would otherwise shift every tensor's bytes silently.
+    expect = 0
+    for b0, e0, n0 in spans:
+        if b0 != expect:
+            raise DFlashError(f"{path}: tensor {n0!r} starts at data byte {b0}, expected {expect} (tensors must "
+                              "follow each other without gaps; wrong header length?)")
+        expect = e0
+    if expect != data_len:
+        raise DFlashError(f"{path}: the tensors cover {expect} data bytes but the file has {data_len} after its "
+                          "header (truncated, padded or wrong header length)")
     return tensors, metadata
 
 

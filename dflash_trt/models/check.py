@@ -143,7 +143,32 @@ def _check_target_tensors(folder: Path, cfg: dict, allow_pickle: bool = False) -
         if want is not None and tuple(got) != tuple(want):
             p.append(f"{files[name]}: tensor {name!r} has shape {list(got)} but {folder / 'config.json'} implies "
                      f"{list(want)}")
+    try:
+        expected = _runtime_tensor_names(cfg)
+    except DFlashError as e:
+        return p + [str(e).replace("config.json:", f"{folder / 'config.json'}:", 1)]
+    if expected is not None:
+        # the names the runtime loads (load_target: MXFP4 *_blocks + *_scales become one dense
+        # tensor; a tied lm_head is not read)
+        stored = {k.removesuffix("_blocks") for k in metas if not k.endswith("_scales")}
+        if cfg.get("tie_word_embeddings"):
+            stored.discard("lm_head.weight")
+        p += [f"{folder}: target tensor {k} missing (config.json implies it)" for k in sorted(expected - stored)]
+        p += [f"{files.get(k, folder)}: unexpected target tensor {k!r} for this config" for k in sorted(stored - expected)]
     return p[:20]
+
+
+def _runtime_tensor_names(cfg: dict) -> set[str] | None:
+    """The state-dict names of the runtime's model for this config (built on the meta device:
+    no memory), or None for a family the CPU runtime does not run."""
+    import torch
+
+    from dflash_trt.models.target import SUPPORTED, TargetModel
+
+    if cfg.get("model_type") not in SUPPORTED:
+        return None
+    with torch.device("meta"):
+        return set(TargetModel(cfg, max_len=1).state_dict())   # (hf_config: a DFlashError if transformers refuses)
 
 
 def _check_drafter_tensors(folder: Path, d: DrafterConfig, allow_pickle: bool = False) -> list[str]:

@@ -33,7 +33,11 @@ def hf_config(cfg: dict):
     if mt not in SUPPORTED:
         raise DFlashError(f"config.json: model_type {mt!r} is not supported (supported: {', '.join(SUPPORTED)})")
     kw = {k: v for k, v in cfg.items() if k not in ("model_type", "transformers_version", "quantization_config")}
-    return AutoConfig.for_model(mt, **kw)
+    try:
+        return AutoConfig.for_model(mt, **kw)
+    except Exception as e:  # noqa: BLE001  transformers validates fields with many exception types
+        msg = str(e).strip().splitlines()[-1].strip() if str(e).strip() else type(e).__name__
+        raise DFlashError(f"config.json: transformers refuses this {mt} config ({msg})") from None
 
 
 KV_PAD = 64  # attention length granularity of the low-precision path (batch invariance)
