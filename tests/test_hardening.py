@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from dflash_trt.io import atomic
 from dflash_trt.io.checkpoint import CheckpointReader, nonfinite_tensors
 from dflash_trt.models.config import MAX_BLOCK, drafter_config_problems, target_config_problems
+
 from helpers import run_cli
 
 

@@ -296,7 +296,8 @@ class Stage:
 COMMON = ("tool_version", "target", "drafter")
 PACKAGE_OUTPUTS = ("configs", "triton", "engines/README.txt")  # + reference/ when the pair is copied
 PIPELINE = (
-    Stage("check", "_check", (*COMMON, "allow_nonfinite"), code=("models/check.py", "models/config.py"), outputs=("reports/check.json",)),
+    Stage("check", "_check", (*COMMON, "allow_nonfinite"), code=("models/check.py", "models/config.py", "models/target.py",
+                                                                "io/checkpoint.py"), outputs=("reports/check.json",)),
     Stage("quantize", "_quantize", (*COMMON, "quant", "kv_cache", "drafter_quant", "calib"),
           code=("quant/quantize.py", "quant/linear.py", "io/formats.py", "kernels/csrc", "kernels/c_loader.py",
                 "quant/calibrate.py", "io/checkpoint.py"),

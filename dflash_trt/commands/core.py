@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import sys
 
 import click
 
@@ -74,8 +73,6 @@ def check_cmd(target, drafter, scan, as_json):
         for p in report["problems"]:
             click.echo(f"problem: {p}", err=True)
     if not report["ok"]:
-        if as_json:
-            sys.exit(1)
         raise DFlashError(f"check: {len(report['problems'])} problem(s) with the pair {tdir} + {ddir}")
 
 

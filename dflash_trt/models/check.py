@@ -20,6 +20,7 @@ from dflash_trt.models.config import (
     target_config_problems,
 )
 from dflash_trt.models.drafter import DFlashDrafter
+from dflash_trt.models.target import SUPPORTED, TargetModel
 
 NONFINITE_NOTE = "non-finite weights"  # marks the scan's problems (build/generate --allow-nonfinite)
 
@@ -162,8 +163,6 @@ def _runtime_tensor_names(cfg: dict) -> set[str] | None:
     """The state-dict names of the runtime's model for this config (built on the meta device:
     no memory), or None for a family the CPU runtime does not run."""
     import torch
-
-    from dflash_trt.models.target import SUPPORTED, TargetModel
 
     if cfg.get("model_type") not in SUPPORTED:
         return None
