@@ -126,7 +126,7 @@ def mutate_safetensors(rng: random.Random, blob: bytes) -> tuple[bytes, str]:
 
 def test_fuzz_safetensors_headers(world):
     rng = random.Random(SEED)
-    for i in range(n(600)):
+    for i in range(n(1200)):
         which = rng.choice(["t", "d"])
         path = world / which / "model.safetensors"
         original = st_meta(path)
@@ -177,11 +177,12 @@ def json_valid(data: bytes) -> bool:
 
 def test_fuzz_json_configs(world):
     rng = random.Random(SEED + 1)
-    for i in range(n(500)):
-        which = rng.choice(["t", "d"])
-        path = world / which / "config.json"
+    for i in range(n(1000)):
+        which = rng.choice(["t/config.json", "d/config.json", "t/config.json", "d/config.json",
+                            "t/generation_config.json"])
+        path = world / which
         data, what = mutate_json(rng, path.read_bytes())
-        case = Case(world, path, data, f"case {i} ({which}/config.json): {what}")
+        case = Case(world, path, data, f"case {i} ({which}): {what}")
         try:
             valid = json_valid(data)
             code, err = case.run(*check_argv(world), must_fail=not valid)
@@ -235,7 +236,7 @@ def test_fuzz_cli_integers_at_the_edges(world):
     rng = random.Random(SEED + 2)
     options = cli_options(world)
     before = tree(world)
-    for i in range(n(1000)):
+    for i in range(n(2000)):
         argv, opt, lo, hi = options[i % len(options)] if i < len(options) else rng.choice(options)
         value = edge_ints(rng, lo, hi)
         code, _, err = run_cli(*argv, f"{opt}={value}")

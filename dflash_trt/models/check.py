@@ -20,7 +20,7 @@ from dflash_trt.models.config import (
     target_config_problems,
 )
 from dflash_trt.models.drafter import DFlashDrafter
-from dflash_trt.models.target import SUPPORTED, TargetModel
+from dflash_trt.models.target import SUPPORTED, TargetModel, stop_token_ids
 
 NONFINITE_NOTE = "non-finite weights"  # marks the scan's problems (build/generate --allow-nonfinite)
 
@@ -61,6 +61,10 @@ def check_pair(target_dir: str | Path, drafter_dir: str | Path, scan: bool = Fal
             tcfg = None
         else:
             problems += _check_target_tensors(target_dir, tcfg, allow_pickle)
+            try:
+                stop_token_ids(target_dir)   # generation_config.json: what generate stops on
+            except DFlashError as e:
+                problems.append(str(e))
     raw = _read_config(drafter_dir, "drafter", problems)
     dcfg = None
     if raw is not None:
@@ -166,8 +170,13 @@ def _runtime_tensor_names(cfg: dict) -> set[str] | None:
 
     if cfg.get("model_type") not in SUPPORTED:
         return None
-    with torch.device("meta"):
-        return set(TargetModel(cfg, max_len=1).state_dict())   # (hf_config: a DFlashError if transformers refuses)
+    try:
+        with torch.device("meta"):
+            return set(TargetModel(cfg, max_len=1).state_dict())   # (hf_config: a DFlashError if transformers refuses)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, ZeroDivisionError, RuntimeError) as e:
+        # a field the rules above do not cover (family-specific) that the runtime cannot build from
+        raise DFlashError(f"config.json: the runtime cannot build a {cfg['model_type']} model from it "
+                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
 
 
 def _check_drafter_tensors(folder: Path, d: DrafterConfig, allow_pickle: bool = False) -> list[str]:
@@ -178,8 +187,14 @@ def _check_drafter_tensors(folder: Path, d: DrafterConfig, allow_pickle: bool = 
         return [str(e)]
     import torch
 
-    with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in DFlashDrafter(d, max_len=1).state_dict().items()}
+    try:
+        with torch.device("meta"):
+            expected = {k: tuple(v.shape) for k, v in DFlashDrafter(d, max_len=1).state_dict().items()}
+    except DFlashError as e:
+        return [str(e).replace("config.json:", f"{folder / 'config.json'}:", 1)]
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, ZeroDivisionError, RuntimeError) as e:
+        return [f"{folder / 'config.json'}: the runtime cannot build the drafter from it "
+                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"]
     p = []
     for k, shape in expected.items():
         if k not in metas:
@@ -219,4 +234,8 @@ def require_target(target_dir: str | Path, allow_pickle: bool = False) -> None:
         problems += target_config_problems(cfg, str(target_dir / "config.json"))
         if not problems:
             problems += _check_target_tensors(target_dir, cfg, allow_pickle)
+            try:
+                stop_token_ids(target_dir)
+            except DFlashError as e:
+                problems.append(str(e))
     _raise_first(problems)

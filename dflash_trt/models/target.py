@@ -257,8 +257,11 @@ def stop_token_ids(folder: str | Path) -> list[int]:
     """End-of-sequence ids, from generation_config.json when present (as HF generate does)."""
     folder = Path(folder)
     src = folder / "generation_config.json"
-    d = read_json(src if src.exists() else folder / "config.json")
-    eos = d.get("eos_token_id")
+    path = src if src.exists() else folder / "config.json"
+    eos = read_json(path).get("eos_token_id")
     if eos is None:
         return []
-    return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+    ids = eos if isinstance(eos, list) else [eos]
+    if not all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in ids):
+        raise DFlashError(f"{path}: eos_token_id = {eos!r:.60}: must be a token id or a list of token ids")
+    return list(ids)
