@@ -384,3 +384,18 @@ def test_the_scan_streams_in_bounded_slices_and_reports_the_global_index(tmp_pat
         assert ck._SCAN_SLICE <= 16 << 20
         assert nonfinite_tensors(r) == [f"{tmp_path / 'model.safetensors'}: tensor 'w' contains Inf "
                                         "(first at flat index 2345678)"]
+
+
+@pytest.mark.parametrize("cmd", ["quantize", "convert", "build", "export-onnx", "bench"])
+def test_every_reader_of_a_config_applies_checks_rules_first(pair, tmp_path, cmd):
+    t, d = pair
+    edit_config(t, _set("num_attention_heads", "abc"))
+    argv = {"quantize": ["quantize", "--model", str(t), "--format", "fp8", "--out", str(tmp_path / "o")],
+            "convert": ["convert", "--model", str(t), "--out", str(tmp_path / "o")],
+            "build": ["build", "--target", str(t), "--drafter", str(d), "--arch", "hopper", "--out", str(tmp_path / "o")],
+            "export-onnx": ["export-onnx", "--target", str(t), "--drafter", str(d), "--out", str(tmp_path / "o.onnx")],
+            "bench": ["bench", "--target", str(t), "--drafter", str(d), "--limit", "1"]}[cmd]
+    before = paths_under(tmp_path)
+    code, _, err = run_cli(*argv)
+    assert code == 1 and one_error(err) == f"{t / 'config.json'}: num_attention_heads = 'abc': must be an integer"
+    assert paths_under(tmp_path) == before

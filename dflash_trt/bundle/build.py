@@ -47,7 +47,7 @@ from dflash_trt.hardware import arch_has_fp4, arch_sms, gpus, sm_number
 from dflash_trt.io.atomic import atomic_output_dir, refuse_inside
 from dflash_trt.io.checkpoint import load_config
 from dflash_trt.models.check import NONFINITE_NOTE, check_pair
-from dflash_trt.models.config import load_drafter_config
+from dflash_trt.models.config import load_drafter_config, require_target_config
 from dflash_trt.paths import package_path
 from dflash_trt.presets.catalog import PRESETS, resolve_drafter, resolve_target
 from dflash_trt.quant.convert import convert_checkpoint
@@ -400,7 +400,7 @@ class Builder:
         """The pair, its configs, the settings, the block size and the bundle folder."""
         o = self.o
         self.tdir, self.ddir, self.name, self.hf_id = resolve_pair(o)
-        self.tcfg = load_config(self.tdir)
+        self.tcfg = require_target_config(load_config(self.tdir), str(self.tdir / "config.json"))
         self.settings = resolve_settings(o, self.tcfg, self.name)
         self.dcfg = load_drafter_config(self.ddir)
         self.block_size = B = o.block_size or self.dcfg.block_size

@@ -67,7 +67,9 @@ def export_onnx_cmd(drafter_dir, target_dir, out, page_size, as_json):
       dflash-trt export-onnx --drafter drafters/qwen3-8b-dflash --target models/Qwen3-8B --out drafter.onnx
     """
     from dflash_trt.bundle.onnx_export import export_onnx
+    from dflash_trt.models.check import require_pair
 
+    require_pair(target_dir, drafter_dir)   # check's rules first, with its messages
     path = export_onnx(drafter_dir, target_dir, out, page_size=page_size)
     if as_json:
         click.echo(json.dumps({"onnx": str(path), "page_size": page_size, "custom_op": "dflash::KVInject"}, indent=2))

@@ -225,6 +225,21 @@ def require_pair(target_dir: str | Path, drafter_dir: str | Path, allow_pickle: 
     _raise_first(check_pair(target_dir, drafter_dir, allow_pickle=allow_pickle)["problems"])
 
 
+def require_checkpoint_config(folder: str | Path) -> dict:
+    """A checkpoint folder's config.json, by the rules of what it is (a DFlash drafter or a
+    target): for commands that take either (quantize, convert)."""
+    folder = Path(folder)
+    problems: list[str] = []
+    cfg = _read_config(folder, "checkpoint", problems)
+    if cfg is not None:
+        path = str(folder / "config.json")
+        drafter = "DFlashDraftModel" in (cfg.get("architectures") or []) if isinstance(cfg.get("architectures"),
+                                                                                      list) else False
+        problems += drafter_config_problems(cfg, path) if drafter else target_config_problems(cfg, path)
+    _raise_first(problems)
+    return cfg
+
+
 def require_target(target_dir: str | Path, allow_pickle: bool = False) -> None:
     """`check`'s target rules alone (plain AR decoding has no drafter)."""
     target_dir = Path(target_dir)

@@ -42,6 +42,7 @@ from dflash_trt.io.checkpoint import (
     check_shapes,
     load_config,
 )
+from dflash_trt.models.check import require_checkpoint_config
 from dflash_trt.quant.calibrate import CalibrationResult, LayerCalibrator, layer_tensors, load_calib_samples
 from dflash_trt.quant.linear import (
     FORMATS,
@@ -247,6 +248,7 @@ def quantize_checkpoint(model: str | Path, out: str | Path, fmt: str, kv_cache: 
     if kv_cache not in (None, "fp8"):
         raise DFlashError(f"--kv-cache {kv_cache!r}: only fp8 is supported")
     cfg = load_config(model)
+    require_checkpoint_config(model)
     check_format_for_model(fmt, cfg)
     refuse_inside(out, "--out", ("--model", model), ("--calib", calib))
     with CheckpointReader(model, allow_pickle=allow_pickle) as reader:
