@@ -399,3 +399,14 @@ def test_every_reader_of_a_config_applies_checks_rules_first(pair, tmp_path, cmd
     code, _, err = run_cli(*argv)
     assert code == 1 and one_error(err) == f"{t / 'config.json'}: num_attention_heads = 'abc': must be an integer"
     assert paths_under(tmp_path) == before
+
+
+def test_stale_feature_cache_temps_are_removed(tmp_path, capsys):
+    from dflash_trt.train.data import _remove_stale_feature_temps
+
+    dead, live = tmp_path / f".k1.{2**22 + 12345}.tmp", tmp_path / f".k2.{os.getpid()}.tmp"
+    for f in (dead, live):
+        f.write_bytes(b"partial")
+        os.utime(f, (0, 0))
+    _remove_stale_feature_temps(tmp_path)
+    assert not dead.exists() and live.exists() and "left behind by an interrupted run" in capsys.readouterr().err

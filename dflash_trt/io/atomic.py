@@ -33,7 +33,7 @@ def disk_error(path: Path, what: str, e: OSError) -> DFlashError:
         blocker = next((p for p in [Path(path), *Path(path).parents] if p.exists() and not p.is_dir()), None)
         if blocker is not None:
             return DFlashError(f"{path}: cannot write {what}: {blocker} is a file, not a folder")
-    return DFlashError(f"{path}: cannot write {what} ({e.strerror})")
+    return DFlashError(f"{path}: cannot write {what} ({e.strerror or e})")
 
 
 def write_text(path: Path, text: str) -> None:
@@ -58,7 +58,7 @@ _IMPORTED = time.time()
 PROCESS_START = _process_start()
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -75,7 +75,7 @@ def _stale(folder: Path) -> bool:
         pid, host, started = int(m["pid"]), str(m["host"]), float(m["started"])
     except (OSError, ValueError, KeyError, TypeError):
         return False
-    return host == socket.gethostname() and started < PROCESS_START and not (pid != os.getpid() and _alive(pid))
+    return host == socket.gethostname() and started < PROCESS_START and not (pid != os.getpid() and alive(pid))
 
 
 def remove_stale_temps(dest: str | Path, log=None) -> list[Path]:

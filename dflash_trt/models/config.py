@@ -40,7 +40,7 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 class Field:
     """One config field: its JSON type and inclusive range. Null counts as absent."""
     name: str
-    kind: str                  # "int" | "float" | "bool" | "str" | "dict" | "int_list" | "str_list"
+    kind: str                  # "int" | "float" | "bool" | "str" | "dict" | "int_list" | "str_list" | "ids"
     lo: float | None = None
     hi: float | None = None
 
@@ -57,10 +57,14 @@ COMMON_FIELDS = (
     Field("rms_norm_eps", "float", 1e-12, 0.5), Field("rope_theta", "float", 1.0, 1e12),
     Field("rope_scaling", "dict"), Field("rope_parameters", "dict"), Field("attention_bias", "bool"),
     Field("tie_word_embeddings", "bool"), Field("hidden_act", "str"), Field("layer_types", "str_list"),
-    _ints("sliding_window", 1, MAX_CONTEXT),
+    _ints("sliding_window", 1, MAX_CONTEXT), Field("architectures", "str_list"), Field("model_type", "str"),
+    Field("quantization_config", "dict"), Field("dtype", "str"), Field("torch_dtype", "str"),
+    Field("use_sliding_window", "bool"), Field("attention_dropout", "float", 0.0, 1.0),
+    Field("eos_token_id", "ids", 0, MAX_VOCAB - 1), Field("bos_token_id", "ids", 0, MAX_VOCAB - 1),
+    Field("pad_token_id", "ids", 0, MAX_VOCAB - 1),
 )
 TARGET_FIELDS = COMMON_FIELDS + (
-    Field("model_type", "str"), Field("mlp_bias", "bool"),
+    Field("mlp_bias", "bool"), Field("text_config", "dict"), _ints("num_experts", 1, MAX_EXPERTS),
     _ints("num_local_experts", 1, MAX_EXPERTS), _ints("num_experts_per_tok", 1, MAX_EXPERTS),
 )
 DRAFTER_FIELDS = COMMON_FIELDS + (
@@ -86,7 +90,9 @@ def _is_int(v) -> bool:
 
 
 def _type_problem(f: Field, v) -> str | None:
-    """Why `v` does not fit `f`, or None."""
+    """Why `v` does not fit `f`, or None. ("ids": a token id or a list of them.)"""
+    if f.kind == "ids":
+        f = Field(f.name, "int_list" if isinstance(v, list) else "int", f.lo, f.hi)
     if f.kind == "int" or f.kind == "int_list":
         items = v if f.kind == "int_list" else [v]
         if f.kind == "int_list" and not isinstance(v, list):

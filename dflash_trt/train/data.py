@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from dflash_trt.errors import DFlashError
-from dflash_trt.io.atomic import io_failure
+from dflash_trt.io.atomic import PROCESS_START, alive, io_failure
 from dflash_trt.io.jsonio import read_jsonl
 from dflash_trt.models.config import MAX_VOCAB
 from dflash_trt.models.target import load_target
@@ -153,6 +153,7 @@ def target_features(target_dir: str | Path, data: Sequences, layer_ids: list[int
     salt = hashlib.sha256(json.dumps([layer_ids, cfg_text, str(dtype)]).encode()).hexdigest()[:12]
     folder = cache_dir / f"layers-{salt}"
     folder.mkdir(parents=True, exist_ok=True)
+    _remove_stale_feature_temps(folder)
     keys = [hashlib.sha256(data.tokens[data.seq(i)].numpy().tobytes()).hexdigest()[:24] for i in range(len(data))]
     todo = [i for i, k in enumerate(keys) if not (folder / f"{k}.safetensors").is_file()]
     if todo:
@@ -174,6 +175,20 @@ def target_features(target_dir: str | Path, data: Sequences, layer_ids: list[int
                     raise
                 raise DFlashError(f"{folder}: cannot write the feature cache ({why})") from None
     return torch.cat([load_file(str(folder / f"{k}.safetensors"))["features"] for k in keys])
+
+
+def _remove_stale_feature_temps(folder: Path) -> None:
+    """`.<key>.<pid>.tmp` files of feature writers that were killed (their process is gone and
+    started before this one), with a line saying so."""
+    for f in folder.glob(".*.tmp"):
+        pid = f.name.rsplit(".", 2)[-2]
+        try:
+            stale = pid.isdigit() and not alive(int(pid)) and f.stat().st_mtime < PROCESS_START
+            if stale:
+                f.unlink()
+                print(f"dflash-trt: removed {f}, left behind by an interrupted run (pid {pid})", file=sys.stderr)
+        except OSError:
+            continue
 
 
 def _is_prompt_only(path: Path) -> bool:
