@@ -71,8 +71,18 @@ def main(argv=None):
         click.echo("aborted", err=True)
         sys.exit(130)
     except click.ClickException as e:
-        e.show()
+        # click's own layout (usage, hint), but the last line is `error: ...` like every other failure
+        ctx = getattr(e, "ctx", None)
+        if ctx is not None:
+            click.echo(ctx.get_usage(), err=True)
+            click.echo(f"Try '{ctx.command_path} {ctx.help_option_names[0]}' for help.\n", err=True)
+        click.echo(f"error: {e.format_message()}", err=True)
         sys.exit(e.exit_code)
+    except OSError as e:
+        # an I/O failure no command anticipated: still one line naming the path, never a traceback
+        where = f"{e.filename}: " if e.filename else ""
+        click.echo(f"error: {where}{e.strerror or e}", err=True)
+        sys.exit(1)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
     sys.exit(0)

@@ -53,10 +53,10 @@ from dflash_trt.bundle.serving_configs import (
 from dflash_trt.bundle.triton_repo import llmapi_model_yaml, write_triton_repo
 from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import arch_has_fp4, arch_sms, gpus, sm_number
-from dflash_trt.io.atomic import atomic_output_dir
+from dflash_trt.io.atomic import atomic_output_dir, refuse_inside
 from dflash_trt.io.checkpoint import load_config
-from dflash_trt.models.check import check_pair
-from dflash_trt.models.config import load_drafter_config
+from dflash_trt.models.check import NONFINITE_NOTE, check_pair
+from dflash_trt.models.config import load_drafter_config, require_target_config
 from dflash_trt.paths import package_path
 from dflash_trt.presets.catalog import PRESETS, resolve_drafter, resolve_target
 from dflash_trt.presets.hub import snapshot_revision
@@ -90,6 +90,7 @@ class BuildOptions:
     calib: str | None = None           # calibration prompts (.jsonl) for activation / KV scales
     stacks: tuple[str, ...] | None = None  # serving stacks to write configs for; None = every stack that fits
     trt_drafter: bool = False          # opt-in: plugins/, onnx/ and the drafter.plan compile job
+    allow_nonfinite: bool = False      # build from weights holding NaN / Inf (check refuses them otherwise)
 
 
 @dataclass
@@ -337,7 +338,8 @@ class Stage:
 COMMON = ("tool_version", "target", "drafter")
 PACKAGE_OUTPUTS = ("configs", "triton", "engines/README.txt")  # + reference/ when the pair is copied
 PIPELINE = (
-    Stage("check", "_check", COMMON, code=("models/check.py", "models/config.py"), outputs=("reports/check.json",)),
+    Stage("check", "_check", (*COMMON, "allow_nonfinite"), code=("models/check.py", "models/config.py", "models/target.py",
+                                                                "io/checkpoint.py"), outputs=("reports/check.json",)),
     Stage("quantize", "_quantize", (*COMMON, "quant", "kv_cache", "drafter_quant", "calib"),
           code=("quant/quantize.py", "quant/linear.py", "io/formats.py", "kernels/csrc", "kernels/c_loader.py",
                 "quant/calibrate.py", "io/checkpoint.py"),
@@ -443,7 +445,7 @@ class Builder:
         """The pair, its configs, the settings, the block size and the bundle folder."""
         o = self.o
         self.tdir, self.ddir, self.name, self.hf_id = resolve_pair(o)
-        self.tcfg = load_config(self.tdir)
+        self.tcfg = require_target_config(load_config(self.tdir), str(self.tdir / "config.json"))
         self.settings = resolve_settings(o, self.tcfg, self.name)
         self.dcfg = load_drafter_config(self.ddir)
         self.block_size = B = o.block_size or self.dcfg.block_size
@@ -454,6 +456,7 @@ class Builder:
         self.dest = dest = Path(o.out) if o.out else default_out(self.name, self.settings, o)
         if dest.exists() and not dest.is_dir():
             raise DFlashError(f"--out {dest}: exists and is not a folder")
+        refuse_inside(dest, "--out", ("--target", self.tdir), ("--drafter", self.ddir), ("--calib", o.calib))
         if dest.exists() and any(dest.iterdir()) and not is_bundle(dest) and not o.force:
             raise DFlashError(f"--out {dest}: folder exists, is not empty and is not a dflash-trt bundle "
                               "(no manifest.json); choose another --out or pass --force to replace it")
@@ -485,6 +488,7 @@ class Builder:
             "drafter_quant": s["drafter_quant"], "backend": o.backend, "tp": o.tp, "ep": o.ep, "pp": o.pp,
             "block_size": self.block_size, "toolchain": toolchain_fingerprint(self.toolchain),
             "trt_drafter": o.trt_drafter,
+            "allow_nonfinite": o.allow_nonfinite,
         }
 
     def _start_manifest(self) -> None:
@@ -541,11 +545,12 @@ class Builder:
 
     # ---------------------------------------------------------------- the stages (PIPELINE's methods)
     def _check(self) -> dict:
-        report = check_pair(self.tdir, self.ddir)
-        if not report["ok"]:
-            probs = report["problems"]
+        report = check_pair(self.tdir, self.ddir, scan=True)
+        probs = [p for p in report["problems"] if not (self.o.allow_nonfinite and p.endswith(f"({NONFINITE_NOTE})"))]
+        if probs:
             first = next((p for p in probs if "target" in p), probs[0])  # pair mismatches first
-            raise DFlashError(f"check: the drafter does not fit the target ({len(probs)} problem(s)): {first}")
+            hint = "; pass --allow-nonfinite to build anyway" if first.endswith(f"({NONFINITE_NOTE})") else ""
+            raise DFlashError(f"check: the drafter does not fit the target ({len(probs)} problem(s)): {first}{hint}")
         (self.work / "reports").mkdir(exist_ok=True)
         (self.work / "reports" / "check.json").write_text(json.dumps(report, indent=2) + "\n")
         return {}

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import arch_sms, gpus
+from dflash_trt.io.atomic import MARKER
 from dflash_trt.io.jsonio import read_json
 
 MANIFEST_NAME = "manifest.json"
@@ -193,10 +194,12 @@ class HashCache:
 
 def bundle_files(bundle: str | Path) -> list[str]:
     """Relative paths of every file of a bundle except manifest.json (and Python caches that a
-    Triton Python backend may leave beside a model.py)."""
+    Triton Python backend may leave beside a model.py, and the partial-output marker of a bundle
+    still being assembled: io.atomic removes it before publishing)."""
     bundle = Path(bundle)
     return [p.relative_to(bundle).as_posix() for p in sorted(bundle.rglob("*"))
-            if p.is_file() and p.relative_to(bundle).as_posix() != MANIFEST_NAME and "__pycache__" not in p.parts]
+            if p.is_file() and p.relative_to(bundle).as_posix() not in (MANIFEST_NAME, MARKER)
+            and "__pycache__" not in p.parts]
 
 
 def list_artifacts(bundle: str | Path, cache: HashCache | None = None) -> list[dict]:

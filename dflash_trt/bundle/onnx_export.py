@@ -29,7 +29,6 @@ import hashlib
 import math
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -38,6 +37,7 @@ import torch
 from safetensors import safe_open
 
 from dflash_trt.errors import DFlashError
+from dflash_trt.io.atomic import disk_error, no_new_empty_dirs, temp_dir_beside
 from dflash_trt.io.checkpoint import CheckpointReader
 from dflash_trt.io.jsonio import read_json
 from dflash_trt.kernels import kv_inject_trt
@@ -403,25 +403,33 @@ def export_onnx(drafter_dir, target_dir, out_file, page_size: int = 16, hashes=N
     n_params = sum(p.numel() for p in drafter.parameters()) + math.prod(embed.shape) + math.prod(head.shape)
     big = 4 * n_params > EXTERNAL_DATA_ABOVE
     out_file = Path(out_file)
-    out_file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_file.name}.", dir=out_file.parent))
+    if out_file.is_dir():
+        raise DFlashError(f"{out_file}: is a folder; --out names the ONNX file to write")
     data_name = out_file.name + ".data"
-    try:
-        data = ExternalData(tmp / data_name) if big else None
+    with no_new_empty_dirs(out_file.parent):
         try:
-            model = build_model(drafter, embed, head, page_size, data, weights)
+            out_file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = temp_dir_beside(out_file)
+        except OSError as e:
+            raise disk_error(out_file.parent, "a temporary folder", e) from None
+        try:
+            data = ExternalData(tmp / data_name) if big else None
+            try:
+                model = build_model(drafter, embed, head, page_size, data, weights)
+            finally:
+                if data is not None:
+                    data.close()
+            onnx.save_model(model, str(tmp / out_file.name))
+            onnx.checker.check_model(str(tmp / out_file.name))
+            if big:
+                os.replace(tmp / data_name, out_file.with_name(data_name))
+                if hashes is not None:
+                    hashes.remember(out_file.with_name(data_name), data.sha256.hexdigest())
+            os.replace(tmp / out_file.name, out_file)
+        except OSError as e:
+            raise disk_error(out_file, "the ONNX file", e) from None
         finally:
-            if data is not None:
-                data.close()
-        onnx.save_model(model, str(tmp / out_file.name))
-        onnx.checker.check_model(str(tmp / out_file.name))
-        if big:
-            os.replace(tmp / data_name, out_file.with_name(data_name))
-            if hashes is not None:
-                hashes.remember(out_file.with_name(data_name), data.sha256.hexdigest())
-        os.replace(tmp / out_file.name, out_file)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(tmp, ignore_errors=True)
     return out_file
 
 

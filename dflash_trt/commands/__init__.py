@@ -1,1 +1,26 @@
-"""click commands, one module per area; each is a thin wrapper over the library."""
+"""click commands, one module per area; each is a thin wrapper over the library.
+
+The parameter types below bound what a user can type before anything runs: a seed torch can
+take, a thread count OpenMP can allocate for, floats that are numbers (click's FloatRange lets
+NaN through, because every comparison with NaN is false)."""
+from __future__ import annotations
+
+import math
+
+import click
+
+MAX_THREADS = 1024   # OpenMP allocates per-thread state up front: 10^9 threads asks for ~200 GB
+SEED = click.IntRange(0, 2**63 - 1)   # torch.Generator.manual_seed takes a 64-bit integer
+THREADS = click.IntRange(1, MAX_THREADS)
+
+
+class FiniteFloatRange(click.FloatRange):
+    """click.FloatRange that also refuses NaN and +-inf."""
+
+    name = "finite float range"
+
+    def convert(self, value, param, ctx):
+        v = super().convert(value, param, ctx)
+        if not math.isfinite(v):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return v

@@ -6,6 +6,8 @@ from importlib import resources
 
 import click
 
+from dflash_trt.commands import THREADS, FiniteFloatRange
+
 
 @click.command("bench")
 @click.option("--target", type=click.Path(), help="Target folder or preset (default: embedded SmolLM2-135M).")
@@ -14,11 +16,11 @@ import click
               help='JSONL of {"prompt": ...} lines (default: the embedded held-out prompts).')
 @click.option("--max-new-tokens", type=click.IntRange(1), default=128, show_default=True)
 @click.option("--block-size", type=click.IntRange(2, 64), help="Draft block size (default: the drafter's).")
-@click.option("--temperature", type=click.FloatRange(0), default=0.0, show_default=True)
+@click.option("--temperature", type=FiniteFloatRange(0), default=0.0, show_default=True)
 @click.option("--limit", type=click.IntRange(1), help="Use only the first N prompts.")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True,
               help="auto: bfloat16 where the CPU has native bf16 (AMX / AVX512-BF16), else float32.")
-@click.option("--threads", type=click.IntRange(1), help="torch threads (default: torch's choice).")
+@click.option("--threads", type=THREADS, help="torch threads (default: torch's choice).")
 @click.option("--fused/--no-fused", default=True, show_default=True, help="Fused KV-injection path.")
 @click.option("--json", "as_json", is_flag=True, help="Print the full JSON report on stdout.")
 def bench_cmd(target, drafter, prompts_file, max_new_tokens, block_size, temperature, limit, dtype, threads,

@@ -46,9 +46,10 @@ from dflash_trt.hardware import arch_sms, gpus
               "without DFlash.")
 @click.option("--out", type=click.Path(file_okay=False), help="Bundle folder (default: engines/<target>-<gpu|arch>-<quant>).")
 @click.option("--force", is_flag=True, help="Redo every stage; replace a non-bundle --out folder.")
+@click.option("--allow-nonfinite", is_flag=True, help="Build from weights holding NaN / Inf (check refuses them).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 def build_cmd(target, drafter, arch, gpu, quant, kv_cache, drafter_quant, stacks, trt_drafter_engine, tp, ep, pp,
-              block_size, calib, backend, out, force, as_json):
+              block_size, calib, backend, out, force, allow_nonfinite, as_json):
     """Build a deployable bundle: check -> quantize -> convert -> plugin -> export-onnx -> compile
     -> package. Re-running skips every stage whose inputs did not change (--force redoes them).
     The bundle holds manifest.json, the (quantized) target and the bf16 drafter, configs/
@@ -70,6 +71,7 @@ def build_cmd(target, drafter, arch, gpu, quant, kv_cache, drafter_quant, stacks
     opts = BuildOptions(target=target, drafter=drafter, arch=arch, gpu=gpu, quant=quant, kv_cache=kv_cache, tp=tp,
                         ep=ep, pp=pp, block_size=block_size, backend=backend, out=out, force=force,
                         drafter_quant=drafter_quant, calib=calib, trt_drafter=trt_drafter_engine,
+                        allow_nonfinite=allow_nonfinite,
                         stacks=tuple(x.strip() for x in stacks.split(",") if x.strip()) if stacks is not None else None)
     res = build(opts, progress=True)
     if as_json:

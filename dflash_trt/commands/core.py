@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import json
-import sys
 
 import click
+
+from dflash_trt.commands import SEED, FiniteFloatRange
+from dflash_trt.errors import DFlashError
 
 
 def emit_json(obj) -> None:
@@ -15,8 +17,8 @@ def emit_json(obj) -> None:
 @click.option("--arch", type=click.Choice(["llama", "qwen3", "gpt-oss"]), required=True, help="Model family.")
 @click.option("--out", "out", type=click.Path(file_okay=False), required=True, help="Target folder to write.")
 @click.option("--drafter-out", type=click.Path(file_okay=False), help="Also write a matching random drafter here.")
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--block-size", type=int, default=8, show_default=True, help="Drafter block size.")
+@click.option("--seed", type=SEED, default=0, show_default=True)
+@click.option("--block-size", type=click.IntRange(2, 64), default=8, show_default=True, help="Drafter block size.")
 @click.option("--no-mxfp4", is_flag=True, help="gpt-oss: store experts dense instead of MXFP4.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
 def make_tiny_cmd(arch, out, drafter_out, seed, block_size, no_mxfp4, as_json):
@@ -42,11 +44,16 @@ def make_tiny_cmd(arch, out, drafter_out, seed, block_size, no_mxfp4, as_json):
 @click.option("--target", type=click.Path(), help="Target folder, preset name or hub id (org/name; found in the "
               "Hugging Face cache or downloaded). Default: the embedded target.")
 @click.option("--drafter", type=click.Path(), help="DFlash drafter folder or hub id (default: the preset's drafter).")
+@click.option("--scan/--no-scan", default=True, show_default=True,
+              help="Read every weight once (streaming, bounded memory) and report NaN / Inf tensors.")
 @click.option("--json", "as_json", is_flag=True)
-def check_cmd(target, drafter, as_json):
-    """Validate a (target, drafter) pair without loading weights: hidden sizes, target_layer_ids
-    against the target's depth, mask_token_id inside the vocabulary, vocab / tokenizer sizes,
-    block_size, tensor shapes and dtypes. Exit 1 if any problem is found.
+def check_cmd(target, drafter, scan, as_json):
+    """Validate a (target, drafter) pair without loading it: each config's types and ranges
+    (heads divide hidden_size, layer_types per layer, block_size 2..64, ...), hidden sizes,
+    target_layer_ids (sorted, unique, inside the target's depth), mask_token_id inside the
+    vocabulary, vocab / tokenizer sizes, tensor shapes and dtypes from the headers, and (--scan)
+    NaN / Inf weights. `generate`, `bench` and `build` refuse what this refuses, with the same
+    message. Exit 1 if any problem is found.
 
     \b
     Example:
@@ -57,7 +64,7 @@ def check_cmd(target, drafter, as_json):
 
     tdir = resolve_target(target)
     ddir = resolve_drafter(drafter, target)
-    report = check_pair(tdir, ddir)
+    report = check_pair(tdir, ddir, scan=scan)
     if as_json:
         emit_json(report)
     elif report["ok"]:
@@ -67,7 +74,7 @@ def check_cmd(target, drafter, as_json):
         for p in report["problems"]:
             click.echo(f"problem: {p}", err=True)
     if not report["ok"]:
-        sys.exit(1)
+        raise DFlashError(f"check: {len(report['problems'])} problem(s) with the pair {tdir} + {ddir}")
 
 
 @click.command("generate")
@@ -75,10 +82,10 @@ def check_cmd(target, drafter, as_json):
 @click.option("--drafter", type=click.Path(), help="DFlash drafter folder (default: the preset's drafter).")
 @click.option("--prompt", "-p", required=True, help="User message (rendered with the chat template if any).")
 @click.option("--max-new-tokens", type=click.IntRange(1), default=128, show_default=True)
-@click.option("--temperature", type=click.FloatRange(0), default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--temperature", type=FiniteFloatRange(0), default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--top-k", type=click.IntRange(0), default=0, show_default=True, help="0 = off.")
-@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--top-p", type=FiniteFloatRange(0, 1, min_open=True), default=1.0, show_default=True)
+@click.option("--seed", type=SEED, default=0, show_default=True)
 @click.option("--block-size", type=click.IntRange(2, 64), help="Draft block size (default: the drafter's).")
 @click.option("--mode", type=click.Choice(["dflash", "ar"]), default="dflash", show_default=True,
               help="ar = plain autoregressive decoding of the target (the baseline).")
@@ -87,10 +94,11 @@ def check_cmd(target, drafter, as_json):
 @click.option("--raw", is_flag=True, help="Feed the prompt as raw text, without the chat template.")
 @click.option("--allow-pickle", is_flag=True,
               help="Accept .bin/.pt pickle weights (loaded with torch.load(weights_only=True)); refused otherwise.")
+@click.option("--allow-nonfinite", is_flag=True, help="Load weights holding NaN / Inf (refused otherwise).")
 @click.option("--fused/--no-fused", default=True, show_default=True, help="Fused KV-injection path.")
 @click.option("--json", "as_json", is_flag=True)
 def generate_cmd(target, drafter, prompt, max_new_tokens, temperature, top_k, top_p, seed, block_size, mode,
-                 dtype, raw, allow_pickle, fused, as_json):
+                 dtype, raw, allow_pickle, allow_nonfinite, fused, as_json):
     """Generate text with lossless DFlash speculative decoding (or plain AR with --mode ar).
 
     Greedy output is token-identical to --mode ar; with --temperature > 0 speculative sampling
@@ -107,7 +115,7 @@ def generate_cmd(target, drafter, prompt, max_new_tokens, temperature, top_k, to
 
     tdir = resolve_target(target)
     ddir = resolve_drafter(drafter, target) if mode == "dflash" else None
-    pair = load_pair(tdir, ddir, dtype, allow_pickle=allow_pickle)
+    pair = load_pair(tdir, ddir, dtype, allow_pickle=allow_pickle, allow_nonfinite=allow_nonfinite)
     res = generate(pair, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                    seed=seed, block_size=block_size, mode=mode, chat=not raw, fused_inject=fused)
     out = {"text": res.text, "token_ids": res.token_ids, "tau": res.tau, "blocks": res.blocks,

@@ -7,6 +7,8 @@ import click
 
 from dflash_trt.hardware import arch_sms
 
+MAX_PAGE_SIZE = 4096  # tokens per KV page (TensorRT-LLM uses 32-128)
+
 # "blackwell (sm_100 + sm_103) or hopper (sm_90)"
 ARCHS_HELP = " or ".join(f"{arch} ({' + '.join(f'sm_{sm}' for sm in sms)})" for arch, sms in arch_sms().items())
 
@@ -52,7 +54,8 @@ def build_cmd(arch, out, as_json):
 @click.option("--target", "target_dir", type=click.Path(file_okay=False), required=True,
               help="Target folder (only its embed_tokens and lm_head are read).")
 @click.option("--out", "out", type=click.Path(dir_okay=False), required=True, help="ONNX file to write.")
-@click.option("--page-size", type=int, default=16, show_default=True, help="Paged KV cache page size (power of two).")
+@click.option("--page-size", type=click.IntRange(1, MAX_PAGE_SIZE), default=16, show_default=True,
+              help="Paged KV cache page size (power of two).")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
 def export_onnx_cmd(drafter_dir, target_dir, out, page_size, as_json):
     """Export the drafter to ONNX: KV injection as one custom node dflash::KVInject (mapped by
@@ -64,7 +67,9 @@ def export_onnx_cmd(drafter_dir, target_dir, out, page_size, as_json):
       dflash-trt export-onnx --drafter drafters/qwen3-8b-dflash --target models/Qwen3-8B --out drafter.onnx
     """
     from dflash_trt.bundle.onnx_export import export_onnx
+    from dflash_trt.models.check import require_pair
 
+    require_pair(target_dir, drafter_dir)   # check's rules first, with its messages
     path = export_onnx(drafter_dir, target_dir, out, page_size=page_size)
     if as_json:
         click.echo(json.dumps({"onnx": str(path), "page_size": page_size, "custom_op": "dflash::KVInject"}, indent=2))

@@ -7,15 +7,22 @@ import click
 
 from dflash_trt.errors import DFlashError
 
+MIN_SHARD_BYTES = 10**3     # smaller shards only multiply files (ShardedWriter caps their number)
+MAX_SHARD_BYTES = 10**12
+
 
 def _size(text: str) -> int:
-    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
+             "GIB": 2**30, "TIB": 2**40}
     t = text.strip().upper()
-    num = t.rstrip("KMGIB")
+    num = t.rstrip("KMGTIB")
     try:
-        return int(float(num) * units[t[len(num):]])
-    except (ValueError, KeyError):
+        n = int(float(num) * units[t[len(num):]])
+    except (ValueError, KeyError, OverflowError):
         raise DFlashError(f"--max-shard-size {text!r}: expected a size such as 5GB or 500MiB") from None
+    if not MIN_SHARD_BYTES <= n <= MAX_SHARD_BYTES:
+        raise DFlashError(f"--max-shard-size {text!r}: must be between 1KB and 1TB")
+    return n
 
 
 @click.command("quantize")

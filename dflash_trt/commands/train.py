@@ -11,7 +11,37 @@ import click
 # Must be set before torch is first imported, which this module does lazily.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+from pathlib import Path
+
+from dflash_trt.commands import SEED, THREADS, FiniteFloatRange
 from dflash_trt.errors import DFlashError
+from dflash_trt.io.atomic import no_new_empty_dirs
+from dflash_trt.models.config import MAX_CONTEXT, MAX_INTERMEDIATE
+
+MAX_BLOCKS_PER_STEP = 4096  # one step holds blocks x block size drafter tokens of activations
+
+
+def _check_against_target(tdir, mask_token_id: int | None, target_layers: list[int] | None,
+                          max_new_tokens: int) -> None:
+    """--mask-token-id, --target-layers and --max-new-tokens against the target's config, before any work."""
+    from dflash_trt.io.checkpoint import load_config
+    from dflash_trt.models.config import require_target_config
+
+    path = Path(tdir) / "config.json"
+    cfg = require_target_config(load_config(tdir), str(path))
+    V, L = cfg["vocab_size"], cfg["num_hidden_layers"]
+    ctx = cfg.get("max_position_embeddings") or MAX_CONTEXT
+    if max_new_tokens >= ctx:
+        raise DFlashError(f"--max-new-tokens {max_new_tokens}: must be below the target's context of {ctx} tokens "
+                          f"(max_position_embeddings, {path})")
+    if mask_token_id is not None and not 0 <= mask_token_id < V:
+        raise DFlashError(f"--mask-token-id {mask_token_id}: outside the target vocabulary (0..{V - 1}, {path})")
+    if target_layers is not None:
+        if not target_layers or target_layers != sorted(set(target_layers)):
+            raise DFlashError(f"--target-layers {target_layers}: expected distinct layer ids in ascending order")
+        if not all(0 <= i < L for i in target_layers):
+            raise DFlashError(f"--target-layers {target_layers}: layer ids must lie in 0..{L - 1} for this {L}-layer "
+                              "target")
 
 
 def _layer_list(ctx, param, value):
@@ -32,31 +62,33 @@ def _layer_list(ctx, param, value):
 @click.option("--out", "out", type=click.Path(file_okay=False), required=True,
               help="Run folder: OUT/drafter (z-lab checkpoint), OUT/state (resume), OUT/log.jsonl.")
 @click.option("--layers", type=click.IntRange(1, 16), default=1, show_default=True, help="Drafter decoder layers.")
-@click.option("--intermediate-size", type=click.IntRange(16), help="Drafter MLP width (default: the target's).")
+@click.option("--intermediate-size", type=click.IntRange(16, MAX_INTERMEDIATE), help="Drafter MLP width (default: the target's).")
 @click.option("--target-layers", callback=_layer_list,
               help="Target layers whose outputs feed the drafter, e.g. 1,8,14,20,27 (default: 5 evenly spaced).")
 @click.option("--block-size", type=click.IntRange(2, 64), default=16, show_default=True)
 @click.option("--steps", type=click.IntRange(1), default=2000, show_default=True, help="Total optimizer steps.")
-@click.option("--lr", type=float, default=6e-4, show_default=True, help="Peak learning rate (warm-up, cosine to 10%).")
-@click.option("--blocks-per-step", type=click.IntRange(1), default=32, show_default=True, help="Anchors per step.")
-@click.option("--mask-token-id", type=int, help="Token used for masked slots (default: an unused special token).")
+@click.option("--lr", type=FiniteFloatRange(0, 1, min_open=True), default=6e-4, show_default=True,
+              help="Peak learning rate (warm-up, cosine to 10%).")
+@click.option("--blocks-per-step", type=click.IntRange(1, MAX_BLOCKS_PER_STEP), default=32, show_default=True,
+              help="Anchors per step.")
+@click.option("--mask-token-id", type=click.IntRange(0), help="Token used for masked slots (default: an unused special token).")
 @click.option("--save-every", type=click.IntRange(1), default=200, show_default=True, help="Checkpoint interval (steps).")
 @click.option("--eval-every", type=click.IntRange(1), default=100, show_default=True, help="τ estimate interval.")
 @click.option("--eval-prompts", type=click.Path(dir_okay=False),
               help="Held-out prompts (or data) JSONL for the τ estimate in the progress bar.")
-@click.option("--max-new-tokens", type=click.IntRange(2), default=192, show_default=True,
+@click.option("--max-new-tokens", type=click.IntRange(2, MAX_CONTEXT), default=192, show_default=True,
               help="Response length when the target answers --prompts.")
 @click.option("--init-from", type=click.Path(file_okay=False),
               help="Start from this drafter's weights (fine-tune; e.g. retrain at another --block-size).")
 @click.option("--feature-cache", type=click.Path(file_okay=False),
               help="Where to cache target features (default OUT/features); share it between runs.")
 @click.option("--resume", is_flag=True, help="Continue the run in OUT from its last checkpoint.")
-@click.option("--time-limit", type=float, help="Stop (and save) after this many minutes.")
-@click.option("--threads", type=click.IntRange(1), default=2, show_default=True, help="torch CPU threads.")
+@click.option("--time-limit", type=FiniteFloatRange(0, 10**7, min_open=True), help="Stop (and save) after this many minutes.")
+@click.option("--threads", type=THREADS, default=2, show_default=True, help="torch CPU threads.")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True,
               help="The target's dtype for its answers and features (auto: bfloat16 where the CPU has it, "
                    "as the runtime; else float32).")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=SEED, default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary at the end.")
 def train_drafter_cmd(target, data, prompts, out, layers, intermediate_size, target_layers, block_size, steps, lr,
                       blocks_per_step, mask_token_id, save_every, eval_every, eval_prompts, max_new_tokens,
@@ -80,14 +112,19 @@ def train_drafter_cmd(target, data, prompts, out, layers, intermediate_size, tar
     if (data is None) == (prompts is None):
         raise DFlashError("give exactly one of --data FILE.jsonl or --prompts FILE.jsonl")
     tdir = resolve_target(target)
+    _check_against_target(tdir, mask_token_id, target_layers, max_new_tokens)
+    if Path(os.path.realpath(out)).is_relative_to(os.path.realpath(tdir)):  # (a run folder is not replaced:
+        # only writing into the model folder is refused)
+        raise DFlashError(f"--out {out}: lies inside --target {tdir}; write the run outside the target folder")
     tc = TrainConfig(layers=layers, block_size=block_size, intermediate_size=intermediate_size,
                      target_layer_ids=target_layers, mask_token_id=mask_token_id, steps=steps, lr=lr,
                      blocks_per_step=blocks_per_step, save_every=save_every, eval_every=eval_every, seed=seed,
                      init_from=init_from)
-    summary = train_drafter(tdir, data or prompts, out, tc, eval_path=eval_prompts, resume=resume,
-                            max_new_tokens=max_new_tokens, threads=threads,
-                            time_limit_s=time_limit * 60 if time_limit else None,
-                            feature_cache=feature_cache, dtype=dtype)
+    with no_new_empty_dirs(out, feature_cache):   # a failed run leaves no empty --out behind
+        summary = train_drafter(tdir, data or prompts, out, tc, eval_path=eval_prompts, resume=resume,
+                                max_new_tokens=max_new_tokens, threads=threads,
+                                time_limit_s=time_limit * 60 if time_limit else None,
+                                feature_cache=feature_cache, dtype=dtype)
     if as_json:
         click.echo(json.dumps(summary, indent=2))
     else:

@@ -48,6 +48,7 @@ DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in SAFETENSORS_DTYPES.items
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library's own limit
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 _COPY_SLICE = 64 * 2**20
+_SCAN_SLICE = 16 * 2**20
 
 
 def dtype_size(dtype: torch.dtype) -> int:
@@ -120,6 +121,19 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, TensorInfo], dict]:
     for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
         if b1 < e0:
             raise DFlashError(f"{path}: tensors {n0!r} and {n1!r} have overlapping data_offsets")
+    # The safetensors library's own rule (safetensors/src/tensor.rs, Metadata::validate and
+    # read_metadata, huggingface/safetensors@000a16f): tensors tile the data region exactly, from
+    # byte 0 to the end of the file. A header length off by a few bytes (JSON that still parses)
+    # would otherwise shift every tensor's bytes silently.
+    expect = 0
+    for b0, e0, n0 in spans:
+        if b0 != expect:
+            raise DFlashError(f"{path}: tensor {n0!r} starts at data byte {b0}, expected {expect} (tensors must "
+                              "follow each other without gaps; wrong header length?)")
+        expect = e0
+    if expect != data_len:
+        raise DFlashError(f"{path}: the tensors cover {expect} data bytes but the file has {data_len} after its "
+                          "header (truncated, padded or wrong header length)")
     return tensors, metadata
 
 
@@ -134,7 +148,21 @@ def _safe_shard_path(folder: Path, index_file: Path, rel) -> Path:
     full = folder / p
     if not full.is_file():
         raise DFlashError(f"{index_file}: weight_map names shard {rel!r}, which does not exist")
-    return full
+    return inside_checkpoint(folder, full)
+
+
+def inside_checkpoint(folder: Path, file: Path) -> Path:
+    """`file`, if it lies in the checkpoint folder once symlinks are followed (realpath); else an
+    error. A Hugging Face cache snapshot (models--org--name/snapshots/<rev>/) holds symlinks into
+    that repo's blobs/ folder, which counts as inside."""
+    real, root = Path(os.path.realpath(file)), Path(os.path.realpath(folder))
+    roots = [root]
+    if root.parent.name == "snapshots" and root.parent.parent.name.startswith(("models--", "datasets--")):
+        roots.append(root.parent.parent / "blobs")
+    if not any(real.is_relative_to(r) for r in roots):
+        raise DFlashError(f"{file}: resolves to {real}, outside the checkpoint folder {root}; weight files "
+                          "(and their symlinks) must lie inside it")
+    return file
 
 
 def _read_index(index_file: Path) -> dict:
@@ -195,22 +223,28 @@ class CheckpointReader:
             shards: dict[Path, list[str]] = {}
             for name, rel in wm.items():
                 shards.setdefault(_safe_shard_path(self.folder, st_index, rel), []).append(name)
+            seen: dict[str, Path] = {}
             for shard, names in shards.items():
                 tensors, _ = read_safetensors_header(shard)
+                for name in tensors:
+                    if name in seen:
+                        raise DFlashError(f"{shard}: tensor {name!r} is also in {seen[name].name} (the index maps it to "
+                                          f"{wm.get(name)!r}); a tensor must be stored in exactly one shard")
+                    seen[name] = shard
                 for name in names:
                     if name not in tensors:
                         raise DFlashError(f"{st_index}: tensor {name!r} is mapped to {shard.name}, which does not contain it")
                     self._infos[name] = tensors[name]
         elif st_files:
             for shard in st_files:
-                tensors, meta = read_safetensors_header(shard)
+                tensors, meta = read_safetensors_header(inside_checkpoint(self.folder, shard))
                 for name, info in tensors.items():
                     if name in self._infos:
                         raise DFlashError(f"{shard}: tensor {name!r} also appears in {self._infos[name].file.name}")
                     self._infos[name] = info
                 self.metadata.update(meta)
         else:
-            pickles = sorted(p for p in self.folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
+            pickles = sorted(inside_checkpoint(self.folder, p) for p in self.folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
             if not pickles:
                 raise DFlashError(f"{self.folder}: no weights found (expected model.safetensors or model.safetensors.index.json)")
             if not allow_pickle:
@@ -314,6 +348,27 @@ class CheckpointReader:
             start = info.begin - info.begin % mmap.PAGESIZE
             mm.madvise(mmap.MADV_DONTNEED, start, info.begin + info.nbytes - start)
 
+    def iter_slices(self, name: str, max_bytes: int = _SCAN_SLICE) -> Iterator[tuple[int, torch.Tensor]]:
+        """(first flat index, a flat view of the next elements) over a tensor, at most `max_bytes`
+        mapped at a time and dropped after use: a scan of any checkpoint in bounded memory."""
+        info = self.info(name)
+        if self._pickled is not None or info.nbytes == 0 or info.begin % dtype_size(info.dtype):
+            flat = self.get(name).reshape(-1) if self._pickled is None else self._pickled[name].reshape(-1)
+            step = max(1, max_bytes // max(1, flat.element_size()))
+            for i in range(0, flat.numel(), step):
+                yield i, flat[i:i + step]
+            return
+        mm, esize = self._map(info.file), dtype_size(info.dtype)
+        step = max(esize, max_bytes - max_bytes % esize)
+        for off in range(0, info.nbytes, step):
+            n = min(step, info.nbytes - off)
+            start = info.begin + off
+            page = start - start % mmap.PAGESIZE
+            _populate(mm, page, start + n - page)
+            yield off // esize, torch.frombuffer(mm, dtype=torch.uint8, count=n, offset=start).view(info.dtype)
+            if hasattr(mmap, "MADV_DONTNEED"):
+                mm.madvise(mmap.MADV_DONTNEED, page, start + n - page)
+
     def get_rows(self, name: str, rows: torch.Tensor) -> torch.Tensor:
         """rows of a 2-D tensor (e.g. embeddings for some token ids) without reading the rest."""
         info = self.info(name)
@@ -403,11 +458,34 @@ def check_finite_blocks(name: str, tensor: torch.Tensor, file: str | Path | None
     return amax, bmax
 
 
-def _not_finite(name: str, t: torch.Tensor, file: str | Path | None) -> None:
-    bad = "NaN" if bool(torch.isnan(t).any()) else "Inf"
-    where = f"{file}: " if file else ""
+def _not_finite(name: str, t: torch.Tensor, file: str | Path | None, offset: int = 0) -> None:
+    raise DFlashError(_nonfinite_message(name, t, file, offset))
+
+
+def _nonfinite_message(name: str, t: torch.Tensor, file: str | Path | None, offset: int = 0) -> str:
+    t = t if t.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) else t.float()
     idx = int((~torch.isfinite(t)).reshape(-1).nonzero()[0])
-    raise DFlashError(f"{where}tensor {name!r} contains {bad} (first at flat index {idx})")
+    bad = "NaN" if bool(torch.isnan(t.reshape(-1)[idx])) else "Inf"
+    where = f"{file}: " if file else ""
+    return f"{where}tensor {name!r} contains {bad} (first at flat index {offset + idx})"
+
+
+def nonfinite_tensors(reader: "CheckpointReader", limit: int = 20) -> list[str]:
+    """One line per floating-point tensor holding NaN or Inf (the first `limit`), from a streaming
+    scan: at most _SCAN_SLICE bytes of the checkpoint are mapped at a time (C kernel where built)."""
+    found = []
+    for name in reader.keys():
+        info = reader.info(name)
+        if not info.dtype.is_floating_point:
+            continue
+        for offset, flat in reader.iter_slices(name):
+            t = flat if flat.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) else flat.float()
+            if not abs_max(t)[1]:
+                found.append(_nonfinite_message(name, t, info.file, offset))
+                break
+        if len(found) >= limit:
+            break
+    return found
 
 
 # ----------------------------------------------------------------------------------------------
@@ -512,6 +590,7 @@ class TensorSpec:
 
 
 OUT_BUFFERS = 4
+MAX_SHARDS = 99999  # model-00001-of-99999.safetensors
 
 
 class ShardedWriter:
@@ -545,6 +624,9 @@ class ShardedWriter:
             groups[-1].append(s)
             size += s.nbytes
         n = len(groups)
+        if n > MAX_SHARDS:
+            raise DFlashError(f"{self.folder}: {n} shards of at most {max_shard_bytes} bytes each; the shard names "
+                              f"allow at most {MAX_SHARDS}: raise the maximum shard size")
         self.shard_names = [f"{prefix}.safetensors"] if n == 1 else \
             [f"{prefix}-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         self._where: dict[str, tuple[int, int, TensorSpec]] = {}  # name -> (shard, absolute offset, spec)

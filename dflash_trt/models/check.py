@@ -1,55 +1,101 @@
-"""`check`: is this (target, drafter) pair consistent? Reads configs and tensor headers only."""
+"""`check`: is this (target, drafter) pair consistent? The one validation layer for model folders:
+config rules (models/config.py), the relations between the two configs, tensor shapes and dtypes
+from the safetensors headers, and, with `scan=True`, a streaming scan for NaN / Inf weights.
+
+`check_pair` lists every problem; `require_pair` / `require_target` raise the first one with the
+same message, and are what every command that loads a model runs before any heavy work.
+"""
 from __future__ import annotations
 
 from pathlib import Path
 
 from dflash_trt.errors import DFlashError
-from dflash_trt.io.checkpoint import CheckpointReader
+from dflash_trt.io.checkpoint import CheckpointReader, expected_shape, nonfinite_tensors
 from dflash_trt.io.jsonio import read_json
-from dflash_trt.models.config import DrafterConfig
+from dflash_trt.models.config import (
+    MAX_BLOCK,  # noqa: F401  (re-exported: the bound's historical home)
+    DrafterConfig,
+    decoder_config,
+    drafter_config_problems,
+    target_config_problems,
+)
 from dflash_trt.models.drafter import DFlashDrafter
+from dflash_trt.models.target import SUPPORTED, TargetModel, stop_token_ids
 
-MAX_BLOCK = 64
+NONFINITE_NOTE = "non-finite weights"  # marks the scan's problems (build/generate --allow-nonfinite)
 
 
-def check_pair(target_dir: str | Path, drafter_dir: str | Path) -> dict:
-    """Every problem found, each a line naming the field. Never raises for a bad pair."""
+def _folder_problem(folder: Path, what: str) -> str | None:
+    if not folder.exists():
+        return f"{folder}: the {what} folder does not exist"
+    if not folder.is_dir():
+        return f"{folder}: the {what} is a file; expected a checkpoint folder (config.json + *.safetensors)"
+    return None
+
+
+def _read_config(folder: Path, what: str, problems: list[str]) -> dict | None:
+    bad = _folder_problem(folder, what)
+    if bad:
+        problems.append(bad)
+        return None
+    try:
+        return read_json(folder / "config.json")
+    except DFlashError as e:
+        problems.append(str(e))
+        return None
+
+
+def check_pair(target_dir: str | Path, drafter_dir: str | Path, scan: bool = False, allow_pickle: bool = False) -> dict:
+    """Every problem found, each a line naming the field. Never raises for a bad pair. With
+    scan=True, every floating-point weight of both checkpoints is read once (streaming) and
+    NaN / Inf is reported per tensor (report["nonfinite"]). Pickle weights are refused unless
+    allow_pickle (their headers are then read with torch.load(weights_only=True))."""
     target_dir, drafter_dir = Path(target_dir), Path(drafter_dir)
     problems: list[str] = []
     report = {"ok": False, "problems": problems, "target_layer_ids": None, "block_size": None, "mask_token_id": None}
-    try:
-        tcfg = read_json(target_dir / "config.json")
-    except DFlashError as e:
-        problems.append(str(e))
-        tcfg = None
-    try:
-        dpath = drafter_dir / "config.json"
-        dcfg = DrafterConfig.from_dict(read_json(dpath), str(dpath))
-    except DFlashError as e:
-        problems.append(str(e))
-        dcfg = None
+    tcfg = _read_config(target_dir, "target", problems)
+    if tcfg is not None:
+        tprobs = target_config_problems(tcfg, str(target_dir / "config.json"))
+        problems += tprobs
+        if tprobs:
+            tcfg = None
+        else:
+            problems += _check_target_tensors(target_dir, tcfg, allow_pickle)
+            try:
+                stop_token_ids(target_dir)   # generation_config.json: what generate stops on
+            except DFlashError as e:
+                problems.append(str(e))
+    raw = _read_config(drafter_dir, "drafter", problems)
+    dcfg = None
+    if raw is not None:
+        dpath = str(drafter_dir / "config.json")
+        try:
+            if raw.get("speculators_model_type") == "dflash":
+                dcfg = DrafterConfig.from_dict(raw, dpath)
+            else:
+                dprobs = drafter_config_problems(raw, dpath)
+                problems += dprobs
+                dcfg = None if dprobs else DrafterConfig.from_dict(raw, dpath)
+        except DFlashError as e:
+            problems.append(str(e))
     if dcfg is not None:
         report.update(target_layer_ids=dcfg.target_layer_ids, block_size=dcfg.block_size,
                       mask_token_id=dcfg.mask_token_id)
-        if not 2 <= dcfg.block_size <= MAX_BLOCK:
-            problems.append(f"drafter block_size = {dcfg.block_size}: must be between 2 and {MAX_BLOCK}")
-        if dcfg.num_attention_heads % dcfg.num_key_value_heads:
-            problems.append(f"drafter num_attention_heads = {dcfg.num_attention_heads} is not a multiple of "
-                            f"num_key_value_heads = {dcfg.num_key_value_heads}")
-        problems += _check_drafter_tensors(drafter_dir, dcfg)
+        problems += _check_drafter_tensors(drafter_dir, dcfg, allow_pickle)
     if tcfg is not None and dcfg is not None:
-        problems += _check_against_target(target_dir, tcfg, dcfg)
+        problems += _check_against_target(target_dir, decoder_config(tcfg), dcfg)
+    if scan:
+        report["nonfinite"] = []
+        for folder, ok in ((target_dir, tcfg is not None), (drafter_dir, dcfg is not None)):
+            if ok:
+                report["nonfinite"] += _scan(folder)
+        problems += [f"{p} ({NONFINITE_NOTE})" for p in report["nonfinite"]]
     report["ok"] = not problems
     return report
 
 
 def _check_against_target(target_dir: Path, t: dict, d: DrafterConfig) -> list[str]:
     p = []
-    for k in ("hidden_size", "num_hidden_layers", "vocab_size"):
-        if k not in t:
-            p.append(f"target config.json: missing field {k}")
-    if p:
-        return p
     if t["hidden_size"] != d.hidden_size:
         p.append(f"hidden_size: drafter {d.hidden_size} != target {t['hidden_size']} (the drafter must match its target)")
     L = t["num_hidden_layers"]
@@ -63,7 +109,10 @@ def _check_against_target(target_dir: Path, t: dict, d: DrafterConfig) -> list[s
         p.append(f"dflash_config.mask_token_id = {d.mask_token_id} outside the target vocabulary (0..{V - 1})")
     if d.vocab_size != V:
         p.append(f"vocab_size: drafter {d.vocab_size} != target {V}")
-    tok_len = _tokenizer_size(target_dir)
+    try:
+        tok_len = _tokenizer_size(target_dir)
+    except DFlashError as e:
+        return p + [str(e)]
     if tok_len is not None and tok_len > V:
         p.append(f"tokenizer has {tok_len} tokens but target vocab_size is {V}")
     return p
@@ -74,20 +123,78 @@ def _tokenizer_size(folder: Path) -> int | None:
     if not path.exists():
         return None
     tok = read_json(path)
-    ids = list((tok.get("model") or {}).get("vocab", {}).values()) + [a["id"] for a in tok.get("added_tokens", [])]
+    model, added = tok.get("model"), tok.get("added_tokens") or []
+    vocab = model.get("vocab") if isinstance(model, dict) else None
+    ids = list(vocab.values()) if isinstance(vocab, dict) else []
+    ids += [a.get("id") for a in added if isinstance(a, dict)] if isinstance(added, list) else []
+    ids = [i for i in ids if isinstance(i, int) and not isinstance(i, bool)]
     return max(ids) + 1 if ids else None
 
 
-def _check_drafter_tensors(folder: Path, d: DrafterConfig) -> list[str]:
+def _check_target_tensors(folder: Path, cfg: dict, allow_pickle: bool = False) -> list[str]:
+    """Header shapes against config.json (io.checkpoint.expected_shape), before anything is
+    allocated. (A ModelOpt-quantized target stores packed shapes: its headers are not compared.)"""
     try:
-        with CheckpointReader(folder) as r:
+        with CheckpointReader(folder, allow_pickle=allow_pickle) as r:
+            if (folder / "hf_quant_config.json").is_file():
+                return []
+            metas = {k: r.meta(k) for k in r.keys()}
+            files = {k: r.file_of(k) for k in r.keys()}
+    except DFlashError as e:
+        return [str(e)]
+    p = []
+    for name, (_, got) in metas.items():
+        want = expected_shape(name, cfg)
+        if want is not None and tuple(got) != tuple(want):
+            p.append(f"{files[name]}: tensor {name!r} has shape {list(got)} but {folder / 'config.json'} implies "
+                     f"{list(want)}")
+    try:
+        expected = _runtime_tensor_names(cfg)
+    except DFlashError as e:
+        return p + [str(e).replace("config.json:", f"{folder / 'config.json'}:", 1)]
+    if expected is not None:
+        # the names the runtime loads (load_target: MXFP4 *_blocks + *_scales become one dense
+        # tensor; a tied lm_head is not read)
+        stored = {k.removesuffix("_blocks") for k in metas if not k.endswith("_scales")}
+        if cfg.get("tie_word_embeddings"):
+            stored.discard("lm_head.weight")
+        p += [f"{folder}: target tensor {k} missing (config.json implies it)" for k in sorted(expected - stored)]
+        p += [f"{files.get(k, folder)}: unexpected target tensor {k!r} for this config" for k in sorted(stored - expected)]
+    return p[:20]
+
+
+def _runtime_tensor_names(cfg: dict) -> set[str] | None:
+    """The state-dict names of the runtime's model for this config (built on the meta device:
+    no memory), or None for a family the CPU runtime does not run."""
+    import torch
+
+    if cfg.get("model_type") not in SUPPORTED:
+        return None
+    try:
+        with torch.device("meta"):
+            return set(TargetModel(cfg, max_len=1).state_dict())   # (hf_config: a DFlashError if transformers refuses)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, ZeroDivisionError, RuntimeError) as e:
+        # a field the rules above do not cover (family-specific) that the runtime cannot build from
+        raise DFlashError(f"config.json: the runtime cannot build a {cfg['model_type']} model from it "
+                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+
+
+def _check_drafter_tensors(folder: Path, d: DrafterConfig, allow_pickle: bool = False) -> list[str]:
+    try:
+        with CheckpointReader(folder, allow_pickle=allow_pickle) as r:
             metas = {k.removeprefix("model."): r.meta(k) for k in r.keys()}
     except DFlashError as e:
         return [str(e)]
     import torch
 
-    with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in DFlashDrafter(d, max_len=1).state_dict().items()}
+    try:
+        with torch.device("meta"):
+            expected = {k: tuple(v.shape) for k, v in DFlashDrafter(d, max_len=1).state_dict().items()}
+    except DFlashError as e:
+        return [str(e).replace("config.json:", f"{folder / 'config.json'}:", 1)]
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, ZeroDivisionError, RuntimeError) as e:
+        return [f"{folder / 'config.json'}: the runtime cannot build the drafter from it "
+                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"]
     p = []
     for k, shape in expected.items():
         if k not in metas:
@@ -97,3 +204,53 @@ def _check_drafter_tensors(folder: Path, d: DrafterConfig) -> list[str]:
         elif not metas[k][0].is_floating_point:
             p.append(f"drafter tensor {k} has dtype {metas[k][0]}, expected a floating-point dtype")
     return p[:20]
+
+
+def _scan(folder: Path) -> list[str]:
+    try:
+        with CheckpointReader(folder, allow_pickle=False) as r:
+            return nonfinite_tensors(r)
+    except DFlashError:
+        return []   # unreadable or pickled: reported by the header checks, or scanned when loaded
+
+
+def _raise_first(problems: list[str]) -> None:
+    if problems:
+        more = f" (and {len(problems) - 1} more problem(s); `dflash-trt check` lists them)" if len(problems) > 1 else ""
+        raise DFlashError(problems[0] + more)
+
+
+def require_pair(target_dir: str | Path, drafter_dir: str | Path, allow_pickle: bool = False) -> None:
+    """Refuse what `check` refuses (headers and configs only), with its first message."""
+    _raise_first(check_pair(target_dir, drafter_dir, allow_pickle=allow_pickle)["problems"])
+
+
+def require_checkpoint_config(folder: str | Path) -> dict:
+    """A checkpoint folder's config.json, by the rules of what it is (a DFlash drafter or a
+    target): for commands that take either (quantize, convert)."""
+    folder = Path(folder)
+    problems: list[str] = []
+    cfg = _read_config(folder, "checkpoint", problems)
+    if cfg is not None:
+        path = str(folder / "config.json")
+        drafter = "DFlashDraftModel" in (cfg.get("architectures") or []) if isinstance(cfg.get("architectures"),
+                                                                                      list) else False
+        problems += drafter_config_problems(cfg, path) if drafter else target_config_problems(cfg, path)
+    _raise_first(problems)
+    return cfg
+
+
+def require_target(target_dir: str | Path, allow_pickle: bool = False) -> None:
+    """`check`'s target rules alone (plain AR decoding has no drafter)."""
+    target_dir = Path(target_dir)
+    problems: list[str] = []
+    cfg = _read_config(target_dir, "target", problems)
+    if cfg is not None:
+        problems += target_config_problems(cfg, str(target_dir / "config.json"))
+        if not problems:
+            problems += _check_target_tensors(target_dir, cfg, allow_pickle)
+            try:
+                stop_token_ids(target_dir)
+            except DFlashError as e:
+                problems.append(str(e))
+    _raise_first(problems)

@@ -1,11 +1,17 @@
 """DFlash drafter configuration: the z-lab `config.json` format, and conversion from the
-vLLM speculators format (docs/formats.md).
+vLLM speculators format (docs/formats.md); and the rules every config.json we read must meet.
 
 The config.json is kept as read (`raw`) and written back unchanged, so a load → save round trip
 is byte-compatible with the z-lab file apart from JSON whitespace.
+
+The rules are data (COMMON_FIELDS, TARGET_FIELDS, DRAFTER_FIELDS: type and range per field) plus
+the relations between fields (`_relations`), checked once by `target_config_problems` /
+`drafter_config_problems`. `check` reports every problem; everything that loads a model refuses the
+first one with the same message, before any allocation (docs/formats.md, "Validation").
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,6 +20,198 @@ from dflash_trt.io.jsonio import read_json
 
 # Fields a z-lab drafter config.json must carry (the Qwen3 decoder-block fields we use).
 REQUIRED_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+TARGET_REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
+# Stated maximums: far above every published model (largest hidden 16384, vocab 262144, 128
+# layers, 10M context), low enough that a typo cannot ask for terabytes before a check runs.
+MAX_BLOCK = 64                 # draft block size (z-lab drafters: 8-16)
+MAX_HIDDEN = 1 << 16
+MAX_LAYERS = 1024
+MAX_HEADS = 1024
+MAX_HEAD_DIM = 1024
+MAX_INTERMEDIATE = 1 << 20
+MAX_VOCAB = 1 << 22
+MAX_CONTEXT = 1 << 24
+MAX_EXPERTS = 4096
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+@dataclass(frozen=True)
+class Field:
+    """One config field: its JSON type and inclusive range. Null counts as absent."""
+    name: str
+    kind: str                  # "int" | "float" | "bool" | "str" | "dict" | "int_list" | "str_list" | "ids"
+    lo: float | None = None
+    hi: float | None = None
+
+
+def _ints(name, lo, hi):
+    return Field(name, "int", lo, hi)
+
+
+COMMON_FIELDS = (
+    _ints("hidden_size", 1, MAX_HIDDEN), _ints("num_hidden_layers", 1, MAX_LAYERS),
+    _ints("num_attention_heads", 1, MAX_HEADS), _ints("num_key_value_heads", 1, MAX_HEADS),
+    _ints("head_dim", 2, MAX_HEAD_DIM), _ints("intermediate_size", 1, MAX_INTERMEDIATE),
+    _ints("vocab_size", 1, MAX_VOCAB), _ints("max_position_embeddings", 1, MAX_CONTEXT),
+    Field("rms_norm_eps", "float", 1e-12, 0.5), Field("rope_theta", "float", 1.0, 1e12),
+    Field("rope_scaling", "dict"), Field("rope_parameters", "dict"), Field("attention_bias", "bool"),
+    Field("tie_word_embeddings", "bool"), Field("hidden_act", "str"), Field("layer_types", "str_list"),
+    _ints("sliding_window", 1, MAX_CONTEXT), Field("architectures", "str_list"), Field("model_type", "str"),
+    Field("quantization_config", "dict"), Field("dtype", "str"), Field("torch_dtype", "str"),
+    Field("use_sliding_window", "bool"), Field("attention_dropout", "float", 0.0, 1.0),
+    Field("eos_token_id", "ids", 0, MAX_VOCAB - 1), Field("bos_token_id", "ids", 0, MAX_VOCAB - 1),
+    Field("pad_token_id", "ids", 0, MAX_VOCAB - 1),
+)
+TARGET_FIELDS = COMMON_FIELDS + (
+    Field("mlp_bias", "bool"), Field("text_config", "dict"), _ints("num_experts", 1, MAX_EXPERTS),
+    _ints("num_local_experts", 1, MAX_EXPERTS), _ints("num_experts_per_tok", 1, MAX_EXPERTS),
+)
+DRAFTER_FIELDS = COMMON_FIELDS + (
+    _ints("block_size", 2, MAX_BLOCK), _ints("num_target_layers", 1, MAX_LAYERS), Field("dflash_config", "dict"),
+    _ints("dflash_config.block_size", 2, MAX_BLOCK), _ints("dflash_config.mask_token_id", 0, MAX_VOCAB - 1),
+    _ints("mask_token_id", 0, MAX_VOCAB - 1), Field("dflash_config.target_layer_ids", "int_list", 0, MAX_LAYERS - 1),
+)
+
+
+def _get(d: dict, name: str):
+    for part in name.split("."):
+        d = d.get(part) if isinstance(d, dict) else None
+    return d
+
+
+def _short(v) -> str:
+    r = repr(v)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _type_problem(f: Field, v) -> str | None:
+    """Why `v` does not fit `f`, or None. ("ids": a token id or a list of them.)"""
+    if f.kind == "ids":
+        f = Field(f.name, "int_list" if isinstance(v, list) else "int", f.lo, f.hi)
+    if f.kind == "int" or f.kind == "int_list":
+        items = v if f.kind == "int_list" else [v]
+        if f.kind == "int_list" and not isinstance(v, list):
+            return "must be a list of integers"
+        if not all(_is_int(i) for i in items):
+            return "must be a list of integers" if f.kind == "int_list" else "must be an integer"
+        bad = [i for i in items if (f.lo is not None and i < f.lo) or (f.hi is not None and i > f.hi)]
+        if bad:
+            return f"must be between {f.lo} and {f.hi}" if f.kind == "int" else \
+                f"has {_short(bad[0])}; each id must be between {f.lo} and {f.hi}"
+    elif f.kind == "float":
+        if not (isinstance(v, (int, float)) and not isinstance(v, bool)) or not math.isfinite(v):
+            return "must be a finite number"
+        if not f.lo <= v <= f.hi:
+            return f"must be between {f.lo:g} and {f.hi:g}"
+    elif f.kind == "str_list":
+        if not (isinstance(v, list) and all(isinstance(i, str) for i in v)):
+            return "must be a list of strings"
+    elif not isinstance(v, {"bool": bool, "str": str, "dict": dict}[f.kind]):
+        return {"bool": "must be true or false", "str": "must be a string", "dict": "must be an object"}[f.kind]
+    return None
+
+
+def _field_problems(d: dict, fields, required, source: str, what: str) -> list[str]:
+    missing = [k for k in required if _get(d, k) is None]
+    p = [f"{source}: missing field(s) {', '.join(missing)} in the {what} config"] if missing else []
+    for f in fields:
+        v = _get(d, f.name)
+        why = None if v is None else _type_problem(f, v)
+        if why:
+            p.append(f"{source}: {f.name} = {_short(v)}: {why}")
+    return list(dict.fromkeys(p))
+
+
+def _relations(d: dict, source: str) -> list[str]:
+    """Relations between fields (each checked only where its fields are valid)."""
+    p = []
+    ok = lambda k: _is_int(d.get(k)) and d[k] >= 1  # noqa: E731
+    H, nh, L = d.get("hidden_size"), d.get("num_attention_heads"), d.get("num_hidden_layers")
+    if ok("hidden_size") and ok("num_attention_heads") and d.get("head_dim") is None and H % nh:
+        p.append(f"{source}: num_attention_heads = {nh} does not divide hidden_size = {H} (and no head_dim is given)")
+    if ok("num_attention_heads") and ok("num_key_value_heads") and nh % d["num_key_value_heads"]:
+        p.append(f"{source}: num_key_value_heads = {d['num_key_value_heads']} does not divide "
+                 f"num_attention_heads = {nh}")
+    hd = d.get("head_dim")
+    if d.get("head_dim") is None and ok("hidden_size") and ok("num_attention_heads"):
+        hd = H // nh
+    if _is_int(hd) and hd >= 1 and hd % 2:
+        p.append(f"{source}: head_dim = {hd}: must be even (rotary embeddings rotate pairs of dimensions)")
+    types = d.get("layer_types")
+    if isinstance(types, list) and all(isinstance(t, str) for t in types):
+        if ok("num_hidden_layers") and len(types) != L:
+            p.append(f"{source}: layer_types has {len(types)} entries but num_hidden_layers = {L}")
+        bad = sorted(set(types) - set(LAYER_TYPES))
+        if bad:
+            p.append(f"{source}: layer_types has {_short(bad[0])}; expected {' or '.join(LAYER_TYPES)}")
+        if "sliding_attention" in types and d.get("sliding_window") is None:
+            p.append(f"{source}: layer_types has sliding_attention layers but sliding_window is not set")
+    if ok("num_local_experts") and ok("num_experts_per_tok") and d["num_experts_per_tok"] > d["num_local_experts"]:
+        p.append(f"{source}: num_experts_per_tok = {d['num_experts_per_tok']} exceeds num_local_experts = "
+                 f"{d['num_local_experts']}")
+    return p
+
+
+def decoder_config(cfg: dict) -> dict:
+    """The decoder's fields: a multimodal config keeps them in text_config."""
+    return cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
+
+
+def target_config_problems(cfg: dict, source: str = "config.json") -> list[str]:
+    """Every rule a target config.json breaks (empty: it is usable), one line each naming the field."""
+    c = decoder_config(cfg)
+    return _field_problems(c, TARGET_FIELDS, TARGET_REQUIRED, source, "target") + _relations(c, source)
+
+
+def drafter_config_problems(d: dict, source: str = "config.json") -> list[str]:
+    """Every rule a z-lab drafter config.json breaks, with the relations between its ids and sizes."""
+    p = _field_problems(d, DRAFTER_FIELDS, REQUIRED_FIELDS, source, "drafter") + _relations(d, source)
+    dc = d.get("dflash_config") if isinstance(d.get("dflash_config"), dict) else {}
+    if d.get("block_size", dc.get("block_size")) is None:
+        p.append(f"{source}: missing field block_size (top level or dflash_config.block_size)")
+    mask = dc.get("mask_token_id", d.get("mask_token_id"))
+    if mask is None:
+        p.append(f"{source}: missing field dflash_config.mask_token_id")
+    elif _is_int(mask) and _is_int(d.get("vocab_size")) and d["vocab_size"] >= 1 and not 0 <= mask < d["vocab_size"]:
+        p.append(f"{source}: dflash_config.mask_token_id = {mask} outside the target vocabulary (the drafter's "
+                 f"vocab_size = {d['vocab_size']}, its target's: valid 0..{d['vocab_size'] - 1})")
+    ids = dc.get("target_layer_ids")
+    n_t = d.get("num_target_layers")
+    what = "dflash_config.target_layer_ids"
+    if ids is None:
+        if n_t is None:
+            p.append(f"{source}: no dflash_config.target_layer_ids and no num_target_layers to derive them")
+        elif _is_int(n_t) and n_t >= 1 and _is_int(d.get("num_hidden_layers")) and d["num_hidden_layers"] >= 1:
+            ids = default_target_layer_ids(n_t, d["num_hidden_layers"])
+            what = f"target_layer_ids (derived from num_target_layers = {n_t}; set dflash_config.target_layer_ids)"
+    if isinstance(ids, list) and all(_is_int(i) for i in ids):
+        if not ids:
+            p.append(f"{source}: {what} is empty; the drafter needs at least one target layer")
+        elif len(set(ids)) != len(ids):
+            p.append(f"{source}: {what} {ids} has a repeated id; ids must be unique")
+        elif ids != sorted(ids):
+            p.append(f"{source}: {what} {ids} is not in ascending order")
+        if _is_int(n_t) and n_t >= 1 and any(i >= n_t for i in ids):
+            p.append(f"{source}: {what} {[i for i in ids if i >= n_t]} out of range for num_target_layers = {n_t} "
+                     f"(valid 0..{n_t - 1})")
+    return list(dict.fromkeys(p))
+
+
+def _first(problems: list[str]) -> None:
+    """Raise the first problem (what `check` would print first), counting the others."""
+    if problems:
+        more = f" (and {len(problems) - 1} more problem(s); `dflash-trt check` lists them)" if len(problems) > 1 else ""
+        raise DFlashError(problems[0] + more)
+
+
+def require_target_config(cfg: dict, source: str = "config.json") -> dict:
+    _first(target_config_problems(cfg, source))
+    return cfg
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -52,35 +250,28 @@ class DrafterConfig:
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "config.json") -> "DrafterConfig":
+        """Validated (drafter_config_problems): the first broken rule is raised."""
         if d.get("speculators_model_type") == "dflash":
             d = zlab_config_from_speculators(d, source)
-        missing = [k for k in REQUIRED_FIELDS if k not in d]
-        if missing:
-            raise DFlashError(f"{source}: missing field(s) {', '.join(missing)} in the drafter config")
+        _first(drafter_config_problems(d, source))
         dcfg = d.get("dflash_config") or {}
         block_size = d.get("block_size", dcfg.get("block_size"))
-        if block_size is None:
-            raise DFlashError(f"{source}: missing field block_size (top level or dflash_config.block_size)")
         mask = dcfg.get("mask_token_id", d.get("mask_token_id"))
-        if mask is None:
-            raise DFlashError(f"{source}: missing field dflash_config.mask_token_id")
         n_layers = d["num_hidden_layers"]
         ids = dcfg.get("target_layer_ids")
         if ids is None:
-            if "num_target_layers" not in d:
-                raise DFlashError(f"{source}: no dflash_config.target_layer_ids and no num_target_layers to derive them")
             ids = default_target_layer_ids(d["num_target_layers"], n_layers)
         heads = d["num_attention_heads"]
         return cls(
             hidden_size=d["hidden_size"], num_hidden_layers=n_layers, num_attention_heads=heads,
-            num_key_value_heads=d.get("num_key_value_heads", heads),
+            num_key_value_heads=d.get("num_key_value_heads") or heads,
             head_dim=d.get("head_dim") or d["hidden_size"] // heads,
             intermediate_size=d["intermediate_size"], vocab_size=d["vocab_size"],
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=d.get("rope_theta", 10000.0),
-            rope_scaling=d.get("rope_scaling"), max_position_embeddings=d.get("max_position_embeddings", 32768),
+            rms_norm_eps=d.get("rms_norm_eps") or 1e-6, rope_theta=d.get("rope_theta") or 10000.0,
+            rope_scaling=d.get("rope_scaling"), max_position_embeddings=d.get("max_position_embeddings") or 32768,
             block_size=int(block_size), mask_token_id=int(mask), target_layer_ids=[int(i) for i in ids],
             num_target_layers=d.get("num_target_layers"), attention_bias=bool(d.get("attention_bias", False)),
-            hidden_act=d.get("hidden_act", "silu"), raw=d,
+            hidden_act=d.get("hidden_act") or "silu", raw=d,
         )
 
     def to_dict(self) -> dict:
@@ -111,11 +302,14 @@ def zlab_config_from_speculators(d: dict, source: str = "config.json") -> dict:
     for k in ("aux_hidden_state_layer_ids", "mask_token_id", "block_size"):
         if k not in d:
             raise DFlashError(f"{source}: speculators config missing field {k}")
+    aux = d["aux_hidden_state_layer_ids"]
+    if not (isinstance(aux, list) and all(_is_int(i) for i in aux)):
+        raise DFlashError(f"{source}: aux_hidden_state_layer_ids = {_short(aux)}: must be a list of integers")
     out = {k: v for k, v in layer.items() if k not in ("architectures", "model_type")}
     out.update({
         "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": d["block_size"],
         "dflash_config": {"mask_token_id": d["mask_token_id"],
-                          "target_layer_ids": [int(i) - 1 for i in d["aux_hidden_state_layer_ids"]]},
+                          "target_layer_ids": [i - 1 for i in aux]},
     })
     out.setdefault("vocab_size", d.get("draft_vocab_size"))
     return out

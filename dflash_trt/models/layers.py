@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_trt.errors import DFlashError
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -58,11 +60,19 @@ def rope_inv_freq(hf_config) -> tuple[torch.Tensor, float]:
 
     params = getattr(hf_config, "rope_parameters", None) or {}
     rope_type = params.get("rope_type", "default")
-    if rope_type == "default":
-        base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-        dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
-    return ROPE_INIT_FUNCTIONS[rope_type](hf_config)
+    if rope_type != "default" and rope_type not in ROPE_INIT_FUNCTIONS:
+        raise DFlashError(f"config.json: rope_type {rope_type!r} is not a RoPE variant transformers knows "
+                          f"({', '.join(['default', *sorted(ROPE_INIT_FUNCTIONS)])})")
+    try:
+        if rope_type == "default":
+            base = float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
+            dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+            return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+        return ROPE_INIT_FUNCTIONS[rope_type](hf_config)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError, AttributeError) as e:
+        # the variant's parameters (factor, original_max_position_embeddings, ...) missing or of the wrong type
+        raise DFlashError(f"config.json: the {rope_type} RoPE parameters are incomplete or invalid "
+                          f"({type(e).__name__}: {e})") from None
 
 
 class RopeTable(nn.Module):

@@ -18,6 +18,7 @@ from torch import nn
 
 from dflash_trt.errors import DFlashError
 from dflash_trt.io.jsonio import read_json
+from dflash_trt.models.config import require_target_config
 from dflash_trt.models.layers import Linear, RMSNorm, RopeTable, SwiGLU, apply_rope, linear
 from dflash_trt.models.weights import dequantize_mxfp4, load_strict, read_state_dict
 
@@ -32,7 +33,11 @@ def hf_config(cfg: dict):
     if mt not in SUPPORTED:
         raise DFlashError(f"config.json: model_type {mt!r} is not supported (supported: {', '.join(SUPPORTED)})")
     kw = {k: v for k, v in cfg.items() if k not in ("model_type", "transformers_version", "quantization_config")}
-    return AutoConfig.for_model(mt, **kw)
+    try:
+        return AutoConfig.for_model(mt, **kw)
+    except Exception as e:  # noqa: BLE001  transformers validates fields with many exception types
+        msg = str(e).strip().splitlines()[-1].strip() if str(e).strip() else type(e).__name__
+        raise DFlashError(f"config.json: transformers refuses this {mt} config ({msg})") from None
 
 
 KV_PAD = 64  # attention length granularity of the low-precision path (batch invariance)
@@ -237,10 +242,9 @@ class TargetModel(nn.Module):
 def load_target(folder: str | Path, dtype: torch.dtype = torch.float32, max_len: int = 4096,
                 allow_pickle: bool = False) -> TargetModel:
     folder = Path(folder)
-    cfg = read_json(folder / "config.json")
-    for k in ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
-        if k not in cfg:
-            raise DFlashError(f"{folder / 'config.json'}: missing field {k}")
+    cfg = require_target_config(read_json(folder / "config.json"), str(folder / "config.json"))
+    if "model_type" not in cfg:
+        raise DFlashError(f"{folder / 'config.json'}: missing field model_type")
     model = TargetModel(cfg, dtype=dtype, max_len=max_len)
     state = dequantize_mxfp4(read_state_dict(folder, allow_pickle=allow_pickle))
     if model.tied:
@@ -253,8 +257,11 @@ def stop_token_ids(folder: str | Path) -> list[int]:
     """End-of-sequence ids, from generation_config.json when present (as HF generate does)."""
     folder = Path(folder)
     src = folder / "generation_config.json"
-    d = read_json(src if src.exists() else folder / "config.json")
-    eos = d.get("eos_token_id")
+    path = src if src.exists() else folder / "config.json"
+    eos = read_json(path).get("eos_token_id")
     if eos is None:
         return []
-    return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+    ids = eos if isinstance(eos, list) else [eos]
+    if not all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in ids):
+        raise DFlashError(f"{path}: eos_token_id = {eos!r:.60}: must be a token id or a list of token ids")
+    return list(ids)

@@ -33,7 +33,7 @@ import torch
 
 from dflash_trt.errors import DFlashError
 from dflash_trt.io import formats
-from dflash_trt.io.atomic import atomic_output_dir, write_text
+from dflash_trt.io.atomic import atomic_output_dir, refuse_inside, write_text
 from dflash_trt.io.checkpoint import (
     CheckpointReader,
     Progress,
@@ -44,6 +44,7 @@ from dflash_trt.io.checkpoint import (
     load_config,
 )
 from dflash_trt.io.direct_io import DirectWriter
+from dflash_trt.models.check import require_checkpoint_config
 from dflash_trt.quant.calibrate import CalibrationResult, calibrate, load_calib_samples
 from dflash_trt.quant.linear import (
     FORMATS,
@@ -256,7 +257,9 @@ def convert_checkpoint(model: str | Path, out: str | Path, tp: int = 1, pp: int 
                        calib_samples: int = 64, progress: bool = True) -> ConvertReport:
     t0 = time.time()
     model, out = Path(model), Path(out)
+    refuse_inside(out, "--out", ("--model", model), ("--calib", calib))
     cfg = load_config(model)
+    require_checkpoint_config(model)
     mt = cfg.get("model_type")
     _check_options(model, mt, tp, pp, ep, quant, kv_cache, calib)
     g = _geometry(cfg, tp)

@@ -31,7 +31,7 @@ import torch
 from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import arch_has_fp4, arch_sms, catalog
 from dflash_trt.io import formats
-from dflash_trt.io.atomic import atomic_output_dir, disk_error, write_text
+from dflash_trt.io.atomic import atomic_output_dir, disk_error, refuse_inside, write_text
 from dflash_trt.io.checkpoint import (
     CheckpointReader,
     Progress,
@@ -42,6 +42,7 @@ from dflash_trt.io.checkpoint import (
     check_shapes,
     load_config,
 )
+from dflash_trt.models.check import require_checkpoint_config
 from dflash_trt.quant.calibrate import CalibrationResult, LayerCalibrator, layer_tensors, load_calib_samples
 from dflash_trt.quant.linear import (
     FORMATS,
@@ -247,9 +248,9 @@ def quantize_checkpoint(model: str | Path, out: str | Path, fmt: str, kv_cache: 
     if kv_cache not in (None, "fp8"):
         raise DFlashError(f"--kv-cache {kv_cache!r}: only fp8 is supported")
     cfg = load_config(model)
+    require_checkpoint_config(model)
     check_format_for_model(fmt, cfg)
-    if out.resolve() == model.resolve():
-        raise DFlashError(f"--out {out}: must differ from --model (the input is read while the output is written)")
+    refuse_inside(out, "--out", ("--model", model), ("--calib", calib))
     with CheckpointReader(model, allow_pickle=allow_pickle) as reader:
         check_shapes(reader, cfg, model / "config.json")
         plan = plan_quantization(reader, cfg, fmt, kv_cache, list(exclude), calibrated=calib is not None)

@@ -11,8 +11,9 @@ import sys
 
 from tqdm import tqdm
 
+from dflash_trt.errors import DFlashError
 from dflash_trt.runtime.decode import generate
-from dflash_trt.runtime.pair import encode_prompt
+from dflash_trt.runtime.pair import check_request, encode_prompt
 from dflash_trt.runtime.sampling import SamplingParams
 
 
@@ -21,6 +22,11 @@ def run_bench(pair, prompts: list[str], *, max_new_tokens: int = 128, block_size
     sp = SamplingParams(temperature)
     B = block_size or pair.drafter.config.block_size
     encoded = [encode_prompt(pair.tokenizer, p) for p in prompts]
+    for i, ids in enumerate(encoded, 1):   # every prompt bounded before the first is decoded
+        try:
+            check_request(pair, len(ids), max(max_new_tokens, 8), B)
+        except DFlashError as e:
+            raise DFlashError(f"prompt {i}: {e}") from None
     # Warm-up: first calls pay allocator and kernel-selection costs that are not the method's.
     for mode in ("ar", "dflash"):
         generate(pair.target, pair.drafter if mode == "dflash" else None, encoded[0], max_new_tokens=8,

@@ -1,12 +1,17 @@
 """The Python API the CLI wraps: load a pair, generate text."""
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from dflash_trt.errors import DFlashError
+from dflash_trt.io.checkpoint import CheckpointReader, nonfinite_tensors
+from dflash_trt.models.check import require_pair, require_target
+from dflash_trt.models.config import MAX_BLOCK, MAX_CONTEXT
 from dflash_trt.models.drafter import load_drafter
 from dflash_trt.models.target import load_target, stop_token_ids
 from dflash_trt.runtime import decode
@@ -57,15 +62,55 @@ class Pair:
     stop_ids: list[int]
     target_dir: Path
     drafter_dir: Path | None
+    max_len: int = 4096         # the drafter's RoPE table length (positions it can draft at)
+
+
+def physical_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _refuse_nonfinite(folder: Path, allow_pickle: bool) -> None:
+    """check's streaming NaN / Inf scan, with its message (one pass over the stored weights)."""
+    with CheckpointReader(folder, allow_pickle=allow_pickle) as r:
+        bad = nonfinite_tensors(r, limit=1)
+    if bad:
+        raise DFlashError(f"{bad[0]}; pass --allow-nonfinite to load it anyway")
+
+
+def _weights_fit(folders: list[Path], dt: torch.dtype, allow_pickle: bool) -> None:
+    """The weights, held in `dt`, must fit this machine's memory (a bound stated before allocating)."""
+    total = 0
+    for f in folders:
+        with CheckpointReader(f, allow_pickle=allow_pickle) as r:
+            total += sum(math.prod(r.meta(k)[1]) for k in r.keys()) * dt.itemsize
+    mem = physical_memory()
+    if mem and total > mem:
+        raise DFlashError(f"{', '.join(map(str, folders))}: the weights need {total / 2**30:.1f} GiB in {dt} but this "
+                          f"machine has {mem / 2**30:.1f} GiB of memory")
 
 
 def load_pair(target_dir, drafter_dir=None, dtype: str | torch.dtype = "auto", max_len: int = 4096,
-              allow_pickle: bool = False) -> Pair:
+              allow_pickle: bool = False, allow_nonfinite: bool = False) -> Pair:
+    """Validate (check's rules: configs, the pair, tensor headers; NaN / Inf weights unless
+    allow_nonfinite), then load. Nothing is allocated for a pair that check refuses."""
     from transformers import AutoTokenizer
-
 
     dt = resolve_dtype(dtype)
     target_dir = Path(target_dir)
+    if not 1 <= max_len <= MAX_CONTEXT:
+        raise DFlashError(f"max_len {max_len}: must be between 1 and {MAX_CONTEXT}")
+    if drafter_dir is not None:
+        require_pair(target_dir, drafter_dir, allow_pickle=allow_pickle)
+    else:
+        require_target(target_dir, allow_pickle=allow_pickle)
+    folders = [target_dir] + ([Path(drafter_dir)] if drafter_dir is not None else [])
+    _weights_fit(folders, dt, allow_pickle)
+    if not allow_nonfinite:
+        for f in folders:
+            _refuse_nonfinite(f, allow_pickle)
     target = load_target(target_dir, dt, max_len=max_len, allow_pickle=allow_pickle)
     drafter = load_drafter(drafter_dir, dt, max_len=max_len, allow_pickle=allow_pickle) if drafter_dir is not None else None
     if dt == torch.float32:
@@ -77,7 +122,43 @@ def load_pair(target_dir, drafter_dir=None, dtype: str | torch.dtype = "auto", m
     except Exception as e:  # transformers raises many types here; one line is what the user needs
         raise DFlashError(f"{target_dir}: cannot load the tokenizer ({type(e).__name__}: {str(e).splitlines()[0]})")
     return Pair(target, drafter, tok, stop_token_ids(target_dir), target_dir,
-                Path(drafter_dir) if drafter_dir is not None else None)
+                Path(drafter_dir) if drafter_dir is not None else None, max_len)
+
+
+def check_request(pair: Pair, n_prompt: int, max_new_tokens: int, block_size: int | None, mode: str = "dflash") -> int:
+    """Bound a request before anything is allocated for it: the prompt and max_new_tokens against
+    the target's context (max_position_embeddings) and the drafter's RoPE table, the block size
+    against MAX_BLOCK, the KV caches against this machine's memory. Returns the block size."""
+    dflash = mode == "dflash" and pair.drafter is not None
+    B = block_size or (pair.drafter.config.block_size if dflash else 1)
+    if dflash and not 2 <= B <= MAX_BLOCK:
+        raise DFlashError(f"--block-size {B}: must be between 2 and {MAX_BLOCK}")
+    if max_new_tokens < 1:
+        raise DFlashError(f"--max-new-tokens {max_new_tokens}: must be at least 1")
+    ctx = pair.target.cfg.get("max_position_embeddings") or MAX_CONTEXT
+    limit, why = ctx, f"the target's context of {ctx} tokens (max_position_embeddings)"
+    if dflash and pair.max_len < ctx:
+        limit, why = pair.max_len, f"the runtime's max_len of {pair.max_len} positions"
+    slack = B + 1 if dflash else 1      # positions drafted / verified past the last new token
+    room = limit - n_prompt - slack
+    if room < 1:
+        raise DFlashError(f"the prompt has {n_prompt} tokens, more than {why} allows (at most {limit - slack - 1})")
+    if max_new_tokens > room:
+        raise DFlashError(f"--max-new-tokens {max_new_tokens}: the prompt's {n_prompt} tokens plus this exceed {why}; "
+                          f"at most {room} for this prompt")
+    n = n_prompt + max_new_tokens + slack
+    per_pos = 0
+    for layer in pair.target.model.layers:
+        a = layer.self_attn
+        per_pos += 2 * a.nkv * a.hd * pair.target.dtype.itemsize
+    if dflash:
+        c = pair.drafter.config
+        per_pos += 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * pair.drafter.fc.weight.element_size()
+    mem = physical_memory()
+    if mem and n * per_pos > mem:
+        raise DFlashError(f"--max-new-tokens {max_new_tokens}: the KV caches for {n} positions need "
+                          f"{n * per_pos / 2**30:.1f} GiB, more than this machine's {mem / 2**30:.1f} GiB")
+    return B
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool = True) -> list[int]:
@@ -95,11 +176,15 @@ def generate(pair: Pair, prompt: str | list[int], *, max_new_tokens: int = 128, 
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, block_size: int | None = None,
              mode: str = "dflash", chat: bool = True, fused_inject: bool = True):
     """Generate from text (or token ids). Returns a decode.GenerationResult with `.text` set."""
-    if block_size is not None and block_size < 2 and mode == "dflash":
-        raise DFlashError(f"--block-size {block_size}: must be at least 2")
+    if block_size is not None and mode == "dflash" and not 2 <= block_size <= MAX_BLOCK:
+        raise DFlashError(f"--block-size {block_size}: must be between 2 and {MAX_BLOCK}")
     ids = encode_prompt(pair.tokenizer, prompt, chat) if isinstance(prompt, str) else list(prompt)
     if not ids:
         raise DFlashError("the prompt is empty")
+    V = pair.target.vocab_size
+    if not all(isinstance(i, int) and 0 <= i < V for i in ids):
+        raise DFlashError(f"prompt token ids must be integers in 0..{V - 1} (the target vocabulary)")
+    check_request(pair, len(ids), max_new_tokens, block_size, mode)
     res = decode.generate(pair.target, pair.drafter if mode == "dflash" else None, ids,
                           max_new_tokens=max_new_tokens, seed=seed, block_size=block_size, mode=mode,
                           sampling=SamplingParams(temperature, top_k, top_p),

@@ -22,10 +22,14 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from dflash_trt.errors import DFlashError
+from dflash_trt.io.atomic import PROCESS_START, alive, io_failure
 from dflash_trt.io.jsonio import read_jsonl
+from dflash_trt.models.config import MAX_VOCAB
 from dflash_trt.models.target import load_target
 from dflash_trt.runtime.pair import encode_prompt, resolve_dtype
 from dflash_trt.train.prompts import read_prompts
+
+MAX_SEQUENCE = 1 << 16  # tokens per training sequence (prompt + response)
 
 
 def generate_responses(target_dir: str | Path, prompts: list[str], out_path: str | Path, *,
@@ -42,7 +46,8 @@ def generate_responses(target_dir: str | Path, prompts: list[str], out_path: str
     if threads:
         torch.set_num_threads(threads)
     out_path = Path(out_path)
-    done = {r["prompt"] for r in read_jsonl(out_path)} if out_path.exists() else set()
+    done = {r["prompt"] for r in read_jsonl(out_path) if isinstance(r, dict) and isinstance(r.get("prompt"), str)} \
+        if out_path.exists() else set()
     todo = [p for p in dict.fromkeys(prompts) if p not in done]
     if not todo:
         return out_path
@@ -100,16 +105,24 @@ def load_sequences(path: str | Path, tokenizer=None) -> tuple[Sequences, list[st
     text `prompt` + `response` (tokenized with the chat template; needs the tokenizer)."""
     rows = read_jsonl(path)
     toks, plens, prompts = [], [], []
+    vocab = len(tokenizer) if tokenizer is not None else MAX_VOCAB
     for i, r in enumerate(rows, 1):
+        if not isinstance(r, dict):
+            raise DFlashError(f"{path}: row {i} is a JSON {type(r).__name__}, expected an object")
         if "prompt_ids" in r and "output_ids" in r:
-            p, o = list(r["prompt_ids"]), list(r["output_ids"])
+            p, o = _token_ids(path, i, r, "prompt_ids", vocab), _token_ids(path, i, r, "output_ids", vocab)
         elif "prompt" in r and "response" in r:
             if tokenizer is None:
                 raise DFlashError(f"{path}: text rows need the target's tokenizer")
+            if not (isinstance(r["prompt"], str) and isinstance(r["response"], str)):
+                raise DFlashError(f"{path}: row {i}: prompt and response must be strings")
             p = encode_prompt(tokenizer, r["prompt"])
             o = tokenizer(r["response"], add_special_tokens=False)["input_ids"]
         else:
             raise DFlashError(f"{path}: row {i} has neither prompt_ids/output_ids nor prompt/response")
+        if len(p) + len(o) > MAX_SEQUENCE:
+            raise DFlashError(f"{path}: row {i} has {len(p) + len(o)} tokens; a training sequence may have at most "
+                              f"{MAX_SEQUENCE}")
         if len(o) < 2:
             continue  # nothing to draft
         toks.append(torch.tensor(p + o, dtype=torch.long))
@@ -122,6 +135,14 @@ def load_sequences(path: str | Path, tokenizer=None) -> tuple[Sequences, list[st
     return Sequences(torch.cat(toks), offsets, torch.tensor(plens)), prompts
 
 
+def _token_ids(path, i: int, row: dict, key: str, vocab: int) -> list[int]:
+    ids = row[key]
+    if not (isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                                          for t in ids)):
+        raise DFlashError(f"{path}: row {i}: {key} must be a list of token ids in 0..{vocab - 1}")
+    return ids
+
+
 def target_features(target_dir: str | Path, data: Sequences, layer_ids: list[int], cache_dir: Path,
                     progress: bool = True, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Features [N_tok, n*H] (bf16) of the captured target layers over every sequence, computed
@@ -132,6 +153,7 @@ def target_features(target_dir: str | Path, data: Sequences, layer_ids: list[int
     salt = hashlib.sha256(json.dumps([layer_ids, cfg_text, str(dtype)]).encode()).hexdigest()[:12]
     folder = cache_dir / f"layers-{salt}"
     folder.mkdir(parents=True, exist_ok=True)
+    _remove_stale_feature_temps(folder)
     keys = [hashlib.sha256(data.tokens[data.seq(i)].numpy().tobytes()).hexdigest()[:24] for i in range(len(data))]
     todo = [i for i, k in enumerate(keys) if not (folder / f"{k}.safetensors").is_file()]
     if todo:
@@ -143,14 +165,36 @@ def target_features(target_dir: str | Path, data: Sequences, layer_ids: list[int
                 continue   # another process sharing the cache computed it meanwhile
             _, feats = target(data.tokens[data.seq(i)], 0, capture=layer_ids)
             tmp = folder / f".{keys[i]}.{os.getpid()}.tmp"
-            save_file({"features": feats.to(torch.bfloat16).contiguous()}, str(tmp))
-            os.replace(tmp, folder / f"{keys[i]}.safetensors")
+            try:
+                save_file({"features": feats.to(torch.bfloat16).contiguous()}, str(tmp))
+                os.replace(tmp, folder / f"{keys[i]}.safetensors")
+            except Exception as e:  # OSError, or safetensors' own error type for a failed write
+                tmp.unlink(missing_ok=True)
+                why = io_failure(e) or (e.strerror if isinstance(e, OSError) else None)
+                if why is None:
+                    raise
+                raise DFlashError(f"{folder}: cannot write the feature cache ({why})") from None
     return torch.cat([load_file(str(folder / f"{k}.safetensors"))["features"] for k in keys])
+
+
+def _remove_stale_feature_temps(folder: Path) -> None:
+    """`.<key>.<pid>.tmp` files of feature writers that were killed (their process is gone and
+    started before this one), with a line saying so."""
+    for f in folder.glob(".*.tmp"):
+        pid = f.name.rsplit(".", 2)[-2]
+        try:
+            stale = pid.isdigit() and not alive(int(pid)) and f.stat().st_mtime < PROCESS_START
+            if stale:
+                f.unlink()
+                print(f"dflash-trt: removed {f}, left behind by an interrupted run (pid {pid})", file=sys.stderr)
+        except OSError:
+            continue
 
 
 def _is_prompt_only(path: Path) -> bool:
     rows = read_jsonl(path)
-    return bool(rows) and all("prompt" in r and "output_ids" not in r and "response" not in r for r in rows)
+    return bool(rows) and all(isinstance(r, dict) and "prompt" in r and "output_ids" not in r and "response" not in r
+                              for r in rows)
 
 
 def prepare_data(target_dir: Path, path: Path, out_path: Path, max_new_tokens: int, progress: bool,
