@@ -83,6 +83,8 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(DrafterLayer(c) for _ in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.rope = RopeTable(_hf_rope_config(c), max_len or c.max_position_embeddings, dtype)
+        self.draft_vocab: torch.Tensor | None = None   # token ids to draft from (models/draft_vocab.py)
+        self._draft_head = None                        # (lm_head weight, its version, its draft_vocab rows)
         self.to(dtype)
 
     def project_context(self, features: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from dflash_trt.errors import DFlashError
+from dflash_trt.models.draft_vocab import read_draft_vocab
 from dflash_trt.models.drafter import load_drafter
 from dflash_trt.models.target import load_target, stop_token_ids
 from dflash_trt.runtime import decode
@@ -60,7 +61,9 @@ class Pair:
 
 
 def load_pair(target_dir, drafter_dir=None, dtype: str | torch.dtype = "auto", max_len: int = 4096,
-              allow_pickle: bool = False) -> Pair:
+              allow_pickle: bool = False, draft_vocab: bool = True) -> Pair:
+    """The target, its drafter (optional) and tokenizer, ready to decode. draft_vocab=False ignores a
+    drafter's draft_vocab.json (drafts from the full vocabulary)."""
     from transformers import AutoTokenizer
 
 
@@ -68,6 +71,8 @@ def load_pair(target_dir, drafter_dir=None, dtype: str | torch.dtype = "auto", m
     target_dir = Path(target_dir)
     target = load_target(target_dir, dt, max_len=max_len, allow_pickle=allow_pickle)
     drafter = load_drafter(drafter_dir, dt, max_len=max_len, allow_pickle=allow_pickle) if drafter_dir is not None else None
+    if drafter is not None and draft_vocab:
+        drafter.draft_vocab = read_draft_vocab(drafter_dir, target.vocab_size)
     if dt == torch.float32:
         for model in (target, drafter):
             if model is not None:
