@@ -19,7 +19,8 @@ class Hardware:
     gpu_name: str
     gpu_product_labels: tuple[str, ...]
     gpus_per_node: int
-    memory_bytes: int              # per GPU
+    memory_bytes: int              # per GPU, the vendor's decimal figure
+    memory_mib: int                # per GPU, the total the GPU reports (nvidia-smi memory.total)
     hbm_bytes_per_s: int
     sm: str
     arch: str                      # blackwell | hopper
@@ -28,6 +29,11 @@ class Hardware:
     nvlink_domain_gpus: int
     fp4: bool
     fp8: bool
+
+    @property
+    def reported_memory_bytes(self) -> int:
+        """The memory the planner sizes against: what the GPU reports (MiB), in bytes."""
+        return self.memory_mib * 2**20
 
     @property
     def gpu_product(self) -> str:

@@ -155,6 +155,7 @@ def triton_args(repo: Path, name: str) -> dict:
 
 # ------------------------------------------------------------------ rendered Kubernetes objects
 LWS_CRD = Path(__file__).parent / "data" / "leaderworkerset-crd.yaml"
+KEDA_CRD = Path(__file__).parent / "data" / "keda-scaledobject-crd.yaml"
 K8S_VERSION = "1.33"
 
 
@@ -169,9 +170,13 @@ def objects(manifests: dict[str, str]) -> list[dict]:
 
 
 def lws_schema() -> dict:
-    crd = yaml.safe_load(LWS_CRD.read_text())
-    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
-    return version["schema"]["openAPIV3Schema"]
+    return crd_schema(LWS_CRD, "v1")
+
+
+def crd_schema(path: Path, version: str) -> dict:
+    crd = yaml.safe_load(path.read_text())
+    (v,) = [v for v in crd["spec"]["versions"] if v["name"] == version]
+    return v["schema"]["openAPIV3Schema"]
 
 
 def validate_all(objs: list[dict]) -> list[str]:
@@ -190,6 +195,8 @@ def validate_all(objs: list[dict]) -> list[str]:
             for role in ("leaderTemplate", "workerTemplate"):
                 kv.validate({"apiVersion": "v1", "kind": "Pod", "metadata": tpl[role].get("metadata", {}),
                              "spec": tpl[role]["spec"]}, K8S_VERSION, strict=True)
+        elif o["apiVersion"] == "keda.sh/v1alpha1" and o["kind"] == "ScaledObject":
+            jsonschema.validate(o, crd_schema(KEDA_CRD, "v1alpha1"))
         elif o["apiVersion"].startswith("monitoring.coreos.com/"):
             # A Prometheus Operator CRD: no schema kept here; check the fields we rely on.
             ep = o["spec"]["endpoints"][0]

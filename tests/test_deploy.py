@@ -7,6 +7,7 @@ writes (checked against the build's own manifest schema); no weights are needed 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -54,12 +55,12 @@ def write_bundle(root: Path, target="gpt-oss-120b", gpu="b300", arch="blackwell"
 
 def test_values_agree_with_the_bundle(tmp_path):
     b = write_bundle(tmp_path)
-    values, p = deploy.deploy_values(b)
+    values, _ = deploy.deploy_values(b)
     assert values["parallel"] == {"tp": 8, "pp": 1, "ep": 1}
     assert values["gpu"] == {"count": 8, "product": "NVIDIA-B300-SXM6-AC"}
     assert values["bundle"]["modelRepository"] == "triton"
     assert values["bundle"]["models"] == ["tensorrt_llm"]          # not the CPU reference copy of a 120B model
-    assert values["compile"] == {"enabled": True}                   # the bundle's compile stage is deferred
+    assert "compile" not in values               # nothing compiles at pod start, deferred stage or not
     assert values["replicas"] == 1 and values["workload"]["kind"] == "Deployment"
     assert values["shmSize"] == "16Gi"
     objs = objects(deploy.render(values, release="gptoss"))
@@ -99,12 +100,18 @@ def test_the_planner_picks_ep_when_the_bundle_leaves_it(tmp_path):
         json.loads((b / "manifest.json").read_text())["target"]["config"]), "mxfp4", 8)
 
 
+MN_IMAGE = "registry.example.com/dflash-trt-triton:25.10"
+
+
 def test_two_nodes_leaderworkerset(tmp_path):
     b = write_bundle(tmp_path, tp=16, quant="mxfp4")
-    values, p = deploy.deploy_values(b, nodes=2, ssh_secret="gptoss-ssh")
+    with pytest.raises(DFlashError, match="pass --multinode-image .* built from dflash_trt/deploy/multinode.Dockerfile"):
+        deploy.deploy_values(b, nodes=2)
+    values, _ = deploy.deploy_values(b, nodes=2, ssh_secret="gptoss-ssh", multinode_image=MN_IMAGE)
     assert values["workload"]["kind"] == "LeaderWorkerSet"
     assert values["gpu"]["count"] == 8 and values["parallel"]["tp"] == 16 and values["replicas"] == 1
-    assert values["multiNode"] == {"sshSecret": "gptoss-ssh"}
+    assert values["multiNode"] == {"sshSecret": "gptoss-ssh", "image": {
+        "repository": "registry.example.com/dflash-trt-triton", "tag": "25.10", "digest": ""}}
     assert values["bundle"]["pvc"]["accessModes"] == ["ReadWriteMany"]
     objs = objects(deploy.render(values))
     kinds = validate_all(objs)
@@ -116,7 +123,7 @@ def test_two_nodes_leaderworkerset(tmp_path):
 def test_gb200_tp8_spans_two_compute_trays(tmp_path):
     # GB200 NVL72 nodes hold 4 GPUs; TP 8 stays in the 72-GPU NVLink domain but spans two pods.
     b = write_bundle(tmp_path, target="qwen3-8b", gpu="gb200", quant="nvfp4", tp=8)
-    values, p = deploy.deploy_values(b, nodes=2)
+    values, p = deploy.deploy_values(b, nodes=2, multinode_image=MN_IMAGE)
     assert values["workload"]["kind"] == "LeaderWorkerSet" and values["gpu"] == {"count": 4, "product": "NVIDIA-GB200"}
     assert p.chosen.within_nvlink_domain and p.chosen.nodes_per_replica == 2
     lws = next(o for o in objects(deploy.render(values)) if o["kind"] == "LeaderWorkerSet")
@@ -130,7 +137,7 @@ def test_h200_fp8_bundle(tmp_path):
                      compile_status="done")
     values, p = deploy.deploy_values(b)
     assert values["gpu"] == {"count": 2, "product": "NVIDIA-H200"}
-    assert values["parallel"]["tp"] == 2 and values["replicas"] == 4 and values["compile"] == {"enabled": False}
+    assert values["parallel"]["tp"] == 2 and values["replicas"] == 4 and "compile" not in values
     assert p.quant["target"] == "fp8" and p.hardware == "hgx-h200"
     validate_all(objects(deploy.render(values)))
 
@@ -199,7 +206,7 @@ def test_real_build_output(tmp_path):
     assert v["gpu"]["product"] == "NVIDIA-H200" and v["gpu"]["count"] == 2 and v["replicas"] == 4
     assert v["bundle"]["modelRepository"] == m["triton_model_repository"]
     assert (b / m["triton_model_repository"] / "tensorrt_llm").is_dir()
-    assert v["compile"]["enabled"] == (m["stages"]["compile"]["status"] == "deferred")
+    assert "compile" not in v
     # The plan uses the bundle's own TensorRT-LLM settings (model.yaml).
     llm = yaml.safe_load((b / "triton" / "tensorrt_llm" / "1" / "model.yaml").read_text())
     p = deploy.plan_for_bundle(b)
@@ -209,3 +216,78 @@ def test_real_build_output(tmp_path):
     validate_all([d for p in manifests.iterdir() for d in yaml.safe_load_all(p.read_text()) if d])
     code, out, err = run_cli("verify", "--bundle", str(b))
     assert code == 0, out + err
+
+
+def test_tp16_b300_two_nodes_render(tmp_path):
+    """`deploy --nodes 2 --render` of a TP16 B300 bundle: a LeaderWorkerSet whose workers resolve
+    (its name is the pods' subdomain and no Service of ours takes it, so the LWS controller
+    creates the headless Service) and an mpirun that keeps FQDNs."""
+    b = write_bundle(tmp_path, tp=16)
+    out = tmp_path / "two"
+    code, _, err = run_cli("deploy", "--bundle", str(b), "--nodes", "2", "--render", "--out", str(out),
+                                "--multinode-image", MN_IMAGE + "@sha256:" + "0" * 64)
+    assert code == 0, err
+    objs = [d for p in (out / "manifests").iterdir() for d in yaml.safe_load_all(p.read_text()) if d]
+    validate_all(objs)
+    (lws,) = [o for o in objs if o["kind"] == "LeaderWorkerSet"]
+    assert lws["spec"]["leaderWorkerTemplate"]["size"] == 2
+    assert lws["spec"].get("networkConfig", {}).get("subdomainPolicy", "Shared") == "Shared"
+    assert lws["metadata"]["name"] not in {o["metadata"]["name"] for o in objs if o["kind"] == "Service"}
+    leader = lws["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["spec"]["containers"][0]
+    assert leader["image"] == "registry.example.com/dflash-trt-triton@sha256:" + "0" * 64
+    leader_sh = next(o for o in objs if o["kind"] == "ConfigMap")["data"]["leader.sh"]
+    assert "mpirun -np 16" in leader_sh and "--mca orte_keep_fqdn_hostnames 1" in leader_sh
+    assert {"name": "OMPI_MCA_orte_keep_fqdn_hostnames", "value": "1"} in leader["env"]
+
+
+def test_trtllm_serve_windows_and_batch_size_reach_the_plan(tmp_path):
+    """The bundle's configs/trtllm-serve.yaml (max_attention_window, max_batch_size) is what the
+    planner sizes against; without it no sliding-window saving is counted."""
+    b = write_bundle(tmp_path, tp=8)
+    plain = deploy.plan_for_bundle(b)
+    (b / "configs").mkdir()
+    (b / "configs" / "trtllm-serve.yaml").write_text(yaml.safe_dump(
+        {"max_batch_size": 64, "kv_cache_config": {"free_gpu_memory_fraction": 0.85, "max_attention_window": [128, 32768]}}))
+    p = deploy.plan_for_bundle(b)
+    assert p.max_attention_window == [128, 32768] and p.max_batch_size == 64 and p.kv_fraction == 0.85
+    assert "target_sliding_window" in p.kv_bytes_per_token and "target_sliding_window" not in plain.kv_bytes_per_token
+    assert p.chosen.kv_sequences > plain.chosen.kv_sequences and p.chosen.max_sequences == 64
+    values, _ = deploy.deploy_values(b)
+    assert values["autoscaling"] == {"targetAverageValue": str(int(0.8 * 64))}
+    (b / "configs" / "trtllm-serve.yaml").write_text("kv_cache_config: {max_attention_window: 128}\n")
+    with pytest.raises(DFlashError, match="max_attention_window must be a list"):
+        deploy.plan_for_bundle(b)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--nodes", "0"], "--nodes 0: must be in [1, 1024]"),
+    (["--nodes", "-1"], "--nodes -1: must be in [1, 1024]"),
+    (["--nodes", "1000000000"], "--nodes 1000000000: must be in [1, 1024]"),
+    (["--replicas", "0"], "--replicas 0: must be in [1, 1024]"),
+    (["--replicas", "5000"], "--replicas 5000: must be in [1, 1024]"),
+    (["--gpus-per-node", "0"], "--gpus-per-node 0: must be one of 1, 2, 4, 8, 16"),
+    (["--gpus-per-node", "3"], "--gpus-per-node 3: must be one of 1, 2, 4, 8, 16"),
+    (["--image", "nvcr.io/nvidia/tritonserver"], "--image 'nvcr.io/nvidia/tritonserver': expected REPOSITORY:TAG"),
+    (["--nodes", "2", "--multinode-image", "x@sha256:12"], "--multinode-image 'x@sha256:12'"),
+])
+def test_deploy_counts_are_bounded_and_nothing_is_written(tmp_path, args, message):
+    b = write_bundle(tmp_path, tp=16 if "--nodes" in args and "2" in args else 8)
+    out = tmp_path / "out"
+    code, _, err = run_cli("deploy", "--bundle", str(b), "--out", str(out), *args)
+    assert code == 1 and message in err and "Traceback" not in err, err
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == [b.name]
+
+
+def test_deploy_writes_nothing_the_chart_refuses(tmp_path):
+    # An existing claim is fine for any layout, but a created ReadWriteOnce one for 8 replicas is
+    # not: deploy never writes such values (here: forced by a chart whose default is changed).
+    b = write_bundle(tmp_path, tp=1)
+    chart = tmp_path / "chart"
+    shutil.copytree(deploy.default_chart_dir(), chart)
+    tpl = chart / "templates" / "_helpers.tpl"
+    tpl.write_text(tpl.read_text().replace('{{- $shared := or (has "ReadWriteMany" $modes) (has "ReadOnlyMany" $modes) }}',
+                                           "{{- $shared := false }}"))
+    out = tmp_path / "out"
+    code, _, err = run_cli("deploy", "--bundle", str(b), "--out", str(out), "--chart", str(chart))
+    assert code == 1 and "attach the volume to one node, but 8 replicas land on different GPU nodes" in err
+    assert not out.exists()

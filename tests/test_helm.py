@@ -6,18 +6,19 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 
 import pytest
 import yaml
 
-from helpers import K8S_VERSION, LWS_CRD, lws_schema, objects, validate_all
+from helpers import K8S_VERSION, KEDA_CRD, LWS_CRD, crd_schema, lws_schema, objects, validate_all
 
 helm = pytest.importorskip("helm_python")
 kv = pytest.importorskip("kubernetes_validate")
 jsonschema = pytest.importorskip("jsonschema")
 
-from dflash_trt.deploy.values import default_chart_dir  # noqa: E402
-from dflash_trt.hardware import all_gpu_product_labels  # noqa: E402
+from dflash_trt.deploy.values import default_chart_dir
+from dflash_trt.hardware import all_gpu_product_labels
 
 CHART = default_chart_dir()
 
@@ -31,12 +32,12 @@ SCENARIOS = {
         "shmSize": "1Gi",
         "resources": {"requests": {"cpu": "2", "memory": "8Gi"}, "limits": {"memory": "16Gi"}},
     },
-    # gpt-oss-120b on one DGX B300: 8 GPUs, TP 8, deferred compile, every optional object on.
+    # gpt-oss-120b on one DGX B300: 8 GPUs, TP 8, every optional object on, image pinned by digest.
     "gpt-oss-120b-b300": {
+        "image": {"digest": "sha256:" + "ab" * 32},
         "gpu": {"count": 8, "product": "NVIDIA-B300-SXM6-AC"},
         "parallel": {"tp": 8, "pp": 1, "ep": 1},
         "bundle": {"models": ["tensorrt_llm"], "pvc": {"existingClaim": "gpt-oss-120b-bundle", "create": False}},
-        "compile": {"enabled": True},
         "autoscaling": {"enabled": True, "maxReplicas": 3},
         "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
         "networkPolicy": {"enabled": True,
@@ -49,9 +50,11 @@ SCENARIOS = {
         "parallel": {"tp": 16, "pp": 1, "ep": 1},
         "replicas": 2,
         "bundle": {"models": ["tensorrt_llm"], "pvc": {"accessModes": ["ReadWriteMany"], "size": "300Gi"}},
-        "multiNode": {"sshSecret": "dflash-trt-ssh"},
-        "compile": {"enabled": True},
-        "autoscaling": {"enabled": True},
+        "multiNode": {"sshSecret": "dflash-trt-ssh", "exclusiveTopology": "nvidia.com/gpu.clique",
+                      "image": {"repository": "registry.example.com/dflash-trt-triton", "tag": "25.10"}},
+        "rdma": {"enabled": True, "resources": {"rdma/rdma_shared_device_a": 1}, "ibHca": "mlx5"},
+        "nccl": {"socketIfname": "eth0"},
+        "autoscaling": {"enabled": True, "provider": "keda"},
         "networkPolicy": {"enabled": True},
     },
     # H200 (Hopper, FP8 bundle): 4 GPUs, TP 4, StatefulSet, bundle delivered as an image.
@@ -163,17 +166,27 @@ def test_b300_single_node_pod():
     shm = next(v for v in spec["volumes"] if v["name"] == "dshm")
     assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "16Gi"}
     assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
-    # non-root, no privilege escalation, all capabilities dropped
+    # non-root, no privilege escalation, all capabilities dropped, read-only root filesystem
     assert spec["securityContext"]["runAsNonRoot"] is True
-    for cont in spec["containers"] + spec["initContainers"]:
-        sc = cont["securityContext"]
-        assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"]["drop"] == ["ALL"]
-    # deferred compile: an init container on the GPUs, engines keyed by GPU product + TensorRT
-    (init,) = spec["initContainers"]
-    assert init["name"] == "compile" and init["resources"]["limits"]["nvidia.com/gpu"] == 8
-    script = by_kind(objs, "ConfigMap")[0]["data"]["compile.sh"]
-    assert "engine_key(detect_toolchain())" in script and 'dflash-trt compile --bundle "$BUNDLE_DIR"' in script
-    assert "compile skipped" in script
+    sc = c["securityContext"]
+    assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}
+    assert sc["readOnlyRootFilesystem"] is True
+    env = {e["name"]: e["value"] for e in c["env"]}
+    for var in ("HOME", "XDG_CACHE_HOME", "HF_HOME", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
+        assert env[var].startswith("/tmp/"), var         # the writable emptyDir
+    assert {"name": "tmp", "mountPath": "/tmp"} in c["volumeMounts"]
+    # nothing compiles at pod start; the image is pinned by its digest
+    assert "initContainers" not in spec
+    assert not any("compile" in k for k in by_kind(objs, "ConfigMap")[0]["data"])
+    assert c["image"] == "nvcr.io/nvidia/tritonserver@sha256:" + "ab" * 32
+    # shutdown: preStop drain, then Triton's exit timeout, inside the grace period
+    assert c["lifecycle"]["preStop"]["exec"]["command"] == ["/bin/sh", "/opt/dflash-trt/drain.sh"]
+    data = by_kind(objs, "ConfigMap")[0]["data"]
+    assert "'--exit-timeout-secs=45'" in data["serve.sh"] and "dflash_requests_active" in data["drain.sh"]
+    assert spec["terminationGracePeriodSeconds"] >= 60 + 45
+    # the rollout may last as long as the startup probe allows
+    startup = c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"]
+    assert dep["spec"]["progressDeadlineSeconds"] >= startup
     claim = next(v for v in spec["volumes"] if v["name"] == "bundle")["persistentVolumeClaim"]["claimName"]
     assert claim == "gpt-oss-120b-bundle" and not by_kind(objs, "PersistentVolumeClaim")
     (svc,) = by_kind(objs, "Service")
@@ -181,8 +194,10 @@ def test_b300_single_node_pod():
     (hpa,) = by_kind(objs, "HorizontalPodAutoscaler")
     assert hpa["apiVersion"] == "autoscaling/v2"
     assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "rel-dflash-trt"}
-    assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == "triton_queue_compute_ratio"
+    assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == "dflash_requests_load"
     assert by_kind(objs, "ServiceMonitor") and by_kind(objs, "NetworkPolicy")
+    (pdb,) = by_kind(objs, "PodDisruptionBudget")
+    assert pdb["spec"]["selector"]["matchLabels"]["dflash-trt/role"] == "server"
 
 
 def test_two_node_leaderworkerset():
@@ -190,25 +205,73 @@ def test_two_node_leaderworkerset():
     assert not by_kind(objs, "Deployment")
     (lws,) = by_kind(objs, "LeaderWorkerSet")
     assert lws["apiVersion"] == "leaderworkerset.x-k8s.io/v1"
+    name = lws["metadata"]["name"]
     tpl = lws["spec"]["leaderWorkerTemplate"]
     assert tpl["size"] == 2                                 # tp 16 / 8 GPUs per node
     leader, worker = tpl["leaderTemplate"]["spec"], tpl["workerTemplate"]["spec"]
     assert leader["containers"][0]["command"][-1].endswith("leader.sh")
     assert worker["containers"][0]["command"][-1].endswith("worker.sh")
-    assert [c["name"] for c in leader["initContainers"]] == ["compile"] and "initContainers" not in worker
+    assert "initContainers" not in leader and "initContainers" not in worker
     for spec in (leader, worker):
-        assert spec["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 8
-    leader_sh = by_kind(objs, "ConfigMap")[0]["data"]["leader.sh"]
-    assert "mpirun -np 16" in leader_sh and "trtllm-llmapi-launch tritonserver" in leader_sh
-    # The Service reaches leaders only; the HPA scales the LeaderWorkerSet.
+        c = spec["containers"][0]
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == 8
+        assert c["image"] == "registry.example.com/dflash-trt-triton:25.10"     # the image with sshd
+        # RDMA: the device plugin's resource, IPC_LOCK for pinned memory, NCCL told which HCA / interface
+        assert c["resources"]["requests"]["rdma/rdma_shared_device_a"] == 1
+        assert c["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+        env = {e["name"]: e["value"] for e in c["env"]}
+        assert env["NCCL_IB_HCA"] == "mlx5" and env["NCCL_SOCKET_IFNAME"] == "eth0"
+        assert env["OMPI_MCA_orte_keep_fqdn_hostnames"] == "1"
+    # Each pod mounts only the half of the ssh key pair it uses.
+    for spec, key in ((leader, "id_ed25519"), (worker, "authorized_keys")):
+        (vol,) = [v for v in spec["volumes"] if v["name"] == "ssh"]
+        assert vol["secret"]["items"] == [{"key": key, "path": key}]
+    # Worker DNS: the pods' subdomain is the LWS name, and no Service of the chart takes it, so the
+    # LWS controller creates its headless Service (CreateHeadlessServiceIfNotExists).
+    assert lws["spec"]["networkConfig"] == {"subdomainPolicy": "Shared"}
+    assert name not in {s["metadata"]["name"] for s in by_kind(objs, "Service")}
+    assert lws["metadata"]["annotations"] == {"leaderworkerset.sigs.k8s.io/exclusive-topology": "nvidia.com/gpu.clique"}
+    assert lws["spec"]["startupPolicy"] == "LeaderCreated"
+    data = by_kind(objs, "ConfigMap")[0]["data"]
+    leader_sh = data["leader.sh"]
+    assert "mpirun -np 16" in leader_sh and "--mca orte_keep_fqdn_hostnames 1" in leader_sh
+    assert '--prefix "$prefix"' in leader_sh and "--mca plm_rsh_no_tree_spawn 1" in leader_sh
+    # every variable of the container's env list is forwarded to the ranks
+    forwarded = set(re.findall(r"-x ([A-Za-z_][A-Za-z0-9_]*)", leader_sh))
+    assert {e["name"] for e in leader["containers"][0]["env"]} | {"PATH"} <= forwarded
+    assert "within 900 s: giving up" in leader_sh
+    assert data["rank.sh"].rstrip().split("\n")[-1].startswith("exec trtllm-llmapi-launch tritonserver ")
+    # The client Service reaches leaders only; the autoscaler scales the LeaderWorkerSet.
     (svc,) = by_kind(objs, "Service")
     assert svc["spec"]["selector"]["dflash-trt/role"] == "server"
     assert tpl["leaderTemplate"]["metadata"]["labels"]["dflash-trt/role"] == "server"
     assert tpl["workerTemplate"]["metadata"]["labels"]["dflash-trt/role"] == "worker"
-    (hpa,) = by_kind(objs, "HorizontalPodAutoscaler")
-    assert hpa["spec"]["scaleTargetRef"]["kind"] == "LeaderWorkerSet"
+    assert not by_kind(objs, "HorizontalPodAutoscaler")
+    (so,) = by_kind(objs, "ScaledObject")
+    assert so["spec"]["scaleTargetRef"] == {"apiVersion": "leaderworkerset.x-k8s.io/v1", "kind": "LeaderWorkerSet",
+                                            "name": name}
+    (trigger,) = so["spec"]["triggers"]
+    assert trigger["type"] == "prometheus" and trigger["metricType"] == "AverageValue"
+    assert "dflash_requests_active" in trigger["metadata"]["query"] and "dflash_requests_waiting" in trigger["metadata"]["query"]
     (pvc,) = by_kind(objs, "PersistentVolumeClaim")
     assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+
+
+def test_scaled_object_schema_rejects_a_broken_object():
+    # The oracle can fail: the KEDA CRD schema rejects a trigger without its type.
+    (so,) = by_kind(objects(render(SCENARIOS["two-node-lws"])), "ScaledObject")
+    del so["spec"]["triggers"][0]["type"]
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(so, crd_schema(KEDA_CRD, "v1alpha1"))
+
+
+def test_hpa_on_a_leaderworkerset_targets_its_scale_subresource():
+    objs = objects(render({**SCENARIOS["two-node-lws"], "autoscaling": {"enabled": True, "provider": "hpa"}}))
+    (hpa,) = by_kind(objs, "HorizontalPodAutoscaler")
+    (lws,) = by_kind(objs, "LeaderWorkerSet")
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "leaderworkerset.x-k8s.io/v1", "kind": "LeaderWorkerSet",
+                                             "name": lws["metadata"]["name"]}
+    validate_all(objs)
 
 
 def test_h200_statefulset_with_image_delivery():
@@ -265,13 +328,59 @@ def test_schema_gpu_products_are_the_hardware_catalog():
     assert sorted(enum) == sorted(all_gpu_product_labels() + [""])
 
 
-def test_template_checks_fail_with_the_value_to_change():
-    with pytest.raises(helm.HelmRenderError, match="multiNode.sshSecret is required"):
-        render({"parallel": {"tp": 16}})
-    with pytest.raises(helm.HelmRenderError, match="must equal gpu.count"):
-        render({"workload": {"kind": "Deployment"}, "parallel": {"tp": 16}})
-    with pytest.raises(helm.HelmRenderError, match="compile.enabled needs a GPU node"):
-        render({**SCENARIOS["embedded-cpu"], "compile": {"enabled": True}})
+LWS_OK = SCENARIOS["two-node-lws"]
+RWO = {"accessModes": ["ReadWriteOnce"]}
+# Values that cannot start, each refused at render time with what to change (template `fail`s).
+REFUSED = {
+    "lws without ssh secret": ({"parallel": {"tp": 16}}, "multiNode.sshSecret is required"),
+    "lws on the stock image": ({**LWS_OK, "multiNode": {"sshSecret": "s"}},
+                               "multiNode.image.repository is required for a LeaderWorkerSet: the stock Triton image has no sshd"),
+    "gpus != tp*pp": ({"workload": {"kind": "Deployment"}, "parallel": {"tp": 16}}, "must equal gpu.count (8)"),
+    "lws inside one node": ({**LWS_OK, "workload": {"kind": "LeaderWorkerSet"}, "parallel": {"tp": 8}},
+                            "must be at least twice gpu.count"),
+    "worker wait past the startup probe": ({**LWS_OK, "multiNode": {**LWS_OK["multiNode"], "workerWaitSeconds": 4000}},
+                                           ("multiNode.workerWaitSeconds 4000 must be shorter than the startup probe's "
+                                            "allowance (probes.startup.periodSeconds × failureThreshold = 3600 s)")),
+    "compile on": ({"compile": {"enabled": True}}, "compile: removed — the chart compiles nothing at pod start"),
+    "rwo with a lws": ({**LWS_OK, "bundle": {"pvc": RWO}},
+                       "attach the volume to one node, but a LeaderWorkerSet puts its 2 pods on 2 nodes"),
+    "rwo with replicas": ({"replicas": 3, "bundle": {"pvc": RWO}}, "but 3 replicas land on different GPU nodes"),
+    "rwo with an hpa": ({"autoscaling": {"enabled": True}, "bundle": {"pvc": RWO}},
+                        "but the autoscaler adds pods on other nodes"),
+    "grace shorter than drain": ({"terminationGracePeriodSeconds": 60},
+                                 ("terminationGracePeriodSeconds 60 is shorter than shutdown.drainSeconds 60 + "
+                                  "shutdown.exitTimeoutSeconds 45 + 10 s: raise it to 115")),
+    "cpu-only with rdma": ({**SCENARIOS["embedded-cpu"], "rdma": {"enabled": True}}, "rdma.enabled needs GPU pods"),
+    "max below min": ({"autoscaling": {"enabled": True, "minReplicas": 3, "maxReplicas": 2},
+                       "bundle": {"pvc": {"accessModes": ["ReadWriteMany"]}}}, "autoscaling.maxReplicas 2 is below"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_template_refuses_what_cannot_start(case):
+    values, message = REFUSED[case]
+    with pytest.raises(helm.HelmRenderError) as e:
+        render(values)
+    assert message in str(e.value)
+
+
+# Values the schema refuses (Helm validates values.schema.json before rendering).
+SCHEMA_REFUSED = {
+    "LeaderReady deadlocks": ({**LWS_OK, "multiNode": {**LWS_OK["multiNode"], "startupPolicy": "LeaderReady"}},
+                              "/multiNode/startupPolicy", "LeaderCreated"),
+    "bad digest": ({"image": {"digest": "latest"}}, "/image/digest", "sha256"),
+    "unknown autoscaler": ({"autoscaling": {"provider": "knative"}}, "/autoscaling/provider", "value must be one of"),
+    "replicas unbounded": ({"replicas": 100000}, "/replicas", "maximum"),
+    "env from a secret ref": ({"triton": {"env": [{"name": "X", "valueFrom": {}}]}}, "/triton/env/0", "value"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SCHEMA_REFUSED))
+def test_schema_refuses_what_cannot_start(case):
+    values, where, what = SCHEMA_REFUSED[case]
+    with pytest.raises(helm.HelmValuesError) as e:
+        render(values)
+    assert f"at '{where}" in str(e.value) and what in str(e.value), str(e.value)
 
 
 def test_every_top_level_value_is_documented():

@@ -98,13 +98,19 @@ def test_kv_bytes_per_token_by_hand():
     # Qwen3-8B: 36 layers × (K + V) × 8 KV heads × 128 × 2 bytes; drafter 5 layers alike.
     assert p.kv_bytes_per_token["target"] == 36 * 2 * 8 * 128 * 2 == 147456
     assert p.kv_bytes_per_token["drafter"] == 5 * 2 * 8 * 128 * 2 == 20480
-    # gpt-oss-120b with FP8 KV: 18 full-attention layers grow with context, 18 sliding (128) do not.
+    # gpt-oss-120b with FP8 KV and no max_attention_window: TensorRT-LLM sizes all 36 layers for
+    # the whole sequence, sliding-window layers included.
     _, cfg, dcfg = preset("gpt-oss-120b")
     p = planner.plan(cfg, dcfg, "dgx-b300")
     assert p.quant == {"target": "mxfp4", "kv_cache": "fp8", "drafter": "none"}
-    assert p.kv_bytes_per_token["target"] == 18 * 2 * 8 * 64 == 18432
-    assert p.kv_bytes_per_token["target_sliding_window"] == {"layers": 18, "window": 128, "bytes_per_token": 18432}
+    assert p.kv_bytes_per_token["target"] == 36 * 2 * 8 * 64 == 36864
+    assert "target_sliding_window" not in p.kv_bytes_per_token
     assert p.kv_bytes_per_token["drafter"] == 8 * 2 * 8 * 64 == 8192
+    # With per-layer windows [128, 131072] (repeated: sliding, full, ...): 18 layers keep 128 + block.
+    p = planner.plan(cfg, dcfg, "dgx-b300", max_attention_window=[128, 131072])
+    assert p.kv_bytes_per_token["target"] == 18 * 2 * 8 * 64 == 18432
+    assert p.kv_bytes_per_token["target_sliding_window"] == {"layers": 18, "tokens_kept": [128 + 10],
+                                                             "bytes_per_token": 18432}
 
 
 def test_kv_tokens_of_one_layout_by_hand():
@@ -114,9 +120,10 @@ def test_kv_tokens_of_one_layout_by_hand():
     assert (lay.tp, lay.ep, lay.replicas) == (1, 1, 8)
     per_tok = (36 + 5) * 2 * 8 * 128 * 1                 # fp8 target + drafter, one GPU holds all heads
     fixed = lay.weights_bytes_per_gpu + lay.drafter_bytes_per_gpu + lay.activation_bytes_per_gpu + 3 * 2**30
-    budget = int((141e9 - fixed) * 0.9)
+    budget = int((143771 * 2**20 - fixed) * 0.9)        # the H200's own total: 143,771 MiB
     assert lay.kv_tokens == budget // per_tok
-    assert lay.max_sequences == budget // (8192 * per_tok)
+    assert lay.kv_sequences == budget // (8192 * per_tok)
+    assert lay.max_sequences == min(lay.kv_sequences, 128)             # max_batch_size
     # KV heads are split by tp, and duplicated past 8 KV heads.
     assert planner.kv_bytes_per_token(planner.target_shape(cfg), "fp8", tp=4) == 36 * 2 * 2 * 128
     assert planner.kv_bytes_per_token(planner.target_shape(cfg), "fp8", tp=16) == 36 * 2 * 1 * 128
@@ -177,6 +184,10 @@ def test_hardware_catalog():
     assert set(c) == {"dgx-b300", "dgx-b200", "gb200-nvl72", "hgx-h200", "hgx-h100"}
     b300 = get_hardware("dgx-b300")
     assert (b300.memory_bytes, b300.sm, b300.gpus_per_node, b300.fp4) == (288e9, "sm_103", 8, True)
+    # The planner sizes against what the GPU reports (nvidia-smi memory.total, MiB), shown in GiB.
+    assert get_hardware("hgx-h100").reported_memory_bytes == 81559 * 2**20
+    p = planner.plan(preset("qwen3-8b")[1], None, "hgx-h100")
+    assert p.gpu_memory_bytes == 81559 * 2**20 and "8 GPUs of 79.6 GiB" in planner.format_plan(p)
     assert b300.nvlink_bytes_per_s == 1.8e12
     assert not get_hardware("hgx-h200").fp4 and get_hardware("hgx-h200").fp8
     assert get_hardware("gb200-nvl72").nvlink_domain_gpus == 72
@@ -215,3 +226,43 @@ def test_plan_cli_folder_and_errors(tmp_path):
     (tmp_path / "bad" / "config.json").write_text("{nope")
     code, _, err = run_cli("plan", "--target", str(tmp_path / "bad"), "--hardware", "hgx-h100")
     assert code == 1 and "invalid JSON" in err
+
+
+def test_sliding_window_saving_by_hand():
+    """gpt-oss-120b TP 8 on B300 (FP8 KV): 1 KV head per GPU. With max_attention_window the 18
+    windowed layers hold 128 + 10 tokens per sequence, the 18 others and the drafter's 8 grow with it."""
+    _, cfg, dcfg = preset("gpt-oss-120b")
+    lay = planner.plan(cfg, dcfg, "dgx-b300", tp=8, ep=1, max_attention_window=[128, 131072]).layouts[0]
+    per_layer = 2 * 1 * 64 * 1
+    per_tok = 18 * per_layer + 8 * per_layer
+    per_seq = 32768 * per_tok + 18 * per_layer * (128 + 10)
+    assert lay.kv_bytes_per_token_per_gpu == per_tok
+    assert lay.kv_sequences == lay.kv_budget_bytes_per_gpu // per_seq
+    full = planner.plan(cfg, dcfg, "dgx-b300", tp=8, ep=1).layouts[0]
+    assert full.kv_sequences == full.kv_budget_bytes_per_gpu // (32768 * (36 + 8) * per_layer)
+    assert lay.kv_sequences > 1.6 * full.kv_sequences
+
+
+def test_max_batch_size_caps_concurrency_so_throughput_prefers_replicas():
+    _, cfg, dcfg = preset("qwen3-8b")
+    # Without a real cap the KV cache decides: one TP 8 replica holds the most sequences.
+    free = planner.plan(cfg, dcfg, "dgx-b300", objective="throughput", max_batch_size=100000)
+    assert (free.chosen.tp, free.chosen.replicas) == (8, 1)
+    # TensorRT-LLM's max_batch_size 128 caps each replica: 8 × TP 1 gives more batch slots.
+    capped = planner.plan(cfg, dcfg, "dgx-b300", objective="throughput", max_batch_size=128)
+    assert all(l.max_sequences <= 128 for l in capped.layouts)
+    assert (capped.chosen.tp, capped.chosen.replicas) == (1, 8)
+    assert "max_batch_size; the KV cache holds" in next(l for l in capped.layouts if l.tp == 8).reason
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--nodes", "1000000000"], "--nodes 1000000000: must be in [1, 1024]"),
+    (["--nodes", "0"], "--nodes 0: must be in [1, 1024]"),
+    (["--gpus-per-node", "0"], "--gpus-per-node 0: must be in [1, 16]"),
+    (["--gpus-per-node", "1000"], "--gpus-per-node 1000: must be in [1, 16]"),
+    (["--max-batch-size", "0"], "max_batch_size 0"),
+    (["--max-attention-window", "128,x"], "--max-attention-window '128,x'"),
+])
+def test_plan_counts_are_bounded(args, message):
+    code, out, err = run_cli("plan", "--target", "qwen3-8b", "--hardware", "dgx-b300", *args)
+    assert code == 1 and message in err and not out and "Traceback" not in err

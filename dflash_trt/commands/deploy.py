@@ -25,12 +25,18 @@ HARDWARE = click.Choice(sorted(catalog()))
 @click.option("--kv-cache", type=click.Choice(["auto", "fp8", "bf16"]), default="auto", show_default=True,
               help="KV-cache format; auto = FP8 when the weights are quantized.")
 @click.option("--max-seq-len", type=int, help="Tokens per sequence (prompt + output); default min(model max, 32768).")
-@click.option("--nodes", type=int, default=1, show_default=True, help="Nodes available.")
-@click.option("--gpus-per-node", type=int, help="Default: the hardware's.")
+@click.option("--nodes", type=int, default=1, show_default=True, help="Nodes available (1 to 1024).")
+@click.option("--gpus-per-node", type=int, help="Default: the hardware's (1 to 16).")
+@click.option("--max-batch-size", type=int, help="TensorRT-LLM max_batch_size: caps the concurrent sequences of one "
+              "replica (default 128; for --bundle: the bundle's serving config).")
+@click.option("--max-attention-window", help="TensorRT-LLM kv_cache_config.max_attention_window, comma-separated "
+              "tokens per layer (repeated over the layers), e.g. 128,32768 for gpt-oss: only then do windowed "
+              "layers hold fewer tokens (default for --bundle: the bundle's serving config; else none).")
 @click.option("--objective", type=click.Choice(["latency", "throughput"]), default="latency", show_default=True,
               help="How fitting layouts are ranked.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON only.")
-def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, max_seq_len, nodes, gpus_per_node, objective, as_json):
+def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, max_seq_len, nodes, gpus_per_node, max_batch_size,
+             max_attention_window, objective, as_json):
     """How many GPUs, which TP / EP, how many concurrent sequences fit — from config.json alone.
 
     \b
@@ -42,6 +48,7 @@ def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, max_seq_len, no
     Examples:
       dflash-trt plan --target gpt-oss-120b --hardware dgx-b300
       dflash-trt plan --target qwen3-8b --hardware hgx-h200 --quant fp8 --max-seq-len 16384 --json
+      dflash-trt plan --target gpt-oss-120b --hardware dgx-b300 --max-attention-window 128,131072
       dflash-trt plan --target ./my-model --drafter ./my-drafter --hardware dgx-b200 --nodes 2
       dflash-trt plan --bundle engines/gpt-oss-120b
     """
@@ -49,6 +56,11 @@ def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, max_seq_len, no
     from dflash_trt.deploy import values as deploy
     from dflash_trt.errors import DFlashError
 
+    overrides = {}
+    if max_batch_size is not None:
+        overrides["max_batch_size"] = max_batch_size
+    if max_attention_window is not None:
+        overrides["max_attention_window"] = planner.parse_windows(max_attention_window)
     if bundle:
         if quant != "auto" or kv_cache != "auto":
             raise DFlashError("--bundle plans the bundle's own formats (manifest quant); drop --quant / --kv-cache")
@@ -56,7 +68,7 @@ def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, max_seq_len, no
             raise DFlashError("--bundle plans the bundle's own target and drafter; drop --target / --drafter")
         gpu = catalog()[hardware].gpu if hardware else None
         p = deploy.plan_for_bundle(bundle, nodes=nodes, gpus_per_node=gpus_per_node, gpu=gpu,
-                                   max_seq_len=max_seq_len, objective=objective)
+                                   max_seq_len=max_seq_len, objective=objective, **overrides)
         if p is None:
             raise DFlashError(f"{bundle}: the bundle pins no GPU (a CPU-only deployment); pass --hardware")
     else:
@@ -69,7 +81,8 @@ def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, max_seq_len, no
         if drafter:
             dname, dcfg = planner.drafter_config(drafter)
         p = planner.plan(tcfg, dcfg, hardware, target_name=tname, drafter_name=dname, quant=quant, kv_cache=kv_cache,
-                         max_seq_len=max_seq_len, nodes=nodes, gpus_per_node=gpus_per_node, objective=objective)
+                         max_seq_len=max_seq_len, nodes=nodes, gpus_per_node=gpus_per_node, objective=objective,
+                         **overrides)
     if as_json:
         click.echo(json.dumps(p.to_dict(), indent=2))
     else:
@@ -79,9 +92,14 @@ def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, max_seq_len, no
 @click.command("deploy")
 @click.option("--bundle", required=True, type=click.Path(exists=True, file_okay=False),
               help="Bundle folder written by `dflash-trt build` (reads its manifest.json).")
-@click.option("--nodes", type=int, default=1, show_default=True, help="Nodes available for this model.")
-@click.option("--gpus-per-node", type=int, help="Default: the bundle GPU's node type (8 on DGX / HGX, 4 on GB200).")
-@click.option("--replicas", type=int, help="Model instances; default: the planner's (nodes × GPUs / tp).")
+@click.option("--nodes", type=int, default=1, show_default=True, help="Nodes available for this model (1 to 1024).")
+@click.option("--gpus-per-node", type=int, help="1, 2, 4, 8 or 16; default: the bundle GPU's node type (8 on DGX / "
+              "HGX, 4 on GB200).")
+@click.option("--replicas", type=int, help="Model instances (1 to 1024); default: the planner's (nodes × GPUs / tp).")
+@click.option("--image", help="Serving image REPOSITORY:TAG or REPOSITORY@sha256:DIGEST (default: the chart's "
+              "TensorRT-LLM Triton image).")
+@click.option("--multinode-image", help="Image of multi-node (LeaderWorkerSet) pods: the serving image plus sshd, "
+              "built from dflash_trt/deploy/multinode.Dockerfile; required when an instance spans nodes.")
 @click.option("--gpu", type=click.Choice([*gpus(), "none"]),
               help="Override the bundle's GPU; none = CPU-only smoke test of the reference model.")
 @click.option("--pvc", help="Existing PersistentVolumeClaim holding the bundle (default: the chart creates one).")
@@ -94,28 +112,31 @@ def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, max_seq_len, no
 @click.option("--release", default="dflash-trt", show_default=True, help="Release name used by --render.")
 @click.option("--namespace", default="default", show_default=True, help="Namespace used by --render.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary only.")
-def deploy_cmd(bundle, nodes, gpus_per_node, replicas, gpu, pvc, ssh_secret, out, render, chart, release, namespace,
-               as_json):
+def deploy_cmd(bundle, nodes, gpus_per_node, replicas, image, multinode_image, gpu, pvc, ssh_secret, out, render, chart,
+               release, namespace, as_json):
     """Write Helm values for a bundle (and, with --render, the Kubernetes manifests).
 
     \b
     The values carry the bundle's parallelism, GPU product (node affinity), model repository,
     /dev/shm size and memory; the layout is the planner's choice for the bundle
-    (`dflash-trt plan --bundle DIR` shows it). A bundle whose compile stage was deferred gets
-    the init container that compiles on the GPU node and caches the engines.
+    (`dflash-trt plan --bundle DIR` shows it). The values are rendered with Helm's engine
+    before anything is written, so the chart's refusals (values.schema.json and its template
+    checks) stop deploy with nothing on disk. Nothing compiles at pod start.
 
     \b
     Examples:
       dflash-trt deploy --bundle engines/gpt-oss-120b --render
-      dflash-trt deploy --bundle engines/big --nodes 2 --out deploy-big
+      dflash-trt deploy --bundle engines/big --nodes 2 --multinode-image registry/dflash-trt-triton:25.10
       dflash-trt deploy --bundle engines/smollm2-135m --gpu none      # CPU-only smoke test
       helm install gptoss dflash_trt/deploy/helm/dflash-trt -f engines/gpt-oss-120b-deploy/values.yaml
     """
     from dflash_trt.deploy import values as deploy
 
     values, p = deploy.deploy_values(bundle, nodes=nodes, gpus_per_node=gpus_per_node, replicas=replicas,
-                                     gpu=gpu, pvc=pvc, ssh_secret=ssh_secret)
-    manifests = deploy.render(values, chart, release=release, namespace=namespace) if render else None
+                                     gpu=gpu, pvc=pvc, ssh_secret=ssh_secret, image=image,
+                                     multinode_image=multinode_image)
+    rendered = deploy.render(values, chart, release=release, namespace=namespace)   # the chart's checks, always
+    manifests = rendered if render else None
     out = Path(out) if out else deploy.default_out(bundle)
     chart_dir = Path(chart) if chart else deploy.default_chart_dir()
     layout = asdict(p.chosen) if p else None

@@ -19,8 +19,12 @@ duplicated when tp exceeds them (ceil(kv_heads / tp) heads per GPU); experts by 
 (ep ranks hold E/ep experts, each split over moe_tp = tp/ep); embedding and lm_head by vocab.
 Norms, routers and biases are replicated.
 
-KV cache per token: every full-attention layer keeps 2 · kv_heads · head_dim values per token;
-sliding-window layers (gpt-oss) keep at most window + block tokens per sequence; the drafter's
+KV cache per token: every layer keeps 2 · kv_heads · head_dim values per token of context. A layer
+keeps at most window + block tokens per sequence only where the serving config gives TensorRT-LLM
+per-layer windows (kv_cache_config.max_attention_window, repeated over the layers as TensorRT-LLM
+does); without it TensorRT-LLM sizes every layer for the whole sequence, sliding-window model or
+not (gpt-oss). Concurrent sequences per replica are capped by max_batch_size. GPU memory is the
+total the GPUs report (hardware.json memory_mib, nvidia-smi's figure), printed in GiB. The drafter's
 cache holds the projected target features of every context token (docs/decode-loop.md), so it grows with
 context too. Activations are a rough upper bound (stated below), not a measurement.
 """
@@ -47,6 +51,10 @@ RUNTIME_RESERVE_BYTES = 3 * GIB
 DEFAULT_MAX_NUM_TOKENS = 8192    # TensorRT-LLM's default max_num_tokens
 DEFAULT_MAX_BATCH_SIZE = 128
 DEFAULT_MAX_SEQ_LEN_CAP = 32768
+# Bounds of the counts a user gives (the Helm chart's gpu.count ≤ 16 per pod; 1024 nodes is far
+# past any one model's deployment and keeps the layout search instant).
+MAX_NODES = 1024
+MAX_GPUS_PER_NODE = 16
 
 QUANT_FORMATS = ("auto", "none", "fp8", "nvfp4", "mxfp4")
 KV_FORMATS = ("auto", "fp8", "bf16")
@@ -297,7 +305,7 @@ def weight_bytes(shape: ModelShape, fmt: str, tp: int = 1) -> int:
             total += elems * ELEMENT_BYTES[fmt] + g.linears * SCALAR_BYTES_PER_LINEAR[fmt]
         else:
             total += elems * 2.0
-    return int(math.ceil(total))
+    return math.ceil(total)
 
 
 def _elements_per_gpu(g: Group, shape: ModelShape, tp: int) -> float:
@@ -310,10 +318,10 @@ def _elements_per_gpu(g: Group, shape: ModelShape, tp: int) -> float:
     return g.elements / tp
 
 
-def kv_bytes_per_token(shape: ModelShape, kv_format: str, tp: int = 1, sliding: bool = False) -> int:
-    """KV bytes per token of context on one GPU of a tp-way split: full-attention layers (or,
-    with sliding=True, the sliding-window layers)."""
-    layers = shape.sliding_layers if sliding else shape.full_layers
+def kv_bytes_per_token(shape: ModelShape, kv_format: str, tp: int = 1, layers: int | None = None) -> int:
+    """KV bytes per token of context on one GPU of a tp-way split, over `layers` layers (default:
+    all of them)."""
+    layers = shape.layers if layers is None else layers
     b = 1 if kv_format == "fp8" else 2
     return layers * 2 * math.ceil(shape.kv_heads / tp) * shape.head_dim * b
 
@@ -342,7 +350,7 @@ class Layout:
     nodes_per_replica: int
     fits: bool
     kv_tokens: int
-    max_sequences: int
+    max_sequences: int     # concurrent sequences of max_seq_len per replica: KV-cache fit, capped by max_batch_size
     reason: str
     weights_bytes_per_gpu: int = 0
     drafter_bytes_per_gpu: int = 0
@@ -350,6 +358,7 @@ class Layout:
     runtime_reserve_bytes: int = RUNTIME_RESERVE_BYTES
     kv_budget_bytes_per_gpu: int = 0
     kv_bytes_per_token_per_gpu: int = 0
+    kv_sequences: int = 0  # sequences the KV cache alone would hold (before the max_batch_size cap)
     within_nvlink_domain: bool = True
 
 
@@ -360,11 +369,13 @@ class Plan:
     hardware: str
     nodes: int
     gpus_per_node: int
+    gpu_memory_bytes: int      # per GPU, as the GPU reports it
     quant: dict
     max_seq_len: int
     max_num_tokens: int
     max_batch_size: int
     kv_fraction: float
+    max_attention_window: list[int] | None
     block_size: int
     objective: str
     total_params: int
@@ -409,6 +420,8 @@ class Sizing:
     logits_tokens: int     # tokens one step computes logits for: max_batch_size × block, at most max_num_tokens
     block: int
     kv_fraction: float
+    max_batch_size: int
+    windows: list[int | None]   # per target layer: tokens kept per sequence, None = the whole sequence
 
 
 def plan(target_cfg: dict, drafter_cfg: dict | None, hardware: str | Hardware, *, target_name: str = "target",
@@ -416,7 +429,7 @@ def plan(target_cfg: dict, drafter_cfg: dict | None, hardware: str | Hardware, *
          drafter_quant: str = "none", max_seq_len: int | None = None, nodes: int = 1, gpus_per_node: int | None = None,
          max_num_tokens: int = DEFAULT_MAX_NUM_TOKENS, max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
          objective: str = "latency", tp: int | None = None, ep: int | None = None,
-         kv_fraction: float = FREE_GPU_MEMORY_FRACTION) -> Plan:
+         kv_fraction: float = FREE_GPU_MEMORY_FRACTION, max_attention_window: list[int] | None = None) -> Plan:
     """Evaluate every TP / EP / replica layout of `nodes` nodes of `hardware`, ranked.
 
     Ranking (fitting layouts first): objective "latency" prefers a replica inside one NVLink
@@ -424,10 +437,11 @@ def plan(target_cfg: dict, drafter_cfg: dict | None, hardware: str | Hardware, *
     TensorRT-LLM latency recipe), then the most KV tokens; "throughput" prefers the most concurrent
     sequences over all replicas, then the narrowest TP, then the widest EP. `tp` / `ep` restrict
     the search to those values (a bundle whose model repository fixes them); `kv_fraction` is
-    kv_cache_config.free_gpu_memory_fraction."""
+    kv_cache_config.free_gpu_memory_fraction, `max_attention_window` its per-layer windows
+    (None: every layer holds the whole sequence)."""
     hw = hardware if isinstance(hardware, Hardware) else get_hardware(hardware)
-    gpn = gpus_per_node or hw.gpus_per_node
-    _check_options(kv_fraction, objective, nodes, gpn)
+    gpn = hw.gpus_per_node if gpus_per_node is None else gpus_per_node
+    _check_options(kv_fraction, objective, nodes, gpn, max_batch_size, max_num_tokens)
     target = target_shape(target_cfg, target_name)
     drafter = drafter_shape(drafter_cfg, drafter_name or "drafter") if drafter_cfg else None
     if drafter and drafter.hidden != target.hidden:
@@ -440,7 +454,8 @@ def plan(target_cfg: dict, drafter_cfg: dict | None, hardware: str | Hardware, *
     max_seq_len = _max_seq_len(target_cfg, max_seq_len, target_name)
     block = _block_size(drafter_cfg)
     s = Sizing(target, drafter, hw, gpn, nodes * gpn, fmt, drafter_quant, kv, max_seq_len, max_num_tokens,
-               min(max_num_tokens, max_batch_size * block), block, kv_fraction)
+               min(max_num_tokens, max_batch_size * block), block, kv_fraction, max_batch_size,
+               layer_windows(target.layers, max_attention_window, max_seq_len, block))
 
     layouts = [_evaluate(s, t, e) for t, e in _candidate_layouts(s, nodes, tp, ep)]
     layouts.sort(key=RANKING[objective])
@@ -448,27 +463,63 @@ def plan(target_cfg: dict, drafter_cfg: dict | None, hardware: str | Hardware, *
     ref = next((l for l in layouts if l.fits), max(layouts, key=lambda l: l.tp))  # the per-GPU weights reported
     return Plan(
         target=target_name, drafter=drafter_name if drafter else None, hardware=hw.name, nodes=nodes,
-        gpus_per_node=gpn, quant={"target": fmt, "kv_cache": kv, "drafter": drafter_quant}, max_seq_len=max_seq_len,
-        max_num_tokens=max_num_tokens, max_batch_size=max_batch_size, kv_fraction=kv_fraction, block_size=block,
+        gpus_per_node=gpn, gpu_memory_bytes=hw.reported_memory_bytes,
+        quant={"target": fmt, "kv_cache": kv, "drafter": drafter_quant}, max_seq_len=max_seq_len,
+        max_num_tokens=max_num_tokens, max_batch_size=max_batch_size, kv_fraction=kv_fraction,
+        max_attention_window=list(max_attention_window) if max_attention_window else None, block_size=block,
         objective=objective,
         total_params=target.total_params, active_params=target.active_params,
         drafter_params=drafter.total_params if drafter else 0,
         weights_bytes={"target": weight_bytes(target, fmt), "drafter": weight_bytes(drafter, drafter_quant) if drafter else 0},
         weights_bytes_per_gpu={"tp": ref.tp, "ep": ref.ep, "target": ref.weights_bytes_per_gpu,
                                "drafter": ref.drafter_bytes_per_gpu},
-        kv_bytes_per_token=_kv_bytes_per_token(target, drafter, kv), layouts=layouts,
+        kv_bytes_per_token=_kv_bytes_per_token(target, drafter, kv, s.windows), layouts=layouts,
     )
 
 
-def _check_options(kv_fraction: float, objective: str, nodes: int, gpus_per_node: int) -> None:
+def check_nodes(nodes: int) -> None:
+    if not 1 <= nodes <= MAX_NODES:
+        raise DFlashError(f"--nodes {nodes}: must be in [1, {MAX_NODES}]")
+
+
+def _check_options(kv_fraction: float, objective: str, nodes: int, gpus_per_node: int, max_batch_size: int,
+                   max_num_tokens: int) -> None:
     if not 0 < kv_fraction <= 1:
         raise DFlashError(f"free_gpu_memory_fraction {kv_fraction}: must be in (0, 1]")
     if objective not in RANKING:
         raise DFlashError(f"--objective {objective!r}: choose latency or throughput")
-    if nodes < 1:
-        raise DFlashError(f"--nodes {nodes}: must be at least 1")
-    if gpus_per_node < 1:
-        raise DFlashError(f"--gpus-per-node {gpus_per_node}: must be at least 1")
+    check_nodes(nodes)
+    if not 1 <= gpus_per_node <= MAX_GPUS_PER_NODE:
+        raise DFlashError(f"--gpus-per-node {gpus_per_node}: must be in [1, {MAX_GPUS_PER_NODE}]")
+    if max_batch_size < 1 or max_num_tokens < 1:
+        raise DFlashError(f"max_batch_size {max_batch_size} / max_num_tokens {max_num_tokens}: must be at least 1")
+
+
+def parse_windows(text: str) -> list[int]:
+    """--max-attention-window "128,32768" → [128, 32768]."""
+    try:
+        windows = [int(w) for w in text.split(",")]
+    except ValueError:
+        windows = []
+    if not windows or any(not 1 <= w <= 10**7 for w in windows) or len(windows) > 1024:
+        raise DFlashError(f"--max-attention-window {text!r}: expected comma-separated token counts in [1, 10000000]")
+    return windows
+
+
+def layer_windows(layers: int, max_attention_window: list[int] | None, max_seq_len: int,
+                  block: int) -> list[int | None]:
+    """Tokens each target layer keeps per sequence: min(window + block, max_seq_len) where
+    TensorRT-LLM's kv_cache_config.max_attention_window gives a window (its list is repeated over
+    the layers when shorter), None (the whole sequence) elsewhere or without the setting."""
+    if not max_attention_window:
+        return [None] * layers
+    if any(not isinstance(w, int) or w < 1 for w in max_attention_window):
+        raise DFlashError(f"max_attention_window {max_attention_window}: windows must be positive integers")
+    out: list[int | None] = []
+    for i in range(layers):
+        kept = max_attention_window[i % len(max_attention_window)] + block
+        out.append(kept if kept < max_seq_len else None)
+    return out
 
 
 def _max_seq_len(target_cfg: dict, max_seq_len: int | None, target_name: str) -> int:
@@ -524,30 +575,33 @@ def _evaluate(s: Sizing, tp: int, ep: int) -> Layout:
     lay.drafter_bytes_per_gpu = weight_bytes(drafter, s.drafter_quant, tp) if drafter else 0
     lay.activation_bytes_per_gpu = activation_bytes(target, tp, s.max_num_tokens, s.logits_tokens)
     fixed = lay.weights_bytes_per_gpu + lay.drafter_bytes_per_gpu + lay.activation_bytes_per_gpu + lay.runtime_reserve_bytes
-    per_tok = kv_bytes_per_token(target, s.kv, tp) + (kv_bytes_per_token(drafter, s.kv, tp) if drafter else 0)
+    full_layers = sum(w is None for w in s.windows)
+    per_tok = (kv_bytes_per_token(target, s.kv, tp, layers=full_layers)
+               + (kv_bytes_per_token(drafter, s.kv, tp) if drafter else 0))
     lay.kv_bytes_per_token_per_gpu = per_tok
-    if fixed >= hw.memory_bytes:
+    if fixed >= hw.reported_memory_bytes:
         lay.reason = (f"does not fit: weights {lay.weights_bytes_per_gpu / GIB:.1f} GiB + drafter "
                       f"{lay.drafter_bytes_per_gpu / GIB:.1f} GiB + activations {lay.activation_bytes_per_gpu / GIB:.1f} GiB "
-                      f"+ runtime {lay.runtime_reserve_bytes / GIB:.1f} GiB per GPU > {hw.memory_bytes / GIB:.1f} GiB "
+                      f"+ runtime {lay.runtime_reserve_bytes / GIB:.1f} GiB per GPU > {hw.reported_memory_bytes / GIB:.1f} GiB "
                       f"of {hw.gpu}")
         return lay
-    budget = int((hw.memory_bytes - fixed) * s.kv_fraction)
+    budget = int((hw.reported_memory_bytes - fixed) * s.kv_fraction)
     lay.kv_budget_bytes_per_gpu = budget
-    window = 0   # sliding-window layers hold at most window + block tokens of each sequence
-    if target.sliding_layers:
-        window = kv_bytes_per_token(target, s.kv, tp, sliding=True) * min(target.sliding_window + s.block, s.max_seq_len)
+    # layers with a window hold at most window + block tokens of each sequence
+    window = kv_bytes_per_token(target, s.kv, tp, layers=1) * sum(w for w in s.windows if w is not None)
     per_seq = s.max_seq_len * per_tok + window
     lay.kv_tokens = budget // per_tok if per_tok else 0
-    lay.max_sequences = budget // per_seq if per_seq else 0
+    lay.kv_sequences = budget // per_seq if per_seq else 0
+    lay.max_sequences = min(lay.kv_sequences, s.max_batch_size)
     if lay.max_sequences < 1:
         lay.reason = (f"does not fit: one sequence of {s.max_seq_len} tokens needs {per_seq / GIB:.2f} GiB of KV per GPU, "
                       f"{budget / GIB:.2f} GiB left")
         return lay
     lay.fits = True
     where = "one NVLink domain" if lay.within_nvlink_domain else "crosses NVLink domains"
+    capped = f" (max_batch_size; the KV cache holds {lay.kv_sequences:,})" if lay.kv_sequences > s.max_batch_size else ""
     lay.reason = (f"fits: {budget / GIB:.1f} GiB KV per GPU, {lay.kv_tokens:,} tokens, {lay.max_sequences:,} "
-                  f"sequences of {s.max_seq_len} per replica; {where}")
+                  f"sequences of {s.max_seq_len} per replica{capped}; {where}")
     return lay
 
 
@@ -565,13 +619,16 @@ def _split_error(s: Sizing, tp: int, ep: int) -> str:
     return ""
 
 
-def _kv_bytes_per_token(target: ModelShape, drafter: ModelShape | None, kv: str) -> dict:
-    """Plan.kv_bytes_per_token: KV bytes per token of context of each model (unsplit)."""
-    d = {"target": kv_bytes_per_token(target, kv), "drafter": kv_bytes_per_token(drafter, kv) if drafter else 0,
-         "format": kv}
-    if target.sliding_layers:
-        d["target_sliding_window"] = {"layers": target.sliding_layers, "window": target.sliding_window,
-                                      "bytes_per_token": kv_bytes_per_token(target, kv, sliding=True)}
+def _kv_bytes_per_token(target: ModelShape, drafter: ModelShape | None, kv: str, windows: list[int | None]) -> dict:
+    """Plan.kv_bytes_per_token: KV bytes per token of context of each model (unsplit); the
+    target's windowed layers apart, when the serving config sets max_attention_window."""
+    full = sum(w is None for w in windows)
+    d = {"target": kv_bytes_per_token(target, kv, layers=full),
+         "drafter": kv_bytes_per_token(drafter, kv) if drafter else 0, "format": kv}
+    if full < len(windows):
+        kept = sorted({w for w in windows if w is not None})
+        d["target_sliding_window"] = {"layers": len(windows) - full, "tokens_kept": kept,
+                                      "bytes_per_token": kv_bytes_per_token(target, kv, layers=len(windows) - full)}
     return d
 
 
@@ -602,17 +659,18 @@ def format_plan(p: Plan) -> str:
     """A human-readable report of a plan."""
     gb = lambda b: f"{b / GIB:,.1f} GiB"
     lines = [
-        f"target {p.target}: {p.total_params / 1e9:.2f} B parameters, {p.active_params / 1e9:.2f} B active per token; "
-        f"weights {gb(p.weights_bytes['target'])} as {p.quant['target']}",
+        (f"target {p.target}: {p.total_params / 1e9:.2f} B parameters, {p.active_params / 1e9:.2f} B active per token; "
+         f"weights {gb(p.weights_bytes['target'])} as {p.quant['target']}"),
         (f"drafter {p.drafter}: {p.drafter_params / 1e9:.3f} B parameters, {gb(p.weights_bytes['drafter'])} "
          f"{'bf16' if p.quant['drafter'] == 'none' else p.quant['drafter']}, "
          f"block {p.block_size}") if p.drafter else "drafter: none given (plain decoding figures)",
         f"KV cache ({p.quant['kv_cache']}): target {p.kv_bytes_per_token['target']:,} B/token"
-        + (f" + sliding-window layers {p.kv_bytes_per_token['target_sliding_window']['bytes_per_token']:,} B/token up to "
-           f"{p.kv_bytes_per_token['target_sliding_window']['window']} tokens" if "target_sliding_window" in p.kv_bytes_per_token else "")
+        + (f" + windowed layers {p.kv_bytes_per_token['target_sliding_window']['bytes_per_token']:,} B/token up to "
+           f"{max(p.kv_bytes_per_token['target_sliding_window']['tokens_kept'])} tokens (max_attention_window)"
+           if "target_sliding_window" in p.kv_bytes_per_token else "")
         + f"; drafter {p.kv_bytes_per_token['drafter']:,} B/token",
-        f"hardware {p.hardware}: {p.nodes} node(s) × {p.gpus_per_node} GPUs; max_seq_len {p.max_seq_len}, "
-        f"objective {p.objective}",
+        (f"hardware {p.hardware}: {p.nodes} node(s) × {p.gpus_per_node} GPUs of {gb(p.gpu_memory_bytes)}; "
+         f"max_seq_len {p.max_seq_len}, max_batch_size {p.max_batch_size}, objective {p.objective}"),
         "",
         f"{'rank':>4} {'tp':>3} {'ep':>3} {'repl':>4} {'weights/GPU':>12} {'KV tokens':>12} {'seqs/repl':>9}  reason",
     ]

@@ -11,8 +11,10 @@ relies on:
                                  absolute; else the preset's drafter shapes)
     quant.drafter                "fp8" | "none" (default none)
     max_seq_len                  int: the planner's sequence length (default min(model max, 32768))
-    <triton_model_repository>/tensorrt_llm/1/model.yaml (optional file): kv_cache_config.
-                                 free_gpu_memory_fraction, max_batch_size, max_num_tokens
+    <triton_model_repository>/tensorrt_llm/1/model.yaml and configs/trtllm-serve.yaml (optional
+                                 files, the latter wins): kv_cache_config.free_gpu_memory_fraction
+                                 and .max_attention_window (per-layer windows), max_batch_size,
+                                 max_num_tokens
     arch                         "blackwell" | "hopper"
     gpu                          "b300" | "b200" | "gb200" | "h200" | "h100" | null (no GPU pinned:
                                  a CPU-only deployment of the reference-runtime model)
@@ -21,17 +23,19 @@ relies on:
     parallel.tp, parallel.ep     int: the layout search is restricted to them (the bundle's Triton
                                  model was written for them); the planner picks the replicas
     parallel.pp                  int: 1 (pipeline parallel bundles are not planned)
-    stages.compile.status        "deferred" turns on the chart's compile init container
     triton_model_repository      str: the model repository folder, relative to the bundle
     triton_models                [str]: its models; "dflash_reference" is the CPU-capable one
 
 The layout written by default is the planner's chosen layout for the bundle (`plan_for_bundle`),
-so `dflash-trt plan --bundle DIR` shows exactly what `deploy` will do.
+so `dflash-trt plan --bundle DIR` shows exactly what `deploy` will do. Nothing is compiled at pod
+start: the serving path loads the bundle's Hugging Face checkpoints (a deferred compile stage is
+an opt-in engine build that no serving file loads).
 """
 from __future__ import annotations
 
 import math
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -51,6 +55,12 @@ SHM_PER_GPU_GIB = 2                       # /dev/shm per GPU: NCCL and Python-ba
 HOST_MEMORY_BASE_GIB = 32                 # host memory per GPU pod besides /dev/shm
 CPU_PER_GPU = 4
 DEFAULT_SSH_SECRET = "dflash-trt-ssh"
+POD_GPU_COUNTS = (1, 2, 4, 8, 16)         # the chart's gpu.count (values.schema.json)
+MAX_REPLICAS = 1024                       # the chart's replicas maximum
+AUTOSCALE_TARGET_SHARE = 0.8              # requests in flight per instance to aim for, of its batch slots
+DOCKERFILE = "dflash_trt/deploy/multinode.Dockerfile"
+# An image reference: repository[:tag][@sha256:<64 hex>].
+IMAGE_REF = re.compile(r"^(?P<repo>[a-z0-9][a-z0-9._/:-]*?)(?::(?P<tag>[\w][\w.-]{0,127}))?(?:@(?P<digest>sha256:[0-9a-f]{64}))?$")
 
 
 def default_chart_dir() -> Path:
@@ -101,7 +111,7 @@ def bundle_hardware(m: dict, gpu: str | None = None) -> Hardware | None:
 
 def plan_for_bundle(bundle: str | Path, *, nodes: int = 1, gpus_per_node: int | None = None,
                     gpu: str | None = None, max_seq_len: int | None = None,
-                    objective: str = "latency") -> planner.Plan | None:
+                    objective: str = "latency", **overrides) -> planner.Plan | None:
     """The planner run for a bundle: its target, drafter, formats and GPU; TP / EP fixed to the
     bundle's when it records them (its Triton model was written for them). None for a bundle
     without a GPU (CPU-only deployment)."""
@@ -115,7 +125,7 @@ def plan_for_bundle(bundle: str | Path, *, nodes: int = 1, gpus_per_node: int | 
     if int(par.get("pp") or 1) != 1:
         raise DFlashError("manifest.json: parallel.pp > 1 is not planned; set the chart's parallel.pp by hand")
     q = m["quant"]
-    llm = _llm_api_settings(bundle, m)
+    llm = {**_llm_api_settings(bundle, m), **overrides}   # max_batch_size / max_attention_window
     return planner.plan(m["target"]["config"], dcfg, hw, target_name=m["target"].get("name", "target"),
                         drafter_name=dname, quant=q.get("target", "auto"), kv_cache=q.get("kv_cache", "auto"),
                         drafter_quant=q.get("drafter") or "none", max_seq_len=max_seq_len or m.get("max_seq_len"), nodes=nodes, gpus_per_node=gpus_per_node, objective=objective,
@@ -123,40 +133,69 @@ def plan_for_bundle(bundle: str | Path, *, nodes: int = 1, gpus_per_node: int | 
 
 
 def _llm_api_settings(bundle: Path, m: dict) -> dict:
-    """KV fraction, batch and token limits from the bundle's TensorRT-LLM model.yaml (what the
-    server will really use), where present."""
-    path = bundle / m["triton_model_repository"] / "tensorrt_llm" / "1" / "model.yaml"
-    if not path.is_file():
-        return {}
-    try:
-        y = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise DFlashError(f"{path}: invalid YAML ({e})") from None
-    out = {}
-    frac = (y.get("kv_cache_config") or {}).get("free_gpu_memory_fraction")
-    if frac is not None:
-        out["kv_fraction"] = float(frac)
-    for key in ("max_batch_size", "max_num_tokens"):
-        if y.get(key):
-            out[key] = int(y[key])
+    """KV fraction, per-layer attention windows, batch and token limits from the bundle's
+    TensorRT-LLM settings (what the server will really use), where present: the Triton model's
+    model.yaml, then configs/trtllm-serve.yaml (it wins where both set a key)."""
+    out: dict = {}
+    for path in (bundle / m["triton_model_repository"] / "tensorrt_llm" / "1" / "model.yaml",
+                 bundle / "configs" / "trtllm-serve.yaml"):
+        if not path.is_file():
+            continue
+        try:
+            y = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise DFlashError(f"{path}: invalid YAML ({e})") from None
+        if not isinstance(y, dict):
+            raise DFlashError(f"{path}: expected a mapping of TensorRT-LLM settings")
+        kv = y.get("kv_cache_config") or {}
+        if kv.get("free_gpu_memory_fraction") is not None:
+            out["kv_fraction"] = float(kv["free_gpu_memory_fraction"])
+        if kv.get("max_attention_window") is not None:
+            maw = kv["max_attention_window"]
+            if not (isinstance(maw, list) and maw and all(isinstance(w, int) and w > 0 for w in maw)):
+                raise DFlashError(f"{path}: kv_cache_config.max_attention_window must be a list of positive "
+                                  f"integers (one window per layer, repeated), got {maw!r}")
+            out["max_attention_window"] = maw
+        for key in ("max_batch_size", "max_num_tokens"):
+            if y.get(key):
+                out[key] = int(y[key])
     return out
+
+
+def parse_image(ref: str, option: str) -> dict:
+    """--image / --multinode-image REPOSITORY[:TAG][@sha256:DIGEST] → the chart's image block."""
+    m = IMAGE_REF.match(ref or "")
+    if not m or not (m["tag"] or m["digest"]):
+        raise DFlashError(f"{option} {ref!r}: expected REPOSITORY:TAG or REPOSITORY@sha256:<64 hex digits>")
+    return {"repository": m["repo"], "tag": m["tag"] or "", "digest": m["digest"] or ""}
+
+
+def check_counts(*, nodes: int, gpus_per_node: int | None, replicas: int | None) -> None:
+    """Every count a user gives deploy, bounded (the chart's own limits)."""
+    planner.check_nodes(nodes)
+    if gpus_per_node is not None and gpus_per_node not in POD_GPU_COUNTS:
+        raise DFlashError(f"--gpus-per-node {gpus_per_node}: must be one of {', '.join(map(str, POD_GPU_COUNTS))} "
+                          "(the chart's gpu.count)")
+    if replicas is not None and not 1 <= replicas <= MAX_REPLICAS:
+        raise DFlashError(f"--replicas {replicas}: must be in [1, {MAX_REPLICAS}]")
 
 
 def deploy_values(bundle: str | Path, *, nodes: int = 1, gpus_per_node: int | None = None,
                   replicas: int | None = None, gpu: str | None = None, pvc: str | None = None,
-                  ssh_secret: str = DEFAULT_SSH_SECRET, max_seq_len: int | None = None) -> tuple[dict, planner.Plan | None]:
+                  ssh_secret: str = DEFAULT_SSH_SECRET, max_seq_len: int | None = None,
+                  image: str | None = None, multinode_image: str | None = None) -> tuple[dict, planner.Plan | None]:
     """Chart values for a bundle, and the plan they follow (None for CPU-only)."""
+    check_counts(nodes=nodes, gpus_per_node=gpus_per_node, replicas=replicas)
     bundle = Path(bundle)
     m = read_manifest(bundle)
     models = list(m["triton_models"])
-    if replicas is not None and replicas < 0:
-        raise DFlashError(f"--replicas {replicas}: must be at least 0")
     values: dict = {
         "bundle": {"modelRepository": m["triton_model_repository"], "delivery": "pvc"},
         "podAnnotations": {"dflash-trt/target": str(m["target"].get("name", "")),
                            "dflash-trt/tool-version": str(m.get("tool_version", ""))},
     }
-    compile_deferred = ((m.get("stages") or {}).get("compile") or {}).get("status") == "deferred"
+    if image:
+        values["image"] = parse_image(image, "--image")
     p = plan_for_bundle(bundle, nodes=nodes, gpus_per_node=gpus_per_node, gpu=gpu, max_seq_len=max_seq_len)
 
     if p is None:   # CPU-only: the reference-runtime model, one pod, no GPU
@@ -170,7 +209,6 @@ def deploy_values(bundle: str | Path, *, nodes: int = 1, gpus_per_node: int | No
             "parallel": {"tp": 1, "pp": 1, "ep": 1},
             "shmSize": "1Gi",
             "resources": {"requests": {"cpu": "2", "memory": "8Gi"}, "limits": {"memory": "16Gi"}},
-            "compile": {"enabled": False},
         })
         values["bundle"]["models"] = [REFERENCE_MODEL]
         values["bundle"]["pvc"] = _pvc(pvc, 10, rwx=False)
@@ -200,12 +238,17 @@ def deploy_values(bundle: str | Path, *, nodes: int = 1, gpus_per_node: int | No
             # Weights pass through host memory (page cache) while loading.
             "limits": {"memory": f"{shm_gib + HOST_MEMORY_BASE_GIB + weights_gib_per_pod}Gi"},
         },
-        "compile": {"enabled": compile_deferred},
+        # Ready for autoscaling.enabled: aim at 80 % of one instance's batch slots in flight.
+        "autoscaling": {"targetAverageValue": str(max(1, int(AUTOSCALE_TARGET_SHARE * chosen.max_sequences)))},
     })
     values["bundle"]["models"] = gpu_models
     values["bundle"]["pvc"] = _pvc(pvc, max(10, bundle_gib), rwx=multi or n_replicas > 1)
     if multi:
-        values["multiNode"] = {"sshSecret": ssh_secret}
+        if not multinode_image:
+            raise DFlashError(f"the layout spans {chosen.nodes_per_replica} nodes per instance (a LeaderWorkerSet): pass "
+                              "--multinode-image REPOSITORY:TAG, the serving image plus sshd (MPI starts the worker "
+                              f"ranks over ssh; the stock Triton image has none), built from {DOCKERFILE}")
+        values["multiNode"] = {"sshSecret": ssh_secret, "image": parse_image(multinode_image, "--multinode-image")}
     return values, p
 
 
