@@ -69,12 +69,14 @@ class Attention(nn.Module):
         q = apply_rope(q.transpose(0, 1), cos, sin)
         self.k_cache[:, start:start + T] = apply_rope(k.transpose(0, 1), cos, sin)
         self.v_cache[:, start:start + T] = self.v_proj(x).view(T, self.nkv, self.hd).transpose(0, 1)
-        if q.dtype == torch.float32 and (lib := attention.library()) is not None:
+        decode_sized = T <= gemm.MAX_ROWS   # verify blocks and AR steps; a long prefill runs SDPA in float32
+        if q.dtype == torch.float32 and decode_sized and (lib := attention.library()) is not None:
             sinks = self.sinks if self.has_sinks else None
             return self.o_proj(attention.attend(lib, q, self.k_cache, self.v_cache, start, sinks, self.window,
                                                 self.hd ** -0.5))
         n = start + T
-        invariant = q.dtype != torch.float64   # float64 is for oracles: SDPA, as transformers runs it
+        # float64 is for oracles: SDPA, as transformers runs it
+        invariant = q.dtype in (torch.bfloat16, torch.float16) or (q.dtype == torch.float32 and decode_sized)
         if invariant:
             # Batch invariance: a query row's result must not depend on how many rows are computed
             # together, so that a T-token verify pass and T one-token AR steps give bitwise identical
@@ -97,7 +99,7 @@ class Attention(nn.Module):
     def _attend_eager(self, q, k, v, mask):
         rep = self.nh // self.nkv
         k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
-        if q.dtype == torch.float32:
+        if q.dtype == torch.float32 and q.shape[1] <= gemm.MAX_ROWS:
             # (without a C compiler) oneDNN's bf16 bmm is row-invariant at these shapes, MKL's float32
             # bmm is not (measured): one query row per call, each the very call an AR step makes
             return torch.cat([self._attend_rows(q[:, t:t + 1], k, v, mask[t:t + 1]) for t in range(q.shape[1])], 1)
