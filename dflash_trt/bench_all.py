@@ -1,9 +1,11 @@
 """`make bench`: every benchmark of the project, each writing JSON into --out.
 
 - runtime_embedded.json: `dflash-trt bench` on the embedded pair, held-out prompts, greedy,
-  128 new tokens (tau, speed-up, losslessness; issue targets tau >= 3, speed-up >= 1.8x);
+  128 new tokens (tau, speed-up, losslessness, what a block costs in AR steps, CPU and GEMM path);
 - runtime_tiny.json: the same loop on a tiny random pair, for the per-block cost split
   (bookkeeping = everything that is not a model forward; goal < 5%);
+- gemm.json: decode-size GEMMs, MKL / oneDNN / our packed kernel / bf16, with batch invariance
+  (bench/bench_gemm.py);
 - kv_inject.json: fused KV injection against the reference (bench/bench_kv_inject.py);
 - quantize.json: streaming NVFP4 quantization of multi-GB synthetic checkpoints against
   `cat` and ModelOpt (bench/bench_quantize.py). Skipped with --quick.
@@ -66,7 +68,9 @@ def main() -> int:
     r = _cli(["bench", "--json", "--max-new-tokens", "128", *lim], out / "runtime_embedded.json")
     summary["runtime_embedded"] = {k: r[k] for k in ("tau", "speedup", "tokens_per_s_dflash", "tokens_per_s_ar",
                                                      "lossless", "match_rate", "n_prompts", "block_size",
-                                                     "block_cost_split")}
+                                                     "block_cost_split", "verify_over_ar", "draft_over_ar",
+                                                     "inject_over_ar", "block_over_ar", "ar_ms_per_step", "dtype",
+                                                     "threads", "gemm_path", "cpu") if k in r}
     with tempfile.TemporaryDirectory() as tmp:
         _cli(["make-tiny", "--arch", "qwen3", "--out", f"{tmp}/t", "--drafter-out", f"{tmp}/d", "--json"],
              Path(tmp) / "tiny.json")
@@ -75,6 +79,10 @@ def main() -> int:
         r = _cli(["bench", "--target", f"{tmp}/t", "--drafter", f"{tmp}/d", "--prompts", str(prompts),
                   "--max-new-tokens", "64", "--threads", "1", "--json"], out / "runtime_tiny.json")
         summary["runtime_tiny"] = {"block_cost_split": r["block_cost_split"], "ms_per_block": r["ms_per_block"]}
+    gemm = _script("bench_gemm.py", [], out / "gemm.json")   # the measurement behind kernels/gemm.py
+    if gemm is not None:
+        summary["gemm"] = {name: {m: {b: v["us"] for b, v in row.items()} for m, row in d["rows"].items()
+                                  if m in ("1", "9")} for name, d in gemm["shapes"].items()}
     kv = _script("bench_kv_inject.py", [], out / "kv_inject.json")
     if kv is not None:
         summary["kv_inject"] = kv

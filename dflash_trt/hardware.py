@@ -4,6 +4,7 @@ hardware.json (memory, SM architecture, NVLink bandwidth, FP4/FP8 support, and t
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
@@ -97,3 +98,25 @@ def arch_has_fp4(arch: str) -> bool:
     """FP4 tensor cores on every GPU of the architecture (Blackwell yes, Hopper no)."""
     hws = [hw for hw in catalog().values() if hw.arch == arch]
     return bool(hws) and all(hw.fp4 for hw in hws)
+
+
+# The CPU the reference runtime runs on: benchmarks report it, because the same pair decodes at very
+# different speeds on AVX2-only, AVX-512 and AMX machines (and `--dtype auto` depends on it).
+_CPU_FEATURES = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+
+
+def cpu() -> dict:
+    """{"model", "features" (the ones that decide the GEMM paths), "cores"} of this machine."""
+    model, flags = "", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and not model:
+                    model = value.strip()
+                elif key.strip() in ("flags", "Features") and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    return {"model": model or "unknown", "features": [f for f in _CPU_FEATURES if f in flags],
+            "cores": os.cpu_count()}

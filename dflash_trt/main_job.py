@@ -9,7 +9,9 @@ from __future__ import annotations
 import sys
 
 from dflash_trt.cli import main as cli
+from dflash_trt.kernels import gemm
 from dflash_trt.presets.catalog import resolve_drafter, resolve_target
+from dflash_trt.runtime.bench import cost_ratios, explain
 from dflash_trt.runtime.pair import generate, load_pair
 
 PROMPT = "Write a Python function `is_palindrome(s)` that checks whether a string reads the same backwards."
@@ -39,6 +41,10 @@ def main() -> int:
           f"tau {df.tau:.2f} over {df.blocks} blocks")
     print(f"AR:     {len(ar.token_ids)} tokens in {ar.seconds:.2f} s ({ar.tokens_per_s:.1f} tok/s)")
     print(f"same tokens as AR: {df.token_ids == ar.token_ids}; speed-up {ar.seconds / df.seconds:.2f}x")
+    ratios = cost_ratios(ar.timings["verify"], len(ar.token_ids) - 1, df.timings, df.blocks)
+    if ratios and df.tau:
+        print(f"why: {explain(df.tau, ratios)} (AR step {ratios['ar_ms_per_step']:.1f} ms, "
+              f"{str(pair.target.dtype).removeprefix('torch.')}, GEMM {gemm.path(pair.target.dtype)})")
     return 0 if df.token_ids == ar.token_ids else 1
 
 

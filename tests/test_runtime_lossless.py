@@ -89,26 +89,32 @@ def test_stop_token_mid_block_matches_ar(tiny_pairs):
         assert df.token_ids == ar.token_ids
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt-oss"])
-def test_bfloat16_verify_pass_is_batch_invariant(tiny_pairs, arch):
-    """In bfloat16 a T-token verify pass gives bitwise the logits of T one-token AR steps (what
-    makes greedy DFlash exactly lossless in bf16), at lengths that cross the attention's KV_PAD
-    chunks. The tiny configs with head_dim 64 (as SmolLM2 and gpt-oss; Llama/Qwen3 use 128 too):
-    bf16 GEMM kernels are invariant at these sizes, not at every size (head_dim 16 is not on this
+def test_verify_pass_is_batch_invariant(tiny_pairs, arch, dtype):
+    """A T-token verify pass gives bitwise the logits of T one-token AR steps (what makes greedy
+    DFlash exactly lossless), at lengths that cross the attention's KV_PAD chunks. float32: by
+    construction of the C kernels (csrc/gemm.c, csrc/attention.c), on every x86 CPU. bfloat16: where
+    the CPU has native bf16, oneDNN's kernels are invariant at these sizes (the tiny configs get
+    head_dim 64, as SmolLM2 and gpt-oss), not at every size (head_dim 16 is not on an AVX512-BF16
     CPU), so bench and make run report `lossless` measured, never assumed."""
     import json
 
+    from dflash_trt.kernels import attention, c_loader, gemm
     from dflash_trt.models.target import KV_PAD, TargetModel
     from dflash_trt.runtime.pair import auto_dtype
 
-    if auto_dtype() != torch.bfloat16:
+    if dtype == torch.bfloat16 and auto_dtype() != torch.bfloat16:
         pytest.skip("this CPU has no native bf16 (AVX512-BF16 / AMX): `auto` runs float32 here, and "
                     "oneDNN's emulated bf16 GEMMs are not batch-invariant")
+    if dtype == torch.float32 and (gemm.library() is None or attention.library() is None):
+        pytest.fail(f"the float32 decode kernels did not build: {c_loader.build_error('gemm')} "
+                    f"{c_loader.build_error('attention')}")
     tdir, _ = tiny_pairs[arch]
     cfg = dict(json.loads((tdir / "config.json").read_text()), head_dim=64)
     cfg.pop("quantization_config", None)
     g = torch.Generator().manual_seed(1)
-    t = TargetModel(cfg, torch.bfloat16, max_len=4 * KV_PAD)
+    t = TargetModel(cfg, dtype, max_len=4 * KV_PAD)
     with torch.no_grad():
         for p in t.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.1)

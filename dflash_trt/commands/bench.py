@@ -22,9 +22,11 @@ from dflash_trt.commands import THREADS, FiniteFloatRange
               help="auto: bfloat16 where the CPU has native bf16 (AMX / AVX512-BF16), else float32.")
 @click.option("--threads", type=THREADS, help="torch threads (default: torch's choice).")
 @click.option("--fused/--no-fused", default=True, show_default=True, help="Fused KV-injection path.")
+@click.option("--full-draft-vocab", is_flag=True,
+              help="Draft from the whole vocabulary even if the drafter has a draft_vocab.json.")
 @click.option("--json", "as_json", is_flag=True, help="Print the full JSON report on stdout.")
 def bench_cmd(target, drafter, prompts_file, max_new_tokens, block_size, temperature, limit, dtype, threads,
-              fused, as_json):
+              fused, full_draft_vocab, as_json):
     """Run DFlash and plain AR decoding on the same prompts in one process, interleaved, and
     report tau (mean tokens per target pass, bonus included), the wall-clock speed-up, tokens/s,
     losslessness (greedy: every output token-identical to AR), the acceptance histogram and the
@@ -47,11 +49,13 @@ def bench_cmd(target, drafter, prompts_file, max_new_tokens, block_size, tempera
     if prompts_file is None:
         prompts_file = str(resources.files("dflash_trt").joinpath("data", "heldout_prompts.jsonl"))
     prompts = read_prompts(prompts_file)[:limit]
-    pair = load_pair(resolve_target(target), resolve_drafter(drafter, target), dtype)
+    pair = load_pair(resolve_target(target), resolve_drafter(drafter, target), dtype, draft_vocab=not full_draft_vocab)
     report = run_bench(pair, prompts, max_new_tokens=max_new_tokens, block_size=block_size, temperature=temperature,
                        fused_inject=fused, progress=True)
     report["threads"] = torch.get_num_threads()
     report["dtype"] = str(pair.target.dtype).removeprefix("torch.")
+    vocab = pair.drafter.draft_vocab
+    report["draft_vocab_size"] = len(vocab) if vocab is not None else pair.target.vocab_size
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:

@@ -17,7 +17,7 @@ from torch import nn
 
 from dflash_trt.io.atomic import atomic_output_dir
 from dflash_trt.models.config import DrafterConfig, load_drafter_config
-from dflash_trt.models.layers import RMSNorm, RopeTable, SwiGLU, apply_rope
+from dflash_trt.models.layers import Linear, RMSNorm, RopeTable, SwiGLU, apply_rope
 from dflash_trt.models.weights import dequantized_state_dict, load_strict, read_state_dict
 
 
@@ -26,10 +26,10 @@ class DrafterAttention(nn.Module):
         super().__init__()
         self.nh, self.nkv, self.hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         b = c.attention_bias
-        self.q_proj = nn.Linear(c.hidden_size, self.nh * self.hd, bias=b)
-        self.k_proj = nn.Linear(c.hidden_size, self.nkv * self.hd, bias=b)
-        self.v_proj = nn.Linear(c.hidden_size, self.nkv * self.hd, bias=b)
-        self.o_proj = nn.Linear(self.nh * self.hd, c.hidden_size, bias=b)
+        self.q_proj = Linear(c.hidden_size, self.nh * self.hd, bias=b)
+        self.k_proj = Linear(c.hidden_size, self.nkv * self.hd, bias=b)
+        self.v_proj = Linear(c.hidden_size, self.nkv * self.hd, bias=b)
+        self.o_proj = Linear(self.nh * self.hd, c.hidden_size, bias=b)
         self.q_norm = RMSNorm(self.hd, c.rms_norm_eps)
         self.k_norm = RMSNorm(self.hd, c.rms_norm_eps)
 
@@ -78,11 +78,13 @@ class DFlashDrafter(nn.Module):
         super().__init__()
         self.config = cfg
         c = cfg
-        self.fc = nn.Linear(c.n_features * c.hidden_size, c.hidden_size, bias=False)
+        self.fc = Linear(c.n_features * c.hidden_size, c.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.layers = nn.ModuleList(DrafterLayer(c) for _ in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.rope = RopeTable(_hf_rope_config(c), max_len or c.max_position_embeddings, dtype)
+        self.draft_vocab: torch.Tensor | None = None   # token ids to draft from (models/draft_vocab.py)
+        self._draft_head = None                        # (lm_head weight, its version, its draft_vocab rows)
         self.to(dtype)
 
     def project_context(self, features: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_trt.errors import DFlashError
+from dflash_trt.kernels import gemm
 
 
 class RMSNorm(nn.Module):
@@ -26,13 +27,14 @@ class RMSNorm(nn.Module):
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, batch-invariant in bf16/fp16: one row runs as two. oneDNN's brgemm blocks K
-    differently for M=1 than for M>=2 once K > 1024 (AVX512-BF16 without AMX: SmolLM2's down_proj
-    576x1536 gives ~1 output in 6000 one ulp off), so an AR step would not match its row of a
-    verify pass bitwise; every M>=2 agrees (measured M=2..32)."""
+    """F.linear, batch-invariant: row i of an M-row product equals the one-row product bitwise, so an
+    AR step matches its row of a verify pass. float32 runs the packed C kernel (kernels/gemm.py),
+    invariant by construction. bf16/fp16 run torch's oneDNN with one row run as two: its brgemm blocks
+    K differently for M=1 than for M>=2 once K > 1024 (AVX512-BF16 without AMX: SmolLM2's down_proj
+    576x1536 gives ~1 output in 6000 one ulp off); every M>=2 agrees (measured M=2..32)."""
     if x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16):
         return F.linear(x.expand(2, -1), w, b)[:1]
-    return F.linear(x, w, b)
+    return gemm.linear(x, w, b)
 
 
 class Linear(nn.Linear):

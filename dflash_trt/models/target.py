@@ -18,6 +18,7 @@ from torch import nn
 
 from dflash_trt.errors import DFlashError
 from dflash_trt.io.jsonio import read_json
+from dflash_trt.kernels import attention, gemm
 from dflash_trt.models.config import require_target_config
 from dflash_trt.models.layers import Linear, RMSNorm, RopeTable, SwiGLU, apply_rope, linear
 from dflash_trt.models.weights import dequantize_mxfp4, load_strict, read_state_dict
@@ -73,23 +74,27 @@ class Attention(nn.Module):
         q = apply_rope(q.transpose(0, 1), cos, sin)
         self.k_cache[:, start:start + T] = apply_rope(k.transpose(0, 1), cos, sin)
         self.v_cache[:, start:start + T] = self.v_proj(x).view(T, self.nkv, self.hd).transpose(0, 1)
+        decode_sized = T <= gemm.MAX_ROWS   # verify blocks and AR steps; a long prefill runs SDPA in float32
+        if q.dtype == torch.float32 and decode_sized and (lib := attention.library()) is not None:
+            sinks = self.sinks if self.has_sinks else None
+            return self.o_proj(attention.attend(lib, q, self.k_cache, self.v_cache, start, sinks, self.window,
+                                                self.hd ** -0.5))
         n = start + T
-        low_precision = q.dtype in (torch.bfloat16, torch.float16)
-        if low_precision:
-            # Batch invariance: in bf16 a query row's result must not depend on how many rows are
-            # computed together, so that a T-token verify pass and T one-token AR steps give bitwise
-            # identical logits and greedy DFlash is exactly lossless (tests/test_runtime_lossless.py).
-            # SDPA's CPU kernel is not invariant; HF's eager attention (bmm, float32 softmax, bmm) is,
-            # once the P·V reduction runs over whole KV_PAD chunks (oneDNN's K-loop tail otherwise
-            # changes the summation order with the length; masked rows add exact zeros).
+        # float64 is for oracles: SDPA, as transformers runs it
+        invariant = q.dtype in (torch.bfloat16, torch.float16) or (q.dtype == torch.float32 and decode_sized)
+        if invariant:
+            # Batch invariance: a query row's result must not depend on how many rows are computed
+            # together, so that a T-token verify pass and T one-token AR steps give bitwise identical
+            # logits and greedy DFlash is exactly lossless (tests/test_runtime_lossless.py). SDPA's CPU
+            # kernel is not invariant; HF's eager attention (bmm, float32 softmax, bmm) is, once the
+            # P·V reduction runs over whole KV_PAD chunks (the K-loop tail otherwise changes the
+            # summation order with the length; masked rows add exact zeros).
             n = min(-(-n // KV_PAD) * KV_PAD, self.k_cache.shape[1])
             mask = F.pad(mask, (0, n - start - T), value=False)
         k, v = self.k_cache[:, :n], self.v_cache[:, :n]
         if self.window is not None:
             mask = mask & (torch.arange(n)[None, :] > torch.arange(start, start + T)[:, None] - self.window)
-        if self.has_sinks:
-            o = self._attend_with_sinks(q, k, v, mask)
-        elif low_precision:
+        if invariant or self.has_sinks:
             o = self._attend_eager(q, k, v, mask)
         else:
             o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask,
@@ -99,16 +104,19 @@ class Attention(nn.Module):
     def _attend_eager(self, q, k, v, mask):
         rep = self.nh // self.nkv
         k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
-        s = (q @ k.transpose(1, 2)) * self.hd ** -0.5
-        p = torch.softmax(s.float().masked_fill(~mask, float("-inf")), dim=-1)
-        return p.to(v.dtype) @ v
+        if q.dtype == torch.float32 and q.shape[1] <= gemm.MAX_ROWS:
+            # (without a C compiler) oneDNN's bf16 bmm is row-invariant at these shapes, MKL's float32
+            # bmm is not (measured): one query row per call, each the very call an AR step makes
+            return torch.cat([self._attend_rows(q[:, t:t + 1], k, v, mask[t:t + 1]) for t in range(q.shape[1])], 1)
+        return self._attend_rows(q, k, v, mask)
 
-    def _attend_with_sinks(self, q, k, v, mask):
+    def _attend_rows(self, q, k, v, mask):
+        s = (q @ k.transpose(1, 2)) * self.hd ** -0.5
+        if not self.has_sinks:
+            p = torch.softmax(s.float().masked_fill(~mask, float("-inf")), dim=-1)
+            return p.to(v.dtype) @ v
         # gpt-oss: a learned per-head logit joins the softmax denominator and is then dropped. It goes
         # first, so a row's entries keep their places whatever the row's length (batch invariance).
-        rep = self.nh // self.nkv
-        k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
-        s = (q @ k.transpose(1, 2)) * self.hd ** -0.5
         s = s.masked_fill(~mask, float("-inf"))
         s = torch.cat([self.sinks.to(s.dtype).view(-1, 1, 1).expand(-1, s.shape[1], 1), s], dim=-1)
         p = torch.softmax(s - s.max(-1, keepdim=True).values, dim=-1)[..., 1:]
@@ -122,7 +130,7 @@ class MoE(nn.Module):
         super().__init__()
         E, H, I = c.num_local_experts, c.hidden_size, c.intermediate_size
         self.top_k, self.alpha, self.limit = c.num_experts_per_tok, c.swiglu_alpha, c.swiglu_limit
-        self.router = nn.Linear(H, E, bias=True)
+        self.router = Linear(H, E, bias=True)
         self.experts = nn.Module()
         self.experts.gate_up_proj = nn.Parameter(torch.zeros(E, H, 2 * I))
         self.experts.gate_up_proj_bias = nn.Parameter(torch.zeros(E, 2 * I))
@@ -136,10 +144,10 @@ class MoE(nn.Module):
         ex = self.experts
         for e in idx.unique().tolist():
             tok, slot = torch.where(idx == e)
-            gu = x[tok] @ ex.gate_up_proj[e] + ex.gate_up_proj_bias[e]
+            gu = gemm.stacked_linear(x[tok], ex.gate_up_proj, e, ex.gate_up_proj_bias[e])
             gate, up = gu[..., ::2].clamp(max=self.limit), gu[..., 1::2].clamp(-self.limit, self.limit)
             h = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
-            y = h @ ex.down_proj[e] + ex.down_proj_bias[e]
+            y = gemm.stacked_linear(h, ex.down_proj, e, ex.down_proj_bias[e])
             out.index_add_(0, tok, y * weights[tok, slot, None])
         return out
 
@@ -190,12 +198,7 @@ class TargetModel(nn.Module):
         return self.model.embed_tokens.weight if self.tied else self.lm_head.weight
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        w = self.lm_head_weight()
-        if h.dtype == torch.float32 and h.shape[0] > 1 and w.is_contiguous():
-            # (a tied embedding stays row-major for its lookups) W @ h.T is MKL's faster GEMM
-            # for a few rows and a large vocabulary: SmolLM2's 49152 x 576, 9 rows: 28 -> 14 ms
-            return (w @ h.t()).t()
-        return linear(h, w)
+        return linear(h, self.lm_head_weight())   # a tied embedding gets its packed copy too
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(tokens)

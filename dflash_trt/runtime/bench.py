@@ -12,9 +12,34 @@ import sys
 from tqdm import tqdm
 
 from dflash_trt.errors import DFlashError
+from dflash_trt.hardware import cpu
+from dflash_trt.kernels import gemm
 from dflash_trt.runtime.decode import generate
 from dflash_trt.runtime.pair import check_request, encode_prompt
 from dflash_trt.runtime.sampling import SamplingParams
+
+
+def cost_ratios(ar_step_seconds: float, ar_steps: int, dflash_timings: dict, blocks: int) -> dict:
+    """What one DFlash block costs in AR steps, measured in the same run: verify_over_ar (a B-token
+    verify pass over one AR step), draft_over_ar, inject_over_ar, and their sum block_over_ar;
+    speed-up ~= tau / block_over_ar in decode. Inputs: the AR loop's target-pass seconds and steps,
+    the DFlash loop's per-part seconds (GenerationResult.timings) and blocks."""
+    if ar_steps < 1 or blocks < 1:
+        return {}
+    step = ar_step_seconds / ar_steps
+    out = {"ar_ms_per_step": 1000 * step}
+    for part in ("verify", "draft", "inject"):
+        out[f"{part}_over_ar"] = dflash_timings[part] / blocks / step
+    out["block_over_ar"] = sum(out[f"{p}_over_ar"] for p in ("verify", "draft", "inject"))
+    return out
+
+
+def explain(tau: float, ratios: dict) -> str:
+    """One line for a newcomer: where the speed-up comes from."""
+    return (f"each DFlash block gives {tau:.2f} tokens (tau) and costs {ratios['block_over_ar']:.2f} plain "
+            f"decoding steps (verify {ratios['verify_over_ar']:.2f} + draft {ratios['draft_over_ar']:.2f} + "
+            f"inject {ratios['inject_over_ar']:.2f}), so decoding runs {tau:.2f} / "
+            f"{ratios['block_over_ar']:.2f} = {tau / ratios['block_over_ar']:.2f}x faster")
 
 
 def run_bench(pair, prompts: list[str], *, max_new_tokens: int = 128, block_size: int | None = None,
@@ -32,6 +57,7 @@ def run_bench(pair, prompts: list[str], *, max_new_tokens: int = 128, block_size
         generate(pair.target, pair.drafter if mode == "dflash" else None, encoded[0], max_new_tokens=8,
                  mode=mode, block_size=B, sampling=sp, stop_ids=pair.stop_ids, fused_inject=fused_inject)
     walls = {"ar": 0.0, "dflash": 0.0}
+    ar_steps, ar_verify = 0, 0.0
     tokens = {"ar": 0, "dflash": 0}
     hist: collections.Counter = collections.Counter()
     split = collections.Counter()
@@ -46,7 +72,8 @@ def run_bench(pair, prompts: list[str], *, max_new_tokens: int = 128, block_size
             results[mode] = r
             walls[mode] += r.seconds
             tokens[mode] += len(r.token_ids)
-        d = results["dflash"]
+        d, a = results["dflash"], results["ar"]
+        ar_steps, ar_verify = ar_steps + len(a.token_ids) - 1, ar_verify + a.timings["verify"]
         hist.update(d.accepted_per_block)
         split.update(d.timings)
         per_prompt.append({"prompt_tokens": len(ids), "new_tokens": len(d.token_ids), "tau": d.tau,
@@ -60,8 +87,10 @@ def run_bench(pair, prompts: list[str], *, max_new_tokens: int = 128, block_size
     n_blocks = sum(hist.values())
     matches = sum(p["match"] for p in per_prompt)
     decode = sum(split[k] for k in ("draft", "verify", "inject", "bookkeeping"))
+    tau = sum(k * v for k, v in hist.items()) / n_blocks if n_blocks else None
+    ratios = cost_ratios(ar_verify, ar_steps, split, n_blocks)
     return {
-        "tau": sum(k * v for k, v in hist.items()) / n_blocks if n_blocks else None,
+        "tau": tau,
         "speedup": walls["ar"] / walls["dflash"] if walls["dflash"] else None,
         "tokens_per_s_dflash": tokens["dflash"] / walls["dflash"] if walls["dflash"] else None,
         "tokens_per_s_ar": tokens["ar"] / walls["ar"] if walls["ar"] else None,
@@ -78,6 +107,10 @@ def run_bench(pair, prompts: list[str], *, max_new_tokens: int = 128, block_size
         "block_cost_split": {k: split[k] / decode for k in ("draft", "verify", "inject", "bookkeeping")} if decode else {},
         "ms_per_block": {k: 1000 * split[k] / n_blocks for k in ("draft", "verify", "inject", "bookkeeping")}
         if n_blocks else {},
+        # What a block costs in AR steps (same run): speed-up ~= tau / block_over_ar.
+        **ratios,
+        "cpu": cpu(),
+        "gemm_path": gemm.path(pair.target.dtype),
         "per_prompt": per_prompt,
     }
 
@@ -92,6 +125,9 @@ def format_table(r: dict) -> str:
         ("lossless (greedy, all prompts)", str(r["lossless"])), ("match rate", f"{r['match_rate']:.3f}"),
         ("acceptance histogram", " ".join(f"{k}:{v}" for k, v in r["acceptance_histogram"].items())),
         ("block cost split", " ".join(f"{k} {100 * v:.1f}%" for k, v in r["block_cost_split"].items())),
+        ("cost in AR steps", f"verify {r['verify_over_ar']:.2f}, draft {r['draft_over_ar']:.2f}, "
+                             f"inject {r['inject_over_ar']:.2f}" if "verify_over_ar" in r else "-"),
+        ("CPU, GEMM path", f"{r['cpu']['model']} ({' '.join(r['cpu']['features']) or 'no AVX2'}), {r['gemm_path']}"),
     ]
     w = max(len(a) for a, _ in rows)
     return "\n".join(f"{a:<{w}}  {b}" for a, b in rows)

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from dflash_trt.models.drafter import DFlashDrafter
+from dflash_trt.models.layers import linear
 from dflash_trt.models.target import TargetModel
 from dflash_trt.runtime.kv_inject import fused_injector
 from dflash_trt.runtime.sampling import (
@@ -104,9 +105,23 @@ def draft(target: TargetModel, drafter: DFlashDrafter, cache: DrafterCache, last
     block = torch.full((b,), drafter.config.mask_token_id, dtype=torch.long)
     block[0] = last_token
     h = drafter.forward_cached(target.embed(block), torch.arange(pos, pos + b), cache.views())
-    drafts, q = sample_tokens(target.logits(h[1:]), sp, gen)
+    drafts, q = sample_tokens(draft_logits(target, drafter, h[1:]), sp, gen)
     block[1:] = drafts
     return block, drafts, q
+
+
+def draft_logits(target: TargetModel, drafter: DFlashDrafter, h: torch.Tensor) -> torch.Tensor:
+    """The target's logits [T, V] for drafter states h [T, H]: over the drafter's draft vocabulary
+    when it has one (every other token -inf; models/draft_vocab.py says why), else the whole one."""
+    ids = drafter.draft_vocab
+    if ids is None:
+        return target.logits(h)
+    w = target.lm_head_weight()
+    head = drafter._draft_head
+    if head is None or head[0] is not w or head[1] != w._version:
+        head = drafter._draft_head = (w, w._version, w.detach()[ids].contiguous())   # rows of the draft tokens
+    sub = linear(h, head[2])
+    return torch.full((h.shape[0], w.shape[0]), float("-inf"), dtype=sub.dtype).index_copy_(1, ids, sub)
 
 
 def verify(target: TargetModel, block: torch.Tensor, pos: int, capture):

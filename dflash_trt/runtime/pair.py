@@ -12,6 +12,7 @@ from dflash_trt.errors import DFlashError
 from dflash_trt.io.checkpoint import CheckpointReader, nonfinite_tensors
 from dflash_trt.models.check import require_pair, require_target
 from dflash_trt.models.config import MAX_BLOCK, MAX_CONTEXT
+from dflash_trt.models.draft_vocab import read_draft_vocab
 from dflash_trt.models.drafter import load_drafter
 from dflash_trt.models.target import load_target, stop_token_ids
 from dflash_trt.runtime import decode
@@ -93,9 +94,10 @@ def _weights_fit(folders: list[Path], dt: torch.dtype, allow_pickle: bool) -> No
 
 
 def load_pair(target_dir, drafter_dir=None, dtype: str | torch.dtype = "auto", max_len: int = 4096,
-              allow_pickle: bool = False, allow_nonfinite: bool = False) -> Pair:
+              allow_pickle: bool = False, allow_nonfinite: bool = False, draft_vocab: bool = True) -> Pair:
     """Validate (check's rules: configs, the pair, tensor headers; NaN / Inf weights unless
-    allow_nonfinite), then load. Nothing is allocated for a pair that check refuses."""
+    allow_nonfinite), then load. Nothing is allocated for a pair that check refuses. draft_vocab=False
+    ignores a drafter's draft_vocab.json (drafts from the full vocabulary)."""
     from transformers import AutoTokenizer
 
     dt = resolve_dtype(dtype)
@@ -113,6 +115,8 @@ def load_pair(target_dir, drafter_dir=None, dtype: str | torch.dtype = "auto", m
             _refuse_nonfinite(f, allow_pickle)
     target = load_target(target_dir, dt, max_len=max_len, allow_pickle=allow_pickle)
     drafter = load_drafter(drafter_dir, dt, max_len=max_len, allow_pickle=allow_pickle) if drafter_dir is not None else None
+    if drafter is not None and draft_vocab:
+        drafter.draft_vocab = read_draft_vocab(drafter_dir, target.vocab_size)
     if dt == torch.float32:
         for model in (target, drafter):
             if model is not None:
