@@ -104,3 +104,13 @@ def test_cli_writes_a_vocabulary_that_bench_uses(pair_dirs, tmp_path):
     bad.write_text(json.dumps({"prompt": "no text field"}) + "\n")
     code, _, err = run_cli("draft-vocab", "--target", str(tdir), "--drafter", str(ddir), "--corpus", str(bad))
     assert code == 1 and err.strip().splitlines()[-1].startswith("error:") and "text" in err
+
+
+def test_check_refuses_a_bad_vocabulary_as_generate_does(pair_dirs):
+    tdir, ddir = pair_dirs
+    (ddir / FILE).write_text(json.dumps({"format": "dflash-trt-draft-vocab", "version": 1, "vocab_size": 3,
+                                         "token_ids": [0]}))
+    code, out, err = run_cli("check", "--target", str(tdir), "--drafter", str(ddir))
+    assert code == 1 and "does not match the target's" in out + err
+    code, _, err = run_cli("generate", "--target", str(tdir), "--drafter", str(ddir), "-p", "hi", "--max-new-tokens", "4")
+    assert code == 1 and "does not match the target's" in err.strip().splitlines()[-1]

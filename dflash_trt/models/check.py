@@ -19,6 +19,7 @@ from dflash_trt.models.config import (
     drafter_config_problems,
     target_config_problems,
 )
+from dflash_trt.models.draft_vocab import read_draft_vocab
 from dflash_trt.models.drafter import DFlashDrafter
 from dflash_trt.models.target import SUPPORTED, TargetModel, stop_token_ids
 
@@ -84,6 +85,10 @@ def check_pair(target_dir: str | Path, drafter_dir: str | Path, scan: bool = Fal
         problems += _check_drafter_tensors(drafter_dir, dcfg, allow_pickle)
     if tcfg is not None and dcfg is not None:
         problems += _check_against_target(target_dir, decoder_config(tcfg), dcfg)
+        try:   # the runtime drafts from it: generate refuses a bad one, so check does too
+            read_draft_vocab(drafter_dir, tcfg["vocab_size"])
+        except DFlashError as e:
+            problems.append(str(e))
     if scan:
         report["nonfinite"] = []
         for folder, ok in ((target_dir, tcfg is not None), (drafter_dir, dcfg is not None)):
