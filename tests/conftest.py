@@ -3,6 +3,7 @@ helpers that are not fixtures are in helpers.py."""
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 
 # Busy-waiting OpenMP threads stall when other processes share the 2 cores; set before torch loads.
@@ -28,6 +29,15 @@ def tiny_pairs(tmp_path_factory):
         make_tiny(arch, root / arch, root / f"{arch}-drafter", seed=i)
         out[arch] = (root / arch, root / f"{arch}-drafter")
     return out
+
+
+@pytest.fixture
+def pair(tiny_pairs, tmp_path):
+    """A private copy of the tiny llama pair (target_dir, drafter_dir), for tests that damage it."""
+    t, d = tiny_pairs["llama"]
+    shutil.copytree(t, tmp_path / "t")
+    shutil.copytree(d, tmp_path / "d")
+    return tmp_path / "t", tmp_path / "d"
 
 
 @pytest.fixture

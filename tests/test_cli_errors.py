@@ -2,21 +2,12 @@
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from helpers import run_cli
-
-
-@pytest.fixture
-def pair(tiny_pairs, tmp_path):
-    t, d = tiny_pairs["llama"]
-    shutil.copytree(t, tmp_path / "t")
-    shutil.copytree(d, tmp_path / "d")
-    return tmp_path / "t", tmp_path / "d"
 
 
 def edit_config(folder, fn):

@@ -25,14 +25,6 @@ from dflash_trt.models.config import MAX_BLOCK, drafter_config_problems, target_
 from helpers import run_cli
 
 
-@pytest.fixture
-def pair(tiny_pairs, tmp_path):
-    t, d = tiny_pairs["llama"]
-    shutil.copytree(t, tmp_path / "t")
-    shutil.copytree(d, tmp_path / "d")
-    return tmp_path / "t", tmp_path / "d"
-
-
 def edit_config(folder: Path, fn) -> None:
     p = folder / "config.json"
     cfg = json.loads(p.read_text())
