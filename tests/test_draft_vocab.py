@@ -7,12 +7,13 @@ import shutil
 
 import pytest
 import torch
-from helpers import run_cli
 
 from dflash_trt.errors import DFlashError
 from dflash_trt.models.draft_vocab import FILE, read_draft_vocab, write_draft_vocab
 from dflash_trt.runtime.decode import draft_logits, generate
 from dflash_trt.runtime.pair import load_pair
+
+from helpers import run_cli
 
 
 @pytest.fixture

@@ -19,7 +19,6 @@ Custom metrics: 1/dflash_metrics.py (the same families as the tensorrt_llm model
 dflash_kv_cache_utilization is the KV positions reserved by the active requests (prompt +
 max_tokens + one block) over the slots' capacity.
 """
-import collections
 import json
 import os
 import queue
@@ -30,6 +29,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 import yaml
 from dflash_metrics import Metrics  # 1/dflash_metrics.py, shared with the tensorrt_llm model
+
 
 def _scalar(request, name, default=None):
     tensor = pb_utils.get_input_tensor_by_name(request, name)
