@@ -78,10 +78,10 @@ def load(name: str, signatures: dict[str, list], openmp: bool = False, cflags: t
     a whole quantize of 1 GB)."""
     if _disabled:
         return None
-    src = Path(path) if path is not None else CSRC_DIR / f"{name}.c"
-    key = (name, str(src), *cflags)
+    key = (name, None if path is None else os.fspath(path), *cflags)   # before any Path: callers poll this
     if key in _LIBS:
         return _LIBS[key]
+    src = Path(path) if path is not None else CSRC_DIR / f"{name}.c"
     lib, cc = None, compiler()
     if cc:
         lib, error = _build(name, src, cc, openmp, list(cflags))

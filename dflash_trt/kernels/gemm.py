@@ -59,9 +59,9 @@ class PackedWeight:
         lib.gemm_pack_f32(src.data_ptr(), self.data.data_ptr(), self.n, self.k, torch.get_num_threads())
 
 
-def packed(w: torch.Tensor) -> PackedWeight:
-    """The packed form of float32 weight `w`, made on first use (needs the C kernel: library())."""
-    lib = library()
+def packed(w: torch.Tensor, lib: ctypes.CDLL | None = None) -> PackedWeight:
+    """The packed form of float32 weight `w`, made on first use (needs the C kernel: `lib`, else library())."""
+    lib = lib or library()
     p = getattr(w, "_dflash_packed", None)
     if p is None or p.version != w._version or (p.n, p.k) != tuple(w.shape):
         p = PackedWeight(lib, w)
@@ -70,10 +70,11 @@ def packed(w: torch.Tensor) -> PackedWeight:
 
 
 def _kernel_applies(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
-    if torch.jit.is_tracing() or torch.compiler.is_compiling() or torch.onnx.is_in_onnx_export():
-        return False   # a ctypes call is invisible to graph capture (export-onnx traces these modules)
+    # on every linear call of a forward pass: cheapest tests first
     if x.dtype != torch.float32 or w.dtype != torch.float32 or w.dim() != 2 or x.device.type != "cpu":
         return False
+    if torch.jit.is_tracing() or torch.compiler.is_compiling() or torch.onnx.is_in_onnx_export():
+        return False   # a ctypes call is invisible to graph capture (export-onnx traces these modules)
     if b is not None and b.dtype != torch.float32:
         return False
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or (b is not None and b.requires_grad)):
@@ -86,7 +87,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     lib = library() if _kernel_applies(x, w, b) else None
     if lib is None:
         return F.linear(x, w, b)
-    out = matmul(lib, x.reshape(-1, x.shape[-1]), packed(w), b)
+    out = matmul(lib, x.reshape(-1, x.shape[-1]), packed(w, lib), b)
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
