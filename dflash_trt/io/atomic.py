@@ -68,14 +68,16 @@ def alive(pid: int) -> bool:
     return True
 
 
-def _stale(folder: Path) -> bool:
-    """Ours (marker inside), from a process on this host that started before this one and is gone."""
+def _stale_pid(folder: Path) -> int | None:
+    """The pid that left `folder`, if it is stale: ours (marker inside), from a process on this host
+    that started before this one and is gone; else None."""
     try:
         m = json.loads((folder / MARKER).read_text())
         pid, host, started = int(m["pid"]), str(m["host"]), float(m["started"])
     except (OSError, ValueError, KeyError, TypeError):
-        return False
-    return host == socket.gethostname() and started < PROCESS_START and not (pid != os.getpid() and alive(pid))
+        return None
+    stale = host == socket.gethostname() and started < PROCESS_START and not (pid != os.getpid() and alive(pid))
+    return pid if stale else None
 
 
 def remove_stale_temps(dest: str | Path, log=None) -> list[Path]:
@@ -90,13 +92,13 @@ def remove_stale_temps(dest: str | Path, log=None) -> list[Path]:
     except OSError:
         return removed
     for p in entries:
-        if not p.is_dir() or p.is_symlink() or not _stale(p):
+        pid = None if not p.is_dir() or p.is_symlink() else _stale_pid(p)
+        if pid is None:
             continue
         prev = p / dest.name
         if ".old-" in p.name and prev.is_dir() and not dest.exists():
             os.replace(prev, dest)
             say(f"restored {dest} from {p.name}, left by an interrupted run")
-        pid = json.loads((p / MARKER).read_text())["pid"]
         shutil.rmtree(p, ignore_errors=True)
         say(f"removed {p}, left behind by an interrupted run (pid {pid})")
         removed.append(p)
