@@ -135,7 +135,7 @@ def check_request(pair: Pair, n_prompt: int, max_new_tokens: int, block_size: in
     against MAX_BLOCK, the KV caches against this machine's memory. Returns the block size."""
     dflash = mode == "dflash" and pair.drafter is not None
     B = block_size or (pair.drafter.config.block_size if dflash else 1)
-    if dflash and not 2 <= B <= MAX_BLOCK:
+    if mode == "dflash" and (dflash or block_size is not None) and not 2 <= B <= MAX_BLOCK:
         raise DFlashError(f"--block-size {B}: must be between 2 and {MAX_BLOCK}")
     if max_new_tokens < 1:
         raise DFlashError(f"--max-new-tokens {max_new_tokens}: must be at least 1")
@@ -180,8 +180,6 @@ def generate(pair: Pair, prompt: str | list[int], *, max_new_tokens: int = 128, 
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, block_size: int | None = None,
              mode: str = "dflash", chat: bool = True, fused_inject: bool = True):
     """Generate from text (or token ids). Returns a decode.GenerationResult with `.text` set."""
-    if block_size is not None and mode == "dflash" and not 2 <= block_size <= MAX_BLOCK:
-        raise DFlashError(f"--block-size {block_size}: must be between 2 and {MAX_BLOCK}")
     ids = encode_prompt(pair.tokenizer, prompt, chat) if isinstance(prompt, str) else list(prompt)
     if not ids:
         raise DFlashError("the prompt is empty")
