@@ -19,6 +19,7 @@ COMMANDS: dict[str, str] = {
     "check": "dflash_trt.commands.core:check_cmd",
     "generate": "dflash_trt.commands.core:generate_cmd",
     "train-drafter": "dflash_trt.commands.train:train_drafter_cmd",
+    "corpus": "dflash_trt.commands.train:corpus_cmd",
     "draft-vocab": "dflash_trt.commands.vocab:draft_vocab_cmd",
     "bench": "dflash_trt.commands.bench:bench_cmd",
     "quantize": "dflash_trt.commands.quant:quantize_cmd",

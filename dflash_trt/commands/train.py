@@ -44,6 +44,15 @@ def _check_against_target(tdir, mask_token_id: int | None, target_layers: list[i
                               "target")
 
 
+def _distill(ctx, param, value):
+    if value is None:
+        return 0
+    kind, _, k = value.partition(":")
+    if kind != "topk" or not k.isdigit() or not 1 <= int(k) <= 64:
+        raise click.BadParameter(f"{value!r}: expected topk:K with K in 1..64, e.g. topk:8")
+    return int(k)
+
+
 def _layer_list(ctx, param, value):
     if value is None:
         return None
@@ -88,11 +97,26 @@ def _layer_list(ctx, param, value):
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True,
               help="The target's dtype for its answers and features (auto: bfloat16 where the CPU has it, "
                    "as the runtime; else float32).")
+@click.option("--labels", type=click.Choice(["data", "teacher-forced"]), default="data", show_default=True,
+              help="data: each slot's label is the data's next token (the data must be the target's own greedy "
+                   "answers). teacher-forced: the target's own prediction at each position, from one forward "
+                   "pass per sequence, so any text is training data (`dflash-trt corpus`).")
+@click.option("--distill", callback=_distill, metavar="topk:K",
+              help="Add the KL divergence to the target's top-K next-token distribution beside the CE on its "
+                   "argmax (e.g. topk:8).")
+@click.option("--draft-vocab", type=click.Path(exists=True),
+              help="A drafter folder or its draft_vocab.json: train logits over those tokens only (the ones the "
+                   "runtime drafts from; a smaller lm_head), and ship the file with the drafter.")
+@click.option("--anchors-per-seq", type=click.IntRange(1, 4096), default=8, show_default=True,
+              help="At most this many anchors (blocks) from one sequence per step.")
+@click.option("--gamma", type=FiniteFloatRange(0, 1000, min_open=True),
+              help="Slot loss decay exp(-(k-1)/gamma) (default: 4 for B=8, 7 for B=16).")
 @click.option("--seed", type=SEED, default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary at the end.")
 def train_drafter_cmd(target, data, prompts, out, layers, intermediate_size, target_layers, block_size, steps, lr,
                       blocks_per_step, mask_token_id, save_every, eval_every, eval_prompts, max_new_tokens,
-                      init_from, feature_cache, resume, time_limit, threads, dtype, seed, as_json):
+                      init_from, feature_cache, resume, time_limit, threads, dtype, labels, distill, draft_vocab,
+                      anchors_per_seq, gamma, seed, as_json):
     """Train a DFlash block-diffusion drafter for a target (the recipe in docs/decode-loop.md): the target
     answers prompts, its hidden states at the chosen layers are cached once, then random anchors,
     masked blocks with per-anchor attention and a position-decayed cross-entropy; the target's
@@ -102,6 +126,9 @@ def train_drafter_cmd(target, data, prompts, out, layers, intermediate_size, tar
     Examples:
       dflash-trt train-drafter --prompts my_prompts.jsonl --out runs/d1 --steps 3000 \\
           --eval-prompts heldout.jsonl                       # embedded SmolLM2-135M target
+      dflash-trt corpus --out corpus.jsonl --max-rows 4000   # stdlib code as chat rows
+      dflash-trt train-drafter --data corpus.jsonl --labels teacher-forced --distill topk:8 \\
+          --out runs/tf --eval-prompts heldout.jsonl        # labelled by the target in one pass each
       dflash-trt train-drafter --target tiny/target --prompts p.jsonl --out runs/t --steps 50
       dflash-trt train-drafter --out runs/d1 --prompts my_prompts.jsonl --steps 6000 --resume
     The drafter is OUT/drafter: `dflash-trt generate --drafter OUT/drafter ...`.
@@ -119,7 +146,8 @@ def train_drafter_cmd(target, data, prompts, out, layers, intermediate_size, tar
     tc = TrainConfig(layers=layers, block_size=block_size, intermediate_size=intermediate_size,
                      target_layer_ids=target_layers, mask_token_id=mask_token_id, steps=steps, lr=lr,
                      blocks_per_step=blocks_per_step, save_every=save_every, eval_every=eval_every, seed=seed,
-                     init_from=init_from)
+                     init_from=init_from, labels=labels, distill_k=distill, anchors_per_seq=anchors_per_seq,
+                     gamma=gamma, draft_vocab=str(Path(draft_vocab).resolve()) if draft_vocab else None)
     with no_new_empty_dirs(out, feature_cache):   # a failed run leaves no empty --out behind
         summary = train_drafter(tdir, data or prompts, out, tc, eval_path=eval_prompts, resume=resume,
                                 max_new_tokens=max_new_tokens, threads=threads,
@@ -132,3 +160,30 @@ def train_drafter_cmd(target, data, prompts, out, layers, intermediate_size, tar
         click.echo(f"step {summary['step']}/{summary['steps']}: loss {summary['first_loss']:.3f} -> "
                    f"{summary['last_loss']:.3f}" + (f", held-out tau ~{tau:.2f}" if tau is not None else "")
                    + f"; drafter in {summary['drafter']}")
+
+
+@click.command("corpus")
+@click.option("--out", "out", type=click.Path(dir_okay=False), required=True, help="JSONL file to write.")
+@click.option("--max-rows", type=click.IntRange(1), help="Keep this many rows (a deterministic shuffle first).")
+@click.option("--seed", type=SEED, default=0, show_default=True, help="Shuffle and request wording.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
+def corpus_cmd(out, max_rows, seed, as_json):
+    """Write an in-domain training corpus for `train-drafter --labels teacher-forced`: every function
+    of this Python's standard library as a chat row ({"prompt": a "write this function" request,
+    "response": its real source}), plus docstring "explain" rows. The held-out modules of
+    train/prompts.py and the whole test suite are left out. The target labels the rows itself.
+
+    \b
+    Example:
+      dflash-trt corpus --out corpus.jsonl --max-rows 4000
+      dflash-trt train-drafter --data corpus.jsonl --labels teacher-forced --out runs/tf
+    """
+    from dflash_trt.io.atomic import atomic_write_text
+    from dflash_trt.train.corpus import build_corpus
+
+    rows, about = build_corpus(max_rows, seed)
+    atomic_write_text(out, "".join(json.dumps(r) + "\n" for r in rows))
+    if as_json:
+        click.echo(json.dumps({"file": out, **about}, indent=2))
+    else:
+        click.echo(f"wrote {out}: {about['rows']} rows from {about['files']} files of the {about['source']}")

@@ -43,6 +43,21 @@ def write_text(path: Path, text: str) -> None:
         raise disk_error(Path(path), "the file", e) from None
 
 
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    """Write a file through a temp file beside it and a rename: a reader or a crash never leaves
+    half a file under the name."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise disk_error(path, "the file", e) from None
+    return path
+
+
 def _process_start() -> float:
     """This process's start time (epoch seconds): Linux /proc, else this module's import time."""
     try:

@@ -135,8 +135,10 @@ def load_drafter(folder: str | Path, dtype: torch.dtype | None = None, max_len: 
     return model.eval()
 
 
-def save_drafter(model: DFlashDrafter, folder: str | Path, dtype: torch.dtype | None = None) -> Path:
-    """Write a z-lab checkpoint (config.json + model.safetensors) atomically."""
+def save_drafter(model: DFlashDrafter, folder: str | Path, dtype: torch.dtype | None = None,
+                 extra_files: dict[str, bytes] | None = None) -> Path:
+    """Write a z-lab checkpoint (config.json + model.safetensors, + extra_files such as a
+    draft_vocab.json) atomically."""
     cfg = model.config.to_dict()
     state = {k: (v.to(dtype) if dtype else v).detach().contiguous() for k, v in model.state_dict().items()}
     if dtype is not None or "dtype" in cfg:
@@ -144,5 +146,7 @@ def save_drafter(model: DFlashDrafter, folder: str | Path, dtype: torch.dtype | 
     with atomic_output_dir(folder) as tmp:
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        for name, body in (extra_files or {}).items():
+            (tmp / name).write_bytes(body)
     return Path(folder)
 

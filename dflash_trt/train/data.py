@@ -6,6 +6,13 @@ The answers are the target's greedy ones, so the labels are exactly the tokens t
 at decode time. The target is frozen, so its hidden states at the chosen layers are computed
 once and cached on disk (one file per sequence); a training step then only runs the drafter
 and the (frozen) lm_head.
+
+Teacher-forced labels (`--labels teacher-forced`) come from the same pass: with every position's
+logits kept, the target's top-k next tokens and their log-probabilities at each position of ANY
+text (train/corpus.py) are labels, at the cost of one forward per sequence instead of one per
+generated token.
+
+    any text ──target forward (all logits)──▶ features + top-k next tokens per position
 """
 from __future__ import annotations
 
@@ -92,6 +99,10 @@ class Sequences:
     offsets: torch.Tensor      # [n_seq + 1] int64: sequence i is tokens[offsets[i]:offsets[i+1]]
     prompt_lens: torch.Tensor  # [n_seq] int64
     features: torch.Tensor | None = None  # [N_tok, n_feat * H] bfloat16
+    # teacher-forced labels: the target's top-k tokens after each position (row t predicts token
+    # t+1; column 0 is its greedy choice) and their log-probabilities
+    top_ids: torch.Tensor | None = None   # [N_tok, K] int32
+    top_logp: torch.Tensor | None = None  # [N_tok, K] float16
 
     def __len__(self) -> int:
         return len(self.prompt_lens)
@@ -144,13 +155,16 @@ def _token_ids(path, i: int, row: dict, key: str, vocab: int) -> list[int]:
 
 
 def target_features(target_dir: str | Path, data: Sequences, layer_ids: list[int], cache_dir: Path,
-                    progress: bool = True, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                    progress: bool = True, dtype: torch.dtype = torch.float32, topk: int = 0) -> torch.Tensor:
     """Features [N_tok, n*H] (bf16) of the captured target layers over every sequence, computed
-    with our target runtime in `dtype` (the same code that captures them at decode time). Cached
-    per sequence (keyed by its tokens, the layers, the dtype and the target's config), so data
-    that grows, as a resumed generation does, only costs the new sequences."""
+    with our target runtime in `dtype` (the same code that captures them at decode time). With
+    topk > 0 the same pass also labels every position with the target's top-k next tokens
+    (data.top_ids / data.top_logp). Cached per sequence (keyed by its tokens, the layers, the dtype,
+    k and the target's config), so data that grows, as a resumed generation does, only costs the
+    new sequences."""
     cfg_text = (Path(target_dir) / "config.json").read_text()
-    salt = hashlib.sha256(json.dumps([layer_ids, cfg_text, str(dtype)]).encode()).hexdigest()[:12]
+    salt = hashlib.sha256(json.dumps([layer_ids, cfg_text, str(dtype)] + ([topk] if topk else [])).encode()
+                          ).hexdigest()[:12]
     folder = cache_dir / f"layers-{salt}"
     folder.mkdir(parents=True, exist_ok=True)
     _remove_stale_feature_temps(folder)
@@ -159,22 +173,43 @@ def target_features(target_dir: str | Path, data: Sequences, layer_ids: list[int
     if todo:
         target = load_target(target_dir, dtype=dtype)
         target.setup_cache(max(data.seq(i).stop - data.seq(i).start for i in todo) + 1)
-        for i in tqdm(todo, desc="target features", unit="seq", disable=not progress, file=sys.stderr,
-                      dynamic_ncols=True):
+        bar = tqdm(total=sum(data.seq(i).stop - data.seq(i).start for i in todo), unit="tok", unit_scale=True,
+                   desc="target labels" if topk else "target features", disable=not progress, file=sys.stderr,
+                   dynamic_ncols=True)
+        for i in todo:
+            bar.update(data.seq(i).stop - data.seq(i).start)
             if (folder / f"{keys[i]}.safetensors").is_file():
                 continue   # another process sharing the cache computed it meanwhile
-            _, feats = target(data.tokens[data.seq(i)], 0, capture=layer_ids)
-            tmp = folder / f".{keys[i]}.{os.getpid()}.tmp"
-            try:
-                save_file({"features": feats.to(torch.bfloat16).contiguous()}, str(tmp))
-                os.replace(tmp, folder / f"{keys[i]}.safetensors")
-            except Exception as e:  # OSError, or safetensors' own error type for a failed write
-                tmp.unlink(missing_ok=True)
-                why = io_failure(e) or (e.strerror if isinstance(e, OSError) else None)
-                if why is None:
-                    raise
-                raise DFlashError(f"{folder}: cannot write the feature cache ({why})") from None
-    return torch.cat([load_file(str(folder / f"{k}.safetensors"))["features"] for k in keys])
+            logits, feats = target(data.tokens[data.seq(i)], 0, capture=layer_ids, all_logits=bool(topk))
+            tensors = {"features": feats.to(torch.bfloat16).contiguous()}
+            if topk:
+                logp, ids = torch.log_softmax(logits.float(), -1).topk(topk, -1)
+                tensors.update(top_ids=ids.to(torch.int32).contiguous(), top_logp=logp.to(torch.float16).contiguous())
+            _write_cache(folder, keys[i], tensors)
+        bar.close()
+    # filled in place, not concatenated: a corpus's features are gigabytes, a copy would double them
+    n_tok, out = int(data.offsets[-1]), {}
+    for i, k in enumerate(keys):
+        for name, t in load_file(str(folder / f"{k}.safetensors")).items():
+            if name not in out:
+                out[name] = torch.empty((n_tok,) + tuple(t.shape[1:]), dtype=t.dtype)
+            out[name][data.seq(i)] = t
+    if topk:
+        data.top_ids, data.top_logp = out["top_ids"], out["top_logp"]
+    return out["features"]
+
+
+def _write_cache(folder: Path, key: str, tensors: dict) -> None:
+    tmp = folder / f".{key}.{os.getpid()}.tmp"
+    try:
+        save_file(tensors, str(tmp))
+        os.replace(tmp, folder / f"{key}.safetensors")
+    except Exception as e:  # OSError, or safetensors' own error type for a failed write
+        tmp.unlink(missing_ok=True)
+        why = io_failure(e) or (e.strerror if isinstance(e, OSError) else None)
+        if why is None:
+            raise
+        raise DFlashError(f"{folder}: cannot write the feature cache ({why})") from None
 
 
 def _remove_stale_feature_temps(folder: Path) -> None:

@@ -11,6 +11,15 @@ A block = [anchor token, MASK × (B-1)] at positions anchor..anchor+B-1 sees the
 before its anchor and its own block (bidirectionally), never other blocks; slot k predicts the
 token at anchor+k, weighted exp(-(k-1)/γ), as z-lab and SpecForge train it.
 
+Labels (--labels): "data" takes each slot's label from the sequence itself, right when the data is
+the target's own greedy answers; "teacher-forced" takes it from the target's top-1 prediction at
+that position (train/data.py), so any text (train/corpus.py) is training data. A slot k >= 2 is
+labelled only while the text between the anchor and it equals the target's greedy predictions:
+then the label is exactly the token greedy decoding would emit there, and beyond that point the
+target's prediction is conditioned on tokens the decode loop never sees. --distill topk:K adds
+the KL divergence from the target's top-K distribution (renormalised) to the drafter's, beside the
+CE on its argmax, both under the same slot decay.
+
 Run folder (--out DIR): DIR/drafter (the z-lab checkpoint, bfloat16, rewritten at every save),
 DIR/state (fp32 weights + AdamW moments as safetensors, step and RNG as JSON: what --resume
 reads), DIR/features (the cached target features), DIR/log.jsonl (loss and τ per log step).
@@ -35,6 +44,8 @@ from dflash_trt.io.atomic import atomic_output_dir
 from dflash_trt.io.checkpoint import CheckpointReader
 from dflash_trt.io.jsonio import read_json
 from dflash_trt.models.config import DrafterConfig, default_target_layer_ids
+from dflash_trt.models.draft_vocab import FILE as DRAFT_VOCAB_FILE
+from dflash_trt.models.draft_vocab import read_draft_vocab
 from dflash_trt.models.drafter import DFlashDrafter, load_drafter, save_drafter
 from dflash_trt.runtime.pair import resolve_dtype
 from dflash_trt.train.data import Sequences, load_sequences, prepare_data, target_features
@@ -84,6 +95,9 @@ class TrainConfig:
     seed: int = 0
     init_from_target: bool = True
     init_from: str | None = None               # start from an existing drafter checkpoint (fine-tune)
+    labels: str = "data"                       # "data" | "teacher-forced" (module docstring)
+    distill_k: int = 0                         # > 0: KL to the target's top-k distribution beside the CE
+    draft_vocab: str | None = None             # a draft_vocab.json: logits (and labels) over its tokens only
 
 
 def drafter_config_for(target_cfg: dict, tc: TrainConfig, mask_token_id: int):
@@ -177,17 +191,26 @@ class Batch:
     mask: torch.Tensor       # [N, Tc + N] bool
     labels: torch.Tensor     # [N] target token at each slot (-100: none / slot 0)
     slot: torch.Tensor       # [N] slot index k within the block
+    soft_ids: torch.Tensor | None = None   # [N, K] the target's top-K tokens at each slot (distillation)
+    soft_logp: torch.Tensor | None = None  # [N, K] their log-probabilities
 
 
-def make_batch(data: Sequences, picks: list[tuple[int, list[int]]], B: int, mask_id: int) -> Batch:
+def make_batch(data: Sequences, picks: list[tuple[int, list[int]]], B: int, mask_id: int,
+               labels_from: str = "data", distill_k: int = 0) -> Batch:
     """picks: (sequence index, anchor positions). Context of each block = its sequence's
-    features at positions < anchor; a block sees only itself among the blocks."""
+    features at positions < anchor; a block sees only itself among the blocks. labels_from and
+    distill_k: the module docstring."""
     feats, cpos, cseq = [], [], []
-    btok, qpos, qseq, qanchor, labels, slots = [], [], [], [], [], []
+    btok, qpos, qseq, qanchor, labels, slots, soft_rows = [], [], [], [], [], [], []
+    teacher = labels_from == "teacher-forced"
     for s, anchors in picks:
         sl = data.seq(s)
         toks = data.tokens[sl]
         T = len(toks)
+        if teacher or distill_k:
+            top1 = data.top_ids[sl][:, 0].long()
+            # on_path[t]: the text's token t is the target's greedy choice after t-1
+            on_path = torch.cat([torch.zeros(1, dtype=torch.bool), toks[1:] == top1[:-1]])
         keep = max(anchors)  # context beyond the last anchor is never visible
         feats.append(data.features[sl][:keep])
         cpos.append(torch.arange(keep))
@@ -200,9 +223,18 @@ def make_batch(data: Sequences, picks: list[tuple[int, list[int]]], B: int, mask
             qanchor.append(torch.full((B,), a))
             lab = torch.full((B,), -100, dtype=torch.long)
             valid = (k >= 1) & (a + k < T)
-            lab[valid] = toks[(a + k)[valid]]
+            if teacher:   # slot k: the target's prediction at a+k-1, while a+1..a+k-1 are its own choices
+                pos = (a + k - 1).clamp(max=T - 1)
+                path = torch.cat([torch.ones(2, dtype=torch.bool), on_path[a + 1:a + B - 1]])
+                path = torch.nn.functional.pad(path, (0, B - len(path)))
+                valid &= path.cumprod(0).bool()
+                lab[valid] = top1[pos[valid]]
+            else:
+                lab[valid] = toks[(a + k)[valid]]
             labels.append(lab)
             slots.append(k)
+            if distill_k:
+                soft_rows.append((sl.start + (a + k - 1).clamp(0, T - 1)))
     features = torch.cat(feats)
     ctx_pos, ctx_seq = torch.cat(cpos), torch.cat(cseq)
     q_seq, q_anchor = torch.cat(qseq), torch.cat(qanchor)
@@ -210,8 +242,13 @@ def make_batch(data: Sequences, picks: list[tuple[int, list[int]]], B: int, mask
     block_id = torch.arange(N) // B
     ctx_mask = (ctx_seq[None, :] == q_seq[:, None]) & (ctx_pos[None, :] < q_anchor[:, None])
     blk_mask = block_id[None, :] == block_id[:, None]
-    return Batch(features, ctx_pos, torch.cat(btok), torch.cat(qpos), torch.cat([ctx_mask, blk_mask], 1),
-                 torch.cat(labels), torch.cat(slots))
+    batch = Batch(features, ctx_pos, torch.cat(btok), torch.cat(qpos), torch.cat([ctx_mask, blk_mask], 1),
+                  torch.cat(labels), torch.cat(slots))
+    if distill_k:
+        rows = torch.cat(soft_rows)
+        batch.soft_ids = data.top_ids[rows, :distill_k].long()
+        batch.soft_logp = data.top_logp[rows, :distill_k].float()
+    return batch
 
 
 def sample_picks(data: Sequences, rng: random.Random, n_blocks: int, per_seq: int) -> list[tuple[int, list[int]]]:
@@ -230,26 +267,50 @@ def sample_picks(data: Sequences, rng: random.Random, n_blocks: int, per_seq: in
 
 
 class FrozenTarget:
-    """The target's embeddings and lm_head (frozen; the drafter has none of its own)."""
+    """The target's embeddings and lm_head (frozen; the drafter has none of its own). With a draft
+    vocabulary the lm_head keeps only its rows: the logits are over the tokens the drafter may
+    propose at decode time (models/draft_vocab.py), and the lm_head, half a step's cost, shrinks by
+    the vocabulary ratio."""
 
-    def __init__(self, target_dir: Path, target_cfg: dict):
+    def __init__(self, target_dir: Path, target_cfg: dict, draft_vocab: torch.Tensor | None = None):
         tied = bool(target_cfg.get("tie_word_embeddings", False))
         st = read_target_tensors(target_dir, lambda k: k in ("model.embed_tokens.weight", "lm_head.weight"))
         self.embed = st["model.embed_tokens.weight"]
+        head = st["model.embed_tokens.weight"] if tied or "lm_head.weight" not in st else st["lm_head.weight"]
+        self.vocab = draft_vocab   # None: the whole vocabulary
+        # index of each token in the logits (-1: not draftable)
+        self.column = torch.arange(len(head)) if draft_vocab is None else \
+            torch.full((len(head),), -1, dtype=torch.long).index_put_((draft_vocab,), torch.arange(len(draft_vocab)))
         # bf16 copy for the big matmul: AMX/AVX512-bf16 CPUs run it several times faster.
-        self.lm_head = (st["model.embed_tokens.weight"] if tied or "lm_head.weight" not in st
-                        else st["lm_head.weight"]).to(torch.bfloat16)
+        self.lm_head = (head if draft_vocab is None else head[draft_vocab]).to(torch.bfloat16)
+
+    def token(self, column: torch.Tensor) -> torch.Tensor:
+        return column if self.vocab is None else self.vocab[column]
 
 
 def block_loss(drafter, frozen: FrozenTarget, batch: Batch, gamma: float) -> torch.Tensor:
+    """Decayed CE on the labels (+ the KL to the target's top-K distribution when the batch has it);
+    labels outside the draft vocabulary are dropped (the drafter can never propose them)."""
+    sel = batch.labels >= 0
+    cols = frozen.column[batch.labels.clamp(min=0)]
+    sel &= cols >= 0
+    if not sel.any():
+        return drafter.fc.weight.sum() * 0.0   # nothing labelled in this batch: a zero that backward takes
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ctx = drafter.project_context(batch.features.float())
         h = drafter(frozen.embed[batch.block_tokens], batch.q_pos, ctx, batch.ctx_pos, batch.mask)
-        sel = batch.labels >= 0
         logits = F.linear(h[sel], frozen.lm_head)
-    ce = F.cross_entropy(logits, batch.labels[sel], reduction="none").float()  # bf16 logits: 2x less traffic
+    logq = torch.log_softmax(logits.float(), -1)   # bf16 logits: 2x less traffic; the loss in float32
+    loss = -logq.gather(1, cols[sel, None])[:, 0]
+    if batch.soft_ids is not None:
+        scols = frozen.column[batch.soft_ids[sel]]
+        some = (scols >= 0).any(-1, keepdim=True)   # (the hard label is draftable, so always true)
+        logp = batch.soft_logp[sel].masked_fill((scols < 0) & some, float("-inf"))
+        p = torch.softmax(logp, -1)   # the top-K renormalised (over the draftable tokens)
+        kl = (p * (torch.log(p.clamp_min(1e-30)) - logq.gather(1, scols.clamp(min=0)))).sum(-1)
+        loss = loss + kl
     w = torch.exp(-(batch.slot[sel].float() - 1) / gamma)
-    return (ce * w).sum() / w.sum()
+    return (loss * w).sum() / w.sum()
 
 
 @torch.no_grad()
@@ -286,7 +347,7 @@ def estimate_tau(drafter, frozen: FrozenTarget, data: Sequences, max_new_tokens:
                           blk[None, :] == blk[:, None]], 1)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             h = drafter.forward_cached(frozen.embed[block.view(-1)], q_pos, ctx_kv, mask)
-            pred = F.linear(h, frozen.lm_head).argmax(-1).view(-1, B)
+            pred = frozen.token(F.linear(h, frozen.lm_head).argmax(-1)).view(-1, B)
         nxt = {}
         for r, ((i, a), t) in enumerate(zip(rows, toks)):
             m = 0
@@ -343,7 +404,8 @@ def _load_state(run_dir: Path, drafter, opt) -> tuple[int, list, dict]:
 # ------------------------------------------------------------------------------------ driver
 # Settings that make a run what it is: --resume takes them from the run's state, not the command line.
 RUN_SETTINGS = ("layers", "block_size", "intermediate_size", "target_layer_ids", "mask_token_id",
-                "blocks_per_step", "anchors_per_seq", "gamma", "seed", "init_from_target")
+                "blocks_per_step", "anchors_per_seq", "gamma", "seed", "init_from_target", "labels", "distill_k",
+                "draft_vocab")
 
 
 @dataclass
@@ -427,7 +489,8 @@ def _setup(target_dir: Path, data_path: str | Path, out_dir: Path, tc: TrainConf
         tc.mask_token_id = choose_mask_token(tokenizer, data.tokens)
     dcfg = drafter_config_for(target_cfg, tc, tc.mask_token_id)
     cache = Path(feature_cache) if feature_cache else out_dir / "features"
-    data.features = target_features(target_dir, data, dcfg.target_layer_ids, cache, progress, target_dtype)
+    topk = max(tc.distill_k, 1 if tc.labels == "teacher-forced" else 0)
+    data.features = target_features(target_dir, data, dcfg.target_layer_ids, cache, progress, target_dtype, topk)
     eval_data = None
     if eval_path is not None:
         eval_data = _load_data(target_dir, eval_path, out_dir / "eval_data.jsonl", tokenizer, max_new_tokens,
@@ -439,7 +502,14 @@ def _setup(target_dir: Path, data_path: str | Path, out_dir: Path, tc: TrainConf
     longest = max(int((d.offsets[1:] - d.offsets[:-1]).max()) for d in (data, eval_data) if d is not None)
     drafter = DFlashDrafter(dcfg, max_len=longest + tc.block_size + 1)
     init_notes = [] if resume else _initial_weights(drafter, tc, target_dir, target_cfg)
-    frozen = FrozenTarget(target_dir, target_cfg)
+    draft_vocab = None
+    if tc.draft_vocab:
+        vocab_path = Path(tc.draft_vocab)
+        draft_vocab = read_draft_vocab(vocab_path if vocab_path.is_dir() else vocab_path.parent,
+                                       target_cfg["vocab_size"])
+        if draft_vocab is None:
+            raise DFlashError(f"--draft-vocab {tc.draft_vocab}: no {DRAFT_VOCAB_FILE} there")
+    frozen = FrozenTarget(target_dir, target_cfg, draft_vocab)
     opt = torch.optim.AdamW(drafter.parameters(), lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay)
     run = Run(out_dir, tc, data, eval_data, drafter, frozen, opt, random.Random(tc.seed),
               tc.gamma or default_gamma(tc.block_size), target_dtype, init_notes)
@@ -457,7 +527,8 @@ def _train_step(run: Run) -> None:
     for g in run.opt.param_groups:
         g["lr"] = learning_rate(tc, run.step)
     picks = sample_picks(run.data, run.rng, tc.blocks_per_step, tc.anchors_per_seq)
-    loss = block_loss(run.drafter, run.frozen, make_batch(run.data, picks, tc.block_size, tc.mask_token_id), run.gamma)
+    batch = make_batch(run.data, picks, tc.block_size, tc.mask_token_id, tc.labels, tc.distill_k)
+    loss = block_loss(run.drafter, run.frozen, batch, run.gamma)
     run.opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(run.drafter.parameters(), 1.0)
@@ -485,7 +556,11 @@ def _save(run: Run) -> None:
         run.tau = _held_out_tau(run)
     _save_state(run.out_dir, run.drafter, run.opt, run.step, run.tc, run.rng,
                 {"train_seconds": run.seconds(), "tau": run.tau, "init": run.init_notes, "loss": run.last_loss})
-    save_drafter(run.drafter, run.out_dir / "drafter", dtype=torch.bfloat16)
+    extra = {}
+    if run.tc.draft_vocab:   # the runtime then drafts from the vocabulary the drafter was trained on
+        vocab_path = Path(run.tc.draft_vocab)
+        extra[DRAFT_VOCAB_FILE] = (vocab_path / DRAFT_VOCAB_FILE if vocab_path.is_dir() else vocab_path).read_bytes()
+    save_drafter(run.drafter, run.out_dir / "drafter", dtype=torch.bfloat16, extra_files=extra)
 
 
 def _log(run: Run) -> None:
