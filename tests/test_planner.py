@@ -72,7 +72,7 @@ def test_gpt_oss_120b_drafter_matches_published_size():
 
 def test_mxfp4_weight_bytes_follow_the_checkpoint_tensors():
     _, cfg, _ = preset("gpt-oss-120b")
-    H, I, E, L, V = 2880, 2880, 128, 36, 201088
+    H, I, E, L = 2880, 2880, 128, 36
     # gate_up_proj_blocks uint8 [E, 2I, H/32, 16] + scales [E, 2I, H/32]; down_proj [E, H, I/32, 16] + scales
     experts = L * (E * 2 * I * (H // 32) * 17 + E * H * (I // 32) * 17)
     bf16 = 2 * (planner.target_shape(cfg).total_params - L * E * 3 * H * I)

@@ -23,7 +23,6 @@ from dflash_trt.train.trainer import (
     block_loss,
     make_batch,
     sample_picks,
-    train_drafter,
 )
 
 from helpers import run_cli
