@@ -277,3 +277,46 @@ def test_corpus_is_deterministic_and_honours_max_rows(tmp_path):
     b, _ = build_corpus(max_rows=50, seed=3)
     c, _ = build_corpus(max_rows=50, seed=4)
     assert a == b and len(a) == 50 and a != c
+
+
+def test_init_from_a_shallower_drafter_grows_it_without_changing_what_it_computes(tiny):
+    """--layers 3 --init-from a 1-layer drafter: the new layers start as identities, so the grown
+    drafter's outputs equal the trained one's (then training improves it)."""
+    from dflash_trt.models.drafter import DFlashDrafter, load_drafter
+    from dflash_trt.train.trainer import _init_from_drafter, drafter_config_for
+
+    code, _, err = run_cli("train-drafter", "--target", str(tiny / "target"), "--data", str(tiny / "text.jsonl"),
+                           "--labels", "teacher-forced", "--out", str(tiny / "one"), "--steps", "3", "--layers", "1",
+                           "--block-size", "8", "--threads", "1")
+    assert code == 0, err
+    src = load_drafter(tiny / "one" / "drafter", torch.float32)
+    cfg = read_json(tiny / "target" / "config.json")
+    grown = DFlashDrafter(drafter_config_for(cfg, TrainConfig(layers=3, block_size=8,
+                                                              target_layer_ids=src.config.target_layer_ids),
+                                             src.config.mask_token_id))
+    notes = _init_from_drafter(grown, tiny / "one" / "drafter", tiny / "target", cfg)
+    assert any("grown from 1 to 3" in n for n in notes)
+    assert torch.equal(grown.layers[2].self_attn.q_proj.weight, src.layers[0].self_attn.q_proj.weight)
+    assert not torch.equal(grown.layers[0].self_attn.q_proj.weight, torch.zeros_like(grown.layers[0].self_attn.q_proj.weight))
+    torch.manual_seed(1)
+    H, nf = src.config.hidden_size, src.config.n_features
+    feats, h = torch.randn(12, nf * H), torch.randn(8, H)
+    mask = torch.ones(8, 20, dtype=torch.bool)
+    with torch.no_grad():
+        a = src(h, torch.arange(12, 20), src.project_context(feats), torch.arange(12), mask)
+        b = grown(h, torch.arange(12, 20), grown.project_context(feats), torch.arange(12), mask)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    shallower = DFlashDrafter(drafter_config_for(cfg, TrainConfig(layers=1, block_size=8,
+                                                                  target_layer_ids=src.config.target_layer_ids), 3))
+    _init_from_drafter(shallower, tiny / "one" / "drafter")   # same depth: a plain copy
+    assert torch.equal(shallower.layers[0].mlp.down_proj.weight, src.layers[0].mlp.down_proj.weight)
+    code, _, err = run_cli("train-drafter", "--target", str(tiny / "target"), "--data", str(tiny / "text.jsonl"),
+                           "--labels", "teacher-forced", "--out", str(tiny / "fewer"), "--steps", "1", "--layers", "1",
+                           "--init-from", str(grown_dir(tiny, grown)), "--block-size", "8", "--threads", "1")
+    assert code == 1 and "more than --layers 1" in err.strip().splitlines()[-1]
+
+
+def grown_dir(tiny, model):
+    from dflash_trt.models.drafter import save_drafter
+
+    return save_drafter(model, tiny / "grown3")

@@ -159,20 +159,49 @@ def init_from_target(drafter, target_state: dict, target_cfg: dict) -> list[str]
     return copied
 
 
-def _init_from_drafter(drafter, folder: Path) -> list[str]:
+def _init_from_drafter(drafter, folder: Path, target_dir: Path | None = None, target_cfg: dict | None = None
+                       ) -> list[str]:
     """Continue from a trained drafter (e.g. one trained with another block size): its weights
-    must fit this config; block_size and mask token may differ (neither is a weight)."""
+    must fit this config; block_size and mask token may differ (neither is a weight). A deeper
+    config grows it: the trained layers become the LAST ones (next to the final norm they were
+    trained with) and each new layer in front starts as the target's layer at that depth with its
+    o_proj and down_proj zeroed, so it adds nothing to the residual stream: the grown drafter
+    computes exactly what the trained one did, and training only has to improve it."""
     src = load_drafter(folder, torch.float32)
     if src.config.target_layer_ids != drafter.config.target_layer_ids:
         raise DFlashError(f"--init-from {folder}: target_layer_ids {src.config.target_layer_ids} differ from "
                           f"{drafter.config.target_layer_ids}")
+    n_src, n_dst = src.config.num_hidden_layers, drafter.config.num_hidden_layers
+    if n_src > n_dst:
+        raise DFlashError(f"--init-from {folder}: it has {n_src} layers, more than --layers {n_dst}")
+    grow = n_dst - n_src
+    notes = []
+    if grow:
+        if target_dir is not None:   # the new layers' inner weights: the target's at that depth
+            want = lambda k: k.startswith("model.layers.")  # noqa: E731
+            notes = [n for n in init_from_target(drafter, read_target_tensors(target_dir, want), target_cfg)
+                     if n.startswith(tuple(f"layers.{j}." for j in range(grow)))]
+        with torch.no_grad():
+            for j in range(grow):
+                drafter.layers[j].self_attn.o_proj.weight.zero_()
+                drafter.layers[j].mlp.down_proj.weight.zero_()
+        notes.append(f"layers 0..{grow - 1}: new, o_proj and down_proj zeroed (identity at the start)")
     own = drafter.state_dict()
+    moved = {}
     for k, v in src.state_dict().items():
+        if k.startswith("layers."):
+            i, rest = k[len("layers."):].split(".", 1)
+            k = f"layers.{int(i) + grow}.{rest}"
         if k not in own or own[k].shape != v.shape:
             raise DFlashError(f"--init-from {folder}: tensor {k} does not fit this drafter config")
-    drafter.load_state_dict(src.state_dict())
+        moved[k] = v
+    drafter.load_state_dict(moved, strict=not grow)
     meta = folder.parent / "state" / "state.json"
-    return read_json(meta).get("init", []) if meta.is_file() else []
+    earlier = read_json(meta).get("init", []) if meta.is_file() else []
+    if grow:
+        earlier = [f"(grown from {n_src} to {n_dst} layers: trained layers {grow}..{n_dst - 1} <- {folder})"] + notes \
+            + earlier
+    return earlier
 
 
 def read_target_tensors(target_dir: Path, names_wanted) -> dict:
@@ -463,7 +492,8 @@ def _initial_weights(drafter, tc: TrainConfig, target_dir: Path, target_cfg: dic
     """A new run starts from a trained drafter (--init-from), or from the target's last layers,
     or from the seeded random init. Returns the notes for the model card."""
     if tc.init_from:
-        return [f"all weights <- {tc.init_from}"] + _init_from_drafter(drafter, Path(tc.init_from))
+        return [f"all weights <- {tc.init_from}"] + _init_from_drafter(drafter, Path(tc.init_from), target_dir,
+                                                                        target_cfg)
     if tc.init_from_target:
         want = lambda k: k.startswith("model.layers.") or k == "model.norm.weight"  # noqa: E731
         return init_from_target(drafter, read_target_tensors(target_dir, want), target_cfg)
