@@ -297,7 +297,7 @@ def test_init_from_a_shallower_drafter_grows_it_without_changing_what_it_compute
     notes = _init_from_drafter(grown, tiny / "one" / "drafter", tiny / "target", cfg)
     assert any("grown from 1 to 3" in n for n in notes)
     assert torch.equal(grown.layers[2].self_attn.q_proj.weight, src.layers[0].self_attn.q_proj.weight)
-    assert not torch.equal(grown.layers[0].self_attn.q_proj.weight, torch.zeros_like(grown.layers[0].self_attn.q_proj.weight))
+    assert grown.layers[0].self_attn.q_proj.weight.abs().sum() > 0   # the target's layer, not zeros
     torch.manual_seed(1)
     H, nf = src.config.hidden_size, src.config.n_features
     feats, h = torch.randn(12, nf * H), torch.randn(8, H)
