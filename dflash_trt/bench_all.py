@@ -2,6 +2,9 @@
 
 - runtime_embedded.json: `dflash-trt bench` on the embedded pair, held-out prompts, greedy,
   128 new tokens (tau, speed-up, losslessness, what a block costs in AR steps, CPU and GEMM path);
+- runtime_embedded_general.json: the same on 20 code requests written for this project
+  (data/general_code_prompts.jsonl: not the standard library's, not any public benchmark's), to
+  see how the embedded drafter generalises beyond the domain it was trained on;
 - runtime_tiny.json: the same loop on a tiny random pair, for the per-block cost split
   (bookkeeping = everything that is not a model forward; goal < 5%);
 - gemm.json: decode-size GEMMs, MKL / oneDNN / our packed kernel / bf16, with batch invariance
@@ -71,6 +74,11 @@ def main() -> int:
                                                      "block_cost_split", "verify_over_ar", "draft_over_ar",
                                                      "inject_over_ar", "block_over_ar", "ar_ms_per_step", "dtype",
                                                      "threads", "gemm_path", "cpu") if k in r}
+    general = ROOT / "dflash_trt" / "data" / "general_code_prompts.jsonl"
+    r = _cli(["bench", "--json", "--max-new-tokens", "128", "--prompts", str(general), *lim],
+             out / "runtime_embedded_general.json")
+    summary["runtime_embedded_general"] = {k: r[k] for k in ("tau", "speedup", "lossless", "n_prompts",
+                                                             "acceptance_histogram") if k in r}
     with tempfile.TemporaryDirectory() as tmp:
         _cli(["make-tiny", "--arch", "qwen3", "--out", f"{tmp}/t", "--drafter-out", f"{tmp}/d", "--json"],
              Path(tmp) / "tiny.json")
