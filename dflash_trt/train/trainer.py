@@ -460,6 +460,7 @@ class Run:
     last_loss: float | None = None
     loss_ema: float | None = None
     saved_at: int = -1           # the step last saved (the final save may fall on a periodic one)
+    slots_seen: int = 0          # labelled draft slots trained on so far (the learning curve's x axis)
 
     def seconds(self) -> float:
         return self.elapsed_before + time.perf_counter() - self.t_start
@@ -548,6 +549,7 @@ def _setup(target_dir: Path, data_path: str | Path, out_dir: Path, tc: TrainConf
         run.rng.setstate((py_rng[0], tuple(py_rng[1]), py_rng[2]))
         run.elapsed_before = float(meta.get("train_seconds", 0.0))
         run.init_notes, run.tau = meta.get("init", []), meta.get("tau")
+        run.slots_seen = int(meta.get("slots_seen", 0))
     return run
 
 
@@ -559,6 +561,7 @@ def _train_step(run: Run) -> None:
     picks = sample_picks(run.data, run.rng, tc.blocks_per_step, tc.anchors_per_seq)
     batch = make_batch(run.data, picks, tc.block_size, tc.mask_token_id, tc.labels, tc.distill_k)
     loss = block_loss(run.drafter, run.frozen, batch, run.gamma)
+    run.slots_seen += int((batch.labels >= 0).sum())
     run.opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(run.drafter.parameters(), 1.0)
@@ -585,7 +588,8 @@ def _save(run: Run) -> None:
     if run.eval_data is not None:
         run.tau = _held_out_tau(run)
     _save_state(run.out_dir, run.drafter, run.opt, run.step, run.tc, run.rng,
-                {"train_seconds": run.seconds(), "tau": run.tau, "init": run.init_notes, "loss": run.last_loss})
+                {"train_seconds": run.seconds(), "tau": run.tau, "init": run.init_notes, "loss": run.last_loss,
+                 "slots_seen": run.slots_seen})
     extra = {}
     if run.tc.draft_vocab:   # the runtime then drafts from the vocabulary the drafter was trained on
         vocab_path = Path(run.tc.draft_vocab)
@@ -596,7 +600,8 @@ def _save(run: Run) -> None:
 def _log(run: Run) -> None:
     with open(run.out_dir / "log.jsonl", "a") as f:
         f.write(json.dumps({"step": run.step, "loss": run.last_loss, "loss_ema": run.loss_ema,
-                            "lr": learning_rate(run.tc, run.step - 1), "tau": run.tau, "seconds": run.seconds()}) + "\n")
+                            "lr": learning_rate(run.tc, run.step - 1), "tau": run.tau, "seconds": run.seconds(),
+                            "slots_seen": run.slots_seen}) + "\n")
 
 
 def train_drafter(target_dir: str | Path, data_path: str | Path, out_dir: str | Path, tc: TrainConfig, *,
@@ -646,5 +651,5 @@ def _summary(run: Run, stopped_early: bool) -> dict:
             "mask_token_id": tc.mask_token_id, "target_layer_ids": cfg.target_layer_ids,
             "dtype": str(run.target_dtype).removeprefix("torch."),
             "block_size": tc.block_size, "layers": tc.layers, "intermediate_size": cfg.intermediate_size,
-            "train_seconds": run.seconds(), "stopped_early": stopped_early,
+            "train_seconds": run.seconds(), "stopped_early": stopped_early, "slots_seen": run.slots_seen,
             "n_sequences": len(run.data), "n_tokens": int(run.data.offsets[-1])}
