@@ -18,13 +18,12 @@ token_ids: sorted, unique, in [0, vocab_size); vocab_size: the target's.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
 
 from dflash_trt.errors import DFlashError
-from dflash_trt.io.atomic import disk_error
+from dflash_trt.io.atomic import atomic_write_text
 from dflash_trt.io.jsonio import read_json
 
 FILE = "draft_vocab.json"
@@ -56,12 +55,5 @@ def write_draft_vocab(folder: str | Path, token_ids: list[int], vocab_size: int,
         raise DFlashError(f"draft vocabulary: token ids must be in [0, {vocab_size})")
     path = Path(folder) / FILE
     body = {"format": FORMAT, "version": 1, "vocab_size": vocab_size, "source": source, "token_ids": ids}
-    tmp = path.with_name(f".{FILE}.{os.getpid()}.tmp")
-    try:   # a reader never sees half a file
-        tmp.write_text(json.dumps(body) + "\n")
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise disk_error(path, "the file", e) from None
-    return path
+    return atomic_write_text(path, json.dumps(body) + "\n")   # a reader never sees half a file
 
