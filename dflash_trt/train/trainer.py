@@ -432,6 +432,7 @@ def _load_state(run_dir: Path, drafter, opt) -> tuple[int, list, dict]:
 
 
 # ------------------------------------------------------------------------------------ driver
+CACHED_TOPK = 8
 # Settings that make a run what it is: --resume takes them from the run's state, not the command line.
 RUN_SETTINGS = ("layers", "block_size", "intermediate_size", "target_layer_ids", "mask_token_id",
                 "blocks_per_step", "anchors_per_seq", "gamma", "seed", "init_from_target", "labels", "distill_k",
@@ -521,7 +522,9 @@ def _setup(target_dir: Path, data_path: str | Path, out_dir: Path, tc: TrainConf
         tc.mask_token_id = choose_mask_token(tokenizer, data.tokens)
     dcfg = drafter_config_for(target_cfg, tc, tc.mask_token_id)
     cache = Path(feature_cache) if feature_cache else out_dir / "features"
-    topk = max(tc.distill_k, 1 if tc.labels == "teacher-forced" else 0)
+    # the cache keeps at least the top 8 whenever labels are needed (96 bytes a token beside 5.8 KB of
+    # features), so runs with and without --distill share one labelling pass
+    topk = max(tc.distill_k, CACHED_TOPK) if tc.labels == "teacher-forced" or tc.distill_k else 0
     data.features = target_features(target_dir, data, dcfg.target_layer_ids, cache, progress, target_dtype, topk)
     eval_data = None
     if eval_path is not None:
