@@ -9,6 +9,8 @@
   (bookkeeping = everything that is not a model forward; goal < 5%);
 - gemm.json: decode-size GEMMs, MKL / oneDNN / our packed kernel / bf16, with batch invariance
   (bench/bench_gemm.py);
+- labels.json: the target's greedy answers by batched generate against teacher-forced labels
+  over the same sequences (what `train-drafter --labels teacher-forced` buys; bench/bench_labels.py);
 - kv_inject.json: fused KV injection against the reference (bench/bench_kv_inject.py);
 - quantize.json: streaming NVFP4 quantization of multi-GB synthetic checkpoints against
   `cat` and ModelOpt (bench/bench_quantize.py). Skipped with --quick.
@@ -91,6 +93,12 @@ def main() -> int:
     if gemm is not None:
         summary["gemm"] = {name: {m: {b: v["us"] for b, v in row.items()} for m, row in d["rows"].items()
                                   if m in ("1", "9")} for name, d in gemm["shapes"].items()}
+    labels = _script("bench_labels.py", [], out / "labels.json")
+    if labels is not None:
+        summary["labels"] = {"generate_answer_tokens_per_s": {b: v["answer_tokens_per_s"]
+                                                              for b, v in labels["generate"].items()},
+                             "teacher_forced_positions_per_s": labels["teacher_forced"]["positions_per_s"],
+                             "top1_equals_generated": labels["teacher_forced"]["top1_equals_generated"]}
     kv = _script("bench_kv_inject.py", [], out / "kv_inject.json")
     if kv is not None:
         summary["kv_inject"] = kv
