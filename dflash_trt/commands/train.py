@@ -172,6 +172,8 @@ def corpus_cmd(out, max_rows, seed, as_json):
     of this Python's standard library as a chat row ({"prompt": a "write this function" request,
     "response": its real source}), plus docstring "explain" rows. The held-out modules of
     train/prompts.py and the whole test suite are left out. The target labels the rows itself.
+    Measured on the embedded SmolLM2-135M: the corpus alone LOWERED held-out tau (1.745 -> 1.685;
+    its answers loop, stdlib code does not); its own answers, teacher-forced, raised it (MODEL_CARD.md).
 
     \b
     Example:
