@@ -8,7 +8,9 @@ labelled positions per second of teacher forcing over the very same sequences, a
 teacher-forced top-1 equals the generated token (transformers' and our bf16 kernels part at
 near-ties, so not always).
 
-    python bench/bench_labels.py [--prompts 32] [--max-new-tokens 96] [--threads 1] > labels.json
+    python bench/bench_labels.py [--prompts 64] [--max-new-tokens 64] [--threads 1] > labels.json
+
+Each timing includes loading the target (about a second), as a labelling run does.
 """
 from __future__ import annotations
 
@@ -30,8 +32,8 @@ from dflash_trt.train.prompts import build_prompts
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prompts", type=int, default=32)
-    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--prompts", type=int, default=64, help="per batch size (64: one full batch of 64)")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dtype", default="auto")
     a = ap.parse_args()
