@@ -222,10 +222,13 @@ def test_cli_refuses_a_bad_distill_spec(tiny, value):
 def test_cli_refuses_a_folder_without_a_draft_vocab(tiny):
     empty = tiny / "no-vocab"
     empty.mkdir(exist_ok=True)
-    code, _, err = run_cli("train-drafter", "--target", str(tiny / "target"), "--data", str(tiny / "text.jsonl"),
-                           "--labels", "teacher-forced", "--draft-vocab", str(empty), "--out", str(tiny / "nv"),
-                           "--steps", "1", "--threads", "1")
-    assert code == 1 and "draft_vocab.json" in err.strip().splitlines()[-1]
+    other = empty / "vocab.json"   # a file, but not a draft_vocab.json
+    other.write_text("{}")
+    for given in (empty, other):
+        code, _, err = run_cli("train-drafter", "--target", str(tiny / "target"), "--data", str(tiny / "text.jsonl"),
+                               "--labels", "teacher-forced", "--draft-vocab", str(given), "--out", str(tiny / "nv"),
+                               "--steps", "1", "--threads", "1")
+        assert code == 1 and "draft_vocab.json" in err.strip().splitlines()[-1], given
 
 
 # ------------------------------------------------------------------------------------ corpus

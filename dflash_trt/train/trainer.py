@@ -179,9 +179,10 @@ def _init_from_drafter(drafter, folder: Path, target_dir: Path | None = None, ta
     notes = []
     if grow:
         if target_dir is not None:   # the new layers' inner weights: the target's at that depth
-            want = lambda k: k.startswith("model.layers.")  # noqa: E731
-            notes = [n for n in init_from_target(drafter, read_target_tensors(target_dir, want), target_cfg)
-                     if n.startswith(tuple(f"layers.{j}." for j in range(grow)))]
+            L = target_cfg["num_hidden_layers"]
+            new = tuple(f"model.layers.{L - n_dst + j}." for j in range(grow))
+            notes = init_from_target(drafter, read_target_tensors(target_dir, lambda k: k.startswith(new)),
+                                     target_cfg)
         with torch.no_grad():
             for j in range(grow):
                 drafter.layers[j].self_attn.o_proj.weight.zero_()
@@ -237,7 +238,7 @@ def make_batch(data: Sequences, picks: list[tuple[int, list[int]]], B: int, mask
         sl = data.seq(s)
         toks = data.tokens[sl]
         T = len(toks)
-        if teacher or distill_k:
+        if teacher:
             top1 = data.top_ids[sl][:, 0].long()
             # on_path[t]: the text's token t is the target's greedy choice after t-1
             on_path = torch.cat([torch.zeros(1, dtype=torch.bool), toks[1:] == top1[:-1]])
@@ -334,9 +335,10 @@ def block_loss(drafter, frozen: FrozenTarget, batch: Batch, gamma: float) -> tor
     loss = -logq.gather(1, cols[sel, None])[:, 0]
     if batch.soft_ids is not None:
         scols = frozen.column[batch.soft_ids[sel]]
-        some = (scols >= 0).any(-1, keepdim=True)   # (the hard label is draftable, so always true)
-        logp = batch.soft_logp[sel].masked_fill((scols < 0) & some, float("-inf"))
-        p = torch.softmax(logp, -1)   # the top-K renormalised (over the draftable tokens)
+        logp = batch.soft_logp[sel].masked_fill(scols < 0, float("-inf"))
+        # the top-K renormalised over the draftable tokens; a row with none of them (possible with
+        # --labels data) has no distribution to match: 0/0 there becomes p = 0, no KL
+        p = torch.softmax(logp, -1).nan_to_num(0.0)
         kl = (p * (torch.log(p.clamp_min(1e-30)) - logq.gather(1, scols.clamp(min=0)))).sum(-1)
         loss = loss + kl
     w = torch.exp(-(batch.slot[sel].float() - 1) / gamma)
@@ -454,6 +456,7 @@ class Run:
     gamma: float
     target_dtype: torch.dtype
     init_notes: list[str]        # how the weights started, for the model card
+    drafter_files: dict[str, bytes]  # written beside every saved drafter (its draft_vocab.json)
     step: int = 0
     elapsed_before: float = 0.0  # training seconds of the sessions before this one (--resume)
     t_start: float = 0.0         # time.perf_counter() when this session started training
@@ -537,17 +540,19 @@ def _setup(target_dir: Path, data_path: str | Path, out_dir: Path, tc: TrainConf
     longest = max(int((d.offsets[1:] - d.offsets[:-1]).max()) for d in (data, eval_data) if d is not None)
     drafter = DFlashDrafter(dcfg, max_len=longest + tc.block_size + 1)
     init_notes = [] if resume else _initial_weights(drafter, tc, target_dir, target_cfg)
-    draft_vocab = None
-    if tc.draft_vocab:
-        vocab_path = Path(tc.draft_vocab)
-        draft_vocab = read_draft_vocab(vocab_path if vocab_path.is_dir() else vocab_path.parent,
-                                       target_cfg["vocab_size"])
-        if draft_vocab is None:
+    draft_vocab, drafter_files = None, {}
+    if tc.draft_vocab:   # a drafter folder or its draft_vocab.json
+        vocab_file = Path(tc.draft_vocab)
+        vocab_file = vocab_file / DRAFT_VOCAB_FILE if vocab_file.is_dir() else vocab_file
+        if vocab_file.name != DRAFT_VOCAB_FILE or not vocab_file.is_file():
             raise DFlashError(f"--draft-vocab {tc.draft_vocab}: no {DRAFT_VOCAB_FILE} there")
+        draft_vocab = read_draft_vocab(vocab_file.parent, target_cfg["vocab_size"])
+        # shipped with every saved drafter: the runtime then drafts from the vocabulary it was trained on
+        drafter_files[DRAFT_VOCAB_FILE] = vocab_file.read_bytes()
     frozen = FrozenTarget(target_dir, target_cfg, draft_vocab)
     opt = torch.optim.AdamW(drafter.parameters(), lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay)
     run = Run(out_dir, tc, data, eval_data, drafter, frozen, opt, random.Random(tc.seed),
-              tc.gamma or default_gamma(tc.block_size), target_dtype, init_notes)
+              tc.gamma or default_gamma(tc.block_size), target_dtype, init_notes, drafter_files)
     if resume:
         run.step, py_rng, meta = _load_state(out_dir, drafter, opt)
         run.rng.setstate((py_rng[0], tuple(py_rng[1]), py_rng[2]))
@@ -595,11 +600,7 @@ def _save(run: Run) -> None:
     _save_state(run.out_dir, run.drafter, run.opt, run.step, run.tc, run.rng,
                 {"train_seconds": run.seconds(), "tau": run.tau, "init": run.init_notes, "loss": run.last_loss,
                  "slots_seen": run.slots_seen})
-    extra = {}
-    if run.tc.draft_vocab:   # the runtime then drafts from the vocabulary the drafter was trained on
-        vocab_path = Path(run.tc.draft_vocab)
-        extra[DRAFT_VOCAB_FILE] = (vocab_path / DRAFT_VOCAB_FILE if vocab_path.is_dir() else vocab_path).read_bytes()
-    save_drafter(run.drafter, run.out_dir / "drafter", dtype=torch.bfloat16, extra_files=extra)
+    save_drafter(run.drafter, run.out_dir / "drafter", dtype=torch.bfloat16, extra_files=run.drafter_files)
 
 
 def _log(run: Run) -> None:
