@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
-import tempfile
 from pathlib import Path
 
 from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import arch_sms, gpus
-from dflash_trt.io.atomic import MARKER
+from dflash_trt.io.atomic import MARKER, atomic_write_text
 from dflash_trt.io.jsonio import read_json
 
 MANIFEST_NAME = "manifest.json"
@@ -228,16 +226,7 @@ def write_manifest(bundle: str | Path, manifest: dict) -> Path:
     """Validate, then write manifest.json atomically (temp file + rename)."""
     bundle = Path(bundle)
     validate(manifest, str(bundle / MANIFEST_NAME))
-    fd, tmp = tempfile.mkstemp(prefix=".manifest.", suffix=".json", dir=bundle)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(manifest, f, indent=2, sort_keys=False)
-            f.write("\n")
-        os.replace(tmp, bundle / MANIFEST_NAME)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return bundle / MANIFEST_NAME
+    return atomic_write_text(bundle / MANIFEST_NAME, json.dumps(manifest, indent=2) + "\n")
 
 
 def is_bundle(folder: str | Path) -> bool:
