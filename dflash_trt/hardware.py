@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
 
@@ -29,6 +29,10 @@ class Hardware:
     nvlink_domain_gpus: int
     fp4: bool
     fp8: bool
+    # Dense (not 2:4 sparse) tensor-core peak per GPU by math format, "bf16" / "fp8" / "fp4" (FLOP/s),
+    # and the datasheets these and the bandwidths come from: the speed model's inputs.
+    dense_flops_per_s: dict = field(default_factory=dict, hash=False)
+    sources: tuple[str, ...] = ()
 
     @property
     def reported_memory_bytes(self) -> int:
@@ -46,7 +50,7 @@ def catalog() -> dict[str, Hardware]:
     data = json.loads(resources.files("dflash_trt").joinpath("hardware.json").read_text())
     out = {}
     for name, d in data["hardware"].items():
-        d = dict(d, gpu_product_labels=tuple(d["gpu_product_labels"]))
+        d = dict(d, gpu_product_labels=tuple(d["gpu_product_labels"]), sources=tuple(d.get("sources", ())))
         out[name] = Hardware(name=name, **d)
     return out
 

@@ -34,9 +34,18 @@ HARDWARE = click.Choice(sorted(catalog()))
               "layers hold fewer tokens (default for --bundle: the bundle's serving config; else none).")
 @click.option("--objective", type=click.Choice(["latency", "throughput"]), default="latency", show_default=True,
               help="How fitting layouts are ranked.")
-@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON only.")
+@click.option("--speed", is_flag=True, help="Also predict decode speed per layout: step times of AR and of a DFlash "
+              "verify + draft, tokens/s per user and per GPU against concurrency, with low-high ranges "
+              "(docs/speed-model.md).")
+@click.option("--tau", type=float, help="DFlash mean accepted length per step, bonus token included (1 to the block "
+              "size); default: the preset drafter's published one. `dflash-trt bench` measures it.")
+@click.option("--context-tokens", type=int, help="Mean tokens of context per sequence while decoding, for --speed "
+              "(default 2048).")
+@click.option("--plot", "plot_file", type=click.Path(dir_okay=False), help="Draw tokens/s per GPU against tokens/s "
+              "per user, AR and DFlash per layout, into this PNG (implies --speed).")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON only (with --speed: under \"speed\").")
 def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, max_seq_len, nodes, gpus_per_node, max_batch_size,
-             max_attention_window, objective, as_json):
+             max_attention_window, objective, speed, tau, context_tokens, plot_file, as_json):
     """How many GPUs, which TP / EP, how many concurrent sequences fit — from config.json alone.
 
     \b
@@ -51,11 +60,17 @@ def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, max_seq_len, no
       dflash-trt plan --target gpt-oss-120b --hardware dgx-b300 --max-attention-window 128,131072
       dflash-trt plan --target ./my-model --drafter ./my-drafter --hardware dgx-b200 --nodes 2
       dflash-trt plan --bundle engines/gpt-oss-120b
+      dflash-trt plan --target gpt-oss-120b --hardware dgx-b300 --speed --plot gptoss-b300.png
+      dflash-trt plan --target qwen3-8b --hardware hgx-h200 --quant fp8 --speed --tau 6.5 --json
     """
     from dflash_trt.deploy import planner
+    from dflash_trt.deploy import speed as speed_model
     from dflash_trt.deploy import values as deploy
     from dflash_trt.errors import DFlashError
 
+    speed = speed or plot_file is not None
+    if not speed and (tau is not None or context_tokens is not None):
+        raise DFlashError("--tau / --context-tokens set the speed model: add --speed (or --plot FILE.png)")
     overrides = {}
     if max_batch_size is not None:
         overrides["max_batch_size"] = max_batch_size
@@ -71,6 +86,7 @@ def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, max_seq_len, no
                                    max_seq_len=max_seq_len, objective=objective, **overrides)
         if p is None:
             raise DFlashError(f"{bundle}: the bundle pins no GPU (a CPU-only deployment); pass --hardware")
+        tcfg, dcfg = deploy.bundle_model_configs(bundle)
     else:
         if not target:
             raise DFlashError("--target NAME|DIR (or --bundle DIR) is required")
@@ -83,10 +99,20 @@ def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, max_seq_len, no
         p = planner.plan(tcfg, dcfg, hardware, target_name=tname, drafter_name=dname, quant=quant, kv_cache=kv_cache,
                          max_seq_len=max_seq_len, nodes=nodes, gpus_per_node=gpus_per_node, objective=objective,
                          **overrides)
+    report = speed_model.speed_for(p, tcfg, dcfg, tau=tau, context_tokens=context_tokens or
+                                   speed_model.DEFAULT_CONTEXT_TOKENS) if speed else None
+    if plot_file:
+        from dflash_trt.deploy.speed_plot import plot_speed
+
+        plot_speed(report, plot_file)
     if as_json:
-        click.echo(json.dumps(p.to_dict(), indent=2))
+        d = p.to_dict()
+        if report:
+            d["speed"] = report.to_dict()
+        click.echo(json.dumps(d, indent=2))
     else:
-        click.echo(planner.format_plan(p))
+        click.echo(planner.format_plan(p) + (speed_model.format_speed(report) if report else "")
+                   + (f"\nplot: {plot_file}" if plot_file else ""))
 
 
 @click.command("deploy")
@@ -111,9 +137,14 @@ def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, max_seq_len, no
 @click.option("--chart", type=click.Path(file_okay=False), help="Chart folder (default: the chart shipped in the package, dflash_trt/deploy/helm/dflash-trt).")
 @click.option("--release", default="dflash-trt", show_default=True, help="Release name used by --render.")
 @click.option("--namespace", default="default", show_default=True, help="Namespace used by --render.")
+@click.option("--min-tokens-per-user", type=float, help="Per-user decode speed to hold (tokens/s): the speed model "
+              "(`plan --speed`) picks the most concurrent sequences per instance that still get it; that becomes the "
+              "autoscaling target and the max_batch_size to serve with.")
+@click.option("--tau", type=float, help="DFlash mean accepted length for --min-tokens-per-user (default: the preset "
+              "drafter's published one).")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary only.")
 def deploy_cmd(bundle, nodes, gpus_per_node, replicas, image, multinode_image, gpu, pvc, ssh_secret, out, render, chart,
-               release, namespace, as_json):
+               release, namespace, min_tokens_per_user, tau, as_json):
     """Write Helm values for a bundle (and, with --render, the Kubernetes manifests).
 
     \b
@@ -128,13 +159,34 @@ def deploy_cmd(bundle, nodes, gpus_per_node, replicas, image, multinode_image, g
       dflash-trt deploy --bundle engines/gpt-oss-120b --render
       dflash-trt deploy --bundle engines/big --nodes 2 --multinode-image registry/dflash-trt-triton:25.10
       dflash-trt deploy --bundle engines/smollm2-135m --gpu none      # CPU-only smoke test
+      dflash-trt deploy --bundle engines/gpt-oss-120b --min-tokens-per-user 500
       helm install gptoss dflash_trt/deploy/helm/dflash-trt -f engines/gpt-oss-120b-deploy/values.yaml
     """
     from dflash_trt.deploy import values as deploy
+    from dflash_trt.errors import DFlashError
 
+    if tau is not None and min_tokens_per_user is None:
+        raise DFlashError("--tau is for --min-tokens-per-user; add it (or drop --tau)")
+    if min_tokens_per_user is not None and not min_tokens_per_user > 0:
+        raise DFlashError(f"--min-tokens-per-user {min_tokens_per_user:g}: must be a positive tokens/s figure")
     values, p = deploy.deploy_values(bundle, nodes=nodes, gpus_per_node=gpus_per_node, replicas=replicas,
                                      gpu=gpu, pvc=pvc, ssh_secret=ssh_secret, image=image,
                                      multinode_image=multinode_image)
+    target_speed = None
+    if min_tokens_per_user is not None:
+        if p is None:
+            raise DFlashError("--min-tokens-per-user: a CPU-only deployment has no speed model")
+        from dflash_trt.deploy import speed as speed_model
+
+        tcfg, dcfg = deploy.bundle_model_configs(bundle)
+        report = speed_model.speed_for(p, tcfg, dcfg, tau=tau)
+        batch, user = speed_model.max_concurrency_at(report, p, tcfg, dcfg, min_tokens_per_user)
+        # Scale out before an instance holds more sequences than keep every user at the target (or than it batches).
+        values["autoscaling"]["targetAverageValue"] = str(min(batch, p.chosen.max_sequences))
+        target_speed = {"min_tokens_per_s_per_user": min_tokens_per_user, "max_batch_size": batch,
+                        "predicted_tokens_per_s_per_user": user, "mode": "dflash" if report.tau else "ar",
+                        "tau": report.tau, "bundle_max_batch_size": p.max_batch_size,
+                        "autoscaling_target": int(values["autoscaling"]["targetAverageValue"])}
     rendered = deploy.render(values, chart, release=release, namespace=namespace)   # the chart's checks, always
     manifests = rendered if render else None
     out = Path(out) if out else deploy.default_out(bundle)
@@ -143,12 +195,16 @@ def deploy_cmd(bundle, nodes, gpus_per_node, replicas, image, multinode_image, g
     header = (f"# Written by `dflash-trt deploy --bundle {bundle}`.\n"
               + (f"# Layout: tp {p.chosen.tp}, ep {p.chosen.ep}, {values['replicas']} replica(s) on {p.hardware} "
                  f"({p.chosen.reason}).\n" if p else "# CPU-only: the reference-runtime model, no GPU.\n")
+              + (f"# Speed target: >= {target_speed['min_tokens_per_s_per_user']:g} tokens/s per user holds up to "
+                 f"{target_speed['max_batch_size']} sequences per instance (speed model, predicted "
+                 f"{target_speed['predicted_tokens_per_s_per_user']:,.0f}); autoscaling.targetAverageValue "
+                 f"{target_speed['autoscaling_target']}; serve with max_batch_size {target_speed['max_batch_size']}.\n" if target_speed else "")
               + f"# Install: helm install {release} {chart_dir} -f {out / 'values.yaml'}\n")
     deploy.write_deployment(out, values, manifests, header)
     if as_json:
         click.echo(json.dumps({"values": str(out / "values.yaml"),
                                "manifests": str(out / "manifests") if manifests is not None else None,
-                               "layout": layout, "values_content": values}, indent=2))
+                               "layout": layout, "speed_target": target_speed, "values_content": values}, indent=2))
         return
     click.echo(f"wrote {out / 'values.yaml'}")
     if manifests is not None:
@@ -159,4 +215,14 @@ def deploy_cmd(bundle, nodes, gpus_per_node, replicas, image, multinode_image, g
                    f"{values['gpu']['product']} per pod ({values['workload']['kind']})")
     else:
         click.echo("layout: CPU-only, model dflash_reference")
+    if target_speed:
+        t = target_speed
+        note = (f"; the bundle's max_batch_size {t['bundle_max_batch_size']} admits more sequences than hold the "
+                f"target: serve with max_batch_size {t['max_batch_size']}" if t["bundle_max_batch_size"] >
+                t["max_batch_size"] else f"; the bundle's max_batch_size {t['bundle_max_batch_size']} is below it: "
+                f"max_batch_size {t['max_batch_size']} would batch more at the same target"
+                if t["bundle_max_batch_size"] < t["max_batch_size"] else "")
+        click.echo(f"speed target: >= {t['min_tokens_per_s_per_user']:g} tokens/s per user up to {t['max_batch_size']} "
+                   f"sequences per instance ({t['mode']}, predicted {t['predicted_tokens_per_s_per_user']:,.0f}); "
+                   f"autoscaling target {values['autoscaling']['targetAverageValue']}{note}")
     click.echo(f"install: helm install {release} {chart_dir} -f {out / 'values.yaml'}")

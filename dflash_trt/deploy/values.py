@@ -132,6 +132,13 @@ def plan_for_bundle(bundle: str | Path, *, nodes: int = 1, gpus_per_node: int | 
                         tp=par.get("tp"), ep=par.get("ep"), **llm)
 
 
+def bundle_model_configs(bundle: str | Path) -> tuple[dict, dict | None]:
+    """(target config.json, drafter config.json or None) of a bundle: what its plan was made of."""
+    bundle = Path(bundle)
+    m = read_manifest(bundle)
+    return m["target"]["config"], _drafter_config(bundle, m)[1]
+
+
 def _llm_api_settings(bundle: Path, m: dict) -> dict:
     """KV fraction, per-layer attention windows, batch and token limits from the bundle's
     TensorRT-LLM settings (what the server will really use), where present: the Triton model's

@@ -1,0 +1,591 @@
+"""Decode speed of a planned layout: tokens/s per user and per GPU against concurrency, for plain
+autoregressive decoding (AR) and for DFlash, from what one decode step physically does on the GPU.
+
+One forward pass of a model over T tokens (T = concurrent sequences × tokens per sequence: 1 for an
+AR step, the block B for a DFlash verify or draft) costs, on each GPU of a replica:
+
+    Σ over its stages  max(bytes read / (HBM bandwidth · HBM_EFF),  FLOPs / (dense peak of the format · TENSOR_EFF))
+    + collectives: TP all-reduce (2 per layer) or, with attention data parallel, EP all-to-all
+      (dispatch + combine per MoE layer): COLLECTIVE_LATENCY + bytes / (NVLink per direction · NVLINK_EFF)
+    + layers · LAYER_LATENCY + STEP_OVERHEAD          (the fixed cost of launching a layer's kernels)
+
+Stages (each a roofline of its own, they run as separate kernels):
+  dense linears  every weight outside the experts (attention projections, dense MLPs, lm_head, router), read
+                 once per pass in its format; FLOPs 2 · elements · tokens.
+  experts        of E experts with top-k routing, T tokens touch E·(1 − (1 − k/E)^T) on average (each
+                 token picks k distinct experts: an expert is missed by one token with probability
+                 1 − k/E); the bytes of those are read, FLOPs are 2 · k/E · expert elements per token.
+  attention      each sequence reads its KV cache once per pass whatever its query count (a verify of
+                 B tokens reads the context once): full layers the whole context, sliding-window layers
+                 at most the window; FLOPs 4 · heads · head_dim per query per context token.
+
+Formats: weight bytes are the planner's (BF16 2, FP8 1, NVFP4 0.5625, MXFP4 0.53125 bytes per element,
+scales included). A GEMM runs at the dense peak of its math format: NVFP4 at FP4, FP8 at FP8, MXFP4 experts
+at FP8 on Blackwell (TensorRT-LLM's W4A8 MXFP4 x MXFP8 MoE; its gpt-oss deployment guide) and at BF16 on
+Hopper (weights dequantized in the kernel), everything else and attention at BF16.
+
+DFlash step = verify (target pass over B tokens per sequence) + draft (the drafter's layers over its block of
+B, reading its own cache of projected target features, plus the target's lm_head over the B − 1 drafted
+positions). Each step emits tau tokens per sequence (tau: mean accepted length, bonus token included), so
+
+    tokens/s per user = tau / (verify + draft)   (AR: 1 / step)
+    tokens/s per GPU  = concurrency · tokens/s per user / GPUs of the replica.
+
+Efficiency factors (EFFICIENCY, a low / central / high set; every number printed is the central one with
+the low-high range beside it). LAYER_LATENCY's central value is fitted to one public point, TensorRT-LLM's
+420 tokens/s per user for gpt-oss-120b on 8 × B200 at batch 1 (its gpt-oss deployment blog): at that batch
+the weights read per GPU take about 0.1 ms, so nearly all of the 2.4 ms step is fixed per-layer cost. The
+other factors are stated assumptions, checked (not fitted) against the published points of
+docs/speed-model.md. Not modelled: prefill (the curves are decode only: a workload with long prompts
+delivers fewer output tokens per GPU), scheduler stalls, expert load imbalance, networks past one NVLink
+domain (layouts that cross it get no speed figures).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, replace
+from importlib import resources
+
+from dflash_trt.deploy.planner import Group, Layout, ModelShape, Plan, weight_bytes
+from dflash_trt.errors import DFlashError
+from dflash_trt.hardware import Hardware, get_hardware
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    hbm: float                    # share of the datasheet HBM bandwidth decode kernels reach
+    tensor: float                 # share of the dense tensor peak a GEMM over many tokens reaches
+    nvlink: float                 # share of the per-direction NVLink bandwidth a collective reaches
+    layer_latency_s: float        # fixed time per transformer layer per forward pass
+    collective_latency_s: float   # fixed time per all-reduce / all-to-all
+    step_overhead_s: float        # per forward pass: graph launch, sampling, scheduler
+
+
+# low = pessimistic, high = optimistic. Sources and fits in docs/speed-model.md:
+# - hbm 0.8 (0.7-0.9): the share of peak bandwidth bandwidth-bound kernels are commonly measured at; with it
+#   Llama-3.3-70B FP8 on one H200 at batch 1 comes out at 47 tokens/s against NVIDIA's 51.14 (a check).
+# - tensor 0.6 (0.45-0.75): dense GEMMs over thousands of tokens; checked against TensorRT-LLM's max-throughput
+#   Llama-3.1-8B FP8 table (perf-overview), compute-bound at those batches.
+# - nvlink 0.7 (0.6-0.8), collective latency 8 us (12-5): NCCL / TensorRT-LLM custom all-reduce of small messages.
+# - layer latency 44.5 us central: fitted (module docstring); 60 us low, 25 us high (newer engines with fused
+#   kernels and programmatic dependent launch).
+# - step overhead 100 us (200-50): sampling and the host side of a step under CUDA graphs.
+EFFICIENCY = {
+    "low": Efficiency(hbm=0.7, tensor=0.45, nvlink=0.6, layer_latency_s=60e-6, collective_latency_s=12e-6,
+                      step_overhead_s=200e-6),
+    "central": Efficiency(hbm=0.8, tensor=0.6, nvlink=0.7, layer_latency_s=44.5e-6, collective_latency_s=8e-6,
+                          step_overhead_s=100e-6),
+    "high": Efficiency(hbm=0.9, tensor=0.75, nvlink=0.8, layer_latency_s=25e-6, collective_latency_s=5e-6,
+                       step_overhead_s=50e-6),
+}
+
+# Mean accepted length (tau, bonus token included) of the presets' published drafters, used when --tau is not
+# given. gpt-oss-120b: z-lab/gpt-oss-120b-DFlash model card, block 10, SGLang on one H200, reasoning effort
+# medium: HumanEval 4.4, MBPP 4.6, MT-Bench 3.7, GSM8K 5.3, Math500 5.4 (coding, as NVIDIA's SPEED-Bench
+# coding curve). llama-3.1-8b: an SGLang decode log of z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat (block 10),
+# "accept len: 6.10", one request (NVIDIA developer forum thread 359958): a weak source, say so.
+PUBLISHED_TAU = {
+    "gpt-oss-120b": (4.4, ("z-lab/gpt-oss-120b-DFlash model card: HumanEval, block 10, SGLang, 1 x H200 "
+                           "(MBPP 4.6, MT-Bench 3.7, GSM8K 5.3, Math500 5.4)")),
+    "llama-3.1-8b": (6.1, ("SGLang log of z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat, one request "
+                           "(forums.developer.nvidia.com/t/359958)")),
+}
+
+DEFAULT_CONTEXT_TOKENS = 2048   # mean tokens of context per sequence while decoding (1k prompt + half of 2k out)
+ACTIVATION_BYTES = 2            # hidden states on the wire (bf16)
+
+
+def experts_touched(experts: int, top_k: int, tokens: float) -> float:
+    """Expected distinct experts `tokens` tokens route to, each picking top_k of `experts` (uniform)."""
+    return experts * (1 - (1 - top_k / experts) ** tokens)
+
+
+def math_format(group: Group, weight_format: str, hw: Hardware) -> str:
+    """The tensor-core format a group's GEMMs run in (module docstring)."""
+    if not group.quantizable or weight_format == "none":
+        return "bf16"
+    if weight_format == "fp8":
+        return "fp8"
+    if weight_format == "nvfp4":
+        return "fp4"
+    if weight_format == "mxfp4" and group.expert:
+        return "fp8" if hw.fp4 else "bf16"
+    return "bf16"
+
+
+@dataclass
+class Forward:
+    """One forward pass on one GPU of a replica: what it reads, computes and sends, and its time."""
+    tokens: int                    # tokens through the model on the whole replica
+    weight_bytes: float
+    kv_bytes: float
+    linear_flops: float
+    attention_flops: float
+    comm_bytes: float
+    memory_s: float = 0.0          # stage times (each stage: max of its memory and compute time)
+    compute_s: float = 0.0
+    bound: str = ""                # "memory" or "compute": which dominates the linear stages
+    comm_s: float = 0.0
+    fixed_s: float = 0.0
+    time_s: float = 0.0
+
+
+def forward(shape: ModelShape, weight_format: str, kv_format: str, hw: Hardware, tp: int, sequences: int,
+            queries: int, context: int, eff: Efficiency, *, attention_dp: bool = False,
+            extra_groups: tuple[Group, ...] = ()) -> Forward:
+    """Cost of one pass of `shape` over `queries` tokens of each of `sequences` sequences holding `context`
+    tokens of KV, on one of the replica's `tp` GPUs. attention_dp: attention (and dense weights) replicated,
+    each GPU its share of the sequences, experts split over the tp GPUs (expert parallel, all-to-all)."""
+    T = sequences * queries
+    share = 1 / tp if attention_dp else 1.0          # the share of the sequences one GPU attends to
+    dense_tp = 1 if attention_dp else tp
+    bw = hw.hbm_bytes_per_s * eff.hbm
+    peak = {f: v * eff.tensor for f, v in hw.dense_flops_per_s.items()}
+
+    w_dense = w_expert = fl_dense_s = fl_expert_s = fl_dense = fl_expert = 0.0
+    for g in (*shape.groups, *extra_groups):
+        if g.name == "embed":
+            continue                                  # a lookup of T rows
+        one = replace(shape, groups=[g])
+        if g.expert or g.name == "expert_bias":
+            frac = experts_touched(shape.experts, shape.experts_per_token, T) / shape.experts
+            w_expert += weight_bytes(one, weight_format, tp) * frac
+            fl = 2 * g.elements * g.active_fraction * T / tp
+            fl_expert += fl
+            fl_expert_s += fl / peak[math_format(g, weight_format, hw)]
+        else:
+            w_dense += weight_bytes(one, weight_format, dense_tp)
+            if g.quantizable or g.name in ("lm_head", "fc"):
+                fl = 2 * g.elements / dense_tp * T * share
+                fl_dense += fl
+                fl_dense_s += fl / peak[math_format(g, weight_format, hw)]
+
+    # attention: KV read once per sequence per pass, written for the new tokens
+    kv_heads = shape.kv_heads if attention_dp else math.ceil(shape.kv_heads / tp)
+    heads = shape.heads if attention_dp else shape.heads // tp
+    kv_per_token_layer = 2 * kv_heads * shape.head_dim * (1 if kv_format == "fp8" else 2)
+    sliding = shape.sliding_layers if shape.sliding_window else 0
+    window = min(context, shape.sliding_window or context)
+    ctx_tokens = (shape.layers - sliding) * context + sliding * window    # context tokens read, over the layers
+    seqs = sequences * share
+    kv = seqs * (ctx_tokens + queries * shape.layers) * kv_per_token_layer
+    fl_attn = seqs * queries * ctx_tokens * 4 * heads * shape.head_dim
+
+    dense_s = max(w_dense / bw, fl_dense_s)
+    expert_s = max(w_expert / bw, fl_expert_s)
+    attn_s = max(kv / bw, fl_attn / peak["bf16"])
+    mem_s = (w_dense + w_expert + kv) / bw
+    comp_s = fl_dense_s + fl_expert_s + fl_attn / peak["bf16"]
+
+    link = hw.nvlink_bytes_per_s / 2 * eff.nvlink        # catalog figure is both directions
+    comm_bytes = comm_s = 0.0
+    if tp > 1 and not attention_dp:                      # all-reduce after attention and after the MLP / MoE
+        msg = T * shape.hidden * ACTIVATION_BYTES
+        comm_bytes = 2 * shape.layers * 2 * (tp - 1) / tp * msg
+        comm_s = 2 * shape.layers * eff.collective_latency_s + comm_bytes / link
+    elif tp > 1 and shape.experts:                       # dispatch + combine of the routed tokens
+        moe_layers = shape.layers
+        msg = T * share * shape.experts_per_token * shape.hidden * ACTIVATION_BYTES * (tp - 1) / tp
+        comm_bytes = moe_layers * 2 * msg
+        comm_s = moe_layers * 2 * eff.collective_latency_s + comm_bytes / link
+
+    fixed_s = shape.layers * eff.layer_latency_s + eff.step_overhead_s
+    return Forward(tokens=T, weight_bytes=w_dense + w_expert, kv_bytes=kv, linear_flops=fl_dense + fl_expert,
+                   attention_flops=fl_attn, comm_bytes=comm_bytes, memory_s=mem_s, compute_s=comp_s,
+                   bound="compute" if fl_dense_s + fl_expert_s > (w_dense + w_expert) / bw else "memory",
+                   comm_s=comm_s, fixed_s=fixed_s, time_s=dense_s + expert_s + attn_s + comm_s + fixed_s)
+
+
+# ---------------------------------------------------------------------------------------------
+# Curves
+
+
+@dataclass
+class SpeedPoint:
+    concurrency: int                     # sequences decoding at once on one replica
+    ar_step_ms: float
+    ar_tokens_per_s_per_user: float
+    ar_tokens_per_s_per_gpu: float
+    ar_bound: str
+    dflash_verify_ms: float = 0.0
+    dflash_draft_ms: float = 0.0
+    dflash_tokens_per_s_per_user: float = 0.0
+    dflash_tokens_per_s_per_gpu: float = 0.0
+    dflash_bound: str = ""
+    # [low, high] over the efficiency sets
+    ar_tokens_per_s_per_user_range: list[float] = field(default_factory=list)
+    ar_tokens_per_s_per_gpu_range: list[float] = field(default_factory=list)
+    dflash_tokens_per_s_per_user_range: list[float] = field(default_factory=list)
+    dflash_tokens_per_s_per_gpu_range: list[float] = field(default_factory=list)
+    ar_detail: dict = field(default_factory=dict)      # bytes, FLOPs, ms per component (central)
+    dflash_detail: dict = field(default_factory=dict)
+
+
+@dataclass
+class LayoutSpeed:
+    tp: int
+    ep: int
+    replicas: int
+    gpus_per_replica: int
+    attention_dp: bool
+    max_concurrency: int                 # min(max_batch_size, sequences of context + block that fit the KV cache)
+    points: list[SpeedPoint]
+    reason: str = ""                     # why there are no points
+
+
+@dataclass
+class SpeedReport:
+    target: str
+    hardware: str
+    tau: float | None
+    tau_source: str
+    block_size: int
+    context_tokens: int
+    efficiency: dict
+    assumptions: list[str]
+    layouts: list[LayoutSpeed]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def chosen(self) -> LayoutSpeed | None:
+        return next((l for l in self.layouts if l.points), None)
+
+
+def resolve_tau(target_name: str, tau: float | None, block: int, has_drafter: bool) -> tuple[float | None, str]:
+    """--tau, checked against the drafter's block; else the preset's published one."""
+    if not has_drafter:
+        if tau is not None:
+            raise DFlashError("--tau: there is no drafter to accept tokens from (pass --drafter or a preset with one)")
+        return None, "no drafter: AR only"
+    if tau is not None:
+        if not (math.isfinite(tau) and 1 <= tau <= block):
+            raise DFlashError(f"--tau {tau}: must be in [1, {block}] (1 = nothing accepted, {block} = the drafter's "
+                              "whole block)")
+        return float(tau), "--tau"
+    if target_name in PUBLISHED_TAU:
+        t, src = PUBLISHED_TAU[target_name]
+        return min(t, block), src
+    raise DFlashError(f"--tau: no published acceptance length for {target_name}'s drafter; pass --tau TAU "
+                      "(`dflash-trt bench` measures it)")
+
+
+def concurrencies(cap: int) -> list[int]:
+    """1, 2, 3, 4, 6, 8, 12, 16, 24, ... below cap, then cap."""
+    grid = {2**k for k in range(cap.bit_length() + 1)} | {3 * 2**k for k in range(cap.bit_length())}
+    return sorted(c for c in grid if c < cap) + [cap]
+
+
+def layout_speed(plan: Plan, layout: Layout, target: ModelShape, drafter: ModelShape | None, hw: Hardware,
+                 tau: float | None, context: int, *, attention_dp: bool | None = None) -> LayoutSpeed:
+    """AR and DFlash at every concurrency of one fitting layout."""
+    adp = getattr(layout, "attention_dp", False) if attention_dp is None else attention_dp
+    tp, B = layout.tp, plan.block_size if drafter else 1
+    out = LayoutSpeed(tp=tp, ep=layout.ep, replicas=layout.replicas, gpus_per_replica=tp, attention_dp=adp,
+                      max_concurrency=0, points=[])
+    if not layout.fits:
+        out.reason = "does not fit"
+        return out
+    if not layout.within_nvlink_domain:
+        out.reason = "crosses NVLink domains: the inter-node network is not modelled"
+        return out
+    per_seq = layout.kv_bytes_per_token_per_gpu * (context + B)
+    cap = min(plan.max_batch_size, int(layout.kv_budget_bytes_per_gpu // per_seq) if per_seq else plan.max_batch_size)
+    if cap < 1:
+        out.reason = f"one sequence of {context} tokens does not fit the KV cache"
+        return out
+    out.max_concurrency = cap
+    fmt, kv, dq = plan.quant["target"], plan.quant["kv_cache"], plan.quant["drafter"]
+    lm_head = _lm_head(target)
+    for c in concurrencies(cap):
+        runs = {}
+        for name, eff in EFFICIENCY.items():
+            ar = forward(target, fmt, kv, hw, tp, c, 1, context, eff, attention_dp=adp)
+            r = {"ar": ar, "ar_user": 1 / ar.time_s}
+            if drafter and tau:
+                v = forward(target, fmt, kv, hw, tp, c, B, context, eff, attention_dp=adp)
+                # the drafter's pass over its block, and the target's lm_head it borrows (counted over all B
+                # positions: B - 1 are drafted, an overestimate of 1/B of its FLOPs)
+                d = forward(drafter, dq, kv, hw, tp, c, B, context, eff, attention_dp=adp, extra_groups=(lm_head,))
+                r.update(v=v, d=d, df_user=tau / (v.time_s + d.time_s))
+            runs[name] = r
+        m = runs["central"]
+
+        def per_gpu(user: float, c: int = c) -> float:
+            return c * user / tp
+        p = SpeedPoint(concurrency=c, ar_step_ms=m["ar"].time_s * 1e3, ar_tokens_per_s_per_user=m["ar_user"],
+                       ar_tokens_per_s_per_gpu=per_gpu(m["ar_user"]), ar_bound=m["ar"].bound,
+                       ar_tokens_per_s_per_user_range=[runs["low"]["ar_user"], runs["high"]["ar_user"]],
+                       ar_tokens_per_s_per_gpu_range=[per_gpu(runs["low"]["ar_user"]), per_gpu(runs["high"]["ar_user"])],
+                       ar_detail=_detail(m["ar"]))
+        if "df_user" in m:
+            p.dflash_verify_ms, p.dflash_draft_ms = m["v"].time_s * 1e3, m["d"].time_s * 1e3
+            p.dflash_tokens_per_s_per_user = m["df_user"]
+            p.dflash_tokens_per_s_per_gpu = per_gpu(m["df_user"])
+            p.dflash_bound = m["v"].bound
+            p.dflash_tokens_per_s_per_user_range = [runs["low"]["df_user"], runs["high"]["df_user"]]
+            p.dflash_tokens_per_s_per_gpu_range = [per_gpu(runs["low"]["df_user"]), per_gpu(runs["high"]["df_user"])]
+            p.dflash_detail = {"verify": _detail(m["v"]), "draft": _detail(m["d"])}
+        out.points.append(p)
+    return out
+
+
+def _lm_head(target: ModelShape) -> Group:
+    """The target's output projection (the embedding when tied), which the drafter borrows."""
+    return next((g for g in target.groups if g.name == "lm_head"),
+                Group("lm_head", target.vocab * target.hidden, "tp", False))
+
+
+def _detail(f: Forward) -> dict:
+    return {"tokens": f.tokens, "weight_bytes_per_gpu": round(f.weight_bytes), "kv_bytes_per_gpu": round(f.kv_bytes),
+            "linear_flops_per_gpu": round(f.linear_flops), "attention_flops_per_gpu": round(f.attention_flops),
+            "comm_bytes_per_gpu": round(f.comm_bytes), "memory_ms": f.memory_s * 1e3, "compute_ms": f.compute_s * 1e3,
+            "comm_ms": f.comm_s * 1e3, "fixed_ms": f.fixed_s * 1e3, "time_ms": f.time_s * 1e3, "bound": f.bound}
+
+
+def speed(plan: Plan, target: ModelShape, drafter: ModelShape | None, hw: Hardware, *, tau: float | None = None,
+          context_tokens: int = DEFAULT_CONTEXT_TOKENS) -> SpeedReport:
+    """The speed report of every layout of a plan (fitting ones get curves)."""
+    if not 1 <= context_tokens <= plan.max_seq_len:
+        raise DFlashError(f"--context-tokens {context_tokens}: must be in [1, {plan.max_seq_len}] (max_seq_len)")
+    if not hw.dense_flops_per_s or "bf16" not in hw.dense_flops_per_s:
+        raise DFlashError(f"hardware.json: {hw.name} has no dense_flops_per_s; the speed model needs it")
+    t, src = resolve_tau(plan.target, tau, plan.block_size, drafter is not None)
+    layouts = [layout_speed(plan, l, target, drafter, hw, t, context_tokens) for l in plan.layouts]
+    c = EFFICIENCY["central"]
+    assumptions = [
+        f"decode only, every sequence holding {context_tokens} tokens of context (--context-tokens); prefill not counted",
+        f"tau {t} tokens per DFlash step ({src}), the same at every concurrency" if t else "AR only (no drafter)",
+        (f"HBM at {c.hbm:.0%} of {hw.hbm_bytes_per_s / 1e12:.2f} TB/s, GEMMs at {c.tensor:.0%} of the dense peak "
+         f"({', '.join(f'{k} {v / 1e15:.2f} PFLOP/s' for k, v in hw.dense_flops_per_s.items())}), NVLink at "
+         f"{c.nvlink:.0%} of {hw.nvlink_bytes_per_s / 2e9:.0f} GB/s per direction"),
+        (f"fixed {c.layer_latency_s * 1e6:.1f} us per layer per pass (fitted: TensorRT-LLM gpt-oss-120b 8 x B200 "
+         f"batch 1), {c.collective_latency_s * 1e6:.0f} us per collective, {c.step_overhead_s * 1e6:.0f} us per pass"),
+        "MoE routing uniform over the experts (no load imbalance); one replica inside one NVLink domain",
+        "ranges: the low / high efficiency sets of dflash_trt/deploy/speed.py (EFFICIENCY)",
+    ]
+    return SpeedReport(target=plan.target, hardware=hw.name, tau=t, tau_source=src, block_size=plan.block_size,
+                       context_tokens=context_tokens, efficiency={k: asdict(v) for k, v in EFFICIENCY.items()},
+                       assumptions=assumptions, layouts=layouts)
+
+
+def speed_for(plan: Plan, target_cfg: dict, drafter_cfg: dict | None, *, tau: float | None = None,
+              context_tokens: int = DEFAULT_CONTEXT_TOKENS) -> SpeedReport:
+    """speed() from the configs the plan was made of."""
+    from dflash_trt.deploy import planner
+
+    target = planner.target_shape(target_cfg, plan.target)
+    drafter = planner.drafter_shape(drafter_cfg, plan.drafter or "drafter") if drafter_cfg and plan.drafter else None
+    return speed(plan, target, drafter, get_hardware(plan.hardware), tau=tau, context_tokens=context_tokens)
+
+
+def max_concurrency_at(report: SpeedReport, plan: Plan, target_cfg: dict, drafter_cfg: dict | None,
+                       min_tokens_per_user: float) -> tuple[int, float]:
+    """The most sequences one replica of the plan's chosen layout can decode at once with each user
+    still getting min_tokens_per_user tokens/s (central estimate; DFlash when the report has a tau,
+    else AR; at most what its KV cache holds at the report's context), and the tokens/s per user there. Per-user speed falls with concurrency (every cost
+    term grows with the tokens of a step), so a bisection over 1..max_concurrency finds it."""
+    from dflash_trt.deploy import planner
+
+    lay = next((l for l in report.layouts if l.points), None)
+    chosen = plan.chosen
+    if lay is None or chosen is None or (lay.tp, lay.ep) != (chosen.tp, chosen.ep):
+        raise DFlashError(f"--min-tokens-per-user: the chosen layout of {plan.target} on {plan.hardware} has no "
+                          "speed figures (it does not fit inside one NVLink domain)")
+    target = planner.target_shape(target_cfg, plan.target)
+    drafter = planner.drafter_shape(drafter_cfg, plan.drafter or "drafter") if report.tau else None
+    hw, eff, ctx, B = get_hardware(plan.hardware), EFFICIENCY["central"], report.context_tokens, report.block_size
+    fmt, kv, dq = plan.quant["target"], plan.quant["kv_cache"], plan.quant["drafter"]
+
+    def user(c: int) -> float:
+        if not report.tau:
+            return 1 / forward(target, fmt, kv, hw, lay.tp, c, 1, ctx, eff, attention_dp=lay.attention_dp).time_s
+        v = forward(target, fmt, kv, hw, lay.tp, c, B, ctx, eff, attention_dp=lay.attention_dp)
+        d = forward(drafter, dq, kv, hw, lay.tp, c, B, ctx, eff, attention_dp=lay.attention_dp,
+                    extra_groups=(_lm_head(target),))
+        return report.tau / (v.time_s + d.time_s)
+
+    if user(1) < min_tokens_per_user:
+        raise DFlashError(f"--min-tokens-per-user {min_tokens_per_user:g}: the model predicts at most "
+                          f"{user(1):,.0f} tokens/s per user (concurrency 1, tp {lay.tp} on {plan.hardware}, "
+                          f"{'DFlash tau ' + format(report.tau, 'g') if report.tau else 'AR'})")
+    # up to what the KV cache holds, past the plan's max_batch_size: this picks the batch size to serve with
+    per_seq = chosen.kv_bytes_per_token_per_gpu * (ctx + B)
+    lo, hi = 1, max(1, int(chosen.kv_budget_bytes_per_gpu // per_seq))    # user(lo) >= target; find the largest
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if user(mid) >= min_tokens_per_user else (lo, mid - 1)
+    return lo, user(lo)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading a curve
+
+
+def best_at_interactivity(points: list[SpeedPoint], min_user: float, mode: str) -> SpeedPoint | None:
+    """The point of most tokens/s per GPU among those giving each user at least min_user tokens/s."""
+    key_user, key_gpu = f"{mode}_tokens_per_s_per_user", f"{mode}_tokens_per_s_per_gpu"
+    ok = [p for p in points if getattr(p, key_user) >= min_user]
+    return max(ok, key=lambda p: getattr(p, key_gpu)) if ok else None
+
+
+def max_concurrency_for(points: list[SpeedPoint], min_user: float, mode: str) -> int:
+    """The largest concurrency whose predicted tokens/s per user is at least min_user (0: none)."""
+    ok = [p.concurrency for p in points if getattr(p, f"{mode}_tokens_per_s_per_user") >= min_user]
+    return max(ok) if ok else 0
+
+
+def format_speed(r: SpeedReport, layouts: int = 1) -> str:
+    """The text report: assumptions, then per layout a table of concurrency against speed."""
+    lines = ["", f"speed ({r.target} on {r.hardware}; central estimate [low-high]):"]
+    lines += [f"  - {a}" for a in r.assumptions]
+    shown = [l for l in r.layouts if l.points][:layouts]
+    for l in shown:
+        lines.append("")
+        lines.append(f"  tp {l.tp}, ep {l.ep}{', attention DP' if l.attention_dp else ''}: {l.replicas} replica(s) of "
+                     f"{l.gpus_per_replica} GPU(s), up to {l.max_concurrency} sequences each")
+        head = f"  {'conc':>5} {'AR ms':>7} {'AR tok/s/user':>22} {'AR tok/s/GPU':>24}"
+        if r.tau:
+            head += f" {'DF ms':>7} {'DFlash tok/s/user':>22} {'DFlash tok/s/GPU':>24} {'gain':>5}"
+        lines.append(head)
+        for p in l.points:
+            row = (f"  {p.concurrency:>5} {p.ar_step_ms:>7.2f} {_rng(p.ar_tokens_per_s_per_user, p.ar_tokens_per_s_per_user_range):>22} "
+                   f"{_rng(p.ar_tokens_per_s_per_gpu, p.ar_tokens_per_s_per_gpu_range):>24}")
+            if r.tau:
+                row += (f" {p.dflash_verify_ms + p.dflash_draft_ms:>7.2f} "
+                        f"{_rng(p.dflash_tokens_per_s_per_user, p.dflash_tokens_per_s_per_user_range):>22} "
+                        f"{_rng(p.dflash_tokens_per_s_per_gpu, p.dflash_tokens_per_s_per_gpu_range):>24} "
+                        f"{p.dflash_tokens_per_s_per_user / p.ar_tokens_per_s_per_user:>4.2f}x")
+            lines.append(row)
+    rest = [l for l in r.layouts if l.points][layouts:]
+    if rest:
+        lines.append("")
+        lines.append("  other layouts: tok/s/user at concurrency 1; tok/s/GPU (tok/s/user) at their most concurrency:")
+        for l in rest:
+            p1, pm = l.points[0], l.points[-1]
+            s = (f"    tp {l.tp}, ep {l.ep} (up to {l.max_concurrency}): AR {p1.ar_tokens_per_s_per_user:,.0f}; "
+                 f"{pm.ar_tokens_per_s_per_gpu:,.0f} ({pm.ar_tokens_per_s_per_user:,.0f})")
+            if r.tau:
+                s += (f" | DFlash {p1.dflash_tokens_per_s_per_user:,.0f}; {pm.dflash_tokens_per_s_per_gpu:,.0f} "
+                      f"({pm.dflash_tokens_per_s_per_user:,.0f})")
+            lines.append(s)
+    for l in r.layouts:
+        if l.reason and l.reason != "does not fit":
+            lines.append(f"  tp {l.tp}, ep {l.ep}: no speed figures ({l.reason})")
+    return "\n".join(lines)
+
+
+def _rng(v: float, r: list[float]) -> str:
+    return f"{v:,.0f} [{r[0]:,.0f}-{r[1]:,.0f}]"
+
+
+# ---------------------------------------------------------------------------------------------
+# Published measurements (deploy/published_speeds.json): what the model is checked against
+
+
+def published_points() -> list[dict]:
+    return json.loads(resources.files("dflash_trt.deploy").joinpath("published_speeds.json").read_text())["points"]
+
+
+def matching_points(target: str, hardware: str) -> list[dict]:
+    """The published points for this target on this node type (the plot marks them)."""
+    return [p for p in published_points() if p["target"] == target and p["hardware"] == hardware]
+
+
+def predict_point(pt: dict) -> dict[str, float]:
+    """The model's figure for one published point under each efficiency set ({"low", "central", "high"};
+    inf where AR never reaches the interactivity a ratio is taken at)."""
+    from dflash_trt.deploy import planner
+
+    if "target_config" in pt:
+        name, tcfg, dcfg = pt["target"], pt["target_config"], None
+    else:
+        name, tcfg, dcfg = planner.target_configs(pt["target"])
+    if not pt["metric"].startswith("dflash"):
+        dcfg = None                                    # AR points: plan without the drafter's memory
+    hw = get_hardware(pt["hardware"])
+    conc = pt["concurrency"]
+    p = planner.plan(tcfg, dcfg, hw, target_name=name, quant=pt["quant"], kv_cache=pt["kv_cache"],
+                     gpus_per_node=pt["gpus"], tp=pt["tp"], ep=pt["ep"],
+                     max_batch_size=pt.get("max_batch_size", conc if isinstance(conc, int) else 1024),
+                     kv_fraction=pt.get("kv_fraction", planner.FREE_GPU_MEMORY_FRACTION),
+                     max_seq_len=min(32768, tcfg.get("max_position_embeddings", 32768)))
+    lay = p.layouts[0]
+    if not lay.fits:
+        raise DFlashError(f"published point {pt['id']}: the layout does not fit ({lay.reason})")
+    target = planner.target_shape(tcfg, name)
+    drafter = planner.drafter_shape(dcfg) if dcfg else None
+    tau = pt.get("tau") or (PUBLISHED_TAU[name][0] if name in PUBLISHED_TAU else None)
+    ctx, adp, metric = pt["context_tokens"], pt["attention_dp"], pt["metric"]
+    out = {}
+    for e_name, eff in EFFICIENCY.items():
+        if conc == "curve":
+            curve = _one_set(layout_speed(p, lay, target, drafter, hw, tau, ctx, attention_dp=adp), e_name)
+            best_df = best_at_interactivity(curve, pt["min_tokens_per_s_per_user"], "dflash")
+            best_ar = best_at_interactivity(curve, pt["min_tokens_per_s_per_user"], "ar")
+            out[e_name] = (best_df.dflash_tokens_per_s_per_gpu / best_ar.ar_tokens_per_s_per_gpu
+                           if best_ar and best_df else math.inf)
+            continue
+        c = layout_speed(p, lay, target, drafter, hw, tau, ctx, attention_dp=adp).max_concurrency \
+            if conc == "max" else conc
+        ar = forward(target, p.quant["target"], p.quant["kv_cache"], hw, lay.tp, c, 1, ctx, eff, attention_dp=adp)
+        if metric == "ar_tokens_per_s_per_user":
+            out[e_name] = 1 / ar.time_s
+        elif metric == "ar_tokens_per_s_per_gpu":
+            out[e_name] = c / ar.time_s / lay.tp
+        elif metric == "dflash_over_ar_per_user":
+            B = p.block_size
+            v = forward(target, p.quant["target"], p.quant["kv_cache"], hw, lay.tp, c, B, ctx, eff, attention_dp=adp)
+            d = forward(drafter, "none", p.quant["kv_cache"], hw, lay.tp, c, B, ctx, eff, attention_dp=adp,
+                        extra_groups=(_lm_head(target),))
+            out[e_name] = tau / (v.time_s + d.time_s) * ar.time_s
+        else:
+            raise DFlashError(f"published point {pt['id']}: unknown metric {metric!r}")
+    return out
+
+
+def _one_set(ls: LayoutSpeed, eff_name: str) -> list[SpeedPoint]:
+    """The curve's points with one efficiency set's figures in the central fields."""
+    if eff_name == "central":
+        return ls.points
+    i = 0 if eff_name == "low" else 1
+    out = []
+    for p in ls.points:
+        q = replace(p, ar_tokens_per_s_per_user=p.ar_tokens_per_s_per_user_range[i],
+                    ar_tokens_per_s_per_gpu=p.ar_tokens_per_s_per_gpu_range[i])
+        if p.dflash_tokens_per_s_per_user_range:
+            q = replace(q, dflash_tokens_per_s_per_user=p.dflash_tokens_per_s_per_user_range[i],
+                        dflash_tokens_per_s_per_gpu=p.dflash_tokens_per_s_per_gpu_range[i])
+        out.append(q)
+    return out
+
+
+def check_table() -> str:
+    """docs/speed-model.md's table: every published point beside the model's figure."""
+    rows = ["| point | setup | published | predicted (central [low-high]) | error |", "|---|---|---|---|---|"]
+    for pt in published_points():
+        pr = predict_point(pt)
+        v, c = pt["value"], pr["central"]
+        fmt = (lambda x: "AR never reaches it" if math.isinf(x) else f"{x:,.2f}x") if "over" in pt["metric"] \
+            else (lambda x: f"{x:,.0f}")
+        if pt["compare"] == ">=":
+            err = "consistent (above the claim)" if c >= v else f"{c / v - 1:+.0%} below the claim"
+        else:
+            err = f"{c / v - 1:+.0%}" + (" (fitted)" if pt.get("fit") else "")
+        setup = (f"{pt['target']}, {pt['hardware']} × {pt['gpus']}, tp {pt['tp']} ep {pt['ep']}"
+                 f"{' attention-DP' if pt['attention_dp'] else ''}, {pt['quant']}/{pt['kv_cache']} KV, "
+                 f"concurrency {pt['concurrency']}, context {pt['context_tokens']}"
+                 + (f", tau {pt['tau']}" if pt.get("tau") else ""))
+        rows.append(f"| {pt['id']} | {setup} | {pt['metric']} {pt['compare']} {v:,} | "
+                    f"{fmt(c)} [{fmt(pr['low'])}-{fmt(pr['high'])}] | {err} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":   # python -m dflash_trt.deploy.speed --check: the table of docs/speed-model.md
+    import sys
+
+    if sys.argv[1:] != ["--check"]:
+        sys.exit("usage: python -m dflash_trt.deploy.speed --check")
+    print(check_table())
