@@ -291,3 +291,41 @@ def test_deploy_writes_nothing_the_chart_refuses(tmp_path):
     code, _, err = run_cli("deploy", "--bundle", str(b), "--out", str(out), "--chart", str(chart))
     assert code == 1 and "attach the volume to one node, but 8 replicas land on different GPU nodes" in err
     assert not out.exists()
+
+
+def test_min_tokens_per_user_picks_the_batch_that_holds_the_target(tmp_path):
+    """deploy --min-tokens-per-user N: the most concurrent sequences whose predicted per-user speed
+    is still >= N (one more falls below it, by the speed model's own forward pass), as the
+    autoscaling target (capped by what the instance batches) and the max_batch_size to serve with."""
+    from dflash_trt.deploy import speed
+    from dflash_trt.hardware import get_hardware
+
+    b = write_bundle(tmp_path)
+    code, out, err = run_cli("deploy", "--bundle", str(b), "--min-tokens-per-user", "500", "--json")
+    assert code == 0, err
+    s = json.loads(out)["speed_target"]
+    k, p = s["max_batch_size"], deploy.plan_for_bundle(b)
+    _, cfg, dcfg = planner.target_configs("gpt-oss-120b")
+    t, d = planner.target_shape(cfg), planner.drafter_shape(dcfg)
+    hw, eff, lay = get_hardware("dgx-b300"), speed.EFFICIENCY["central"], p.chosen
+
+    def user(c):
+        v = speed.forward(t, "mxfp4", "fp8", hw, lay.tp, c, 10, 2048, eff)
+        dr = speed.forward(d, "none", "fp8", hw, lay.tp, c, 10, 2048, eff, extra_groups=(speed._lm_head(t),))
+        return 4.4 / (v.time_s + dr.time_s)
+
+    assert s["mode"] == "dflash" and s["tau"] == 4.4
+    assert user(k) >= 500 > user(k + 1)
+    assert s["predicted_tokens_per_s_per_user"] == pytest.approx(user(k))
+    values = yaml.safe_load((b.parent / f"{b.name}-deploy" / "values.yaml").read_text())
+    assert values["autoscaling"]["targetAverageValue"] == str(min(k, lay.max_sequences))
+
+
+def test_min_tokens_per_user_out_of_reach_writes_nothing(tmp_path):
+    b = write_bundle(tmp_path)
+    code, out, err = run_cli("deploy", "--bundle", str(b), "--min-tokens-per-user", "5000")
+    assert code == 1 and out == "" and err.count("\n") == 1
+    assert "--min-tokens-per-user 5000: the model predicts at most" in err and "tokens/s per user" in err
+    assert not (b.parent / f"{b.name}-deploy").exists()
+    code, _, err = run_cli("deploy", "--bundle", str(b), "--tau", "4")
+    assert code == 1 and "--tau is for --min-tokens-per-user" in err

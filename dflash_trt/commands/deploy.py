@@ -99,8 +99,8 @@ def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, max_seq_len, no
         p = planner.plan(tcfg, dcfg, hardware, target_name=tname, drafter_name=dname, quant=quant, kv_cache=kv_cache,
                          max_seq_len=max_seq_len, nodes=nodes, gpus_per_node=gpus_per_node, objective=objective,
                          **overrides)
-    report = speed_model.speed_for(p, tcfg, dcfg, tau=tau, context_tokens=context_tokens or
-                                   speed_model.DEFAULT_CONTEXT_TOKENS) if speed else None
+    ctx = speed_model.DEFAULT_CONTEXT_TOKENS if context_tokens is None else context_tokens
+    report = speed_model.speed_for(p, tcfg, dcfg, tau=tau, context_tokens=ctx) if speed else None
     if plot_file:
         from dflash_trt.deploy.speed_plot import plot_speed
 

@@ -44,9 +44,11 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import asdict, dataclass, field, replace
 from importlib import resources
 
+from dflash_trt.deploy import planner
 from dflash_trt.deploy.planner import Group, Layout, ModelShape, Plan, weight_bytes
 from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import Hardware, get_hardware
@@ -262,7 +264,7 @@ def resolve_tau(target_name: str, tau: float | None, block: int, has_drafter: bo
         return None, "no drafter: AR only"
     if tau is not None:
         if not (math.isfinite(tau) and 1 <= tau <= block):
-            raise DFlashError(f"--tau {tau}: must be in [1, {block}] (1 = nothing accepted, {block} = the drafter's "
+            raise DFlashError(f"--tau {tau:g}: must be in [1, {block}] (1 = nothing accepted, {block} = the drafter's "
                               "whole block)")
         return float(tau), "--tau"
     if target_name in PUBLISHED_TAU:
@@ -374,21 +376,44 @@ def speed(plan: Plan, target: ModelShape, drafter: ModelShape | None, hw: Hardwa
 def speed_for(plan: Plan, target_cfg: dict, drafter_cfg: dict | None, *, tau: float | None = None,
               context_tokens: int = DEFAULT_CONTEXT_TOKENS) -> SpeedReport:
     """speed() from the configs the plan was made of."""
-    from dflash_trt.deploy import planner
-
     target = planner.target_shape(target_cfg, plan.target)
     drafter = planner.drafter_shape(drafter_cfg, plan.drafter or "drafter") if drafter_cfg and plan.drafter else None
     return speed(plan, target, drafter, get_hardware(plan.hardware), tau=tau, context_tokens=context_tokens)
+
+
+def user_speed(target: ModelShape, drafter: ModelShape | None, plan: Plan, hw: Hardware, tp: int, context: int,
+               eff: Efficiency, *, tau: float | None = None, attention_dp: bool = False):
+    """concurrency -> tokens/s per user of one replica: DFlash with tau (and a drafter), else AR."""
+    fmt, kv, dq, B = plan.quant["target"], plan.quant["kv_cache"], plan.quant["drafter"], plan.block_size
+
+    def user(c: int) -> float:
+        if not tau:
+            return 1 / forward(target, fmt, kv, hw, tp, c, 1, context, eff, attention_dp=attention_dp).time_s
+        v = forward(target, fmt, kv, hw, tp, c, B, context, eff, attention_dp=attention_dp)
+        d = forward(drafter, dq, kv, hw, tp, c, B, context, eff, attention_dp=attention_dp,
+                    extra_groups=(_lm_head(target),))
+        return tau / (v.time_s + d.time_s)
+    return user
+
+
+def largest_concurrency(user, min_tokens_per_user: float, most: int) -> int:
+    """The largest c in 1..most with user(c) >= min_tokens_per_user (0: not even c = 1). Per-user speed
+    falls as concurrency grows (every cost term grows with the tokens of a step): a bisection."""
+    if user(1) < min_tokens_per_user:
+        return 0
+    lo, hi = 1, max(1, most)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if user(mid) >= min_tokens_per_user else (lo, mid - 1)
+    return lo
 
 
 def max_concurrency_at(report: SpeedReport, plan: Plan, target_cfg: dict, drafter_cfg: dict | None,
                        min_tokens_per_user: float) -> tuple[int, float]:
     """The most sequences one replica of the plan's chosen layout can decode at once with each user
     still getting min_tokens_per_user tokens/s (central estimate; DFlash when the report has a tau,
-    else AR; at most what its KV cache holds at the report's context), and the tokens/s per user there. Per-user speed falls with concurrency (every cost
-    term grows with the tokens of a step), so a bisection over 1..max_concurrency finds it."""
-    from dflash_trt.deploy import planner
-
+    else AR; at most what its KV cache holds at the report's context, past max_batch_size: this picks
+    the batch size to serve with), and the tokens/s per user there."""
     lay = next((l for l in report.layouts if l.points), None)
     chosen = plan.chosen
     if lay is None or chosen is None or (lay.tp, lay.ep) != (chosen.tp, chosen.ep):
@@ -396,28 +421,15 @@ def max_concurrency_at(report: SpeedReport, plan: Plan, target_cfg: dict, drafte
                           "speed figures (it does not fit inside one NVLink domain)")
     target = planner.target_shape(target_cfg, plan.target)
     drafter = planner.drafter_shape(drafter_cfg, plan.drafter or "drafter") if report.tau else None
-    hw, eff, ctx, B = get_hardware(plan.hardware), EFFICIENCY["central"], report.context_tokens, report.block_size
-    fmt, kv, dq = plan.quant["target"], plan.quant["kv_cache"], plan.quant["drafter"]
-
-    def user(c: int) -> float:
-        if not report.tau:
-            return 1 / forward(target, fmt, kv, hw, lay.tp, c, 1, ctx, eff, attention_dp=lay.attention_dp).time_s
-        v = forward(target, fmt, kv, hw, lay.tp, c, B, ctx, eff, attention_dp=lay.attention_dp)
-        d = forward(drafter, dq, kv, hw, lay.tp, c, B, ctx, eff, attention_dp=lay.attention_dp,
-                    extra_groups=(_lm_head(target),))
-        return report.tau / (v.time_s + d.time_s)
-
-    if user(1) < min_tokens_per_user:
+    user = user_speed(target, drafter, plan, get_hardware(plan.hardware), lay.tp, report.context_tokens,
+                      EFFICIENCY["central"], tau=report.tau, attention_dp=lay.attention_dp)
+    per_seq = chosen.kv_bytes_per_token_per_gpu * (report.context_tokens + report.block_size)
+    k = largest_concurrency(user, min_tokens_per_user, int(chosen.kv_budget_bytes_per_gpu // per_seq))
+    if k == 0:
         raise DFlashError(f"--min-tokens-per-user {min_tokens_per_user:g}: the model predicts at most "
                           f"{user(1):,.0f} tokens/s per user (concurrency 1, tp {lay.tp} on {plan.hardware}, "
                           f"{'DFlash tau ' + format(report.tau, 'g') if report.tau else 'AR'})")
-    # up to what the KV cache holds, past the plan's max_batch_size: this picks the batch size to serve with
-    per_seq = chosen.kv_bytes_per_token_per_gpu * (ctx + B)
-    lo, hi = 1, max(1, int(chosen.kv_budget_bytes_per_gpu // per_seq))    # user(lo) >= target; find the largest
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if user(mid) >= min_tokens_per_user else (lo, mid - 1)
-    return lo, user(lo)
+    return k, user(k)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -497,8 +509,6 @@ def matching_points(target: str, hardware: str) -> list[dict]:
 def predict_point(pt: dict) -> dict[str, float]:
     """The model's figure for one published point under each efficiency set ({"low", "central", "high"};
     inf where AR never reaches the interactivity a ratio is taken at)."""
-    from dflash_trt.deploy import planner
-
     if "target_config" in pt:
         name, tcfg, dcfg = pt["target"], pt["target_config"], None
     else:
@@ -521,12 +531,12 @@ def predict_point(pt: dict) -> dict[str, float]:
     ctx, adp, metric = pt["context_tokens"], pt["attention_dp"], pt["metric"]
     out = {}
     for e_name, eff in EFFICIENCY.items():
-        if conc == "curve":
-            curve = _one_set(layout_speed(p, lay, target, drafter, hw, tau, ctx, attention_dp=adp), e_name)
-            best_df = best_at_interactivity(curve, pt["min_tokens_per_s_per_user"], "dflash")
-            best_ar = best_at_interactivity(curve, pt["min_tokens_per_s_per_user"], "ar")
-            out[e_name] = (best_df.dflash_tokens_per_s_per_gpu / best_ar.ar_tokens_per_s_per_gpu
-                           if best_ar and best_df else math.inf)
+        if conc == "curve":   # the most tokens/s per GPU each mode gives with every user at >= X tokens/s
+            x, most = pt["min_tokens_per_s_per_user"], layout_speed(p, lay, target, drafter, hw, tau, ctx).max_concurrency
+            df = user_speed(target, drafter, p, hw, lay.tp, ctx, eff, tau=tau, attention_dp=adp)
+            ar = user_speed(target, None, p, hw, lay.tp, ctx, eff, attention_dp=adp)
+            c_df, c_ar = largest_concurrency(df, x, most), largest_concurrency(ar, x, most)
+            out[e_name] = c_df * df(c_df) / (c_ar * ar(c_ar)) if c_ar and c_df else math.inf
             continue
         c = layout_speed(p, lay, target, drafter, hw, tau, ctx, attention_dp=adp).max_concurrency \
             if conc == "max" else conc
@@ -570,7 +580,10 @@ def check_table() -> str:
         v, c = pt["value"], pr["central"]
         fmt = (lambda x: "AR never reaches it" if math.isinf(x) else f"{x:,.2f}x") if "over" in pt["metric"] \
             else (lambda x: f"{x:,.0f}")
-        if pt["compare"] == ">=":
+        if pt["compare"] == ">=" and math.isinf(c):
+            err = ("AR never gets there (central); " + ("high set above the claim" if pr["high"] >= v
+                                                        else "high set below the claim"))
+        elif pt["compare"] == ">=":
             err = "consistent (above the claim)" if c >= v else f"{c / v - 1:+.0%} below the claim"
         else:
             err = f"{c / v - 1:+.0%}" + (" (fitted)" if pt.get("fit") else "")
@@ -584,8 +597,6 @@ def check_table() -> str:
 
 
 if __name__ == "__main__":   # python -m dflash_trt.deploy.speed --check: the table of docs/speed-model.md
-    import sys
-
     if sys.argv[1:] != ["--check"]:
         sys.exit("usage: python -m dflash_trt.deploy.speed --check")
     print(check_table())

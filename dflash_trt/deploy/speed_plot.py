@@ -54,15 +54,19 @@ def plot_speed(report: SpeedReport, path: str | Path) -> Path:
                                                     l.points[-1].ar_tokens_per_s_per_gpu),
                     fontsize=7, color=color, textcoords="offset points", xytext=(3, 3))
 
-    claims = []
+    claims, marked = [], 0
     for pt in matching_points(report.target, report.hardware):
         xy = _published_xy(pt)
         if xy:
             ax.plot(*xy, marker="*", markersize=13, color="black", linestyle="none")
             ax.annotate(f"{pt['id']}\n{pt['metric']} {pt['compare']} {pt['value']:,}", xy, fontsize=7,
-                        textcoords="offset points", xytext=(6, -14))
+                        textcoords="offset points", xytext=(8, 4 - 24 * marked))   # stacked, not overlapping
+            marked += 1
         else:
             claims.append(f"{pt['id']}: {pt['metric']} {pt['compare']} {pt['value']:,}")
+            if "min_tokens_per_s_per_user" in pt:     # a claim over an interactivity band: shade it
+                lo = pt["min_tokens_per_s_per_user"]
+                ax.axvspan(lo, pt.get("max_tokens_per_s_per_user", lo * 1.2), color="grey", alpha=0.15)
     if claims:
         ax.text(0.01, 0.01, "published (not a point on these axes):\n" + "\n".join(claims), fontsize=7,
                 transform=ax.transAxes, va="bottom", bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "grey"})
