@@ -329,3 +329,13 @@ def test_min_tokens_per_user_out_of_reach_writes_nothing(tmp_path):
     assert not (b.parent / f"{b.name}-deploy").exists()
     code, _, err = run_cli("deploy", "--bundle", str(b), "--tau", "4")
     assert code == 1 and "--tau is for --min-tokens-per-user" in err
+
+
+def test_plan_bundle_speed_uses_the_bundles_models(tmp_path):
+    b = write_bundle(tmp_path, tp=8)
+    code, out, err = run_cli("plan", "--bundle", str(b), "--speed", "--json")
+    assert code == 0, err
+    d = json.loads(out)
+    s = d["speed"]
+    assert s["target"] == "gpt-oss-120b" and s["hardware"] == "dgx-b300" and s["block_size"] == d["block_size"]
+    assert s["layouts"][0]["tp"] == 8 and s["layouts"][0]["points"][0]["dflash_tokens_per_s_per_user"] > 0
