@@ -51,7 +51,9 @@ def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, max_seq_len, no
     \b
     Per GPU: weights by format (MXFP4 experts, NVFP4, FP8, BF16), drafter weights, activations
     and runtime reserve; the KV-cache pool that is left (target and drafter KV bytes per token);
-    every TP / EP / replica layout, ranked, with the reason for each rejected one.
+    every TP / EP / replica layout, ranked, with the reason for each rejected one. With --speed:
+    per layout and concurrency, AR and DFlash decode step times and tokens/s per user and per GPU
+    (a physics model with stated assumptions and ranges, docs/speed-model.md).
 
     \b
     Examples:
