@@ -245,8 +245,9 @@ def test_sliding_window_saving_by_hand():
 
 def test_max_batch_size_caps_concurrency_so_throughput_prefers_replicas():
     _, cfg, dcfg = preset("qwen3-8b")
-    # Without a real cap the KV cache decides: one TP 8 replica holds the most sequences.
-    free = planner.plan(cfg, dcfg, "dgx-b300", objective="throughput", max_batch_size=100000)
+    # Without a real cap the KV cache decides: one TP 8 replica holds the most sequences. (Without
+    # the drafter: its draft-context buffer, per rank, is a cap of its own, tested below.)
+    free = planner.plan(cfg, None, "dgx-b300", objective="throughput", max_batch_size=100000)
     assert (free.chosen.tp, free.chosen.replicas) == (8, 1)
     # TensorRT-LLM's max_batch_size 128 caps each replica: 8 × TP 1 gives more batch slots.
     capped = planner.plan(cfg, dcfg, "dgx-b300", objective="throughput", max_batch_size=128)

@@ -129,7 +129,9 @@ def plan_for_bundle(bundle: str | Path, *, nodes: int = 1, gpus_per_node: int | 
     return planner.plan(m["target"]["config"], dcfg, hw, target_name=m["target"].get("name", "target"),
                         drafter_name=dname, quant=q.get("target", "auto"), kv_cache=q.get("kv_cache", "auto"),
                         drafter_quant=q.get("drafter") or "none", max_seq_len=max_seq_len or m.get("max_seq_len"), nodes=nodes, gpus_per_node=gpus_per_node, objective=objective,
-                        tp=par.get("tp"), ep=par.get("ep"), **llm)
+                        tp=par.get("tp"), ep=par.get("ep"), **llm,
+                        # the bundle's serving config fixes max_batch_size; a layout cannot lower it
+                        batch_pinned="max_batch_size" in llm and "max_batch_size" not in overrides)
 
 
 def _llm_api_settings(bundle: Path, m: dict) -> dict:
@@ -159,6 +161,8 @@ def _llm_api_settings(bundle: Path, m: dict) -> dict:
         for key in ("max_batch_size", "max_num_tokens"):
             if y.get(key):
                 out[key] = int(y[key])
+        if "enable_attention_dp" in y:
+            out["attention_dp"] = bool(y["enable_attention_dp"])
     return out
 
 
