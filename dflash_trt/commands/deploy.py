@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from dflash_trt.engines import SERVERS
 from dflash_trt.hardware import catalog, gpus
 
 HARDWARE = click.Choice(sorted(catalog()))
@@ -96,10 +97,16 @@ def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, max_seq_len, no
 @click.option("--gpus-per-node", type=int, help="1, 2, 4, 8 or 16; default: the bundle GPU's node type (8 on DGX / "
               "HGX, 4 on GB200).")
 @click.option("--replicas", type=int, help="Model instances (1 to 1024); default: the planner's (nodes × GPUs / tp).")
-@click.option("--image", help="Serving image REPOSITORY:TAG or REPOSITORY@sha256:DIGEST (default: the chart's "
-              "TensorRT-LLM Triton image).")
+@click.option("--server", type=click.Choice(SERVERS), help="The server of the pods (the chart's server.stack): "
+              "trtllm-serve, triton, vllm or sglang; each loads the bundle's config for its stack. Default: "
+              "trtllm-serve when the bundle holds a TensorRT-LLM config, else its first stack (CPU-only: triton).")
+@click.option("--image", help="Serving image REPOSITORY:TAG or REPOSITORY@sha256:DIGEST (default: the server's image "
+              "recorded in the bundle's manifest, from engines.json; --server triton needs one built from "
+              "deploy/triton-trtllm.Dockerfile). Needs --engine-version.")
+@click.option("--engine-version", help="The engine version --image carries (TensorRT-LLM, vLLM or SGLang), e.g. "
+              "1.4.0rc4: deploy and the chart refuse one older than the engine's first DFlash release.")
 @click.option("--multinode-image", help="Image of multi-node (LeaderWorkerSet) pods: the serving image plus sshd, "
-              "built from dflash_trt/deploy/multinode.Dockerfile; required when an instance spans nodes.")
+              "built from deploy/multinode.Dockerfile; required when an instance spans nodes.")
 @click.option("--gpu", type=click.Choice([*gpus(), "none"]),
               help="Override the bundle's GPU; none = CPU-only smoke test of the reference model.")
 @click.option("--pvc", help="Existing PersistentVolumeClaim holding the bundle (default: the chart creates one).")
@@ -108,12 +115,14 @@ def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, max_seq_len, no
 @click.option("--out", type=click.Path(file_okay=False), help="Output folder (default: <bundle>-deploy beside the "
               "bundle; the bundle itself is left as its manifest lists it).")
 @click.option("--render", is_flag=True, help="Also render the manifests with Helm's engine into <out>/manifests.")
-@click.option("--chart", type=click.Path(file_okay=False), help="Chart folder (default: the chart shipped in the package, dflash_trt/deploy/helm/dflash-trt).")
-@click.option("--release", default="dflash-trt", show_default=True, help="Release name used by --render.")
+@click.option("--chart", type=click.Path(file_okay=False), help="Chart folder (default: deploy/helm/dflash-trt, "
+              "shipped in the package).")
+@click.option("--release", default="dflash-trt", show_default=True, help="Release name used by --render: a DNS-1123 "
+              "label of at most 53 characters (Helm's rule).")
 @click.option("--namespace", default="default", show_default=True, help="Namespace used by --render.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary only.")
-def deploy_cmd(bundle, nodes, gpus_per_node, replicas, image, multinode_image, gpu, pvc, ssh_secret, out, render, chart,
-               release, namespace, as_json):
+def deploy_cmd(bundle, nodes, gpus_per_node, replicas, server, image, engine_version, multinode_image, gpu, pvc,
+               ssh_secret, out, render, chart, release, namespace, as_json):
     """Write Helm values for a bundle (and, with --render, the Kubernetes manifests).
 
     \b
@@ -121,21 +130,29 @@ def deploy_cmd(bundle, nodes, gpus_per_node, replicas, image, multinode_image, g
     /dev/shm size and memory; the layout is the planner's choice for the bundle
     (`dflash-trt plan --bundle DIR` shows it). The values are rendered with Helm's engine
     before anything is written, so the chart's refusals (values.schema.json and its template
-    checks) stop deploy with nothing on disk. Nothing compiles at pod start.
+    checks) stop deploy with nothing on disk, and so do names Kubernetes would refuse. Every
+    image's engine must have DFlash (engines.json); the summary lists each with its version.
+    Nothing compiles at pod start.
 
     \b
     Examples:
       dflash-trt deploy --bundle engines/gpt-oss-120b --render
-      dflash-trt deploy --bundle engines/big --nodes 2 --multinode-image registry/dflash-trt-triton:25.10
+      dflash-trt deploy --bundle engines/big --nodes 2 --multinode-image registry/dflash-trt-trtllm-mpi:1.4.0rc4
+      dflash-trt deploy --bundle engines/gpt-oss-120b --server vllm --render
+      dflash-trt deploy --bundle engines/gpt-oss-120b --server triton --image registry/dflash-trt-triton:26.07 \\
+          --engine-version 1.4.0rc4
       dflash-trt deploy --bundle engines/smollm2-135m --gpu none      # CPU-only smoke test
-      helm install gptoss dflash_trt/deploy/helm/dflash-trt -f engines/gpt-oss-120b-deploy/values.yaml
+      helm install gptoss deploy/helm/dflash-trt -f engines/gpt-oss-120b-deploy/values.yaml
     """
     from dflash_trt.deploy import values as deploy
 
+    deploy.check_release(release, namespace)
     values, p = deploy.deploy_values(bundle, nodes=nodes, gpus_per_node=gpus_per_node, replicas=replicas,
                                      gpu=gpu, pvc=pvc, ssh_secret=ssh_secret, image=image,
-                                     multinode_image=multinode_image)
+                                     multinode_image=multinode_image, server=server, engine_version=engine_version)
     rendered = deploy.render(values, chart, release=release, namespace=namespace)   # the chart's checks, always
+    deploy.check_names(rendered)
+    images = deploy.rendered_images(rendered, values)
     manifests = rendered if render else None
     out = Path(out) if out else deploy.default_out(bundle)
     chart_dir = Path(chart) if chart else deploy.default_chart_dir()
@@ -148,7 +165,8 @@ def deploy_cmd(bundle, nodes, gpus_per_node, replicas, image, multinode_image, g
     if as_json:
         click.echo(json.dumps({"values": str(out / "values.yaml"),
                                "manifests": str(out / "manifests") if manifests is not None else None,
-                               "layout": layout, "values_content": values}, indent=2))
+                               "layout": layout, "server": values["server"]["stack"], "images": images,
+                               "values_content": values}, indent=2))
         return
     click.echo(f"wrote {out / 'values.yaml'}")
     if manifests is not None:
@@ -159,4 +177,7 @@ def deploy_cmd(bundle, nodes, gpus_per_node, replicas, image, multinode_image, g
                    f"{values['gpu']['product']} per pod ({values['workload']['kind']})")
     else:
         click.echo("layout: CPU-only, model dflash_reference")
+    click.echo(f"server: {values['server']['stack']}")
+    for im in images:
+        click.echo(f"image: {im['image']} ({im['what']})")
     click.echo(f"install: helm install {release} {chart_dir} -f {out / 'values.yaml'}")
