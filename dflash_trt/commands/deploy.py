@@ -35,21 +35,28 @@ HARDWARE = click.Choice(sorted(catalog()))
               "layers hold fewer tokens (default for --bundle: the bundle's serving config; else none).")
 @click.option("--objective", type=click.Choice(["latency", "throughput"]), default="latency", show_default=True,
               help="How fitting layouts are ranked.")
+@click.option("--profile", type=click.Choice(["latency", "throughput"]), help="Follow NVIDIA's curated TensorRT-LLM "
+              "config of the target's family (as `build --profile`): its objective, max_batch_size, max_num_tokens "
+              "and attention DP, with its TP / EP ranked first where it fits (gpt-oss throughput: TP 2 x EP 2, "
+              "attention DP).")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON only.")
 def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, max_seq_len, nodes, gpus_per_node, max_batch_size,
-             max_attention_window, objective, as_json):
+             max_attention_window, objective, profile, as_json):
     """How many GPUs, which TP / EP, how many concurrent sequences fit — from config.json alone.
 
     \b
     Per GPU: weights by format (MXFP4 experts, NVFP4, FP8, BF16), drafter weights, activations
     and runtime reserve; the KV-cache pool that is left (target and drafter KV bytes per token);
-    every TP / EP / replica layout, ranked, with the reason for each rejected one.
+    TensorRT-LLM's DFlash draft-context buffer per rank against its budget (a layout runs with the
+    largest max_batch_size that fits, or does not fit when the bundle fixes it); every TP / EP /
+    replica layout, ranked, with the reason for each rejected one.
 
     \b
     Examples:
       dflash-trt plan --target gpt-oss-120b --hardware dgx-b300
       dflash-trt plan --target qwen3-8b --hardware hgx-h200 --quant fp8 --max-seq-len 16384 --json
       dflash-trt plan --target gpt-oss-120b --hardware dgx-b300 --max-attention-window 128,131072
+      dflash-trt plan --target gpt-oss-120b --hardware dgx-b300 --profile throughput
       dflash-trt plan --target ./my-model --drafter ./my-drafter --hardware dgx-b200 --nodes 2
       dflash-trt plan --bundle engines/gpt-oss-120b
     """
@@ -68,6 +75,8 @@ def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, max_seq_len, no
         if target or drafter:
             raise DFlashError("--bundle plans the bundle's own target and drafter; drop --target / --drafter")
         gpu = catalog()[hardware].gpu if hardware else None
+        if profile:
+            raise DFlashError("--bundle plans the bundle's own serving config (its profile); drop --profile")
         p = deploy.plan_for_bundle(bundle, nodes=nodes, gpus_per_node=gpus_per_node, gpu=gpu,
                                    max_seq_len=max_seq_len, objective=objective, **overrides)
         if p is None:
@@ -83,7 +92,7 @@ def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, max_seq_len, no
             dname, dcfg = planner.drafter_config(drafter)
         p = planner.plan(tcfg, dcfg, hardware, target_name=tname, drafter_name=dname, quant=quant, kv_cache=kv_cache,
                          max_seq_len=max_seq_len, nodes=nodes, gpus_per_node=gpus_per_node, objective=objective,
-                         **overrides)
+                         profile=profile, **overrides)
     if as_json:
         click.echo(json.dumps(p.to_dict(), indent=2))
     else:
