@@ -43,8 +43,8 @@ def dflash_problem(server: str, engine_version: str, where: str = "engine versio
     """Why an image carrying `engine_version` of the server's engine cannot run DFlash (None: it can)."""
     stack = facts()["stacks"][server_stack(server)]
     if parse_version(engine_version, where) < parse_version(stack["dflash_since"], "dflash_since"):
-        return (f"{where} {engine_version}: {stack['engine']} {engine_version} predates DFlash (first in "
-                f"{stack['dflash_since']}: {stack['dflash_since_source'].split('. ')[0]})")
+        return (f"{where}: {stack['engine']} {engine_version} predates DFlash, so decoding_type DFlash cannot load "
+                f"(first in {stack['dflash_since']}: {stack['dflash_since_source'].split('. ')[0]})")
     return None
 
 

@@ -155,7 +155,7 @@ def _containers(obj):
 
 @pytest.mark.parametrize("args,message", [
     (["--server", "triton", "--image", "nvcr.io/nvidia/tritonserver:25.10-trtllm-python-py3"],
-     "TensorRT-LLM 1.0.0 predates DFlash (first in 1.3.0rc20"),
+     "TensorRT-LLM 1.0.0 predates DFlash, so decoding_type DFlash cannot load (first in 1.3.0rc20"),
     # Triton's compatibility matrix wins over a declared version
     (["--server", "triton", "--image", "nvcr.io/nvidia/tritonserver:26.07-trtllm-python-py3", "--engine-version",
       "1.4.0rc4"], "TensorRT-LLM 1.2.1 predates DFlash"),

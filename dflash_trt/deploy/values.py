@@ -300,9 +300,10 @@ def server_image(m: dict, server: str, served: list[str], image: str | None, eng
                           f"{', '.join(s for s in engines.SERVERS if engines.server_stack(s) in served)}")
     if image:
         block = parse_image(image, "--image")
-        version = engine_version
-        if stack == "trtllm" and block["repository"].endswith("/tritonserver"):
-            version = engines.triton_image_engine(block["tag"]) or version   # Triton's matrix wins
+        version, where = engine_version, f"--image {image}"
+        if stack == "trtllm" and block["repository"].endswith("/tritonserver") and engines.triton_image_engine(block["tag"]):
+            version = engines.triton_image_engine(block["tag"])   # Triton's matrix wins over a declaration
+            where += " (Triton's compatibility matrix)"
         if not version:
             raise DFlashError(f"--image {image}: pass --engine-version, the {engines.facts()['stacks'][stack]['engine']} "
                               "version the image carries (deploy refuses one that predates DFlash)")
@@ -311,12 +312,13 @@ def server_image(m: dict, server: str, served: list[str], image: str | None, eng
         row = engines.facts()["servers"][server]
         ref = recorded["image"] if recorded else engines.image_ref(row["image"])
         version = recorded["engine_version"] if recorded else row["engine_version"]
+        where = f"manifest.json engines: {ref}"
         if not ref:
             raise DFlashError(f"--server {server}: NVIDIA publishes no image with tritonserver and a DFlash-capable "
                               f"TensorRT-LLM: build {row['build']} and pass --image REPOSITORY:TAG --engine-version "
                               f"{row['engine_version']}")
         block = parse_image(ref, "manifest.json engines")
-    problem = engines.dflash_problem(server, version, f"--image {image}" if image else "the recorded image's engine")
+    problem = engines.dflash_problem(server, version, where)
     if problem:
         raise DFlashError(problem)
     return {**block, "engineVersion": version}
