@@ -60,7 +60,8 @@ class DraftContextBudget:
         return self.max_ctx * (self.proj_dim * 2 + POSITION_BYTES) + 2 * POSITION_BYTES
 
     def describe(self) -> str:
-        g = lambda b: f"{b / GIB:.1f} GiB"
+        def g(b: int) -> str:
+            return f"{b / GIB:.1f} GiB"
         return (f"DFlash draft-context buffer {g(self.buffer_bytes)} per rank (max_batch_size {self.max_batch} x "
                 f"{self.max_ctx} tokens x {self.proj_dim} bf16 + positions) vs budget {g(self.budget_bytes)} "
                 f"(0.70 x (1 - free_gpu_memory_fraction {self.free_gpu_memory_fraction:g}) x ({g(self.gpu_memory_bytes)} "

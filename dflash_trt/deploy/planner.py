@@ -492,7 +492,7 @@ def plan(target_cfg: dict, drafter_cfg: dict | None, hardware: str | Hardware, *
     layouts = [_evaluate(s, t, e) for t, e in _candidate_layouts(s, nodes, tp, ep)]
     layouts.sort(key=RANKING[objective])
     if preferred:   # a stable second sort would undo the preference: rank the curated layout first where it fits
-        layouts.sort(key=lambda l: (not l.fits, (l.tp, l.ep) != preferred))
+        layouts.sort(key=lambda lay: (not lay.fits, (lay.tp, lay.ep) != preferred))
 
     ref = next((l for l in layouts if l.fits), max(layouts, key=lambda l: l.tp))  # the per-GPU weights reported
     return Plan(
