@@ -234,7 +234,8 @@ def test_serving_files_hold_the_drafters_real_settings(tiny, hopper):
     for spec in (yaml.safe_load((bundle / "triton/tensorrt_llm/1/model.yaml").read_text())["speculative_config"],
                  yaml.safe_load((bundle / "configs/trtllm-serve.yaml").read_text())["speculative_config"]):
         assert spec == {"decoding_type": "DFlash", "speculative_model": "drafter", "max_draft_len": B - 1,
-                        "mask_token_id": mask, "target_layer_ids": ids}
+                        "mask_token_id": mask, "target_layer_ids": ids,
+                        "attention_backend": "FA4"}   # the Hopper drafter path (PR #18553)
     ref = yaml.safe_load((bundle / "triton/dflash_reference/1/model.yaml").read_text())
     assert ref["block_size"] == B and (bundle / ref["target"] / "config.json").is_file()
     v = json.loads((bundle / "configs/vllm.json").read_text())
