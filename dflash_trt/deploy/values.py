@@ -25,6 +25,9 @@ relies on:
     parallel.pp                  int: 1 (pipeline parallel bundles are not planned)
     triton_model_repository      str: the model repository folder, relative to the bundle
     triton_models                [str]: its models; "dflash_reference" is the CPU-capable one
+    serving_stacks.served        [str]: the stacks it holds configs for (the chart's bundle.stacks)
+    engines.<stack>.servers.<server>.image / .engine_version
+                                 the image deploy writes for a server (engines.json at build time)
 
 The layout written by default is the planner's chosen layout for the bundle (`plan_for_bundle`),
 so `dflash-trt plan --bundle DIR` shows exactly what `deploy` will do. Nothing is compiled at pod
