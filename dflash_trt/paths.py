@@ -14,3 +14,12 @@ def dflash_home() -> Path:
 def package_path(*parts: str) -> Path:
     """A file or folder shipped inside the package (works for an installed wheel and a checkout)."""
     return Path(str(resources.files("dflash_trt").joinpath(*parts)))
+
+
+def deploy_path(*parts: str) -> Path:
+    """Operator-facing files (the Helm chart, the Dockerfiles): the repository's top-level deploy/,
+    which a wheel carries as dflash_trt/_deploy (setup.py); a checkout or editable install reads
+    deploy/ itself."""
+    shipped = package_path("_deploy")
+    root = shipped if shipped.is_dir() else Path(__file__).resolve().parents[1] / "deploy"
+    return root.joinpath(*parts)

@@ -8,8 +8,10 @@ emptyDir at /tmp, the container's `env` list, the LWS controller's variables (LW
 <lws>-<group>.<subdomain>.<namespace>, LWS_GROUP_SIZE, LWS_WORKER_INDEX: kubernetes-sigs/lws
 pkg/utils/pod/pod_utils.go @ 060ab4d), its pod name as host name, and names that resolve as the
 LWS headless Service publishes them (a private /etc/hosts in each pod's mount namespace). The
-scripts run unchanged except rank.sh's final serving command, replaced by a probe that records
-each rank's host, rank and environment in its pod's /tmp.
+scripts run unchanged except rank.sh's final serving command (after its `cd "$BUNDLE_DIR" &&`, for
+trtllm-serve), replaced by a probe that records each rank's host, rank, working folder and
+environment in its pod's /tmp. It runs for each server the chart launches under MPI: trtllm-serve
+(the default) and Triton.
 
 Needs root (namespaces), iproute2, util-linux unshare, openssh-server and openmpi-bin (`.ci/run`
 installs the last two); otherwise the module skips, naming what is missing."""
@@ -18,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import time
@@ -34,13 +37,14 @@ from dflash_trt.deploy.values import default_chart_dir
 NAMESPACE = "serving"
 RELEASE = "rel"
 TOOLS = ("ip", "unshare", "mpirun", "orted", "ssh", "ssh-keygen", "/usr/sbin/sshd")
-# Values of a TP16 group on two 8-GPU nodes, with every env-setting value turned on.
+# Values of a TP16 group on two 8-GPU nodes, with every env-setting value turned on. The bundle is
+# mounted under /opt (bind-mounted per pod below), so that trtllm-serve's `cd "$BUNDLE_DIR"` runs.
 VALUES = {
     "gpu": {"count": 8, "product": "NVIDIA-B300-SXM6-AC"},
     "parallel": {"tp": 16, "pp": 1, "ep": 1},
-    "bundle": {"models": ["tensorrt_llm"], "pvc": {"accessModes": ["ReadWriteMany"]}},
-    "multiNode": {"sshSecret": "dflash-trt-ssh", "image": {"repository": "registry.example.com/dflash-trt-triton",
-                                                           "tag": "25.10"},
+    "bundle": {"models": [], "mountPath": "/opt/bundle", "pvc": {"accessModes": ["ReadWriteMany"]}},
+    "multiNode": {"sshSecret": "dflash-trt-ssh", "image": {"repository": "registry.example.com/dflash-trt-trtllm-mpi",
+                                                           "tag": "1.4.0rc4", "engineVersion": "1.4.0rc4"},
                   "workerWaitSeconds": 12},
     "rdma": {"enabled": True, "ibHca": "=mlx5_0"},
     "nccl": {"socketIfname": "veth-dft"},
@@ -48,7 +52,7 @@ VALUES = {
 }
 PROBE = ("exec python3 -c 'import json, os, socket; r = os.environ[\"OMPI_COMM_WORLD_RANK\"]; "
          "os.makedirs(\"/tmp/probe\", exist_ok=True); "
-         "json.dump({\"host\": socket.gethostname(), \"rank\": int(r), \"env\": dict(os.environ)}, "
+         "json.dump({\"host\": socket.gethostname(), \"rank\": int(r), \"cwd\": os.getcwd(), \"env\": dict(os.environ)}, "
          "open(\"/tmp/probe/rank-\" + r + \".json\", \"w\")); print(\"probe rank\", r, socket.gethostname())'")
 # The image keeps Open MPI off sshd's default PATH, as the Triton image does (HPC-X under
 # /opt/hpcx/ompi): here /opt/ompi/bin holds mpirun and orted, and the system orted is hidden.
@@ -88,11 +92,20 @@ def render_group(values: dict) -> dict:
     return {"lws": lws, "scripts": cm["data"], "env": env, "services": services, "secret_keys": secret_keys}
 
 
-def probe_rank_script(rank_sh: str) -> str:
-    """rank.sh with its final serving command replaced by the probe (nothing else changed)."""
+SERVERS = {"triton": "exec trtllm-llmapi-launch tritonserver ",
+           "trtllm-serve": 'cd "$BUNDLE_DIR" && exec trtllm-llmapi-launch trtllm-serve target --config '}
+
+
+def server_values(server: str) -> dict:
+    models = ["tensorrt_llm"] if server == "triton" else []
+    return {**VALUES, "server": {"stack": server}, "bundle": {**VALUES["bundle"], "models": models}}
+
+
+def probe_rank_script(rank_sh: str, server: str) -> str:
+    """rank.sh with its final serving command (what follows `exec`) replaced by the probe."""
     lines = rank_sh.rstrip("\n").split("\n")
-    assert lines[-1].startswith("exec trtllm-llmapi-launch tritonserver "), lines[-1]
-    return "\n".join(lines[:-1] + [PROBE]) + "\n"
+    assert lines[-1].startswith(SERVERS[server]), lines[-1]
+    return "\n".join(lines[:-1] + [lines[-1][:lines[-1].index("exec ")] + PROBE]) + "\n"
 
 
 class Group:
@@ -117,7 +130,7 @@ class Group:
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
         for role in self.pods:
             d = root / role
-            for sub in ("etc-up/dflash-trt/ssh", "etc-work", "opt/dflash-trt", "tmp"):
+            for sub in ("etc-up/dflash-trt/ssh", "etc-work", "opt/dflash-trt", "opt/bundle", "tmp"):
                 (d / sub).mkdir(parents=True)
             (d / "etc-up/hosts").write_text(self.hosts_file(role))
             secret = d / "etc-up/dflash-trt/ssh"
@@ -222,11 +235,12 @@ class Group:
         return out
 
 
-@pytest.fixture
-def group(tmp_path):
-    rendered = render_group(VALUES)
-    scripts = dict(rendered["scripts"], **{"rank.sh": probe_rank_script(rendered["scripts"]["rank.sh"])})
+@pytest.fixture(params=sorted(SERVERS))
+def group(tmp_path, request):
+    rendered = render_group(server_values(request.param))
+    scripts = dict(rendered["scripts"], **{"rank.sh": probe_rank_script(rendered["scripts"]["rank.sh"], request.param)})
     g = Group(tmp_path, rendered, scripts)
+    g.server = request.param
     try:
         yield g
     finally:
@@ -252,6 +266,9 @@ def test_every_rank_starts_on_both_nodes_with_the_charts_environment(group):
     for ranks, pod in ((leader_ranks, group.pods["leader"]), (worker_ranks, group.pods["worker"])):
         for rank, probe in ranks.items():
             assert probe["host"] == pod
+            # trtllm-serve runs from the bundle root, where its config's relative paths resolve
+            if group.server == "trtllm-serve":
+                assert probe["cwd"] == "/opt/bundle", probe["cwd"]
             assert probe["env"]["OMPI_COMM_WORLD_SIZE"] == str(world)
             # Every variable the chart sets reaches every rank with the chart's value.
             wrong = {k: probe["env"].get(k) for k, v in chart_env.items() if probe["env"].get(k) != v}
@@ -309,47 +326,59 @@ def test_leader_fails_with_a_clear_line_when_a_worker_is_gone(group):
 
 METRICS_SERVER = """
 import http.server, pathlib, sys
-page = pathlib.Path(sys.argv[1])
+page, port, path = pathlib.Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 class H(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
+        if self.path != path:
+            self.send_response(404); self.end_headers(); return
         body = page.read_bytes()
         self.send_response(200); self.send_header("Content-Length", str(len(body))); self.end_headers()
         self.wfile.write(body)
     def log_message(self, *a):
         pass
-http.server.HTTPServer(("127.0.0.1", 8002), H).serve_forever()
+http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
 """
 BUSY = ('# HELP nv_inference_pending_request_count Instantaneous number of pending requests\n'
         'nv_inference_pending_request_count{model="tensorrt_llm",version="1"} 0\n'
         'dflash_requests_active{model="tensorrt_llm",version="1"} 2\n'
         'dflash_requests_waiting{model="tensorrt_llm",version="1"} 1\n')
-IDLE = BUSY.replace("} 2\n", "} 0\n").replace("} 1\n", "} 0\n")
+# trtllm-serve's /prometheus/metrics (its gauges: engines.json endpoints.load_metrics)
+BUSY_TRTLLM = ('# TYPE trtllm_num_requests_running gauge\ntrtllm_num_requests_running 2.0\n'
+               '# TYPE trtllm_num_requests_waiting gauge\ntrtllm_num_requests_waiting 1.0\n')
+DRAINS = {  # server -> (extra values, metrics port, path, busy page)
+    "triton": ({"server": {"stack": "triton"}, "bundle": {"models": ["tensorrt_llm"]},
+                "image": {"repository": "registry.example.com/dflash-trt-triton", "tag": "1", "engineVersion": "1.4.0rc4"}},
+               8002, "/metrics", BUSY),
+    "trtllm-serve": ({}, 8000, "/prometheus/metrics", BUSY_TRTLLM),
+}
 
 
+@pytest.mark.parametrize("server", sorted(DRAINS))
 @pytest.mark.parametrize("drain_seconds,goes_idle", [(30, True), (8, False)])
-def test_prestop_drain_waits_for_in_flight_requests(tmp_path, drain_seconds, goes_idle):
-    """The rendered drain.sh against a pod's metrics port (a server in a private network
-    namespace, so 8002 is free): it waits while requests are in flight, returns once they reach
-    0, and never waits past shutdown.drainSeconds."""
+def test_prestop_drain_waits_for_in_flight_requests(tmp_path, drain_seconds, goes_idle, server):
+    """The rendered drain.sh against a pod's metrics endpoint (a server in a private network
+    namespace, so the port is free): it waits while requests are in flight, returns once they
+    reach 0, and never waits past shutdown.drainSeconds."""
+    extra, port, path, busy = DRAINS[server]
     with helm.Chart.load(str(default_chart_dir())) as chart:
-        objs = objects(chart.render({"shutdown": {"drainSeconds": drain_seconds}}, name=RELEASE,
+        objs = objects(chart.render({**extra, "shutdown": {"drainSeconds": drain_seconds}}, name=RELEASE,
                                     namespace=NAMESPACE, is_install=True))
     (cm,) = [o for o in objs if o["kind"] == "ConfigMap"]
     (tmp_path / "drain.sh").write_text(cm["data"]["drain.sh"])
     page = tmp_path / "metrics"
-    page.write_text(BUSY)
+    page.write_text(busy)
     ns = f"dftd{os.getpid() % 10000}{random.randint(0, 99)}"
     subprocess.run(["ip", "netns", "add", ns], check=True)
     try:
         subprocess.run(["ip", "-n", ns, "link", "set", "lo", "up"], check=True)
-        server = subprocess.Popen(["ip", "netns", "exec", ns, "python3", "-c", METRICS_SERVER, str(page)])
+        server = subprocess.Popen(["ip", "netns", "exec", ns, "python3", "-c", METRICS_SERVER, str(page), str(port), path])
         time.sleep(1)
         t0 = time.monotonic()
         drain = subprocess.Popen(["ip", "netns", "exec", ns, "/bin/sh", str(tmp_path / "drain.sh")],
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if goes_idle:
             time.sleep(9)
-            page.write_text(IDLE)
+            page.write_text(re.sub(r" [0-9.]+\n", " 0\n", busy))
         out, _ = drain.communicate(timeout=drain_seconds + 30)
         took = time.monotonic() - t0
         server.kill()

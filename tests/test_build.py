@@ -134,6 +134,32 @@ def test_impossible_requests_are_refused(tiny, tmp_path, pair, args, message):
     assert not (tmp_path / "b").exists()
 
 
+def test_a_draft_context_over_tensorrt_llms_budget_is_refused_with_the_numbers(tiny, tmp_path):
+    """TensorRT-LLM keeps the drafter's context of max_batch_size requests per rank
+    (bundle/dflash_budget.py); build refuses a layout whose buffer exceeds the budget, before any
+    stage runs, naming the sizes and the largest max_batch_size that fits."""
+    from dflash_trt.bundle.dflash_budget import draft_context_budget
+    from dflash_trt.hardware import hardware_for_gpu
+    dcfg = json.loads((tiny / "llama-drafter" / "config.json").read_text())
+    tcfg = json.loads((tiny / "llama" / "config.json").read_text())
+    weights = sum(f.stat().st_size for f in (tiny / "llama").glob("*.safetensors"))
+    b = draft_context_budget(max_batch=1, max_seq_len=min(tcfg["max_position_embeddings"], 32768), drafter_cfg=dcfg,
+                             gpu_memory_bytes=hardware_for_gpu("h200").reported_memory_bytes,
+                             weights_bytes_per_rank=weights // 2, free_gpu_memory_fraction=0.85)
+    args = ["--target", str(tiny / "llama"), "--drafter", str(tiny / "llama-drafter"), "--gpu", "h200",
+            "--quant", "none", "--tp", "2"]
+    code, _, err = run_cli("build", *args, "--max-batch-size", str(b.largest_batch + 1), "--out", str(tmp_path / "b"))
+    assert code == 1 and "DFlash draft-context buffer" in err and "vs budget" in err, err
+    assert f"pass --max-batch-size {b.largest_batch} or less" in err
+    assert not (tmp_path / "b").exists() and not list(tmp_path.glob(".b.*"))
+    m = json.loads(Path(build_json(*args, "--max-batch-size", str(b.largest_batch), "--out",
+                                   str(tmp_path / "ok"))["manifest"]).read_text())
+    assert m["serving_profile"]["max_batch_size"] == b.largest_batch
+    serve = yaml.safe_load((tmp_path / "ok" / "configs" / "trtllm-serve.yaml").read_text())
+    assert serve["max_batch_size"] == b.largest_batch and serve["speculative_config"]["attention_backend"] == "FA4"
+    assert m["engines"]["trtllm"]["servers"]["trtllm-serve"]["image"] == "nvcr.io/nvidia/tensorrt-llm/release:1.4.0rc4"
+
+
 def test_existing_non_bundle_folder_needs_force(tiny, tmp_path):
     out = tmp_path / "precious"
     out.mkdir()
@@ -208,7 +234,8 @@ def test_serving_files_hold_the_drafters_real_settings(tiny, hopper):
     for spec in (yaml.safe_load((bundle / "triton/tensorrt_llm/1/model.yaml").read_text())["speculative_config"],
                  yaml.safe_load((bundle / "configs/trtllm-serve.yaml").read_text())["speculative_config"]):
         assert spec == {"decoding_type": "DFlash", "speculative_model": "drafter", "max_draft_len": B - 1,
-                        "mask_token_id": mask, "target_layer_ids": ids}
+                        "mask_token_id": mask, "target_layer_ids": ids,
+                        "attention_backend": "FA4"}   # the Hopper drafter path (PR #18553)
     ref = yaml.safe_load((bundle / "triton/dflash_reference/1/model.yaml").read_text())
     assert ref["block_size"] == B and (bundle / ref["target"] / "config.json").is_file()
     v = json.loads((bundle / "configs/vllm.json").read_text())

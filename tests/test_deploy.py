@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from dflash_trt import engines
 from dflash_trt.bundle.manifest import validate as validate_manifest
 from dflash_trt.deploy import planner
 from dflash_trt.deploy import values as deploy
@@ -26,7 +27,8 @@ pytest.importorskip("jsonschema")
 
 
 def write_bundle(root: Path, target="gpt-oss-120b", gpu="b300", arch="blackwell", quant="mxfp4", kv="fp8",
-                 tp=8, ep=1, compile_status="deferred", drafter_config=True) -> Path:
+                 tp=8, ep=1, compile_status="deferred", drafter_config=True,
+                 stacks=("trtllm", "vllm", "sglang")) -> Path:
     _, cfg, dcfg = planner.target_configs(target)
     bundle = root / f"{target}-{gpu or arch}-{quant}-tp{tp}"
     bundle.mkdir(parents=True)
@@ -45,6 +47,8 @@ def write_bundle(root: Path, target="gpt-oss-120b", gpu="b300", arch="blackwell"
                                "commands": ["dflash-trt compile --bundle <bundle>"]}},
         "triton_model_repository": "triton", "triton_models": ["tensorrt_llm", "dflash_reference"],
         "artifacts": [],
+        "serving_stacks": {"served": list(stacks), "skipped": {}},
+        "engines": engines.manifest_record(list(stacks)),
     }
     if drafter_config and dcfg:
         m["drafter"]["config"] = dcfg
@@ -59,7 +63,11 @@ def test_values_agree_with_the_bundle(tmp_path):
     assert values["parallel"] == {"tp": 8, "pp": 1, "ep": 1}
     assert values["gpu"] == {"count": 8, "product": "NVIDIA-B300-SXM6-AC"}
     assert values["bundle"]["modelRepository"] == "triton"
-    assert values["bundle"]["models"] == ["tensorrt_llm"]          # not the CPU reference copy of a 120B model
+    assert values["server"] == {"stack": "trtllm-serve"} and values["bundle"]["models"] == []
+    assert values["bundle"]["stacks"] == ["trtllm", "vllm", "sglang"]
+    # the image the manifest records for trtllm-serve (engines.json), with the engine version it carries
+    assert values["image"] == {"repository": "nvcr.io/nvidia/tensorrt-llm/release", "tag": "1.4.0rc4", "digest": "",
+                               "engineVersion": "1.4.0rc4"}
     assert "compile" not in values               # nothing compiles at pod start, deferred stage or not
     assert values["replicas"] == 1 and values["workload"]["kind"] == "Deployment"
     assert values["shmSize"] == "16Gi"
@@ -69,8 +77,132 @@ def test_values_agree_with_the_bundle(tmp_path):
     c = dep["spec"]["template"]["spec"]["containers"][0]
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 8
     serve = next(o for o in objs if o["kind"] == "ConfigMap")["data"]["serve.sh"]
+    assert 'cd "$BUNDLE_DIR" && exec trtllm-serve target --config configs/trtllm-serve.yaml' in serve
+    assert c["image"] == "nvcr.io/nvidia/tensorrt-llm/release:1.4.0rc4"
+    assert c["readinessProbe"]["httpGet"]["path"] == "/health"
+    # Triton: on an image of our own (NVIDIA publishes none with DFlash), its tensorrt_llm model only
+    with pytest.raises(DFlashError, match="build deploy/triton-trtllm.Dockerfile and pass --image"):
+        deploy.deploy_values(b, server="triton")
+    values, _ = deploy.deploy_values(b, server="triton", image=TRITON_IMAGE, engine_version="1.4.0rc4")
+    assert values["bundle"]["models"] == ["tensorrt_llm"]          # not the CPU reference copy of a 120B model
+    objs = objects(deploy.render(values, release="gptoss"))
+    validate_all(objs)
+    serve = next(o for o in objs if o["kind"] == "ConfigMap")["data"]["serve.sh"]
     assert "'--model-repository=/bundle/triton'" in serve and "'--load-model=tensorrt_llm'" in serve
 
+
+TRITON_IMAGE = "registry.example.com/dflash-trt-triton:26.07-trtllm1.4.0rc4"
+
+
+@pytest.mark.parametrize("server,config,ready,metrics", [
+    ("trtllm-serve", "configs/trtllm-serve.yaml", "/health", ("http", "/prometheus/metrics")),
+    ("vllm", "configs/vllm.json", "/health", ("http", "/metrics")),
+    ("sglang", "configs/sglang.json", "/health", ("http", "/metrics")),
+    ("triton", None, "/v2/health/ready", ("metrics", "/metrics")),
+])
+def test_each_stack_gets_its_own_server(tmp_path, server, config, ready, metrics):
+    """One server per stack the bundle holds a config for, each with its readiness probe, metrics
+    endpoint and autoscaling signal (engines.json endpoints), rendered to valid objects."""
+    b = write_bundle(tmp_path)
+    extra = {"image": TRITON_IMAGE, "engine_version": "1.4.0rc4"} if server == "triton" else {}
+    values, _ = deploy.deploy_values(b, server=server, **extra)
+    values["autoscaling"].update({"enabled": True, "provider": "keda"})
+    values["serviceMonitor"] = {"enabled": True}
+    values["bundle"]["pvc"]["accessModes"] = ["ReadWriteMany"]     # the autoscaler's pods land on other nodes
+    objs = objects(deploy.render(values, release="gptoss"))
+    validate_all(objs)
+    c = next(o for o in objs if o["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    assert c["name"] == server
+    assert c["readinessProbe"]["httpGet"]["path"] == c["startupProbe"]["httpGet"]["path"] == ready
+    row = engines.facts()["servers"][server]
+    assert c["image"] == (TRITON_IMAGE if server == "triton" else engines.image_ref(row["image"]))
+    serve = next(o for o in objs if o["kind"] == "ConfigMap")["data"]["serve.sh"]
+    if config:
+        assert config in serve and "--port 8000" in serve
+    (sm,) = [o for o in objs if o["kind"] == "ServiceMonitor"]
+    assert (sm["spec"]["endpoints"][0]["port"], sm["spec"]["endpoints"][0]["path"]) == metrics
+    (so,) = [o for o in objs if o["kind"] == "ScaledObject"]
+    query = so["spec"]["triggers"][0]["metadata"]["query"]
+    assert all(m in query for m in row["endpoints"]["load_metrics"])
+
+
+def test_a_default_rollout_runs_only_engines_with_dflash(tmp_path):
+    """`deploy --render` of a default bundle, one node and two: every image the manifests name is
+    listed with its engine version, and each has DFlash (engines.json dflash_since)."""
+    from packaging.version import Version
+    for nodes, tp, extra in ((1, 8, []), (2, 16, ["--multinode-image", MN_IMAGE])):
+        b = write_bundle(tmp_path / str(nodes), tp=tp)
+        code, out, err = run_cli("deploy", "--bundle", str(b), "--nodes", str(nodes), "--render", "--json", *extra)
+        assert code == 0, err
+        d = json.loads(out)
+        rendered = {c["image"] for p in Path(d["manifests"]).iterdir() for o in yaml.safe_load_all(p.read_text()) if o
+                    for c in _containers(o)}
+        assert rendered == {im["image"] for im in d["images"]}
+        for im in d["images"]:
+            assert Version(im["engine_version"]) >= Version(engines.facts()["stacks"]["trtllm"]["dflash_since"]), im
+        code, out, _ = run_cli("deploy", "--bundle", str(b), "--nodes", str(nodes), "--out", str(tmp_path / f"o{nodes}"),
+                               *extra)
+        assert code == 0 and "TensorRT-LLM 1.4.0rc4; DFlash since 1.3.0rc20" in out
+
+
+def _containers(obj):
+    spec = obj.get("spec") or {}
+    pods = [spec["template"]["spec"]] if "template" in spec else []
+    if "leaderWorkerTemplate" in spec:
+        pods += [spec["leaderWorkerTemplate"][k]["spec"] for k in ("leaderTemplate", "workerTemplate")]
+    return [c for ps in pods for c in ps.get("initContainers", []) + ps["containers"]]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--server", "triton", "--image", "nvcr.io/nvidia/tritonserver:25.10-trtllm-python-py3"],
+     "TensorRT-LLM 1.0.0 predates DFlash, so decoding_type DFlash cannot load (first in 1.3.0rc20"),
+    # Triton's compatibility matrix wins over a declared version
+    (["--server", "triton", "--image", "nvcr.io/nvidia/tritonserver:26.07-trtllm-python-py3", "--engine-version",
+      "1.4.0rc4"], "TensorRT-LLM 1.2.1 predates DFlash"),
+    (["--image", "registry.example.com/trtllm:old", "--engine-version", "1.2.1"], "TensorRT-LLM 1.2.1 predates DFlash"),
+    (["--image", "registry.example.com/trtllm:x"], "pass --engine-version"),
+    (["--server", "vllm", "--image", "vllm/vllm-openai:v0.10.0", "--engine-version", "0.10.0"],
+     "vLLM 0.10.0 predates DFlash"),
+    (["--server", "triton"], "NVIDIA publishes no image with tritonserver and a DFlash-capable TensorRT-LLM"),
+    (["--release", "Bad_Name!"], "--release 'Bad_Name!': Helm refuses it: a release name is a DNS-1123 label"),
+    (["--release", "a" * 54], "of at most 53 characters"),
+    (["--release", "-x"], "Helm refuses it"),
+    (["--namespace", "Prod"], "--namespace 'Prod': Kubernetes refuses it"),
+])
+def test_deploy_refuses_what_cannot_start_and_writes_nothing(tmp_path, args, message):
+    b = write_bundle(tmp_path)
+    out = tmp_path / "out"
+    code, _, err = run_cli("deploy", "--bundle", str(b), "--out", str(out), "--render", *args)
+    assert code == 1 and message in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == [b.name]
+
+
+def test_a_stack_the_bundle_has_no_config_for_is_refused(tmp_path):
+    b = write_bundle(tmp_path, stacks=("trtllm",))
+    with pytest.raises(DFlashError, match=r"--server vllm: the bundle holds no vLLM config .*choose one of trtllm-serve, "
+                                          "triton"):
+        deploy.deploy_values(b, server="vllm")
+    only_vllm = write_bundle(tmp_path / "v", stacks=("vllm",))
+    values, _ = deploy.deploy_values(only_vllm)        # the default follows the bundle
+    assert values["server"]["stack"] == "vllm" and values["bundle"]["stacks"] == ["vllm"]
+
+
+def test_multi_node_runs_only_the_mpi_servers(tmp_path):
+    b = write_bundle(tmp_path, tp=16)
+    with pytest.raises(DFlashError, match="--server vllm: the layout spans 2 nodes per instance"):
+        deploy.deploy_values(b, nodes=2, server="vllm", multinode_image=MN_IMAGE)
+
+
+def test_check_names_refuses_each_kind_by_its_rule():
+    ok = "apiVersion: v1\nkind: Service\nmetadata:\n  name: gpt-oss-dflash-trt\n"
+    deploy.check_names({"t/service.yaml": ok})
+    for kind, name, why in (("Service", "1gpt-dflash-trt", "DNS-1035 label"), ("Service", "Bad_Name!-dflash-trt", "DNS-1035"),
+                            ("ConfigMap", "x_y-scripts", "DNS-1123 subdomain"), ("Service", "a" * 64, "at most 63"),
+                            ("LeaderWorkerSet", "a.b-lws", "DNS-1123 label")):
+        text = f"apiVersion: v1\nkind: {kind}\nmetadata:\n  name: '{name}'\n"
+        with pytest.raises(DFlashError, match=f"{kind} name .*{why}"):
+            deploy.check_names({"t/x.yaml": text})
 
 def test_default_layout_is_the_planners_choice(tmp_path):
     # A bundle written for TP 1: the planner fits 8 replicas of it on a DGX B300, and deploy writes that.
@@ -100,18 +232,19 @@ def test_the_planner_picks_ep_when_the_bundle_leaves_it(tmp_path):
         json.loads((b / "manifest.json").read_text())["target"]["config"]), "mxfp4", 8)
 
 
-MN_IMAGE = "registry.example.com/dflash-trt-triton:25.10"
+MN_IMAGE = "registry.example.com/dflash-trt-trtllm-mpi:1.4.0rc4"
 
 
 def test_two_nodes_leaderworkerset(tmp_path):
     b = write_bundle(tmp_path, tp=16, quant="mxfp4")
-    with pytest.raises(DFlashError, match="pass --multinode-image .* built from dflash_trt/deploy/multinode.Dockerfile"):
+    with pytest.raises(DFlashError, match="pass --multinode-image .* built from deploy/multinode.Dockerfile"):
         deploy.deploy_values(b, nodes=2)
     values, _ = deploy.deploy_values(b, nodes=2, ssh_secret="gptoss-ssh", multinode_image=MN_IMAGE)
     assert values["workload"]["kind"] == "LeaderWorkerSet"
     assert values["gpu"]["count"] == 8 and values["parallel"]["tp"] == 16 and values["replicas"] == 1
     assert values["multiNode"] == {"sshSecret": "gptoss-ssh", "image": {
-        "repository": "registry.example.com/dflash-trt-triton", "tag": "25.10", "digest": ""}}
+        "repository": "registry.example.com/dflash-trt-trtllm-mpi", "tag": "1.4.0rc4", "digest": "",
+        "engineVersion": "1.4.0rc4"}}   # built FROM the server's image: its engine version
     assert values["bundle"]["pvc"]["accessModes"] == ["ReadWriteMany"]
     objs = objects(deploy.render(values))
     kinds = validate_all(objs)
@@ -234,7 +367,7 @@ def test_tp16_b300_two_nodes_render(tmp_path):
     assert lws["spec"].get("networkConfig", {}).get("subdomainPolicy", "Shared") == "Shared"
     assert lws["metadata"]["name"] not in {o["metadata"]["name"] for o in objs if o["kind"] == "Service"}
     leader = lws["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["spec"]["containers"][0]
-    assert leader["image"] == "registry.example.com/dflash-trt-triton@sha256:" + "0" * 64
+    assert leader["image"] == "registry.example.com/dflash-trt-trtllm-mpi@sha256:" + "0" * 64
     leader_sh = next(o for o in objs if o["kind"] == "ConfigMap")["data"]["leader.sh"]
     assert "mpirun -np 16" in leader_sh and "--mca orte_keep_fqdn_hostnames 1" in leader_sh
     assert {"name": "OMPI_MCA_orte_keep_fqdn_hostnames", "value": "1"} in leader["env"]

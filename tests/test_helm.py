@@ -22,10 +22,27 @@ from dflash_trt.hardware import all_gpu_product_labels
 
 CHART = default_chart_dir()
 
-# The four deployments the chart must get right (issue 7).
+TRITON_IMAGE = {"repository": "registry.example.com/dflash-trt-triton", "digest": "sha256:" + "ab" * 32,
+                "engineVersion": "1.4.0rc4"}     # built from deploy/triton-trtllm.Dockerfile
+MN_IMAGE = {"repository": "registry.example.com/dflash-trt-triton-mpi", "tag": "1.4.0rc4", "engineVersion": "1.4.0rc4"}
+
+# The deployments the chart must get right (issue 7; servers per stack: issue 25).
 SCENARIOS = {
+    # The defaults: trtllm-serve on TensorRT-LLM's release image, gpt-oss-120b on one DGX B300.
+    "defaults-trtllm-serve": {},
+    # Two DGX B300 nodes per instance with the default server: trtllm-serve under MPI.
+    "two-node-trtllm-serve": {
+        "parallel": {"tp": 16, "pp": 1, "ep": 1},
+        "bundle": {"pvc": {"accessModes": ["ReadWriteMany"]}},
+        "multiNode": {"sshSecret": "dflash-trt-ssh", "image": {**MN_IMAGE, "repository": "registry.example.com/trtllm-mpi"}},
+    },
+    "vllm": {"server": {"stack": "vllm"}, "serviceMonitor": {"enabled": True},
+             "autoscaling": {"enabled": True, "provider": "keda"}, "bundle": {"pvc": {"accessModes": ["ReadWriteMany"]}},
+             "networkPolicy": {"enabled": True}},
+    "sglang": {"server": {"stack": "sglang"}, "serviceMonitor": {"enabled": True}},
     # The embedded pair on one CPU-only node: the reference-runtime model, no GPU request.
     "embedded-cpu": {
+        "server": {"stack": "triton"},
         "gpu": {"count": 0, "product": ""},
         "parallel": {"tp": 1, "pp": 1, "ep": 1},
         "bundle": {"models": ["dflash_reference"]},
@@ -34,7 +51,8 @@ SCENARIOS = {
     },
     # gpt-oss-120b on one DGX B300: 8 GPUs, TP 8, every optional object on, image pinned by digest.
     "gpt-oss-120b-b300": {
-        "image": {"digest": "sha256:" + "ab" * 32},
+        "server": {"stack": "triton"},
+        "image": TRITON_IMAGE,
         "gpu": {"count": 8, "product": "NVIDIA-B300-SXM6-AC"},
         "parallel": {"tp": 8, "pp": 1, "ep": 1},
         "bundle": {"models": ["tensorrt_llm"], "pvc": {"existingClaim": "gpt-oss-120b-bundle", "create": False}},
@@ -46,12 +64,13 @@ SCENARIOS = {
     },
     # Two DGX B300 nodes per model instance (TP 16): a LeaderWorkerSet, MPI from the leader.
     "two-node-lws": {
+        "server": {"stack": "triton"},
         "gpu": {"count": 8, "product": "NVIDIA-B300-SXM6-AC"},
         "parallel": {"tp": 16, "pp": 1, "ep": 1},
         "replicas": 2,
         "bundle": {"models": ["tensorrt_llm"], "pvc": {"accessModes": ["ReadWriteMany"], "size": "300Gi"}},
         "multiNode": {"sshSecret": "dflash-trt-ssh", "exclusiveTopology": "nvidia.com/gpu.clique",
-                      "image": {"repository": "registry.example.com/dflash-trt-triton", "tag": "25.10"}},
+                      "image": MN_IMAGE},
         "rdma": {"enabled": True, "resources": {"rdma/rdma_shared_device_a": 1}, "ibHca": "mlx5"},
         "nccl": {"socketIfname": "eth0"},
         "autoscaling": {"enabled": True, "provider": "keda"},
@@ -59,6 +78,8 @@ SCENARIOS = {
     },
     # H200 (Hopper, FP8 bundle): 4 GPUs, TP 4, StatefulSet, bundle delivered as an image.
     "h200-fp8": {
+        "server": {"stack": "triton"},
+        "image": {**TRITON_IMAGE, "digest": "", "tag": "26.07-trtllm1.4.0rc4"},
         "workload": {"kind": "StatefulSet"},
         "gpu": {"count": 4, "product": "NVIDIA-H200"},
         "parallel": {"tp": 4, "pp": 1, "ep": 1},
@@ -178,7 +199,7 @@ def test_b300_single_node_pod():
     # nothing compiles at pod start; the image is pinned by its digest
     assert "initContainers" not in spec
     assert not any("compile" in k for k in by_kind(objs, "ConfigMap")[0]["data"])
-    assert c["image"] == "nvcr.io/nvidia/tritonserver@sha256:" + "ab" * 32
+    assert c["image"] == "registry.example.com/dflash-trt-triton@sha256:" + "ab" * 32
     # shutdown: preStop drain, then Triton's exit timeout, inside the grace period
     assert c["lifecycle"]["preStop"]["exec"]["command"] == ["/bin/sh", "/opt/dflash-trt/drain.sh"]
     data = by_kind(objs, "ConfigMap")[0]["data"]
@@ -215,7 +236,7 @@ def test_two_node_leaderworkerset():
     for spec in (leader, worker):
         c = spec["containers"][0]
         assert c["resources"]["limits"]["nvidia.com/gpu"] == 8
-        assert c["image"] == "registry.example.com/dflash-trt-triton:25.10"     # the image with sshd
+        assert c["image"] == "registry.example.com/dflash-trt-triton-mpi:1.4.0rc4"     # the image with sshd
         # RDMA: the device plugin's resource, IPC_LOCK for pinned memory, NCCL told which HCA / interface
         assert c["resources"]["requests"]["rdma/rdma_shared_device_a"] == 1
         assert c["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
@@ -241,6 +262,8 @@ def test_two_node_leaderworkerset():
     assert {e["name"] for e in leader["containers"][0]["env"]} | {"PATH"} <= forwarded
     assert "within 900 s: giving up" in leader_sh
     assert data["rank.sh"].rstrip().split("\n")[-1].startswith("exec trtllm-llmapi-launch tritonserver ")
+    assert "exec trtllm-llmapi-launch trtllm-serve target --config configs/trtllm-serve.yaml" in by_kind(
+        objects(render(SCENARIOS["two-node-trtllm-serve"])), "ConfigMap")[0]["data"]["rank.sh"]
     # The client Service reaches leaders only; the autoscaler scales the LeaderWorkerSet.
     (svc,) = by_kind(objs, "Service")
     assert svc["spec"]["selector"]["dflash-trt/role"] == "server"
@@ -334,7 +357,7 @@ RWO = {"accessModes": ["ReadWriteOnce"]}
 REFUSED = {
     "lws without ssh secret": ({"parallel": {"tp": 16}}, "multiNode.sshSecret is required"),
     "lws on the stock image": ({**LWS_OK, "multiNode": {"sshSecret": "s"}},
-                               "multiNode.image.repository is required for a LeaderWorkerSet: the stock Triton image has no sshd"),
+                               "multiNode.image.repository is required for a LeaderWorkerSet: the stock images have no sshd"),
     "gpus != tp*pp": ({"workload": {"kind": "Deployment"}, "parallel": {"tp": 16}}, "must equal gpu.count (8)"),
     "lws inside one node": ({**LWS_OK, "workload": {"kind": "LeaderWorkerSet"}, "parallel": {"tp": 8}},
                             "must be at least twice gpu.count"),
@@ -353,6 +376,39 @@ REFUSED = {
     "cpu-only with rdma": ({**SCENARIOS["embedded-cpu"], "rdma": {"enabled": True}}, "rdma.enabled needs GPU pods"),
     "max below min": ({"autoscaling": {"enabled": True, "minReplicas": 3, "maxReplicas": 2},
                        "bundle": {"pvc": {"accessModes": ["ReadWriteMany"]}}}, "autoscaling.maxReplicas 2 is below"),
+    # -- engines without DFlash (engines.json), stacks the bundle lacks, names Kubernetes refuses (issue 25)
+    "triton 25.10 image": ({"server": {"stack": "triton"}, "image": {"repository": "nvcr.io/nvidia/tritonserver",
+                                                                      "tag": "25.10-trtllm-python-py3"}},
+                           ("image nvcr.io/nvidia/tritonserver:25.10-trtllm-python-py3 carries TensorRT-LLM 1.0.0 "
+                            "(Triton's compatibility matrix), which predates DFlash (first in 1.3.0rc20")),
+    "triton 26.07 declared newer": ({"server": {"stack": "triton"}, "image": {
+        "repository": "nvcr.io/nvidia/tritonserver", "tag": "26.07-trtllm-python-py3", "engineVersion": "1.4.0rc4"}},
+        "carries TensorRT-LLM 1.2.1 (Triton's compatibility matrix), which predates DFlash"),
+    "declared 1.2.1": ({"image": {"repository": "r.example.com/trtllm", "tag": "1", "engineVersion": "1.2.1"}},
+                       "image r.example.com/trtllm:1 carries TensorRT-LLM 1.2.1, which predates DFlash"),
+    "rc4 before rc20": ({"image": {"repository": "r.example.com/trtllm", "tag": "1", "engineVersion": "1.3.0rc4"}},
+                        "carries TensorRT-LLM 1.3.0rc4, which predates DFlash"),
+    "vllm 0.10": ({"server": {"stack": "vllm"}, "image": {"repository": "vllm/vllm-openai", "tag": "v0.10.0",
+                                                         "engineVersion": "0.10.0"}}, "carries vLLM 0.10.0, which predates"),
+    "image without its engine version": ({"image": {"repository": "r.example.com/trtllm", "tag": "1"}},
+                                         "set image.engineVersion, the TensorRT-LLM version the image carries"),
+    "triton without a built image": ({"server": {"stack": "triton"}},
+                                     "no published image carries tritonserver with a DFlash-capable TensorRT-LLM"),
+    "multinode image without dflash": ({**LWS_OK, "multiNode": {**LWS_OK["multiNode"],
+                                                                "image": {**MN_IMAGE, "engineVersion": "1.2.1"}}},
+                                       "multiNode.image registry.example.com/dflash-trt-triton-mpi:1.4.0rc4 carries "
+                                       "TensorRT-LLM 1.2.1, which predates DFlash"),
+    "a stack the bundle lacks": ({"server": {"stack": "vllm"}, "bundle": {"stacks": ["trtllm"]}},
+                                 "server.stack vllm serves the bundle's configs/vllm.json, but bundle.stacks [trtllm] "
+                                 "holds no vllm config"),
+    "trtllm-serve without its config": ({"bundle": {"stacks": ["sglang"]}}, "holds no trtllm config"),
+    "vllm on a leaderworkerset": ({**LWS_OK, "server": {"stack": "vllm"}},
+                                  "which only trtllm-serve and triton run"),
+    "triton models on vllm": ({"server": {"stack": "vllm"}, "bundle": {"models": ["tensorrt_llm"]}},
+                              "bundle.models [tensorrt_llm]: Triton models, but server.stack is vllm"),
+    "bad nameOverride": ({"nameOverride": "Bad_Name"}, "resource name \"rel-Bad_Name\""),
+    "fullnameOverride with a digit first": ({"fullnameOverride": "9lives"},
+                                            "Kubernetes refuses it as a Service name, which must be a DNS-1035 label"),
 }
 
 
@@ -372,6 +428,9 @@ SCHEMA_REFUSED = {
     "unknown autoscaler": ({"autoscaling": {"provider": "knative"}}, "/autoscaling/provider", "value must be one of"),
     "replicas unbounded": ({"replicas": 100000}, "/replicas", "maximum"),
     "env from a secret ref": ({"triton": {"env": [{"name": "X", "valueFrom": {}}]}}, "/triton/env/0", "value"),
+    "unknown server": ({"server": {"stack": "tgi"}}, "/server/stack", "value must be one of"),
+    "engine version latest": ({"image": {"engineVersion": "latest"}}, "/image/engineVersion", "does not match"),
+    "unknown bundle stack": ({"bundle": {"stacks": ["tgi"]}}, "/bundle/stacks/0", "value must be one of"),
 }
 
 
@@ -401,3 +460,52 @@ def test_every_top_level_value_is_documented():
     for key in ("count", "product", "delivery", "existingClaim", "sshSecret", "metricName"):
         idx = text.index(f"  {key}:")
         assert "#" in text[text.rfind("\n", 0, idx - 1) - 200: idx], key
+
+
+def test_default_server_is_trtllm_serve_on_an_engine_with_dflash():
+    """The defaults: trtllm-serve on TensorRT-LLM's release image (engines.json), its /health
+    probes, /prometheus/metrics on the serving port, its request gauges for drain and KEDA."""
+    from dflash_trt import engines
+    objs = objects(render({**SCENARIOS["defaults-trtllm-serve"], "serviceMonitor": {"enabled": True},
+                           "autoscaling": {"enabled": True, "provider": "keda"},
+                           "bundle": {"pvc": {"accessModes": ["ReadWriteMany"]}}}))
+    validate_all(objs)
+    (dep,) = by_kind(objs, "Deployment")
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    row = engines.facts()["servers"]["trtllm-serve"]
+    assert c["image"] == "nvcr.io/nvidia/tensorrt-llm/release:1.4.0rc4" == engines.image_ref(row["image"])
+    assert engines.dflash_problem("trtllm-serve", row["engine_version"]) is None
+    assert c["name"] == "trtllm-serve" and [p["containerPort"] for p in c["ports"]] == [8000]
+    assert {c[k]["httpGet"]["path"] for k in ("startupProbe", "livenessProbe", "readinessProbe")} == {"/health"}
+    data = by_kind(objs, "ConfigMap")[0]["data"]
+    assert data["serve.sh"].rstrip().endswith("exec trtllm-serve target --config configs/trtllm-serve.yaml "
+                                              "--host 0.0.0.0 --port 8000")
+    assert "trtllm_num_requests_running" in data["drain.sh"] and "127.0.0.1:8000/prometheus/metrics" in data["drain.sh"]
+    (sm,) = by_kind(objs, "ServiceMonitor")
+    assert sm["spec"]["endpoints"][0]["path"] == "/prometheus/metrics"
+    (so,) = by_kind(objs, "ScaledObject")
+    assert "trtllm_num_requests_waiting" in so["spec"]["triggers"][0]["metadata"]["query"]
+    (svc,) = by_kind(objs, "Service")
+    assert [p["port"] for p in svc["spec"]["ports"]] == [8000]
+
+
+@pytest.mark.parametrize("version", ["1.2.1", "1.3.0rc4", "1.3.0rc19", "1.3.0rc20", "1.3.0", "1.4.0rc4", "1.4.0",
+                                     "2.0.0"])
+def test_the_chart_and_python_agree_on_which_engines_have_dflash(version):
+    """One source (engines.json), two readers: the chart's semverCompare of the PEP 440 versions
+    and dflash_trt.engines (packaging.version) refuse the same versions."""
+    from dflash_trt import engines
+    values = {"image": {"repository": "r.example.com/trtllm", "tag": "x", "engineVersion": version}}
+    python_refuses = engines.dflash_problem("trtllm-serve", version) is not None
+    try:
+        render(values)
+        chart_refuses = False
+    except helm.HelmRenderError as e:
+        assert "predates DFlash" in str(e)
+        chart_refuses = True
+    assert chart_refuses == python_refuses
+
+
+def test_a_release_name_kubernetes_refuses_fails_the_render():
+    with pytest.raises(helm.HelmRenderError, match="Kubernetes refuses it as a Service name"):
+        render(None, name="9rel")

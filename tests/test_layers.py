@@ -38,7 +38,7 @@ ALLOWED: dict[str, set[str]] = {
 FACADE = {"dflash_trt": {"runtime"}}
 FOLDER_LAYERS = {"kernels", "io", "presets", "models", "runtime", "quant", "train", "bundle", "deploy"}
 TOP_MODULES = {"cli", "main_job", "bench_all"}
-BASE_MODULES = {"__init__", "errors", "paths", "hardware"}
+BASE_MODULES = {"__init__", "errors", "paths", "hardware", "engines"}
 
 # Third-party packages that may be imported inside a function: heavy (torch and what pulls it in)
 # or optional extras. Anything else is imported at module top.

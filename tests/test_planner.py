@@ -245,8 +245,9 @@ def test_sliding_window_saving_by_hand():
 
 def test_max_batch_size_caps_concurrency_so_throughput_prefers_replicas():
     _, cfg, dcfg = preset("qwen3-8b")
-    # Without a real cap the KV cache decides: one TP 8 replica holds the most sequences.
-    free = planner.plan(cfg, dcfg, "dgx-b300", objective="throughput", max_batch_size=100000)
+    # Without a real cap the KV cache decides: one TP 8 replica holds the most sequences. (Without
+    # the drafter: its draft-context buffer, per rank, is a cap of its own, tested below.)
+    free = planner.plan(cfg, None, "dgx-b300", objective="throughput", max_batch_size=100000)
     assert (free.chosen.tp, free.chosen.replicas) == (8, 1)
     # TensorRT-LLM's max_batch_size 128 caps each replica: 8 × TP 1 gives more batch slots.
     capped = planner.plan(cfg, dcfg, "dgx-b300", objective="throughput", max_batch_size=128)
@@ -266,3 +267,42 @@ def test_max_batch_size_caps_concurrency_so_throughput_prefers_replicas():
 def test_plan_counts_are_bounded(args, message):
     code, out, err = run_cli("plan", "--target", "qwen3-8b", "--hardware", "dgx-b300", *args)
     assert code == 1 and message in err and not out and "Traceback" not in err
+
+
+def test_the_draft_context_buffer_per_rank():
+    """gpt-oss-120b on a DGX B300 at the default layout (TP 8, the latency profile's max_batch_size
+    64): the buffer TensorRT-LLM's DFlashWorker allocates per rank (64 x 32768 x (2880 bf16 + int64
+    position)) and the budget PR #19466 checks it against, formula by formula."""
+    from dflash_trt.bundle.dflash_budget import GIB
+    _, cfg, dcfg = preset("gpt-oss-120b")
+    p = planner.plan(cfg, dcfg, "dgx-b300", profile="latency", kv_fraction=0.85)
+    c = p.chosen
+    assert (c.tp, c.ep, c.max_batch_size, c.attention_dp) == (8, 1, 64, False)
+    assert c.draft_context_bytes_per_gpu == 64 * (32768 * (2880 * 2 + 8) + 16)
+    free = planner.get_hardware("dgx-b300").reported_memory_bytes - c.weights_bytes_per_gpu - c.drafter_bytes_per_gpu - 4 * GIB
+    assert c.draft_context_budget_bytes_per_gpu == int(0.70 * (1 - 0.85) * free)
+    assert "DFlash draft context 11.3 GiB per rank (budget 27.0 GiB), max_batch_size 64" in planner.format_plan(p)
+
+
+def test_a_pinned_max_batch_size_over_the_draft_context_budget_does_not_fit():
+    _, cfg, dcfg = preset("gpt-oss-120b")
+    free = planner.plan(cfg, dcfg, "dgx-b300", tp=8, ep=1, max_batch_size=512)
+    assert free.chosen.max_batch_size < 512 and "(not 512): the DFlash draft context" in free.chosen.reason
+    pinned = planner.plan(cfg, dcfg, "dgx-b300", tp=8, ep=1, max_batch_size=512, batch_pinned=True)
+    assert pinned.chosen is None
+    assert "DFlash draft-context buffer 90.1 GiB per rank" in pinned.layouts[0].reason
+    assert f"max_batch_size {free.chosen.max_batch_size} fits" in pinned.layouts[0].reason
+
+
+def test_the_throughput_profile_picks_the_curated_layout_with_attention_dp():
+    """gpt-oss-120b-throughput.yaml: TP 2 x EP 2 with attention DP; each rank holds whole KV heads
+    and schedules its own batch, so a replica holds tp x the per-rank sequences."""
+    _, cfg, dcfg = preset("gpt-oss-120b")
+    p = planner.plan(cfg, dcfg, "dgx-b300", profile="throughput")
+    c = p.chosen
+    assert (c.tp, c.ep, c.attention_dp, p.objective) == (2, 2, True, "throughput")
+    shape = planner.target_shape(cfg)
+    assert c.kv_bytes_per_token_per_gpu == planner.kv_bytes_per_token(shape, "fp8", 1) + planner.kv_bytes_per_token(
+        planner.drafter_shape(dcfg), "fp8", 1)
+    assert c.max_sequences == 2 * min(c.kv_sequences // 2, c.max_batch_size)
+    assert c.max_batch_size < 720 and "attention DP" in c.reason

@@ -137,3 +137,37 @@ def test_max_attention_window_only_for_sliding_layers():
     gpt = {"layer_types": ["sliding_attention", "full_attention"] * 2, "sliding_window": 128}
     assert max_attention_window(gpt, 8192) == [128, 8192, 128, 8192]
     assert max_attention_window(get_preset("qwen3-8b").config(), 8192) is None
+
+
+def test_profiles_follow_nvidias_curated_configs():
+    from dflash_trt.bundle.serving_profiles import curated_layout, profile_settings
+    gptoss = get_preset("gpt-oss-120b").config()
+    # examples/configs/curated/gpt-oss-120b-{latency,throughput}.yaml @ 65b31db1b401
+    lat = profile_settings("latency", gptoss, 10)
+    assert (lat["max_batch_size"], lat["max_num_tokens"], lat["enable_attention_dp"], lat["stream_interval"]) == \
+        (64, 16384, False, 20)
+    thr = profile_settings("throughput", gptoss, 10)
+    assert (thr["max_batch_size"], thr["max_num_tokens"], thr["enable_attention_dp"]) == (720, 16384, True)
+    assert thr["attention_dp_config"] == {"enable_balance": True, "batching_wait_iters": 50, "timeout_iters": 1}
+    assert curated_layout("throughput", gptoss) == (2, 2) and curated_layout("latency", gptoss) == (8, 1)
+    # llama-3.3-70b.yaml's max_num_tokens 2048 cannot hold one DFlash step of 1024 sequences of block 10
+    llama = profile_settings("throughput", {"architectures": ["LlamaForCausalLM"]}, 10)
+    assert llama["max_batch_size"] == 1024 and llama["max_num_tokens"] == 10240
+    # no curated config: our defaults
+    qwen = profile_settings("latency", get_preset("qwen3-8b").config(), 16)
+    assert (qwen["max_batch_size"], qwen["max_num_tokens"]) == (64, 8192) and "no curated config" in qwen["source"]
+    with pytest.raises(DFlashError, match="--profile 'fast'"):
+        profile_settings("fast", gptoss, 10)
+
+
+def test_the_drafter_attention_backend_per_gpu_family():
+    from dflash_trt.bundle.serving_profiles import drafter_attention_backend, profile_settings
+    tcfg = get_preset("gpt-oss-120b").config()
+    kw = dict(target_cfg=tcfg, drafter_path="d", block_size=10, mask_token_id=200000, zlab_ids=[1, 9, 17, 25, 33],
+              tp=2, ep=2, pp=1, kv_cache="fp8")
+    for arch, backend in (("hopper", "FA4"), ("blackwell", "TRTLLM")):
+        cfg = trtllm_serve_config(arch=arch, profile=profile_settings("throughput", tcfg, 10),
+                                  drafter_attention_backend=drafter_attention_backend(arch), **kw)
+        assert cfg["speculative_config"]["attention_backend"] == backend
+        assert cfg["enable_attention_dp"] is True and cfg["stream_interval"] == 20
+        assert cfg["max_batch_size"] == cfg["cuda_graph_config"]["max_batch_size"] == 720

@@ -108,7 +108,10 @@ def bundles(tmp_path_factory, tiny_pairs):
     for name, pair, args in (("llama", "llama", ["--arch", "hopper"]),
                              ("gptoss", "gpt-oss", ["--arch", "blackwell", "--tp", "2", "--ep", "2"]),
                              ("llama-tp2", "llama", ["--arch", "blackwell", "--tp", "2", "--quant", "none"]),
-                             ("llama-pp2", "llama", ["--arch", "hopper", "--pp", "2", "--quant", "none"])):
+                             ("llama-pp2", "llama", ["--arch", "hopper", "--pp", "2", "--quant", "none"]),
+                             # NVIDIA's curated gpt-oss throughput settings (attention DP, stream_interval, ...)
+                             ("gptoss-thr", "gpt-oss", ["--arch", "hopper", "--tp", "2", "--ep", "2", "--profile",
+                                                        "throughput", "--max-batch-size", "32"])):
         t, d = tiny_pairs[pair]
         code, _, err = run_cli("build", "--target", str(t), "--drafter", str(d), *args, "--out", str(root / name))
         assert code == 0, err
@@ -124,12 +127,18 @@ def _trtllm_files(bundle: Path) -> list[tuple[str, dict]]:
 
 
 # --------------------------------------------------------------------------------- TensorRT-LLM
-@pytest.mark.parametrize("name", ["llama", "gptoss", "llama-tp2", "llama-pp2"])
+@pytest.mark.parametrize("name", ["llama", "gptoss", "llama-tp2", "llama-pp2", "gptoss-thr"])
 def test_trtllm_files_validate_against_the_contract(bundles, name):
+    arch = json.loads((bundles[name] / "manifest.json").read_text())["arch"]
     for rel, cfg in _trtllm_files(bundles[name]):
         args = trt.TorchLlmArgs(**cfg)  # extra="forbid" at every level: an unknown key fails
         assert args.speculative_config.decoding_type == "DFlash", rel
         assert args.speculative_config.max_draft_len > 0
+        # the drafter attention backend each GPU family runs (serving_profiles.DRAFTER_ATTENTION_BACKEND)
+        assert args.speculative_config.attention_backend == {"hopper": "FA4", "blackwell": "TRTLLM"}[arch], rel
+    if name == "gptoss-thr":
+        assert args.enable_attention_dp and args.stream_interval == 20 and args.max_batch_size == 32
+        assert args.attention_dp_config.enable_balance and args.max_num_tokens == 16384
 
 
 def test_trtllm_contract_catches_unknown_key_wrong_literal_and_zero_draft(bundles):

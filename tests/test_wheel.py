@@ -23,6 +23,11 @@ site = Path(sys.argv[1]).resolve()
 assert Path(dflash_trt.__file__).resolve().is_relative_to(site), dflash_trt.__file__
 from dflash_trt.deploy.values import default_chart_dir
 assert (default_chart_dir() / "Chart.yaml").is_file() and (default_chart_dir() / "templates").is_dir()
+assert default_chart_dir().resolve().is_relative_to(site), default_chart_dir()   # the wheel's copy of deploy/
+from dflash_trt.paths import deploy_path
+assert deploy_path("multinode.Dockerfile").is_file() and deploy_path("triton-trtllm.Dockerfile").is_file()
+from dflash_trt import engines
+assert engines.dflash_problem("trtllm-serve", engines.facts()["servers"]["trtllm-serve"]["engine_version"]) is None
 from dflash_trt.io.formats import c_kernels
 assert c_kernels() is not None, "formats.c did not build from the installed csrc/"
 from dflash_trt.kernels import kv_inject_triton, kv_inject_trt
@@ -61,6 +66,11 @@ def test_wheel_carries_the_package_data(wheel):
         pytest.skip("not a git checkout")
     missing = [f for f in tracked.stdout.split() if f not in names]
     assert not missing, f"files of the package missing from the wheel: {missing[:10]}"
+    # the top-level deploy/ (the Helm chart, the Dockerfiles) ships as dflash_trt/_deploy (setup.py)
+    deploy = subprocess.run(["git", "ls-files", "deploy"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    assert "deploy/helm/dflash-trt/Chart.yaml" in deploy
+    missing = [f for f in deploy if "dflash_trt/_" + f not in names]
+    assert not missing, f"deploy/ files missing from the wheel: {missing[:10]}"
 
 
 def test_installed_wheel_finds_its_data(wheel, tmp_path):

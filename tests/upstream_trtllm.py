@@ -3,6 +3,11 @@ TensorRT-LLM wheel with DFlash exists on PyPI, and it needs a GPU). Each model a
 upstream file and commit it was read from (repository NVIDIA/TensorRT-LLM):
 
   LLM_ARGS   tensorrt_llm/llmapi/llm_args.py              @ 0004396720054fd8e205cbf616f21f0b57c6b412
+  RC         DFlashDecodingConfig of release 1.4.0rc1 (the newest whose reference page was read:
+             https://nvidia.github.io/TensorRT-LLM/1.4.0rc1/llm-api/reference/DFlashDecodingConfig.html;
+             1.4.0rc4's API index exists, its DFlash page was not in the stored docs), and
+             BaseLlmArgs / TorchLlmArgs / AttentionDpConfig as stored (llm_args.py @ fcd3f31682808ae5,
+             the newest stored copy, and earlier ones)
   DFLASH     tensorrt_llm/_torch/models/modeling_dflash.py @ 009d8fa431bd3de92245aab80f8b57dc70da1ac4
   LLMAPI_PB  triton_backend/all_models/llmapi/tensorrt_llm/config.pbtxt @ 0a71057313ec0626527e164a8fc0205c5822e2f5
   LLMAPI_PY  triton_backend/all_models/llmapi/tensorrt_llm/1/model.py   @ 044a90d209e380c95e23e8ae42f3583fa05ada78
@@ -42,10 +47,21 @@ class DFlashDecodingConfig(Strict):
     use_rejection_sampling: bool = False
     enable_penalty: bool = False
     # DFlashDecodingConfig
+    # RC (1.4.0rc1): new beside DecodingBaseConfig's fields
+    moe_backend: Literal["AUTO", "CUTLASS", "CUTEDSL", "CUTEDSL_FC12", "TRTLLM", "DEEPGEMM", "DENSEGEMM", "VANILLA",
+                         "TRITON", "MARLIN", "MEGAMOE_DEEPGEMM", "MEGAMOE_CUTEDSL"] | None = None
+    allow_advanced_sampling: bool = False
+    advanced_sampling_mode: str = "FULL"   # AdvancedSamplingMode (an enum; FULL is its default)
+    spec_dec_variant: PositiveInt | None = None
+    # DFlashDecodingConfig
     decoding_type: Literal["DFlash"] = "DFlash"
     mask_token_id: int | None = None
     target_layer_ids: list[int] | None = None
-    attention_backend: Literal["VANILLA", "TRTLLM"] = "VANILLA"
+    context_recompute_tail: int | None = 0                            # RC
+    # RC: FA4 added (the SM90 drafter path, PR #18553); 0004396 had VANILLA | TRTLLM
+    attention_backend: Literal["VANILLA", "TRTLLM", "FA4"] = "VANILLA"
+    # RC: skip the draft-context buffer budget check (PR #19466; bundle/dflash_budget.py models it)
+    skip_ctx_buffer_budget_check: bool = False
 
     @model_validator(mode="after")
     def _draft_len(self):
@@ -81,9 +97,25 @@ class CudaGraphConfig(Strict):
 
 class MoeConfig(Strict):
     """LLM_ARGS: class MoeConfig."""
-    backend: Literal["AUTO", "CUTLASS", "CUTEDSL", "TRTLLM", "DEEPGEMM", "DENSEGEMM", "VANILLA", "TRITON", "MARLIN",
+    # RC adds CUTEDSL_FC12 (DFlashDecodingConfig.moe_backend takes MoeConfig's values)
+    backend: Literal["AUTO", "CUTLASS", "CUTEDSL", "CUTEDSL_FC12", "TRTLLM", "DEEPGEMM", "DENSEGEMM", "VANILLA", "TRITON", "MARLIN",
                      "MEGAMOE_DEEPGEMM", "MEGAMOE_CUTEDSL"] = "AUTO"
     max_num_tokens: int | None = None
+
+
+class AttentionDpConfig(Strict):
+    """llm_args.py (stored versions): class AttentionDpConfig(StrictBaseModel)."""
+    enable_balance: bool = False
+    timeout_iters: int = 50
+    batching_wait_iters: int = 10
+    enable_kv_cache_aware_routing: bool = False     # newest stored copy (fcd3f31)
+    kv_cache_routing_load_balance_weight: float = 1.0
+
+    @model_validator(mode="after")
+    def _non_negative(self):
+        if self.enable_balance and (self.batching_wait_iters < 0 or self.timeout_iters < 0):
+            raise ValueError("attention_dp_config.batching_wait_iters / timeout_iters must be >= 0 with enable_balance")
+        return self
 
 
 class TorchLlmArgs(Strict):
@@ -110,6 +142,11 @@ class TorchLlmArgs(Strict):
     # versions of the index (e.g. TorchLlmArgs "enable_iter_perf_stats: bool = Field(default=False,
     # description='Enable iteration performance statistics.')"), not in the 0004396 pages read
     enable_iter_perf_stats: bool = False
+    # BaseLlmArgs.num_postprocess_workers (int, default 0), TorchLlmArgs.stream_interval (int, default 1),
+    # attention_dp_config: the keys NVIDIA's curated gpt-oss configs set (serving_profiles.py)
+    num_postprocess_workers: int = 0
+    stream_interval: PositiveInt = 1
+    attention_dp_config: AttentionDpConfig | None = None
 
     @model_validator(mode="after")
     def _dflash_backend(self):

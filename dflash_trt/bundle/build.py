@@ -27,7 +27,8 @@ from pathlib import Path
 
 import yaml
 
-from dflash_trt import __version__
+from dflash_trt import __version__, engines
+from dflash_trt.bundle.dflash_budget import draft_context_budget
 from dflash_trt.bundle.gpu_compile import detect_toolchain, run_compile, toolchain_fingerprint
 from dflash_trt.bundle.manifest import (
     HashCache,
@@ -43,6 +44,7 @@ from dflash_trt.bundle.plugin_build import build_plugin
 from dflash_trt.bundle.serving_configs import (
     STACK_NAMES,
     STACKS,
+    TRTLLM_KV_FRACTION,
     fp8_drafter_problem,
     layer_ids_by_stack,
     sglang_launch,
@@ -50,9 +52,10 @@ from dflash_trt.bundle.serving_configs import (
     trtllm_serve_config,
     vllm_launch,
 )
+from dflash_trt.bundle.serving_profiles import DRAFTER_ATTENTION_BACKEND, drafter_attention_backend, profile_settings
 from dflash_trt.bundle.triton_repo import llmapi_model_yaml, write_triton_repo
 from dflash_trt.errors import DFlashError
-from dflash_trt.hardware import arch_has_fp4, arch_sms, gpus, sm_number
+from dflash_trt.hardware import arch_has_fp4, arch_sms, gpus, hardware_for_gpu, sm_number
 from dflash_trt.io.atomic import atomic_output_dir, refuse_inside
 from dflash_trt.io.checkpoint import load_config
 from dflash_trt.models.check import NONFINITE_NOTE, check_pair
@@ -91,6 +94,8 @@ class BuildOptions:
     stacks: tuple[str, ...] | None = None  # serving stacks to write configs for; None = every stack that fits
     trt_drafter: bool = False          # opt-in: plugins/, onnx/ and the drafter.plan compile job
     allow_nonfinite: bool = False      # build from weights holding NaN / Inf (check refuses them otherwise)
+    profile: str = "latency"           # TensorRT-LLM settings from NVIDIA's curated configs (serving_profiles.py)
+    max_batch_size: int | None = None  # default: the profile's
 
 
 @dataclass
@@ -453,6 +458,9 @@ class Builder:
             raise DFlashError(f"--block-size {B}: must be between 2 and the drafter's trained block size "
                               f"{self.dcfg.block_size}")
         self.stacks, self.skipped_stacks = resolve_stacks(o, self.settings, B)
+        self.profile = profile_settings(o.profile, self.tcfg, B, o.max_batch_size)
+        if "trtllm" in self.stacks:
+            check_draft_context(o, self.settings, self.tcfg, self.dcfg.raw, self.tdir, self.profile)
         self.dest = dest = Path(o.out) if o.out else default_out(self.name, self.settings, o)
         if dest.exists() and not dest.is_dir():
             raise DFlashError(f"--out {dest}: exists and is not a folder")
@@ -515,6 +523,14 @@ class Builder:
             # which stacks got a config, and why the others did not (their own DFlash rules)
             "serving_stacks": {"served": list(self.stacks), "skipped": dict(self.skipped_stacks)},
             "trt_drafter_engine": o.trt_drafter,
+            # each served stack's engine: first version with DFlash, the contract's, the images (engines.json)
+            "engines": engines.manifest_record(list(self.stacks)),
+            "serving_profile": {"profile": o.profile, **{k: v for k, v in self.profile.items()
+                                                         if k in ("source", "max_batch_size", "max_num_tokens",
+                                                                  "enable_attention_dp")},
+                                "drafter_attention_backend": drafter_attention_backend(s["arch"]),
+                                "drafter_attention_backend_source": DRAFTER_ATTENTION_BACKEND.get(
+                                    s["arch"], ("", "DFlashDecodingConfig default"))[1]},
             "reference_runtime": {"layout": reference_layout(s, self.tdir, self.ddir)},
         }
         self.facts["manifest"] = {k: v for k, v in m.items() if k != "created"}
@@ -644,6 +660,31 @@ class Builder:
         return out
 
 
+# Bytes per weight element of a bf16 checkpoint after quantization (scales included), to estimate
+# the resident weights before quantize runs (planner.ELEMENT_BYTES / bf16's 2 bytes).
+QUANT_BYTES_RATIO = {"fp8": 0.5, "nvfp4": (0.5 + 1 / 16) / 2}
+
+
+def check_draft_context(o: BuildOptions, s: dict, tcfg: dict, dcfg: dict, tdir: Path, profile: dict) -> None:
+    """Refuse, before any stage runs, a layout whose DFlash draft-context buffer exceeds the budget
+    TensorRT-LLM checks it against (bundle/dflash_budget.py), with the numbers. Weights per rank:
+    the target's on-disk bytes / tp (the estimate TensorRT-LLM's check uses), scaled to the target
+    format when build quantizes a bf16 checkpoint. Needs --gpu (the GPU's memory)."""
+    if not s["gpu"]:
+        return
+    hw = hardware_for_gpu(s["gpu"])
+    weights = sum(f.stat().st_size for f in Path(tdir).glob("*.safetensors"))
+    if s["quant"] in QUANT_BYTES_RATIO and not (tcfg.get("quantization_config") or {}):
+        weights = int(weights * QUANT_BYTES_RATIO[s["quant"]])
+    max_seq_len = min(int(tcfg.get("max_position_embeddings", 8192)), 32768)
+    b = draft_context_budget(max_batch=profile["max_batch_size"], max_seq_len=max_seq_len, drafter_cfg=dcfg,
+                             gpu_memory_bytes=hw.reported_memory_bytes, weights_bytes_per_rank=weights // o.tp,
+                             free_gpu_memory_fraction=TRTLLM_KV_FRACTION)
+    if not b.fits:
+        raise DFlashError(f"--gpu {s['gpu']} --tp {o.tp} --profile {o.profile}: {b.describe()}: TensorRT-LLM refuses "
+                          f"this layout at start; pass --max-batch-size {b.largest_batch} or less, or a wider --tp")
+
+
 def reference_layout(s: dict, tdir: Path, ddir: Path) -> str:
     """Where the dflash_reference model finds its pair. The reference runtime loads unquantized
     checkpoints: "bundle" = the bundle's own target/ and drafter/ (not quantized); "copy" = a
@@ -701,7 +742,10 @@ def _trtllm_config(m: dict, tcfg: dict, B: int) -> dict:
     d, p = m["drafter"], m["parallel"]
     return trtllm_serve_config(target_cfg=tcfg, drafter_path="drafter", block_size=B, mask_token_id=d["mask_token_id"],
                                zlab_ids=d["target_layer_ids"]["trtllm"], tp=p["tp"], ep=p["ep"], pp=p["pp"],
-                               kv_cache=m["quant"]["kv_cache"], arch=m["arch"], max_seq_len=m["max_seq_len"])
+                               kv_cache=m["quant"]["kv_cache"], arch=m["arch"], max_seq_len=m["max_seq_len"],
+                               profile=profile_settings(m.get("serving_profile", {}).get("profile", "latency"), tcfg, B,
+                                                        m.get("serving_profile", {}).get("max_batch_size")),
+                               drafter_attention_backend=drafter_attention_backend(m["arch"]))
 
 
 def write_triton(work: Path, m: dict, tcfg: dict, B: int, ref: dict) -> None:

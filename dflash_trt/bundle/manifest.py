@@ -91,6 +91,14 @@ MANIFEST_SCHEMA: dict = {
             "properties": {"served": {"type": "array", "items": {"enum": ["trtllm", "vllm", "sglang"]}},
                            "skipped": {"type": "object", "additionalProperties": {"type": "string"}}},
         },
+        # each served stack's engine facts and its servers' images (engines.json, dflash_trt/engines.py)
+        "engines": {"type": "object", "additionalProperties": {
+            "type": "object", "required": ["engine", "dflash_since", "contract", "servers"],
+            "properties": {"servers": {"type": "object", "additionalProperties": {
+                "type": "object", "required": ["image", "engine_version"]}}}}},
+        # build --profile: the TensorRT-LLM settings written, their source, the drafter attention backend
+        "serving_profile": {"type": "object", "required": ["profile"],
+                            "properties": {"profile": {"enum": ["latency", "throughput"]}}},
         "trt_drafter_engine": {"type": "boolean"},  # build --trt-drafter-engine: plugins/, onnx/, drafter.plan
         "artifacts": {
             "type": "array",

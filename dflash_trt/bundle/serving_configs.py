@@ -128,13 +128,23 @@ def _is_moe(cfg: dict) -> bool:
     return bool(cfg.get("num_local_experts") or cfg.get("num_experts"))
 
 
+# kv_cache_config.free_gpu_memory_fraction we write (NVIDIA's curated configs use 0.9): what the KV
+# pool leaves is where TensorRT-LLM puts the DFlash draft-context buffer (bundle/dflash_budget.py).
+TRTLLM_KV_FRACTION = 0.85
+
+
 def trtllm_serve_config(*, target_cfg: dict, drafter_path: str, block_size: int, mask_token_id: int,
                         zlab_ids: list[int], tp: int, ep: int, pp: int, kv_cache: str, arch: str,
-                        max_batch_size: int = 64, max_seq_len: int | None = None) -> dict:
+                        max_batch_size: int = 64, max_seq_len: int | None = None, profile: dict | None = None,
+                        drafter_attention_backend: str | None = None) -> dict:
     """The YAML given to `trtllm-serve <target> --config trtllm-serve.yaml` (LLM-API arguments;
-    the same keys go into Triton's llmapi model.yaml)."""
+    the same keys go into Triton's llmapi model.yaml). `profile`: serving_profiles.profile_settings
+    (NVIDIA's curated latency / throughput settings); `drafter_attention_backend`: VANILLA, TRTLLM
+    or FA4 (serving_profiles.DRAFTER_ATTENTION_BACKEND per GPU family)."""
+    profile = profile or {}
+    max_batch_size = profile.get("max_batch_size", max_batch_size)
     max_seq_len = max_seq_len or min(int(target_cfg.get("max_position_embeddings", 8192)), 32768)
-    kv_cfg = {"free_gpu_memory_fraction": 0.85, "dtype": KV_CACHE_FP8["trtllm"] if kv_cache == "fp8" else "auto"}
+    kv_cfg = {"free_gpu_memory_fraction": TRTLLM_KV_FRACTION, "dtype": KV_CACHE_FP8["trtllm"] if kv_cache == "fp8" else "auto"}
     window = max_attention_window(target_cfg, max_seq_len)
     if window:
         kv_cfg["max_attention_window"] = window
@@ -143,9 +153,9 @@ def trtllm_serve_config(*, target_cfg: dict, drafter_path: str, block_size: int,
         "tensor_parallel_size": tp,
         "pipeline_parallel_size": pp,
         "moe_expert_parallel_size": ep,
-        "enable_attention_dp": False,
+        "enable_attention_dp": bool(profile.get("enable_attention_dp", False)),
         "max_batch_size": max_batch_size,
-        "max_num_tokens": 8192,
+        "max_num_tokens": profile.get("max_num_tokens", 8192),
         "max_seq_len": max_seq_len,
         "kv_cache_config": kv_cfg,
         "cuda_graph_config": {"enable_padding": True, "max_batch_size": max_batch_size},
@@ -161,6 +171,11 @@ def trtllm_serve_config(*, target_cfg: dict, drafter_path: str, block_size: int,
             "target_layer_ids": [int(i) for i in zlab_ids],
         },
     }
+    if drafter_attention_backend:
+        cfg["speculative_config"]["attention_backend"] = drafter_attention_backend
+    for key in ("stream_interval", "num_postprocess_workers", "attention_dp_config"):
+        if key in profile:
+            cfg[key] = profile[key]
     if _is_moe(target_cfg):
         # TensorRT-LLM's curated gpt-oss configs: TRTLLM MoE kernels on Blackwell, Triton's on Hopper.
         cfg["moe_config"] = {"backend": "TRTLLM" if arch == "blackwell" else "TRITON"}

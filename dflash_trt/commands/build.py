@@ -36,6 +36,11 @@ from dflash_trt.hardware import arch_sms, gpus
 @click.option("--ep", type=int, default=1, show_default=True, help="Expert-parallel size (MoE targets).")
 @click.option("--pp", type=int, default=1, show_default=True, help="Pipeline-parallel size.")
 @click.option("--block-size", type=int, help="Draft block size to serve with (default: the drafter's).")
+@click.option("--profile", type=click.Choice(["latency", "throughput"]), default="latency", show_default=True,
+              help="TensorRT-LLM settings from NVIDIA's curated configs for the target's family (max_batch_size, "
+              "max_num_tokens, attention DP, stream_interval); `dflash-trt plan --profile` picks the matching TP / EP.")
+@click.option("--max-batch-size", type=int, help="TensorRT-LLM max_batch_size (default: the profile's). With --gpu, "
+              "build refuses one whose DFlash draft-context buffer exceeds TensorRT-LLM's per-rank budget.")
 @click.option("--calib", type=click.Path(dir_okay=False), help="Calibration prompts (.jsonl, {\"prompt\": ...} "
               "lines) for activation and KV-cache scales; required for quantized engine-backend targets.")
 @click.option("--backend", type=click.Choice(["pytorch", "engine"]), default="pytorch", show_default=True,
@@ -49,7 +54,7 @@ from dflash_trt.hardware import arch_sms, gpus
 @click.option("--allow-nonfinite", is_flag=True, help="Build from weights holding NaN / Inf (check refuses them).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 def build_cmd(target, drafter, arch, gpu, quant, kv_cache, drafter_quant, stacks, trt_drafter_engine, tp, ep, pp,
-              block_size, calib, backend, out, force, allow_nonfinite, as_json):
+              block_size, profile, max_batch_size, calib, backend, out, force, allow_nonfinite, as_json):
     """Build a deployable bundle: check -> quantize -> convert -> plugin -> export-onnx -> compile
     -> package. Re-running skips every stage whose inputs did not change (--force redoes them).
     The bundle holds manifest.json, the (quantized) target and the bf16 drafter, configs/
@@ -63,6 +68,7 @@ def build_cmd(target, drafter, arch, gpu, quant, kv_cache, drafter_quant, stacks
       dflash-trt build --arch blackwell                       # the embedded pair, NVFP4
       dflash-trt build --arch hopper --gpu h200 --json        # FP8 for H200
       dflash-trt build --target gpt-oss-120b --gpu b300 --tp 8
+      dflash-trt build --target gpt-oss-120b --gpu b300 --tp 2 --ep 2 --profile throughput --max-batch-size 128
       dflash-trt build --target my/target --drafter my/drafter --arch hopper --out engines/mine
       dflash-trt build --target openai/gpt-oss-20b --drafter z-lab/gpt-oss-20b-DFlash --arch hopper
     """
@@ -71,7 +77,7 @@ def build_cmd(target, drafter, arch, gpu, quant, kv_cache, drafter_quant, stacks
     opts = BuildOptions(target=target, drafter=drafter, arch=arch, gpu=gpu, quant=quant, kv_cache=kv_cache, tp=tp,
                         ep=ep, pp=pp, block_size=block_size, backend=backend, out=out, force=force,
                         drafter_quant=drafter_quant, calib=calib, trt_drafter=trt_drafter_engine,
-                        allow_nonfinite=allow_nonfinite,
+                        allow_nonfinite=allow_nonfinite, profile=profile, max_batch_size=max_batch_size,
                         stacks=tuple(x.strip() for x in stacks.split(",") if x.strip()) if stacks is not None else None)
     res = build(opts, progress=True)
     if as_json:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from dflash_trt.engines import SERVERS
 from dflash_trt.hardware import catalog, gpus
 
 HARDWARE = click.Choice(sorted(catalog()))
@@ -43,23 +44,30 @@ HARDWARE = click.Choice(sorted(catalog()))
               "(default 2048).")
 @click.option("--plot", "plot_file", type=click.Path(dir_okay=False), help="Draw tokens/s per GPU against tokens/s "
               "per user, AR and DFlash per layout, into this PNG (implies --speed).")
+@click.option("--profile", type=click.Choice(["latency", "throughput"]), help="Follow NVIDIA's curated TensorRT-LLM "
+              "config of the target's family (as `build --profile`): its objective, max_batch_size, max_num_tokens "
+              "and attention DP, with its TP / EP ranked first where it fits (gpt-oss throughput: TP 2 x EP 2, "
+              "attention DP).")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON only (with --speed: under \"speed\").")
 def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, max_seq_len, nodes, gpus_per_node, max_batch_size,
-             max_attention_window, objective, speed, tau, context_tokens, plot_file, as_json):
+             max_attention_window, objective, profile, speed, tau, context_tokens, plot_file, as_json):
     """How many GPUs, which TP / EP, how many concurrent sequences fit — from config.json alone.
 
     \b
     Per GPU: weights by format (MXFP4 experts, NVFP4, FP8, BF16), drafter weights, activations
     and runtime reserve; the KV-cache pool that is left (target and drafter KV bytes per token);
-    every TP / EP / replica layout, ranked, with the reason for each rejected one. With --speed:
-    per layout and concurrency, AR and DFlash decode step times and tokens/s per user and per GPU
-    (a physics model with stated assumptions and ranges, docs/speed-model.md).
+    TensorRT-LLM's DFlash draft-context buffer per rank against its budget (a layout runs with the
+    largest max_batch_size that fits, or does not fit when the bundle fixes it); every TP / EP /
+    replica layout, ranked, with the reason for each rejected one. With --speed: per layout and
+    concurrency, AR and DFlash decode step times and tokens/s per user and per GPU (a physics
+    model with stated assumptions and ranges, docs/speed-model.md).
 
     \b
     Examples:
       dflash-trt plan --target gpt-oss-120b --hardware dgx-b300
       dflash-trt plan --target qwen3-8b --hardware hgx-h200 --quant fp8 --max-seq-len 16384 --json
       dflash-trt plan --target gpt-oss-120b --hardware dgx-b300 --max-attention-window 128,131072
+      dflash-trt plan --target gpt-oss-120b --hardware dgx-b300 --profile throughput
       dflash-trt plan --target ./my-model --drafter ./my-drafter --hardware dgx-b200 --nodes 2
       dflash-trt plan --bundle engines/gpt-oss-120b
       dflash-trt plan --target gpt-oss-120b --hardware dgx-b300 --speed --plot gptoss-b300.png
@@ -84,6 +92,8 @@ def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, max_seq_len, no
         if target or drafter:
             raise DFlashError("--bundle plans the bundle's own target and drafter; drop --target / --drafter")
         gpu = catalog()[hardware].gpu if hardware else None
+        if profile:
+            raise DFlashError("--bundle plans the bundle's own serving config (its profile); drop --profile")
         p = deploy.plan_for_bundle(bundle, nodes=nodes, gpus_per_node=gpus_per_node, gpu=gpu,
                                    max_seq_len=max_seq_len, objective=objective, **overrides)
         if p is None:
@@ -100,7 +110,7 @@ def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, max_seq_len, no
             dname, dcfg = planner.drafter_config(drafter)
         p = planner.plan(tcfg, dcfg, hardware, target_name=tname, drafter_name=dname, quant=quant, kv_cache=kv_cache,
                          max_seq_len=max_seq_len, nodes=nodes, gpus_per_node=gpus_per_node, objective=objective,
-                         **overrides)
+                         profile=profile, **overrides)
     ctx = speed_model.DEFAULT_CONTEXT_TOKENS if context_tokens is None else context_tokens
     report = speed_model.speed_for(p, tcfg, dcfg, tau=tau, context_tokens=ctx) if speed else None
     if plot_file:
@@ -124,10 +134,16 @@ def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, max_seq_len, no
 @click.option("--gpus-per-node", type=int, help="1, 2, 4, 8 or 16; default: the bundle GPU's node type (8 on DGX / "
               "HGX, 4 on GB200).")
 @click.option("--replicas", type=int, help="Model instances (1 to 1024); default: the planner's (nodes × GPUs / tp).")
-@click.option("--image", help="Serving image REPOSITORY:TAG or REPOSITORY@sha256:DIGEST (default: the chart's "
-              "TensorRT-LLM Triton image).")
+@click.option("--server", type=click.Choice(SERVERS), help="The server of the pods (the chart's server.stack): "
+              "trtllm-serve, triton, vllm or sglang; each loads the bundle's config for its stack. Default: "
+              "trtllm-serve when the bundle holds a TensorRT-LLM config, else its first stack (CPU-only: triton).")
+@click.option("--image", help="Serving image REPOSITORY:TAG or REPOSITORY@sha256:DIGEST (default: the server's image "
+              "recorded in the bundle's manifest, from engines.json; --server triton needs one built from "
+              "deploy/triton-trtllm.Dockerfile). Needs --engine-version.")
+@click.option("--engine-version", help="The engine version --image carries (TensorRT-LLM, vLLM or SGLang), e.g. "
+              "1.4.0rc4: deploy and the chart refuse one older than the engine's first DFlash release.")
 @click.option("--multinode-image", help="Image of multi-node (LeaderWorkerSet) pods: the serving image plus sshd, "
-              "built from dflash_trt/deploy/multinode.Dockerfile; required when an instance spans nodes.")
+              "built from deploy/multinode.Dockerfile; required when an instance spans nodes.")
 @click.option("--gpu", type=click.Choice([*gpus(), "none"]),
               help="Override the bundle's GPU; none = CPU-only smoke test of the reference model.")
 @click.option("--pvc", help="Existing PersistentVolumeClaim holding the bundle (default: the chart creates one).")
@@ -136,8 +152,10 @@ def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, max_seq_len, no
 @click.option("--out", type=click.Path(file_okay=False), help="Output folder (default: <bundle>-deploy beside the "
               "bundle; the bundle itself is left as its manifest lists it).")
 @click.option("--render", is_flag=True, help="Also render the manifests with Helm's engine into <out>/manifests.")
-@click.option("--chart", type=click.Path(file_okay=False), help="Chart folder (default: the chart shipped in the package, dflash_trt/deploy/helm/dflash-trt).")
-@click.option("--release", default="dflash-trt", show_default=True, help="Release name used by --render.")
+@click.option("--chart", type=click.Path(file_okay=False), help="Chart folder (default: deploy/helm/dflash-trt, "
+              "shipped in the package).")
+@click.option("--release", default="dflash-trt", show_default=True, help="Release name used by --render: a DNS-1123 "
+              "label of at most 53 characters (Helm's rule).")
 @click.option("--namespace", default="default", show_default=True, help="Namespace used by --render.")
 @click.option("--min-tokens-per-user", type=float, help="Per-user decode speed to hold (tokens/s): the speed model "
               "(`plan --speed`) picks the most concurrent sequences per instance that still get it; that becomes the "
@@ -145,8 +163,8 @@ def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, max_seq_len, no
 @click.option("--tau", type=float, help="DFlash mean accepted length for --min-tokens-per-user (default: the preset "
               "drafter's published one).")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary only.")
-def deploy_cmd(bundle, nodes, gpus_per_node, replicas, image, multinode_image, gpu, pvc, ssh_secret, out, render, chart,
-               release, namespace, min_tokens_per_user, tau, as_json):
+def deploy_cmd(bundle, nodes, gpus_per_node, replicas, server, image, engine_version, multinode_image, gpu, pvc,
+               ssh_secret, out, render, chart, release, namespace, min_tokens_per_user, tau, as_json):
     """Write Helm values for a bundle (and, with --render, the Kubernetes manifests).
 
     \b
@@ -154,15 +172,20 @@ def deploy_cmd(bundle, nodes, gpus_per_node, replicas, image, multinode_image, g
     /dev/shm size and memory; the layout is the planner's choice for the bundle
     (`dflash-trt plan --bundle DIR` shows it). The values are rendered with Helm's engine
     before anything is written, so the chart's refusals (values.schema.json and its template
-    checks) stop deploy with nothing on disk. Nothing compiles at pod start.
+    checks) stop deploy with nothing on disk, and so do names Kubernetes would refuse. Every
+    image's engine must have DFlash (engines.json); the summary lists each with its version.
+    Nothing compiles at pod start.
 
     \b
     Examples:
       dflash-trt deploy --bundle engines/gpt-oss-120b --render
-      dflash-trt deploy --bundle engines/big --nodes 2 --multinode-image registry/dflash-trt-triton:25.10
+      dflash-trt deploy --bundle engines/big --nodes 2 --multinode-image registry/dflash-trt-trtllm-mpi:1.4.0rc4
+      dflash-trt deploy --bundle engines/gpt-oss-120b --server vllm --render
+      dflash-trt deploy --bundle engines/gpt-oss-120b --server triton --image registry/dflash-trt-triton:26.07 \\
+          --engine-version 1.4.0rc4
       dflash-trt deploy --bundle engines/smollm2-135m --gpu none      # CPU-only smoke test
       dflash-trt deploy --bundle engines/gpt-oss-120b --min-tokens-per-user 500
-      helm install gptoss dflash_trt/deploy/helm/dflash-trt -f engines/gpt-oss-120b-deploy/values.yaml
+      helm install gptoss deploy/helm/dflash-trt -f engines/gpt-oss-120b-deploy/values.yaml
     """
     from dflash_trt.deploy import values as deploy
     from dflash_trt.errors import DFlashError
@@ -171,9 +194,10 @@ def deploy_cmd(bundle, nodes, gpus_per_node, replicas, image, multinode_image, g
         raise DFlashError("--tau is for --min-tokens-per-user; add it (or drop --tau)")
     if min_tokens_per_user is not None and not min_tokens_per_user > 0:
         raise DFlashError(f"--min-tokens-per-user {min_tokens_per_user:g}: must be a positive tokens/s figure")
+    deploy.check_release(release, namespace)
     values, p = deploy.deploy_values(bundle, nodes=nodes, gpus_per_node=gpus_per_node, replicas=replicas,
                                      gpu=gpu, pvc=pvc, ssh_secret=ssh_secret, image=image,
-                                     multinode_image=multinode_image)
+                                     multinode_image=multinode_image, server=server, engine_version=engine_version)
     target_speed = None
     if min_tokens_per_user is not None:
         if p is None:
@@ -190,6 +214,8 @@ def deploy_cmd(bundle, nodes, gpus_per_node, replicas, image, multinode_image, g
                         "tau": report.tau, "bundle_max_batch_size": p.max_batch_size,
                         "autoscaling_target": int(values["autoscaling"]["targetAverageValue"])}
     rendered = deploy.render(values, chart, release=release, namespace=namespace)   # the chart's checks, always
+    deploy.check_names(rendered)
+    images = deploy.rendered_images(rendered, values)
     manifests = rendered if render else None
     out = Path(out) if out else deploy.default_out(bundle)
     chart_dir = Path(chart) if chart else deploy.default_chart_dir()
@@ -206,7 +232,8 @@ def deploy_cmd(bundle, nodes, gpus_per_node, replicas, image, multinode_image, g
     if as_json:
         click.echo(json.dumps({"values": str(out / "values.yaml"),
                                "manifests": str(out / "manifests") if manifests is not None else None,
-                               "layout": layout, "speed_target": target_speed, "values_content": values}, indent=2))
+                               "layout": layout, "server": values["server"]["stack"], "images": images,
+                               "speed_target": target_speed, "values_content": values}, indent=2))
         return
     click.echo(f"wrote {out / 'values.yaml'}")
     if manifests is not None:
@@ -217,6 +244,9 @@ def deploy_cmd(bundle, nodes, gpus_per_node, replicas, image, multinode_image, g
                    f"{values['gpu']['product']} per pod ({values['workload']['kind']})")
     else:
         click.echo("layout: CPU-only, model dflash_reference")
+    click.echo(f"server: {values['server']['stack']}")
+    for im in images:
+        click.echo(f"image: {im['image']} ({im['what']})")
     if target_speed:
         t = target_speed
         note = (f"; the bundle's max_batch_size {t['bundle_max_batch_size']} admits more sequences than hold the "

@@ -34,6 +34,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from dflash_trt.bundle.dflash_budget import draft_context_budget
+from dflash_trt.bundle.serving_profiles import PROFILES, curated_layout, profile_settings
 from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import Hardware, get_hardware
 from dflash_trt.io.jsonio import read_json
@@ -295,11 +297,12 @@ def resolve_kv(quant: str, kv: str, hw: Hardware) -> str:
     return kv
 
 
-def weight_bytes(shape: ModelShape, fmt: str, tp: int = 1) -> int:
-    """Bytes of the model's weights on one GPU of a tp-way split (tp=1: the whole model)."""
+def weight_bytes(shape: ModelShape, fmt: str, tp: int = 1, attn_tp: int | None = None) -> int:
+    """Bytes of the model's weights on one GPU of a tp-way split (tp=1: the whole model);
+    `attn_tp`: the attention's own split (1 under attention DP, which replicates it)."""
     total = 0.0
     for g in shape.groups:
-        elems = _elements_per_gpu(g, shape, tp)
+        elems = _elements_per_gpu(g, shape, attn_tp if attn_tp is not None and g.name.startswith("attn") else tp)
         quantized = g.quantizable and (fmt in ("fp8", "nvfp4") or (fmt == "mxfp4" and g.expert))
         if quantized:
             total += elems * ELEMENT_BYTES[fmt] + g.linears * SCALAR_BYTES_PER_LINEAR[fmt]
@@ -360,6 +363,14 @@ class Layout:
     kv_bytes_per_token_per_gpu: int = 0
     kv_sequences: int = 0  # sequences the KV cache alone would hold (before the max_batch_size cap)
     within_nvlink_domain: bool = True
+    # TensorRT-LLM's enable_attention_dp: each of the tp ranks runs attention for its own batch (its
+    # KV heads whole, attention weights replicated); the MoE / MLP stay split
+    attention_dp: bool = False
+    # DFlash's draft-context buffer on one rank and the budget TensorRT-LLM checks it against
+    # (bundle/dflash_budget.py, PR #19466); 0 without a drafter
+    draft_context_bytes_per_gpu: int = 0
+    draft_context_budget_bytes_per_gpu: int = 0
+    max_batch_size: int = 0    # what this layout runs with: the plan's, or less where the draft context caps it
 
 
 @dataclass
@@ -378,6 +389,7 @@ class Plan:
     max_attention_window: list[int] | None
     block_size: int
     objective: str
+    profile: str | None
     total_params: int
     active_params: int
     drafter_params: int
@@ -422,6 +434,10 @@ class Sizing:
     kv_fraction: float
     max_batch_size: int
     windows: list[int | None]   # per target layer: tokens kept per sequence, None = the whole sequence
+    drafter_cfg: dict | None = None
+    attention_dp: bool = False  # the profile's enable_attention_dp, for layouts of tp > 1
+    preferred: tuple[int, int] | None = None   # the curated (tp, ep) of the profile, ranked first when it fits
+    batch_pinned: bool = False  # max_batch_size is the bundle's (its serving config): a layout may not lower it
 
 
 def plan(target_cfg: dict, drafter_cfg: dict | None, hardware: str | Hardware, *, target_name: str = "target",
@@ -429,7 +445,8 @@ def plan(target_cfg: dict, drafter_cfg: dict | None, hardware: str | Hardware, *
          drafter_quant: str = "none", max_seq_len: int | None = None, nodes: int = 1, gpus_per_node: int | None = None,
          max_num_tokens: int = DEFAULT_MAX_NUM_TOKENS, max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
          objective: str = "latency", tp: int | None = None, ep: int | None = None,
-         kv_fraction: float = FREE_GPU_MEMORY_FRACTION, max_attention_window: list[int] | None = None) -> Plan:
+         kv_fraction: float = FREE_GPU_MEMORY_FRACTION, max_attention_window: list[int] | None = None,
+         profile: str | None = None, attention_dp: bool | None = None, batch_pinned: bool = False) -> Plan:
     """Evaluate every TP / EP / replica layout of `nodes` nodes of `hardware`, ranked.
 
     Ranking (fitting layouts first): objective "latency" prefers a replica inside one NVLink
@@ -438,7 +455,10 @@ def plan(target_cfg: dict, drafter_cfg: dict | None, hardware: str | Hardware, *
     sequences over all replicas, then the narrowest TP, then the widest EP. `tp` / `ep` restrict
     the search to those values (a bundle whose model repository fixes them); `kv_fraction` is
     kv_cache_config.free_gpu_memory_fraction, `max_attention_window` its per-layer windows
-    (None: every layer holds the whole sequence)."""
+    (None: every layer holds the whole sequence). `profile` (latency | throughput) follows NVIDIA's
+    curated config of the target's family (bundle/serving_profiles.py): it sets the objective, the
+    max_batch_size / max_num_tokens when not given, attention DP, and ranks the curated TP / EP
+    first where it fits; `attention_dp` overrides the profile's (a bundle's serving config)."""
     hw = hardware if isinstance(hardware, Hardware) else get_hardware(hardware)
     gpn = hw.gpus_per_node if gpus_per_node is None else gpus_per_node
     _check_options(kv_fraction, objective, nodes, gpn, max_batch_size, max_num_tokens)
@@ -453,12 +473,26 @@ def plan(target_cfg: dict, drafter_cfg: dict | None, hardware: str | Hardware, *
         raise DFlashError(f"drafter quant {drafter_quant!r}: expected none or fp8")
     max_seq_len = _max_seq_len(target_cfg, max_seq_len, target_name)
     block = _block_size(drafter_cfg)
+    preferred = None
+    if profile is not None:
+        if profile not in PROFILES:
+            raise DFlashError(f"--profile {profile!r}: choose {' or '.join(PROFILES)}")
+        ps = profile_settings(profile, target_cfg, block)
+        objective = profile
+        max_batch_size = ps["max_batch_size"] if max_batch_size == DEFAULT_MAX_BATCH_SIZE else max_batch_size
+        max_num_tokens = (max(ps["max_num_tokens"], max_batch_size * block) if max_num_tokens == DEFAULT_MAX_NUM_TOKENS
+                          else max_num_tokens)
+        attention_dp = ps["enable_attention_dp"] if attention_dp is None else attention_dp
+        preferred = curated_layout(profile, target_cfg)
     s = Sizing(target, drafter, hw, gpn, nodes * gpn, fmt, drafter_quant, kv, max_seq_len, max_num_tokens,
                min(max_num_tokens, max_batch_size * block), block, kv_fraction, max_batch_size,
-               layer_windows(target.layers, max_attention_window, max_seq_len, block))
+               layer_windows(target.layers, max_attention_window, max_seq_len, block),
+               drafter_cfg=drafter_cfg, attention_dp=bool(attention_dp), preferred=preferred, batch_pinned=batch_pinned)
 
     layouts = [_evaluate(s, t, e) for t, e in _candidate_layouts(s, nodes, tp, ep)]
     layouts.sort(key=RANKING[objective])
+    if preferred:   # a stable second sort would undo the preference: rank the curated layout first where it fits
+        layouts.sort(key=lambda lay: (not lay.fits, (lay.tp, lay.ep) != preferred))
 
     ref = next((l for l in layouts if l.fits), max(layouts, key=lambda l: l.tp))  # the per-GPU weights reported
     return Plan(
@@ -467,7 +501,7 @@ def plan(target_cfg: dict, drafter_cfg: dict | None, hardware: str | Hardware, *
         quant={"target": fmt, "kv_cache": kv, "drafter": drafter_quant}, max_seq_len=max_seq_len,
         max_num_tokens=max_num_tokens, max_batch_size=max_batch_size, kv_fraction=kv_fraction,
         max_attention_window=list(max_attention_window) if max_attention_window else None, block_size=block,
-        objective=objective,
+        objective=objective, profile=profile,
         total_params=target.total_params, active_params=target.active_params,
         drafter_params=drafter.total_params if drafter else 0,
         weights_bytes={"target": weight_bytes(target, fmt), "drafter": weight_bytes(drafter, drafter_quant) if drafter else 0},
@@ -571,13 +605,15 @@ def _evaluate(s: Sizing, tp: int, ep: int) -> Layout:
     if lay.reason:
         return lay
     target, drafter, hw = s.target, s.drafter, s.hw
-    lay.weights_bytes_per_gpu = weight_bytes(target, s.quant, tp)
-    lay.drafter_bytes_per_gpu = weight_bytes(drafter, s.drafter_quant, tp) if drafter else 0
+    lay.attention_dp = dp = s.attention_dp and tp > 1
+    attn_tp = 1 if dp else tp          # attention DP: whole KV heads and attention weights on every rank
+    lay.weights_bytes_per_gpu = weight_bytes(target, s.quant, tp, attn_tp)
+    lay.drafter_bytes_per_gpu = weight_bytes(drafter, s.drafter_quant, tp, attn_tp) if drafter else 0
     lay.activation_bytes_per_gpu = activation_bytes(target, tp, s.max_num_tokens, s.logits_tokens)
     fixed = lay.weights_bytes_per_gpu + lay.drafter_bytes_per_gpu + lay.activation_bytes_per_gpu + lay.runtime_reserve_bytes
     full_layers = sum(w is None for w in s.windows)
-    per_tok = (kv_bytes_per_token(target, s.kv, tp, layers=full_layers)
-               + (kv_bytes_per_token(drafter, s.kv, tp) if drafter else 0))
+    per_tok = (kv_bytes_per_token(target, s.kv, attn_tp, layers=full_layers)
+               + (kv_bytes_per_token(drafter, s.kv, attn_tp) if drafter else 0))
     lay.kv_bytes_per_token_per_gpu = per_tok
     if fixed >= hw.reported_memory_bytes:
         lay.reason = (f"does not fit: weights {lay.weights_bytes_per_gpu / GIB:.1f} GiB + drafter "
@@ -588,18 +624,43 @@ def _evaluate(s: Sizing, tp: int, ep: int) -> Layout:
     budget = int((hw.reported_memory_bytes - fixed) * s.kv_fraction)
     lay.kv_budget_bytes_per_gpu = budget
     # layers with a window hold at most window + block tokens of each sequence
-    window = kv_bytes_per_token(target, s.kv, tp, layers=1) * sum(w for w in s.windows if w is not None)
+    window = kv_bytes_per_token(target, s.kv, attn_tp, layers=1) * sum(w for w in s.windows if w is not None)
     per_seq = s.max_seq_len * per_tok + window
-    lay.kv_tokens = budget // per_tok if per_tok else 0
-    lay.kv_sequences = budget // per_seq if per_seq else 0
-    lay.max_sequences = min(lay.kv_sequences, s.max_batch_size)
+    ranks = tp if dp else 1            # attention DP: each rank holds its own sequences
+    lay.kv_tokens = ranks * (budget // per_tok) if per_tok else 0
+    lay.kv_sequences = ranks * (budget // per_seq) if per_seq else 0
+    lay.max_batch_size = s.max_batch_size
+    lay.max_sequences = ranks * min(lay.kv_sequences // ranks, s.max_batch_size)
     if lay.max_sequences < 1:
         lay.reason = (f"does not fit: one sequence of {s.max_seq_len} tokens needs {per_seq / GIB:.2f} GiB of KV per GPU, "
                       f"{budget / GIB:.2f} GiB left")
         return lay
+    if s.drafter_cfg and s.drafter:
+        # every rank holds the draft context of the max_batch_size requests it schedules
+        b = draft_context_budget(max_batch=s.max_batch_size, max_seq_len=s.max_seq_len, drafter_cfg=s.drafter_cfg,
+                                 gpu_memory_bytes=hw.reported_memory_bytes,
+                                 weights_bytes_per_rank=lay.weights_bytes_per_gpu + lay.drafter_bytes_per_gpu,
+                                 free_gpu_memory_fraction=s.kv_fraction)
+        lay.draft_context_bytes_per_gpu, lay.draft_context_budget_bytes_per_gpu = b.buffer_bytes, b.budget_bytes
+        if not b.fits and (s.batch_pinned or b.largest_batch < 1):
+            lay.reason = (f"does not fit: {b.describe()}; TensorRT-LLM refuses it at start (max_batch_size "
+                          f"{b.largest_batch} fits)")
+            return lay
+        if not b.fits:   # the layout runs with the largest max_batch_size whose draft context fits
+            lay.max_batch_size = b.largest_batch
+            lay.draft_context_bytes_per_gpu = b.largest_batch * b.per_request_bytes
+            lay.max_sequences = ranks * min(lay.kv_sequences // ranks, b.largest_batch)
     lay.fits = True
     where = "one NVLink domain" if lay.within_nvlink_domain else "crosses NVLink domains"
-    capped = f" (max_batch_size; the KV cache holds {lay.kv_sequences:,})" if lay.kv_sequences > s.max_batch_size else ""
+    capped = f" (max_batch_size; the KV cache holds {lay.kv_sequences:,})" if lay.kv_sequences > lay.max_sequences else ""
+    if lay.max_batch_size < s.max_batch_size:
+        capped += (f"; max_batch_size {lay.max_batch_size} (not {s.max_batch_size}): the DFlash draft context "
+                   f"{lay.draft_context_bytes_per_gpu / GIB:.1f} GiB per rank fits its budget "
+                   f"{lay.draft_context_budget_bytes_per_gpu / GIB:.1f} GiB")
+    elif lay.draft_context_bytes_per_gpu:
+        capped += (f"; DFlash draft context {lay.draft_context_bytes_per_gpu / GIB:.1f} GiB per rank of "
+                   f"{lay.draft_context_budget_bytes_per_gpu / GIB:.1f} GiB budget")
+    where += ", attention DP" if dp else ""
     lay.reason = (f"fits: {budget / GIB:.1f} GiB KV per GPU, {lay.kv_tokens:,} tokens, {lay.max_sequences:,} "
                   f"sequences of {s.max_seq_len} per replica{capped}; {where}")
     return lay
@@ -684,7 +745,11 @@ def format_plan(p: Plan) -> str:
         lines.append(f"chosen: tp {c.tp}, ep {c.ep}, {c.replicas} replica(s); per GPU: weights "
                      f"{gb(c.weights_bytes_per_gpu)} + drafter {gb(c.drafter_bytes_per_gpu)} + activations "
                      f"{gb(c.activation_bytes_per_gpu)} + runtime {gb(c.runtime_reserve_bytes)}, KV pool "
-                     f"{gb(c.kv_budget_bytes_per_gpu)} ({c.kv_bytes_per_token_per_gpu:,} B/token per GPU)")
+                     f"{gb(c.kv_budget_bytes_per_gpu)} ({c.kv_bytes_per_token_per_gpu:,} B/token per GPU)"
+                     + (f"; DFlash draft context {gb(c.draft_context_bytes_per_gpu)} per rank (budget "
+                        f"{gb(c.draft_context_budget_bytes_per_gpu)}), max_batch_size {c.max_batch_size}"
+                        if c.draft_context_bytes_per_gpu else "")
+                     + (", attention DP" if c.attention_dp else ""))
     else:
         lines.append("chosen: nothing fits")
     return "\n".join(lines)

@@ -25,6 +25,9 @@ relies on:
     parallel.pp                  int: 1 (pipeline parallel bundles are not planned)
     triton_model_repository      str: the model repository folder, relative to the bundle
     triton_models                [str]: its models; "dflash_reference" is the CPU-capable one
+    serving_stacks.served        [str]: the stacks it holds configs for (the chart's bundle.stacks)
+    engines.<stack>.servers.<server>.image / .engine_version
+                                 the image deploy writes for a server (engines.json at build time)
 
 The layout written by default is the planner's chosen layout for the bundle (`plan_for_bundle`),
 so `dflash-trt plan --bundle DIR` shows exactly what `deploy` will do. Nothing is compiled at pod
@@ -42,12 +45,13 @@ from pathlib import Path
 
 import yaml
 
+from dflash_trt import engines
 from dflash_trt.bundle.manifest import read_manifest
 from dflash_trt.deploy import planner
 from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import Hardware, hardware_for_gpu
 from dflash_trt.io.jsonio import read_json
-from dflash_trt.paths import package_path
+from dflash_trt.paths import deploy_path
 
 GIB = 2**30
 REFERENCE_MODEL = "dflash_reference"     # CPU-capable Triton model of the bundle
@@ -58,14 +62,14 @@ DEFAULT_SSH_SECRET = "dflash-trt-ssh"
 POD_GPU_COUNTS = (1, 2, 4, 8, 16)         # the chart's gpu.count (values.schema.json)
 MAX_REPLICAS = 1024                       # the chart's replicas maximum
 AUTOSCALE_TARGET_SHARE = 0.8              # requests in flight per instance to aim for, of its batch slots
-DOCKERFILE = "dflash_trt/deploy/multinode.Dockerfile"
+DOCKERFILE = "deploy/multinode.Dockerfile"
 # An image reference: repository[:tag][@sha256:<64 hex>].
 IMAGE_REF = re.compile(r"^(?P<repo>[a-z0-9][a-z0-9._/:-]*?)(?::(?P<tag>[\w][\w.-]{0,127}))?(?:@(?P<digest>sha256:[0-9a-f]{64}))?$")
 
 
 def default_chart_dir() -> Path:
-    """The chart shipped as package data: dflash_trt/deploy/helm/dflash-trt."""
-    return package_path("deploy", "helm", "dflash-trt")
+    """The chart: deploy/helm/dflash-trt (a wheel carries it as dflash_trt/_deploy/helm/dflash-trt)."""
+    return deploy_path("helm", "dflash-trt")
 
 
 def default_out(bundle: str | Path) -> Path:
@@ -129,7 +133,9 @@ def plan_for_bundle(bundle: str | Path, *, nodes: int = 1, gpus_per_node: int | 
     return planner.plan(m["target"]["config"], dcfg, hw, target_name=m["target"].get("name", "target"),
                         drafter_name=dname, quant=q.get("target", "auto"), kv_cache=q.get("kv_cache", "auto"),
                         drafter_quant=q.get("drafter") or "none", max_seq_len=max_seq_len or m.get("max_seq_len"), nodes=nodes, gpus_per_node=gpus_per_node, objective=objective,
-                        tp=par.get("tp"), ep=par.get("ep"), **llm)
+                        tp=par.get("tp"), ep=par.get("ep"), **llm,
+                        # the bundle's serving config fixes max_batch_size; a layout cannot lower it
+                        batch_pinned="max_batch_size" in llm and "max_batch_size" not in overrides)
 
 
 def bundle_model_configs(bundle: str | Path) -> tuple[dict, dict | None]:
@@ -166,6 +172,8 @@ def _llm_api_settings(bundle: Path, m: dict) -> dict:
         for key in ("max_batch_size", "max_num_tokens"):
             if y.get(key):
                 out[key] = int(y[key])
+        if "enable_attention_dp" in y:
+            out["attention_dp"] = bool(y["enable_attention_dp"])
     return out
 
 
@@ -190,25 +198,38 @@ def check_counts(*, nodes: int, gpus_per_node: int | None, replicas: int | None)
 def deploy_values(bundle: str | Path, *, nodes: int = 1, gpus_per_node: int | None = None,
                   replicas: int | None = None, gpu: str | None = None, pvc: str | None = None,
                   ssh_secret: str = DEFAULT_SSH_SECRET, max_seq_len: int | None = None,
-                  image: str | None = None, multinode_image: str | None = None) -> tuple[dict, planner.Plan | None]:
-    """Chart values for a bundle, and the plan they follow (None for CPU-only)."""
+                  image: str | None = None, multinode_image: str | None = None, server: str | None = None,
+                  engine_version: str | None = None) -> tuple[dict, planner.Plan | None]:
+    """Chart values for a bundle, and the plan they follow (None for CPU-only). `server`: the
+    chart's server.stack (default: trtllm-serve when the bundle holds a TensorRT-LLM config, else
+    its first stack; Triton's dflash_reference for CPU-only); `image` / `engine_version`: an image
+    of your own and the engine version it carries (default: the server's image the manifest
+    records, engines.json)."""
     check_counts(nodes=nodes, gpus_per_node=gpus_per_node, replicas=replicas)
     bundle = Path(bundle)
     m = read_manifest(bundle)
     models = list(m["triton_models"])
+    served = list((m.get("serving_stacks") or {}).get("served") or (["trtllm"] if "tensorrt_llm" in models else []))
     values: dict = {
-        "bundle": {"modelRepository": m["triton_model_repository"], "delivery": "pvc"},
+        "bundle": {"modelRepository": m["triton_model_repository"], "delivery": "pvc", "stacks": served},
         "podAnnotations": {"dflash-trt/target": str(m["target"].get("name", "")),
                            "dflash-trt/tool-version": str(m.get("tool_version", ""))},
     }
-    if image:
-        values["image"] = parse_image(image, "--image")
     p = plan_for_bundle(bundle, nodes=nodes, gpus_per_node=gpus_per_node, gpu=gpu, max_seq_len=max_seq_len)
+    server = server or ("triton" if p is None else default_server(served))
+    values["server"] = {"stack": server}
+    if p is not None or server != "triton":
+        values["image"] = server_image(m, server, served, image, engine_version)
+    elif image:
+        values["image"] = {**parse_image(image, "--image"), "engineVersion": engine_version or ""}
 
     if p is None:   # CPU-only: the reference-runtime model, one pod, no GPU
         if REFERENCE_MODEL not in models:
             raise DFlashError(f"manifest.json: no GPU and no {REFERENCE_MODEL} model in triton_models {models}; "
                               "pass --gpu")
+        if server != "triton":
+            raise DFlashError(f"--server {server}: a CPU-only deployment serves the {REFERENCE_MODEL} model on Triton; "
+                              "pass --gpu for the bundle's GPU servers")
         values.update({
             "replicas": 1 if replicas is None else replicas,
             "workload": {"kind": "Deployment"},
@@ -248,15 +269,110 @@ def deploy_values(bundle: str | Path, *, nodes: int = 1, gpus_per_node: int | No
         # Ready for autoscaling.enabled: aim at 80 % of one instance's batch slots in flight.
         "autoscaling": {"targetAverageValue": str(max(1, int(AUTOSCALE_TARGET_SHARE * chosen.max_sequences)))},
     })
-    values["bundle"]["models"] = gpu_models
+    values["bundle"]["models"] = gpu_models if server == "triton" else []
     values["bundle"]["pvc"] = _pvc(pvc, max(10, bundle_gib), rwx=multi or n_replicas > 1)
     if multi:
+        if server not in MPI_SERVERS:
+            raise DFlashError(f"--server {server}: the layout spans {chosen.nodes_per_replica} nodes per instance, and the "
+                              f"chart's multi-node launch is MPI, which only {' and '.join(MPI_SERVERS)} run; pass "
+                              f"--server {MPI_SERVERS[0]} or a layout within one node")
         if not multinode_image:
             raise DFlashError(f"the layout spans {chosen.nodes_per_replica} nodes per instance (a LeaderWorkerSet): pass "
                               "--multinode-image REPOSITORY:TAG, the serving image plus sshd (MPI starts the worker "
-                              f"ranks over ssh; the stock Triton image has none), built from {DOCKERFILE}")
-        values["multiNode"] = {"sshSecret": ssh_secret, "image": parse_image(multinode_image, "--multinode-image")}
+                              f"ranks over ssh; the stock images have none), built from {DOCKERFILE}")
+        # built FROM the server's image (deploy/multinode.Dockerfile): the same engine version
+        values["multiNode"] = {"sshSecret": ssh_secret, "image": {**parse_image(multinode_image, "--multinode-image"),
+                                                                  "engineVersion": values["image"]["engineVersion"]}}
     return values, p
+
+
+MPI_SERVERS = ("trtllm-serve", "triton")   # the chart's LeaderWorkerSet launch (trtllm-llmapi-launch under mpirun)
+
+
+def default_server(served: list[str]) -> str:
+    """trtllm-serve when the bundle holds a TensorRT-LLM config, else the first stack it holds."""
+    if "trtllm" in served:
+        return "trtllm-serve"
+    for server in engines.SERVERS:
+        if engines.server_stack(server) in served:
+            return server
+    raise DFlashError("manifest.json: serving_stacks.served is empty: the bundle holds no serving config")
+
+
+def server_image(m: dict, server: str, served: list[str], image: str | None, engine_version: str | None) -> dict:
+    """The chart's image block for `server`: --image with its engine version, or the image the
+    manifest records for the server (engines; engines.json for bundles built before it). Refuses
+    a server whose stack the bundle holds no config for, and an engine that predates DFlash."""
+    stack = engines.server_stack(server)
+    if stack not in served:
+        raise DFlashError(f"--server {server}: the bundle holds no {engines.facts()['stacks'][stack]['engine']} config "
+                          f"(manifest.json serving_stacks.served {served}); choose one of "
+                          f"{', '.join(s for s in engines.SERVERS if engines.server_stack(s) in served)}")
+    if image:
+        block = parse_image(image, "--image")
+        version, where = engine_version, f"--image {image}"
+        if stack == "trtllm" and block["repository"].endswith("/tritonserver") and engines.triton_image_engine(block["tag"]):
+            version = engines.triton_image_engine(block["tag"])   # Triton's matrix wins over a declaration
+            where += " (Triton's compatibility matrix)"
+        if not version:
+            raise DFlashError(f"--image {image}: pass --engine-version, the {engines.facts()['stacks'][stack]['engine']} "
+                              "version the image carries (deploy refuses one that predates DFlash)")
+    else:
+        recorded = ((m.get("engines") or {}).get(stack) or {}).get("servers", {}).get(server)
+        row = engines.facts()["servers"][server]
+        ref = recorded["image"] if recorded else engines.image_ref(row["image"])
+        version = recorded["engine_version"] if recorded else row["engine_version"]
+        where = f"manifest.json engines: {ref}"
+        if not ref:
+            raise DFlashError(f"--server {server}: NVIDIA publishes no image with tritonserver and a DFlash-capable "
+                              f"TensorRT-LLM: build {row['build']} and pass --image REPOSITORY:TAG --engine-version "
+                              f"{row['engine_version']}")
+        block = parse_image(ref, "manifest.json engines")
+    problem = engines.dflash_problem(server, version, where)
+    if problem:
+        raise DFlashError(problem)
+    return {**block, "engineVersion": version}
+
+
+# Kubernetes' name rules (k8s.io/apimachinery pkg/util/validation): a Service name is a DNS-1035
+# label; pods' host names (StatefulSet, LeaderWorkerSet) DNS-1123 labels; other objects DNS-1123
+# subdomains. Helm refuses a release name that is not a DNS-1123 label-like name of <= 53 characters.
+DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+DNS1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+NAME_RULES = {"Service": (DNS1035_LABEL, 63, "a DNS-1035 label: lower-case letters, digits and '-', starting with a "
+                                              "letter, ending with a letter or digit"),
+              "StatefulSet": (DNS1123_LABEL, 63, "a DNS-1123 label (its pods' host names)"),
+              "LeaderWorkerSet": (DNS1123_LABEL, 63, "a DNS-1123 label (its pods' host names and subdomain)")}
+SUBDOMAIN_RULE = (DNS1123_SUBDOMAIN, 253, "a DNS-1123 subdomain: lower-case letters, digits, '-' and '.'")
+MAX_RELEASE = 53
+
+
+def check_release(release: str, namespace: str) -> None:
+    """--release / --namespace as Helm and the API server take them, before anything renders."""
+    if not (DNS1123_LABEL.match(release or "") and len(release) <= MAX_RELEASE):
+        raise DFlashError(f"--release {release!r}: Helm refuses it: a release name is a DNS-1123 label of at most "
+                          f"{MAX_RELEASE} characters (lower-case letters, digits and '-', starting and ending with a "
+                          "letter or digit), e.g. gpt-oss")
+    if not (DNS1123_LABEL.match(namespace or "") and len(namespace) <= 63):
+        raise DFlashError(f"--namespace {namespace!r}: Kubernetes refuses it: a namespace is a DNS-1123 label of at most "
+                          "63 characters")
+
+
+def check_names(manifests: dict[str, str]) -> None:
+    """Every rendered object's metadata.name against its kind's rule (one line, the first broken)."""
+    for path, text in sorted(manifests.items()):
+        if path.endswith("NOTES.txt"):
+            continue
+        for obj in yaml.safe_load_all(text):
+            if not obj:
+                continue
+            kind, name = obj.get("kind"), str((obj.get("metadata") or {}).get("name", ""))
+            rule, limit, what = NAME_RULES.get(kind, SUBDOMAIN_RULE)
+            if not (rule.match(name) and len(name) <= limit):
+                raise DFlashError(f"{Path(path).name}: {kind} name {name!r} ({len(name)} characters): Kubernetes refuses "
+                                  f"it: must be {what}, at most {limit} characters (from the release name or "
+                                  "nameOverride / fullnameOverride)")
 
 
 def _pvc(existing: str | None, size_gib: int, rwx: bool) -> dict:
@@ -313,3 +429,44 @@ def write_deployment(out: str | Path, values: dict, manifests: dict[str, str] | 
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def rendered_images(manifests: dict[str, str], values: dict) -> list[dict]:
+    """Every container image of the rendered objects, once, with the engine version it carries."""
+    versions = {}
+    for key in ("image", "multiNode"):
+        block = values.get(key, {}).get("image") if key == "multiNode" else values.get(key)
+        if block and block.get("repository"):
+            versions[engines.image_ref(block)] = block.get("engineVersion", "")
+    stack = engines.facts()["stacks"][engines.server_stack(values["server"]["stack"])]
+    seen: dict[str, dict] = {}
+    for path, text in sorted(manifests.items()):
+        if path.endswith("NOTES.txt"):
+            continue
+        for obj in yaml.safe_load_all(text):
+            for ref, init in _container_images(obj or {}):
+                if ref in seen:
+                    continue
+                if init:
+                    what = "init container: copies the bundle"
+                elif versions.get(ref):
+                    what = f"{stack['engine']} {versions[ref]}; DFlash since {stack['dflash_since']}"
+                else:
+                    what = "Triton with the bundle's dflash_reference model (the CPU reference runtime, no engine)"
+                seen[ref] = {"image": ref, "engine_version": versions.get(ref) or None, "what": what}
+    return list(seen.values())
+
+
+def _container_images(obj: dict):
+    specs = []
+    spec = obj.get("spec") or {}
+    if "template" in spec:
+        specs.append(spec["template"].get("spec") or {})
+    lwt = spec.get("leaderWorkerTemplate")
+    if lwt:
+        specs += [lwt["leaderTemplate"]["spec"], lwt["workerTemplate"]["spec"]]
+    for ps in specs:
+        for c in ps.get("initContainers") or []:
+            yield c["image"], True
+        for c in ps.get("containers") or []:
+            yield c["image"], False

@@ -72,12 +72,89 @@ app.kubernetes.io/component: inference
 {{- printf "%s-lws" (include "dflash-trt.fullname" . | trunc 48 | trimSuffix "-") }}
 {{- end }}
 
+{{/* Servers --------------------------------------------------------------------------- */}}
+
+{{/* engines.json (beside Chart.yaml): the engines' facts, the same file dflash_trt/engines.py reads. */}}
+{{- define "dflash-trt.engines" -}}
+{{- .Files.Get "engines.json" }}
+{{- end }}
+
+{{/* The server.stack row of engines.json: its stack, image, engine version, endpoints. */}}
+{{- define "dflash-trt.server" -}}
+{{- $e := include "dflash-trt.engines" . | fromJson }}
+{{- toJson (get $e.servers .Values.server.stack) }}
+{{- end }}
+
+{{/* "true" for a Triton pod that serves only the bundle's dflash_reference model (our own CPU
+     runtime; no engine with DFlash is involved). */}}
+{{- define "dflash-trt.referenceOnly" -}}
+{{- $v := .Values }}
+{{- if and (eq $v.server.stack "triton") $v.bundle.models (eq (len (without $v.bundle.models "dflash_reference")) 0) }}true{{ end }}
+{{- end }}
+
+{{/* The image of single-node pods as JSON {repository, tag, digest, engineVersion, from}: image.*
+     when image.repository is set, else the server's image in engines.json (the CPU reference image
+     for a Triton pod serving only dflash_reference). */}}
+{{- define "dflash-trt.serverImage" -}}
+{{- $v := .Values }}
+{{- $e := include "dflash-trt.engines" . | fromJson }}
+{{- if $v.image.repository }}
+{{- toJson (dict "repository" $v.image.repository "tag" $v.image.tag "digest" $v.image.digest "engineVersion" $v.image.engineVersion "from" "image") }}
+{{- else if include "dflash-trt.referenceOnly" . }}
+{{- $i := $e.cpu_reference.image }}
+{{- toJson (dict "repository" $i.repository "tag" $i.tag "digest" $i.digest "engineVersion" "" "from" "engines.json cpu_reference") }}
+{{- else }}
+{{- $s := get $e.servers $v.server.stack }}
+{{- toJson (dict "repository" $s.image.repository "tag" $s.image.tag "digest" $s.image.digest "engineVersion" $s.engine_version "from" (printf "engines.json servers.%s" $v.server.stack)) }}
+{{- end }}
+{{- end }}
+
+{{/* A PEP 440 engine version (1.4.0rc4) as a SemVer one (1.4.0-rc.4) for semverCompare. */}}
+{{- define "dflash-trt.semver" -}}
+{{- regexReplaceAll "^([0-9]+\\.[0-9]+\\.[0-9]+)(rc|a|b)([0-9]+)$" . "${1}-${2}.${3}" }}
+{{- end }}
+
+{{/* Refuse an image whose engine predates DFlash. Call with (dict "root" $ "image" <serverImage>
+     "key" "image"|"multiNode.image"). A tritonserver:<tag>-trtllm-python-py3 image is checked at the
+     TensorRT-LLM version Triton's compatibility matrix gives its tag, whatever it declares. */}}
+{{- define "dflash-trt.checkEngine" -}}
+{{- $e := include "dflash-trt.engines" .root | fromJson }}
+{{- $srv := get $e.servers .root.Values.server.stack }}
+{{- $stack := get $e.stacks $srv.stack }}
+{{- $img := .image }}
+{{- $ref := include "dflash-trt.imageRef" $img }}
+{{- $version := $img.engineVersion }}
+{{- $matrix := $e.triton_trtllm_images.tensorrt_llm_by_tag }}
+{{- $fromMatrix := and (eq $srv.stack "trtllm") (hasSuffix "/tritonserver" $img.repository) (hasKey $matrix (toString $img.tag)) }}
+{{- if $fromMatrix }}{{ $version = get $matrix (toString $img.tag) }}{{ end }}
+{{- if not $img.repository }}
+{{- fail (printf "server.stack %s: no published image carries tritonserver with a DFlash-capable TensorRT-LLM (Triton's compatibility matrix stops at 1.2.1; DFlash is in %s+): build %s and set %s.repository, %s.tag and %s.engineVersion" .root.Values.server.stack $stack.dflash_since $srv.build .key .key .key) }}
+{{- end }}
+{{- if not (or $img.tag $img.digest) }}
+{{- fail (printf "%s needs a tag or a digest" .key) }}
+{{- end }}
+{{- if not $version }}
+{{- fail (printf "%s %s: set %s.engineVersion, the %s version the image carries (the chart refuses one older than %s, the first with DFlash)" .key $ref .key $stack.engine $stack.dflash_since) }}
+{{- end }}
+{{- if not (regexMatch "^[0-9]+\\.[0-9]+\\.[0-9]+((rc|a|b)[0-9]+)?$" $version) }}
+{{- fail (printf "%s.engineVersion %q: expected MAJOR.MINOR.PATCH[rcN], e.g. %s" .key $version $srv.engine_version) }}
+{{- end }}
+{{- if not (semverCompare (printf ">=%s" (include "dflash-trt.semver" $stack.dflash_since)) (include "dflash-trt.semver" $version)) }}
+{{- $instead := ternary (printf "build %s" $srv.build) (printf "use %s" (include "dflash-trt.imageRef" $srv.image)) (not $srv.image.repository) }}
+{{- fail (printf "%s %s carries %s %s%s, which predates DFlash (first in %s; engines.json): decoding_type DFlash cannot load; %s (server.stack %s) or take an image of %s >= %s" .key $ref $stack.engine $version (ternary " (Triton's compatibility matrix)" "" $fromMatrix) $stack.dflash_since $instead .root.Values.server.stack $stack.engine $stack.dflash_since) }}
+{{- end }}
+{{- end }}
+
 {{/* Checks the schema cannot express; each fails the render with the value to change. */}}
 {{- define "dflash-trt.validate" -}}
 {{- $v := .Values }}
 {{- $world := int (include "dflash-trt.worldSize" .) }}
 {{- $gpus := int $v.gpu.count }}
 {{- $kind := include "dflash-trt.kind" . }}
+{{- $full := include "dflash-trt.fullname" . }}
+{{- if not (regexMatch "^[a-z]([-a-z0-9]*[a-z0-9])?$" $full) }}
+{{- fail (printf "resource name %q (from release %q, nameOverride, fullnameOverride): Kubernetes refuses it as a Service name, which must be a DNS-1035 label: lower-case letters, digits and '-', starting with a letter and ending with a letter or digit" $full .Release.Name) }}
+{{- end }}
 {{- if hasKey $v "compile" }}
 {{- fail "compile: removed — the chart compiles nothing at pod start: the serving path (TensorRT-LLM's PyTorch backend) loads the bundle's Hugging Face checkpoints; drop the compile block from your values (build any opt-in engines with dflash-trt build on a GPU machine)" }}
 {{- end }}
@@ -106,7 +183,7 @@ app.kubernetes.io/component: inference
 {{- fail "multiNode.sshSecret is required for a LeaderWorkerSet (the leader starts MPI ranks over ssh); see values.yaml" }}
 {{- end }}
 {{- if not $v.multiNode.image.repository }}
-{{- fail "multiNode.image.repository is required for a LeaderWorkerSet: the stock Triton image has no sshd for MPI to start worker ranks through; build one from dflash_trt/deploy/multinode.Dockerfile and set multiNode.image (repository and tag or digest)" }}
+{{- fail "multiNode.image.repository is required for a LeaderWorkerSet: the stock images have no sshd for MPI to start worker ranks through; build one from deploy/multinode.Dockerfile (BASE = the server's image) and set multiNode.image (repository, tag or digest, engineVersion)" }}
 {{- end }}
 {{- if not (or $v.multiNode.image.tag $v.multiNode.image.digest) }}
 {{- fail "multiNode.image needs a tag or a digest" }}
@@ -114,8 +191,25 @@ app.kubernetes.io/component: inference
 {{- else if ne $world $gpus }}
 {{- fail (printf "a %s pod holds one model instance: parallel.tp × parallel.pp (%d) must equal gpu.count (%d), or use workload.kind LeaderWorkerSet" $kind $world $gpus) }}
 {{- end }}
-{{- if not (or $v.image.tag $v.image.digest) }}
+{{- $e := include "dflash-trt.engines" . | fromJson }}
+{{- $srv := get $e.servers $v.server.stack }}
+{{- if not (include "dflash-trt.referenceOnly" .) }}
+{{- if not (has $srv.stack $v.bundle.stacks) }}
+{{- fail (printf "server.stack %s serves the bundle's %s, but bundle.stacks %v holds no %s config (manifest.json serving_stacks.served): choose a server.stack whose stack the bundle holds" $v.server.stack $srv.config $v.bundle.stacks $srv.stack) }}
+{{- end }}
+{{- if eq $kind "LeaderWorkerSet" }}
+{{- if not (has $v.server.stack (list "trtllm-serve" "triton")) }}
+{{- fail (printf "server.stack %s on a LeaderWorkerSet: the chart's multi-node launch is MPI (trtllm-llmapi-launch), which only trtllm-serve and triton run; serve %s within one node (parallel.tp × parallel.pp <= gpu.count)" $v.server.stack $v.server.stack) }}
+{{- end }}
+{{- include "dflash-trt.checkEngine" (dict "root" . "image" (dict "repository" $v.multiNode.image.repository "tag" $v.multiNode.image.tag "digest" $v.multiNode.image.digest "engineVersion" $v.multiNode.image.engineVersion) "key" "multiNode.image") }}
+{{- else }}
+{{- include "dflash-trt.checkEngine" (dict "root" . "image" (include "dflash-trt.serverImage" . | fromJson) "key" "image") }}
+{{- end }}
+{{- else if not (or (include "dflash-trt.serverImage" . | fromJson).tag (include "dflash-trt.serverImage" . | fromJson).digest) }}
 {{- fail "image needs a tag or a digest" }}
+{{- end }}
+{{- if and (ne $v.server.stack "triton") $v.bundle.models }}
+{{- fail (printf "bundle.models %v: Triton models, but server.stack is %s (which loads its bundle config); set server.stack triton or bundle.models []" $v.bundle.models $v.server.stack) }}
 {{- end }}
 {{- if and (eq $v.bundle.delivery "image") (not $v.bundle.image.repository) }}
 {{- fail "bundle.delivery image needs bundle.image.repository" }}
@@ -168,6 +262,26 @@ app.kubernetes.io/component: inference
 {{- range $i, $a := $args }}{{ if $i }} {{ end }}{{ squote $a }}{{ end }}
 {{- end }}
 
+{{/* The serving command of a pod (prefix "" ) or of an MPI rank (prefix "trtllm-llmapi-launch "),
+     one shell line. trtllm-serve, vLLM and SGLang run from the bundle root, where their configs'
+     paths (target, drafter, configs/...) resolve; vLLM and SGLang run the argv of the bundle's
+     configs/<stack>.json with the pod's host and port added. */}}
+{{- define "dflash-trt.serverCommand" -}}
+{{- $v := .root.Values }}
+{{- $extra := "" }}
+{{- range $v.server.extraArgs }}{{ $extra = printf "%s %s" $extra (squote .) }}{{ end }}
+{{- $launch := "import json, os, sys; a = json.load(open(sys.argv[1]))[\"argv\"] + sys.argv[2:]; a[0] = sys.executable if a[0] in (\"python\", \"python3\") else a[0]; os.execvp(a[0], a)" }}
+{{- if eq $v.server.stack "triton" -}}
+exec {{ .prefix }}tritonserver {{ include "dflash-trt.tritonArgs" .root }}
+{{- else if eq $v.server.stack "trtllm-serve" -}}
+cd "$BUNDLE_DIR" && exec {{ .prefix }}trtllm-serve target --config configs/trtllm-serve.yaml --host 0.0.0.0 --port 8000{{ $extra }}
+{{- else if eq $v.server.stack "vllm" -}}
+cd "$BUNDLE_DIR" && exec python3 -c {{ squote $launch }} configs/vllm.json --host 0.0.0.0 --port 8000{{ $extra }}
+{{- else -}}
+cd "$BUNDLE_DIR" && exec python3 -c {{ squote $launch }} configs/sglang.json --host 0.0.0.0 --port 8000 --enable-metrics{{ $extra }}
+{{- end }}
+{{- end }}
+
 {{/* An image reference from {repository, tag, digest}: repository@digest when pinned. */}}
 {{- define "dflash-trt.imageRef" -}}
 {{- if .digest }}{{ printf "%s@%s" .repository .digest }}{{ else }}{{ printf "%s:%s" .repository .tag }}{{ end }}
@@ -175,7 +289,7 @@ app.kubernetes.io/component: inference
 
 {{/* The serving image of a role: multiNode.image (with sshd) for LeaderWorkerSet pods. */}}
 {{- define "dflash-trt.image" -}}
-{{- if eq .role "single" }}{{ include "dflash-trt.imageRef" .root.Values.image }}{{ else }}{{ include "dflash-trt.imageRef" .root.Values.multiNode.image }}{{ end }}
+{{- if eq .role "single" }}{{ include "dflash-trt.imageRef" (include "dflash-trt.serverImage" .root | fromJson) }}{{ else }}{{ include "dflash-trt.imageRef" .root.Values.multiNode.image }}{{ end }}
 {{- end }}
 
 {{/* Every environment variable the chart sets in the serving containers, as a JSON list of
@@ -276,6 +390,8 @@ tolerations:
 {{- $role := .role }}
 {{- $fullname := include "dflash-trt.fullname" $root }}
 {{- $multi := ne $role "single" }}
+{{- $srv := include "dflash-trt.server" $root | fromJson }}
+{{- $ep := $srv.endpoints }}
 serviceAccountName: {{ include "dflash-trt.serviceAccountName" $root }}
 automountServiceAccountToken: {{ $v.serviceAccount.automountToken }}
 terminationGracePeriodSeconds: {{ $v.terminationGracePeriodSeconds }}
@@ -299,41 +415,38 @@ initContainers:
         mountPath: /mnt/bundle
 {{- end }}
 containers:
-  - name: {{ if eq $role "worker" }}worker{{ else }}triton{{ end }}
+  - name: {{ if eq $role "worker" }}worker{{ else }}{{ $v.server.stack }}{{ end }}
     image: {{ include "dflash-trt.image" . | quote }}
     imagePullPolicy: {{ $v.image.pullPolicy }}
     command: ["/bin/sh", "/opt/dflash-trt/{{ if eq $role "single" }}serve{{ else }}{{ $role }}{{ end }}.sh"]
     env:
       {{- include "dflash-trt.env" $root | fromJsonArray | toYaml | nindent 6 }}
     {{- if ne $role "worker" }}
+    # The server's own ports and health endpoints (engines.json servers.{{ $v.server.stack }}.endpoints).
     ports:
-      - name: http
-        containerPort: 8000
+      {{- range $name, $port := $ep.ports }}
+      - name: {{ $name }}
+        containerPort: {{ $port }}
         protocol: TCP
-      - name: grpc
-        containerPort: 8001
-        protocol: TCP
-      - name: metrics
-        containerPort: 8002
-        protocol: TCP
+      {{- end }}
     startupProbe:
       httpGet:
-        path: /v2/health/ready
+        path: {{ $ep.ready }}
         port: http
       {{- toYaml $v.probes.startup | nindent 6 }}
     livenessProbe:
       httpGet:
-        path: /v2/health/live
+        path: {{ $ep.live }}
         port: http
       {{- toYaml $v.probes.liveness | nindent 6 }}
     readinessProbe:
       httpGet:
-        path: /v2/health/ready
+        path: {{ $ep.ready }}
         port: http
       {{- toYaml $v.probes.readiness | nindent 6 }}
     lifecycle:
       # Drain before SIGTERM: the pod has left the Service's endpoints; wait for its in-flight
-      # requests (at most shutdown.drainSeconds), then Triton gets --exit-timeout-secs.
+      # requests (at most shutdown.drainSeconds), then the server gets SIGTERM (Triton: --exit-timeout-secs).
       preStop:
         exec:
           command: ["/bin/sh", "/opt/dflash-trt/drain.sh"]
