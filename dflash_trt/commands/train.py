@@ -83,6 +83,8 @@ def _layer_list(ctx, param, value):
 @click.option("--mask-token-id", type=click.IntRange(0), help="Token used for masked slots (default: an unused special token).")
 @click.option("--save-every", type=click.IntRange(1), default=200, show_default=True, help="Checkpoint interval (steps).")
 @click.option("--eval-every", type=click.IntRange(1), default=100, show_default=True, help="τ estimate interval.")
+@click.option("--log-every", type=click.IntRange(1), default=10, show_default=True,
+              help="OUT/log.jsonl line interval (steps).")
 @click.option("--eval-prompts", type=click.Path(dir_okay=False),
               help="Held-out prompts (or data) JSONL for the τ estimate in the progress bar.")
 @click.option("--max-new-tokens", type=click.IntRange(2, MAX_CONTEXT), default=192, show_default=True,
@@ -112,11 +114,17 @@ def _layer_list(ctx, param, value):
 @click.option("--gamma", type=FiniteFloatRange(0, 1000, min_open=True),
               help="Slot loss decay exp(-(k-1)/gamma) (default: 4 for B=8, 7 for B=16).")
 @click.option("--seed", type=SEED, default=0, show_default=True)
+@click.option("--answer-engine", type=click.Choice(["auto", "vllm", "hf"]), default="auto", show_default=True,
+              help="Who answers --prompts: vllm (batched generation in the vLLM environment $DFLASH_TRT_VLLM_ENV, "
+                   "default .venv/vllm), hf (transformers' generate), auto (vllm where that environment exists).")
+@click.option("--dist-timeout", type=FiniteFloatRange(0, 10**5, min_open=True), default=30, show_default=True,
+              help="Under torchrun: minutes a rank waits in a collective (e.g. while rank 0 answers the prompts) "
+                   "before it gives up.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary at the end.")
 def train_drafter_cmd(target, data, prompts, out, layers, intermediate_size, target_layers, block_size, steps, lr,
-                      blocks_per_step, mask_token_id, save_every, eval_every, eval_prompts, max_new_tokens,
+                      blocks_per_step, mask_token_id, save_every, eval_every, log_every, eval_prompts, max_new_tokens,
                       init_from, feature_cache, resume, time_limit, threads, dtype, labels, distill, draft_vocab,
-                      anchors_per_seq, gamma, seed, as_json):
+                      anchors_per_seq, gamma, seed, answer_engine, dist_timeout, as_json):
     """Train a DFlash block-diffusion drafter for a target (the recipe in docs/decode-loop.md): the target
     answers prompts, its hidden states at the chosen layers are cached once, then random anchors,
     masked blocks with per-anchor attention and a position-decayed cross-entropy; the target's
@@ -131,9 +139,16 @@ def train_drafter_cmd(target, data, prompts, out, layers, intermediate_size, tar
           --out runs/tf --eval-prompts heldout.jsonl        # labelled by the target in one pass each
       dflash-trt train-drafter --target tiny/target --prompts p.jsonl --out runs/t --steps 50
       dflash-trt train-drafter --out runs/d1 --prompts my_prompts.jsonl --steps 6000 --resume
+      torchrun --nproc-per-node 8 -m dflash_trt.cli train-drafter --target DIR --data d.jsonl --out /shared/run
+      torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HEAD:29400 --rdzv-id run1 \\
+          -m dflash_trt.cli train-drafter ... --out /shared/run   # OUT on storage every node sees
     The drafter is OUT/drafter: `dflash-trt generate --drafter OUT/drafter ...`.
+    Under torchrun (gloo on CPU, NCCL on GPU) --blocks-per-step and --lr mean what they mean in one
+    process (the global batch is split over the ranks); only rank 0 logs and writes; a run's
+    checkpoint resumes at any world size.
     """
     from dflash_trt.presets.catalog import resolve_target
+    from dflash_trt.train.distributed import close_world, init_world
     from dflash_trt.train.trainer import TrainConfig, train_drafter
 
     if (data is None) == (prompts is None):
@@ -145,14 +160,22 @@ def train_drafter_cmd(target, data, prompts, out, layers, intermediate_size, tar
         raise DFlashError(f"--out {out}: lies inside --target {tdir}; write the run outside the target folder")
     tc = TrainConfig(layers=layers, block_size=block_size, intermediate_size=intermediate_size,
                      target_layer_ids=target_layers, mask_token_id=mask_token_id, steps=steps, lr=lr,
-                     blocks_per_step=blocks_per_step, save_every=save_every, eval_every=eval_every, seed=seed,
+                     blocks_per_step=blocks_per_step, save_every=save_every, eval_every=eval_every,
+                     log_every=log_every, seed=seed,
                      init_from=init_from, labels=labels, distill_k=distill, anchors_per_seq=anchors_per_seq,
                      gamma=gamma, draft_vocab=str(Path(draft_vocab).resolve()) if draft_vocab else None)
-    with no_new_empty_dirs(out, feature_cache):   # a failed run leaves no empty --out behind
-        summary = train_drafter(tdir, data or prompts, out, tc, eval_path=eval_prompts, resume=resume,
-                                max_new_tokens=max_new_tokens, threads=threads,
-                                time_limit_s=time_limit * 60 if time_limit else None,
-                                feature_cache=feature_cache, dtype=dtype)
+    world = init_world(timeout_s=dist_timeout * 60)
+    try:
+        with no_new_empty_dirs(out, feature_cache):   # a failed run leaves no empty --out behind
+            summary = train_drafter(tdir, data or prompts, out, tc, eval_path=eval_prompts, resume=resume,
+                                    max_new_tokens=max_new_tokens, threads=threads,
+                                    time_limit_s=time_limit * 60 if time_limit else None,
+                                    feature_cache=feature_cache, dtype=dtype, world=world,
+                                    answer_engine=answer_engine)
+    finally:
+        close_world(world)
+    if not world.main:
+        return
     if as_json:
         click.echo(json.dumps(summary, indent=2))
     else:
