@@ -94,11 +94,15 @@ def _layer_list(ctx, param, value):
 @click.option("--feature-cache", type=click.Path(file_okay=False),
               help="Where to cache target features (default OUT/features); share it between runs.")
 @click.option("--resume", is_flag=True, help="Continue the run in OUT from its last checkpoint.")
+@click.option("--auto-resume", is_flag=True,
+              help="Resume when OUT holds a checkpoint, else start: for jobs whose pods restart (the training chart).")
 @click.option("--time-limit", type=FiniteFloatRange(0, 10**7, min_open=True), help="Stop (and save) after this many minutes.")
 @click.option("--threads", type=THREADS, default=2, show_default=True, help="torch CPU threads.")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True,
               help="The target's dtype for its answers and features (auto: bfloat16 where the CPU has it, "
                    "as the runtime; else float32).")
+@click.option("--train-dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True,
+              help="The drafter's matmuls in training: bf16 autocast (fast on CPUs with bf16 and on GPUs) or float32.")
 @click.option("--labels", type=click.Choice(["data", "teacher-forced"]), default="data", show_default=True,
               help="data: each slot's label is the data's next token (the data must be the target's own greedy "
                    "answers). teacher-forced: the target's own prediction at each position, from one forward "
@@ -123,8 +127,8 @@ def _layer_list(ctx, param, value):
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary at the end.")
 def train_drafter_cmd(target, data, prompts, out, layers, intermediate_size, target_layers, block_size, steps, lr,
                       blocks_per_step, mask_token_id, save_every, eval_every, log_every, eval_prompts, max_new_tokens,
-                      init_from, feature_cache, resume, time_limit, threads, dtype, labels, distill, draft_vocab,
-                      anchors_per_seq, gamma, seed, answer_engine, dist_timeout, as_json):
+                      init_from, feature_cache, resume, auto_resume, time_limit, threads, dtype, labels, distill, draft_vocab,
+                      anchors_per_seq, gamma, seed, train_dtype, answer_engine, dist_timeout, as_json):
     """Train a DFlash block-diffusion drafter for a target (the recipe in docs/decode-loop.md): the target
     answers prompts, its hidden states at the chosen layers are cached once, then random anchors,
     masked blocks with per-anchor attention and a position-decayed cross-entropy; the target's
@@ -154,6 +158,7 @@ def train_drafter_cmd(target, data, prompts, out, layers, intermediate_size, tar
     if (data is None) == (prompts is None):
         raise DFlashError("give exactly one of --data FILE.jsonl or --prompts FILE.jsonl")
     tdir = resolve_target(target)
+    resume = resume or (auto_resume and (Path(out) / "state" / "state.json").is_file())
     _check_against_target(tdir, mask_token_id, target_layers, max_new_tokens)
     if Path(os.path.realpath(out)).is_relative_to(os.path.realpath(tdir)):  # (a run folder is not replaced:
         # only writing into the model folder is refused)
@@ -161,7 +166,7 @@ def train_drafter_cmd(target, data, prompts, out, layers, intermediate_size, tar
     tc = TrainConfig(layers=layers, block_size=block_size, intermediate_size=intermediate_size,
                      target_layer_ids=target_layers, mask_token_id=mask_token_id, steps=steps, lr=lr,
                      blocks_per_step=blocks_per_step, save_every=save_every, eval_every=eval_every,
-                     log_every=log_every, seed=seed,
+                     log_every=log_every, train_dtype=train_dtype, seed=seed,
                      init_from=init_from, labels=labels, distill_k=distill, anchors_per_seq=anchors_per_seq,
                      gamma=gamma, draft_vocab=str(Path(draft_vocab).resolve()) if draft_vocab else None)
     world = init_world(timeout_s=dist_timeout * 60)

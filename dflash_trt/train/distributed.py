@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -39,6 +40,7 @@ class World:
     size: int = 1
     local_rank: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    failed: bool = False   # a collective failed and said so: the launcher's SIGTERM then ends it quietly
 
     @property
     def main(self) -> bool:
@@ -53,25 +55,32 @@ class World:
     def all_reduce(self, t: torch.Tensor, what: str) -> torch.Tensor:
         """Sum over ranks, in place (t on this rank's device)."""
         if self.distributed:
-            self._run(lambda: dist.all_reduce(t), what)
+            self._run(lambda: dist.all_reduce(t, async_op=True), what)
         return t
 
     def all_gather(self, t: torch.Tensor, what: str) -> list[torch.Tensor]:
         if not self.distributed:
             return [t]
         out = [torch.empty_like(t) for _ in range(self.size)]
-        self._run(lambda: dist.all_gather(out, t), what)
+        self._run(lambda: dist.all_gather(out, t, async_op=True), what)
         return out
 
     def barrier(self, what: str) -> None:
         if self.distributed:
-            self._run(lambda: dist.barrier(), what)
+            self._run(lambda: dist.barrier(async_op=True), what)
 
-    def _run(self, fn, what: str) -> None:
+    def _run(self, start, what: str) -> None:
+        """Start the collective, then wait for it in Python, not inside gloo/NCCL: a rank blocked in
+        C++ never runs its SIGTERM handler, and torchrun's SIGTERM (a peer died) would end it
+        without a word."""
         try:
-            fn()
+            work = start()
+            while not work.is_completed():
+                time.sleep(0.0005)
+            work.wait()
         except (RuntimeError, ValueError) as e:   # gloo/NCCL errors are RuntimeError subclasses (DistBackendError)
             msg = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            self.failed = True
             raise DFlashError(f"rank {self.rank}/{self.size}: {what} failed: a peer rank stopped or cannot be "
                               f"reached ({msg})") from None
 
@@ -121,6 +130,8 @@ def _stop_cleanly_on_sigterm(world: World) -> None:
     """torchrun sends SIGTERM to the surviving ranks when one fails: say so in one line and exit,
     instead of a traceback from wherever the signal lands."""
     def stop(signum, frame):
+        if world.failed:   # this rank has already said what went wrong
+            os._exit(1)
         print(f"dflash-trt: rank {world.rank}/{world.size}: stopped by the launcher (signal {signum}): another rank "
               "failed; resume from the last checkpoint with --resume", file=sys.stderr, flush=True)
         os._exit(143)
@@ -129,7 +140,9 @@ def _stop_cleanly_on_sigterm(world: World) -> None:
 
 
 def close_world(world: World) -> None:
-    if world.distributed and dist.is_initialized():
+    """Leave the process group; after a failed collective there is none to leave cleanly (a
+    teardown with a dead peer can block), the process just ends."""
+    if world.distributed and dist.is_initialized() and not world.failed:
         dist.destroy_process_group()
 
 

@@ -95,6 +95,7 @@ class TrainConfig:
     save_every: int = 200
     eval_every: int = 100
     log_every: int = 10                        # log.jsonl line interval (steps)
+    train_dtype: str = "bfloat16"              # the drafter's matmuls: bf16 autocast, or float32 throughout
     eval_max_new_tokens: int = 128
     eval_max_seqs: int = 64                    # held-out sequences per τ estimate (16 proved too noisy: ±0.05)
     seed: int = 0
@@ -238,7 +239,10 @@ def make_batch(data: Sequences, picks: list[tuple[int, list[int]]], B: int, mask
     feats, cpos, cseq = [], [], []
     btok, qpos, qseq, qanchor, labels, slots, soft_rows = [], [], [], [], [], [], []
     teacher = labels_from == "teacher-forced"
-    for s, anchors in picks:
+    # context copies are told apart by pick, not by sequence: a sequence drawn twice in one batch is
+    # two copies of its context, and a block must see only its own (duplicated keys would reweight
+    # the softmax)
+    for j, (s, anchors) in enumerate(picks):
         sl = data.seq(s)
         toks = data.tokens[sl]
         T = len(toks)
@@ -253,12 +257,12 @@ def make_batch(data: Sequences, picks: list[tuple[int, list[int]]], B: int, mask
         keep = max(anchors)  # context beyond the last anchor is never visible
         feats.append(data.features[sl.start:sl.start + keep])
         cpos.append(torch.arange(keep))
-        cseq.append(torch.full((keep,), s))
+        cseq.append(torch.full((keep,), j))
         for a in anchors:
             k = torch.arange(B)
             btok.append(torch.where(k == 0, toks[a], torch.tensor(mask_id)))
             qpos.append(a + k)
-            qseq.append(torch.full((B,), s))
+            qseq.append(torch.full((B,), j))
             qanchor.append(torch.full((B,), a))
             lab = torch.full((B,), -100, dtype=torch.long)
             valid = (k >= 1) & (a + k < T)
@@ -329,7 +333,8 @@ class FrozenTarget:
     propose at decode time (models/draft_vocab.py), and the lm_head, half a step's cost, shrinks by
     the vocabulary ratio."""
 
-    def __init__(self, target_dir: Path, target_cfg: dict, draft_vocab: torch.Tensor | None = None):
+    def __init__(self, target_dir: Path, target_cfg: dict, draft_vocab: torch.Tensor | None = None,
+                 compute_dtype: torch.dtype = torch.bfloat16):
         tied = bool(target_cfg.get("tie_word_embeddings", False))
         st = read_target_tensors(target_dir, lambda k: k in ("model.embed_tokens.weight", "lm_head.weight"))
         self.embed = st["model.embed_tokens.weight"]
@@ -338,8 +343,13 @@ class FrozenTarget:
         # index of each token in the logits (-1: not draftable)
         self.column = torch.arange(len(head)) if draft_vocab is None else \
             torch.full((len(head),), -1, dtype=torch.long).index_put_((draft_vocab,), torch.arange(len(draft_vocab)))
-        # bf16 copy for the big matmul: AMX/AVX512-bf16 CPUs run it several times faster.
-        self.lm_head = (head if draft_vocab is None else head[draft_vocab]).to(torch.bfloat16)
+        # bf16 copy for the big matmul: AMX/AVX512-bf16 CPUs run it several times faster. compute_dtype
+        # float32 (--train-dtype) runs the drafter's matmuls without autocast too
+        self.lm_head = (head if draft_vocab is None else head[draft_vocab]).to(compute_dtype)
+
+    @property
+    def autocast(self) -> bool:
+        return self.lm_head.dtype == torch.bfloat16
 
     def to(self, device: torch.device) -> FrozenTarget:
         """The embeddings and lm_head on the drafter's device (the column map stays on the CPU, with the labels)."""
@@ -368,7 +378,7 @@ def block_loss_terms(drafter, frozen: FrozenTarget, batch: Batch, gamma: float) 
     sel &= cols >= 0
     if not sel.any():   # nothing labelled in this share: a zero that backward takes
         return drafter.fc.weight.sum() * 0.0, torch.zeros((), device=dev)
-    with torch.autocast(dev.type, dtype=torch.bfloat16):
+    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=frozen.autocast):
         ctx = drafter.project_context(batch.features.to(dev).float())
         h = drafter(frozen.embed[batch.block_tokens.to(dev)], batch.q_pos.to(dev), ctx, batch.ctx_pos.to(dev),
                     batch.mask.to(dev))
@@ -410,7 +420,7 @@ def estimate_tau(drafter, frozen: FrozenTarget, data: Sequences, max_new_tokens:
         feats = torch.cat([data.features[data.seq(i).start:data.seq(i).start + ends[i]] for i in mine])
         ctx_pos = torch.cat([torch.arange(ends[i]) for i in mine])
         ctx_seq = torch.cat([torch.full((ends[i],), i) for i in mine])
-        with torch.autocast(dev.type, dtype=torch.bfloat16):
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=frozen.autocast):
             ctx_kv = drafter.context_kv(drafter.project_context(feats.to(dev).float()), ctx_pos.to(dev))
     k = torch.arange(B)
     while anchors:
@@ -424,7 +434,7 @@ def estimate_tau(drafter, frozen: FrozenTarget, data: Sequences, max_new_tokens:
         blk = torch.arange(len(rows) * B) // B
         mask = torch.cat([(ctx_seq[None, :] == seq_ids[:, None]) & (ctx_pos[None, :] < anc[:, None]),
                           blk[None, :] == blk[:, None]], 1)
-        with torch.autocast(dev.type, dtype=torch.bfloat16):
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=frozen.autocast):
             h = drafter.forward_cached(frozen.embed[block.view(-1).to(dev)], q_pos.to(dev), ctx_kv, mask.to(dev))
             pred = frozen.token(F.linear(h, frozen.lm_head).argmax(-1)).view(-1, B).cpu()
         nxt = {}
@@ -610,7 +620,7 @@ def _setup(target_dir: Path, data_path: str | Path, out_dir: Path, tc: TrainConf
         draft_vocab = read_draft_vocab(vocab_file.parent, target_cfg["vocab_size"])
         # shipped with every saved drafter: the runtime then drafts from the vocabulary it was trained on
         drafter_files[DRAFT_VOCAB_FILE] = vocab_file.read_bytes()
-    frozen = FrozenTarget(target_dir, target_cfg, draft_vocab).to(world.device)
+    frozen = FrozenTarget(target_dir, target_cfg, draft_vocab, resolve_dtype(tc.train_dtype)).to(world.device)
     drafter.to(world.device)
     opt = torch.optim.AdamW(drafter.parameters(), lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay)
     # every rank draws the same anchors from one seeded RNG and trains on its share (split_picks)
@@ -737,6 +747,17 @@ def _train(target_dir: Path, data_path, out_dir: Path, tc: TrainConfig, world: W
                                                                           else ""),
                unit="step", disable=not (progress and world.main), file=sys.stderr, dynamic_ncols=True)
     run.drafter.train()
+    try:
+        stopped_early = _loop(run, bar, time_limit_s, stop_after)
+    finally:
+        bar.close()   # an error line then starts on a line of its own
+    _save(run)
+    return _summary(run, stopped_early)
+
+
+def _loop(run: Run, bar, time_limit_s, stop_after) -> bool:
+    """Steps until tc.steps (or the time limit / stop_after: returns True then)."""
+    tc, world = run.tc, run.world
     stopped_early = False
     while run.step < tc.steps:
         over = time_limit_s is not None and time.perf_counter() - run.t_start > time_limit_s
@@ -756,9 +777,7 @@ def _train(target_dir: Path, data_path, out_dir: Path, tc: TrainConfig, world: W
         bar.update(1)
         if step % tc.log_every == 0 or step == tc.steps:
             _log(run)
-    bar.close()
-    _save(run)
-    return _summary(run, stopped_early)
+    return stopped_early
 
 
 def _summary(run: Run, stopped_early: bool) -> dict:
