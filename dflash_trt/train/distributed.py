@@ -21,6 +21,7 @@ one DFlashError line naming this rank and what it was doing; torchrun then stops
 """
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import sys
@@ -137,6 +138,8 @@ def _stop_cleanly_on_sigterm(world: World) -> None:
         os._exit(143)
 
     signal.signal(signal.SIGTERM, stop)
+    # `kill -USR1 <pid>` prints every thread's Python stack: where a rank that seems stuck waits
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def close_world(world: World) -> None:

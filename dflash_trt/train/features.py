@@ -44,7 +44,7 @@ from dflash_trt.models.target import TargetModel, load_target
 from dflash_trt.train.distributed import World
 
 FORMAT = "dflash-trt-features/1"
-PACK_TOKENS = 2048          # tokens per labelling forward
+PACK_TOKENS = 0             # tokens per labelling forward; 0: one sequence per forward (faster on CPU, measured: 76 vs 30 positions/s at 2048)
 SHARD_TOKENS = 1 << 17      # tokens per shard: ~0.75 GB of SmolLM2-135M features (5.8 KB a token)
 LOGIT_ROWS = 512            # lm_head rows per chunk: a [rows, vocab] float32 block at a time
 
