@@ -3,6 +3,7 @@ every object checked against the Kubernetes OpenAPI schemas (kubernetes-validate
 values that cannot run refused with one message (template `fail`s, values.schema.json)."""
 from __future__ import annotations
 
+import json
 import shlex
 from pathlib import Path
 
@@ -108,3 +109,21 @@ def test_schema_refuses(values, where):
     with pytest.raises(helm.HelmValuesError) as e:
         render(values)
     assert where in str(e.value)
+
+
+def test_deploy_train_cli_writes_the_rendering_and_refuses_in_one_line(tmp_path):
+    import yaml
+
+    from helpers import run_cli
+
+    code, out, err = run_cli("deploy-train", "--out", str(tmp_path / "d"), "--nodes", "3", "--gpus-per-node", "4",
+                             "--image", "registry.example.com/t:1", "--train-arg=--steps", "--train-arg=500", "--json")
+    assert code == 0, err
+    assert json.loads(out)["manifests"] == ["job.yaml", "pvc.yaml", "service.yaml"]
+    job = yaml.safe_load((tmp_path / "d" / "manifests" / "job.yaml").read_text())
+    assert job["spec"]["completions"] == 3 and "--steps" in job["spec"]["template"]["spec"]["containers"][0]["args"][0]
+    assert yaml.safe_load((tmp_path / "d" / "values.yaml").read_text())["nodes"] == 3
+    code, _, err = run_cli("deploy-train", "--out", str(tmp_path / "bad"), "--run-dir", "/tmp/run")
+    assert code == 1 and not (tmp_path / "bad").exists()
+    (line,) = [x for x in err.splitlines() if x.startswith("error:")]
+    assert 'train.out "/tmp/run" lies outside storage.mountPath' in line

@@ -217,3 +217,54 @@ def corpus_cmd(out, max_rows, seed, as_json):
         click.echo(json.dumps({"file": out, **about}, indent=2))
     else:
         click.echo(f"wrote {out}: {about['rows']} rows from {about['files']} files of the {about['source']}")
+
+
+@click.command("deploy-train")
+@click.option("--out", "out", type=click.Path(file_okay=False), required=True,
+              help="Folder to write: values.yaml and manifests/*.yaml (Helm's rendering of the training chart).")
+@click.option("--nodes", type=click.IntRange(1, 1024), default=2, show_default=True, help="Pods (torchrun --nnodes).")
+@click.option("--gpus-per-node", type=click.IntRange(0, 16), default=8, show_default=True,
+              help="GPUs per pod, one rank each (0: CPU ranks, --cpu-ranks per pod).")
+@click.option("--cpu-ranks", type=click.IntRange(1, 256), default=1, show_default=True)
+@click.option("--gpu-product", default="", help="nvidia.com/gpu.product node label, e.g. NVIDIA-H200.")
+@click.option("--image", help="Training image REPOSITORY:TAG or REPOSITORY@sha256:DIGEST (dflash-trt with CUDA torch).")
+@click.option("--existing-claim", default="", help="A ReadWriteMany PVC holding target, data, features and runs.")
+@click.option("--size", default="1Ti", show_default=True, help="Size of the PVC the chart creates.")
+@click.option("--storage-class", default="", help="storageClassName of the PVC the chart creates.")
+@click.option("--target", "target", default="/data/target", show_default=True, help="Target folder on the volume.")
+@click.option("--data", default="/data/data.jsonl", show_default=True, help="--data on the volume.")
+@click.option("--run-dir", default="/data/run", show_default=True, help="train-drafter --out on the volume.")
+@click.option("--train-arg", "train_args", multiple=True, help="A further train-drafter argument (repeat), e.g. --steps.")
+@click.option("--release", default="dflash-trt", show_default=True)
+@click.option("--namespace", default="default", show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
+def deploy_train_cmd(out, nodes, gpus_per_node, cpu_ranks, gpu_product, image, existing_claim, size, storage_class,
+                     target, data, run_dir, train_args, release, namespace, as_json):
+    """Render the training chart (dflash_trt/deploy/helm/dflash-trt-train): an Indexed Job of --nodes pods
+    running train-drafter under torchrun (c10d rendezvous at pod 0, a headless Service), GPUs per pod,
+    one shared volume; a restarted pod resumes from the run's last checkpoint. Helm's own engine
+    renders it and refuses what cannot run. Apply with `kubectl apply -f OUT/manifests` or install
+    the chart with OUT/values.yaml.
+
+    \b
+    Example:
+      dflash-trt deploy-train --out deploy/train --nodes 4 --gpus-per-node 8 --gpu-product NVIDIA-H200 \\
+          --image registry.example.com/dflash-trt-train:0.1.0 --existing-claim drafter-data \\
+          --train-arg=--steps --train-arg=20000
+    """
+    import dflash_trt
+    from dflash_trt.deploy.values import parse_image, render, write_deployment
+
+    values = {"nodes": nodes, "gpu": {"count": gpus_per_node, "product": gpu_product}, "cpuRanksPerPod": cpu_ranks,
+              "storage": {"existingClaim": existing_claim, "size": size, "storageClassName": storage_class},
+              "train": {"target": target, "data": data, "out": run_dir, "extraArgs": list(train_args)}}
+    if image:
+        values["image"] = parse_image(image, "--image")
+    chart = Path(dflash_trt.__file__).parent / "deploy" / "helm" / "dflash-trt-train"
+    manifests = render(values, chart=chart, release=release, namespace=namespace)
+    folder = write_deployment(out, values, manifests, header="# dflash-trt deploy-train: values of the dflash-trt-train chart\n")
+    files = sorted(p.name for p in (folder / "manifests").iterdir())
+    if as_json:
+        click.echo(json.dumps({"out": str(folder), "values": values, "manifests": files}, indent=2))
+    else:
+        click.echo(f"wrote {folder}: values.yaml, manifests/ ({', '.join(files)})")

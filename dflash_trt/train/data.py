@@ -122,6 +122,10 @@ def _vllm_responses(py: Path, target_dir, tok, todo: list[str], out_path: Path, 
         if r.returncode:
             tail = [x for x in (r.stderr or r.stdout).strip().splitlines() if x.strip()][-1:] or ["no output"]
             raise DFlashError(f"answers from vLLM ({py}): exit {r.returncode}: {tail[0][:300]}")
+        done = json.loads(r.stdout.strip().splitlines()[-1])
+        print(f"dflash-trt: vLLM {done['vllm']} answered {done['answers']} prompts in {done['generate_seconds']:.1f} s "
+              f"({done['answers'] / done['generate_seconds']:.2f} answers/s; engine start {done['load_seconds']:.0f} s)",
+              file=sys.stderr)
         rows = {}
         for line in ans.read_text().splitlines():
             o = json.loads(line)
@@ -130,9 +134,8 @@ def _vllm_responses(py: Path, target_dir, tok, todo: list[str], out_path: Path, 
             raise DFlashError(f"answers from vLLM ({py}): {len(rows)} answers for {len(encoded)} prompts")
     out_path.parent.mkdir(parents=True, exist_ok=True)
     with open(out_path, "a") as f:
-        for i, (prompt, ids) in enumerate(encoded):
-            f.write(json.dumps({"prompt": prompt, "prompt_ids": ids,
-                                "output_ids": _strip_after_eos(rows[i], eos)}) + "\n")
+        f.writelines(json.dumps({"prompt": prompt, "prompt_ids": ids, "output_ids": _strip_after_eos(rows[i], eos)})
+                     + "\n" for i, (prompt, ids) in enumerate(encoded))
     return out_path
 
 
