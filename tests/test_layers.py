@@ -45,7 +45,8 @@ BASE_MODULES = {"__init__", "errors", "paths", "hardware"}
 LAZY_OK = {"torch", "transformers", "tokenizers", "safetensors", "numpy", "triton", "onnx", "onnxruntime",
            "onnxruntime_extensions", "tensorrt", "tensorrt_llm", "modelopt", "tritonclient", "helm_python",
            "jsonschema", "google", "kubernetes_validate", "gguf", "huggingface_hub", "accelerate",
-           "httpx", "httpx2"}  # huggingface_hub's HTTP client (presets/hub.py catches its transport errors)
+           "httpx", "httpx2",  # huggingface_hub's HTTP client (presets/hub.py catches its transport errors)
+           "vllm"}  # train/vllm_answers.py runs in the vLLM environment, never imported by the package
 # Our own modules that import an optional dependency at their top: imported lazily themselves.
 OPTIONAL_OWN = {"dflash_trt.kernels.kv_inject_triton"}
 

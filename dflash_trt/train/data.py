@@ -14,7 +14,9 @@ from __future__ import annotations
 import json
 import os
 import random
+import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +26,7 @@ from tqdm import tqdm
 from dflash_trt.errors import DFlashError
 from dflash_trt.io.jsonio import read_jsonl
 from dflash_trt.models.config import MAX_VOCAB
+from dflash_trt.models.target import stop_token_ids
 from dflash_trt.runtime.pair import encode_prompt, resolve_dtype
 from dflash_trt.train.prompts import read_prompts
 
@@ -99,11 +102,6 @@ def _vllm_responses(py: Path, target_dir, tok, todo: list[str], out_path: Path, 
                     threads: int | None) -> Path:
     """The answers of vllm_answers.py run by the vLLM environment's Python, appended like generate's.
     The prompt ids are ours (encode_prompt), so both engines answer the very same tokens."""
-    import subprocess
-    import tempfile
-
-    from dflash_trt.models.target import stop_token_ids
-
     eos = stop_token_ids(target_dir)
     encoded = [(p, encode_prompt(tok, p)) for p in todo]
     vdtype = str(resolve_dtype(dtype)).removeprefix("torch.")   # the dtype our runtime would answer in

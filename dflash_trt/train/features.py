@@ -30,6 +30,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -146,8 +147,6 @@ def label_sequences(target_dir: str | Path, data, layer_ids: list[int], cache_di
     """Label every sequence of `data` not yet in the cache (this rank's share), write shards, wait
     for the other ranks, then point data.features (and data.top_ids / data.top_logp with topk)
     at the shards. Returns what was done: sequences and positions labelled here, seconds."""
-    import time
-
     world = world or World()
     folder = shard_folder(target_dir, layer_ids, cache_dir, dtype, topk)
     folder.mkdir(parents=True, exist_ok=True)
