@@ -237,7 +237,19 @@ def test_two_nodes_in_two_network_namespaces(tiny):
             env = {**_env(), "GLOO_SOCKET_IFNAME": veth[k]}
             procs.append(subprocess.Popen(["ip", "netns", "exec", ns[k], *_torchrun(1, _train_args(tiny, out, 8), run)],
                                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-        results = [p.communicate(timeout=300) for p in procs]
+        try:
+            results = [p.communicate(timeout=240) for p in procs]
+        except subprocess.TimeoutExpired:
+            # a hang: every process's Python stacks (the ranks register SIGUSR1 with faulthandler)
+            for n in ns.values():
+                for pid in subprocess.run(["ip", "netns", "pids", n], capture_output=True, text=True,
+                                          check=False).stdout.split():
+                    os.kill(int(pid), signal.SIGUSR1)
+            time.sleep(2)
+            for p in procs:
+                p.kill()
+            tails = [p.communicate()[1][-4000:] for p in procs]
+            pytest.fail("the two-node run hung:\n" + "\n-----\n".join(tails))
         for p, (_, err) in zip(procs, results):
             assert p.returncode == 0, err[-3000:]
     finally:

@@ -106,7 +106,7 @@ def _vllm_responses(py: Path, target_dir, tok, todo: list[str], out_path: Path, 
     encoded = [(p, encode_prompt(tok, p)) for p in todo]
     vdtype = str(resolve_dtype(dtype)).removeprefix("torch.")   # the dtype our runtime would answer in
     with tempfile.TemporaryDirectory(prefix="dflash-trt-vllm-") as tmp:
-        req, ans = Path(tmp) / "requests.jsonl", Path(tmp) / "answers.jsonl"
+        req, ans, summary = Path(tmp) / "requests.jsonl", Path(tmp) / "answers.jsonl", Path(tmp) / "summary.json"
         req.write_text("".join(json.dumps({"i": i, "prompt_ids": ids}) + "\n" for i, (_, ids) in enumerate(encoded)))
         env = {**os.environ, "VLLM_TARGET_DEVICE": os.environ.get("VLLM_TARGET_DEVICE", "cpu")}
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -114,13 +114,14 @@ def _vllm_responses(py: Path, target_dir, tok, todo: list[str], out_path: Path, 
         if threads:
             env.setdefault("OMP_NUM_THREADS", str(threads))
         cmd = [str(py), str(Path(__file__).with_name("vllm_answers.py")), "--model", str(target_dir),
-               "--requests", str(req), "--answers", str(ans), "--max-new-tokens", str(max_new_tokens),
+               "--requests", str(req), "--answers", str(ans), "--summary", str(summary),
+               "--max-new-tokens", str(max_new_tokens),
                "--dtype", vdtype]
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
         if r.returncode:
             tail = [x for x in (r.stderr or r.stdout).strip().splitlines() if x.strip()][-1:] or ["no output"]
             raise DFlashError(f"answers from vLLM ({py}): exit {r.returncode}: {tail[0][:300]}")
-        done = json.loads(r.stdout.strip().splitlines()[-1])
+        done = json.loads(summary.read_text())
         print(f"dflash-trt: vLLM {done['vllm']} answered {done['answers']} prompts in {done['generate_seconds']:.1f} s "
               f"({done['answers'] / done['generate_seconds']:.2f} answers/s; engine start {done['load_seconds']:.0f} s)",
               file=sys.stderr)

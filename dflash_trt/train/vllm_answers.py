@@ -4,11 +4,12 @@ Run by train/data.py with the Python of a separate vLLM environment ($DFLASH_TRT
 pins its own torch and transformers, so it never enters dflash-trt's environment, and this file
 imports nothing of dflash-trt (only the standard library and vLLM). It talks JSON lines over files:
 
-    python vllm_answers.py --model DIR --requests IN.jsonl --answers OUT.jsonl --max-new-tokens N \\
-        [--dtype float32] [--max-model-len L]
+    python vllm_answers.py --model DIR --requests IN.jsonl --answers OUT.jsonl --summary S.json \\
+        --max-new-tokens N [--dtype float32] [--max-model-len L]
     IN:  {"i": 0, "prompt_ids": [...]}            (token ids: the chat template is applied by the caller)
     OUT: {"i": 0, "output_ids": [...], "finish_reason": "stop" | "length"}
-    stdout, last line: {"answers": n, "generate_seconds": s, "load_seconds": s, "vllm": "<version>"}
+    S:   {"answers": n, "generate_seconds": s, "load_seconds": s, "vllm": "<version>"}
+(vLLM logs to stdout and stderr, so the results go to files.)
 
 Greedy (temperature 0), no stop strings: generation ends at the model's end tokens (vLLM takes
 them from the tokenizer and generation_config.json, as transformers' generate does) or after N
@@ -28,6 +29,7 @@ def main() -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--requests", required=True)
     ap.add_argument("--answers", required=True)
+    ap.add_argument("--summary", required=True)
     ap.add_argument("--max-new-tokens", type=int, required=True)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--max-model-len", type=int)
@@ -52,8 +54,9 @@ def main() -> int:
         for r, o in zip(reqs, outs):
             c = o.outputs[0]
             f.write(json.dumps({"i": r["i"], "output_ids": list(c.token_ids), "finish_reason": c.finish_reason}) + "\n")
-    print(json.dumps({"answers": len(outs), "generate_seconds": gen_s, "load_seconds": load_s,
-                      "vllm": vllm.__version__}))
+    with open(a.summary, "w") as f:
+        json.dump({"answers": len(outs), "generate_seconds": gen_s, "load_seconds": load_s,
+                   "vllm": vllm.__version__}, f)
     return 0
 
 
