@@ -1,11 +1,12 @@
 """Training a DFlash drafter for a (small) target: the public recipe (docs/decode-loop.md).
 
-    prompts ──target generates──▶ responses (JSONL) ──target forward──▶ cached features (bf16)
+    prompts ──target generates──▶ responses (JSONL) ──target forward──▶ feature shards on disk (bf16)
             ──▶ random anchors, masked blocks, per-anchor attention, decayed CE ──▶ z-lab drafter
 
-The data (the target's own greedy answers and its cached features) comes from train/data.py;
-this module holds the drafter's config and initial weights, the batches, the loss, the τ
-estimate, the resumable state and the training loop.
+The data (the target's own greedy answers) comes from train/data.py, its features from
+train/features.py; this module holds the drafter's config and initial weights, the batches, the
+loss, the τ estimate, the resumable state and the training loop, in one process or on every rank
+of a torchrun job (train/distributed.py: each rank trains on its share of the global batch).
 
 A block = [anchor token, MASK × (B-1)] at positions anchor..anchor+B-1 sees the context strictly
 before its anchor and its own block (bidirectionally), never other blocks; slot k predicts the
@@ -22,7 +23,8 @@ CE on its argmax, both under the same slot decay.
 
 Run folder (--out DIR): DIR/drafter (the z-lab checkpoint, bfloat16, rewritten at every save),
 DIR/state (fp32 weights + AdamW moments as safetensors, step and RNG as JSON: what --resume
-reads), DIR/features (the cached target features), DIR/log.jsonl (loss and τ per log step).
+reads), DIR/features (the target's feature shards), DIR/log.jsonl (loss and τ per log step).
+Under torchrun DIR must be on storage every rank sees; rank 0 alone writes into it.
 """
 from __future__ import annotations
 
