@@ -111,7 +111,7 @@ def test_a_split_batch_sums_to_the_whole_batch(tiny):
                 sorted((s, a) for s, an in picks for a in an)
             parts = [block_loss_terms(drafter, frozen, make_batch(data, p, 8, 3), 4.0) for p in shares]
             split = sum(float(t.detach()) for t, _ in parts) / sum(float(w) for _, w in parts)
-            assert split == pytest.approx(float(total / weight), rel=1e-6)
+            assert split == pytest.approx(float(total.detach() / weight), rel=1e-6)
     assert twice, "no batch drew a sequence twice: the case is untested"
 
 
