@@ -26,7 +26,8 @@ import torch
 from dflash_trt.hardware import cpu
 from dflash_trt.presets.catalog import resolve_target
 from dflash_trt.runtime.pair import resolve_dtype
-from dflash_trt.train.data import generate_responses, load_sequences, target_features
+from dflash_trt.train.data import generate_responses, load_sequences
+from dflash_trt.train.features import label_sequences
 from dflash_trt.train.prompts import build_prompts
 
 
@@ -60,7 +61,7 @@ def main() -> int:
             files.append(out)
         data, _ = load_sequences(files[1], tok)
         t = time.perf_counter()
-        target_features(tdir, data, [1, 8, 14, 20, 27], Path(tmp) / "cache", progress=False,
+        label_sequences(tdir, data, [1, 8, 14, 20, 27], Path(tmp) / "cache", progress=False,
                         dtype=resolve_dtype(a.dtype), topk=8)
         dt = time.perf_counter() - t
     n_pos = int(data.offsets[-1])

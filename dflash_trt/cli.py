@@ -20,6 +20,7 @@ COMMANDS: dict[str, str] = {
     "generate": "dflash_trt.commands.core:generate_cmd",
     "train-drafter": "dflash_trt.commands.train:train_drafter_cmd",
     "corpus": "dflash_trt.commands.train:corpus_cmd",
+    "deploy-train": "dflash_trt.commands.train:deploy_train_cmd",
     "draft-vocab": "dflash_trt.commands.vocab:draft_vocab_cmd",
     "bench": "dflash_trt.commands.bench:bench_cmd",
     "quantize": "dflash_trt.commands.quant:quantize_cmd",

@@ -394,7 +394,7 @@ def test_every_reader_of_a_config_applies_checks_rules_first(pair, tmp_path, cmd
 
 
 def test_stale_feature_cache_temps_are_removed(tmp_path, capsys):
-    from dflash_trt.train.data import _remove_stale_feature_temps
+    from dflash_trt.train.features import _remove_stale_temps as _remove_stale_feature_temps
 
     dead, live = tmp_path / f".k1.{2**22 + 12345}.tmp", tmp_path / f".k2.{os.getpid()}.tmp"
     for f in (dead, live):

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from dflash_trt.io.jsonio import read_json
-from dflash_trt.train.data import Sequences, load_sequences, target_features
+from dflash_trt.train.data import Sequences, load_sequences
+from dflash_trt.train.features import label_sequences
 from dflash_trt.train.prompts import HELDOUT_MODULES, build_prompts
 from dflash_trt.train.trainer import (
     FrozenTarget,
@@ -67,7 +68,7 @@ def test_teacher_forced_top1_along_a_greedy_answer_is_the_answer(tiny):
     path = tiny / "greedy.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     data, _ = load_sequences(path)
-    target_features(tiny / "target", data, [0, 2], tiny / "cache64", progress=False, dtype=torch.float64, topk=3)
+    label_sequences(tiny / "target", data, [0, 2], tiny / "cache64", progress=False, dtype=torch.float64, topk=3)
     assert data.top_ids.shape == (int(data.offsets[-1]), 3) and data.top_logp.dtype == torch.float16
     for i, r in enumerate(rows):
         sl, P = data.seq(i), len(r["prompt_ids"])
@@ -123,8 +124,7 @@ def _frozen_and_batch(tiny, distill_k=0, vocab=None):
     cfg = read_json(tiny / "target" / "config.json")
     data, _ = load_sequences(tiny / "text.jsonl", _tokenizer(tiny))
     dcfg = drafter_config_for(cfg, TrainConfig(layers=1, block_size=8), mask_token_id=3)
-    data.features = target_features(tiny / "target", data, dcfg.target_layer_ids, tiny / "cache", progress=False,
-                                    topk=4)
+    label_sequences(tiny / "target", data, dcfg.target_layer_ids, tiny / "cache", progress=False, topk=4)
     torch.manual_seed(0)
     drafter = DFlashDrafter(dcfg)
     batch = make_batch(data, sample_picks(data, random.Random(5), 16, 4), 8, 3, "teacher-forced", distill_k)

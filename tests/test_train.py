@@ -9,7 +9,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from dflash_trt.train.data import generate_responses, load_sequences, target_features
+from dflash_trt.train.data import generate_responses, load_sequences
+from dflash_trt.train.features import label_sequences
 from dflash_trt.train.prompts import build_prompts
 from dflash_trt.train.trainer import (
     FrozenTarget,
@@ -34,7 +35,7 @@ def tiny(tmp_path_factory):
     make_tiny("llama", root / "target")
     prompts = [r["prompt"] for r in build_prompts("train", limit=12)]
     generate_responses(root / "target", prompts, root / "data.jsonl", max_new_tokens=40, batch_size=12,
-                       progress=False)
+                       progress=False, engine="hf")
     return root
 
 
@@ -84,7 +85,7 @@ def test_training_lowers_loss_and_writes_zlab_checkpoint(tiny):
     out = tiny / "run"
     s = _run(tiny, out, steps=30, save_every=30)
     data, _ = load_sequences(tiny / "data.jsonl")
-    data.features = target_features(tiny / "target", data, s["target_layer_ids"], out / "features", progress=False)
+    label_sequences(tiny / "target", data, s["target_layer_ids"], out / "features", progress=False)
     frozen = FrozenTarget(tiny / "target", read_json(tiny / "target" / "config.json"))
     batch = make_batch(data, sample_picks(data, random.Random(123), 24, 4), 8, s["mask_token_id"])
     trained = load_drafter(out / "drafter", torch.float32)

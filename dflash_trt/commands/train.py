@@ -83,6 +83,8 @@ def _layer_list(ctx, param, value):
 @click.option("--mask-token-id", type=click.IntRange(0), help="Token used for masked slots (default: an unused special token).")
 @click.option("--save-every", type=click.IntRange(1), default=200, show_default=True, help="Checkpoint interval (steps).")
 @click.option("--eval-every", type=click.IntRange(1), default=100, show_default=True, help="τ estimate interval.")
+@click.option("--log-every", type=click.IntRange(1), default=10, show_default=True,
+              help="OUT/log.jsonl line interval (steps).")
 @click.option("--eval-prompts", type=click.Path(dir_okay=False),
               help="Held-out prompts (or data) JSONL for the τ estimate in the progress bar.")
 @click.option("--max-new-tokens", type=click.IntRange(2, MAX_CONTEXT), default=192, show_default=True,
@@ -92,11 +94,15 @@ def _layer_list(ctx, param, value):
 @click.option("--feature-cache", type=click.Path(file_okay=False),
               help="Where to cache target features (default OUT/features); share it between runs.")
 @click.option("--resume", is_flag=True, help="Continue the run in OUT from its last checkpoint.")
+@click.option("--auto-resume", is_flag=True,
+              help="Resume when OUT holds a checkpoint, else start: for jobs whose pods restart (the training chart).")
 @click.option("--time-limit", type=FiniteFloatRange(0, 10**7, min_open=True), help="Stop (and save) after this many minutes.")
 @click.option("--threads", type=THREADS, default=2, show_default=True, help="torch CPU threads.")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True,
               help="The target's dtype for its answers and features (auto: bfloat16 where the CPU has it, "
                    "as the runtime; else float32).")
+@click.option("--train-dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True,
+              help="The drafter's matmuls in training: bf16 autocast (fast on CPUs with bf16 and on GPUs) or float32.")
 @click.option("--labels", type=click.Choice(["data", "teacher-forced"]), default="data", show_default=True,
               help="data: each slot's label is the data's next token (the data must be the target's own greedy "
                    "answers). teacher-forced: the target's own prediction at each position, from one forward "
@@ -112,11 +118,17 @@ def _layer_list(ctx, param, value):
 @click.option("--gamma", type=FiniteFloatRange(0, 1000, min_open=True),
               help="Slot loss decay exp(-(k-1)/gamma) (default: 4 for B=8, 7 for B=16).")
 @click.option("--seed", type=SEED, default=0, show_default=True)
+@click.option("--answer-engine", type=click.Choice(["auto", "vllm", "hf"]), default="auto", show_default=True,
+              help="Who answers --prompts: vllm (batched generation in the vLLM environment $DFLASH_TRT_VLLM_ENV, "
+                   "default .venv/vllm), hf (transformers' generate), auto (vllm where that environment exists).")
+@click.option("--dist-timeout", type=FiniteFloatRange(0, 10**5, min_open=True), default=30, show_default=True,
+              help="Under torchrun: minutes a rank waits in a collective (e.g. while rank 0 answers the prompts) "
+                   "before it gives up.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary at the end.")
 def train_drafter_cmd(target, data, prompts, out, layers, intermediate_size, target_layers, block_size, steps, lr,
-                      blocks_per_step, mask_token_id, save_every, eval_every, eval_prompts, max_new_tokens,
-                      init_from, feature_cache, resume, time_limit, threads, dtype, labels, distill, draft_vocab,
-                      anchors_per_seq, gamma, seed, as_json):
+                      blocks_per_step, mask_token_id, save_every, eval_every, log_every, eval_prompts, max_new_tokens,
+                      init_from, feature_cache, resume, auto_resume, time_limit, threads, dtype, labels, distill, draft_vocab,
+                      anchors_per_seq, gamma, seed, train_dtype, answer_engine, dist_timeout, as_json):
     """Train a DFlash block-diffusion drafter for a target (the recipe in docs/decode-loop.md): the target
     answers prompts, its hidden states at the chosen layers are cached once, then random anchors,
     masked blocks with per-anchor attention and a position-decayed cross-entropy; the target's
@@ -131,28 +143,44 @@ def train_drafter_cmd(target, data, prompts, out, layers, intermediate_size, tar
           --out runs/tf --eval-prompts heldout.jsonl        # labelled by the target in one pass each
       dflash-trt train-drafter --target tiny/target --prompts p.jsonl --out runs/t --steps 50
       dflash-trt train-drafter --out runs/d1 --prompts my_prompts.jsonl --steps 6000 --resume
+      torchrun --nproc-per-node 8 -m dflash_trt.cli train-drafter --target DIR --data d.jsonl --out /shared/run
+      torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HEAD:29400 --rdzv-id run1 \\
+          -m dflash_trt.cli train-drafter ... --out /shared/run   # OUT on storage every node sees
     The drafter is OUT/drafter: `dflash-trt generate --drafter OUT/drafter ...`.
+    Under torchrun (gloo on CPU, NCCL on GPU) --blocks-per-step and --lr mean what they mean in one
+    process (the global batch is split over the ranks); only rank 0 logs and writes; a run's
+    checkpoint resumes at any world size.
     """
     from dflash_trt.presets.catalog import resolve_target
+    from dflash_trt.train.distributed import close_world, init_world
     from dflash_trt.train.trainer import TrainConfig, train_drafter
 
     if (data is None) == (prompts is None):
         raise DFlashError("give exactly one of --data FILE.jsonl or --prompts FILE.jsonl")
     tdir = resolve_target(target)
+    resume = resume or (auto_resume and (Path(out) / "state" / "state.json").is_file())
     _check_against_target(tdir, mask_token_id, target_layers, max_new_tokens)
     if Path(os.path.realpath(out)).is_relative_to(os.path.realpath(tdir)):  # (a run folder is not replaced:
         # only writing into the model folder is refused)
         raise DFlashError(f"--out {out}: lies inside --target {tdir}; write the run outside the target folder")
     tc = TrainConfig(layers=layers, block_size=block_size, intermediate_size=intermediate_size,
                      target_layer_ids=target_layers, mask_token_id=mask_token_id, steps=steps, lr=lr,
-                     blocks_per_step=blocks_per_step, save_every=save_every, eval_every=eval_every, seed=seed,
+                     blocks_per_step=blocks_per_step, save_every=save_every, eval_every=eval_every,
+                     log_every=log_every, train_dtype=train_dtype, seed=seed,
                      init_from=init_from, labels=labels, distill_k=distill, anchors_per_seq=anchors_per_seq,
                      gamma=gamma, draft_vocab=str(Path(draft_vocab).resolve()) if draft_vocab else None)
-    with no_new_empty_dirs(out, feature_cache):   # a failed run leaves no empty --out behind
-        summary = train_drafter(tdir, data or prompts, out, tc, eval_path=eval_prompts, resume=resume,
-                                max_new_tokens=max_new_tokens, threads=threads,
-                                time_limit_s=time_limit * 60 if time_limit else None,
-                                feature_cache=feature_cache, dtype=dtype)
+    world = init_world(timeout_s=dist_timeout * 60)
+    try:
+        with no_new_empty_dirs(out, feature_cache):   # a failed run leaves no empty --out behind
+            summary = train_drafter(tdir, data or prompts, out, tc, eval_path=eval_prompts, resume=resume,
+                                    max_new_tokens=max_new_tokens, threads=threads,
+                                    time_limit_s=time_limit * 60 if time_limit else None,
+                                    feature_cache=feature_cache, dtype=dtype, world=world,
+                                    answer_engine=answer_engine)
+    finally:
+        close_world(world)
+    if not world.main:
+        return
     if as_json:
         click.echo(json.dumps(summary, indent=2))
     else:
@@ -189,3 +217,54 @@ def corpus_cmd(out, max_rows, seed, as_json):
         click.echo(json.dumps({"file": out, **about}, indent=2))
     else:
         click.echo(f"wrote {out}: {about['rows']} rows from {about['files']} files of the {about['source']}")
+
+
+@click.command("deploy-train")
+@click.option("--out", "out", type=click.Path(file_okay=False), required=True,
+              help="Folder to write: values.yaml and manifests/*.yaml (Helm's rendering of the training chart).")
+@click.option("--nodes", type=click.IntRange(1, 1024), default=2, show_default=True, help="Pods (torchrun --nnodes).")
+@click.option("--gpus-per-node", type=click.IntRange(0, 16), default=8, show_default=True,
+              help="GPUs per pod, one rank each (0: CPU ranks, --cpu-ranks per pod).")
+@click.option("--cpu-ranks", type=click.IntRange(1, 256), default=1, show_default=True)
+@click.option("--gpu-product", default="", help="nvidia.com/gpu.product node label, e.g. NVIDIA-H200.")
+@click.option("--image", help="Training image REPOSITORY:TAG or REPOSITORY@sha256:DIGEST (dflash-trt with CUDA torch).")
+@click.option("--existing-claim", default="", help="A ReadWriteMany PVC holding target, data, features and runs.")
+@click.option("--size", default="1Ti", show_default=True, help="Size of the PVC the chart creates.")
+@click.option("--storage-class", default="", help="storageClassName of the PVC the chart creates.")
+@click.option("--target", "target", default="/data/target", show_default=True, help="Target folder on the volume.")
+@click.option("--data", default="/data/data.jsonl", show_default=True, help="--data on the volume.")
+@click.option("--run-dir", default="/data/run", show_default=True, help="train-drafter --out on the volume.")
+@click.option("--train-arg", "train_args", multiple=True, help="A further train-drafter argument (repeat), e.g. --steps.")
+@click.option("--release", default="dflash-trt", show_default=True)
+@click.option("--namespace", default="default", show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
+def deploy_train_cmd(out, nodes, gpus_per_node, cpu_ranks, gpu_product, image, existing_claim, size, storage_class,
+                     target, data, run_dir, train_args, release, namespace, as_json):
+    """Render the training chart (deploy/helm/dflash-trt-train): an Indexed Job of --nodes pods
+    running train-drafter under torchrun (c10d rendezvous at pod 0, a headless Service), GPUs per pod,
+    one shared volume; a restarted pod resumes from the run's last checkpoint. Helm's own engine
+    renders it and refuses what cannot run. Apply with `kubectl apply -f OUT/manifests` or install
+    the chart with OUT/values.yaml.
+
+    \b
+    Example:
+      dflash-trt deploy-train --out deploy/train --nodes 4 --gpus-per-node 8 --gpu-product NVIDIA-H200 \\
+          --image registry.example.com/dflash-trt-train:0.1.0 --existing-claim drafter-data \\
+          --train-arg=--steps --train-arg=20000
+    """
+    from dflash_trt.deploy.values import parse_image, render, write_deployment
+    from dflash_trt.paths import deploy_path
+
+    values = {"nodes": nodes, "gpu": {"count": gpus_per_node, "product": gpu_product}, "cpuRanksPerPod": cpu_ranks,
+              "storage": {"existingClaim": existing_claim, "size": size, "storageClassName": storage_class},
+              "train": {"target": target, "data": data, "out": run_dir, "extraArgs": list(train_args)}}
+    if image:
+        values["image"] = parse_image(image, "--image")
+    chart = deploy_path("helm", "dflash-trt-train")
+    manifests = render(values, chart=chart, release=release, namespace=namespace)
+    folder = write_deployment(out, values, manifests, header="# dflash-trt deploy-train: values of the dflash-trt-train chart\n")
+    files = sorted(p.name for p in (folder / "manifests").iterdir())
+    if as_json:
+        click.echo(json.dumps({"out": str(folder), "values": values, "manifests": files}, indent=2))
+    else:
+        click.echo(f"wrote {folder}: values.yaml, manifests/ ({', '.join(files)})")

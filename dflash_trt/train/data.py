@@ -1,53 +1,61 @@
-"""Training data of a DFlash drafter: the target's own answers, and its features over them.
+"""Training data of a DFlash drafter: the target's own answers, as token sequences.
 
-    prompts ──target generates──▶ responses (JSONL) ──target forward──▶ cached features (bf16)
+    prompts ──target generates──▶ responses (JSONL) ──▶ Sequences ──train/features.py──▶ features on disk
 
 The answers are the target's greedy ones, so the labels are exactly the tokens the target emits
-at decode time. The target is frozen, so its hidden states at the chosen layers are computed
-once and cached on disk (one file per sequence); a training step then only runs the drafter
-and the (frozen) lm_head.
-
-Teacher-forced labels (`--labels teacher-forced`) come from the same pass: with every position's
-logits kept, the target's top-k next tokens and their log-probabilities at each position of ANY
-text (train/corpus.py) are labels, at the cost of one forward per sequence instead of one per
-generated token.
-
-    any text ──target forward (all logits)──▶ features + top-k next tokens per position
+at decode time. They come from vLLM's batched generation where a vLLM environment is installed
+(train/vllm_answers.py, run in that environment's own Python), else from transformers' generate.
+Teacher-forced labels (`--labels teacher-forced`) need no answers: the labelling pass of
+train/features.py keeps the target's top-k next tokens at every position of ANY text
+(train/corpus.py).
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
+import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from dflash_trt.errors import DFlashError
-from dflash_trt.io.atomic import PROCESS_START, alive, io_failure
 from dflash_trt.io.jsonio import read_jsonl
 from dflash_trt.models.config import MAX_VOCAB
-from dflash_trt.models.target import load_target
+from dflash_trt.models.target import stop_token_ids
 from dflash_trt.runtime.pair import encode_prompt, resolve_dtype
 from dflash_trt.train.prompts import read_prompts
 
 MAX_SEQUENCE = 1 << 16  # tokens per training sequence (prompt + response)
 
 
+VLLM_ENV = "DFLASH_TRT_VLLM_ENV"   # a virtual environment with vLLM installed (default: .venv/vllm)
+
+
+def vllm_python() -> Path | None:
+    """The Python of the vLLM environment: $DFLASH_TRT_VLLM_ENV, else a `vllm` venv inside this
+    one's (.venv/vllm); None where there is none (then answers come from transformers)."""
+    env = os.environ.get(VLLM_ENV)
+    root = Path(env) if env else Path(sys.prefix) / "vllm"
+    py = root / "bin" / "python"
+    return py if py.is_file() else None
+
+
 def generate_responses(target_dir: str | Path, prompts: list[str], out_path: str | Path, *,
                        max_new_tokens: int = 192, batch_size: int = 16, progress: bool = True,
-                       threads: int | None = None, dtype: str = "auto") -> Path:
+                       threads: int | None = None, dtype: str = "auto", engine: str = "auto") -> Path:
     """Answer each prompt with the target (greedy, chat template) and append rows
     `{"prompt", "prompt_ids", "output_ids"}` to out_path. Resumable: prompts already in the file
     are skipped. Uses transformers' batched generate (left padding): this is data, not the product.
     dtype "auto" is the runtime's default (bfloat16 where the CPU has native bf16): the answers
     are then the ones the deployed target gives, and batched bf16 generate ran 2x faster than
-    float32 here (0.98 vs 0.50 prompts/s per core at batch 48)."""
+    float32 here (0.98 vs 0.50 prompts/s per core at batch 48).
+    engine: "vllm" (vLLM's batched generation in its own environment, vllm_python()), "hf"
+    (transformers), "auto" (vLLM where its environment exists)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if threads:
@@ -59,6 +67,12 @@ def generate_responses(target_dir: str | Path, prompts: list[str], out_path: str
     if not todo:
         return out_path
     tok = AutoTokenizer.from_pretrained(str(target_dir))
+    py = vllm_python() if engine in ("auto", "vllm") else None
+    if engine == "vllm" and py is None:
+        raise DFlashError(f"answers from vLLM: no vLLM environment (set ${VLLM_ENV} to a venv with vllm installed, "
+                          f"or create {Path(sys.prefix) / 'vllm'})")
+    if py is not None:
+        return _vllm_responses(py, target_dir, tok, todo, out_path, max_new_tokens, dtype, threads)
     model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=resolve_dtype(dtype)).eval()
     eos = model.generation_config.eos_token_id
     pad = tok.pad_token_id if tok.pad_token_id is not None else (eos[0] if isinstance(eos, list) else eos)
@@ -84,6 +98,46 @@ def generate_responses(target_dir: str | Path, prompts: list[str], out_path: str
     return out_path
 
 
+def _vllm_responses(py: Path, target_dir, tok, todo: list[str], out_path: Path, max_new_tokens: int, dtype: str,
+                    threads: int | None) -> Path:
+    """The answers of vllm_answers.py run by the vLLM environment's Python, appended like generate's.
+    The prompt ids are ours (encode_prompt), so both engines answer the very same tokens."""
+    eos = stop_token_ids(target_dir)
+    encoded = [(p, encode_prompt(tok, p)) for p in todo]
+    vdtype = str(resolve_dtype(dtype)).removeprefix("torch.")   # the dtype our runtime would answer in
+    with tempfile.TemporaryDirectory(prefix="dflash-trt-vllm-") as tmp:
+        req, ans, summary = Path(tmp) / "requests.jsonl", Path(tmp) / "answers.jsonl", Path(tmp) / "summary.json"
+        req.write_text("".join(json.dumps({"i": i, "prompt_ids": ids}) + "\n" for i, (_, ids) in enumerate(encoded)))
+        env = {**os.environ, "VLLM_TARGET_DEVICE": os.environ.get("VLLM_TARGET_DEVICE", "cpu")}
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        if threads:
+            env.setdefault("OMP_NUM_THREADS", str(threads))
+        cmd = [str(py), str(Path(__file__).with_name("vllm_answers.py")), "--model", str(target_dir),
+               "--requests", str(req), "--answers", str(ans), "--summary", str(summary),
+               "--max-new-tokens", str(max_new_tokens),
+               "--dtype", vdtype]
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+        if r.returncode:
+            tail = [x for x in (r.stderr or r.stdout).strip().splitlines() if x.strip()][-1:] or ["no output"]
+            raise DFlashError(f"answers from vLLM ({py}): exit {r.returncode}: {tail[0][:300]}")
+        done = json.loads(summary.read_text())
+        print(f"dflash-trt: vLLM {done['vllm']} answered {done['answers']} prompts in {done['generate_seconds']:.1f} s "
+              f"({done['answers'] / done['generate_seconds']:.2f} answers/s; engine start {done['load_seconds']:.0f} s)",
+              file=sys.stderr)
+        rows = {}
+        for line in ans.read_text().splitlines():
+            o = json.loads(line)
+            rows[o["i"]] = o["output_ids"]
+        if len(rows) != len(encoded):
+            raise DFlashError(f"answers from vLLM ({py}): {len(rows)} answers for {len(encoded)} prompts")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(out_path, "a") as f:
+        f.writelines(json.dumps({"prompt": prompt, "prompt_ids": ids, "output_ids": _strip_after_eos(rows[i], eos)})
+                     + "\n" for i, (prompt, ids) in enumerate(encoded))
+    return out_path
+
+
 def _strip_after_eos(row: list[int], eos) -> list[int]:
     stops = set(eos if isinstance(eos, list) else [eos])
     for i, t in enumerate(row):
@@ -98,11 +152,13 @@ class Sequences:
     tokens: torch.Tensor       # [N_tok] int64
     offsets: torch.Tensor      # [n_seq + 1] int64: sequence i is tokens[offsets[i]:offsets[i+1]]
     prompt_lens: torch.Tensor  # [n_seq] int64
-    features: torch.Tensor | None = None  # [N_tok, n_feat * H] bfloat16
+    # [N_tok, n_feat * H] bfloat16: a tensor, or train/features.SequenceRows over the shards on
+    # disk (indexed the same way, by a slice inside one sequence)
+    features: object | None = None
     # teacher-forced labels: the target's top-k tokens after each position (row t predicts token
     # t+1; column 0 is its greedy choice) and their log-probabilities
-    top_ids: torch.Tensor | None = None   # [N_tok, K] int32
-    top_logp: torch.Tensor | None = None  # [N_tok, K] float16
+    top_ids: object | None = None   # [N_tok, K] int32
+    top_logp: object | None = None  # [N_tok, K] float16
 
     def __len__(self) -> int:
         return len(self.prompt_lens)
@@ -154,89 +210,17 @@ def _token_ids(path, i: int, row: dict, key: str, vocab: int) -> list[int]:
     return ids
 
 
-def target_features(target_dir: str | Path, data: Sequences, layer_ids: list[int], cache_dir: Path,
-                    progress: bool = True, dtype: torch.dtype = torch.float32, topk: int = 0) -> torch.Tensor:
-    """Features [N_tok, n*H] (bf16) of the captured target layers over every sequence, computed
-    with our target runtime in `dtype` (the same code that captures them at decode time). With
-    topk > 0 the same pass also labels every position with the target's top-k next tokens
-    (data.top_ids / data.top_logp). Cached per sequence (keyed by its tokens, the layers, the dtype,
-    k and the target's config), so data that grows, as a resumed generation does, only costs the
-    new sequences."""
-    cfg_text = (Path(target_dir) / "config.json").read_text()
-    salt = hashlib.sha256(json.dumps([layer_ids, cfg_text, str(dtype)] + ([topk] if topk else [])).encode()
-                          ).hexdigest()[:12]
-    folder = cache_dir / f"layers-{salt}"
-    folder.mkdir(parents=True, exist_ok=True)
-    _remove_stale_feature_temps(folder)
-    keys = [hashlib.sha256(data.tokens[data.seq(i)].numpy().tobytes()).hexdigest()[:24] for i in range(len(data))]
-    todo = [i for i, k in enumerate(keys) if not (folder / f"{k}.safetensors").is_file()]
-    if todo:
-        target = load_target(target_dir, dtype=dtype)
-        target.setup_cache(max(data.seq(i).stop - data.seq(i).start for i in todo) + 1)
-        bar = tqdm(total=sum(data.seq(i).stop - data.seq(i).start for i in todo), unit="tok", unit_scale=True,
-                   desc="target labels" if topk else "target features", disable=not progress, file=sys.stderr,
-                   dynamic_ncols=True)
-        for i in todo:
-            bar.update(data.seq(i).stop - data.seq(i).start)
-            if (folder / f"{keys[i]}.safetensors").is_file():
-                continue   # another process sharing the cache computed it meanwhile
-            logits, feats = target(data.tokens[data.seq(i)], 0, capture=layer_ids, all_logits=bool(topk))
-            tensors = {"features": feats.to(torch.bfloat16).contiguous()}
-            if topk:
-                logp, ids = torch.log_softmax(logits.float(), -1).topk(topk, -1)
-                tensors.update(top_ids=ids.to(torch.int32).contiguous(), top_logp=logp.to(torch.float16).contiguous())
-            _write_cache(folder, keys[i], tensors)
-        bar.close()
-    # filled in place, not concatenated: a corpus's features are gigabytes, a copy would double them
-    n_tok, out = int(data.offsets[-1]), {}
-    for i, k in enumerate(keys):
-        for name, t in load_file(str(folder / f"{k}.safetensors")).items():
-            if name not in out:
-                out[name] = torch.empty((n_tok,) + tuple(t.shape[1:]), dtype=t.dtype)
-            out[name][data.seq(i)] = t
-    if topk:
-        data.top_ids, data.top_logp = out["top_ids"], out["top_logp"]
-    return out["features"]
-
-
-def _write_cache(folder: Path, key: str, tensors: dict) -> None:
-    tmp = folder / f".{key}.{os.getpid()}.tmp"
-    try:
-        save_file(tensors, str(tmp))
-        os.replace(tmp, folder / f"{key}.safetensors")
-    except Exception as e:  # OSError, or safetensors' own error type for a failed write
-        tmp.unlink(missing_ok=True)
-        why = io_failure(e) or (e.strerror if isinstance(e, OSError) else None)
-        if why is None:
-            raise
-        raise DFlashError(f"{folder}: cannot write the feature cache ({why})") from None
-
-
-def _remove_stale_feature_temps(folder: Path) -> None:
-    """`.<key>.<pid>.tmp` files of feature writers that were killed (their process is gone and
-    started before this one), with a line saying so."""
-    for f in folder.glob(".*.tmp"):
-        pid = f.name.rsplit(".", 2)[-2]
-        try:
-            stale = pid.isdigit() and not alive(int(pid)) and f.stat().st_mtime < PROCESS_START
-            if stale:
-                f.unlink()
-                print(f"dflash-trt: removed {f}, left behind by an interrupted run (pid {pid})", file=sys.stderr)
-        except OSError:
-            continue
-
-
-def _is_prompt_only(path: Path) -> bool:
+def is_prompt_only(path: Path) -> bool:
     rows = read_jsonl(path)
     return bool(rows) and all(isinstance(r, dict) and "prompt" in r and "output_ids" not in r and "response" not in r
                               for r in rows)
 
 
 def prepare_data(target_dir: Path, path: Path, out_path: Path, max_new_tokens: int, progress: bool,
-                 dtype: torch.dtype = torch.float32) -> Path:
+                 dtype: torch.dtype = torch.float32, engine: str = "auto") -> Path:
     """A prompt-only JSONL is answered by the target first (resumable, into out_path)."""
-    if _is_prompt_only(path):
+    if is_prompt_only(path):
         return generate_responses(target_dir, read_prompts(path), out_path, max_new_tokens=max_new_tokens,
-                                  progress=progress, dtype=dtype)
+                                  progress=progress, dtype=dtype, engine=engine)
     return path
 

@@ -1,11 +1,12 @@
 """Training a DFlash drafter for a (small) target: the public recipe (docs/decode-loop.md).
 
-    prompts ──target generates──▶ responses (JSONL) ──target forward──▶ cached features (bf16)
+    prompts ──target generates──▶ responses (JSONL) ──target forward──▶ feature shards on disk (bf16)
             ──▶ random anchors, masked blocks, per-anchor attention, decayed CE ──▶ z-lab drafter
 
-The data (the target's own greedy answers and its cached features) comes from train/data.py;
-this module holds the drafter's config and initial weights, the batches, the loss, the τ
-estimate, the resumable state and the training loop.
+The data (the target's own greedy answers) comes from train/data.py, its features from
+train/features.py; this module holds the drafter's config and initial weights, the batches, the
+loss, the τ estimate, the resumable state and the training loop, in one process or on every rank
+of a torchrun job (train/distributed.py: each rank trains on its share of the global batch).
 
 A block = [anchor token, MASK × (B-1)] at positions anchor..anchor+B-1 sees the context strictly
 before its anchor and its own block (bidirectionally), never other blocks; slot k predicts the
@@ -22,10 +23,12 @@ CE on its argmax, both under the same slot decay.
 
 Run folder (--out DIR): DIR/drafter (the z-lab checkpoint, bfloat16, rewritten at every save),
 DIR/state (fp32 weights + AdamW moments as safetensors, step and RNG as JSON: what --resume
-reads), DIR/features (the cached target features), DIR/log.jsonl (loss and τ per log step).
+reads), DIR/features (the target's feature shards), DIR/log.jsonl (loss and τ per log step).
+Under torchrun DIR must be on storage every rank sees; rank 0 alone writes into it.
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
 import random
@@ -48,7 +51,9 @@ from dflash_trt.models.draft_vocab import FILE as DRAFT_VOCAB_FILE
 from dflash_trt.models.draft_vocab import read_draft_vocab
 from dflash_trt.models.drafter import DFlashDrafter, load_drafter, save_drafter
 from dflash_trt.runtime.pair import resolve_dtype
-from dflash_trt.train.data import Sequences, load_sequences, prepare_data, target_features
+from dflash_trt.train.data import Sequences, is_prompt_only, load_sequences, prepare_data
+from dflash_trt.train.distributed import World, close_world, init_world
+from dflash_trt.train.features import label_sequences
 
 
 # ------------------------------------------------------------------------------------ model
@@ -91,6 +96,8 @@ class TrainConfig:
     gamma: float | None = None
     save_every: int = 200
     eval_every: int = 100
+    log_every: int = 10                        # log.jsonl line interval (steps)
+    train_dtype: str = "bfloat16"              # the drafter's matmuls: bf16 autocast, or float32 throughout
     eval_max_new_tokens: int = 128
     eval_max_seqs: int = 64                    # held-out sequences per τ estimate (16 proved too noisy: ±0.05)
     seed: int = 0
@@ -234,23 +241,30 @@ def make_batch(data: Sequences, picks: list[tuple[int, list[int]]], B: int, mask
     feats, cpos, cseq = [], [], []
     btok, qpos, qseq, qanchor, labels, slots, soft_rows = [], [], [], [], [], [], []
     teacher = labels_from == "teacher-forced"
-    for s, anchors in picks:
+    # context copies are told apart by pick, not by sequence: a sequence drawn twice in one batch is
+    # two copies of its context, and a block must see only its own (duplicated keys would reweight
+    # the softmax)
+    for j, (s, anchors) in enumerate(picks):
         sl = data.seq(s)
         toks = data.tokens[sl]
         T = len(toks)
+        if teacher or distill_k:
+            top_ids = data.top_ids[sl]
         if teacher:
-            top1 = data.top_ids[sl][:, 0].long()
+            top1 = top_ids[:, 0].long()
             # on_path[t]: the text's token t is the target's greedy choice after t-1
             on_path = torch.cat([torch.zeros(1, dtype=torch.bool), toks[1:] == top1[:-1]])
+        if distill_k:
+            top_logp = data.top_logp[sl]
         keep = max(anchors)  # context beyond the last anchor is never visible
-        feats.append(data.features[sl][:keep])
+        feats.append(data.features[sl.start:sl.start + keep])
         cpos.append(torch.arange(keep))
-        cseq.append(torch.full((keep,), s))
+        cseq.append(torch.full((keep,), j))
         for a in anchors:
             k = torch.arange(B)
             btok.append(torch.where(k == 0, toks[a], torch.tensor(mask_id)))
             qpos.append(a + k)
-            qseq.append(torch.full((B,), s))
+            qseq.append(torch.full((B,), j))
             qanchor.append(torch.full((B,), a))
             lab = torch.full((B,), -100, dtype=torch.long)
             valid = (k >= 1) & (a + k < T)
@@ -265,7 +279,8 @@ def make_batch(data: Sequences, picks: list[tuple[int, list[int]]], B: int, mask
             labels.append(lab)
             slots.append(k)
             if distill_k:
-                soft_rows.append((sl.start + (a + k - 1).clamp(0, T - 1)))
+                rows = (a + k - 1).clamp(0, T - 1)
+                soft_rows.append((top_ids[rows, :distill_k].long(), top_logp[rows, :distill_k].float()))
     features = torch.cat(feats)
     ctx_pos, ctx_seq = torch.cat(cpos), torch.cat(cseq)
     q_seq, q_anchor = torch.cat(qseq), torch.cat(qanchor)
@@ -276,9 +291,8 @@ def make_batch(data: Sequences, picks: list[tuple[int, list[int]]], B: int, mask
     batch = Batch(features, ctx_pos, torch.cat(btok), torch.cat(qpos), torch.cat([ctx_mask, blk_mask], 1),
                   torch.cat(labels), torch.cat(slots))
     if distill_k:
-        rows = torch.cat(soft_rows)
-        batch.soft_ids = data.top_ids[rows, :distill_k].long()
-        batch.soft_logp = data.top_logp[rows, :distill_k].float()
+        batch.soft_ids = torch.cat([i for i, _ in soft_rows])
+        batch.soft_logp = torch.cat([p for _, p in soft_rows])
     return batch
 
 
@@ -297,13 +311,32 @@ def sample_picks(data: Sequences, rng: random.Random, n_blocks: int, per_seq: in
     return picks
 
 
+def split_picks(picks: list[tuple[int, list[int]]], world: World) -> list[tuple[int, list[int]]]:
+    """This rank's share of a global batch: every rank draws the same picks (one seeded RNG), the
+    blocks in draw order are cut into world.size contiguous runs, rank r takes run r. The union is
+    the one-process batch, so --blocks-per-step is the global batch at any world size."""
+    if not world.distributed:
+        return picks
+    blocks = [(s, a) for s, anchors in picks for a in anchors]
+    n = len(blocks)
+    mine = blocks[world.rank * n // world.size:(world.rank + 1) * n // world.size]
+    out = []
+    for s, a in mine:
+        if out and out[-1][0] == s:
+            out[-1][1].append(a)
+        else:
+            out.append((s, [a]))
+    return out
+
+
 class FrozenTarget:
     """The target's embeddings and lm_head (frozen; the drafter has none of its own). With a draft
     vocabulary the lm_head keeps only its rows: the logits are over the tokens the drafter may
     propose at decode time (models/draft_vocab.py), and the lm_head, half a step's cost, shrinks by
     the vocabulary ratio."""
 
-    def __init__(self, target_dir: Path, target_cfg: dict, draft_vocab: torch.Tensor | None = None):
+    def __init__(self, target_dir: Path, target_cfg: dict, draft_vocab: torch.Tensor | None = None,
+                 compute_dtype: torch.dtype = torch.bfloat16):
         tied = bool(target_cfg.get("tie_word_embeddings", False))
         st = read_target_tensors(target_dir, lambda k: k in ("model.embed_tokens.weight", "lm_head.weight"))
         self.embed = st["model.embed_tokens.weight"]
@@ -312,8 +345,20 @@ class FrozenTarget:
         # index of each token in the logits (-1: not draftable)
         self.column = torch.arange(len(head)) if draft_vocab is None else \
             torch.full((len(head),), -1, dtype=torch.long).index_put_((draft_vocab,), torch.arange(len(draft_vocab)))
-        # bf16 copy for the big matmul: AMX/AVX512-bf16 CPUs run it several times faster.
-        self.lm_head = (head if draft_vocab is None else head[draft_vocab]).to(torch.bfloat16)
+        # bf16 copy for the big matmul: AMX/AVX512-bf16 CPUs run it several times faster. compute_dtype
+        # float32 (--train-dtype) runs the drafter's matmuls without autocast too
+        self.lm_head = (head if draft_vocab is None else head[draft_vocab]).to(compute_dtype)
+
+    @property
+    def autocast(self) -> bool:
+        return self.lm_head.dtype == torch.bfloat16
+
+    def to(self, device: torch.device) -> FrozenTarget:
+        """The embeddings and lm_head on the drafter's device (the column map stays on the CPU, with the labels)."""
+        self.embed, self.lm_head = self.embed.to(device), self.lm_head.to(device)
+        if self.vocab is not None:
+            self.vocab = self.vocab.to(device)
+        return self
 
     def token(self, column: torch.Tensor) -> torch.Tensor:
         return column if self.vocab is None else self.vocab[column]
@@ -322,49 +367,63 @@ class FrozenTarget:
 def block_loss(drafter, frozen: FrozenTarget, batch: Batch, gamma: float) -> torch.Tensor:
     """Decayed CE on the labels (+ the KL to the target's top-K distribution when the batch has it);
     labels outside the draft vocabulary are dropped (the drafter can never propose them)."""
+    total, weight = block_loss_terms(drafter, frozen, batch, gamma)
+    return total / weight if weight > 0 else total
+
+
+def block_loss_terms(drafter, frozen: FrozenTarget, batch: Batch, gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """block_loss as (weighted sum, sum of weights): ranks add both up, so the loss of a batch split
+    over ranks is the loss of the whole batch."""
+    dev = frozen.embed.device
     sel = batch.labels >= 0
     cols = frozen.column[batch.labels.clamp(min=0)]
     sel &= cols >= 0
-    if not sel.any():
-        return drafter.fc.weight.sum() * 0.0   # nothing labelled in this batch: a zero that backward takes
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        ctx = drafter.project_context(batch.features.float())
-        h = drafter(frozen.embed[batch.block_tokens], batch.q_pos, ctx, batch.ctx_pos, batch.mask)
-        logits = F.linear(h[sel], frozen.lm_head)
+    if not sel.any():   # nothing labelled in this share: a zero that backward takes
+        return drafter.fc.weight.sum() * 0.0, torch.zeros((), device=dev)
+    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=frozen.autocast):
+        ctx = drafter.project_context(batch.features.to(dev).float())
+        h = drafter(frozen.embed[batch.block_tokens.to(dev)], batch.q_pos.to(dev), ctx, batch.ctx_pos.to(dev),
+                    batch.mask.to(dev))
+        logits = F.linear(h[sel.to(dev)], frozen.lm_head)
     logq = torch.log_softmax(logits.float(), -1)   # bf16 logits: 2x less traffic; the loss in float32
-    loss = -logq.gather(1, cols[sel, None])[:, 0]
+    loss = -logq.gather(1, cols[sel, None].to(dev))[:, 0]
     if batch.soft_ids is not None:
-        scols = frozen.column[batch.soft_ids[sel]]
-        logp = batch.soft_logp[sel].masked_fill(scols < 0, float("-inf"))
+        scols = frozen.column[batch.soft_ids[sel]].to(dev)
+        logp = batch.soft_logp[sel].to(dev).masked_fill(scols < 0, float("-inf"))
         # the top-K renormalised over the draftable tokens; a row with none of them (possible with
         # --labels data) has no distribution to match: 0/0 there becomes p = 0, no KL
         p = torch.softmax(logp, -1).nan_to_num(0.0)
         kl = (p * (torch.log(p.clamp_min(1e-30)) - logq.gather(1, scols.clamp(min=0)))).sum(-1)
         loss = loss + kl
-    w = torch.exp(-(batch.slot[sel].float() - 1) / gamma)
-    return (loss * w).sum() / w.sum()
+    w = torch.exp(-(batch.slot[sel].float() - 1) / gamma).to(dev)
+    return (loss * w).sum(), w.sum()
 
 
 @torch.no_grad()
 def estimate_tau(drafter, frozen: FrozenTarget, data: Sequences, max_new_tokens: int = 128,
-                 block_size: int | None = None, max_seqs: int = 16) -> dict:
+                 block_size: int | None = None, max_seqs: int = 16, world: World | None = None) -> dict:
     """τ of greedy DFlash decoding on held-out target responses, simulated offline: the data is
     the target's own greedy output, so a draft slot is accepted iff it equals the next token of
     the response. Walks each response as the decode loop does (anchor → accept m → next anchor
     at +m+1), all sequences in lockstep, one block each per drafter pass. The context K/V are
-    projected once (as the drafter cache holds them); the mask hides what lies past each anchor."""
+    projected once (as the drafter cache holds them); the mask hides what lies past each anchor.
+    With a world of several ranks each walks its share of the sequences and the histogram is summed."""
+    world = world or World()
+    dev = frozen.embed.device
     B = block_size or drafter.config.block_size
     mask_id = drafter.config.mask_token_id
     n = min(len(data), max_seqs)
-    plen = [int(data.prompt_lens[i]) for i in range(n)]
-    ends = [min(data.seq(i).stop - data.seq(i).start, plen[i] + max_new_tokens) for i in range(n)]
-    feats = torch.cat([data.features[data.seq(i)][: ends[i]] for i in range(n)])
-    ctx_pos = torch.cat([torch.arange(ends[i]) for i in range(n)])
-    ctx_seq = torch.cat([torch.full((ends[i],), i) for i in range(n)])
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        ctx_kv = drafter.context_kv(drafter.project_context(feats.float()), ctx_pos)
-    anchors = {i: plen[i] for i in range(n) if ends[i] - plen[i] >= 2}
+    mine = list(range(world.rank, n, world.size))
+    plen = {i: int(data.prompt_lens[i]) for i in mine}
+    ends = {i: min(data.seq(i).stop - data.seq(i).start, plen[i] + max_new_tokens) for i in mine}
     accepted = []
+    anchors = {i: plen[i] for i in mine if ends[i] - plen[i] >= 2}
+    if anchors:
+        feats = torch.cat([data.features[data.seq(i).start:data.seq(i).start + ends[i]] for i in mine])
+        ctx_pos = torch.cat([torch.arange(ends[i]) for i in mine])
+        ctx_seq = torch.cat([torch.full((ends[i],), i) for i in mine])
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=frozen.autocast):
+            ctx_kv = drafter.context_kv(drafter.project_context(feats.to(dev).float()), ctx_pos.to(dev))
     k = torch.arange(B)
     while anchors:
         rows = list(anchors.items())
@@ -377,9 +436,9 @@ def estimate_tau(drafter, frozen: FrozenTarget, data: Sequences, max_new_tokens:
         blk = torch.arange(len(rows) * B) // B
         mask = torch.cat([(ctx_seq[None, :] == seq_ids[:, None]) & (ctx_pos[None, :] < anc[:, None]),
                           blk[None, :] == blk[:, None]], 1)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            h = drafter.forward_cached(frozen.embed[block.view(-1)], q_pos, ctx_kv, mask)
-            pred = frozen.token(F.linear(h, frozen.lm_head).argmax(-1)).view(-1, B)
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=frozen.autocast):
+            h = drafter.forward_cached(frozen.embed[block.view(-1).to(dev)], q_pos.to(dev), ctx_kv, mask.to(dev))
+            pred = frozen.token(F.linear(h, frozen.lm_head).argmax(-1)).view(-1, B).cpu()
         nxt = {}
         for r, ((i, a), t) in enumerate(zip(rows, toks)):
             m = 0
@@ -389,16 +448,19 @@ def estimate_tau(drafter, frozen: FrozenTarget, data: Sequences, max_new_tokens:
             if a + m + 1 < ends[i] - 1:
                 nxt[i] = a + m + 1
         anchors = nxt
-    acc = torch.tensor(accepted, dtype=torch.float)
-    return {"tau": float(acc.mean() + 1) if len(acc) else float("nan"), "blocks": len(accepted),
-            "histogram": torch.bincount(acc.long(), minlength=B).tolist()}
+    hist = torch.bincount(torch.tensor(accepted, dtype=torch.long), minlength=B).to(torch.float64)
+    hist = world.all_reduce(hist.to(dev), "the tau estimate").cpu()
+    blocks = float(hist.sum())
+    return {"tau": float((hist * torch.arange(B)).sum() / blocks + 1) if blocks else float("nan"),
+            "blocks": int(blocks), "histogram": hist.long().tolist()}
 
 
 # ------------------------------------------------------------------------------------ state
 def _save_state(run_dir: Path, drafter, opt, step: int, tc: TrainConfig, rng: random.Random, extra: dict) -> None:
     """Resume state: weights (fp32) and AdamW moments as safetensors, the rest as JSON. No pickle."""
     with atomic_output_dir(run_dir / "state") as tmp:
-        save_file({k: v.detach().contiguous() for k, v in drafter.state_dict().items()}, str(tmp / "model.safetensors"))
+        save_file({k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items()},
+                  str(tmp / "model.safetensors"))
         names = {id(p): n for n, p in drafter.named_parameters()}
         moments, steps = {}, {}
         for group in opt.param_groups:
@@ -406,8 +468,8 @@ def _save_state(run_dir: Path, drafter, opt, step: int, tc: TrainConfig, rng: ra
                 st = opt.state.get(p)
                 if st:
                     n = names[id(p)]
-                    moments[f"exp_avg.{n}"] = st["exp_avg"].contiguous()
-                    moments[f"exp_avg_sq.{n}"] = st["exp_avg_sq"].contiguous()
+                    moments[f"exp_avg.{n}"] = st["exp_avg"].cpu().contiguous()
+                    moments[f"exp_avg_sq.{n}"] = st["exp_avg_sq"].cpu().contiguous()
                     steps[n] = float(st["step"])
         save_file(moments or {"empty": torch.zeros(1)}, str(tmp / "optimizer.safetensors"))
         py_state = rng.getstate()
@@ -420,14 +482,16 @@ def _save_state(run_dir: Path, drafter, opt, step: int, tc: TrainConfig, rng: ra
 
 
 def _load_state(run_dir: Path, drafter, opt) -> tuple[int, list, dict]:
+    """The state _save_state wrote, whatever world size wrote it: it is the replicated state of
+    data parallelism, the same on every rank, so any number of ranks each read all of it."""
     sdir = run_dir / "state"
     meta = read_json(sdir / "state.json")
     drafter.load_state_dict(load_file(str(sdir / "model.safetensors")))
     moments = load_file(str(sdir / "optimizer.safetensors"))
     for n, p in drafter.named_parameters():
         if n in meta["adam_steps"]:
-            opt.state[p] = {"step": torch.tensor(meta["adam_steps"][n]), "exp_avg": moments[f"exp_avg.{n}"],
-                            "exp_avg_sq": moments[f"exp_avg_sq.{n}"]}
+            opt.state[p] = {"step": torch.tensor(meta["adam_steps"][n]), "exp_avg": moments[f"exp_avg.{n}"].to(p.device),
+                            "exp_avg_sq": moments[f"exp_avg_sq.{n}"].to(p.device)}
     for g, saved in zip(opt.param_groups, meta["param_groups"]):
         g.update(saved)
     return int(meta["step"]), meta["python_rng"], meta
@@ -446,6 +510,7 @@ class Run:
     """One training session: what setup builds, then the progress that each step advances and
     each save records."""
     out_dir: Path
+    world: World
     tc: TrainConfig
     data: Sequences
     eval_data: Sequences | None
@@ -466,6 +531,7 @@ class Run:
     loss_ema: float | None = None
     saved_at: int = -1           # the step last saved (the final save may fall on a periodic one)
     slots_seen: int = 0          # labelled draft slots trained on so far (the learning curve's x axis)
+    labelling: dict | None = None  # what this session's labelling pass did (train/features.py)
 
     def seconds(self) -> float:
         return self.elapsed_before + time.perf_counter() - self.t_start
@@ -488,10 +554,13 @@ def _check_out_dir(out_dir: Path, resume: bool) -> None:
 
 
 def _load_data(target_dir: Path, path: str | Path, answers_path: Path, tokenizer, max_new_tokens: int,
-               progress: bool, dtype: torch.dtype) -> Sequences:
-    """Sequences of a data JSONL; a prompt-only one is answered by the target first (into answers_path)."""
-    path = prepare_data(target_dir, Path(path), answers_path, max_new_tokens, progress, dtype)
-    return load_sequences(path, tokenizer)[0]
+               progress: bool, dtype: torch.dtype, world: World, engine: str = "auto") -> Sequences:
+    """Sequences of a data JSONL; a prompt-only one is answered by the target first (into
+    answers_path), on rank 0 while the others wait (vLLM batches the whole set on its own)."""
+    if world.main:
+        prepare_data(target_dir, Path(path), answers_path, max_new_tokens, progress, dtype, engine)
+    world.barrier("waiting for rank 0 to answer the prompts")
+    return load_sequences(answers_path if is_prompt_only(Path(path)) else path, tokenizer)[0]
 
 
 def _initial_weights(drafter, tc: TrainConfig, target_dir: Path, target_cfg: dict) -> list[str]:
@@ -507,11 +576,15 @@ def _initial_weights(drafter, tc: TrainConfig, target_dir: Path, target_cfg: dic
 
 
 def _setup(target_dir: Path, data_path: str | Path, out_dir: Path, tc: TrainConfig, *, eval_path, resume: bool,
-           progress: bool, max_new_tokens: int, feature_cache, dtype: str) -> Run:
+           progress: bool, max_new_tokens: int, feature_cache, dtype: str, world: World, engine: str = "auto") -> Run:
     """Data and target features, the drafter and its optimizer; on --resume, the saved state."""
     from transformers import AutoTokenizer
 
     _check_out_dir(out_dir, resume)
+    world.barrier("checking the run folder")   # nobody writes before every rank has looked at it
+    if tc.blocks_per_step < world.size:
+        raise DFlashError(f"--blocks-per-step {tc.blocks_per_step}: fewer blocks than the {world.size} ranks; each "
+                          "rank needs at least one block per step")
     target_cfg = read_json(target_dir / "config.json")
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     if resume:  # the run's own settings win: a resumed run is the same run
@@ -520,7 +593,8 @@ def _setup(target_dir: Path, data_path: str | Path, out_dir: Path, tc: TrainConf
             setattr(tc, k, saved[k])
 
     target_dtype = resolve_dtype(dtype)
-    data = _load_data(target_dir, data_path, out_dir / "data.jsonl", tokenizer, max_new_tokens, progress, target_dtype)
+    data = _load_data(target_dir, data_path, out_dir / "data.jsonl", tokenizer, max_new_tokens, progress, target_dtype,
+                      world, engine)
     if tc.mask_token_id is None:
         tc.mask_token_id = choose_mask_token(tokenizer, data.tokens)
     dcfg = drafter_config_for(target_cfg, tc, tc.mask_token_id)
@@ -528,13 +602,12 @@ def _setup(target_dir: Path, data_path: str | Path, out_dir: Path, tc: TrainConf
     # the cache keeps at least the top 8 whenever labels are needed (96 bytes a token beside 5.8 KB of
     # features), so runs with and without --distill share one labelling pass
     topk = max(tc.distill_k, CACHED_TOPK) if tc.labels == "teacher-forced" or tc.distill_k else 0
-    data.features = target_features(target_dir, data, dcfg.target_layer_ids, cache, progress, target_dtype, topk)
+    labelling = label_sequences(target_dir, data, dcfg.target_layer_ids, cache, world, progress, target_dtype, topk)
     eval_data = None
     if eval_path is not None:
         eval_data = _load_data(target_dir, eval_path, out_dir / "eval_data.jsonl", tokenizer, max_new_tokens,
-                               progress, target_dtype)
-        eval_data.features = target_features(target_dir, eval_data, dcfg.target_layer_ids, cache, progress,
-                                             target_dtype)
+                               progress, target_dtype, world, engine)
+        label_sequences(target_dir, eval_data, dcfg.target_layer_ids, cache, world, progress, target_dtype)
 
     torch.manual_seed(tc.seed)  # the drafter's random init
     longest = max(int((d.offsets[1:] - d.offsets[:-1]).max()) for d in (data, eval_data) if d is not None)
@@ -549,10 +622,12 @@ def _setup(target_dir: Path, data_path: str | Path, out_dir: Path, tc: TrainConf
         draft_vocab = read_draft_vocab(vocab_file.parent, target_cfg["vocab_size"])
         # shipped with every saved drafter: the runtime then drafts from the vocabulary it was trained on
         drafter_files[DRAFT_VOCAB_FILE] = vocab_file.read_bytes()
-    frozen = FrozenTarget(target_dir, target_cfg, draft_vocab)
+    frozen = FrozenTarget(target_dir, target_cfg, draft_vocab, resolve_dtype(tc.train_dtype)).to(world.device)
+    drafter.to(world.device)
     opt = torch.optim.AdamW(drafter.parameters(), lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay)
-    run = Run(out_dir, tc, data, eval_data, drafter, frozen, opt, random.Random(tc.seed),
-              tc.gamma or default_gamma(tc.block_size), target_dtype, init_notes, drafter_files)
+    # every rank draws the same anchors from one seeded RNG and trains on its share (split_picks)
+    run = Run(out_dir, world, tc, data, eval_data, drafter, frozen, opt, random.Random(tc.seed),
+              tc.gamma or default_gamma(tc.block_size), target_dtype, init_notes, drafter_files, labelling=labelling)
     if resume:
         run.step, py_rng, meta = _load_state(out_dir, drafter, opt)
         run.rng.setstate((py_rng[0], tuple(py_rng[1]), py_rng[2]))
@@ -563,28 +638,49 @@ def _setup(target_dir: Path, data_path: str | Path, out_dir: Path, tc: TrainConf
 
 
 def _train_step(run: Run) -> None:
-    """One optimisation step: the scheduled lr, a batch of random anchors, the decayed CE, AdamW."""
-    tc = run.tc
+    """One optimisation step: the scheduled lr, a batch of random anchors (this rank's share of
+    it), the decayed CE, gradients summed over the ranks, AdamW."""
+    tc, world = run.tc, run.world
     for g in run.opt.param_groups:
         g["lr"] = learning_rate(tc, run.step)
-    picks = sample_picks(run.data, run.rng, tc.blocks_per_step, tc.anchors_per_seq)
+    picks = split_picks(sample_picks(run.data, run.rng, tc.blocks_per_step, tc.anchors_per_seq), world)
     batch = make_batch(run.data, picks, tc.block_size, tc.mask_token_id, tc.labels, tc.distill_k)
-    loss = block_loss(run.drafter, run.frozen, batch, run.gamma)
-    run.slots_seen += int((batch.labels >= 0).sum())
+    total, weight = block_loss_terms(run.drafter, run.frozen, batch, run.gamma)
+    # the loss of the global batch = (sum of the ranks' weighted sums) / (sum of their weights); each
+    # rank's gradient of total / global weight, summed over the ranks, is that loss's gradient
+    sums = torch.stack([weight.detach().double(), total.detach().double(),
+                        (batch.labels >= 0).sum().double().to(weight.device)])
+    sums = world.all_reduce(sums, f"the loss all-reduce of step {run.step + 1}")
+    run.slots_seen += int(sums[2])
     run.opt.zero_grad(set_to_none=True)
+    loss = total / sums[0].float() if sums[0] > 0 else total
     loss.backward()
+    if world.distributed:
+        _all_reduce_grads(run.drafter, world, run.step + 1)
     torch.nn.utils.clip_grad_norm_(run.drafter.parameters(), 1.0)
     run.opt.step()
     run.step += 1
-    run.last_loss = loss.detach().item()
+    run.last_loss = float(sums[1] / sums[0]) if sums[0] > 0 else 0.0
     run.first_loss = run.last_loss if run.first_loss is None else run.first_loss
     run.loss_ema = run.last_loss if run.loss_ema is None else 0.95 * run.loss_ema + 0.05 * run.last_loss
+
+
+def _all_reduce_grads(drafter, world: World, step: int) -> None:
+    """Sum every parameter's gradient over the ranks, as one flat buffer (one collective)."""
+    params = list(drafter.parameters())
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in params])
+    world.all_reduce(flat, f"the gradient all-reduce of step {step}")
+    i = 0
+    for p in params:
+        n = p.numel()
+        p.grad = flat[i:i + n].view_as(p)
+        i += n
 
 
 def _held_out_tau(run: Run) -> float:
     run.drafter.eval()
     tau = estimate_tau(run.drafter, run.frozen, run.eval_data, run.tc.eval_max_new_tokens,
-                       max_seqs=run.tc.eval_max_seqs)["tau"]
+                       max_seqs=run.tc.eval_max_seqs, world=run.world)["tau"]
     run.drafter.train()
     return tau
 
@@ -597,13 +693,20 @@ def _save(run: Run) -> None:
     run.saved_at = run.step
     if run.eval_data is not None:
         run.tau = _held_out_tau(run)
-    _save_state(run.out_dir, run.drafter, run.opt, run.step, run.tc, run.rng,
-                {"train_seconds": run.seconds(), "tau": run.tau, "init": run.init_notes, "loss": run.last_loss,
-                 "slots_seen": run.slots_seen})
-    save_drafter(run.drafter, run.out_dir / "drafter", dtype=torch.bfloat16, extra_files=run.drafter_files)
+    # the replicas must agree before one of them is written as the run's state
+    run.world.check_replicas(list(run.drafter.parameters()), f"the drafter weights at step {run.step}")
+    if run.world.main:
+        _save_state(run.out_dir, run.drafter, run.opt, run.step, run.tc, run.rng,
+                    {"train_seconds": run.seconds(), "tau": run.tau, "init": run.init_notes, "loss": run.last_loss,
+                     "slots_seen": run.slots_seen, "world_size": run.world.size})
+        drafter = run.drafter if run.world.device.type == "cpu" else copy.deepcopy(run.drafter).cpu()
+        save_drafter(drafter, run.out_dir / "drafter", dtype=torch.bfloat16, extra_files=run.drafter_files)
+    run.world.barrier(f"the checkpoint of step {run.step}")
 
 
 def _log(run: Run) -> None:
+    if not run.world.main:
+        return
     with open(run.out_dir / "log.jsonl", "a") as f:
         f.write(json.dumps({"step": run.step, "loss": run.last_loss, "loss_ema": run.loss_ema,
                             "lr": learning_rate(run.tc, run.step - 1), "tau": run.tau, "seconds": run.seconds(),
@@ -614,25 +717,56 @@ def train_drafter(target_dir: str | Path, data_path: str | Path, out_dir: str | 
                   eval_path: str | Path | None = None, resume: bool = False, progress: bool = True,
                   max_new_tokens: int = 192, threads: int | None = 2, time_limit_s: float | None = None,
                   stop_after: int | None = None, feature_cache: str | Path | None = None,
-                  dtype: str = "auto") -> dict:
+                  dtype: str = "auto", world: World | None = None, answer_engine: str = "auto") -> dict:
     """Train (or continue training) a DFlash drafter for the target; returns a summary dict.
     The z-lab checkpoint is written to out_dir/drafter at every save and at the end.
     time_limit_s / stop_after end this session early (after a save); --resume continues it.
     `dtype` is the target's, for its answers and features: "auto" is the runtime's default
     (bfloat16 on CPUs with native bf16), so the drafter learns the target it will run with;
-    bf16 also computed features 2.2x faster than float32 here."""
+    bf16 also computed features 2.2x faster than float32 here.
+    `world`: the process group (train/distributed.py); by default the one torchrun describes in the
+    environment, else one process."""
     if threads:
         torch.set_num_threads(threads)
-    run = _setup(Path(target_dir), data_path, Path(out_dir), tc, eval_path=eval_path, resume=resume,
-                 progress=progress, max_new_tokens=max_new_tokens, feature_cache=feature_cache, dtype=dtype)
+    own_world = world is None
+    world = world or init_world()
+    try:
+        return _train(Path(target_dir), data_path, Path(out_dir), tc, world, eval_path=eval_path, resume=resume,
+                      progress=progress, max_new_tokens=max_new_tokens, time_limit_s=time_limit_s,
+                      stop_after=stop_after, feature_cache=feature_cache, dtype=dtype, engine=answer_engine)
+    finally:
+        if own_world:
+            close_world(world)
+
+
+def _train(target_dir: Path, data_path, out_dir: Path, tc: TrainConfig, world: World, *, eval_path, resume: bool,
+           progress: bool, max_new_tokens: int, time_limit_s, stop_after, feature_cache, dtype: str, engine: str
+           ) -> dict:
+    run = _setup(target_dir, data_path, out_dir, tc, eval_path=eval_path, resume=resume, progress=progress,
+                 max_new_tokens=max_new_tokens, feature_cache=feature_cache, dtype=dtype, world=world, engine=engine)
     run.t_start = time.perf_counter()
-    bar = tqdm(total=tc.steps, initial=run.step, desc="train-drafter", unit="step", disable=not progress,
-               file=sys.stderr, dynamic_ncols=True)
+    bar = tqdm(total=tc.steps, initial=run.step, desc="train-drafter" + (f" ({world.size} ranks)" if world.distributed
+                                                                          else ""),
+               unit="step", disable=not (progress and world.main), file=sys.stderr, dynamic_ncols=True)
     run.drafter.train()
+    try:
+        stopped_early = _loop(run, bar, time_limit_s, stop_after)
+    finally:
+        bar.close()   # an error line then starts on a line of its own
+    _save(run)
+    return _summary(run, stopped_early)
+
+
+def _loop(run: Run, bar, time_limit_s, stop_after) -> bool:
+    """Steps until tc.steps (or the time limit / stop_after: returns True then)."""
+    tc, world = run.tc, run.world
     stopped_early = False
     while run.step < tc.steps:
-        if (time_limit_s is not None and time.perf_counter() - run.t_start > time_limit_s) or \
-                (stop_after is not None and run.step >= stop_after):
+        over = time_limit_s is not None and time.perf_counter() - run.t_start > time_limit_s
+        if time_limit_s is not None and world.distributed:   # rank 0's clock decides for every rank
+            flag = torch.tensor([float(over and world.main)], device=world.device)
+            over = bool(world.all_reduce(flag, "the time-limit check") > 0)
+        if over or (stop_after is not None and run.step >= stop_after):
             stopped_early = True
             break
         _train_step(run)
@@ -643,11 +777,9 @@ def train_drafter(target_dir: str | Path, data_path: str | Path, out_dir: str | 
             _save(run)
         bar.set_postfix(loss=f"{run.loss_ema:.3f}", tau="-" if run.tau is None else f"{run.tau:.2f}")
         bar.update(1)
-        if step % 10 == 0 or step == tc.steps:
+        if step % tc.log_every == 0 or step == tc.steps:
             _log(run)
-    bar.close()
-    _save(run)
-    return _summary(run, stopped_early)
+    return stopped_early
 
 
 def _summary(run: Run, stopped_early: bool) -> dict:
@@ -658,4 +790,5 @@ def _summary(run: Run, stopped_early: bool) -> dict:
             "dtype": str(run.target_dtype).removeprefix("torch."),
             "block_size": tc.block_size, "layers": tc.layers, "intermediate_size": cfg.intermediate_size,
             "train_seconds": run.seconds(), "stopped_early": stopped_early, "slots_seen": run.slots_seen,
-            "n_sequences": len(run.data), "n_tokens": int(run.data.offsets[-1])}
+            "n_sequences": len(run.data), "n_tokens": int(run.data.offsets[-1]), "world_size": run.world.size,
+            "labelled_here": run.labelling}
