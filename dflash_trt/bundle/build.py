@@ -43,11 +43,15 @@ from dflash_trt.bundle.plugin_build import build_plugin
 from dflash_trt.bundle.serving_configs import (
     STACK_NAMES,
     STACKS,
+    drafter_stack_problems,
     fp8_drafter_problem,
     layer_ids_by_stack,
+    sglang_drafter_args,
     sglang_launch,
     stack_layout_problems,
+    trtllm_drafter_options,
     trtllm_serve_config,
+    vllm_drafter_env,
     vllm_launch,
 )
 from dflash_trt.bundle.triton_repo import llmapi_model_yaml, write_triton_repo
@@ -265,7 +269,7 @@ def check_parallel(o: BuildOptions, cfg: dict, name: str) -> None:
         raise DFlashError(f"--pp {o.pp} does not divide the target's num_hidden_layers = {layers}")
 
 
-def resolve_stacks(o: BuildOptions, s: dict, block_size: int) -> tuple[list[str], dict[str, str]]:
+def resolve_stacks(o: BuildOptions, s: dict, block_size: int, dcfg=None) -> tuple[list[str], dict[str, str]]:
     """(stacks that get a config, {stack: why not} for the others), by each stack's own DFlash
     rules (bundle/serving_configs.py). A stack named in --stacks that cannot serve the layout, or
     an FP8 drafter for a stack that cannot load one, is an error before anything is written."""
@@ -280,6 +284,7 @@ def resolve_stacks(o: BuildOptions, s: dict, block_size: int) -> tuple[list[str]
             raise DFlashError(f"--drafter-quant fp8: {STACK_NAMES[stack]} cannot load an FP8 drafter: "
                               f"{fp8_drafter_problem(stack)}; use --drafter-quant none, or --stacks vllm")
         problems = stack_layout_problems(stack, tp=o.tp, pp=o.pp, block_size=block_size)
+        problems += drafter_stack_problems(stack, dcfg) if dcfg is not None else []
         if problems and explicit:
             raise DFlashError(f"--stacks {stack}: {STACK_NAMES[stack]} cannot serve this layout: {'; '.join(problems)}")
         if problems:
@@ -452,7 +457,7 @@ class Builder:
         if not 2 <= B <= self.dcfg.block_size:
             raise DFlashError(f"--block-size {B}: must be between 2 and the drafter's trained block size "
                               f"{self.dcfg.block_size}")
-        self.stacks, self.skipped_stacks = resolve_stacks(o, self.settings, B)
+        self.stacks, self.skipped_stacks = resolve_stacks(o, self.settings, B, self.dcfg)
         self.dest = dest = Path(o.out) if o.out else default_out(self.name, self.settings, o)
         if dest.exists() and not dest.is_dir():
             raise DFlashError(f"--out {dest}: exists and is not a folder")
@@ -673,18 +678,27 @@ def write_configs(work: Path, m: dict, tcfg: dict, B: int) -> dict:
     served = m["serving_stacks"]["served"]
     cfgdir = work / "configs"
     cfgdir.mkdir(exist_ok=True)
+    dcfg = load_drafter_config(work / "drafter")
     if "trtllm" in served:
         (cfgdir / "trtllm-serve.yaml").write_text(
             "# trtllm-serve target --config configs/trtllm-serve.yaml   (run from the bundle root)\n"
-            + yaml.safe_dump(_trtllm_config(m, tcfg, B), sort_keys=False))
+            + yaml.safe_dump(_trtllm_config(m, tcfg, B, dcfg), sort_keys=False))
     kw = dict(target_path="target", drafter_path="drafter", block_size=B, zlab_ids=d["target_layer_ids"]["zlab"],
               tp=p["tp"], ep=p["ep"], pp=p["pp"], kv_cache=m["quant"]["kv_cache"])
     if "vllm" in served:
         v = vllm_launch(**kw)
+        env = vllm_drafter_env(dcfg)
+        if env:   # the drafter's attention layout needs it (serving_configs.vllm_drafter_env)
+            v["env"] = env
+            v["command"] = " ".join(f"{k}={val}" for k, val in env.items()) + " " + v["command"]
         (cfgdir / "vllm.json").write_text(json.dumps(v, indent=2) + "\n")
         (cfgdir / "vllm-speculative-config.json").write_text(json.dumps(v["speculative_config"], indent=2) + "\n")
     if "sglang" in served:
-        (cfgdir / "sglang.json").write_text(json.dumps(sglang_launch(**kw), indent=2) + "\n")
+        sg = sglang_launch(**kw)
+        if extra := sglang_drafter_args(dcfg):   # the drafter's attention layout needs it
+            sg["argv"] += extra
+            sg["command"] = shlex.join(sg["argv"])
+        (cfgdir / "sglang.json").write_text(json.dumps(sg, indent=2) + "\n")
     return _configs_index(m)
 
 
@@ -697,16 +711,20 @@ def _configs_index(m: dict) -> dict:
     return {k: v for stack in m["serving_stacks"]["served"] for k, v in CONFIG_FILES[stack].items()}
 
 
-def _trtllm_config(m: dict, tcfg: dict, B: int) -> dict:
+def _trtllm_config(m: dict, tcfg: dict, B: int, dcfg=None) -> dict:
     d, p = m["drafter"], m["parallel"]
-    return trtllm_serve_config(target_cfg=tcfg, drafter_path="drafter", block_size=B, mask_token_id=d["mask_token_id"],
-                               zlab_ids=d["target_layer_ids"]["trtllm"], tp=p["tp"], ep=p["ep"], pp=p["pp"],
-                               kv_cache=m["quant"]["kv_cache"], arch=m["arch"], max_seq_len=m["max_seq_len"])
+    cfg = trtllm_serve_config(target_cfg=tcfg, drafter_path="drafter", block_size=B, mask_token_id=d["mask_token_id"],
+                              zlab_ids=d["target_layer_ids"]["trtllm"], tp=p["tp"], ep=p["ep"], pp=p["pp"],
+                              kv_cache=m["quant"]["kv_cache"], arch=m["arch"], max_seq_len=m["max_seq_len"])
+    if dcfg is not None:
+        cfg["speculative_config"].update(trtllm_drafter_options(dcfg))
+    return cfg
 
 
 def write_triton(work: Path, m: dict, tcfg: dict, B: int, ref: dict) -> None:
     served = m["serving_stacks"]["served"]
-    llm_yaml = llmapi_model_yaml(_trtllm_config(m, tcfg, B), "target", decoupled=True, max_batch_size=0) \
+    llm_yaml = llmapi_model_yaml(_trtllm_config(m, tcfg, B, load_drafter_config(work / "drafter")), "target",
+                                 decoupled=True, max_batch_size=0) \
         if "trtllm" in served else None
     reference = {"target": ref["target"], "drafter": ref["drafter"], "block_size": B, "dtype": "float32",
                  "max_new_tokens": 128, "chat": True, "decode_slots": 1, "max_queue": 64,
