@@ -65,20 +65,22 @@ def _cfg(**kw):
 VARIANTS = {
     "plain": (_cfg(), [(None, False)] * 2),
     "layer_types mixed (gemma-4 / Qwen3.6 drafters)": (
-        _cfg(layer_types=["sliding_attention", "full_attention"], sliding_window=64), [(64, True), (None, False)]),
+        _cfg(layer_types=["sliding_attention", "full_attention"], sliding_window=64, use_sliding_window=True), [(64, True), (None, False)]),
     "all sliding + is_causal false (DFlash2 fixture)": (
-        _cfg(layer_types=["sliding_attention"] * 2, sliding_window=64, is_causal=False), [(64, False)] * 2),
+        _cfg(layer_types=["sliding_attention"] * 2, sliding_window=64, use_sliding_window=True, is_causal=False), [(64, False)] * 2),
     "use_swa without layer_types (MiMo)": (
         _cfg(dflash_config={"use_swa": True, "swa_window_size": 32}), [(32, False)] * 2),
     "use_swa over all-full layer_types": (
         _cfg(layer_types=["full_attention"] * 2, dflash_config={"use_swa": True, "swa_window_size": 32}),
         [(32, False)] * 2),
     "swa_window_size over sliding_window": (
-        _cfg(layer_types=["sliding_attention", "full_attention"], sliding_window=64,
+        _cfg(layer_types=["sliding_attention", "full_attention"], sliding_window=64, use_sliding_window=True,
              dflash_config={"swa_window_size": 16}), [(16, True), (None, False)]),
     "dflash_config.causal overrides layer types": (
-        _cfg(layer_types=["sliding_attention", "full_attention"], sliding_window=64,
+        _cfg(layer_types=["sliding_attention", "full_attention"], sliding_window=64, use_sliding_window=True,
              dflash_config={"causal": False}), [(64, False), (None, False)]),
+    "max_window_layers derives layer_types": (
+        _cfg(sliding_window=64, use_sliding_window=True, max_window_layers=1), [(None, False), (64, True)]),
     "is_causal overrides dflash_config.causal": (
         _cfg(is_causal=True, dflash_config={"causal": False}), [(None, True)] * 2),
 }
@@ -110,6 +112,8 @@ def test_attention_mask_is_zlabs():
      "selector_top_k = 600 exceeds vocab_size = 512"),
     (_cfg(dflash_config={"selector_top_k": 4}), "architectures is not DFlash2DraftModel"),
     (_cfg(dflash_config={"use_swa": True}), "neither dflash_config.swa_window_size nor sliding_window"),
+    (_cfg(layer_types=["sliding_attention"] * 2, sliding_window=64),
+     "use_sliding_window is not true: transformers' Qwen3Config"),
     (_cfg(dflash_config={"attention_value_scale": 0.5}), "does not implement a scale on the drafter's V"),
     (_cfg(dflash_config={"attention_sink_bias": True}), "does not implement per-head attention sinks"),
 ])
@@ -152,7 +156,7 @@ def test_greedy_lossless_against_ar(pairs, kind):
 def _dflash2_drafter(good: bool) -> DFlashDrafter:
     d = {"architectures": ["DFlash2DraftModel"], "hidden_size": H, "num_hidden_layers": 1, "num_attention_heads": 2,
          "num_key_value_heads": 1, "head_dim": 16, "intermediate_size": 64, "vocab_size": V,
-         "layer_types": ["sliding_attention"], "sliding_window": 4, "is_causal": False,
+         "layer_types": ["sliding_attention"], "sliding_window": 4, "use_sliding_window": True, "is_causal": False,
          "dflash_config": {"mask_token_id": V - 1, "target_layer_ids": [0, 1], "block_size": 4,
                            "conv_kernel_size": 2, "conv_group_size": 8, "selector_rank": 4, "selector_top_k": 4,
                            **({} if good else {"output_multiplier": 0.7, "final_logit_softcapping": 3.0})}}
@@ -208,7 +212,7 @@ def test_stack_rules_for_the_zlab_fixture():
     assert opts == {"attention_backend": "VANILLA"}
     DFlashDecodingConfig(max_draft_len=15, speculative_model="drafter", **opts)
     assert sglang_drafter_args(c) == ["--speculative-draft-attention-backend", "flashinfer"]
-    assert vllm_drafter_env(c) == {}     # not mixed: vLLM's V1 runner takes it
+    assert vllm_drafter_env(c) == {"VLLM_USE_V2_MODEL_RUNNER": "1"}   # V1 has no candidate head
     assert all(drafter_stack_problems(s, c) == [] for s in ("trtllm", "vllm", "sglang"))
 
 
@@ -235,5 +239,6 @@ def test_build_writes_each_stacks_dflash2_settings(pairs, tmp_path):
     sg = json.loads((b / "configs" / "sglang.json").read_text())
     assert sg["argv"][-2:] == ["--speculative-draft-attention-backend", "flashinfer"]
     v = json.loads((b / "configs" / "vllm.json").read_text())
-    assert v["speculative_config"]["method"] == "dflash"
+    assert v["speculative_config"]["method"] == "dflash" and v["env"] == {"VLLM_USE_V2_MODEL_RUNNER": "1"}
+    assert v["command"].startswith("VLLM_USE_V2_MODEL_RUNNER=1 vllm serve ")
     assert json.loads((b / "drafter" / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]

@@ -271,11 +271,15 @@ def sglang_drafter_args(dcfg) -> list[str]:
 
 
 def vllm_drafter_env(dcfg) -> dict:
-    """Environment vLLM needs for this drafter: a drafter mixing sliding and full layers needs
-    the V2 model runner (vllm/model_executor/models/qwen3_dflash.py _resolve_layer_attention raises
-    NotImplementedError "... relaunch with VLLM_USE_V2_MODEL_RUNNER=1"; vllm 0.32.0)."""
+    """Environment vLLM needs for this drafter: the V2 model runner, for a drafter mixing sliding
+    and full layers (vllm/model_executor/models/qwen3_dflash.py _resolve_layer_attention raises
+    NotImplementedError "... relaunch with VLLM_USE_V2_MODEL_RUNNER=1") and for DFlash2 (vllm/config/
+    vllm.py: V1 "does not support: DFlash candidate-head drafts", which would otherwise draft as
+    DFlash (1) silently; auto-selection falls back to V1 whenever any other feature is V2-unsupported);
+    vllm 0.32.0. (V2 needs Triton: vLLM's CPU build cannot serve these drafters.)"""
     n = sum(w is not None for w, _ in dcfg.layer_attention)
-    return {"VLLM_USE_V2_MODEL_RUNNER": "1"} if 0 < n < len(dcfg.layer_attention) else {}
+    need = dcfg.kind == "dflash2" or 0 < n < len(dcfg.layer_attention)
+    return {"VLLM_USE_V2_MODEL_RUNNER": "1"} if need else {}
 
 
 def drafter_attention_summary(dcfg) -> dict:

@@ -169,8 +169,8 @@ def _relations(d: dict, source: str) -> list[str]:
         bad = sorted(set(types) - set(LAYER_TYPES))
         if bad:
             p.append(f"{source}: layer_types has {_short(bad[0])}; expected {' or '.join(LAYER_TYPES)}")
-        swa = d["dflash_config"].get("swa_window_size") if isinstance(d.get("dflash_config"), dict) else None
-        if "sliding_attention" in types and d.get("sliding_window") is None and swa is None:
+        drafter = isinstance(d.get("dflash_config"), dict)   # the drafter's windows: layer_attention
+        if "sliding_attention" in types and d.get("sliding_window") is None and not drafter:
             p.append(f"{source}: layer_types has sliding_attention layers but sliding_window is not set")
     if ok("num_local_experts") and ok("num_experts_per_tok") and d["num_experts_per_tok"] > d["num_local_experts"]:
         p.append(f"{source}: num_experts_per_tok = {d['num_experts_per_tok']} exceeds num_local_experts = "
@@ -241,6 +241,21 @@ def drafter_kind(d: dict) -> str:
     return "dflash2" if "DFlash2DraftModel" in archs else "dflash"
 
 
+def qwen3_window_and_types(d: dict) -> tuple[int | None, list[str] | None]:
+    """sliding_window and layer_types as transformers' Qwen3Config holds them, which is what z-lab
+    (DFlashDraftModel's config_class), vLLM and SGLang (hf_config of model_type qwen3) all read a
+    drafter through (transformers 5.24 and 5.19 models/qwen3/configuration_qwen3.py): sliding_window
+    is dropped unless use_sliding_window is true, and absent layer_types are derived (sliding for
+    layers >= max_window_layers when a window remains)."""
+    window = d.get("sliding_window") if d.get("use_sliding_window") else None
+    types = d.get("layer_types") if isinstance(d.get("layer_types"), list) else None
+    if types is None and _is_int(d.get("num_hidden_layers")):
+        mwl = d.get("max_window_layers") if _is_int(d.get("max_window_layers")) else 28
+        types = ["sliding_attention" if window is not None and i >= mwl else "full_attention"
+                 for i in range(d["num_hidden_layers"])]
+    return window, types
+
+
 def layer_attention(d: dict) -> list[tuple[int | None, bool]]:
     """(sliding window or None, causal) of each drafter layer, resolved as vLLM 0.32.0 does
     (vllm/model_executor/models/qwen3_dflash.py `_resolve_layer_attention` and `_dflash_layer_causal`):
@@ -259,7 +274,7 @@ def layer_attention(d: dict) -> list[tuple[int | None, bool]]:
     Raises DFlashError for a sliding layer without a window."""
     dc = d.get("dflash_config") if isinstance(d.get("dflash_config"), dict) else {}
     L = d["num_hidden_layers"]
-    types = d.get("layer_types") if isinstance(d.get("layer_types"), list) else None
+    hf_window, types = qwen3_window_and_types(d)
     use_swa = bool(dc.get("use_swa", False))
     any_sliding = bool(types) and "sliding_attention" in types
     out = []
@@ -267,10 +282,12 @@ def layer_attention(d: dict) -> list[tuple[int | None, bool]]:
         sliding = use_swa if types is None or (use_swa and not any_sliding) else types[i] == "sliding_attention"
         window = None
         if sliding:
-            window = dc.get("swa_window_size", d.get("sliding_window"))
+            window = dc.get("swa_window_size", hf_window)
             if window is None:
+                why = (" (sliding_window is set but use_sliding_window is not true: transformers' Qwen3Config, "
+                       "which every stack reads the drafter with, drops it)") if d.get("sliding_window") else ""
                 raise DFlashError(f"config.json: drafter layer {i} is sliding-window attention but neither "
-                                  "dflash_config.swa_window_size nor sliding_window is set")
+                                  f"dflash_config.swa_window_size nor sliding_window is set{why}")
         if d.get("is_causal") is not None:
             causal = bool(d["is_causal"])
         elif dc.get("causal") is not None:
@@ -284,7 +301,6 @@ def layer_attention(d: dict) -> list[tuple[int | None, bool]]:
 def _dflash_problems(d: dict, source: str) -> list[str]:
     """DFlash2's fields, the attention variants, and the keys the runtime refuses by name."""
     p = []
-    dc = d.get("dflash_config") if isinstance(d.get("dflash_config"), dict) else {}
     for key, what in UNSUPPORTED_DRAFTER_KEYS.items():
         v = _get(d, key)
         if v not in (None, False) and not (key.endswith("value_scale") and v == 1.0):
@@ -305,8 +321,7 @@ def _dflash_problems(d: dict, source: str) -> list[str]:
         p.append(f"{source}: {', '.join(have)} set but architectures is not DFlash2DraftModel; upstream would load "
                  "it as a DFlash (1) drafter and drop them")
     types = d.get("layer_types")
-    reported = isinstance(types, list) and (len(types) != d.get("num_hidden_layers") or (
-        "sliding_attention" in types and d.get("sliding_window") is None and dc.get("swa_window_size") is None))
+    reported = isinstance(types, list) and len(types) != d.get("num_hidden_layers")
     if _is_int(d.get("num_hidden_layers")) and d["num_hidden_layers"] >= 1 and not reported:
         try:
             layer_attention(d)
@@ -424,7 +439,7 @@ class DrafterConfig:
             d[k] = getattr(self, k)
         if self.num_target_layers is not None:
             d["num_target_layers"] = self.num_target_layers
-        d.setdefault("layer_types", ["full_attention"] * self.num_hidden_layers)
+        d.setdefault("layer_types", qwen3_window_and_types(d)[1])   # as transformers would derive them
         dcfg = dict(d.get("dflash_config") or {})
         dcfg["mask_token_id"] = self.mask_token_id
         dcfg["target_layer_ids"] = list(self.target_layer_ids)

@@ -105,7 +105,8 @@ def tiny_drafter_config(target_cfg: dict, mask_token_id: int, block_size: int = 
                                   final_logit_softcapping=20.0, output_multiplier=0.5, selector_rank=16,
                                   selector_top_k=8)
     elif kind == "dflash-swa":
-        d.update(sliding_window=8, layer_types=["sliding_attention", "full_attention"] * (layers // 2)
+        d.update(use_sliding_window=True, sliding_window=8,
+                 layer_types=["sliding_attention", "full_attention"] * (layers // 2)
                  + ["sliding_attention"] * (layers % 2))
     return DrafterConfig.from_dict(d)
 
