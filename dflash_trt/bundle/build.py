@@ -556,6 +556,8 @@ class Builder:
             first = next((p for p in probs if "target" in p), probs[0])  # pair mismatches first
             hint = "; pass --allow-nonfinite to build anyway" if first.endswith(f"({NONFINITE_NOTE})") else ""
             raise DFlashError(f"check: the drafter does not fit the target ({len(probs)} problem(s)): {first}{hint}")
+        if report.get("runtime_note"):
+            self.log(report["runtime_note"])
         (self.work / "reports").mkdir(exist_ok=True)
         (self.work / "reports" / "check.json").write_text(json.dumps(report, indent=2) + "\n")
         return {}

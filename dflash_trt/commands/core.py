@@ -72,10 +72,12 @@ def check_cmd(target, drafter, scan, as_json):
     report = check_pair(tdir, ddir, scan=scan)
     if as_json:
         emit_json(report)
-    elif report["ok"]:
+    elif report.get("runtime_note"):
+        click.echo(report["runtime_note"], err=True)
+    if not as_json and report["ok"]:
         click.echo(f"ok: block_size {report['block_size']}, mask_token_id {report['mask_token_id']}, "
                    f"target_layer_ids {report['target_layer_ids']}")
-    else:
+    elif not as_json:
         for p in report["problems"]:
             click.echo(f"problem: {p}", err=True)
     if not report["ok"]:
