@@ -36,6 +36,17 @@ MAX_EXPERTS = 4096
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
+def target_layer_types() -> tuple[str, ...]:
+    """The layer types a target config may list: transformers' own ALLOWED_LAYER_TYPES
+    (configuration_utils; linear_attention for Qwen3.5/3.6 and Qwen3-Next, indexed_attention for
+    GLM-5, ...). A drafter's stay LAYER_TYPES: the only ones a DFlash drafter layer can be."""
+    try:
+        from transformers.configuration_utils import ALLOWED_LAYER_TYPES
+    except ImportError:
+        return LAYER_TYPES
+    return tuple(ALLOWED_LAYER_TYPES)
+
+
 @dataclass(frozen=True)
 class Field:
     """One config field: its JSON type and inclusive range. Null counts as absent."""
@@ -166,9 +177,11 @@ def _relations(d: dict, source: str) -> list[str]:
     if isinstance(types, list) and all(isinstance(t, str) for t in types):
         if ok("num_hidden_layers") and len(types) != L:
             p.append(f"{source}: layer_types has {len(types)} entries but num_hidden_layers = {L}")
-        bad = sorted(set(types) - set(LAYER_TYPES))
+        allowed = LAYER_TYPES if isinstance(d.get("dflash_config"), dict) else target_layer_types()
+        bad = sorted(set(types) - set(allowed))
         if bad:
-            p.append(f"{source}: layer_types has {_short(bad[0])}; expected {' or '.join(LAYER_TYPES)}")
+            p.append(f"{source}: layer_types has {_short(bad[0])}; expected "
+                     + (' or '.join(allowed) if len(allowed) < 4 else f"one of {', '.join(allowed)}"))
         drafter = isinstance(d.get("dflash_config"), dict)   # the drafter's windows: layer_attention
         if "sliding_attention" in types and d.get("sliding_window") is None and not drafter:
             p.append(f"{source}: layer_types has sliding_attention layers but sliding_window is not set")
