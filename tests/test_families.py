@@ -90,3 +90,26 @@ def test_check_takes_the_family_and_names_the_runtime_gap(sources, family):
     cfg = json.loads((sources[family] / "config.json").read_text())
     note = runtime_coverage(cfg)
     assert note is not None and f"model_type {family!r}" in note
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_plan_reads_the_family(sources, family):
+    """The planner's parameter count = the elements stored in the checkpoint transformers wrote; KV per
+    token as the family stores it (MLA: kv_lora_rank + qk_rope_head_dim per layer, unsplit; GatedDeltaNet
+    layers: none)."""
+    from dflash_trt.deploy.planner import kv_bytes_per_token, plan, target_shape
+    from dflash_trt.io.checkpoint import CheckpointReader
+
+    cfg = json.loads((sources[family] / "config.json").read_text())
+    shape = target_shape(cfg)
+    with CheckpointReader(sources[family]) as r:
+        stored = sum(torch.Size(r.meta(k)[1]).numel() for k in r.keys())  # noqa: SIM118 (a reader, not a dict)
+    assert shape.total_params == stored
+    spec = FAMILIES[family]
+    if "kv_lora_rank" in spec:
+        want = 2 * (spec["kv_lora_rank"] + spec["qk_rope_head_dim"])        # 2 layers, fp8: 1 byte each
+    else:
+        attn = sum(t != "linear_attention" for t in spec.get("layer_types", ["full_attention"] * 2))
+        want = attn * 2 * cfg["num_key_value_heads"] * (cfg.get("head_dim") or cfg["hidden_size"] // 4)
+    assert kv_bytes_per_token(shape, "fp8") == want
+    assert plan(cfg, None, "dgx-b300").chosen is not None
