@@ -113,3 +113,30 @@ def test_plan_reads_the_family(sources, family):
         want = attn * 2 * cfg["num_key_value_heads"] * (cfg.get("head_dim") or cfg["hidden_size"] // 4)
     assert kv_bytes_per_token(shape, "fp8") == want
     assert plan(cfg, None, "dgx-b300").chosen is not None
+
+
+def test_build_takes_a_family_the_runtime_does_not_run(tmp_path):
+    """build: the note line, then a whole bundle (FP8 target as above, every stack's configs)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dflash_trt.models.drafter import DFlashDrafter, save_drafter
+    from dflash_trt.models.tiny import build_tokenizer, init_drafter_weights, tiny_drafter_config
+
+    from helpers import run_cli
+
+    tok = build_tokenizer()
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model("deepseek_v3", **{**BASE, **MLA, "vocab_size": len(tok)})
+    AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).save_pretrained(tmp_path / "t")
+    tok.save_pretrained(tmp_path / "t")
+    d = DFlashDrafter(tiny_drafter_config(json.loads((tmp_path / "t" / "config.json").read_text()), 3))
+    init_drafter_weights(d)
+    save_drafter(d, tmp_path / "d")
+    code, _, err = run_cli("build", "--target", str(tmp_path / "t"), "--drafter", str(tmp_path / "d"), "--arch",
+                           "hopper", "--gpu", "h200", "--out", str(tmp_path / "b"))
+    assert code == 0, err
+    assert sum("does not cover model_type 'deepseek_v3'" in line for line in err.splitlines()) == 1
+    for f in ("trtllm-serve.yaml", "vllm.json", "sglang.json"):
+        assert (tmp_path / "b" / "configs" / f).is_file(), f
+    assert json.loads((tmp_path / "b" / "target" / "hf_quant_config.json").read_text())["quantization"]["quant_algo"] \
+        == "FP8"
