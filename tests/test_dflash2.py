@@ -65,9 +65,11 @@ def _cfg(**kw):
 VARIANTS = {
     "plain": (_cfg(), [(None, False)] * 2),
     "layer_types mixed (gemma-4 / Qwen3.6 drafters)": (
-        _cfg(layer_types=["sliding_attention", "full_attention"], sliding_window=64, use_sliding_window=True), [(64, True), (None, False)]),
+        _cfg(layer_types=["sliding_attention", "full_attention"], sliding_window=64, use_sliding_window=True),
+        [(64, True), (None, False)]),
     "all sliding + is_causal false (DFlash2 fixture)": (
-        _cfg(layer_types=["sliding_attention"] * 2, sliding_window=64, use_sliding_window=True, is_causal=False), [(64, False)] * 2),
+        _cfg(layer_types=["sliding_attention"] * 2, sliding_window=64, use_sliding_window=True, is_causal=False),
+        [(64, False)] * 2),
     "use_swa without layer_types (MiMo)": (
         _cfg(dflash_config={"use_swa": True, "swa_window_size": 32}), [(32, False)] * 2),
     "use_swa over all-full layer_types": (

@@ -49,7 +49,8 @@ def test_attention_resolution_is_vllms(units, name):
 
 def test_grouped_conv_is_vllms(units):
     """vLLM's _grouped_conv over two blocks of 4 rows = ours on each block."""
-    i = {k: torch.tensor(v, dtype=torch.float64) for k, v in units["edge_inputs"].items() if k in ("x", "delta", "base")}
+    i = {k: torch.tensor(v, dtype=torch.float64) for k, v in units["edge_inputs"].items()
+         if k in ("x", "delta", "base")}
     conv = GroupedDynamicConv(32, 2, 4).double()
     with torch.no_grad():
         conv.base_kernel[0] = i["base"]

@@ -241,9 +241,9 @@ def drafter_stack_problems(stack: str, dcfg) -> list[str]:
             or [(None, False)] * len(dcfg.layer_attention)
         if sglang_sees != [(w, c) for w, c in dcfg.layer_attention]:
             keys = [k for k in ("use_swa", "swa_window_size", "causal") if k in dc]
+            names = ", ".join("dflash_config." + k for k in keys)
             return [(f"SGLang 0.5.23 reads a drafter's attention from is_causal / layer_types / sliding_window only "
-                     f"(sglang/srt/models/dflash.py); this drafter sets {', '.join('dflash_config.' + k for k in keys)}, "
-                     "which SGLang would ignore")]
+                     f"(sglang/srt/models/dflash.py); this drafter sets {names}, which SGLang would ignore")]
     return []
 
 
