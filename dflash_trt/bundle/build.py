@@ -45,11 +45,15 @@ from dflash_trt.bundle.serving_configs import (
     STACK_NAMES,
     STACKS,
     TRTLLM_KV_FRACTION,
+    drafter_stack_problems,
     fp8_drafter_problem,
     layer_ids_by_stack,
+    sglang_drafter_args,
     sglang_launch,
     stack_layout_problems,
+    trtllm_drafter_options,
     trtllm_serve_config,
+    vllm_drafter_env,
     vllm_launch,
 )
 from dflash_trt.bundle.serving_profiles import DRAFTER_ATTENTION_BACKEND, drafter_attention_backend, profile_settings
@@ -270,7 +274,7 @@ def check_parallel(o: BuildOptions, cfg: dict, name: str) -> None:
         raise DFlashError(f"--pp {o.pp} does not divide the target's num_hidden_layers = {layers}")
 
 
-def resolve_stacks(o: BuildOptions, s: dict, block_size: int) -> tuple[list[str], dict[str, str]]:
+def resolve_stacks(o: BuildOptions, s: dict, block_size: int, dcfg=None) -> tuple[list[str], dict[str, str]]:
     """(stacks that get a config, {stack: why not} for the others), by each stack's own DFlash
     rules (bundle/serving_configs.py). A stack named in --stacks that cannot serve the layout, or
     an FP8 drafter for a stack that cannot load one, is an error before anything is written."""
@@ -285,6 +289,7 @@ def resolve_stacks(o: BuildOptions, s: dict, block_size: int) -> tuple[list[str]
             raise DFlashError(f"--drafter-quant fp8: {STACK_NAMES[stack]} cannot load an FP8 drafter: "
                               f"{fp8_drafter_problem(stack)}; use --drafter-quant none, or --stacks vllm")
         problems = stack_layout_problems(stack, tp=o.tp, pp=o.pp, block_size=block_size)
+        problems += drafter_stack_problems(stack, dcfg) if dcfg is not None else []
         if problems and explicit:
             raise DFlashError(f"--stacks {stack}: {STACK_NAMES[stack]} cannot serve this layout: {'; '.join(problems)}")
         if problems:
@@ -457,7 +462,7 @@ class Builder:
         if not 2 <= B <= self.dcfg.block_size:
             raise DFlashError(f"--block-size {B}: must be between 2 and the drafter's trained block size "
                               f"{self.dcfg.block_size}")
-        self.stacks, self.skipped_stacks = resolve_stacks(o, self.settings, B)
+        self.stacks, self.skipped_stacks = resolve_stacks(o, self.settings, B, self.dcfg)
         self.profile = profile_settings(o.profile, self.tcfg, B, o.max_batch_size)
         if "trtllm" in self.stacks:
             check_draft_context(o, self.settings, self.tcfg, self.dcfg.raw, self.tdir, self.profile)
@@ -567,6 +572,8 @@ class Builder:
             first = next((p for p in probs if "target" in p), probs[0])  # pair mismatches first
             hint = "; pass --allow-nonfinite to build anyway" if first.endswith(f"({NONFINITE_NOTE})") else ""
             raise DFlashError(f"check: the drafter does not fit the target ({len(probs)} problem(s)): {first}{hint}")
+        if report.get("runtime_note"):
+            self.log(report["runtime_note"])
         (self.work / "reports").mkdir(exist_ok=True)
         (self.work / "reports" / "check.json").write_text(json.dumps(report, indent=2) + "\n")
         return {}
@@ -714,18 +721,27 @@ def write_configs(work: Path, m: dict, tcfg: dict, B: int) -> dict:
     served = m["serving_stacks"]["served"]
     cfgdir = work / "configs"
     cfgdir.mkdir(exist_ok=True)
+    dcfg = load_drafter_config(work / "drafter")
     if "trtllm" in served:
         (cfgdir / "trtllm-serve.yaml").write_text(
             "# trtllm-serve target --config configs/trtllm-serve.yaml   (run from the bundle root)\n"
-            + yaml.safe_dump(_trtllm_config(m, tcfg, B), sort_keys=False))
+            + yaml.safe_dump(_trtllm_config(m, tcfg, B, dcfg), sort_keys=False))
     kw = dict(target_path="target", drafter_path="drafter", block_size=B, zlab_ids=d["target_layer_ids"]["zlab"],
               tp=p["tp"], ep=p["ep"], pp=p["pp"], kv_cache=m["quant"]["kv_cache"])
     if "vllm" in served:
         v = vllm_launch(**kw)
+        env = vllm_drafter_env(dcfg)
+        if env:   # the drafter's attention layout needs it (serving_configs.vllm_drafter_env)
+            v["env"] = env
+            v["command"] = " ".join(f"{k}={val}" for k, val in env.items()) + " " + v["command"]
         (cfgdir / "vllm.json").write_text(json.dumps(v, indent=2) + "\n")
         (cfgdir / "vllm-speculative-config.json").write_text(json.dumps(v["speculative_config"], indent=2) + "\n")
     if "sglang" in served:
-        (cfgdir / "sglang.json").write_text(json.dumps(sglang_launch(**kw), indent=2) + "\n")
+        sg = sglang_launch(**kw)
+        if extra := sglang_drafter_args(dcfg):   # the drafter's attention layout needs it
+            sg["argv"] += extra
+            sg["command"] = shlex.join(sg["argv"])
+        (cfgdir / "sglang.json").write_text(json.dumps(sg, indent=2) + "\n")
     return _configs_index(m)
 
 
@@ -738,19 +754,24 @@ def _configs_index(m: dict) -> dict:
     return {k: v for stack in m["serving_stacks"]["served"] for k, v in CONFIG_FILES[stack].items()}
 
 
-def _trtllm_config(m: dict, tcfg: dict, B: int) -> dict:
+def _trtllm_config(m: dict, tcfg: dict, B: int, dcfg=None) -> dict:
     d, p = m["drafter"], m["parallel"]
-    return trtllm_serve_config(target_cfg=tcfg, drafter_path="drafter", block_size=B, mask_token_id=d["mask_token_id"],
-                               zlab_ids=d["target_layer_ids"]["trtllm"], tp=p["tp"], ep=p["ep"], pp=p["pp"],
-                               kv_cache=m["quant"]["kv_cache"], arch=m["arch"], max_seq_len=m["max_seq_len"],
-                               profile=profile_settings(m.get("serving_profile", {}).get("profile", "latency"), tcfg, B,
-                                                        m.get("serving_profile", {}).get("max_batch_size")),
-                               drafter_attention_backend=drafter_attention_backend(m["arch"]))
+    cfg = trtllm_serve_config(target_cfg=tcfg, drafter_path="drafter", block_size=B, mask_token_id=d["mask_token_id"],
+                              zlab_ids=d["target_layer_ids"]["trtllm"], tp=p["tp"], ep=p["ep"], pp=p["pp"],
+                              kv_cache=m["quant"]["kv_cache"], arch=m["arch"], max_seq_len=m["max_seq_len"],
+                              profile=profile_settings(m.get("serving_profile", {}).get("profile", "latency"), tcfg, B,
+                                                       m.get("serving_profile", {}).get("max_batch_size")),
+                              drafter_attention_backend=drafter_attention_backend(m["arch"]))
+    # A drafter's own rules last: non-causal sliding-window layers pin VANILLA over the per-GPU choice.
+    if dcfg is not None:
+        cfg["speculative_config"].update(trtllm_drafter_options(dcfg))
+    return cfg
 
 
 def write_triton(work: Path, m: dict, tcfg: dict, B: int, ref: dict) -> None:
     served = m["serving_stacks"]["served"]
-    llm_yaml = llmapi_model_yaml(_trtllm_config(m, tcfg, B), "target", decoupled=True, max_batch_size=0) \
+    llm_yaml = llmapi_model_yaml(_trtllm_config(m, tcfg, B, load_drafter_config(work / "drafter")), "target",
+                                 decoupled=True, max_batch_size=0) \
         if "trtllm" in served else None
     reference = {"target": ref["target"], "drafter": ref["drafter"], "block_size": B, "dtype": "float32",
                  "max_new_tokens": 128, "chat": True, "decode_slots": 1, "max_queue": 64,

@@ -391,6 +391,13 @@ def export_onnx(drafter_dir, target_dir, out_file, page_size: int = 16, hashes=N
     import onnx
 
     check_page_size(page_size)
+    dcfg = load_drafter_config(drafter_dir)
+    if dcfg.kind != "dflash" or not dcfg.plain_attention:
+        # the graph below is the non-causal, unwindowed DFlash draft pass with an argmax-able lm_head
+        raise DFlashError(f"{drafter_dir}: export-onnx covers DFlash drafters with non-causal full attention; this "
+                          f"is a {'DFlash2' if dcfg.kind == 'dflash2' else 'DFlash'} drafter"
+                          + (" with causal or sliding-window layers" if not dcfg.plain_attention else "")
+                          + " (serve it with a stack's own drafter: TensorRT-LLM, vLLM or SGLang configs)")
     if (Path(drafter_dir) / "hf_quant_config.json").is_file():   # FP8 / NVFP4: dequantized whole, as the runtime does
         weights, drafter = None, load_drafter(drafter_dir, dtype=torch.float32)
     else:

@@ -226,3 +226,77 @@ def sglang_launch(*, target_path: str, drafter_path: str, block_size: int, zlab_
         "dflash_config": {"target_layer_ids": zlab_to_sglang(zlab_ids)},
         "capture_before_layer": sglang_capture_points(zlab_ids),
     }
+
+
+# ------------------------------------------------------------ drafter kinds and attention variants
+# DFlash2 drafters and sliding-window / causal drafter layers (models/config.py layer_attention),
+# by each stack's own rules. One function per question; build.resolve_stacks and write_configs call them.
+def drafter_stack_problems(stack: str, dcfg) -> list[str]:
+    """Why `stack` cannot serve this drafter (empty: it can). dcfg: a models.config.DrafterConfig."""
+    if stack == "vllm" and dcfg.kind == "dflash2":
+        # vllm/model_executor/models/qwen3_dflash2.py DFlash2Qwen3DecoderLayer / DFlash2Qwen3Model read
+        # int(draft_config["conv_kernel_size"]) etc. from hf_config.dflash_config only (KeyError otherwise)
+        dc = dcfg.raw.get("dflash_config") if isinstance(dcfg.raw.get("dflash_config"), dict) else {}
+        missing = [k for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k") if k not in dc]
+        if missing:
+            return [(f"vLLM's DFlash2 (qwen3_dflash2.py) reads {', '.join(missing)} from dflash_config only; "
+                     "this drafter sets them at the top level")]
+    if stack == "sglang":
+        # sglang 0.5.23 sglang/srt/models/dflash.py `_get_dflash_layer_attention_params` and
+        # speculative/dflash_utils.py `get_dflash_attention_sliding_window_size` read only is_causal,
+        # layer_types and sliding_window (use_swa / swa_window_size only for Nemotron 3.5 drafters;
+        # dflash_config.causal never): a drafter whose window or causality lives in those keys would be
+        # served with other attention than it was trained with
+        dc = dcfg.raw.get("dflash_config") if isinstance(dcfg.raw.get("dflash_config"), dict) else {}
+        types = dcfg.raw.get("layer_types") or []
+        causal = dcfg.raw.get("is_causal")
+        # no layer_types: every layer full and non-causal (is_causal not read on that path)
+        sglang_sees = [(dcfg.raw.get("sliding_window") if t == "sliding_attention" else None,
+                        bool(causal) if causal is not None else t == "sliding_attention") for t in types] \
+            or [(None, False)] * len(dcfg.layer_attention)
+        if sglang_sees != [(w, c) for w, c in dcfg.layer_attention]:
+            keys = [k for k in ("use_swa", "swa_window_size", "causal") if k in dc]
+            names = ", ".join("dflash_config." + k for k in keys)
+            return [(f"SGLang 0.5.23 reads a drafter's attention from is_causal / layer_types / sliding_window only "
+                     f"(sglang/srt/models/dflash.py); this drafter sets {names}, which SGLang would ignore")]
+    return []
+
+
+def non_causal_windowed(dcfg) -> bool:
+    """Any drafter layer both sliding-window and non-causal (the DFlash2 fixture: all of them)."""
+    return any(w is not None and not c for w, c in dcfg.layer_attention)
+
+
+def trtllm_drafter_options(dcfg) -> dict:
+    """Keys added to TensorRT-LLM's speculative_config for this drafter. DFlashDecodingConfig
+    .attention_backend ("VANILLA" | "TRTLLM", default VANILLA; tests/upstream_trtllm.py): the TRTLLM
+    drafter backend is rejected for non-causal sliding-window layers (NVIDIA/TensorRT-LLM#19159,
+    "non-causal SWA is unsupported"), so such drafters pin VANILLA (FlashAttention with a symmetric
+    window, NVIDIA/TensorRT-LLM#17935)."""
+    return {"attention_backend": "VANILLA"} if non_causal_windowed(dcfg) else {}
+
+
+def sglang_drafter_args(dcfg) -> list[str]:
+    """Extra SGLang launch arguments for this drafter. Non-causal sliding-window layers: the
+    trtllm_mha draft backend places every query of the block at its last position and so gives
+    the earlier ones a window up to block_size - 1 keys too narrow, silently
+    (sgl-project/sglang#35209, open). Pin flashinfer, which takes per-layer windows
+    (`--speculative-draft-attention-backend`, choices in sglang 0.5.23 arg_groups/choices.py)."""
+    return ["--speculative-draft-attention-backend", "flashinfer"] if non_causal_windowed(dcfg) else []
+
+
+def vllm_drafter_env(dcfg) -> dict:
+    """Environment vLLM needs for this drafter: the V2 model runner, for a drafter mixing sliding
+    and full layers (vllm/model_executor/models/qwen3_dflash.py _resolve_layer_attention raises
+    NotImplementedError "... relaunch with VLLM_USE_V2_MODEL_RUNNER=1") and for DFlash2 (vllm/config/
+    vllm.py: V1 "does not support: DFlash candidate-head drafts", which would otherwise draft as
+    DFlash (1) silently; auto-selection falls back to V1 whenever any other feature is V2-unsupported);
+    vllm 0.32.0. (V2 needs Triton: vLLM's CPU build cannot serve these drafters.)"""
+    n = sum(w is not None for w, _ in dcfg.layer_attention)
+    need = dcfg.kind == "dflash2" or 0 < n < len(dcfg.layer_attention)
+    return {"VLLM_USE_V2_MODEL_RUNNER": "1"} if need else {}
+
+
+def drafter_attention_summary(dcfg) -> dict:
+    """What each stack is told, and what it resolves, about the drafter's attention (manifest)."""
+    return {"kind": dcfg.kind, "layers": [{"sliding_window": w, "causal": c} for w, c in dcfg.layer_attention]}

@@ -20,8 +20,11 @@ def emit_json(obj) -> None:
 @click.option("--seed", type=SEED, default=0, show_default=True)
 @click.option("--block-size", type=click.IntRange(2, 64), default=8, show_default=True, help="Drafter block size.")
 @click.option("--no-mxfp4", is_flag=True, help="gpt-oss: store experts dense instead of MXFP4.")
+@click.option("--drafter-kind", type=click.Choice(["dflash", "dflash2", "dflash-swa"]), default="dflash",
+              show_default=True, help="dflash2: a DFlash2 drafter (conv + candidate selector, sliding window); "
+              "dflash-swa: a DFlash drafter with causal sliding-window layers.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
-def make_tiny_cmd(arch, out, drafter_out, seed, block_size, no_mxfp4, as_json):
+def make_tiny_cmd(arch, out, drafter_out, seed, block_size, no_mxfp4, drafter_kind, as_json):
     """Write a tiny random target of a real family, with a working tokenizer, and a matching
     random DFlash drafter. Real config fields and tensor names, a few layers: for smoke tests
     of a deployment, for tests and benchmarks.
@@ -30,10 +33,12 @@ def make_tiny_cmd(arch, out, drafter_out, seed, block_size, no_mxfp4, as_json):
     Example:
       dflash-trt make-tiny --arch qwen3 --out tiny/target --drafter-out tiny/drafter
       dflash-trt generate --target tiny/target --drafter tiny/drafter -p "hello"
+      dflash-trt make-tiny --arch qwen3 --out t --drafter-out d2 --drafter-kind dflash2 --block-size 16
     """
     from dflash_trt.models.tiny import make_tiny
 
-    s = make_tiny(arch, out, drafter_out, seed=seed, mxfp4=not no_mxfp4, block_size=block_size)
+    s = make_tiny(arch, out, drafter_out, seed=seed, mxfp4=not no_mxfp4, block_size=block_size,
+                  drafter_kind=drafter_kind)
     if as_json:
         emit_json(s)
     else:
@@ -67,10 +72,12 @@ def check_cmd(target, drafter, scan, as_json):
     report = check_pair(tdir, ddir, scan=scan)
     if as_json:
         emit_json(report)
-    elif report["ok"]:
+    elif report.get("runtime_note"):
+        click.echo(report["runtime_note"], err=True)
+    if not as_json and report["ok"]:
         click.echo(f"ok: block_size {report['block_size']}, mask_token_id {report['mask_token_id']}, "
                    f"target_layer_ids {report['target_layer_ids']}")
-    else:
+    elif not as_json:
         for p in report["problems"]:
             click.echo(f"problem: {p}", err=True)
     if not report["ok"]:

@@ -491,6 +491,14 @@ def nonfinite_tensors(reader: "CheckpointReader", limit: int = 20) -> list[str]:
 # ----------------------------------------------------------------------------------------------
 # shapes expected from config.json (Llama / Qwen2 / Qwen3 / Mistral / gpt-oss naming)
 
+# Families whose q/k RMSNorm spans all heads' features, not one head's (transformers 5.24
+# models/minimax_m2/modeling_minimax_m2.py: MiniMaxM2Attention q_norm = RMSNorm(head_dim * num_heads)).
+QK_NORM_OVER_ALL_HEADS = ("minimax_m2",)
+# Families whose q_proj also emits the attention-output gate (nh * head_dim * 2 outputs; transformers 5.24
+# qwen3_next / qwen3_5 / qwen3_5_moe Attention: q_proj = Linear(hidden, heads * head_dim * 2)).
+Q_PROJ_WITH_GATE = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+
+
 def expected_shape(name: str, cfg: dict) -> tuple[int, ...] | None:
     """The shape config.json implies for a standard HF decoder tensor, or None if not known."""
     c = cfg.get("text_config", cfg)
@@ -522,6 +530,10 @@ def expected_shape(name: str, cfg: dict) -> tuple[int, ...] | None:
         "self_attn.v_proj.bias": (nkv * hd,), "self_attn.o_proj.bias": (H,),
         "self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,),
     }
+    if c.get("model_type") in Q_PROJ_WITH_GATE:
+        table.update({"self_attn.q_proj.weight": (2 * nh * hd, H), "self_attn.q_proj.bias": (2 * nh * hd,)})
+    if c.get("model_type") in QK_NORM_OVER_ALL_HEADS:
+        table.update({"self_attn.q_norm.weight": (nh * hd,), "self_attn.k_norm.weight": (nkv * hd,)})
     if not E and inter:
         table.update({"mlp.gate_proj.weight": (inter, H), "mlp.up_proj.weight": (inter, H),
                       "mlp.down_proj.weight": (H, inter)})

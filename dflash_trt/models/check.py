@@ -83,6 +83,8 @@ def check_pair(target_dir: str | Path, drafter_dir: str | Path, scan: bool = Fal
         report.update(target_layer_ids=dcfg.target_layer_ids, block_size=dcfg.block_size,
                       mask_token_id=dcfg.mask_token_id)
         problems += _check_drafter_tensors(drafter_dir, dcfg, allow_pickle)
+    if tcfg is not None:
+        report["runtime_note"] = runtime_coverage(tcfg)
     if tcfg is not None and dcfg is not None:
         problems += _check_against_target(target_dir, decoder_config(tcfg), dcfg)
         try:   # the runtime drafts from it: generate refuses a bad one, so check does too
@@ -97,6 +99,18 @@ def check_pair(target_dir: str | Path, drafter_dir: str | Path, scan: bool = Fal
         problems += [f"{p} ({NONFINITE_NOTE})" for p in report["nonfinite"]]
     report["ok"] = not problems
     return report
+
+
+def runtime_coverage(cfg: dict) -> str | None:
+    """None when the CPU reference runtime runs this target's family; else the one line `check`
+    and `build` print (the bundle is still built: quantize, convert and the serving configs work
+    by config; generate / bench / the Triton reference model need the runtime)."""
+    mt = decoder_config(cfg).get("model_type") or cfg.get("model_type")
+    if mt in SUPPORTED:
+        return None
+    return (f"note: the CPU reference runtime does not cover model_type {mt!r} (it runs {', '.join(SUPPORTED)}); "
+            "the bundle's serving configs and quantized checkpoints do not need it, but generate, bench and the "
+            "Triton reference model do")
 
 
 def _check_against_target(target_dir: Path, t: dict, d: DrafterConfig) -> list[str]:

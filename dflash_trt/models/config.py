@@ -36,6 +36,17 @@ MAX_EXPERTS = 4096
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
+def target_layer_types() -> tuple[str, ...]:
+    """The layer types a target config may list: transformers' own ALLOWED_LAYER_TYPES
+    (configuration_utils; linear_attention for Qwen3.5/3.6 and Qwen3-Next, indexed_attention for
+    GLM-5, ...). A drafter's stay LAYER_TYPES: the only ones a DFlash drafter layer can be."""
+    try:
+        from transformers.configuration_utils import ALLOWED_LAYER_TYPES
+    except ImportError:
+        return LAYER_TYPES
+    return tuple(ALLOWED_LAYER_TYPES)
+
+
 @dataclass(frozen=True)
 class Field:
     """One config field: its JSON type and inclusive range. Null counts as absent."""
@@ -67,11 +78,31 @@ TARGET_FIELDS = COMMON_FIELDS + (
     Field("mlp_bias", "bool"), Field("text_config", "dict"), _ints("num_experts", 1, MAX_EXPERTS),
     _ints("num_local_experts", 1, MAX_EXPERTS), _ints("num_experts_per_tok", 1, MAX_EXPERTS),
 )
+# DFlash2's fields (z-lab/dflash dflash/model.py `_draft_value`: dflash_config first, then the top level).
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+MAX_CONV_TAPS = 64             # conv taps run over the block's own positions (z-lab: 2)
 DRAFTER_FIELDS = COMMON_FIELDS + (
     _ints("block_size", 2, MAX_BLOCK), _ints("num_target_layers", 1, MAX_LAYERS), Field("dflash_config", "dict"),
     _ints("dflash_config.block_size", 2, MAX_BLOCK), _ints("dflash_config.mask_token_id", 0, MAX_VOCAB - 1),
     _ints("mask_token_id", 0, MAX_VOCAB - 1), Field("dflash_config.target_layer_ids", "int_list", 0, MAX_LAYERS - 1),
+    Field("is_causal", "bool"), Field("dflash_config.causal", "bool"), Field("dflash_config.use_swa", "bool"),
+    _ints("dflash_config.swa_window_size", 1, MAX_CONTEXT),
+    *[_ints(f"{pre}{k}", 1, hi) for pre in ("", "dflash_config.") for k, hi in (
+        ("conv_kernel_size", MAX_CONV_TAPS), ("conv_group_size", MAX_HIDDEN), ("selector_rank", MAX_HIDDEN),
+        ("selector_top_k", MAX_VOCAB))],
+    *[Field(f"{pre}{k}", "float", lo, hi) for pre in ("", "dflash_config.") for k, lo, hi in (
+        ("input_embedding_scale", 1e-6, 1e6), ("output_multiplier", 1e-6, 1e6), ("final_logit_softcapping", 0.0, 1e6))],
 )
+DRAFTER_ARCHITECTURES = {"DFlashDraftModel": "dflash", "DFlash2DraftModel": "dflash2"}
+# dflash_config keys upstream reads that change what the drafter computes and that the CPU
+# runtime does not implement: refused by name rather than silently dropped.
+UNSUPPORTED_DRAFTER_KEYS = {
+    "dflash_config.attention_sink_bias": "per-head attention sinks in the drafter (vLLM qwen3_dflash.py "
+                                         "DFlashQwen3DecoderLayer)",
+    "add_swa_attention_sink_bias": "per-head attention sinks in the drafter (vLLM qwen3_dflash.py)",
+    "dflash_config.attention_value_scale": "a scale on the drafter's V (vLLM qwen3_dflash.py DFlashQwen3Attention)",
+    "dflash_config.sample_from_anchor": "drafting from the anchor position (vLLM speculators algos.py update_dflash)",
+}
 
 
 def _get(d: dict, name: str):
@@ -146,10 +177,13 @@ def _relations(d: dict, source: str) -> list[str]:
     if isinstance(types, list) and all(isinstance(t, str) for t in types):
         if ok("num_hidden_layers") and len(types) != L:
             p.append(f"{source}: layer_types has {len(types)} entries but num_hidden_layers = {L}")
-        bad = sorted(set(types) - set(LAYER_TYPES))
+        allowed = LAYER_TYPES if isinstance(d.get("dflash_config"), dict) else target_layer_types()
+        bad = sorted(set(types) - set(allowed))
         if bad:
-            p.append(f"{source}: layer_types has {_short(bad[0])}; expected {' or '.join(LAYER_TYPES)}")
-        if "sliding_attention" in types and d.get("sliding_window") is None:
+            p.append(f"{source}: layer_types has {_short(bad[0])}; expected "
+                     + (' or '.join(allowed) if len(allowed) < 4 else f"one of {', '.join(allowed)}"))
+        drafter = isinstance(d.get("dflash_config"), dict)   # the drafter's windows: layer_attention
+        if "sliding_attention" in types and d.get("sliding_window") is None and not drafter:
             p.append(f"{source}: layer_types has sliding_attention layers but sliding_window is not set")
     if ok("num_local_experts") and ok("num_experts_per_tok") and d["num_experts_per_tok"] > d["num_local_experts"]:
         p.append(f"{source}: num_experts_per_tok = {d['num_experts_per_tok']} exceeds num_local_experts = "
@@ -199,7 +233,114 @@ def drafter_config_problems(d: dict, source: str = "config.json") -> list[str]:
         if _is_int(n_t) and n_t >= 1 and any(i >= n_t for i in ids):
             p.append(f"{source}: {what} {[i for i in ids if i >= n_t]} out of range for num_target_layers = {n_t} "
                      f"(valid 0..{n_t - 1})")
+    p += _dflash_problems(d, source)
     return list(dict.fromkeys(p))
+
+
+def draft_value(d: dict, name: str, default=None):
+    """A drafter field as z-lab reads it (dflash/model.py `_draft_value`): dflash_config first,
+    then the top level. (vLLM's DFlash2 reads conv_* / selector_* from dflash_config only:
+    bundle/serving_configs.py checks that for the vLLM config.)"""
+    dc = d.get("dflash_config") if isinstance(d.get("dflash_config"), dict) else {}
+    v = dc.get(name)
+    return d.get(name, default) if v is None else v
+
+
+def drafter_kind(d: dict) -> str:
+    """"dflash" or "dflash2", by the architecture upstream dispatches on (vLLM
+    v1/worker/gpu/spec_decode/__init__.py picks DFlash2Speculator for "DFlash2DraftModel";
+    z-lab/dflash's loader class is DFlash2DraftModel)."""
+    archs = d.get("architectures") if isinstance(d.get("architectures"), list) else []
+    return "dflash2" if "DFlash2DraftModel" in archs else "dflash"
+
+
+def qwen3_window_and_types(d: dict) -> tuple[int | None, list[str] | None]:
+    """sliding_window and layer_types as transformers' Qwen3Config holds them, which is what z-lab
+    (DFlashDraftModel's config_class), vLLM and SGLang (hf_config of model_type qwen3) all read a
+    drafter through (transformers 5.24 and 5.19 models/qwen3/configuration_qwen3.py): sliding_window
+    is dropped unless use_sliding_window is true, and absent layer_types are derived (sliding for
+    layers >= max_window_layers when a window remains)."""
+    window = d.get("sliding_window") if d.get("use_sliding_window") else None
+    types = d.get("layer_types") if isinstance(d.get("layer_types"), list) else None
+    if types is None and _is_int(d.get("num_hidden_layers")):
+        mwl = d.get("max_window_layers") if _is_int(d.get("max_window_layers")) else 28
+        types = ["sliding_attention" if window is not None and i >= mwl else "full_attention"
+                 for i in range(d["num_hidden_layers"])]
+    return window, types
+
+
+def layer_attention(d: dict) -> list[tuple[int | None, bool]]:
+    """(sliding window or None, causal) of each drafter layer, resolved as vLLM 0.32.0 does
+    (vllm/model_executor/models/qwen3_dflash.py `_resolve_layer_attention` and `_dflash_layer_causal`):
+
+    - causal: top-level `is_causal` if set, else `dflash_config.causal` if set, else
+      layer_types[i] == "sliding_attention" (no layer_types: non-causal);
+    - sliding: layer_types[i] == "sliding_attention"; without layer_types, or with `dflash_config.use_swa`
+      and no sliding layer listed, every layer is sliding iff `dflash_config.use_swa`;
+    - window: `dflash_config.swa_window_size`, else the top-level `sliding_window`.
+
+    z-lab/dflash (dflash/model.py Qwen3DFlashAttention, @0a7587c0 fixture's reader) reads a subset:
+    is_causal, else layer_types[i] == "sliding_attention"; window = sliding_window for sliding
+    layers. Every config z-lab writes resolves the same both ways. A window of w lets a query at
+    position p see keys with |p - k| < w (causal: p - w < k <= p), as z-lab's `_attention_mask`
+    and vLLM's FlashAttention `_maybe_symmetrize_window` ((w-1, w-1) when non-causal) agree.
+    Raises DFlashError for a sliding layer without a window."""
+    dc = d.get("dflash_config") if isinstance(d.get("dflash_config"), dict) else {}
+    L = d["num_hidden_layers"]
+    hf_window, types = qwen3_window_and_types(d)
+    use_swa = bool(dc.get("use_swa", False))
+    any_sliding = bool(types) and "sliding_attention" in types
+    out = []
+    for i in range(L):
+        sliding = use_swa if types is None or (use_swa and not any_sliding) else types[i] == "sliding_attention"
+        window = None
+        if sliding:
+            window = dc.get("swa_window_size", hf_window)
+            if window is None:
+                why = (" (sliding_window is set but use_sliding_window is not true: transformers' Qwen3Config, "
+                       "which every stack reads the drafter with, drops it)") if d.get("sliding_window") else ""
+                raise DFlashError(f"config.json: drafter layer {i} is sliding-window attention but neither "
+                                  f"dflash_config.swa_window_size nor sliding_window is set{why}")
+        if d.get("is_causal") is not None:
+            causal = bool(d["is_causal"])
+        elif dc.get("causal") is not None:
+            causal = bool(dc["causal"])
+        else:
+            causal = bool(types) and types[i] == "sliding_attention"
+        out.append((int(window) if window is not None else None, causal))
+    return out
+
+
+def _dflash_problems(d: dict, source: str) -> list[str]:
+    """DFlash2's fields, the attention variants, and the keys the runtime refuses by name."""
+    p = []
+    for key, what in UNSUPPORTED_DRAFTER_KEYS.items():
+        v = _get(d, key)
+        if v not in (None, False) and not (key.endswith("value_scale") and v == 1.0):
+            p.append(f"{source}: {key} = {_short(v)}: the CPU runtime does not implement {what}")
+    if drafter_kind(d) == "dflash2":
+        missing = [k for k in DFLASH2_FIELDS if draft_value(d, k) is None]
+        if missing:
+            p.append(f"{source}: a DFlash2DraftModel needs dflash_config.{', dflash_config.'.join(missing)} "
+                     "(z-lab/dflash DFlash2DraftModel, vLLM qwen3_dflash2.py)")
+        H, g = d.get("hidden_size"), draft_value(d, "conv_group_size")
+        if _is_int(H) and _is_int(g) and g >= 1 and H % g:
+            p.append(f"{source}: conv_group_size = {g} does not divide hidden_size = {H}")
+        V, k = d.get("vocab_size"), draft_value(d, "selector_top_k")
+        if _is_int(V) and _is_int(k) and k > V:
+            p.append(f"{source}: selector_top_k = {k} exceeds vocab_size = {V}")
+    elif any(draft_value(d, k) is not None for k in DFLASH2_FIELDS):
+        have = [k for k in DFLASH2_FIELDS if draft_value(d, k) is not None]
+        p.append(f"{source}: {', '.join(have)} set but architectures is not DFlash2DraftModel; upstream would load "
+                 "it as a DFlash (1) drafter and drop them")
+    types = d.get("layer_types")
+    reported = isinstance(types, list) and len(types) != d.get("num_hidden_layers")
+    if _is_int(d.get("num_hidden_layers")) and d["num_hidden_layers"] >= 1 and not reported:
+        try:
+            layer_attention(d)
+        except DFlashError as e:
+            p.append(str(e).replace("config.json:", f"{source}:", 1))
+    return p
 
 
 def _first(problems: list[str]) -> None:
@@ -242,7 +383,23 @@ class DrafterConfig:
     num_target_layers: int | None
     attention_bias: bool = False
     hidden_act: str = "silu"
+    kind: str = "dflash"                   # "dflash" | "dflash2" (drafter_kind)
+    layer_attention: list = field(default_factory=list)   # per layer (window | None, causal): layer_attention()
+    # DFlash2 (z-lab/dflash dflash/model.py DFlash2DraftModel; vLLM qwen3_dflash2.py)
+    conv_kernel_size: int = 0
+    conv_group_size: int = 0
+    selector_rank: int = 0
+    selector_top_k: int = 0
+    # both kinds in z-lab's reference (vLLM applies them to DFlash2 only): see DFlashDrafter
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
     raw: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def plain_attention(self) -> bool:
+        """Every layer non-causal and unwindowed (DFlash as first published; the fused paths assume it)."""
+        return all(w is None and not c for w, c in self.layer_attention)
 
     @property
     def n_features(self) -> int:
@@ -262,22 +419,35 @@ class DrafterConfig:
         if ids is None:
             ids = default_target_layer_ids(d["num_target_layers"], n_layers)
         heads = d["num_attention_heads"]
+        rope = d.get("rope_parameters") if isinstance(d.get("rope_parameters"), dict) else {}
         return cls(
             hidden_size=d["hidden_size"], num_hidden_layers=n_layers, num_attention_heads=heads,
             num_key_value_heads=d.get("num_key_value_heads") or heads,
             head_dim=d.get("head_dim") or d["hidden_size"] // heads,
             intermediate_size=d["intermediate_size"], vocab_size=d["vocab_size"],
-            rms_norm_eps=d.get("rms_norm_eps") or 1e-6, rope_theta=d.get("rope_theta") or 10000.0,
-            rope_scaling=d.get("rope_scaling"), max_position_embeddings=d.get("max_position_embeddings") or 32768,
+            # transformers >= 5 writes RoPE as rope_parameters {rope_theta, rope_type, ...} (the DFlash2 fixture does)
+            rms_norm_eps=d.get("rms_norm_eps") or 1e-6,
+            rope_theta=d.get("rope_theta") or rope.get("rope_theta") or 10000.0,
+            rope_scaling=d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None),
+            max_position_embeddings=d.get("max_position_embeddings") or 32768,
             block_size=int(block_size), mask_token_id=int(mask), target_layer_ids=[int(i) for i in ids],
             num_target_layers=d.get("num_target_layers"), attention_bias=bool(d.get("attention_bias", False)),
-            hidden_act=d.get("hidden_act") or "silu", raw=d,
+            hidden_act=d.get("hidden_act") or "silu", kind=drafter_kind(d), layer_attention=layer_attention(d),
+            conv_kernel_size=int(draft_value(d, "conv_kernel_size", 0)),
+            conv_group_size=int(draft_value(d, "conv_group_size", 0)),
+            selector_rank=int(draft_value(d, "selector_rank", 0)),
+            selector_top_k=int(draft_value(d, "selector_top_k", 0)),
+            input_embedding_scale=float(draft_value(d, "input_embedding_scale", 1.0)),
+            output_multiplier=float(draft_value(d, "output_multiplier", 1.0)),
+            final_logit_softcapping=(float(draft_value(d, "final_logit_softcapping"))
+                                     if draft_value(d, "final_logit_softcapping") else None),
+            raw=d,
         )
 
     def to_dict(self) -> dict:
         """The z-lab config.json: `raw` with our (possibly edited) fields written over it."""
         d = dict(self.raw)
-        d.setdefault("architectures", ["DFlashDraftModel"])
+        d.setdefault("architectures", ["DFlash2DraftModel" if self.kind == "dflash2" else "DFlashDraftModel"])
         d.setdefault("model_type", "qwen3")
         for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
                   "intermediate_size", "vocab_size", "rms_norm_eps", "rope_theta", "rope_scaling",
@@ -285,7 +455,7 @@ class DrafterConfig:
             d[k] = getattr(self, k)
         if self.num_target_layers is not None:
             d["num_target_layers"] = self.num_target_layers
-        d.setdefault("layer_types", ["full_attention"] * self.num_hidden_layers)
+        d.setdefault("layer_types", qwen3_window_and_types(d)[1])   # as transformers would derive them
         dcfg = dict(d.get("dflash_config") or {})
         dcfg["mask_token_id"] = self.mask_token_id
         dcfg["target_layer_ids"] = list(self.target_layer_ids)

@@ -74,7 +74,18 @@ def tiny_target_config(arch: str, vocab_size: int, eos_id: int, bos_id: int):
     raise DFlashError(f"--arch {arch!r}: expected one of {', '.join(ARCHS)}")
 
 
-def tiny_drafter_config(target_cfg: dict, mask_token_id: int, block_size: int = 8, layers: int = 2) -> DrafterConfig:
+DRAFTER_KINDS = ("dflash", "dflash2", "dflash-swa")
+
+
+def tiny_drafter_config(target_cfg: dict, mask_token_id: int, block_size: int = 8, layers: int = 2,
+                        kind: str = "dflash") -> DrafterConfig:
+    """kind: "dflash" (non-causal, full attention), "dflash2" (the z-lab DFlash2 fixture's layout,
+    z-lab/dflash tests/fixtures/dflash2-config.json @0a7587c0: every layer sliding-window,
+    is_causal false, conv taps 2, candidate selector; scaled down, window 8 so short prompts
+    cross it), "dflash-swa" (a DFlash drafter with mixed layers as the Qwen3.6 / gemma-4
+    drafters: sliding layers causal and windowed, full layers non-causal)."""
+    if kind not in DRAFTER_KINDS:
+        raise DFlashError(f"--drafter-kind {kind!r}: expected one of {', '.join(DRAFTER_KINDS)}")
     L = target_cfg["num_hidden_layers"]
     ids = default_target_layer_ids(L, layers) if L > 4 else list(range(min(layers, L)))
     d = {
@@ -87,11 +98,33 @@ def tiny_drafter_config(target_cfg: dict, mask_token_id: int, block_size: int = 
         "layer_types": ["full_attention"] * layers, "tie_word_embeddings": False,
         "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": ids},
     }
+    if kind == "dflash2":
+        d.update(architectures=["DFlash2DraftModel"], is_causal=False, use_sliding_window=True, sliding_window=8,
+                 layer_types=["sliding_attention"] * layers)
+        d["dflash_config"].update(block_size=block_size, conv_group_size=16, conv_kernel_size=2,
+                                  final_logit_softcapping=20.0, output_multiplier=0.5, selector_rank=16,
+                                  selector_top_k=8)
+    elif kind == "dflash-swa":
+        d.update(use_sliding_window=True, sliding_window=8,
+                 layer_types=["sliding_attention", "full_attention"] * (layers // 2)
+                 + ["sliding_attention"] * (layers % 2))
     return DrafterConfig.from_dict(d)
 
 
+def init_drafter_weights(drafter: DFlashDrafter, std: float = 0.1) -> None:
+    """Random weights that make every part count: matrices N(0, std); DFlash2's conv base kernels
+    1 on the current-token tap plus noise (zero would silence the layer)."""
+    with torch.no_grad():
+        for n, p in drafter.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, std)
+            elif n.endswith("base_kernel"):
+                p.normal_(0, 0.3)
+                p[:, 0] += 1.0
+
+
 def make_tiny(arch: str, target_out: str | Path, drafter_out: str | Path | None = None, seed: int = 0,
-              mxfp4: bool = True, block_size: int = 8, drafter_layers: int = 2) -> dict:
+              mxfp4: bool = True, block_size: int = 8, drafter_layers: int = 2, drafter_kind: str = "dflash") -> dict:
     """Write a tiny target (and drafter). gpt-oss experts are stored MXFP4 like the real model
     unless mxfp4=False. Returns a summary dict."""
     from transformers import AutoModelForCausalLM
@@ -119,15 +152,12 @@ def make_tiny(arch: str, target_out: str | Path, drafter_out: str | Path | None 
                "num_hidden_layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size}
     if drafter_out is not None:
         dcfg = tiny_drafter_config(read_json(target_out / "config.json"),
-                                   tok.convert_tokens_to_ids(MASK_TOKEN), block_size, drafter_layers)
+                                   tok.convert_tokens_to_ids(MASK_TOKEN), block_size, drafter_layers, drafter_kind)
         torch.manual_seed(seed + 1)
         drafter = DFlashDrafter(dcfg)
-        with torch.no_grad():
-            for n, p in drafter.named_parameters():
-                if p.dim() == 2:
-                    p.normal_(0, 0.1)
+        init_drafter_weights(drafter)
         save_drafter(drafter, drafter_out)
-        summary.update(drafter=str(drafter_out), block_size=block_size,
+        summary.update(drafter=str(drafter_out), drafter_kind=drafter_kind, block_size=block_size,
                        target_layer_ids=dcfg.target_layer_ids, mask_token_id=dcfg.mask_token_id)
     return summary
 

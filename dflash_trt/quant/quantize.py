@@ -54,11 +54,61 @@ from dflash_trt.quant.linear import (
 )
 
 # Modules ModelOpt leaves unquantized by default (its *_DEFAULT_CFG), as module-name globs.
+# Hybrid / linear-attention families (Qwen3-Next, Qwen3.5/3.6 GatedDeltaNet) as nvidia-modelopt 0.47's
+# modelopt_recipes/configs/ptq/units/default_disabled_quantizers.yaml: the conv1d and the small a/b (ba)
+# projections stay bf16 (`*linear_attn.in_proj_b*` also covers Qwen3-Next's fused in_proj_ba), as do
+# Mamba mixers' conv1d and MTP heads.
 DEFAULT_EXCLUDE = ("*lm_head*", "*embed_tokens*", "*router*", "*mlp.gate", "*block_sparse_moe.gate",
-                   "*shared_expert_gate", "*output_layer*", "*vision*", "*visual*", "*multi_modal_projector*")
+                   "*shared_expert_gate", "*output_layer*", "*vision*", "*visual*", "*multi_modal_projector*",
+                   "*linear_attn.conv1d*", "*self_attention.conv1d*", "*linear_attn.in_proj_a*",
+                   "*linear_attn.in_proj_b*", "*mixer.conv1d*", "mtp.*", "*embed_vision*")
 # Fused groups: modules that share one input (and so one input_scale, and for NVFP4 one
 # weight_scale_2), because the runtime runs them as one GEMM.
 FUSED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
+# MoE experts: transformers >= 5 holds each MoE layer's experts as one fused gate_up tensor (and saves them
+# per expert), so ModelOpt 0.47's _QuantFusedExperts gives an expert's gate and up ONE weight quantizer:
+# for FP8 they share weight_scale too (measured against its export: tests/test_families.py). w1/w3 are
+# MiniMax / Mixtral's names for gate/up.
+EXPERT_FUSED = {"gate_proj": "gate_up", "up_proj": "gate_up", "w1": "gate_up", "w3": "gate_up"}
+# Other Linears that read one input (ModelOpt's preprocess_linear_fusion finds them by their shared
+# input; here by name, per layer): MLA's down-projections of the hidden state (DeepSeek-V3, Kimi K2,
+# GLM-5, whose DSA indexer's wk / weights_proj read it too) and of the q LoRA (q_b_proj, the
+# indexer's wq_b); GatedDeltaNet's input projections (Qwen3.5/3.6: in_proj_qkv + in_proj_z).
+# Measured against ModelOpt 0.47's NVFP4 export: tests/test_families.py.
+SHARED_INPUT = {
+    "self_attn.q_a_proj": "self_attn.hidden_in", "self_attn.kv_a_proj_with_mqa": "self_attn.hidden_in",
+    "self_attn.indexer.wk": "self_attn.hidden_in", "self_attn.indexer.weights_proj": "self_attn.hidden_in",
+    "self_attn.q_b_proj": "self_attn.q_lora_in", "self_attn.indexer.wq_b": "self_attn.q_lora_in",
+    "linear_attn.in_proj_qkv": "linear_attn.in", "linear_attn.in_proj_z": "linear_attn.in",
+}
+
+
+def _shared_input_group(module: str) -> str | None:
+    parts = module.split(".")
+    if len(parts) > 3 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit():
+        key = SHARED_INPUT.get(".".join(parts[3:]))
+        return f"model.layers.{parts[2]}.{key}" if key else None
+    return None
+
+
+def keep_in_fp32_patterns(cfg: dict) -> list[str]:
+    """Module names transformers keeps in float32 for this family whatever the load dtype (the
+    causal-LM class's `_keep_in_fp32_modules_strict`; e.g. DeepSeek-V3 / GLM-5's router `gate.weight`
+    and `e_score_correction_bias`; the non-strict list applies to float16 loads only). ModelOpt's
+    export writes the model transformers loaded, so those tensors come out float32: ours do too."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.for_model(cfg.get("model_type")))]
+    except (KeyError, ValueError):   # a family transformers does not know, or no causal-LM class
+        return []
+    return list(getattr(cls, "_keep_in_fp32_modules_strict", None) or [])
+
+
+def _keeps_fp32(name: str, patterns: list[str]) -> bool:
+    # transformers' own match (modeling_utils: a pattern is a dotted run of whole name components)
+    return bool(patterns) and re.search(rf"(^|\.)({'|'.join(map(re.escape, patterns))})($|\.)", name) is not None
 GROUP_IN_MEMORY_BYTES = 256 * 2**20  # fused groups up to this size are read once, else twice
 
 
@@ -133,6 +183,7 @@ class QuantizePlan:
     hf_quant: dict                    # hf_quant_config.json
     config: dict                      # config.json: the input's, with quantization_config
     not_calibrated: list[str]         # what the output lacks without --calib (for the report)
+    keep_fp32: set[str] = field(default_factory=set)   # unquantized tensors written float32 (keep_in_fp32_patterns)
 
     @property
     def bytes_out(self) -> int:
@@ -155,8 +206,11 @@ def plan_quantization(reader: CheckpointReader, cfg: dict, fmt: str, kv_cache: s
     calibrated_modules = {lin.module for lin in linears.values() if _layer_index(lin.module) is not None} \
         if calibrated else set()
     hf_quant = hf_quant_config(fmt, kv_cache, excluded)
+    fp32 = [n for n in reader.keys() if n not in linears and _keeps_fp32(n, keep_in_fp32_patterns(cfg))
+            and reader.meta(n)[0].is_floating_point]
     return QuantizePlan(fmt, kv_cache, linears, groups, excluded, calibrated_modules, attn_modules, kv_names,
-                        specs=_output_specs(reader, linears, fmt, calibrated_modules, kv_names), hf_quant=hf_quant,
+                        specs=_output_specs(reader, linears, fmt, calibrated_modules, kv_names, set(fp32)),
+                        hf_quant=hf_quant, keep_fp32=set(fp32),
                         config=dict(cfg, quantization_config=config_quantization_section(hf_quant)),
                         not_calibrated=[] if calibrated else _not_calibrated(kv_cache))
 
@@ -182,6 +236,9 @@ def plan_linears(reader: CheckpointReader, fmt: str, exclude: list[str], cfg: di
             if module not in excluded:
                 excluded.append(module)
             continue
+        if name.endswith(".conv1d.weight") and len(shape) == 3:
+            excluded.append(name[: -len(".weight")])   # ModelOpt lists a Conv1d it leaves unquantized
+            continue
         if not name.endswith(".weight") or len(shape) != 2 or not dtype.is_floating_point or dtype.itemsize == 1:
             continue
         module = name[: -len(".weight")]
@@ -192,20 +249,21 @@ def plan_linears(reader: CheckpointReader, fmt: str, exclude: list[str], cfg: di
             raise DFlashError(f"{reader.file_of(name)}: tensor {name!r} has {shape[1]} input features, not a "
                               f"multiple of {formats.NVFP4_BLOCK}; exclude it with --exclude '{module}'")
         parent, _, leaf = module.rpartition(".")
-        group = f"{parent}.{FUSED[leaf]}" if leaf in FUSED else module
+        fused = EXPERT_FUSED if ".experts." in module else FUSED
+        group = f"{parent}.{fused[leaf]}" if leaf in fused else (_shared_input_group(module) or module)
         linears[name] = Linear(module, dtype, tuple(shape), group)
     if "lm_head.weight" not in reader and "lm_head" not in excluded and cfg.get("tie_word_embeddings", False):
         excluded.insert(0, "lm_head")  # tied: the module exists in the model though the tensor does not
     return linears, excluded
 
 
-def _output_specs(reader, linears, fmt, calibrated_modules, kv_names) -> list[TensorSpec]:
+def _output_specs(reader, linears, fmt, calibrated_modules, kv_names, keep_fp32=frozenset()) -> list[TensorSpec]:
     specs = []
     for name in reader.keys():
         dtype, shape = reader.meta(name)
         lin = linears.get(name)
         if lin is None:
-            specs.append(TensorSpec(name, dtype, tuple(shape)))
+            specs.append(TensorSpec(name, torch.float32 if name in keep_fp32 else dtype, tuple(shape)))
         else:
             specs += linear_specs(HF_EXPORT, lin.module, fmt, *shape, input_scale=lin.module in calibrated_modules)
     specs += [TensorSpec(n, torch.float32, ()) for n in kv_names]
@@ -388,7 +446,7 @@ def _write_tensors(names: list[str], loader: StreamingLoader | LayerLoader, plan
         lin = plan.linears.get(name)
         if lin is None:
             t, _, _ = loader.load(name)
-            writer.write(name, t)
+            writer.write(name, t.float() if name in plan.keep_fp32 else t)
             bar.update(t.numel() * t.element_size())
             done.add(name)
             continue
@@ -405,10 +463,24 @@ def _quantize_group(loader: StreamingLoader | LayerLoader, members: list[str], p
     is encoded (the shared weight_scale_2). FP8 scales each member on its own."""
     hold = loader.fits_in_memory(members)
     slots = [f"group{i}" if hold else "group" for i in range(len(members))]
-    if plan.fmt == "fp8":
+    if plan.fmt == "fp8" and not (len(members) > 1 and ".experts." in members[0]):
         for n, slot in zip(members, slots):
             w, amax, _ = loader.load(n, slot)
             _write_linear(n, w, per_tensor_scale("fp8", amax), None, plan, input_amax, writer, bar)
+        return
+    if plan.fmt == "fp8":   # an expert's gate + up: one scale over both (EXPERT_FUSED)
+        held, amax = {}, torch.zeros((), dtype=torch.float32)
+        for n, slot in zip(members, slots):
+            t, a, _ = loader.load(n, slot)
+            amax = torch.maximum(amax, a)
+            if hold:
+                held[n] = t
+            del t
+        scale = per_tensor_scale("fp8", amax)
+        for n, slot in zip(members, slots):
+            w = held.pop(n) if hold else loader.load(n, slot, check=False)[0]
+            _write_linear(n, w, scale, None, plan, input_amax, writer, bar)
+            del w
         return
     held, block_amax = {}, {}
     amax = torch.zeros((), dtype=torch.float32)

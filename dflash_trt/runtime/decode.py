@@ -102,12 +102,44 @@ def draft(target: TargetModel, drafter: DFlashDrafter, cache: DrafterCache, last
           sp: SamplingParams, gen):
     """One drafter pass over the block [last verified token, mask × (b-1)] at positions pos..pos+b-1.
     Returns the block to verify (drafts filled in), the drafts, and their distribution (sampling only)."""
-    block = torch.full((b,), drafter.config.mask_token_id, dtype=torch.long)
+    c = drafter.config
+    block = torch.full((b,), c.mask_token_id, dtype=torch.long)
     block[0] = last_token
-    h = drafter.forward_cached(target.embed(block), torch.arange(pos, pos + b), cache.views())
-    drafts, q = sample_tokens(draft_logits(target, drafter, h[1:]), sp, gen)
+    emb = target.embed(block)
+    if c.input_embedding_scale != 1.0:   # z-lab `_raw_input_embeddings(..., input_embedding_scale)`
+        emb = emb * c.input_embedding_scale
+    h = drafter.forward_cached(emb, torch.arange(pos, pos + b), cache.views())
+    logits = drafter.scale_logits(draft_logits(target, drafter, h[1:]))
+    if c.kind == "dflash2":
+        drafts, q = select_candidates(drafter, h[1:], logits, last_token, sp, gen)
+    else:
+        drafts, q = sample_tokens(logits, sp, gen)
     block[1:] = drafts
     return block, drafts, q
+
+
+def select_candidates(drafter: DFlashDrafter, h: torch.Tensor, logits: torch.Tensor, anchor: int,
+                      sp: SamplingParams, gen) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """DFlash2's walk (z-lab dflash/model.py `CandidateSelector.select`; vLLM dflash2 speculator
+    `_selector_walk_kernel`): position i picks among its top-k candidates by unary logit + the
+    bilinear score against the token picked at i-1 (the anchor for i = 0): greedy the best, else
+    one draw from softmax(scores / temperature). Returns the drafts and (sampling) q [T, V], the
+    distribution each was drawn from (zero outside the candidates), for speculative acceptance."""
+    sel = drafter.candidate_selector
+    unary, cand = torch.topk(logits, sel.top_k, dim=-1)
+    q = None if sp.greedy else torch.zeros(logits.shape, dtype=torch.float64)
+    drafts, prev = [], anchor
+    for i in range(h.shape[0]):
+        s = sel.scores(h, unary, cand, prev, i)
+        if sp.greedy:
+            j = int(s.float().argmax())
+        else:
+            qi = torch.softmax(s.double() / sp.temperature, dim=-1)
+            j = int(torch.multinomial(qi, 1, generator=gen))
+            q[i, cand[i]] = qi
+        prev = int(cand[i, j])
+        drafts.append(prev)
+    return torch.tensor(drafts, dtype=torch.long), q
 
 
 def draft_logits(target: TargetModel, drafter: DFlashDrafter, h: torch.Tensor) -> torch.Tensor:
