@@ -53,6 +53,19 @@ def vllm_env():
     return env
 
 
+@pytest.fixture(scope="session")
+def vllm_bundle(tmp_path_factory, vllm_env):
+    """The embedded pair (SmolLM2-135M + our drafter) built for vLLM as a GPU user builds it:
+    `build --arch hopper --gpu h200 --quant none --stacks vllm`. Tests must not modify it."""
+    from helpers import run_cli
+
+    out = tmp_path_factory.mktemp("vllm") / "bundle"
+    code, _, err = run_cli("build", "--arch", "hopper", "--gpu", "h200", "--quant", "none", "--stacks", "vllm",
+                           "--out", str(out))
+    assert code == 0, err
+    return out
+
+
 @pytest.fixture
 def pb_cleanup():
     """Removes the Triton API test double that helpers.load_model_module installs."""

