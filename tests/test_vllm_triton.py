@@ -78,7 +78,7 @@ def triton_answer(vllm_bundle, vllm_env, tmp_path_factory):
     try:
         srv.start(timeout=900)
         chunks, error = _stream(srv.grpc_url, "vllm", PROMPT, {"max_tokens": MAX_TOKENS, "temperature": 0.0})
-        bad_chunks, bad_error = _stream(srv.grpc_url, "vllm", PROMPT, {"max_tokenz": 3})
+        _, bad_error = _stream(srv.grpc_url, "vllm", PROMPT, {"max_tokenz": 3})
         log = srv.log_tail(200)
     finally:
         code = srv.stop(timeout=120)
