@@ -74,7 +74,8 @@ def triton_answer(vllm_bundle, vllm_env, tmp_path_factory):
     args = json.loads((repo / "vllm" / "1" / "model.json").read_text())
     (repo / "vllm" / "1" / "model.json").write_text(json.dumps({**args, "enforce_eager": True}))
     backend = Path(str(resources.files("dflash_trt").joinpath("assets", "triton_vllm_backend")))
-    srv = TritonServer(repo, ["vllm"], work=work / "server", stub_env=stub, env=CPU_ENV, backends={"vllm": backend})
+    srv = TritonServer(repo, ["vllm"], work=work / "server", stub_env=stub, env=CPU_ENV, backends={"vllm": backend},
+                       stub_imports=("vllm",))
     try:
         srv.start(timeout=900)
         chunks, error = _stream(srv.grpc_url, "vllm", PROMPT, {"max_tokens": MAX_TOKENS, "temperature": 0.0})

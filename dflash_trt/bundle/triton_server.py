@@ -83,15 +83,17 @@ def make_stub_env(dest: Path, progress: bool = True) -> Path:
     return dest
 
 
-def check_stub_env(env: Path) -> None:
+def check_stub_env(env: Path, imports: tuple[str, ...] = ("dflash_trt",), extra_env: dict | None = None) -> None:
+    """The stub env imports numpy<2 and `imports` (what its models import: dflash_trt for
+    dflash_reference, vllm for the vllm model)."""
     py = Path(env) / "bin" / "python3"
     if not py.exists():
         raise DFlashError(f"{env}: no Python-backend stub env; create it with `dflash-trt serve --make-stub-env` "
                           "(a venv with numpy<2: Triton's stub misreads BYTES tensors under numpy 2)")
-    probe = subprocess.run([str(py), "-c", "import numpy, dflash_trt; print(numpy.__version__)"], check=False,
-                           capture_output=True, text=True)
+    probe = subprocess.run([str(py), "-c", f"import numpy, {', '.join(imports)}; print(numpy.__version__)"],
+                           check=False, capture_output=True, text=True, env=server_environment(env, extra_env))
     if probe.returncode != 0:
-        raise DFlashError(f"{env}: the stub env cannot import numpy and dflash_trt "
+        raise DFlashError(f"{env}: the stub env cannot import numpy and {', '.join(imports)} "
                           f"({probe.stderr.strip().splitlines()[-1] if probe.stderr.strip() else 'no output'}); "
                           "re-create it with `dflash-trt serve --make-stub-env`")
     if int(probe.stdout.split(".")[0]) >= 2:
@@ -149,7 +151,7 @@ class TritonServer:
     def __init__(self, repo: Path, models: list[str], *, work: Path, host: str = "127.0.0.1",
                  http_port: int | None = None, grpc_port: int | None = None, metrics_port: int | None = None,
                  stub_env: Path | None = None, env: dict | None = None, log_verbose: int = 0,
-                 backends: dict | None = None):
+                 backends: dict | None = None, stub_imports: tuple[str, ...] = ("dflash_trt",)):
         self.repo, self.models, self.work, self.host = Path(repo), list(models), Path(work), host
         self.http_port = http_port or free_port()
         self.grpc_port = grpc_port or free_port()
@@ -158,6 +160,7 @@ class TritonServer:
         self.extra_env = env or {}
         self.log_verbose = log_verbose
         self.backends = dict(backends or {})  # Python-based backends: {name: folder with model.py}
+        self.stub_imports = stub_imports
         self.proc: subprocess.Popen | None = None
         self.log_path = self.work / "tritonserver.log"
 
@@ -190,7 +193,7 @@ class TritonServer:
         return server_environment(self.stub_env, self.extra_env)
 
     def start(self, timeout: float = 180.0) -> TritonServer:
-        check_stub_env(self.stub_env)
+        check_stub_env(self.stub_env, self.stub_imports, self.extra_env)
         for m in self.models:
             if not (self.repo / m / "config.pbtxt").is_file():
                 raise DFlashError(f"{self.repo}: no model {m} (no {m}/config.pbtxt; is this a bundle's triton/ folder?)")
