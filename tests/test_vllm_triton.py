@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from dflash_trt.bundle.triton_server import TritonServer
-from dflash_trt.bundle.vllm_server import CPU_ENV, VllmServer, make_vllm_stub_env
+from dflash_trt.bundle.vllm_server import TRITON_VLLM_ENV, VllmServer, make_vllm_stub_env
 
 tritonclient_grpc = pytest.importorskip("tritonclient.grpc")
 pytestmark = pytest.mark.slow
@@ -74,7 +74,7 @@ def triton_answer(vllm_bundle, vllm_env, tmp_path_factory):
     args = json.loads((repo / "vllm" / "1" / "model.json").read_text())
     (repo / "vllm" / "1" / "model.json").write_text(json.dumps({**args, "enforce_eager": True}))
     backend = Path(str(resources.files("dflash_trt").joinpath("assets", "triton_vllm_backend")))
-    srv = TritonServer(repo, ["vllm"], work=work / "server", stub_env=stub, env=CPU_ENV, backends={"vllm": backend},
+    srv = TritonServer(repo, ["vllm"], work=work / "server", stub_env=stub, env=TRITON_VLLM_ENV, backends={"vllm": backend},
                        stub_imports=("vllm",))
     try:
         srv.start(timeout=900)

@@ -123,8 +123,14 @@ def _backend_dir(work: Path, dist: Path, extra: dict | None = None) -> Path:
     (py / stub.name).unlink(missing_ok=True)
     shutil.copy2(stub, py / stub.name)
     for name, folder in (extra or {}).items():
-        (work / "backends" / name).unlink(missing_ok=True)
-        (work / "backends" / name).symlink_to(Path(folder).resolve(), target_is_directory=True)
+        # model.py plus real copies of the Python backend's library, utils and stub: for a
+        # Python-based backend Triton refuses a library whose real path leaves the backend folder
+        # ("backend library name 'libtriton_python.so' escapes backend directory", measured)
+        own = work / "backends" / name
+        shutil.rmtree(own, ignore_errors=True)
+        shutil.copytree(Path(folder), own)
+        for f in [*(dist / "backends" / "python").glob("*.so"), *(dist / "backends" / "python").glob("*.py"), stub]:
+            shutil.copy2(f, own / f.name)
     return work / "backends"
 
 

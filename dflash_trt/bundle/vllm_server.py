@@ -67,6 +67,13 @@ CPU_ENV = {
 }
 
 
+# The same, for vLLM inside Triton's Python-backend stub (triton/vllm): the stub's embedded Python
+# starts in the C locale, where importing vLLM 0.32 (vllm/env_override.py -> torch._inductor) reads a
+# UTF-8 file as ASCII ("UnicodeDecodeError: 'ascii' codec can't decode byte 0xe2", measured);
+# and the engine core runs in the stub process (the stub is no Python a spawned process could start).
+TRITON_VLLM_ENV = {**CPU_ENV, "PYTHONUTF8": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
 def default_vllm_env() -> Path:
     """Where the vLLM env lives: $DFLASH_TRT_VLLM_ENV, else beside ours (<this env>/vllm)."""
     return Path(os.environ.get("DFLASH_TRT_VLLM_ENV") or Path(sys.prefix) / "vllm")
