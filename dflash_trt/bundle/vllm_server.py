@@ -67,11 +67,10 @@ CPU_ENV = {
 }
 
 
-# The same, for vLLM inside Triton's Python-backend stub (triton/vllm): the stub's embedded Python
-# starts in the C locale, where importing vLLM 0.32 (vllm/env_override.py -> torch._inductor) reads a
-# UTF-8 file as ASCII ("UnicodeDecodeError: 'ascii' codec can't decode byte 0xe2", measured);
-# and the engine core runs in the stub process (the stub is no Python a spawned process could start).
-TRITON_VLLM_ENV = {**CPU_ENV, "PYTHONUTF8": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+# The same, for vLLM inside Triton's Python-backend stub (triton/vllm): the engine core runs in the
+# stub process (the stub is no Python a spawned process could start); the C locale of the stub is
+# handled in the model (assets/triton_vllm_backend/model.py).
+TRITON_VLLM_ENV = {**CPU_ENV, "LC_ALL": "C.UTF-8", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def default_vllm_env() -> Path:

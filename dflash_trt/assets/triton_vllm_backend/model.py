@@ -11,6 +11,7 @@ the stub is not a Python executable a spawned engine-core process could start fr
 thread; requests reach it through a queue, so execute() returns at once (decoupled).
 """
 import json
+import locale
 import os
 import queue
 import threading
@@ -54,6 +55,11 @@ class TritonPythonModel:
         if isinstance(spec, dict) and "model" in spec:
             engine_args["speculative_config"] = {**spec, "model": _resolve(spec["model"], root)}
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # The stub's embedded Python keeps the C locale (PYTHONUTF8 is not read there, measured), and
+        # importing vLLM 0.32 reads UTF-8 templates with open()'s locale encoding (torch/_inductor/
+        # utils.py load_template): "UnicodeDecodeError: 'ascii' codec".
+        if locale.getpreferredencoding(False).lower() in ("ascii", "ansi_x3.4-1968"):
+            locale.setlocale(locale.LC_CTYPE, "C.UTF-8")
         from vllm import SamplingParams
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
