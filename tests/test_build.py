@@ -258,7 +258,7 @@ def test_every_bundle_config_pbtxt_parses(hopper):
     names = []
     for p in sorted((bundle / "triton").glob("*/config.pbtxt")):
         names.append(text_format.Parse(p.read_text(), model_config_pb2.ModelConfig()).name)
-    assert names == ["dflash_reference", "tensorrt_llm"]
+    assert names == ["dflash_reference", "tensorrt_llm", "vllm"]  # vllm: Triton's vLLM backend interface
 
 
 def test_second_run_skips_every_stage_and_force_redoes_them(tiny, hopper):

@@ -58,6 +58,7 @@ from dflash_trt.bundle.serving_configs import (
 )
 from dflash_trt.bundle.serving_profiles import DRAFTER_ATTENTION_BACKEND, drafter_attention_backend, profile_settings
 from dflash_trt.bundle.triton_repo import llmapi_model_yaml, write_triton_repo
+from dflash_trt.bundle.vllm_drafter import write_vllm_drafter
 from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import arch_has_fp4, arch_sms, gpus, hardware_for_gpu, sm_number
 from dflash_trt.io.atomic import atomic_output_dir, refuse_inside
@@ -636,7 +637,7 @@ class Builder:
     def _package(self) -> dict:
         """Serving configs, the Triton repository and engines/README.txt."""
         m, work = self.manifest, self.work
-        m["serving_configs"] = write_configs(work, m, self.tcfg, self.block_size)
+        m["serving_configs"] = write_configs(work, m, self.tcfg, self.block_size, tdir=self.tdir, ddir=self.ddir)
         layout = m["reference_runtime"]["layout"]
         write_triton(work, m, self.tcfg, self.block_size, reference_pair(work, layout, self.tdir, self.ddir))
         (work / "engines").mkdir(exist_ok=True)
@@ -712,7 +713,7 @@ def reference_pair(work: Path, layout: str, tdir: Path, ddir: Path) -> dict:
     return {"target": str(tdir), "drafter": str(ddir)}
 
 
-def write_configs(work: Path, m: dict, tcfg: dict, B: int) -> dict:
+def write_configs(work: Path, m: dict, tcfg: dict, B: int, *, tdir: Path, ddir: Path) -> dict:
     """configs/: trtllm-serve.yaml, vllm.json (+ the bare --speculative-config JSON), sglang.json,
     each only for a served stack (manifest serving_stacks). Paths are bundle-relative: run the
     commands from the bundle root."""
@@ -729,11 +730,18 @@ def write_configs(work: Path, m: dict, tcfg: dict, B: int) -> dict:
     kw = dict(target_path="target", drafter_path="drafter", block_size=B, zlab_ids=d["target_layer_ids"]["zlab"],
               tp=p["tp"], ep=p["ep"], pp=p["pp"], kv_cache=m["quant"]["kv_cache"])
     if "vllm" in served:
-        v = vllm_launch(**kw)
+        # a drafter with a draft vocabulary goes to vLLM in vLLM's own form of one (bundle/vllm_drafter.py);
+        # tdir: the source target, unquantized (the rows of its lm_head)
+        vdraft = "configs/vllm-drafter"
+        has_vocab = write_vllm_drafter(work / "drafter", ddir, tdir, work / vdraft)
+        n_vocab = json.loads((work / vdraft / "config.json").read_text())["draft_vocab_size"] if has_vocab else None
+        v = vllm_launch(**{**kw, "drafter_path": vdraft if has_vocab else "drafter"},
+                        dtype=tcfg.get("dtype") or tcfg.get("torch_dtype"), draft_vocab_size=n_vocab)
         env = vllm_drafter_env(dcfg)
         if env:   # the drafter's attention layout needs it (serving_configs.vllm_drafter_env)
             v["env"] = env
-            v["command"] = " ".join(f"{k}={val}" for k, val in env.items()) + " " + v["command"]
+            prefix = " ".join(f"{k}={val}" for k, val in env.items()) + " "
+            v["command"], v["command_anywhere"] = prefix + v["command"], prefix + v["command_anywhere"]
         (cfgdir / "vllm.json").write_text(json.dumps(v, indent=2) + "\n")
         (cfgdir / "vllm-speculative-config.json").write_text(json.dumps(v["speculative_config"], indent=2) + "\n")
     if "sglang" in served:
@@ -776,7 +784,8 @@ def write_triton(work: Path, m: dict, tcfg: dict, B: int, ref: dict) -> None:
     reference = {"target": ref["target"], "drafter": ref["drafter"], "block_size": B, "dtype": "float32",
                  "max_new_tokens": 128, "chat": True, "decode_slots": 1, "max_queue": 64,
                  "max_prompt_bytes": 1 << 20}
-    write_triton_repo(work / "triton", llm_yaml=llm_yaml, reference=reference)
+    vllm_args = json.loads((work / "configs" / "vllm.json").read_text())["engine_args"] if "vllm" in served else None
+    write_triton_repo(work / "triton", llm_yaml=llm_yaml, reference=reference, vllm_engine_args=vllm_args)
 
 
 def serve_commands(m: dict) -> dict:

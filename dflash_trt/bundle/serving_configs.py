@@ -191,22 +191,50 @@ def vllm_speculative_config(*, drafter_path: str, block_size: int, tp: int) -> d
     return cfg
 
 
+# What vLLM drafts from: its DFlash drafter reads config.json and *.safetensors only (not our
+# draft_vocab.json); a vocabulary it does read is EAGLE-3's draft_vocab_size + d2t (bundle/vllm_drafter.py).
+VLLM_FULL_VOCAB = ("vLLM drafts over the full vocabulary: it reads the drafter's config.json and *.safetensors, "
+                   "not draft_vocab.json (lossless either way: the target verifies every token)")
+VLLM_DRAFT_VOCAB = ("vLLM drafts over the draft vocabulary ({n} tokens): {path} holds the drafter with "
+                    "draft_vocab_size and d2t, vLLM's own form of it (bundle/vllm_drafter.py)")
+
+
 def vllm_launch(*, target_path: str, drafter_path: str, block_size: int, zlab_ids: list[int], tp: int, ep: int,
-                pp: int, kv_cache: str) -> dict:
+                pp: int, kv_cache: str, dtype: str | None = None, draft_vocab_size: int | None = None) -> dict:
+    """configs/vllm.json. Paths are relative to the bundle root: `argv` runs from there (as
+    `dflash-trt serve --engine vllm` runs it); `command_anywhere` runs from any directory with
+    BUNDLE set to the bundle's path. dtype: the target checkpoint's (vLLM's "auto" turns a float32
+    checkpoint into bfloat16, another model than the one our runtime proves lossless)."""
     spec = vllm_speculative_config(drafter_path=drafter_path, block_size=block_size, tp=tp)
-    argv = ["vllm", "serve", target_path, "--tensor-parallel-size", str(tp),
-            "--pipeline-parallel-size", str(pp), "--speculative-config", json.dumps(spec, separators=(",", ":"))]
+    args = ["--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp)]
+    if dtype:
+        args += ["--dtype", dtype]
     if ep > 1:
-        argv += ["--enable-expert-parallel"]
+        args += ["--enable-expert-parallel"]
     if kv_cache == "fp8":
-        argv += ["--kv-cache-dtype", KV_CACHE_FP8["vllm"]]
+        args += ["--kv-cache-dtype", KV_CACHE_FP8["vllm"]]
+    argv = ["vllm", "serve", target_path, *args, "--speculative-config", json.dumps(spec, separators=(",", ":"))]
+    spec_anywhere = json.dumps({**spec, "model": f"${{BUNDLE}}/{drafter_path}"}, separators=(",", ":"))
+    anywhere = (f'vllm serve "${{BUNDLE}}/{target_path}" {shlex.join(args)} --speculative-config '
+                + '"' + spec_anywhere.replace('"', '\\"') + '"')
+    # the same engine, as vLLM's (Async)EngineArgs keys: Triton's vllm model.json (bundle/triton_repo.py)
+    engine_args = {"model": target_path, "tensor_parallel_size": tp, "pipeline_parallel_size": pp,
+                   **({"dtype": dtype} if dtype else {}), **({"enable_expert_parallel": True} if ep > 1 else {}),
+                   **({"kv_cache_dtype": KV_CACHE_FP8["vllm"]} if kv_cache == "fp8" else {}),
+                   "speculative_config": spec}
     return {
         "speculative_config": spec,
+        "engine_args": engine_args,
         # what vLLM derives from the drafter's dflash_config (z-lab ids + 1); pin them with
         # this key in the drafter config.json if the drafter is ever re-exported without them
         "eagle_aux_hidden_state_layer_ids": zlab_to_vllm(zlab_ids),
+        "dtype": dtype or "auto",
+        "draft_vocabulary": (VLLM_DRAFT_VOCAB.format(n=draft_vocab_size, path=drafter_path) if draft_vocab_size
+                             else VLLM_FULL_VOCAB),
+        "paths": "relative to the bundle root: run argv / command from there, or command_anywhere with BUNDLE set",
         "argv": argv,
         "command": shlex.join(argv),
+        "command_anywhere": anywhere,
     }
 
 

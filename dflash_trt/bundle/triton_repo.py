@@ -5,6 +5,8 @@
         config.pbtxt  1/model.py  1/model.yaml  1/dflash_metrics.py     (only when the trtllm stack is served)
       dflash_reference/  the dflash-trt reference runtime, Python backend, CPU: smoke tests anywhere
         config.pbtxt  1/model.py  1/model.yaml  1/dflash_metrics.py
+      vllm/              vLLM with DFlash, Triton's vLLM backend interface (only when the vllm stack is served)
+        config.pbtxt  1/model.json
 
 config.pbtxt files are protobuf text of `inference.ModelConfig`; they are rendered from the
 templates in dflash_trt/assets/triton_templates and then parsed back with Triton's own schema
@@ -14,6 +16,7 @@ sys.path shadows the `triton` compiler package that modelopt imports.)
 """
 from __future__ import annotations
 
+import json
 from importlib import resources
 from pathlib import Path
 from string import Template
@@ -22,7 +25,7 @@ import yaml
 
 from dflash_trt.errors import DFlashError
 
-MODELS = ("tensorrt_llm", "dflash_reference")
+MODELS = ("tensorrt_llm", "dflash_reference", "vllm")
 
 
 def _template(model: str, name: str) -> str:
@@ -61,11 +64,12 @@ def _yaml(header: str, data: dict) -> str:
     return header + yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
 
 
-def write_triton_repo(dest: str | Path, *, llm_yaml: dict | None, reference: dict, validate: bool = True) -> list[Path]:
+def write_triton_repo(dest: str | Path, *, llm_yaml: dict | None, reference: dict, validate: bool = True,
+                      vllm_engine_args: dict | None = None) -> list[Path]:
     """Write the repository under dest. `llm_yaml` from llmapi_model_yaml(), or None when the
     bundle serves no TensorRT-LLM (then only dflash_reference is written); `reference` = {target,
     drafter, block_size, dtype, max_new_tokens, chat, decode_slots, max_queue, max_prompt_bytes}.
-    Returns the files."""
+    vllm_engine_args: the vllm model's 1/model.json (configs/vllm.json "engine_args"), or None. Returns the files."""
     dest = Path(dest)
     files = {}
     if llm_yaml is not None:
@@ -88,6 +92,9 @@ def write_triton_repo(dest: str | Path, *, llm_yaml: dict | None, reference: dic
             "# dflash-trt reference runtime settings, written by dflash-trt build.\n"
             "# Relative paths are relative to the bundle root.\n", reference),
     }
+    if vllm_engine_args is not None:
+        files |= {"vllm/config.pbtxt": _template("vllm", "config.pbtxt"),
+                  "vllm/1/model.json": json.dumps(vllm_engine_args, indent=2) + "\n"}
     written = []
     for rel, text in files.items():
         if validate and rel.endswith("config.pbtxt"):

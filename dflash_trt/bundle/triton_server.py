@@ -83,15 +83,17 @@ def make_stub_env(dest: Path, progress: bool = True) -> Path:
     return dest
 
 
-def check_stub_env(env: Path) -> None:
+def check_stub_env(env: Path, imports: tuple[str, ...] = ("dflash_trt",), extra_env: dict | None = None) -> None:
+    """The stub env imports numpy<2 and `imports` (what its models import: dflash_trt for
+    dflash_reference, vllm for the vllm model)."""
     py = Path(env) / "bin" / "python3"
     if not py.exists():
         raise DFlashError(f"{env}: no Python-backend stub env; create it with `dflash-trt serve --make-stub-env` "
                           "(a venv with numpy<2: Triton's stub misreads BYTES tensors under numpy 2)")
-    probe = subprocess.run([str(py), "-c", "import numpy, dflash_trt; print(numpy.__version__)"], check=False,
-                           capture_output=True, text=True)
+    probe = subprocess.run([str(py), "-c", f"import numpy, {', '.join(imports)}; print(numpy.__version__)"],
+                           check=False, capture_output=True, text=True, env=server_environment(env, extra_env))
     if probe.returncode != 0:
-        raise DFlashError(f"{env}: the stub env cannot import numpy and dflash_trt "
+        raise DFlashError(f"{env}: the stub env cannot import numpy and {', '.join(imports)} "
                           f"({probe.stderr.strip().splitlines()[-1] if probe.stderr.strip() else 'no output'}); "
                           "re-create it with `dflash-trt serve --make-stub-env`")
     if int(probe.stdout.split(".")[0]) >= 2:
@@ -105,8 +107,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _backend_dir(work: Path, dist: Path) -> Path:
-    """backends/python with the stub for this Python version (links, not copies)."""
+def _backend_dir(work: Path, dist: Path, extra: dict | None = None) -> Path:
+    """backends/python with the stub for this Python version (links, not copies), plus `extra`
+    Python-based backends ({name: folder with model.py}: Triton runs backends/<name>/model.py
+    with the Python backend's library and stub)."""
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     stub = dist / "python_backend_stubs" / version / "triton_python_backend_stub"
     if not stub.is_file():
@@ -118,6 +122,15 @@ def _backend_dir(work: Path, dist: Path) -> Path:
         (py / f.name).symlink_to(f)
     (py / stub.name).unlink(missing_ok=True)
     shutil.copy2(stub, py / stub.name)
+    for name, folder in (extra or {}).items():
+        # model.py plus real copies of the Python backend's library, utils and stub: for a
+        # Python-based backend Triton refuses a library whose real path leaves the backend folder
+        # ("backend library name 'libtriton_python.so' escapes backend directory", measured)
+        own = work / "backends" / name
+        shutil.rmtree(own, ignore_errors=True)
+        shutil.copytree(Path(folder), own)
+        for f in [*(dist / "backends" / "python").glob("*.so"), *(dist / "backends" / "python").glob("*.py"), stub]:
+            shutil.copy2(f, own / f.name)
     return work / "backends"
 
 
@@ -143,7 +156,8 @@ class TritonServer:
 
     def __init__(self, repo: Path, models: list[str], *, work: Path, host: str = "127.0.0.1",
                  http_port: int | None = None, grpc_port: int | None = None, metrics_port: int | None = None,
-                 stub_env: Path | None = None, env: dict | None = None, log_verbose: int = 0):
+                 stub_env: Path | None = None, env: dict | None = None, log_verbose: int = 0,
+                 backends: dict | None = None, stub_imports: tuple[str, ...] = ("dflash_trt",)):
         self.repo, self.models, self.work, self.host = Path(repo), list(models), Path(work), host
         self.http_port = http_port or free_port()
         self.grpc_port = grpc_port or free_port()
@@ -151,6 +165,8 @@ class TritonServer:
         self.stub_env = Path(stub_env) if stub_env else default_stub_env()
         self.extra_env = env or {}
         self.log_verbose = log_verbose
+        self.backends = dict(backends or {})  # Python-based backends: {name: folder with model.py}
+        self.stub_imports = stub_imports
         self.proc: subprocess.Popen | None = None
         self.log_path = self.work / "tritonserver.log"
 
@@ -170,7 +186,7 @@ class TritonServer:
         dist = pytriton_dist()
         argv = [str(dist / "bin" / "tritonserver"), "--model-repository", str(self.repo.resolve()),
                 "--model-control-mode", "explicit", *[f"--load-model={m}" for m in self.models],
-                "--backend-directory", str(_backend_dir(self.work, dist)),
+                "--backend-directory", str(_backend_dir(self.work, dist, self.backends)),
                 "--cache-directory", str(dist / "caches"),
                 "--http-address", self.host, "--http-port", str(self.http_port),
                 "--grpc-address", self.host, "--grpc-port", str(self.grpc_port),
@@ -183,7 +199,7 @@ class TritonServer:
         return server_environment(self.stub_env, self.extra_env)
 
     def start(self, timeout: float = 180.0) -> TritonServer:
-        check_stub_env(self.stub_env)
+        check_stub_env(self.stub_env, self.stub_imports, self.extra_env)
         for m in self.models:
             if not (self.repo / m / "config.pbtxt").is_file():
                 raise DFlashError(f"{self.repo}: no model {m} (no {m}/config.pbtxt; is this a bundle's triton/ folder?)")

