@@ -147,12 +147,87 @@ def server_environment(stub_env: Path, extra: dict | None = None) -> dict:
     return env
 
 
-class TritonServer:
+class ServerProcess:
+    """A server program in its own process group, its output in a log file, ready once its health
+    URL answers 200: what tritonserver and `vllm serve` share. A subclass gives command(),
+    environment(), HEALTH_URL, NAME and the signal its program stops gracefully on."""
+
+    NAME = "server"
+    STOP_SIGNAL = signal.SIGINT
+    proc: subprocess.Popen | None = None
+    log_path: Path
+
+    @property
+    def health_url(self) -> str:
+        raise NotImplementedError
+
+    def _spawn(self, timeout: float, cwd: Path | None = None) -> None:
+        argv, env = self.command(), self.environment()
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 (open while the server runs; closed in stop)
+        self.proc = subprocess.Popen(argv, cwd=cwd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        self.wait_ready(timeout)
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.health_url, timeout=2) as r:
+                return r.status == 200
+        except OSError:  # URLError, refused, reset, timed out: not (yet) serving
+            return False
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise DFlashError(f"{self.NAME} exited with code {self.proc.returncode} before it was ready; "
+                                  f"log {self.log_path}:\n{self.log_tail()}")
+            if self.ready():
+                return
+            time.sleep(0.5)
+        self.stop()
+        raise DFlashError(f"{self.NAME} was not ready after {timeout:.0f} s; log {self.log_path}:\n{self.log_tail()}")
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """STOP_SIGNAL (the program's graceful shutdown), SIGKILL to the whole process group after
+        `timeout`; then whatever of the group outlived it (vLLM's engine core, Triton's stubs).
+        Returns the exit code."""
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(self.STOP_SIGNAL)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self._log.close()
+        return self.proc.returncode
+
+    def __enter__(self):
+        return self.start() if self.proc is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class TritonServer(ServerProcess):
     """tritonserver on loopback (or `host`) serving `repo` with `models` loaded explicitly.
 
         with TritonServer(bundle / "triton", ["dflash_reference"], work=tmp) as server:
             server.grpc_url ...
     """
+
+    NAME = "tritonserver"
 
     def __init__(self, repo: Path, models: list[str], *, work: Path, host: str = "127.0.0.1",
                  http_port: int | None = None, grpc_port: int | None = None, metrics_port: int | None = None,
@@ -167,7 +242,6 @@ class TritonServer:
         self.log_verbose = log_verbose
         self.backends = dict(backends or {})  # Python-based backends: {name: folder with model.py}
         self.stub_imports = stub_imports
-        self.proc: subprocess.Popen | None = None
         self.log_path = self.work / "tritonserver.log"
 
     @property
@@ -181,6 +255,10 @@ class TritonServer:
     @property
     def metrics_url(self) -> str:
         return f"http://{self.host}:{self.metrics_port}/metrics"
+
+    @property
+    def health_url(self) -> str:
+        return f"{self.http_url}/v2/health/ready"
 
     def command(self) -> list[str]:
         dist = pytriton_dist()
@@ -204,55 +282,5 @@ class TritonServer:
             if not (self.repo / m / "config.pbtxt").is_file():
                 raise DFlashError(f"{self.repo}: no model {m} (no {m}/config.pbtxt; is this a bundle's triton/ folder?)")
         self.work.mkdir(parents=True, exist_ok=True)
-        argv, env = self.command(), self.environment()
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
-        self.wait_ready(timeout)
+        self._spawn(timeout)
         return self
-
-    def ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.http_url}/v2/health/ready", timeout=2) as r:
-                return r.status == 200
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            return False
-
-    def log_tail(self, n: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
-    def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise DFlashError(f"tritonserver exited with code {self.proc.returncode} before it was ready; "
-                                  f"log {self.log_path}:\n{self.log_tail()}")
-            if self.ready():
-                return
-            time.sleep(0.5)
-        self.stop()
-        raise DFlashError(f"tritonserver was not ready after {timeout:.0f} s; log {self.log_path}:\n{self.log_tail()}")
-
-    def stop(self, timeout: float = 60.0) -> int:
-        """SIGINT (Triton's graceful shutdown: models' finalize() run), then SIGKILL after timeout.
-        Returns the exit code."""
-        if self.proc is None:
-            return 0
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self._log.close()
-        return self.proc.returncode
-
-    def __enter__(self) -> TritonServer:
-        return self.start() if self.proc is None else self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()

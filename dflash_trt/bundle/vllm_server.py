@@ -36,9 +36,8 @@ import urllib.error
 import urllib.request
 from importlib import resources
 from pathlib import Path
-from typing import Self
 
-from dflash_trt.bundle.triton_server import STUB_NUMPY, base_python, free_port
+from dflash_trt.bundle.triton_server import STUB_NUMPY, ServerProcess, base_python, free_port
 from dflash_trt.errors import DFlashError
 from dflash_trt.paths import VLLM_ENV_READY, vllm_env_dir
 
@@ -239,7 +238,7 @@ def parse_spec_decode_counters(text: str) -> dict:
     return out
 
 
-class VllmServer:
+class VllmServer(ServerProcess):
     """`vllm serve` of a bundle, on loopback (or `host`), as configs/vllm.json writes it.
 
         with VllmServer(bundle, work=tmp) as server:
@@ -250,6 +249,9 @@ class VllmServer:
     `extra_args` are appended after the bundle's (the tests add `--enforce-eager`: see there);
     speculative=False drops --speculative-config: vLLM's own plain decoding of the same target.
     """
+
+    NAME = "vllm serve"
+    STOP_SIGNAL = signal.SIGTERM  # uvicorn's graceful shutdown; vLLM stops its engine core
 
     def __init__(self, bundle: Path, *, work: Path, host: str = "127.0.0.1", port: int | None = None,
                  env_dir: Path | None = None, extra_args: list[str] | tuple[str, ...] = (),
@@ -262,7 +264,6 @@ class VllmServer:
         self.extra_env = env or {}
         self.speculative = speculative  # False: the same argv without --speculative-config (vLLM's plain AR)
         self.launch = read_vllm_launch(self.bundle)
-        self.proc: subprocess.Popen | None = None
         self.log_path = self.work / "vllm-serve.log"
 
     @property
@@ -291,22 +292,15 @@ class VllmServer:
         return env
 
     def start(self, timeout: float = 600.0) -> VllmServer:
-        argv, env = self.command(), self.environment()
         self.work.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 (open while the server runs; closed in stop)
         self.started_at = time.monotonic()
-        self.proc = subprocess.Popen(argv, cwd=self.bundle, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
-        self.wait_ready(timeout)
+        self._spawn(timeout, cwd=self.bundle)
         self.startup_s = time.monotonic() - self.started_at
         return self
 
-    def ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
-                return r.status == 200
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-            return False
+    @property
+    def health_url(self) -> str:
+        return f"{self.url}/health"
 
     def post(self, path: str, body: dict, timeout: float = 600.0) -> dict:
         """POST JSON to the server; an HTTP error raises urllib.error.HTTPError (its .code, .read())."""
@@ -334,45 +328,3 @@ class VllmServer:
         accepted_per_pos (list). Mean acceptance length = 1 + accepted / drafts (vLLM's own)."""
         return parse_spec_decode_counters(self.metrics())
 
-    def log_tail(self, n: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
-    def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise DFlashError(f"vllm serve exited with code {self.proc.returncode} before it was ready; "
-                                  f"log {self.log_path}:\n{self.log_tail()}")
-            if self.ready():
-                return
-            time.sleep(1.0)
-        self.stop()
-        raise DFlashError(f"vllm serve was not ready after {timeout:.0f} s; log {self.log_path}:\n{self.log_tail()}")
-
-    def stop(self, timeout: float = 60.0) -> int:
-        """SIGTERM (uvicorn's graceful shutdown; vLLM stops its engine core), SIGKILL to the whole
-        process group after `timeout`. Returns the exit code."""
-        if self.proc is None:
-            return 0
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        try:  # the engine-core child, if it outlived its parent
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self._log.close()
-        return self.proc.returncode
-
-    def __enter__(self) -> Self:
-        return self.start() if self.proc is None else self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()

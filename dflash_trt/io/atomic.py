@@ -45,26 +45,12 @@ def write_text(path: Path, text: str) -> None:
 
 def atomic_write_text(path: str | Path, text: str) -> Path:
     """Write a file through a temp file beside it and a rename: a reader, a crash or a Ctrl-C never
-    leaves half a file under the name (nor the temp file, short of a kill -9)."""
-    path = Path(path)
-    tmp = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException as e:
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
-        if isinstance(e, OSError):
-            raise disk_error(path, "the file", e) from None
-        raise
-    return path
+    leaves half a file under the name (nor the temp file, short of a kill -9). UTF-8."""
+    return atomic_write_bytes(path, text.encode())
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
-    """atomic_write_text for bytes (a rendered image)."""
+    """atomic_write_text for bytes (a rendered image; the text files, encoded)."""
     path = Path(path)
     tmp = None
     try:
