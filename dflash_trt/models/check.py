@@ -21,7 +21,7 @@ from dflash_trt.models.config import (
 )
 from dflash_trt.models.draft_vocab import read_draft_vocab
 from dflash_trt.models.drafter import DFlashDrafter
-from dflash_trt.models.target import SUPPORTED, TargetModel, stop_token_ids
+from dflash_trt.models.target import SUPPORTED, build_target, stop_token_ids
 
 NONFINITE_NOTE = "non-finite weights"  # marks the scan's problems (build/generate --allow-nonfinite)
 
@@ -191,7 +191,7 @@ def _runtime_tensor_names(cfg: dict) -> set[str] | None:
         return None
     try:
         with torch.device("meta"):
-            return set(TargetModel(cfg, max_len=1).state_dict())   # (hf_config: a DFlashError if transformers refuses)
+            return set(build_target(cfg, max_len=1).state_dict())   # (hf_config: a DFlashError if transformers refuses)
     except (KeyError, TypeError, ValueError, AttributeError, IndexError, ZeroDivisionError, RuntimeError) as e:
         # a field the rules above do not cover (family-specific) that the runtime cannot build from
         raise DFlashError(f"config.json: the runtime cannot build a {cfg['model_type']} model from it "

@@ -1,4 +1,5 @@
-"""Target models for the CPU reference runtime: Llama, Qwen3 and gpt-oss, gpt-fast style.
+"""Target models for the CPU reference runtime: Llama, Qwen3 and gpt-oss, gpt-fast style (the other
+families are modules of their own, models/families; load_target looks a config's family up there).
 
 One module per family would repeat 90% of the code, so one decoder handles all three, switched by
 config fields (qk-norm for Qwen3; biases, attention sinks, sliding windows and MoE for gpt-oss).
@@ -20,10 +21,11 @@ from dflash_trt.errors import DFlashError
 from dflash_trt.io.jsonio import read_json
 from dflash_trt.kernels import attention, gemm
 from dflash_trt.models.config import require_target_config
+from dflash_trt.models.families import RUNTIME_FAMILIES, family_module
 from dflash_trt.models.layers import Linear, RMSNorm, RopeTable, SwiGLU, apply_rope, linear
 from dflash_trt.models.weights import dequantize_mxfp4, load_strict, read_state_dict
 
-SUPPORTED = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "gpt_oss": "GptOssForCausalLM"}
+SUPPORTED = tuple(RUNTIME_FAMILIES)   # the model types the CPU runtime runs (models/families)
 
 
 def hf_config(cfg: dict):
@@ -31,7 +33,7 @@ def hf_config(cfg: dict):
     from transformers import AutoConfig
 
     mt = cfg.get("model_type")
-    if mt not in SUPPORTED:
+    if mt not in RUNTIME_FAMILIES:
         raise DFlashError(f"config.json: model_type {mt!r} is not supported (supported: {', '.join(SUPPORTED)})")
     kw = {k: v for k, v in cfg.items() if k not in ("model_type", "transformers_version", "quantization_config")}
     try:
@@ -203,6 +205,9 @@ class TargetModel(nn.Module):
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(tokens)
 
+    def cache_bytes_per_position(self) -> int:
+        return sum(2 * a.nkv * a.hd * self.dtype.itemsize for a in (layer.self_attn for layer in self.model.layers))
+
     def setup_cache(self, max_len: int):
         """Allocate (or keep, if large enough) the static KV cache."""
         if max_len <= self.max_len:
@@ -241,16 +246,30 @@ class TargetModel(nn.Module):
         return logits, features
 
 
+def build(cfg: dict, dtype: torch.dtype = torch.float32, max_len: int = 4096) -> TargetModel:
+    """models/families' entry point for llama, qwen3 and gpt_oss."""
+    return TargetModel(cfg, dtype=dtype, max_len=max_len)
+
+
 # ---------------------------------------------------------------------------------- loading
+def build_target(cfg: dict, dtype: torch.dtype = torch.float32, max_len: int = 4096) -> nn.Module:
+    """The runtime's model of a target config (any family of models/families)."""
+    module = family_module(cfg.get("model_type"))
+    if module is None:
+        raise DFlashError(f"config.json: model_type {cfg.get('model_type')!r} is not supported by the CPU runtime "
+                          f"(supported: {', '.join(SUPPORTED)})")
+    return module.build(cfg, dtype=dtype, max_len=max_len)
+
+
 def load_target(folder: str | Path, dtype: torch.dtype = torch.float32, max_len: int = 4096,
                 allow_pickle: bool = False) -> TargetModel:
     folder = Path(folder)
     cfg = require_target_config(read_json(folder / "config.json"), str(folder / "config.json"))
     if "model_type" not in cfg:
         raise DFlashError(f"{folder / 'config.json'}: missing field model_type")
-    model = TargetModel(cfg, dtype=dtype, max_len=max_len)
+    model = build_target(cfg, dtype=dtype, max_len=max_len)
     state = dequantize_mxfp4(read_state_dict(folder, allow_pickle=allow_pickle))
-    if model.tied:
+    if getattr(model, "tied", False):
         state.pop("lm_head.weight", None)
     load_strict(model, state, folder)
     return model.eval()

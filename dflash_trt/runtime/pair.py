@@ -151,10 +151,7 @@ def check_request(pair: Pair, n_prompt: int, max_new_tokens: int, block_size: in
         raise DFlashError(f"--max-new-tokens {max_new_tokens}: the prompt's {n_prompt} tokens plus this exceed {why}; "
                           f"at most {room} for this prompt")
     n = n_prompt + max_new_tokens + slack
-    per_pos = 0
-    for layer in pair.target.model.layers:
-        a = layer.self_attn
-        per_pos += 2 * a.nkv * a.hd * pair.target.dtype.itemsize
+    per_pos = pair.target.cache_bytes_per_position()
     if dflash:
         c = pair.drafter.config
         per_pos += 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * pair.drafter.fc.weight.element_size()

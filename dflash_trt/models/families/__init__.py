@@ -1,0 +1,34 @@
+"""The target families the CPU reference runtime runs, looked up by config.json `model_type`.
+
+A family is one module with `build(cfg: dict, dtype, max_len) -> nn.Module`. The model it returns
+has TargetModel's interface (models/target.py), which runtime/decode.py drives:
+
+    forward(tokens [T], start, capture=(), all_logits=False) -> (logits, features)
+        tokens at positions [start, start+T); features = the captured decoder layers' outputs
+        (HF hidden_states[i + 1]) concatenated. A later call with a smaller `start` discards what
+        came after it (a rejected draft): O(1) for a KV cache; a family with a recurrent state
+        keeps the per-position states of its last forward and restores one.
+    setup_cache(max_len), embed(tokens), logits(h), lm_head_weight(), cache_bytes_per_position()
+    attributes: cfg (the config.json dict), hf (its transformers config), dtype, vocab_size,
+        hidden_size, num_layers, max_len
+
+Parameter names are Hugging Face's, so checkpoints load as they are (models/weights.load_strict),
+and each family is tested against transformers in float64 (tests/test_families.py).
+"""
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+# model_type -> module. One module may serve several model types (one decoder, config switches).
+RUNTIME_FAMILIES: dict[str, str] = {
+    "llama": "dflash_trt.models.target",
+    "qwen3": "dflash_trt.models.target",
+    "gpt_oss": "dflash_trt.models.target",
+}
+
+
+def family_module(model_type: str | None) -> ModuleType | None:
+    """The runtime module of a model_type, or None where the CPU runtime does not run it."""
+    name = RUNTIME_FAMILIES.get(model_type or "")
+    return importlib.import_module(name) if name else None
