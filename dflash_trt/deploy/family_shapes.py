@@ -10,7 +10,9 @@ KV cache per token, per layer, as each family stores it:
   (kv_bytes_per_token multiplies by 2 for K and V).
 - Linear-attention layers (layer_types "linear_attention"): no per-token KV (a fixed recurrent state
   per sequence, not counted); only the attention layers count.
-- Otherwise num_key_value_heads x head_dim for K and V.
+- Otherwise num_key_value_heads x head_dim for K and V; where these differ by layer (Gemma 4: its
+  full-attention layers have their own KV heads and head_dim, transformers' per_layer_config), each
+  layer's own, carried as ModelShape.kv_per_layer.
 Left out: GLM-5's DSA indexer key cache (index_head_dim per token), the recurrent states.
 """
 from __future__ import annotations
@@ -45,7 +47,7 @@ def meta_shape_fields(cfg: dict, name: str) -> tuple[dict, list[dict]]:
     nh = hf.num_attention_heads
     E = getattr(hf, "n_routed_experts", None) or getattr(hf, "num_experts", None) or \
         getattr(hf, "num_local_experts", None) or 0
-    k = getattr(hf, "num_experts_per_tok", 0) or 0
+    k = getattr(hf, "num_experts_per_tok", None) or getattr(hf, "top_k_experts", None) or 0   # Gemma 4: top_k_experts
     sizes = {"embed": 0, "lm_head": 0, "experts": 0, "router": 0, "dense": 0, "small": 0}
     linears = {"experts": 0, "dense": 0}
     for pname, p in model.state_dict().items():   # parameters and persistent buffers (e_score_correction_bias)
@@ -79,8 +81,16 @@ def meta_shape_fields(cfg: dict, name: str) -> tuple[dict, list[dict]]:
 
     types = list(getattr(hf, "layer_types", None) or ["full_attention"] * L)
     attn_types = [t for t in types if t != "linear_attention"]
+
+    kv_per_layer = None
     if getattr(hf, "kv_lora_rank", None):
         kv_heads, head_dim = 1, math.ceil((hf.kv_lora_rank + hf.qk_rope_head_dim) / 2)
+    elif getattr(hf, "per_layer_config", None) is not None:   # heterogeneous layers: read each one's
+        kv_per_layer = [(getattr(c, "num_key_value_heads", None) or nh, getattr(c, "head_dim", None) or H // nh)
+                        for c, t in zip(_layer_configs(hf, L), types) if t != "linear_attention"]
+        kv_heads, head_dim = kv_per_layer[0]
+        if len(set(kv_per_layer)) == 1:
+            kv_per_layer = None
     else:
         kv_heads = getattr(hf, "num_key_value_heads", None) or nh
         head_dim = getattr(hf, "head_dim", None) or H // nh
@@ -88,5 +98,12 @@ def meta_shape_fields(cfg: dict, name: str) -> tuple[dict, list[dict]]:
     inter = getattr(hf, "moe_intermediate_size", None) if E else getattr(hf, "intermediate_size", None)
     fields = {"name": name, "model_type": cfg.get("model_type"), "hidden": H, "layers": len(attn_types), "heads": nh,
               "kv_heads": kv_heads, "head_dim": head_dim, "vocab": V, "intermediate": inter or hf.intermediate_size,
-              "experts": E, "experts_per_token": k, "layer_types": attn_types, "sliding_window": sliding}
+              "experts": E, "experts_per_token": k, "layer_types": attn_types, "sliding_window": sliding,
+              "kv_per_layer": kv_per_layer}
     return fields, groups
+
+
+def _layer_configs(hf, layers: int) -> list:
+    """Each layer's config of a heterogeneous transformers config (per_layer_config)."""
+    view = hf.per_layer_config
+    return [view[i] for i in range(layers)]

@@ -41,7 +41,7 @@ from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import Hardware, get_hardware
 from dflash_trt.io.jsonio import read_json
 from dflash_trt.models.config import DrafterConfig
-from dflash_trt.presets.catalog import PRESETS
+from dflash_trt.presets.catalog import FIGURES_KEY, PRESETS
 
 GIB = 2**30
 
@@ -66,29 +66,6 @@ KV_FORMATS = ("auto", "fp8", "bf16")
 ELEMENT_BYTES = {"none": 2.0, "fp8": 1.0, "nvfp4": 0.5 + 1 / 16, "mxfp4": 0.5 + 1 / 32}
 # Per-tensor fp32 scalars that come with each quantized linear layer (weight_scale(_2), input_scale).
 SCALAR_BYTES_PER_LINEAR = {"none": 0, "fp8": 8, "nvfp4": 8, "mxfp4": 0}
-
-# Drafter shapes of presets whose drafter config.json is not shipped, from the facts gathered in
-# presets/SOURCES.md (z-lab model cards and the spec table cited there; DERIVED, not the HF files).
-# gpt-oss-120b: 8 layers, hidden 2880, intermediate 7680, 64 / 8 heads, head_dim 64, block 10,
-# mask 200000, ids [1,9,17,25,33] — these shapes give 0.785 B parameters, matching the "about
-# 0.78 B" published. llama-3.1-8b: 5 layers, 4096, 12288, 32 / 8 heads (head_dim 4096/32), block 10.
-PRESET_DRAFTER_SHAPES: dict[str, dict] = {
-    "gpt-oss-120b": {
-        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "num_hidden_layers": 8,
-        "hidden_size": 2880, "intermediate_size": 7680, "num_attention_heads": 64,
-        "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 201088, "block_size": 10,
-        "num_target_layers": 36,
-        "dflash_config": {"mask_token_id": 200000, "target_layer_ids": [1, 9, 17, 25, 33]},
-    },
-    "llama-3.1-8b": {
-        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "num_hidden_layers": 5,
-        "hidden_size": 4096, "intermediate_size": 12288, "num_attention_heads": 32,
-        "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "block_size": 10,
-        "num_target_layers": 32,
-        # mask_token_id of this drafter was not found (presets/SOURCES.md); the planner does not use it.
-        "dflash_config": {"mask_token_id": -1, "target_layer_ids": [1, 8, 15, 22, 29]},
-    },
-}
 
 DENSE_TYPES = {"llama", "qwen2", "qwen3", "mistral"}
 MOE_TYPES = {"gpt_oss", "qwen3_moe", "mixtral"}
@@ -129,6 +106,9 @@ class ModelShape:
     native_format: str = "none"
     groups: list[Group] = field(default_factory=list)
     has_embedding: bool = True
+    # (KV heads, head_dim) of each attention layer where they differ by layer (Gemma 4); None: every
+    # layer has kv_heads x head_dim
+    kv_per_layer: list[tuple[int, int]] | None = None
 
     @property
     def total_params(self) -> int:
@@ -234,7 +214,7 @@ def target_shape(cfg: dict, name: str = "target") -> ModelShape:
 def drafter_shape(cfg: dict, name: str = "drafter") -> ModelShape:
     """Parameter groups of a z-lab DFlash drafter (docs/formats.md): fc [H, n_feat·H], hidden_norm,
     norm, Qwen3 decoder blocks; no embedding and no lm_head (it borrows the target's)."""
-    d = DrafterConfig.from_dict(cfg, name)
+    d = _figures(cfg, name) if FIGURES_KEY in cfg else DrafterConfig.from_dict(cfg, name)
     H, L = d.hidden_size, d.num_hidden_layers
     groups = [Group("fc", d.n_features * H * H, "tp", False), Group("norms", 2 * H + L * 2 * H, "rep", False)]
     groups += _attention_groups(L, H, d.num_attention_heads, d.num_key_value_heads, d.head_dim,
@@ -246,6 +226,37 @@ def drafter_shape(cfg: dict, name: str = "drafter") -> ModelShape:
                       intermediate=d.intermediate_size, layer_types=layer_types,
                       sliding_window=cfg.get("sliding_window") if "sliding_attention" in layer_types else None,
                       groups=groups, has_embedding=False)
+
+
+@dataclass
+class _DrafterFigures:
+    """The fields drafter_shape reads, from a preset's published figures (presets/catalog.drafter_figures):
+    not a config.json, so not held to the drafter config's rules (a mask token, say, it may not give)."""
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    target_layer_ids: list[int]
+    attention_bias: bool = False
+
+    @property
+    def n_features(self) -> int:
+        return len(self.target_layer_ids)
+
+
+def _figures(cfg: dict, name: str) -> _DrafterFigures:
+    ints = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "intermediate_size", "vocab_size")
+    for k in ints:
+        if not isinstance(cfg.get(k), int) or cfg[k] < 1:
+            raise DFlashError(f"{name}: published drafter figures have no positive integer {k}")
+    ids = (cfg.get("dflash_config") or {}).get("target_layer_ids")
+    if not ids or not all(isinstance(i, int) and i >= 0 for i in ids):
+        raise DFlashError(f"{name}: published drafter figures have no target_layer_ids")
+    return _DrafterFigures(**{k: cfg[k] for k in ints}, target_layer_ids=list(ids))
 
 
 def native_format(cfg: dict) -> str:
@@ -328,6 +339,12 @@ def kv_bytes_per_token(shape: ModelShape, kv_format: str, tp: int = 1, layers: i
     all of them)."""
     layers = shape.layers if layers is None else layers
     b = 1 if kv_format == "fp8" else 2
+    if shape.kv_per_layer:
+        # layers of different widths: exact over all of them; a part of them (the layers that
+        # max_attention_window leaves whole) is counted at the mean width per layer
+        per_layer = [2 * math.ceil(h / tp) * d * b for h, d in shape.kv_per_layer]
+        total = sum(per_layer)
+        return total if layers == len(per_layer) else math.ceil(total * layers / len(per_layer))
     return layers * 2 * math.ceil(shape.kv_heads / tp) * shape.head_dim * b
 
 
@@ -703,7 +720,7 @@ def target_configs(target: str) -> tuple[str, dict, dict | None]:
     """--target NAME|DIR → (name, config.json, the preset's drafter config or None)."""
     if target in PRESETS:
         p = PRESETS[target]
-        dcfg = p.drafter_config() or PRESET_DRAFTER_SHAPES.get(target)
+        dcfg = p.drafter_plan_config()
         return target, p.config(), dcfg
     path = Path(target)
     if path.is_dir():

@@ -14,6 +14,30 @@ from dflash_trt.presets.embedded import embedded_drafter_path, ensure_embedded_t
 from dflash_trt.presets.hub import is_hub_id, resolve_hub_id
 
 
+# Marks a drafter dict as published figures (presets/configs/SOURCES.md), not a config.json: the
+# planner reads only its shapes from it (deploy/planner.drafter_shape).
+FIGURES_KEY = "published_figures"
+
+
+def drafter_figures(source: str, *, layers: int, hidden: int, intermediate: int, heads: int, kv_heads: int,
+                    head_dim: int, vocab: int, block: int, target_layer_ids: list[int], target_layers: int,
+                    sliding: int = 0, window: int | None = None, mask_token_id: int | None = None) -> dict:
+    """A z-lab drafter's shapes as a config-shaped dict, where only its published figures are
+    known: `sliding` leading sliding-window layers of `window` tokens, the rest full attention;
+    `mask_token_id` only where a source gives it (the planner does not use it)."""
+    d = {FIGURES_KEY: source, "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+         "num_hidden_layers": layers, "hidden_size": hidden, "intermediate_size": intermediate,
+         "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
+         "vocab_size": vocab, "block_size": block, "num_target_layers": target_layers,
+         "layer_types": ["sliding_attention"] * sliding + ["full_attention"] * (layers - sliding),
+         "dflash_config": {"target_layer_ids": list(target_layer_ids)}}
+    if sliding:
+        d.update(sliding_window=window, use_sliding_window=True)
+    if mask_token_id is not None:
+        d["dflash_config"]["mask_token_id"] = mask_token_id
+    return d
+
+
 @dataclass(frozen=True)
 class Preset:
     name: str
@@ -23,6 +47,10 @@ class Preset:
     drafter_config_file: str | None = None
     revision: str | None = None           # the target's pinned hub commit (None: main)
     drafter_revision: str | None = None   # the drafter's (None: main; no published commit id found)
+    block_size: int | None = None         # the drafter's trained block size (None: not published)
+    # the drafter's published figures where its config.json is not shipped (drafter_figures());
+    # None with neither: the planner plans the target alone
+    drafter_shapes: dict | None = None
 
     def config(self) -> dict:
         return json.loads(resources.files("dflash_trt.presets.configs").joinpath(self.config_file).read_text())
@@ -32,21 +60,102 @@ class Preset:
             return None
         return json.loads(resources.files("dflash_trt.presets.configs").joinpath(self.drafter_config_file).read_text())
 
+    def drafter_plan_config(self) -> dict | None:
+        """What the planner sizes the drafter from: its config.json, else its published figures."""
+        return self.drafter_config() or (dict(self.drafter_shapes) if self.drafter_shapes else None)
+
+
+# Source of the figures (presets/configs/SOURCES.md): the spec table built from the z-lab HF
+# config.json files (search-index id 58668257119), head_dim from a second one (58740580347).
+SPEC = "z-lab HF config.json spec table (58668257119); head_dim 128 / 64 (58740580347)"
 
 PRESETS: dict[str, Preset] = {p.name: p for p in [
     Preset("gpt-oss-120b", "openai/gpt-oss-120b", "z-lab/gpt-oss-120b-DFlash", "gpt-oss-120b.json",
-           revision="b5c939de8f754692c1647ca79fbf85e8c1e70f8a"),
+           revision="b5c939de8f754692c1647ca79fbf85e8c1e70f8a",
+           drafter_revision="1278df34f0a7bd2c8588a27f49048aaa05c7db00", block_size=10,
+           drafter_shapes=drafter_figures(SPEC + "; mask: llama.cpp fork test (63092383319)", layers=8, hidden=2880,
+                                          intermediate=7680, heads=64, kv_heads=8, head_dim=64, vocab=201088, block=10,
+                                          target_layer_ids=[1, 9, 17, 25, 33], target_layers=36,
+                                          mask_token_id=200000)),
     Preset("gpt-oss-20b", "openai/gpt-oss-20b", "z-lab/gpt-oss-20b-DFlash", "gpt-oss-20b.json",
-           revision="6cee5e81ee83917806bbde320786a8fb61efebee"),
+           revision="6cee5e81ee83917806bbde320786a8fb61efebee",
+           drafter_revision="d53f6551543204c859e8bbaaddbd15d11b447af9", block_size=8,
+           drafter_shapes=drafter_figures(SPEC, layers=8, hidden=2880, intermediate=7680, heads=64, kv_heads=8,
+                                          head_dim=64, vocab=201088, block=8, target_layer_ids=[1, 6, 11, 16, 21],
+                                          target_layers=24)),
     Preset("qwen3-8b", "Qwen/Qwen3-8B", "z-lab/Qwen3-8B-DFlash-b16", "qwen3-8b.json",
            "qwen3-8b-dflash-b16.json", revision="b968826d9c46dd6066d109eabc6255188de91218",
-           drafter_revision="9b41424b7109f9c5413454f481b09a82b85333f4"),
+           drafter_revision="9b41424b7109f9c5413454f481b09a82b85333f4", block_size=16),
     Preset("llama-3.1-8b", "meta-llama/Llama-3.1-8B-Instruct",
            "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat", "llama-3.1-8b-instruct.json",
            revision="0e9e39f249a16976918f6564b8830bc894c89659",
-           drafter_revision="d3af30def9601abdd10810aba220d692f0e803f0"),
+           drafter_revision="d3af30def9601abdd10810aba220d692f0e803f0", block_size=10,
+           drafter_shapes=drafter_figures(SPEC, layers=5, hidden=4096, intermediate=12288, heads=32, kv_heads=8,
+                                          head_dim=128, vocab=128256, block=10, target_layer_ids=[1, 8, 15, 22, 29],
+                                          target_layers=32)),
     Preset("smollm2-135m", "HuggingFaceTB/SmolLM2-135M-Instruct", None, "smollm2-135m.json",
            revision="4dc8c839ca5df567aa4f5c36798705eac8f35f0e"),
+    # Qwen3.5 / 3.6 (vocab 248320; mask 248070 in several copies of these drafters' configs)
+    Preset("qwen3.5-27b", "Qwen/Qwen3.5-27B", "z-lab/Qwen3.5-27B-DFlash", "qwen3.5-27b.json",
+           revision="fc05daec18b0a78c049392ed2e771dde82bdf654", block_size=16,
+           drafter_shapes=drafter_figures(SPEC, layers=6, hidden=5120, intermediate=17408, heads=32, kv_heads=8,
+                                          head_dim=128, vocab=248320, block=16, sliding=5, window=4096,
+                                          target_layer_ids=[1, 10, 18, 27, 35, 44, 52, 61], target_layers=64)),
+    Preset("qwen3.5-35b-a3b", "Qwen/Qwen3.5-35B-A3B", "z-lab/Qwen3.5-35B-A3B-DFlash", "qwen3.5-35b-a3b.json",
+           revision="59d61f3ce65a6d9863b86d2e96597125219dc754", block_size=16,
+           drafter_shapes=drafter_figures(SPEC, layers=6, hidden=2048, intermediate=6144, heads=32, kv_heads=8,
+                                          head_dim=128, vocab=248320, block=16, sliding=5, window=4096,
+                                          target_layer_ids=[1, 6, 11, 16, 22, 27, 32, 37], target_layers=40)),
+    Preset("qwen3.5-122b-a10b", "Qwen/Qwen3.5-122B-A10B", "z-lab/Qwen3.5-122B-A10B-DFlash",
+           "qwen3.5-122b-a10b.json", block_size=16,
+           drafter_shapes=drafter_figures(SPEC, layers=6, hidden=3072, intermediate=9216, heads=32, kv_heads=8,
+                                          head_dim=128, vocab=248320, block=16, sliding=5, window=4096,
+                                          target_layer_ids=[1, 7, 14, 20, 26, 32, 39, 45], target_layers=48)),
+    # the drafter's shapes are not published in full (6 layers, hidden 4096, 8 target layers, 2.41 GiB):
+    # planned as the target alone
+    Preset("qwen3.5-397b-a17b", "Qwen/Qwen3.5-397B-A17B", "z-lab/Qwen3.5-397B-A17B-DFlash",
+           "qwen3.5-397b-a17b.json", block_size=16),
+    # Qwen3.6: the configs are NVIDIA's NVFP4 checkpoints of Qwen/Qwen3.6-* (the drafters' targets)
+    Preset("qwen3.6-27b", "nvidia/Qwen3.6-27B-NVFP4", "z-lab/Qwen3.6-27B-DFlash", "qwen3.6-27b-nvfp4.json",
+           drafter_revision="0919688658996800f86b895034249700e9481106", block_size=16,
+           drafter_shapes=drafter_figures(SPEC + "; mask: 61856208997", layers=5, hidden=5120, intermediate=17408,
+                                          heads=32, kv_heads=8, head_dim=128, vocab=248320, block=16, sliding=4,
+                                          window=2048, target_layer_ids=[1, 16, 31, 46, 61], target_layers=64,
+                                          mask_token_id=248070)),
+    Preset("qwen3.6-35b-a3b", "nvidia/Qwen3.6-35B-A3B-NVFP4", "z-lab/Qwen3.6-35B-A3B-DFlash",
+           "qwen3.6-35b-a3b-nvfp4.json", block_size=16,
+           drafter_shapes=drafter_figures(SPEC, layers=6, hidden=2048, intermediate=6144, heads=32, kv_heads=8,
+                                          head_dim=128, vocab=248320, block=16, sliding=5, window=4096,
+                                          target_layer_ids=[1, 6, 11, 16, 22, 27, 32, 37], target_layers=40)),
+    # Gemma 4: 31B from NVIDIA's NVFP4 checkpoint of google/gemma-4-31B-it; 26B-A4B from the base
+    # model's config (the drafter's target is the -it, same architecture)
+    Preset("gemma-4-31b", "nvidia/Gemma-4-31B-IT-NVFP4", "z-lab/gemma-4-31B-it-DFlash", "gemma-4-31b-it-nvfp4.json",
+           drafter_revision="eabd648301ce28583cc14757912e5e0f84e152e1", block_size=16,
+           drafter_shapes=drafter_figures(SPEC, layers=5, hidden=5376, intermediate=10752, heads=64, kv_heads=8,
+                                          head_dim=128, vocab=262144, block=16, sliding=4, window=2048,
+                                          target_layer_ids=[1, 12, 23, 35, 46, 57], target_layers=60)),
+    Preset("gemma-4-26b-a4b", "google/gemma-4-26B-A4B", "z-lab/gemma-4-26B-A4B-it-DFlash", "gemma-4-26b-a4b.json",
+           drafter_revision="77d4202772dfe50b2396ec7bac9cfffc7b9e7057", block_size=16,
+           drafter_shapes=drafter_figures(SPEC, layers=5, hidden=2816, intermediate=5632, heads=32, kv_heads=8,
+                                          head_dim=128, vocab=262144, block=16, sliding=4, window=2048,
+                                          target_layer_ids=[1, 6, 11, 17, 22, 27], target_layers=30)),
+    # Kimi K2.x (DeepSeek-V3 layout)
+    Preset("kimi-k2.5", "moonshotai/Kimi-K2.5", "z-lab/Kimi-K2.5-DFlash", "kimi-k2.5.json",
+           revision="4d01dfe0332d63057c186e0b262165819efb6611",
+           drafter_revision="e2db14df8337367b5eae8a6c206ea0d7d01a42a8", block_size=8,
+           drafter_shapes=drafter_figures(SPEC + "; mask: vLLM Kimi DFlash test (68534717120)", layers=6, hidden=7168,
+                                          intermediate=18432, heads=64, kv_heads=8, head_dim=128, vocab=163840,
+                                          block=8, target_layer_ids=[1, 12, 24, 35, 47, 58], target_layers=61,
+                                          mask_token_id=163838)),
+    # the drafter is gated (config.json not readable anonymously): planned as the target alone
+    Preset("kimi-k2.6", "nvidia/Kimi-K2.6-NVFP4", "z-lab/Kimi-K2.6-DFlash", "kimi-k2.6-nvfp4.json",
+           drafter_revision="c1462ef46589f6ccb3eca424bffef94d72354ea9"),
+    # GLM-5.1 (MLA + DSA indexer), MiniMax-M2.x: drafters gated or unpublished in figures
+    Preset("glm-5.1", "zai-org/GLM-5.1-FP8", "z-lab/GLM-5.1-FP8-DFlash", "glm-5.1-fp8.json"),
+    Preset("minimax-m2.5", "MiniMaxAI/MiniMax-M2.5", "z-lab/MiniMax-M2.5-DFlash", "minimax-m2.5.json"),
+    Preset("minimax-m2.7", "MiniMaxAI/MiniMax-M2.7", "z-lab/MiniMax-M2.7-DFlash", "minimax-m2.7.json",
+           revision="d494266a4affc0d2995ba1fa35c8481cbd84294b",
+           drafter_revision="c36fb6e5ad86afc64ecc9824ab5a80d2ae640df3"),
 ]}
 
 
