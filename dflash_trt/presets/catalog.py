@@ -13,7 +13,6 @@ from dflash_trt.errors import DFlashError
 from dflash_trt.presets.embedded import embedded_drafter_path, ensure_embedded_target
 from dflash_trt.presets.hub import is_hub_id, resolve_hub_id
 
-
 # Marks a drafter dict as published figures (presets/configs/SOURCES.md), not a config.json: the
 # planner reads only its shapes from it (deploy/planner.drafter_shape).
 FIGURES_KEY = "published_figures"
