@@ -100,3 +100,32 @@ def test_plan_cli_llama_preset():
     assert code == 0, err
     d = json.loads(out)
     assert d["drafter"] and d["block_size"] == 10 and d["chosen"]["tp"] >= 1
+
+
+# Sizes the model publishers state (model cards: "1T total / 32B activated", GLM-5 "744B / 40B
+# active", MiniMax-M2.5 "230B / 10B", Gemma 4 "25.2B / 3.8B active" and 30.7B, Qwen3.5 397B-A17B):
+# the planner's counts from config.json alone, within 5% (vision towers and MTP heads not counted).
+PUBLISHED_PARAMS_B = {
+    "kimi-k2.5": (1000, 32), "glm-5.1": (744, 40), "minimax-m2.5": (230, 10), "minimax-m2.7": (230, 10),
+    "gemma-4-26b-a4b": (25.2, 3.8), "gemma-4-31b": (30.7, 30.7), "qwen3.5-397b-a17b": (397, 17),
+}
+
+
+@pytest.mark.parametrize("name", PUBLISHED_PARAMS_B)
+def test_family_targets_have_the_published_parameter_counts(name):
+    shape = planner.target_shape(PRESETS[name].config(), name)
+    total, active = PUBLISHED_PARAMS_B[name]
+    assert abs(shape.total_params / (total * 1e9) - 1) < 0.05
+    assert abs(shape.active_params / (active * 1e9) - 1) < 0.05
+
+
+def test_gemma_4_kv_bytes_per_token_by_hand():
+    """Gemma 4 31B: 50 sliding layers of 16 KV heads x 256 and 10 full-attention layers of 4 x 512
+    (global_head_dim, num_global_key_value_heads), K and V, FP8: 1 byte each."""
+    cfg = decoder_config(PRESETS["gemma-4-31b"].config())
+    types = cfg["layer_types"]
+    assert types.count("sliding_attention") == 50 and types.count("full_attention") == 10
+    shape = planner.target_shape(PRESETS["gemma-4-31b"].config(), "gemma-4-31b")
+    assert planner.kv_bytes_per_token(shape, "fp8") == 50 * 2 * 16 * 256 + 10 * 2 * 4 * 512
+    # TP 8: ceil(16 / 8) = 2 and ceil(4 / 8) = 1 heads per GPU
+    assert planner.kv_bytes_per_token(shape, "fp8", tp=8) == 50 * 2 * 2 * 256 + 10 * 2 * 1 * 512
