@@ -12,7 +12,6 @@ train/features.py keeps the target's top-k next tokens at every position of ANY 
 from __future__ import annotations
 
 import json
-import os
 import random
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from dflash_trt.models.target import stop_token_ids
 from dflash_trt.paths import VLLM_ENV_READY, vllm_env_dir
 from dflash_trt.runtime.pair import encode_prompt, resolve_dtype
 from dflash_trt.train.prompts import read_prompts
+from dflash_trt.vllm_env import CPU_ENV, clean_env
 
 MAX_SEQUENCE = 1 << 16  # tokens per training sequence (prompt + response)
 
@@ -109,9 +109,7 @@ def _vllm_responses(py: Path, target_dir, tok, todo: list[str], out_path: Path, 
     with tempfile.TemporaryDirectory(prefix="dflash-trt-vllm-") as tmp:
         req, ans, summary = Path(tmp) / "requests.jsonl", Path(tmp) / "answers.jsonl", Path(tmp) / "summary.json"
         req.write_text("".join(json.dumps({"i": i, "prompt_ids": ids}) + "\n" for i, (_, ids) in enumerate(encoded)))
-        env = {**os.environ, "VLLM_TARGET_DEVICE": os.environ.get("VLLM_TARGET_DEVICE", "cpu")}
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        env = {**CPU_ENV, **clean_env()}   # the host's own settings win over the CPU defaults
         if threads:
             env.setdefault("OMP_NUM_THREADS", str(threads))
         cmd = [str(py), str(Path(__file__).with_name("vllm_answers.py")), "--model", str(target_dir),
