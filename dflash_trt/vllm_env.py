@@ -1,9 +1,12 @@
-"""How a process of the vLLM side env (paths.vllm_env_dir) is started: its environment. One place
-for both users: bundle/vllm_server.py (`vllm serve`, the env's making) and train/data.py (the
-trainer's vLLM answers)."""
+"""How a process of the vLLM side env (paths.vllm_env_dir) is started: its Python and its
+environment. One place for both users: bundle/vllm_server.py (`vllm serve`, the env's making) and
+train/data.py (the trainer's vLLM answers)."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
+
+from dflash_trt.paths import VLLM_ENV_READY, vllm_env_dir
 
 # The host/CPU settings a vLLM process runs with (none changes what is decoded; each measured or
 # read from vllm/envs.py of 0.32.0):
@@ -24,6 +27,17 @@ CPU_ENV = {
 
 # what points at our env and would make the vLLM env's Python import our packages, not its own
 _OURS = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")
+
+
+def vllm_python(env: Path | None = None) -> Path:
+    """The Python of the vLLM env `env` (default paths.vllm_env_dir())."""
+    return Path(env or vllm_env_dir()) / "bin" / "python3"
+
+
+def vllm_env_ready(env: Path | None = None) -> bool:
+    """The env has its Python and the ready stamp `make vllm` writes last (a half-made env is no env)."""
+    root = Path(env or vllm_env_dir())
+    return vllm_python(root).is_file() and (root / VLLM_ENV_READY).is_file()
 
 
 def clean_env(extra: dict | None = None) -> dict:

@@ -39,7 +39,7 @@ from pathlib import Path
 from dflash_trt.bundle.triton_server import STUB_NUMPY, ServerProcess, base_python, free_port
 from dflash_trt.errors import DFlashError
 from dflash_trt.paths import VLLM_ENV_READY, vllm_env_dir
-from dflash_trt.vllm_env import CPU_ENV, clean_env
+from dflash_trt.vllm_env import CPU_ENV, clean_env, vllm_python
 
 TORCH_SPEC = "torch==2.13.0"
 VLLM_VERSION = "0.32.0"
@@ -58,10 +58,6 @@ TRITON_VLLM_ENV = {**CPU_ENV, "LC_ALL": "C.UTF-8", "VLLM_ENABLE_V1_MULTIPROCESSI
 def default_vllm_env() -> Path:
     """Where the vLLM env lives: $DFLASH_TRT_VLLM_ENV, else beside ours (<this env>/vllm)."""
     return vllm_env_dir()
-
-
-def vllm_python(env: Path) -> Path:
-    return Path(env) / "bin" / "python3"
 
 
 def _pip(env: Path, *args: str) -> None:
