@@ -1,5 +1,5 @@
 """Helpers shared by the test modules (tests import them as `from helpers import ...`; fixtures
-live in conftest.py): the CLI run in-process, a test double of Triton's Python-backend API, a
+live in conftest.py): the CLI run in-process, a tiny target with its own answers, a test double of Triton's Python-backend API, a
 streamed request to a real Triton server, whether network namespaces can be made here, and
 validation of rendered Kubernetes objects."""
 from __future__ import annotations
@@ -41,6 +41,21 @@ def generate_json(target, drafter, prompt: str, max_new_tokens: int) -> dict:
                           str(drafter), "-p", prompt, "--max-new-tokens", str(max_new_tokens), "--json"],
                          capture_output=True, text=True, check=True)
     return json.loads(out.stdout)
+
+
+# ------------------------------------------------------------------ training data
+def tiny_target_with_answers(root: Path) -> Path:
+    """A tiny Llama target (root/target) and root/data.jsonl: its own greedy answers (transformers,
+    40 new tokens) to 12 training prompts, the trainer tests' data set. Returns root."""
+    from dflash_trt.models.tiny import make_tiny
+    from dflash_trt.train.data import generate_responses
+    from dflash_trt.train.prompts import build_prompts
+
+    make_tiny("llama", root / "target")
+    prompts = [r["prompt"] for r in build_prompts("train", limit=12)]
+    generate_responses(root / "target", prompts, root / "data.jsonl", max_new_tokens=40, batch_size=12,
+                       progress=False, engine="hf")
+    return root
 
 
 # ----------------------------------------------------------------- test double of Triton's API

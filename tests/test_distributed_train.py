@@ -26,11 +26,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dflash_trt.train.data import generate_responses, load_sequences
+from dflash_trt.train.data import load_sequences
 from dflash_trt.train.distributed import World
-from dflash_trt.train.prompts import build_prompts
 
-from helpers import netns_missing
+from helpers import netns_missing, tiny_target_with_answers
 
 ARGS = ["--block-size", "8", "--blocks-per-step", "12", "--lr", "3e-3", "--log-every", "1", "--threads", "1",
         "--train-dtype", "float32", "--dtype", "float32"]
@@ -38,14 +37,7 @@ ARGS = ["--block-size", "8", "--blocks-per-step", "12", "--lr", "3e-3", "--log-e
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from dflash_trt.models.tiny import make_tiny
-
-    root = tmp_path_factory.mktemp("dist")
-    make_tiny("llama", root / "target")
-    prompts = [r["prompt"] for r in build_prompts("train", limit=12)]
-    generate_responses(root / "target", prompts, root / "data.jsonl", max_new_tokens=40, batch_size=12,
-                       progress=False, engine="hf")
-    return root
+    return tiny_target_with_answers(tmp_path_factory.mktemp("dist"))
 
 
 def _env() -> dict:
