@@ -1,12 +1,17 @@
 """Helpers shared by the test modules (tests import them as `from helpers import ...`; fixtures
-live in conftest.py): the CLI run in-process, a test double of Triton's Python-backend API, and
+live in conftest.py): the CLI run in-process, a tiny target with its own answers, a test double of Triton's Python-backend API, a
+streamed request to a real Triton server, whether network namespaces can be made here, and
 validation of rendered Kubernetes objects."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import io
 import json
+import os
+import queue
+import shutil
 import subprocess
 import sys
 import types
@@ -36,6 +41,21 @@ def generate_json(target, drafter, prompt: str, max_new_tokens: int) -> dict:
                           str(drafter), "-p", prompt, "--max-new-tokens", str(max_new_tokens), "--json"],
                          capture_output=True, text=True, check=True)
     return json.loads(out.stdout)
+
+
+# ------------------------------------------------------------------ training data
+def tiny_target_with_answers(root: Path) -> Path:
+    """A tiny Llama target (root/target) and root/data.jsonl: its own greedy answers (transformers,
+    40 new tokens) to 12 training prompts, the trainer tests' data set. Returns root."""
+    from dflash_trt.models.tiny import make_tiny
+    from dflash_trt.train.data import generate_responses
+    from dflash_trt.train.prompts import build_prompts
+
+    make_tiny("llama", root / "target")
+    prompts = [r["prompt"] for r in build_prompts("train", limit=12)]
+    generate_responses(root / "target", prompts, root / "data.jsonl", max_new_tokens=40, batch_size=12,
+                       progress=False, engine="hf")
+    return root
 
 
 # ----------------------------------------------------------------- test double of Triton's API
@@ -183,6 +203,60 @@ def triton_args(repo: Path, name: str) -> dict:
     return {"model_config": MessageToJson(cfg), "model_instance_kind": "CPU", "model_instance_name": f"{name}_0",
             "model_instance_device_id": "0", "model_repository": str(repo / name), "model_version": "1",
             "model_name": name}
+
+
+# ------------------------------------------------------------------- a real Triton server
+def infer_inputs(*tensors: tuple[str, np.ndarray, str]):
+    """tritonclient gRPC InferInputs from (name, array, Triton dtype) triples."""
+    import tritonclient.grpc as g
+
+    out = []
+    for name, arr, dtype in tensors:
+        t = g.InferInput(name, list(arr.shape), dtype)
+        t.set_data_from_numpy(arr)
+        out.append(t)
+    return out
+
+
+def grpc_stream(grpc_url: str, model: str, inputs, timeout: float) -> tuple[list[dict], object]:
+    """One request over a Triton gRPC stream, until its final response: (each response that has
+    outputs, as {name: array}; the stream's error or None)."""
+    import tritonclient.grpc as g
+
+    client = g.InferenceServerClient(grpc_url)
+    got = queue.Queue()
+    client.start_stream(callback=lambda result, error: got.put((result, error)))
+    client.async_stream_infer(model, inputs, enable_empty_final_response=True)
+    responses, error = [], None
+    while True:
+        result, error = got.get(timeout=timeout)
+        if error is not None:
+            break
+        resp = result.get_response()
+        if resp.outputs:
+            responses.append({o.name: result.as_numpy(o.name) for o in resp.outputs})
+        if resp.parameters["triton_final_response"].bool_param:
+            break
+    client.stop_stream()
+    client.close()
+    return responses, error
+
+
+# ------------------------------------------------------------------ network namespaces
+@functools.cache
+def netns_missing() -> str | None:
+    """None where this process can make a network namespace (root, iproute2, `ip netns add`
+    works), else why not: the reason the multi-node tests skip."""
+    if os.geteuid() != 0:
+        return "not root: network namespaces need root"
+    if not shutil.which("ip"):
+        return "no iproute2 (ip)"
+    probe = f"dft-probe-{os.getpid()}"
+    r = subprocess.run(["ip", "netns", "add", probe], check=False, capture_output=True, text=True)
+    if r.returncode:
+        return f"cannot create a network namespace: {r.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], check=False, capture_output=True)
+    return None
 
 
 # ------------------------------------------------------------------ rendered Kubernetes objects

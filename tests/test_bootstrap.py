@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import objects
+from helpers import netns_missing, objects
 
 helm = pytest.importorskip("helm_python")
 
@@ -66,12 +66,7 @@ def _missing() -> str | None:
     absent = [t for t in TOOLS if not shutil.which(t)]
     if absent:
         return f"missing {', '.join(absent)} (apt-get install openmpi-bin openssh-server; .ci/run does)"
-    probe = f"dft-probe-{os.getpid()}"
-    r = subprocess.run(["ip", "netns", "add", probe], check=False, capture_output=True, text=True)
-    if r.returncode:
-        return f"cannot create a network namespace: {r.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], check=False, capture_output=True)
-    return None
+    return netns_missing()
 
 
 pytestmark = pytest.mark.skipif(bool(_missing()), reason=_missing() or "")

@@ -26,9 +26,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dflash_trt.train.data import generate_responses, load_sequences
+from dflash_trt.train.data import load_sequences
 from dflash_trt.train.distributed import World
-from dflash_trt.train.prompts import build_prompts
+
+from helpers import netns_missing, tiny_target_with_answers
 
 ARGS = ["--block-size", "8", "--blocks-per-step", "12", "--lr", "3e-3", "--log-every", "1", "--threads", "1",
         "--train-dtype", "float32", "--dtype", "float32"]
@@ -36,14 +37,7 @@ ARGS = ["--block-size", "8", "--blocks-per-step", "12", "--lr", "3e-3", "--log-e
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from dflash_trt.models.tiny import make_tiny
-
-    root = tmp_path_factory.mktemp("dist")
-    make_tiny("llama", root / "target")
-    prompts = [r["prompt"] for r in build_prompts("train", limit=12)]
-    generate_responses(root / "target", prompts, root / "data.jsonl", max_new_tokens=40, batch_size=12,
-                       progress=False, engine="hf")
-    return root
+    return tiny_target_with_answers(tmp_path_factory.mktemp("dist"))
 
 
 def _env() -> dict:
@@ -191,20 +185,7 @@ def test_a_killed_rank_ends_the_run_with_one_line(tiny):
 
 
 # ------------------------------------------------------------------------- two "nodes"
-def _netns_missing() -> str | None:
-    if os.geteuid() != 0:
-        return "not root: network namespaces need root"
-    if not shutil.which("ip"):
-        return "no iproute2 (ip)"
-    probe = f"dft-probe-{os.getpid()}"
-    r = subprocess.run(["ip", "netns", "add", probe], check=False, capture_output=True, text=True)
-    if r.returncode:
-        return f"cannot create a network namespace: {r.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], check=False, capture_output=True)
-    return None
-
-
-@pytest.mark.skipif(bool(_netns_missing()), reason=_netns_missing() or "")
+@pytest.mark.skipif(bool(netns_missing()), reason=netns_missing() or "")
 def test_two_nodes_in_two_network_namespaces(tiny):
     """Two "nodes": network namespaces joined by a veth pair, each running torchrun with one
     rank, meeting by c10d rendezvous at node A's address. gloo talks over the veth (the only

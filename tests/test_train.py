@@ -11,7 +11,6 @@ from safetensors import safe_open
 
 from dflash_trt.train.data import generate_responses, load_sequences
 from dflash_trt.train.features import label_sequences
-from dflash_trt.train.prompts import build_prompts
 from dflash_trt.train.trainer import (
     FrozenTarget,
     TrainConfig,
@@ -23,20 +22,13 @@ from dflash_trt.train.trainer import (
     train_drafter,
 )
 
-from helpers import run_cli
+from helpers import run_cli, tiny_target_with_answers
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A tiny Llama target and a small data set of its own greedy answers."""
-    from dflash_trt.models.tiny import make_tiny
-
-    root = tmp_path_factory.mktemp("train")
-    make_tiny("llama", root / "target")
-    prompts = [r["prompt"] for r in build_prompts("train", limit=12)]
-    generate_responses(root / "target", prompts, root / "data.jsonl", max_new_tokens=40, batch_size=12,
-                       progress=False, engine="hf")
-    return root
+    return tiny_target_with_answers(tmp_path_factory.mktemp("train"))
 
 
 def _run(tiny, out, **kw):

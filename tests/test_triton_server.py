@@ -7,7 +7,6 @@ server binary that cannot run on this machine; a missing wheel or stub env is a 
 setup installs both).
 """
 import json
-import queue
 import re
 import shutil
 import subprocess
@@ -23,9 +22,9 @@ import yaml
 
 from dflash_trt.bundle.triton_server import TritonServer, default_stub_env, pytriton_dist, server_environment
 
-from helpers import run_cli
+from helpers import grpc_stream, infer_inputs, run_cli
 
-tritonclient_grpc = pytest.importorskip("tritonclient.grpc")
+pytest.importorskip("tritonclient.grpc")  # the client of helpers.grpc_stream
 PROMPT = "the quick brown fox"
 
 
@@ -72,40 +71,14 @@ def server(tmp_path_factory):
 
 
 def _inputs(prompt=PROMPT, max_tokens=24, streaming=True, text=True):
-    g = tritonclient_grpc
-    tensors = []
-
-    def add(name, arr, dtype):
-        t = g.InferInput(name, list(arr.shape), dtype)
-        t.set_data_from_numpy(arr)
-        tensors.append(t)
-
-    if text:
-        add("text_input", np.array([prompt.encode()], dtype=np.object_), "BYTES")
-    add("sampling_param_max_tokens", np.array([max_tokens], dtype=np.int32), "INT32")
-    add("streaming", np.array([streaming]), "BOOL")
-    return tensors
+    tensors = [("text_input", np.array([prompt.encode()], dtype=np.object_), "BYTES")] if text else []
+    return infer_inputs(*tensors, ("sampling_param_max_tokens", np.array([max_tokens], dtype=np.int32), "INT32"),
+                        ("streaming", np.array([streaming]), "BOOL"))
 
 
 def _stream(server, inputs, timeout=120):
     """One request over a gRPC stream: (responses as {name: array}, error or None)."""
-    client = tritonclient_grpc.InferenceServerClient(server.grpc_url)
-    got = queue.Queue()
-    client.start_stream(callback=lambda result, error: got.put((result, error)))
-    client.async_stream_infer("dflash_reference", inputs, enable_empty_final_response=True)
-    responses, error = [], None
-    while True:
-        result, error = got.get(timeout=timeout)
-        if error is not None:
-            break
-        resp = result.get_response()
-        if resp.outputs:
-            responses.append({o.name: result.as_numpy(o.name) for o in resp.outputs})
-        if resp.parameters["triton_final_response"].bool_param:
-            break
-    client.stop_stream()
-    client.close()
-    return responses, error
+    return grpc_stream(server.grpc_url, "dflash_reference", inputs, timeout)
 
 
 def _generate(server, prompt, max_tokens):

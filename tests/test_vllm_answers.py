@@ -11,8 +11,9 @@ import json
 import pytest
 
 from dflash_trt.errors import DFlashError
-from dflash_trt.train.data import generate_responses, vllm_python
+from dflash_trt.train.data import generate_responses
 from dflash_trt.train.prompts import build_prompts
+from dflash_trt.vllm_env import vllm_env_ready
 
 
 def test_asking_for_vllm_without_its_environment_is_one_clear_error(tmp_path, monkeypatch):
@@ -20,14 +21,14 @@ def test_asking_for_vllm_without_its_environment_is_one_clear_error(tmp_path, mo
 
     make_tiny("llama", tmp_path / "t")
     monkeypatch.setenv("DFLASH_TRT_VLLM_ENV", str(tmp_path / "no-such-env"))
-    assert vllm_python() is None
+    assert not vllm_env_ready()
     with pytest.raises(DFlashError, match="no vLLM environment .*DFLASH_TRT_VLLM_ENV"):
         generate_responses(tmp_path / "t", ["hi"], tmp_path / "a.jsonl", max_new_tokens=4, progress=False,
                            engine="vllm")
     assert not (tmp_path / "a.jsonl").exists()
 
 
-@pytest.mark.skipif(vllm_python() is None, reason="no vLLM environment ($DFLASH_TRT_VLLM_ENV or .venv/vllm)")
+@pytest.mark.skipif(not vllm_env_ready(), reason="no vLLM environment ($DFLASH_TRT_VLLM_ENV or .venv/vllm)")
 def test_vllm_answers_equal_transformers_greedy_answers(tmp_path):
     from dflash_trt.presets.embedded import ensure_embedded_target
 

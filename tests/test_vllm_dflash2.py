@@ -7,7 +7,6 @@ with the reason."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,9 +15,10 @@ import pytest
 import torch
 from test_dflash2 import VARIANTS
 
-from dflash_trt.bundle.vllm_server import CPU_ENV, default_vllm_env, vllm_env_problem, vllm_python
+from dflash_trt.bundle.vllm_server import default_vllm_env, vllm_env_problem
 from dflash_trt.models.config import DrafterConfig
 from dflash_trt.models.drafter import CandidateSelector, GroupedDynamicConv
+from dflash_trt.vllm_env import CPU_ENV, clean_env, vllm_python
 
 PROBE = Path(__file__).parent / "vllm_dflash2_probe.py"
 VLLM_DIR = default_vllm_env()
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.skipif(_PROBLEM is not None, reason=_PROBLEM or "")
 
 
 def _probe(args, stdin="", timeout=900):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))} | CPU_ENV
+    env = clean_env(CPU_ENV)
     r = subprocess.run([str(PY), str(PROBE), *map(str, args)], input=stdin, capture_output=True, text=True,
                        timeout=timeout, env=env, cwd="/", check=False)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -13,7 +13,6 @@ numpy 1.26.4. Skips only where the vLLM env or the server binary cannot run here
 from __future__ import annotations
 
 import json
-import queue
 import shutil
 from importlib import resources
 from pathlib import Path
@@ -24,38 +23,21 @@ import pytest
 from dflash_trt.bundle.triton_server import TritonServer
 from dflash_trt.bundle.vllm_server import TRITON_VLLM_ENV, VllmServer, make_vllm_stub_env
 
-tritonclient_grpc = pytest.importorskip("tritonclient.grpc")
+from helpers import grpc_stream, infer_inputs
+
+pytest.importorskip("tritonclient.grpc")  # the client of helpers.grpc_stream
 pytestmark = pytest.mark.slow
 PROMPT, MAX_TOKENS = "def fibonacci(n):", 32
 
 
 def _stream(grpc_url: str, model: str, prompt: str, params: dict, timeout=900) -> tuple[list[str], object]:
-    g = tritonclient_grpc
-    inputs = []
-    for name, arr, dtype in (("text_input", np.array([prompt.encode()], dtype=np.object_), "BYTES"),
-                             ("stream", np.array([True]), "BOOL"),
-                             ("sampling_parameters", np.array([json.dumps(params).encode()], dtype=np.object_), "BYTES"),
-                             ("exclude_input_in_output", np.array([True]), "BOOL")):
-        t = g.InferInput(name, list(arr.shape), dtype)
-        t.set_data_from_numpy(arr)
-        inputs.append(t)
-    client = g.InferenceServerClient(grpc_url)
-    got = queue.Queue()
-    client.start_stream(callback=lambda result, error: got.put((result, error)))
-    client.async_stream_infer(model, inputs, enable_empty_final_response=True)
-    chunks, error = [], None
-    while True:
-        result, error = got.get(timeout=timeout)
-        if error is not None:
-            break
-        resp = result.get_response()
-        if resp.outputs:
-            chunks.append(result.as_numpy("text_output")[0].decode())
-        if resp.parameters["triton_final_response"].bool_param:
-            break
-    client.stop_stream()
-    client.close()
-    return chunks, error
+    """The text chunks streamed back for `prompt` (Triton's vLLM backend inputs), and the error or None."""
+    inputs = infer_inputs(("text_input", np.array([prompt.encode()], dtype=np.object_), "BYTES"),
+                          ("stream", np.array([True]), "BOOL"),
+                          ("sampling_parameters", np.array([json.dumps(params).encode()], dtype=np.object_), "BYTES"),
+                          ("exclude_input_in_output", np.array([True]), "BOOL"))
+    responses, error = grpc_stream(grpc_url, model, inputs, timeout)
+    return [r["text_output"][0].decode() for r in responses], error
 
 
 @pytest.fixture(scope="module")

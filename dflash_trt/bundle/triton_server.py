@@ -213,6 +213,21 @@ class ServerProcess:
         self._log.close()
         return self.proc.returncode
 
+    def serve_until_stopped(self, announce) -> int:
+        """Start, call `announce()` once ready, then stay in the foreground until Ctrl-C or SIGTERM
+        (a pod's stop: made a Ctrl-C here) or the program dies by itself; stop gracefully in every
+        case, a Ctrl-C during a long start included. Returns the exit code."""
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
+        try:
+            self.start()
+            announce()
+            self.proc.wait()  # returns early only if the server dies by itself
+        except KeyboardInterrupt:
+            pass
+        finally:
+            code = self.stop()
+        return code
+
     def __enter__(self):
         return self.start() if self.proc is None else self
 

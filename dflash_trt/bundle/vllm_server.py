@@ -26,7 +26,6 @@ ignores the per-layer weight rows the CUDA kernel takes); that file says how it 
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
@@ -40,6 +39,7 @@ from pathlib import Path
 from dflash_trt.bundle.triton_server import STUB_NUMPY, ServerProcess, base_python, free_port
 from dflash_trt.errors import DFlashError
 from dflash_trt.paths import VLLM_ENV_READY, vllm_env_dir
+from dflash_trt.vllm_env import CPU_ENV, clean_env, vllm_python
 
 TORCH_SPEC = "torch==2.13.0"
 VLLM_VERSION = "0.32.0"
@@ -49,25 +49,7 @@ READY_STAMP = VLLM_ENV_READY  # written last: an env without it is half-made
 PLUGIN = "dflash_trt_vllm_cpu_fix"
 PLUGIN_VERSION = "1"
 
-# The host/CPU settings `VllmServer` adds to the bundle's argv, as environment (none changes
-# what is decoded; each measured or read from vllm/envs.py of 0.32.0):
-CPU_ENV = {
-    # without it vLLM 0.32's platform detection fails on this CPU build ("Failed to infer device type")
-    "VLLM_TARGET_DEVICE": "cpu",
-    # KV-cache GiB on CPU (default 0 = vLLM sizes it from free RAM: on a shared 24 GiB host
-    # that starves the other jobs; 2 GiB holds ~16k tokens of a 135M model many times over)
-    "VLLM_CPU_KVCACHE_SPACE": "2",
-    # "auto" pins one OpenMP thread per core of a NUMA node; with other processes on the same
-    # cores a pinned thread waits for a busy core. "nobind" leaves placement to the OS.
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    # busy-waiting OpenMP threads stall when anything else shares the cores (3x faster here)
-    "OMP_WAIT_POLICY": "PASSIVE",
-    # the tests and CI never reach the Hugging Face hub: the bundle holds every file vLLM reads
-    "HF_HUB_OFFLINE": "1",
-}
-
-
-# The same, for vLLM inside Triton's Python-backend stub (triton/vllm): the engine core runs in the
+# vllm_env.CPU_ENV (the host/CPU settings `VllmServer` adds to the bundle's argv), for vLLM inside Triton's Python-backend stub (triton/vllm): the engine core runs in the
 # stub process (the stub is no Python a spawned process could start); the C locale of the stub is
 # handled in the model (assets/triton_vllm_backend/model.py).
 TRITON_VLLM_ENV = {**CPU_ENV, "LC_ALL": "C.UTF-8", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
@@ -78,19 +60,9 @@ def default_vllm_env() -> Path:
     return vllm_env_dir()
 
 
-def vllm_python(env: Path) -> Path:
-    return Path(env) / "bin" / "python3"
-
-
-def _clean_env(extra: dict | None = None) -> dict:
-    """os.environ for a process of the vLLM env: no PYTHONPATH (ours would shadow its packages)."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    return {**env, **(extra or {})}
-
-
 def _pip(env: Path, *args: str) -> None:
     subprocess.run([str(vllm_python(env)), "-m", "pip", "--disable-pip-version-check", *args], check=True,
-                   env=_clean_env())
+                   env=clean_env())
 
 
 def _write_vllm_alias(env: Path) -> Path:
@@ -108,7 +80,7 @@ def _write_vllm_alias(env: Path) -> Path:
 
 def _site(env: Path) -> Path:
     return Path(subprocess.run([str(vllm_python(env)), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                               capture_output=True, text=True, check=True, env=_clean_env()).stdout.strip())
+                               capture_output=True, text=True, check=True, env=clean_env()).stdout.strip())
 
 
 def _install_plugin(env: Path) -> None:
@@ -154,7 +126,7 @@ def make_vllm_env(dest: Path | None = None, progress: bool = True) -> Path:
     _write_vllm_alias(dest)
     _install_plugin(dest)
     probe = subprocess.run([str(dest / "bin" / "vllm"), "--version"], capture_output=True, text=True, check=False,
-                           env=_clean_env(CPU_ENV))
+                           env=clean_env(CPU_ENV))
     if probe.returncode != 0 or VLLM_VERSION not in probe.stdout:
         tail = (probe.stderr.strip().splitlines() or ["no output"])[-1]
         raise DFlashError(f"{dest}: `vllm --version` failed after install ({tail})")
@@ -196,11 +168,11 @@ def make_vllm_stub_env(dest: Path, vllm_env: Path | None = None) -> Path:
     if not py.exists():
         subprocess.run([str(base_python()), "-m", "venv", str(dest)], check=True)
     subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", STUB_NUMPY], check=True,
-                   env=_clean_env())
+                   env=clean_env())
     site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           capture_output=True, text=True, check=True).stdout.strip()
     theirs = subprocess.run([str(vllm_python(vllm_env)), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                            capture_output=True, text=True, check=True, env=_clean_env()).stdout.strip()
+                            capture_output=True, text=True, check=True, env=clean_env()).stdout.strip()
     (Path(site) / "zz-dflash-trt-vllm-env.pth").write_text(f"import site; site.addsitedir({theirs!r})\n")
     return dest
 
@@ -284,7 +256,7 @@ class VllmServer(ServerProcess):
 
     def environment(self) -> dict:
         # the bundle's own engine settings first (a drafter's layout may need them: vllm.json "env"), then the host's
-        env = _clean_env({**self.launch.get("env", {}), **CPU_ENV})
+        env = clean_env({**self.launch.get("env", {}), **CPU_ENV})
         if self.threads:
             # torch's intra-op pool in the engine core (vLLM sets no thread count under "nobind")
             env["OMP_NUM_THREADS"] = str(self.threads)

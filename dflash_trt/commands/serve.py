@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import signal
 import tempfile
 from pathlib import Path
 
@@ -74,20 +73,10 @@ def serve_cmd(bundle, models, host, http_port, grpc_port, metrics_port, stub_env
     work = Path(tempfile.mkdtemp(prefix="dflash-trt-serve-"))
     server = TritonServer(repo, list(models), work=work, host=host, http_port=http_port, grpc_port=grpc_port,
                           metrics_port=metrics_port, stub_env=env)
-    server.start()
     info = {"http": server.http_url, "grpc": server.grpc_url, "metrics": server.metrics_url, "models": list(models),
             "log": str(server.log_path)}
-    click.echo(json.dumps(info, indent=2) if as_json else
-               f"serving {', '.join(models)} from {repo}: HTTP {info['http']}, gRPC {info['grpc']}, "
-               f"metrics {info['metrics']} (log {info['log']}); Ctrl-C stops", err=not as_json)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a pod's stop = Ctrl-C
-    try:
-        server.proc.wait()  # returns early only if the server dies by itself
-    except KeyboardInterrupt:
-        pass
-    finally:
-        code = server.stop()
-    click.echo(f"tritonserver stopped (exit code {code})", err=True)
+    _serve(server, info, f"serving {', '.join(models)} from {repo}: HTTP {info['http']}, gRPC {info['grpc']}, "
+                         f"metrics {info['metrics']} (log {info['log']}); Ctrl-C stops", as_json)
 
 
 def _serve_vllm(bundle, host, port, vllm_env, vllm_args, as_json):
@@ -99,18 +88,15 @@ def _serve_vllm(bundle, host, port, vllm_env, vllm_args, as_json):
     work = Path(tempfile.mkdtemp(prefix="dflash-trt-vllm-"))
     server = VllmServer(Path(bundle), work=work, host=host, port=port, env_dir=Path(vllm_env) if vllm_env else None,
                         extra_args=vllm_args)
-    server.command()  # a missing env is one line, before anything starts
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a pod's stop = Ctrl-C
-    try:
-        server.start()
-        info = {"http": server.url, "metrics": server.metrics_url, "engine": "vllm", "log": str(server.log_path),
-                "argv": server.command()}
-        click.echo(json.dumps(info, indent=2) if as_json else
-                   f"vllm serve {bundle}: OpenAI API {info['http']}/v1, metrics {info['metrics']} "
-                   f"(log {info['log']}); Ctrl-C stops", err=not as_json)
-        server.proc.wait()  # returns early only if the server dies by itself
-    except KeyboardInterrupt:
-        pass
-    finally:
-        code = server.stop()
-    click.echo(f"vllm serve stopped (exit code {code})", err=True)
+    info = {"http": server.url, "metrics": server.metrics_url, "engine": "vllm", "log": str(server.log_path),
+            "argv": server.command()}  # command(): a missing env is one line, before anything starts
+    _serve(server, info, f"vllm serve {bundle}: OpenAI API {info['http']}/v1, metrics {info['metrics']} "
+                         f"(log {info['log']}); Ctrl-C stops", as_json)
+
+
+def _serve(server, info: dict, line: str, as_json: bool) -> None:
+    """The server in the foreground until stopped (ServerProcess.serve_until_stopped); once it is
+    ready, its endpoints on stdout (`info` as JSON) or `line` on stderr."""
+    code = server.serve_until_stopped(
+        lambda: click.echo(json.dumps(info, indent=2) if as_json else line, err=not as_json))
+    click.echo(f"{server.NAME} stopped (exit code {code})", err=True)

@@ -458,9 +458,10 @@ def _write_tensors(names: list[str], loader: StreamingLoader | LayerLoader, plan
 def _quantize_group(loader: StreamingLoader | LayerLoader, members: list[str], plan: QuantizePlan,
                     input_amax: dict[str, float], writer: ShardedWriter, bar: Progress) -> None:
     """Quantize one fused group (or a lone Linear). Its tensors are held together when small
-    (one slot each); a larger group goes through one slot, and for NVFP4 is read twice (amax
-    pass, then quantize pass) to bound memory: NVFP4 needs the group's amax before any member
-    is encoded (the shared weight_scale_2). FP8 scales each member on its own."""
+    (one slot each); a larger group goes through one slot, and where the group shares one scale
+    is read twice (amax pass, then quantize pass) to bound memory: the shared scale (NVFP4's
+    weight_scale_2, FP8's over an expert's gate + up) is needed before any member is encoded.
+    Other FP8 groups scale each member on its own."""
     hold = loader.fits_in_memory(members)
     slots = [f"group{i}" if hold else "group" for i in range(len(members))]
     if plan.fmt == "fp8" and not (len(members) > 1 and ".experts." in members[0]):
@@ -468,32 +469,19 @@ def _quantize_group(loader: StreamingLoader | LayerLoader, members: list[str], p
             w, amax, _ = loader.load(n, slot)
             _write_linear(n, w, per_tensor_scale("fp8", amax), None, plan, input_amax, writer, bar)
         return
-    if plan.fmt == "fp8":   # an expert's gate + up: one scale over both (EXPERT_FUSED)
-        held, amax = {}, torch.zeros((), dtype=torch.float32)
-        for n, slot in zip(members, slots):
-            t, a, _ = loader.load(n, slot)
-            amax = torch.maximum(amax, a)
-            if hold:
-                held[n] = t
-            del t
-        scale = per_tensor_scale("fp8", amax)
-        for n, slot in zip(members, slots):
-            w = held.pop(n) if hold else loader.load(n, slot, check=False)[0]
-            _write_linear(n, w, scale, None, plan, input_amax, writer, bar)
-            del w
-        return
+    blocks = plan.fmt == "nvfp4"   # NVFP4 also keeps each member's block maxima from the check pass
     held, block_amax = {}, {}
     amax = torch.zeros((), dtype=torch.float32)
     for n, slot in zip(members, slots):
-        t, a, block_amax[n] = loader.load(n, slot, blocks=True)
+        t, a, block_amax[n] = loader.load(n, slot, blocks=blocks)
         amax = torch.maximum(amax, a)
         if hold:
             held[n] = t
         del t
-    global_scale = per_tensor_scale("nvfp4", amax)
+    scale = per_tensor_scale(plan.fmt, amax)
     for n, slot in zip(members, slots):
-        w = held.pop(n) if hold else loader.load(n, slot, check=False)[0]   # checked, block maxima kept, above
-        _write_linear(n, w, global_scale, block_amax.pop(n), plan, input_amax, writer, bar)
+        w = held.pop(n) if hold else loader.load(n, slot, check=False)[0]   # checked (block maxima kept) above
+        _write_linear(n, w, scale, block_amax.pop(n), plan, input_amax, writer, bar)
         del w
 
 

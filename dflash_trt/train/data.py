@@ -12,7 +12,6 @@ train/features.py keeps the target's top-k next tokens at every position of ANY 
 from __future__ import annotations
 
 import json
-import os
 import random
 import subprocess
 import sys
@@ -27,23 +26,14 @@ from dflash_trt.errors import DFlashError
 from dflash_trt.io.jsonio import read_jsonl
 from dflash_trt.models.config import MAX_VOCAB
 from dflash_trt.models.target import stop_token_ids
-from dflash_trt.paths import VLLM_ENV_READY, vllm_env_dir
 from dflash_trt.runtime.pair import encode_prompt, resolve_dtype
 from dflash_trt.train.prompts import read_prompts
+from dflash_trt.vllm_env import CPU_ENV, clean_env, vllm_env_ready, vllm_python
 
 MAX_SEQUENCE = 1 << 16  # tokens per training sequence (prompt + response)
 
 
 VLLM_ENV = "DFLASH_TRT_VLLM_ENV"   # a virtual environment with vLLM installed (default: .venv/vllm)
-
-
-def vllm_python() -> Path | None:
-    """The Python of the vLLM environment (paths.vllm_env_dir: $DFLASH_TRT_VLLM_ENV, else .venv/vllm,
-    which `make vllm` builds); None where there is none or it is half-made (then answers come from
-    transformers)."""
-    root = vllm_env_dir()
-    py = root / "bin" / "python"
-    return py if py.is_file() and (root / VLLM_ENV_READY).is_file() else None
 
 
 def generate_responses(target_dir: str | Path, prompts: list[str], out_path: str | Path, *,
@@ -55,7 +45,7 @@ def generate_responses(target_dir: str | Path, prompts: list[str], out_path: str
     dtype "auto" is the runtime's default (bfloat16 where the CPU has native bf16): the answers
     are then the ones the deployed target gives, and batched bf16 generate ran 2x faster than
     float32 here (0.98 vs 0.50 prompts/s per core at batch 48).
-    engine: "vllm" (vLLM's batched generation in its own environment, vllm_python()), "hf"
+    engine: "vllm" (vLLM's batched generation in its own environment, vllm_env.vllm_python()), "hf"
     (transformers), "auto" (vLLM where its environment exists)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -68,7 +58,9 @@ def generate_responses(target_dir: str | Path, prompts: list[str], out_path: str
     if not todo:
         return out_path
     tok = AutoTokenizer.from_pretrained(str(target_dir))
-    py = vllm_python() if engine in ("auto", "vllm") else None
+    # the vLLM env's Python (paths.vllm_env_dir: $DFLASH_TRT_VLLM_ENV, else <this env>/vllm, which
+    # `make vllm` builds); none where it is missing or half-made (then transformers answers)
+    py = vllm_python() if engine in ("auto", "vllm") and vllm_env_ready() else None
     if engine == "vllm" and py is None:
         raise DFlashError(f"answers from vLLM: no vLLM environment (set ${VLLM_ENV} to a venv with vllm installed, "
                           f"or create {Path(sys.prefix) / 'vllm'})")
@@ -109,9 +101,7 @@ def _vllm_responses(py: Path, target_dir, tok, todo: list[str], out_path: Path, 
     with tempfile.TemporaryDirectory(prefix="dflash-trt-vllm-") as tmp:
         req, ans, summary = Path(tmp) / "requests.jsonl", Path(tmp) / "answers.jsonl", Path(tmp) / "summary.json"
         req.write_text("".join(json.dumps({"i": i, "prompt_ids": ids}) + "\n" for i, (_, ids) in enumerate(encoded)))
-        env = {**os.environ, "VLLM_TARGET_DEVICE": os.environ.get("VLLM_TARGET_DEVICE", "cpu")}
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        env = {**CPU_ENV, **clean_env()}   # the host's own settings win over the CPU defaults
         if threads:
             env.setdefault("OMP_NUM_THREADS", str(threads))
         cmd = [str(py), str(Path(__file__).with_name("vllm_answers.py")), "--model", str(target_dir),
