@@ -233,3 +233,16 @@ def test_check_cli_on_a_wrapped_pair(targets, tmp_path):
     code, out, err = run_cli("check", "--target", str(targets["qwen3_5_moe"]), "--drafter", str(drafter))
     assert code == 0, err
     assert "does not cover" not in out + err
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "qwen3_5_moe_text"])
+def test_convert_refuses_the_hybrids_naming_the_pytorch_backend(targets, tmp_path, family):
+    """TensorRT-LLM's legacy engine-checkpoint path has no Gated DeltaNet layout (quant/convert.py
+    NO_ENGINE_LAYOUT says where that was read): one line naming the path that serves them."""
+    from dflash_trt.quant.convert import convert_checkpoint
+
+    with pytest.raises(DFlashError, match=rf"^{family}: TensorRT-LLM has no engine \(TensorRT\) checkpoint layout "
+                                          r"for the Gated DeltaNet hybrids .*PyTorch backend .*trtllm-serve <dir>") as e:
+        convert_checkpoint(targets[family], tmp_path / "o", tp=1, progress=False)
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "o").exists()

@@ -33,8 +33,9 @@ def hf_config(cfg: dict):
     from transformers import AutoConfig
 
     mt = cfg.get("model_type")
-    if mt not in RUNTIME_FAMILIES:
-        raise DFlashError(f"config.json: model_type {mt!r} is not supported (supported: {', '.join(SUPPORTED)})")
+    if RUNTIME_FAMILIES.get(mt) != __name__:   # this decoder's families (quant/calibrate runs its layers too)
+        ours = [t for t, m in RUNTIME_FAMILIES.items() if m == __name__]
+        raise DFlashError(f"config.json: model_type {mt!r} is not supported (supported: {', '.join(ours)})")
     kw = {k: v for k, v in cfg.items() if k not in ("model_type", "transformers_version", "quantization_config")}
     try:
         return AutoConfig.for_model(mt, **kw)
