@@ -11,7 +11,7 @@ import torch
 from dflash_trt.errors import DFlashError
 from dflash_trt.io.checkpoint import CheckpointReader, nonfinite_tensors
 from dflash_trt.models.check import require_pair, require_target
-from dflash_trt.models.config import MAX_BLOCK, MAX_CONTEXT
+from dflash_trt.models.config import MAX_BLOCK, MAX_CONTEXT, decoder_config
 from dflash_trt.models.draft_vocab import read_draft_vocab
 from dflash_trt.models.drafter import load_drafter
 from dflash_trt.models.target import load_target, stop_token_ids
@@ -139,7 +139,7 @@ def check_request(pair: Pair, n_prompt: int, max_new_tokens: int, block_size: in
         raise DFlashError(f"--block-size {B}: must be between 2 and {MAX_BLOCK}")
     if max_new_tokens < 1:
         raise DFlashError(f"--max-new-tokens {max_new_tokens}: must be at least 1")
-    ctx = pair.target.cfg.get("max_position_embeddings") or MAX_CONTEXT
+    ctx = decoder_config(pair.target.cfg).get("max_position_embeddings") or MAX_CONTEXT   # (a wrapper: text_config)
     limit, why = ctx, f"the target's context of {ctx} tokens (max_position_embeddings)"
     if dflash and pair.max_len < ctx:
         limit, why = pair.max_len, f"the runtime's max_len of {pair.max_len} positions"

@@ -7,10 +7,12 @@ has TargetModel's interface (models/target.py), which runtime/decode.py drives:
         tokens at positions [start, start+T); features = the captured decoder layers' outputs
         (HF hidden_states[i + 1]) concatenated. A later call with a smaller `start` discards what
         came after it (a rejected draft): O(1) for a KV cache; a family with a recurrent state
-        keeps the per-position states of its last forward and restores one.
+        keeps what it needs to restore the state at any position of its last forward.
     setup_cache(max_len), embed(tokens), logits(h), lm_head_weight(), cache_bytes_per_position()
     attributes: cfg (the config.json dict), hf (its transformers config), dtype, vocab_size,
         hidden_size, num_layers, max_len
+    optional: state_name(checkpoint tensor name) -> the model's name, or None for a tensor it does
+        not load (load_target and check apply it: a multimodal wrapper's text decoder)
 
 Parameter names are Hugging Face's, so checkpoints load as they are (models/weights.load_strict),
 and each family is tested against transformers in float64 (tests/test_families.py).
@@ -25,6 +27,12 @@ RUNTIME_FAMILIES: dict[str, str] = {
     "llama": "dflash_trt.models.target",
     "qwen3": "dflash_trt.models.target",
     "gpt_oss": "dflash_trt.models.target",
+    # hybrid Gated DeltaNet / gated attention (the multimodal qwen3_5 / qwen3_5_moe run their text decoder)
+    "qwen3_next": "dflash_trt.models.families.qwen3_hybrid",
+    "qwen3_5": "dflash_trt.models.families.qwen3_hybrid",
+    "qwen3_5_text": "dflash_trt.models.families.qwen3_hybrid",
+    "qwen3_5_moe": "dflash_trt.models.families.qwen3_hybrid",
+    "qwen3_5_moe_text": "dflash_trt.models.families.qwen3_hybrid",
 }
 
 

@@ -1,0 +1,415 @@
+"""Qwen3-Next, Qwen3.5 and Qwen3.5/3.6 MoE: the hybrid decoders of transformers 5.24
+models/qwen3_next, qwen3_5 and qwen3_5_moe, for the CPU reference runtime.
+
+Layers alternate (config `layer_types`) between
+- linear_attention: Gated DeltaNet. in_proj (Qwen3-Next: in_proj_qkvz / in_proj_ba, grouped per
+  key head; Qwen3.5: in_proj_qkv / _z / _b / _a), a causal depthwise conv1d over [q | k | v] with
+  SiLU, L2-normalized q/k, the gated delta rule recurrence over a [v_heads, k_dim, v_dim] state,
+  and an RMSNorm gated by SiLU(z) on its output;
+- full_attention: GQA whose q_proj also emits a sigmoid output gate, (1 + weight) RMSNorm on q/k
+  heads and partial RoPE (rope_parameters.partial_rotary_factor). Qwen3.5's M-RoPE gives text
+  tokens one position on all three axes, which is plain RoPE: the runtime feeds text only.
+The MLP is dense (Qwen3.5), or routed experts (softmax, top-k, renormalized) plus a shared expert
+scaled by a sigmoid gate (Qwen3-Next by decoder_sparse_step / mlp_only_layers; Qwen3.5 MoE always).
+Decoder norms are (1 + weight) RMSNorms.
+
+The multimodal wrappers (model_type qwen3_5 / qwen3_5_moe: Qwen3.5 and Qwen3.6 as released) run
+their text decoder: config.json's text_config, tensors model.language_model.* (model.visual.* and
+the MTP head mtp.* are not loaded: text in, no MTP drafting).
+
+State: full-attention layers own static KV caches (as models/target.py). A linear-attention
+layer's state after position p is a function of every token before it, so a rollback cannot just
+move a pointer: each layer keeps its last forward's inputs to the recurrence (the conv window
+before it, the per-token k / v / decay / beta, the state it started from and the one it ended
+with), and a later call starting inside that forward replays the recurrence up to its start
+(bitwise the states the forward itself computed: the same per-token step). A start before the
+last forward (other than 0) is refused.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash_trt.errors import DFlashError
+from dflash_trt.models.layers import Linear, SwiGLU, apply_rope, linear, rope_inv_freq
+from dflash_trt.models.target import KV_PAD, Attention
+
+WRAPPERS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}   # multimodal -> its text decoder
+FUSED_IN_PROJ = ("qwen3_next",)       # in_proj_qkvz / in_proj_ba; Qwen3.5 splits them
+ALWAYS_MOE = ("qwen3_5_moe_text",)
+NEVER_MOE = ("qwen3_5_text",)
+
+
+def text_config(cfg: dict) -> tuple[dict, str]:
+    """The decoder's config.json fields (with model_type) and the checkpoint prefix of its tensors."""
+    mt = cfg.get("model_type")
+    if mt not in WRAPPERS:
+        return cfg, "model."
+    tc = cfg.get("text_config")
+    if not isinstance(tc, dict):
+        raise DFlashError(f"config.json: model_type {mt!r} keeps its decoder's fields in text_config, which is missing")
+    return {"model_type": WRAPPERS[mt], **tc}, "model.language_model."
+
+
+def hf_text_config(tc: dict):
+    from transformers import AutoConfig
+
+    kw = {k: v for k, v in tc.items() if k not in ("model_type", "transformers_version", "quantization_config")}
+    try:
+        return AutoConfig.for_model(tc["model_type"], **kw)
+    except Exception as e:  # noqa: BLE001  transformers validates fields with many exception types
+        msg = str(e).strip().splitlines()[-1].strip() if str(e).strip() else type(e).__name__
+        raise DFlashError(f"config.json: transformers refuses this {tc['model_type']} config ({msg})") from None
+
+
+def _compute_dtype(dt: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dt, torch.float32)   # bf16 -> float32 (as HF / FLA); float64 stays
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """RMSNorm scaled by (1 + weight) (Qwen3NextRMSNorm: Gemma's convention; weight stored centered at 0)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        dt = _compute_dtype(x.dtype)
+        xf = x.to(dt)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.to(dt))).to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm(x) * weight * SiLU(gate) (Qwen3NextRMSNormGated: plain weight, norm before gate)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x, gate):
+        dt = _compute_dtype(x.dtype)
+        xf = x.to(dt)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * xf.to(x.dtype) * F.silu(gate.to(dt))).to(x.dtype)
+
+
+class PartialRope(nn.Module):
+    """cos/sin [max_len, rotary_dim] for the first rotary_dim = head_dim * partial_rotary_factor
+    features (computed in float32 and cast, as transformers does)."""
+
+    def __init__(self, c, max_len: int, dtype: torch.dtype):
+        super().__init__()
+        p = getattr(c, "rope_parameters", None) or {}
+        if p.get("rope_type", "default") == "default":   # transformers' own default ignores the partial factor
+            dim = int(c.head_dim * p.get("partial_rotary_factor", 1.0))
+            inv_freq = 1.0 / (float(p["rope_theta"]) ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+            scaling = 1.0
+        else:
+            inv_freq, scaling = rope_inv_freq(c)
+        freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq[None, :].float()
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", (emb.cos() * scaling).to(dtype), persistent=False)
+        self.register_buffer("sin", (emb.sin() * scaling).to(dtype), persistent=False)
+
+    def forward(self, positions):
+        return self.cos[positions], self.sin[positions]
+
+
+def apply_partial_rope(x, cos, sin):
+    r = cos.shape[-1]
+    return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
+
+
+class GatedAttention(Attention):
+    """Full attention with an output gate: q_proj gives [query | gate] per head; out = o_proj(attn * sigmoid(gate)).
+    The cache and the attention itself are target.Attention's (attend_cached)."""
+
+    def __init__(self, c):
+        nn.Module.__init__(self)
+        self.nh, self.nkv, self.hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        bias = bool(getattr(c, "attention_bias", False))
+        self.q_proj = Linear(c.hidden_size, 2 * self.nh * self.hd, bias=bias)
+        self.k_proj = Linear(c.hidden_size, self.nkv * self.hd, bias=bias)
+        self.v_proj = Linear(c.hidden_size, self.nkv * self.hd, bias=bias)
+        self.o_proj = Linear(self.nh * self.hd, c.hidden_size, bias=bias)
+        self.q_norm = ZeroCenteredRMSNorm(self.hd, c.rms_norm_eps)
+        self.k_norm = ZeroCenteredRMSNorm(self.hd, c.rms_norm_eps)
+        self.has_sinks, self.window = False, None
+        self.k_cache = self.v_cache = None
+
+    def forward(self, x, cos, sin, start: int, mask):
+        T = x.shape[0]
+        q, gate = self.q_proj(x).view(T, self.nh, 2 * self.hd).chunk(2, dim=-1)
+        q = apply_partial_rope(self.q_norm(q).transpose(0, 1), cos, sin)
+        k = self.k_norm(self.k_proj(x).view(T, self.nkv, self.hd)).transpose(0, 1)
+        self.k_cache[:, start:start + T] = apply_partial_rope(k, cos, sin)
+        self.v_cache[:, start:start + T] = self.v_proj(x).view(T, self.nkv, self.hd).transpose(0, 1)
+        o = self.attend_cached(q, start, mask)
+        return self.o_proj(o * torch.sigmoid(gate.reshape(T, self.nh * self.hd)))
+
+
+def _l2norm(x, eps: float = 1e-6):
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)   # as FLA / transformers' l2norm
+
+
+def delta_rule_step(S, k, v, decay, beta):
+    """One token of the gated delta rule: S [h, dk, dv] decays by exp(g), then writes beta * (v - k^T S) at k."""
+    S = S * decay.exp()[:, None, None]
+    delta = (v - (S * k[:, :, None]).sum(-2)) * beta[:, None]
+    return S + k[:, :, None] * delta[:, None, :]
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, c, fused_in_proj: bool):
+        super().__init__()
+        self.nv, self.nk = c.linear_num_value_heads, c.linear_num_key_heads
+        self.dk, self.dv = c.linear_key_head_dim, c.linear_value_head_dim
+        if self.nv % self.nk:
+            raise DFlashError(f"config.json: linear_num_value_heads {self.nv} is not a multiple of "
+                              f"linear_num_key_heads {self.nk}")
+        self.K = c.linear_conv_kernel_dim
+        if c.hidden_act != "silu":
+            raise DFlashError(f"config.json: hidden_act {c.hidden_act!r}: the Gated DeltaNet runtime applies silu")
+        key_dim, value_dim = self.nk * self.dk, self.nv * self.dv
+        self.conv_dim = 2 * key_dim + value_dim
+        self.fused = fused_in_proj
+        H = c.hidden_size
+        if fused_in_proj:
+            self.in_proj_qkvz = Linear(H, 2 * key_dim + 2 * value_dim, bias=False)
+            self.in_proj_ba = Linear(H, 2 * self.nv, bias=False)
+        else:
+            self.in_proj_qkv = Linear(H, self.conv_dim, bias=False)
+            self.in_proj_z = Linear(H, value_dim, bias=False)
+            self.in_proj_b = Linear(H, self.nv, bias=False)
+            self.in_proj_a = Linear(H, self.nv, bias=False)
+        self.conv1d = nn.Module()
+        self.conv1d.weight = nn.Parameter(torch.zeros(self.conv_dim, 1, self.K))   # depthwise, no bias
+        self.dt_bias = nn.Parameter(torch.ones(self.nv))
+        self.A_log = nn.Parameter(torch.zeros(self.nv))
+        self.norm = GatedRMSNorm(self.dv, c.rms_norm_eps)
+        self.out_proj = Linear(value_dim, H, bias=False)
+        self.last = None   # the last forward, for rollback (see the module docstring)
+
+    def _project(self, x):
+        """-> conv input [T, conv_dim] ([q | k | v]), z [T, nv, dv], b [T, nv], a [T, nv]."""
+        T, r = x.shape[0], self.nv // self.nk
+        if not self.fused:
+            return (self.in_proj_qkv(x), self.in_proj_z(x).view(T, self.nv, self.dv),
+                    self.in_proj_b(x), self.in_proj_a(x))
+        # Qwen3-Next groups by key head: [q (dk) | k (dk) | v (r*dv) | z (r*dv)] and [b (r) | a (r)] per group
+        q, k, v, z = self.in_proj_qkvz(x).view(T, self.nk, -1).split([self.dk, self.dk, r * self.dv, r * self.dv], -1)
+        b, a = self.in_proj_ba(x).view(T, self.nk, 2 * r).split([r, r], -1)
+        mixed = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=-1)
+        return mixed, z.reshape(T, self.nv, self.dv), b.reshape(T, self.nv), a.reshape(T, self.nv)
+
+    def state_at(self, offset: int | None):
+        """(conv window [K-1, conv_dim], recurrent state) `offset` tokens into the last forward
+        (None: the zero state of position 0)."""
+        dt = _compute_dtype(self.out_proj.weight.dtype)
+        if offset is None or self.last is None:
+            return (torch.zeros(self.K - 1, self.conv_dim, dtype=self.out_proj.weight.dtype),
+                    torch.zeros(self.nv, self.dk, self.dv, dtype=dt))
+        r = self.last
+        conv = torch.cat([r["conv_prev"], r["conv_in"]])[offset:offset + self.K - 1]
+        if offset == r["conv_in"].shape[0]:
+            return conv, r["S_end"]
+        S = r["S_start"]
+        for t in range(offset):   # the forward's own steps, replayed
+            S = delta_rule_step(S, r["k"][t], r["v"][t], r["decay"][t], r["beta"][t])
+        return conv, S
+
+    def forward(self, x, offset: int | None):
+        T = x.shape[0]
+        dt = _compute_dtype(x.dtype)
+        conv_prev, S = self.state_at(offset)
+        mixed, z, b, a = self._project(x)
+        # causal depthwise conv over [the K-1 inputs before | this forward's], each output the same
+        # per-channel sum whatever T is (a verify pass and AR steps agree bitwise)
+        window = torch.cat([conv_prev, mixed]).to(dt).unfold(0, self.K, 1)          # [T, C, K]
+        conv = F.silu((window * self.conv1d.weight[:, 0, :].to(dt)).sum(-1))
+        q, k, v = conv.split([self.nk * self.dk, self.nk * self.dk, self.nv * self.dv], dim=-1)
+        rep = self.nv // self.nk       # each key head serves rep consecutive value heads
+        q = (_l2norm(q.view(T, self.nk, self.dk)) * self.dk ** -0.5).repeat_interleave(rep, 1)
+        k = _l2norm(k.view(T, self.nk, self.dk)).repeat_interleave(rep, 1)
+        v = v.reshape(T, self.nv, self.dv)
+        beta = torch.sigmoid(b).to(dt)
+        decay = -self.A_log.to(dt).exp() * F.softplus(a.to(dt) + self.dt_bias.to(dt))
+        S_start, out = S, []
+        for t in range(T):
+            S = delta_rule_step(S, k[t], v[t], decay[t], beta[t])
+            out.append((S * q[t][:, :, None]).sum(-2))
+        self.last = {"conv_prev": conv_prev, "conv_in": mixed, "S_start": S_start, "S_end": S,
+                     "k": k, "v": v, "decay": decay, "beta": beta}
+        o = self.norm(torch.stack(out).to(x.dtype), z)
+        return self.out_proj(o.reshape(T, self.nv * self.dv))
+
+    def state_bytes(self) -> int:
+        return (self.nv * self.dk * self.dv * _compute_dtype(self.out_proj.weight.dtype).itemsize
+                + (self.K - 1) * self.conv_dim * self.out_proj.weight.dtype.itemsize)
+
+
+class SparseMoE(nn.Module):
+    """Routed experts (softmax over all, top-k, renormalized when norm_topk) + a sigmoid-gated shared expert."""
+
+    def __init__(self, c, norm_topk: bool):
+        super().__init__()
+        H, E = c.hidden_size, c.num_experts
+        self.top_k, self.norm_topk = c.num_experts_per_tok, norm_topk
+        self.gate = Linear(H, E, bias=False)
+        self.experts = nn.ModuleList(SwiGLU(H, c.moe_intermediate_size) for _ in range(E))
+        self.shared_expert = SwiGLU(H, c.shared_expert_intermediate_size)
+        self.shared_expert_gate = Linear(H, 1, bias=False)
+
+    def forward(self, x):
+        probs = torch.softmax(self.gate(x).to(_compute_dtype(x.dtype)), dim=-1)
+        top, idx = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk:
+            top = top / top.sum(-1, keepdim=True)
+        top = top.to(x.dtype)
+        out = torch.zeros_like(x)
+        for e in idx.unique().tolist():    # ascending, as transformers: a token's sum order does not depend on T
+            tok, slot = torch.where(idx == e)
+            out.index_add_(0, tok, self.experts[e](x[tok]) * top[tok, slot, None])
+        return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c, i: int):
+        super().__init__()
+        self.kind = c.layer_types[i]
+        if self.kind == "linear_attention":
+            self.linear_attn = GatedDeltaNet(c, c.model_type in FUSED_IN_PROJ)
+        elif self.kind == "full_attention":
+            self.self_attn = GatedAttention(c)
+        else:
+            raise DFlashError(f"config.json: layer_types[{i}] = {self.kind!r}: expected linear_attention or "
+                              "full_attention")
+        mt = c.model_type
+        sparse = mt in ALWAYS_MOE or (mt not in NEVER_MOE and c.num_experts > 0 and i not in (c.mlp_only_layers or [])
+                                      and (i + 1) % c.decoder_sparse_step == 0)
+        self.mlp = (SparseMoE(c, mt in ALWAYS_MOE or bool(getattr(c, "norm_topk_prob", True))) if sparse
+                    else SwiGLU(c.hidden_size, c.intermediate_size))
+        self.input_layernorm = ZeroCenteredRMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def forward(self, x, cos, sin, start, mask, offset):
+        h = self.input_layernorm(x)
+        if self.kind == "linear_attention":
+            x = x + self.linear_attn(h, offset)
+        else:
+            x = x + self.self_attn(h, cos, sin, start, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_hidden_layers))
+        self.norm = ZeroCenteredRMSNorm(c.hidden_size, c.rms_norm_eps)
+
+
+class HybridTarget(nn.Module):
+    """TargetModel's interface (models/families) for the Qwen3-Next / Qwen3.5 hybrid decoders."""
+
+    def __init__(self, cfg: dict, dtype: torch.dtype = torch.float32, max_len: int = 4096):
+        super().__init__()
+        self.cfg = cfg
+        tc, self.prefix = text_config(cfg)
+        self.hf = c = hf_text_config(tc)
+        types = list(c.layer_types or [])
+        if len(types) != c.num_hidden_layers:
+            raise DFlashError(f"config.json: layer_types has {len(types)} entries for {c.num_hidden_layers} layers")
+        self.model = Backbone(c)
+        self.tied = bool(tc.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False)))
+        if not self.tied:
+            self.lm_head = Linear(c.hidden_size, c.vocab_size, bias=False)
+        self.rope = PartialRope(c, max(max_len, 1), dtype)
+        self.num_layers, self.hidden_size, self.vocab_size = c.num_hidden_layers, c.hidden_size, c.vocab_size
+        self.max_len = 0
+        self.last_pass = (0, 0)   # (start, T) of the last forward: where the linear-attention states can resume
+        self.to(dtype)
+
+    @property
+    def dtype(self):
+        return self.model.embed_tokens.weight.dtype
+
+    def state_name(self, name: str) -> str | None:
+        """This model's name for a checkpoint tensor; None for one it does not load (a multimodal
+        wrapper's vision tower, the MTP head, a tied lm_head)."""
+        if name.startswith("mtp.") or (name == "lm_head.weight" and self.tied):
+            return None
+        if name.startswith(self.prefix):
+            return "model." + name[len(self.prefix):]
+        return name if name == "lm_head.weight" or self.prefix == "model." else None
+
+    def lm_head_weight(self):
+        return self.model.embed_tokens.weight if self.tied else self.lm_head.weight
+
+    def logits(self, h):
+        return linear(h, self.lm_head_weight())
+
+    def embed(self, tokens):
+        return self.model.embed_tokens(tokens)
+
+    def _attn_layers(self):
+        return [layer.self_attn for layer in self.model.layers if layer.kind == "full_attention"]
+
+    def cache_bytes_per_position(self) -> int:
+        """The full-attention layers' KV per position (linear-attention layers: recurrent_state_bytes)."""
+        return sum(2 * a.nkv * a.hd * self.dtype.itemsize for a in self._attn_layers())
+
+    def recurrent_state_bytes(self) -> int:
+        """The fixed per-sequence state of the linear-attention layers (recurrent + conv window)."""
+        return sum(layer.linear_attn.state_bytes() for layer in self.model.layers if layer.kind == "linear_attention")
+
+    def setup_cache(self, max_len: int):
+        if max_len <= self.max_len:
+            return
+        max_len = -(-max_len // KV_PAD) * KV_PAD   # whole KV_PAD chunks: see target.Attention.attend_cached
+        if max_len > self.rope.cos.shape[0]:
+            self.rope = PartialRope(self.hf, max_len, self.dtype)
+        for a in self._attn_layers():
+            a.k_cache = torch.zeros(a.nkv, max_len, a.hd, dtype=self.dtype)
+            a.v_cache = torch.zeros(a.nkv, max_len, a.hd, dtype=self.dtype)
+        self.max_len = max_len
+
+    def _offset(self, start: int) -> int | None:
+        if start == 0:
+            return None
+        s0, n = self.last_pass
+        if not s0 <= start <= s0 + n:
+            raise DFlashError(f"start {start}: the linear-attention state is kept for positions {s0}..{s0 + n} "
+                              "(the last forward) only; start again from position 0")
+        return start - s0
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, start: int, capture: list[int] = (), all_logits: bool = False):
+        T = tokens.shape[0]
+        if start + T > self.max_len:
+            raise DFlashError(f"sequence of {start + T} tokens exceeds the KV cache ({self.max_len}); raise max_len")
+        offset = self._offset(start)
+        pos = torch.arange(start, start + T)
+        cos, sin = self.rope(pos)
+        mask = torch.arange(start + T)[None, :] <= pos[:, None]
+        x = self.model.embed_tokens(tokens)
+        feats, last = {}, self.num_layers - 1
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, start, mask, offset)
+            if i in capture and i != last:
+                feats[i] = x
+        self.last_pass = (start, T)
+        x = self.model.norm(x)
+        if last in capture:
+            feats[last] = x
+        logits = self.logits(x if all_logits else x[-1:])
+        return logits, (torch.cat([feats[i] for i in capture], dim=-1) if capture else None)
+
+
+def build(cfg: dict, dtype: torch.dtype = torch.float32, max_len: int = 4096) -> HybridTarget:
+    """models/families' entry point for qwen3_next, qwen3_5(_text) and qwen3_5_moe(_text)."""
+    return HybridTarget(cfg, dtype=dtype, max_len=max_len)
