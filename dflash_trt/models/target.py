@@ -269,6 +269,8 @@ def load_target(folder: str | Path, dtype: torch.dtype = torch.float32, max_len:
         raise DFlashError(f"{folder / 'config.json'}: missing field model_type")
     model = build_target(cfg, dtype=dtype, max_len=max_len)
     state = dequantize_mxfp4(read_state_dict(folder, allow_pickle=allow_pickle))
+    if hasattr(model, "checkpoint_state"):
+        state = model.checkpoint_state(state)
     if getattr(model, "tied", False):
         state.pop("lm_head.weight", None)
     load_strict(model, state, folder)

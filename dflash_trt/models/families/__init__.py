@@ -13,7 +13,9 @@ has TargetModel's interface (models/target.py), which runtime/decode.py drives:
         hidden_size, num_layers, max_len
 
 Parameter names are Hugging Face's, so checkpoints load as they are (models/weights.load_strict),
-and each family is tested against transformers in float64 (tests/test_families.py).
+and each family is tested against transformers in float64 (tests/test_families.py,
+tests/test_family_mla.py). A model may define checkpoint_state(state) -> state: the checkpoint's
+tensors under its names (a multimodal checkpoint's decoder, say).
 """
 from __future__ import annotations
 
@@ -25,6 +27,9 @@ RUNTIME_FAMILIES: dict[str, str] = {
     "llama": "dflash_trt.models.target",
     "qwen3": "dflash_trt.models.target",
     "gpt_oss": "dflash_trt.models.target",
+    "deepseek_v3": "dflash_trt.models.families.mla",
+    "kimi_k25": "dflash_trt.models.families.mla",      # its text decoder (a deepseek_v3)
+    "glm_moe_dsa": "dflash_trt.models.families.mla",
 }
 
 

@@ -1,0 +1,74 @@
+"""The MLA target families of the CPU runtime (models/families/mla.py) against transformers 5.24 in
+float64: DeepSeek-V3 (the layout Kimi K2.x ships; also with q_lora_rank None, non-interleaved
+RoPE and yarn), Kimi K2.5's text decoder inside its vision wrapper (kimi_k25, tensors under
+language_model.*), and GLM-5's MLA + DSA indexer (glm_moe_dsa; sequences longer than index_topk,
+one layer sharing the previous layer's selection). transformers leaves e_score_correction_bias at
+zero and the norms at one: they get random values here so the oracle sees them."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from family_oracle import build_hf_tiny, incremental_with_rollback, lossless, random_drafter, same_as_transformers
+
+BASE = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3, "num_attention_heads": 4,
+        "num_key_value_heads": 4, "max_position_embeddings": 128, "tie_word_embeddings": False,
+        "initializer_range": 0.05}
+MLA = {"q_lora_rank": 32, "kv_lora_rank": 24, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 12,
+       "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1,
+       "first_k_dense_replace": 1, "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5}
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+        "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0}
+VISION = {"num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2,
+          "pos_emb_height": 4, "pos_emb_width": 4}
+FAMILIES = {
+    "deepseek_v3": ("deepseek_v3", {**BASE, **MLA}),
+    # DeepSeek-V2-Lite-like attention: no q LoRA, RoPE halves (not pairs), yarn with mscale
+    "deepseek_v3_yarn": ("deepseek_v3", {**BASE, **MLA, "q_lora_rank": None, "rope_interleave": False,
+                                         "rope_parameters": YARN, "norm_topk_prob": False, "n_group": 1,
+                                         "topk_group": 1}),
+    "kimi_k25": ("kimi_k25", {"text_config": {"model_type": "kimi_k2", **BASE, **MLA}, "vision_config": VISION,
+                              "projection_hidden_size": 32, "tie_word_embeddings": False}),
+    "glm_moe_dsa": ("glm_moe_dsa", {**BASE, **MLA, "index_n_heads": 16, "index_head_dim": 16, "index_topk": 6,
+                                    "indexer_types": ["full", "full", "shared"]}),
+}
+
+
+def _randomize(model):
+    """What transformers initializes to constants gets random values."""
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if name.endswith("e_score_correction_bias"):
+            t.copy_(torch.randn_like(t) * 0.05)
+        elif "norm" in name and name.endswith(".weight"):
+            t.copy_(1 + 0.1 * torch.randn_like(t))
+        elif "norm" in name and name.endswith(".bias"):
+            t.copy_(0.1 * torch.randn_like(t))
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mla")
+    return {name: build_hf_tiny(mt, fields, root / name, init=_randomize) for name, (mt, fields) in FAMILIES.items()}
+
+
+def _decoder_cfg(folder):
+    cfg = json.loads((folder / "config.json").read_text())
+    return cfg.get("text_config", cfg)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_same_as_transformers(targets, family):
+    same_as_transformers(targets[family], n=24, capture=(0, 1, 2))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_incremental_with_rollback(targets, family):
+    incremental_with_rollback(targets[family], n=20)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "kimi_k25", "glm_moe_dsa"])
+def test_lossless(targets, family, tmp_path):
+    d = random_drafter(tmp_path / "d", _decoder_cfg(targets[family]))
+    lossless(targets[family], d)
