@@ -10,7 +10,6 @@ import json
 
 import pytest
 import torch
-
 from family_oracle import build_hf_tiny, incremental_with_rollback, lossless, random_drafter, same_as_transformers
 
 BASE = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3, "num_attention_heads": 4,
@@ -72,3 +71,26 @@ def test_incremental_with_rollback(targets, family):
 def test_lossless(targets, family, tmp_path):
     d = random_drafter(tmp_path / "d", _decoder_cfg(targets[family]))
     lossless(targets[family], d)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "kimi_k25", "glm_moe_dsa"])
+def test_check_no_longer_notes_the_family(targets, family, tmp_path):
+    """check on such a pair: ok, and no "the CPU reference runtime does not cover" note."""
+    from helpers import run_cli
+
+    d = random_drafter(tmp_path / "d", _decoder_cfg(targets[family]))
+    code, out, err = run_cli("check", "--target", str(targets[family]), "--drafter", str(d))
+    assert code == 0, err
+    assert out.startswith("ok:") and "does not cover" not in err + out
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "kimi_k25", "glm_moe_dsa"])
+def test_convert_refuses_the_family_in_one_line(targets, family, tmp_path):
+    """TensorRT-LLM's engine path has no DeepSeek-V3 / GLM-5 layout: convert says which path serves them."""
+    from helpers import run_cli
+
+    code, _, err = run_cli("convert", "--model", str(targets[family]), "--out", str(tmp_path / "o"))
+    assert code != 0 and not (tmp_path / "o").exists()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "has no engine (TensorRT) checkpoint layout" in lines[0], err
+    assert "PyTorch backend" in lines[0] and "DeepSeek-V2" in lines[0]

@@ -295,10 +295,27 @@ def convert_checkpoint(model: str | Path, out: str | Path, tp: int = 1, pp: int 
                          calib is not None, [], round(time.time() - t0, 3))
 
 
+# Families the engine path has no layout for: (name, why). TensorRT-LLM <= 1.2's MODEL_MAP
+# (tensorrt_llm/models/__init__.py @02267d3d4fd886c3ad036f6580beb0847eac6e4b) has no GptOss,
+# DeepseekV3, Kimi-K2.5 or GlmMoeDsa architecture; its one MLA layout, DeepseekV2ForCausalLM
+# (tensorrt_llm/models/deepseek_v2/convert.py @65b31db1b401d3752b8ebe7c29093cbfb6af04b7), routes by
+# softmax (topk_method greedy / group_limited_greedy), reads yarn rope_scaling unconditionally and
+# has no e_score_correction_bias nor DSA indexer: not DeepSeek-V3's sigmoid + bias routing, not GLM-5.
+_MLA_WHY = (" (its only MLA layout is DeepSeek-V2's: softmax routing, no e_score_correction_bias"
+            + ", no DSA indexer)")
+NO_ENGINE_LAYOUT = {
+    "gpt_oss": ("gpt-oss", ""),
+    "deepseek_v3": ("DeepSeek-V3 (MLA)", _MLA_WHY),
+    "kimi_k25": ("Kimi K2.5 (DeepSeek-V3 MLA)", _MLA_WHY),
+    "glm_moe_dsa": ("GLM-5 (MLA + DSA)", _MLA_WHY),
+}
+
+
 def _check_options(model: Path, mt: str | None, tp: int, pp: int, ep: int, quant: str, kv_cache: str | None,
                    calib) -> None:
-    if mt == "gpt_oss":
-        raise DFlashError("gpt-oss: TensorRT-LLM has no engine (TensorRT) checkpoint layout for it; serve it with "
+    if mt in NO_ENGINE_LAYOUT:
+        name, why = NO_ENGINE_LAYOUT[mt]
+        raise DFlashError(f"{name}: TensorRT-LLM has no engine (TensorRT) checkpoint layout for it{why}; serve it with "
                           "the PyTorch backend straight from the Hugging Face folder (trtllm-serve <dir>, see "
                           "`dflash-trt build`), optionally after `dflash-trt quantize --kv-cache fp8`")
     if mt not in ARCHITECTURES:
