@@ -2,13 +2,16 @@
 float64: DeepSeek-V3 (the layout Kimi K2.x ships; also with q_lora_rank None, non-interleaved
 RoPE and yarn), Kimi K2.5's text decoder inside its vision wrapper (kimi_k25, tensors under
 language_model.*), and GLM-5's MLA + DSA indexer (glm_moe_dsa; sequences longer than index_topk,
-one layer sharing the previous layer's selection). transformers leaves e_score_correction_bias at
+one layer sharing the previous layer's selection); also the hub's layouts (Kimi K2.5's
+language_model.model.layers.* under a kimi_k2 text_config, DeepSeek-V3's MTP layer). transformers leaves e_score_correction_bias at
 zero and the norms at one: they get random values here so the oracle sees them."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
+import safetensors.torch as st
 import torch
 from family_oracle import build_hf_tiny, incremental_with_rollback, lossless, random_drafter, same_as_transformers
 
@@ -46,10 +49,39 @@ def _randomize(model):
             t.copy_(0.1 * torch.randn_like(t))
 
 
+def _rewrite(src, dst, rename=lambda k: k, extra=lambda state: {}, config=lambda cfg: cfg):
+    """A copy of checkpoint `src` with its tensors renamed / added to and its config.json edited."""
+    shutil.copytree(src, dst)
+    state = {rename(k): v for k, v in st.load_file(src / "model.safetensors").items()}
+    st.save_file({**state, **extra(state)}, dst / "model.safetensors", metadata={"format": "pt"})
+    (dst / "config.json").write_text(json.dumps(config(json.loads((src / "config.json").read_text()))))
+    return dst
+
+
+def _mtp_layer(state, last=2, mtp=3):
+    """DeepSeek-V3's multi-token-prediction layer as the hub checkpoint stores it after the last layer."""
+    layer = {k.replace(f"model.layers.{last}.", f"model.layers.{mtp}."): v.clone() for k, v in state.items()
+             if k.startswith(f"model.layers.{last}.")}
+    H = state["model.norm.weight"].shape[0]
+    return {**layer, f"model.layers.{mtp}.eh_proj.weight": torch.randn(H, 2 * H),
+            f"model.layers.{mtp}.enorm.weight": torch.ones(H), f"model.layers.{mtp}.hnorm.weight": torch.ones(H)}
+
+
+def _kimi_hub_config(cfg):
+    cfg["text_config"]["model_type"] = "kimi_k2"      # as moonshotai/Kimi-K2.5's config.json
+    return cfg
+
+
 @pytest.fixture(scope="module")
 def targets(tmp_path_factory):
     root = tmp_path_factory.mktemp("mla")
-    return {name: build_hf_tiny(mt, fields, root / name, init=_randomize) for name, (mt, fields) in FAMILIES.items()}
+    out = {name: build_hf_tiny(mt, fields, root / name, init=_randomize) for name, (mt, fields) in FAMILIES.items()}
+    # the hub's layouts: Kimi K2.5's language_model.model.layers.* (transformers writes .blocks.*)
+    # under a text_config of model_type kimi_k2; DeepSeek-V3's MTP layer after the last decoder layer
+    out["kimi_k25_hub"] = _rewrite(out["kimi_k25"], root / "kimi_k25_hub", config=_kimi_hub_config,
+                                   rename=lambda k: k.replace("language_model.model.blocks.", "language_model.model.layers."))
+    out["deepseek_v3_mtp"] = _rewrite(out["deepseek_v3"], root / "deepseek_v3_mtp", extra=_mtp_layer)
+    return out
 
 
 def _decoder_cfg(folder):
@@ -57,7 +89,7 @@ def _decoder_cfg(folder):
     return cfg.get("text_config", cfg)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [*FAMILIES, "kimi_k25_hub", "deepseek_v3_mtp"])
 def test_same_as_transformers(targets, family):
     same_as_transformers(targets[family], n=24, capture=(0, 1, 2))
 
@@ -73,7 +105,7 @@ def test_lossless(targets, family, tmp_path):
     lossless(targets[family], d)
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "kimi_k25", "glm_moe_dsa"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "kimi_k25", "glm_moe_dsa", "kimi_k25_hub", "deepseek_v3_mtp"])
 def test_check_no_longer_notes_the_family(targets, family, tmp_path):
     """check on such a pair: ok, and no "the CPU reference runtime does not cover" note."""
     from helpers import run_cli

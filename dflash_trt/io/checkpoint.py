@@ -520,7 +520,11 @@ def expected_shape(name: str, cfg: dict) -> tuple[int, ...] | None:
     if len(parts) < 4 or parts[0] != "layers" or not parts[1].isdigit():
         return None
     tail = ".".join(parts[2:])
-    if int(parts[1]) >= c.get("num_hidden_layers", 1 << 30):
+    L = c.get("num_hidden_layers", 1 << 30)
+    if int(parts[1]) >= L:
+        # DeepSeek-V3 / GLM-5 store num_nextn_predict_layers multi-token-prediction layers after the last one
+        if int(parts[1]) < L + (c.get("num_nextn_predict_layers") or 0):
+            return None
         return ()  # a layer that config.json does not have: never fits
     table = {
         "input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),

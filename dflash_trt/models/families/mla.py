@@ -229,16 +229,18 @@ class MLAModel(nn.Module):
 
         super().__init__()
         self.cfg = cfg
-        self.hf = c = text_config(hf_config(cfg))
+        top = hf_config(cfg)
+        self.hf = c = text_config(top)
         if getattr(c, "hidden_act", "silu") != "silu":
             raise DFlashError(f"config.json: hidden_act {c.hidden_act!r}: the MLA families run silu only")
         self.wrapped = isinstance(cfg.get("text_config"), dict)   # kimi_k25
         self.model = Backbone(c, glm=c.model_type == "glm_moe_dsa")
-        self.tied = bool(getattr(c, "tie_word_embeddings", False))
+        self.tied = bool(getattr(top, "tie_word_embeddings", False))   # kimi_k25: the wrapper's flag, as transformers
         if not self.tied:
             self.lm_head = Linear(c.hidden_size, c.vocab_size, bias=False)
         self.rope = RopeTable(c, max(max_len, 1), dtype)
         self.num_layers, self.hidden_size, self.vocab_size = c.num_hidden_layers, c.hidden_size, c.vocab_size
+        self.mtp_layers = int(getattr(c, "num_nextn_predict_layers", 0) or 0)
         self.max_len = 0
         self.to(dtype)
 
@@ -280,17 +282,25 @@ class MLAModel(nn.Module):
         """The decoder's tensors under this module's names. kimi_k25 stores them as
         language_model.model.* / language_model.lm_head.weight (transformers 5.24 writes the layers
         as language_model.model.blocks.*), next to the vision tower and projector, which the text
-        runtime does not use."""
-        if not self.wrapped:
-            return state
+        runtime does not use. The multi-token-prediction layers after the last decoder layer
+        (num_nextn_predict_layers: DeepSeek-V3's model.layers.61, GLM-5's 78) are dropped, as
+        transformers ignores them."""
         out = {}
         for k, v in state.items():
-            for prefix, to in (("language_model.model.", "model."), ("model.language_model.", "model."),
-                               ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head.")):
-                if k.startswith(prefix):
-                    rest = k[len(prefix):]
-                    out[to + ("layers." + rest[len("blocks."):] if rest.startswith("blocks.") else rest)] = v
-                    break
+            if self.wrapped:
+                for prefix, to in (("language_model.model.", "model."), ("model.language_model.", "model."),
+                                   ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head.")):
+                    if k.startswith(prefix):
+                        rest = k[len(prefix):]
+                        k = to + ("layers." + rest[len("blocks."):] if rest.startswith("blocks.") else rest)
+                        break
+                else:
+                    continue
+            parts = k.split(".", 3)
+            if parts[:2] == ["model", "layers"] and parts[2].isdigit() and \
+                    self.num_layers <= int(parts[2]) < self.num_layers + self.mtp_layers:
+                continue
+            out[k] = v
         return out
 
     @torch.no_grad()
