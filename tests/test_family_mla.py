@@ -126,3 +126,15 @@ def test_convert_refuses_the_family_in_one_line(targets, family, tmp_path):
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and "has no engine (TensorRT) checkpoint layout" in lines[0], err
     assert "PyTorch backend" in lines[0] and "DeepSeek-V2" in lines[0]
+
+
+def test_quantize_calib_refuses_the_family_in_one_line(targets, tmp_path):
+    """--calib runs target.py's decoder layers: an MLA target is refused by name (weights-only quantize works)."""
+    from helpers import run_cli
+
+    (tmp_path / "calib.jsonl").write_text(json.dumps({"input_ids": [5, 6, 7, 8]}) + "\n")
+    code, _, err = run_cli("quantize", "--model", str(targets["deepseek_v3"]), "--format", "fp8", "--calib",
+                           str(tmp_path / "calib.jsonl"), "--out", str(tmp_path / "q"))
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code != 0 and not (tmp_path / "q").exists()
+    assert len(lines) == 1 and "--calib" in lines[0] and "'deepseek_v3'" in lines[0], err

@@ -193,7 +193,7 @@ class MoE(nn.Module):
         out = torch.zeros_like(x)
         for e in idx.unique().tolist():
             tok, slot = torch.where(idx == e)
-            out.index_add_(0, tok, self.experts[e](x[tok]) * weights[tok, slot, None])
+            out.index_add_(0, tok, (self.experts[e](x[tok]) * weights[tok, slot, None]).to(out.dtype))
         return out + self.shared_experts(x)
 
 
