@@ -74,10 +74,16 @@ class Indexer(nn.Module):
         q = torch.cat([rope(q[..., :self.rd].transpose(0, 1), cos, sin, True).transpose(0, 1), q[..., self.rd:]], -1)
         k = torch.cat([rope(k[:, :self.rd], cos, sin, True), k[:, self.rd:]], -1)
         self.k_cache[start:n] = k
-        # float32 scores and a relu, as transformers (whatever the model's dtype)
-        scores = F.relu((q.float() @ self.k_cache[:n].float().T) * self.hd ** -0.5)        # [T, nh, n]
+        # float32 scores and a relu, as transformers (whatever the model's dtype); outside the
+        # float64 oracle one query row per product, so a verify block selects what AR steps do
+        keys = self.k_cache[:n].float().T
         weights = self.weights_proj(x).float() * self.nh ** -0.5                              # [T, nh]
-        index = (weights.unsqueeze(1) @ scores).squeeze(1).masked_fill(~mask, float("-inf"))   # [T, n]
+
+        def score(t):   # rows t: [t, n]
+            return (weights[t].unsqueeze(1) @ F.relu((q[t].float() @ keys) * self.hd ** -0.5)).squeeze(1)
+
+        rows = [slice(0, T)] if x.dtype == torch.float64 else [slice(t, t + 1) for t in range(T)]
+        index = torch.cat([score(t) for t in rows]).masked_fill(~mask, float("-inf"))
         if n <= self.topk:
             return mask
         # ties (relu zeros) go to the earlier key, whatever the row's length: a verify block and
@@ -168,7 +174,7 @@ class Router(nn.Module):
                               "of at least 2")
 
     def forward(self, x):
-        scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))
+        scores = torch.sigmoid(linear(x.float(), self.weight.float()))   # (batch-invariant: see layers.linear)
         choice = scores + self.e_score_correction_bias.float()
         T, E = choice.shape
         group = choice.view(T, self.groups, -1).topk(2, dim=-1).values.sum(-1)
@@ -243,6 +249,9 @@ class MLAModel(nn.Module):
         self.mtp_layers = int(getattr(c, "num_nextn_predict_layers", 0) or 0)
         self.max_len = 0
         self.to(dtype)
+        for m in self.modules():
+            if isinstance(m, Router):   # kept in float32, as transformers keeps gate.weight and the bias
+                m.float()
 
     @property
     def dtype(self):
