@@ -27,12 +27,16 @@ def build_hf_tiny(model_type: str, fields: dict, folder: Path, seed: int = 0, in
     """A random tiny checkpoint of `model_type` written by transformers (float32 weights), with
     models/tiny's tokenizer (vocab_size is set to its length; mask token id MASK_ID).
     init(model) may give parameters transformers leaves at zero a value, so tests see them."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     tok = build_tokenizer(256)
     torch.manual_seed(seed)
-    cfg = AutoConfig.for_model(model_type, **{**fields, "vocab_size": len(tok)})
-    model = AutoModelForCausalLM.from_config(cfg).eval()
+    if "text_config" in fields:      # a multimodal wrapper: the vocabulary is its decoder's
+        fields = {**fields, "text_config": {**fields["text_config"], "vocab_size": len(tok)}}
+    else:
+        fields = {**fields, "vocab_size": len(tok)}
+    cfg = AutoConfig.for_model(model_type, **fields)
+    model = _auto_class(cfg).from_config(cfg).eval()
     if init is not None:
         with torch.no_grad():
             init(model)
@@ -41,15 +45,23 @@ def build_hf_tiny(model_type: str, fields: dict, folder: Path, seed: int = 0, in
     return folder
 
 
+def _auto_class(cfg):
+    """AutoModelForCausalLM, or for a multimodal wrapper (kimi_k25) its image-text-to-text class."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return AutoModelForCausalLM if cfg.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else AutoModelForImageTextToText
+
+
 def hf_float64(folder: Path):
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(folder)
     cfg._experts_implementation = "eager"          # torch._grouped_mm has no float64 on CPU
     for sub in ("text_config",):
         if getattr(cfg, sub, None) is not None:
             getattr(cfg, sub)._experts_implementation = "eager"
-    return AutoModelForCausalLM.from_pretrained(folder, config=cfg, dtype=torch.float64,
+    return _auto_class(cfg).from_pretrained(folder, config=cfg, dtype=torch.float64,
                                                 attn_implementation="eager").eval()
 
 

@@ -248,15 +248,15 @@ def test_build_writes_each_stacks_dflash2_settings(pairs, tmp_path):
 
 def test_check_names_a_family_the_runtime_does_not_cover(pairs, tmp_path):
     """A target of a family the CPU runtime does not run (here: a qwen3 checkpoint relabelled
-    model_type deepseek_v3) passes check with one note line; the note says what needs the runtime."""
+    model_type mixtral) passes check with one note line; the note says what needs the runtime."""
     import shutil
 
     t, d = pairs["dflash2"]
     shutil.copytree(t, tmp_path / "t")
     cfg = json.loads((tmp_path / "t" / "config.json").read_text())
-    cfg["model_type"] = "deepseek_v3"
+    cfg["model_type"] = "mixtral"
     (tmp_path / "t" / "config.json").write_text(json.dumps(cfg))
     code, out, err = run_cli("check", "--target", str(tmp_path / "t"), "--drafter", str(d))
     assert code == 0, err
     notes = [line for line in err.splitlines() if line.startswith("note:")]
-    assert len(notes) == 1 and "does not cover model_type 'deepseek_v3'" in notes[0] and out.startswith("ok:")
+    assert len(notes) == 1 and "does not cover model_type 'mixtral'" in notes[0] and out.startswith("ok:")

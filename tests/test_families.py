@@ -4,9 +4,9 @@ MLA + DSA indexer; MiniMax-M2; the hybrid GatedDeltaNet + MoE layouts of Qwen3-N
 Qwen3.5/3.6), quantized by NVIDIA ModelOpt 0.47 (`mtq.quantize` + `export_hf_checkpoint`, the
 oracle, as tests/test_quantize.py) and by us: every weight, weight_scale, weight_scale_2 and every
 tensor left unquantized byte-identical, and hf_quant_config.json equal. input_scale is ModelOpt's
-calibration and is not written by ours without --calib (which needs the CPU runtime; of these
-families it runs the hybrid ones, tests/test_family_hybrid.py, and `check` names the others' gap in
-one line)."""
+calibration and is not written by ours without --calib (which needs the CPU runtime's calibration,
+and that covers llama / qwen3 / gpt-oss only). The CPU runtime runs these families
+(models/families: tests/test_family_*.py); `check` notes a family it does not run in one line."""
 from __future__ import annotations
 
 import copy
@@ -18,6 +18,7 @@ import safetensors.torch as st
 import torch
 
 from dflash_trt.models.check import require_target, runtime_coverage
+from dflash_trt.models.families import RUNTIME_FAMILIES
 from dflash_trt.quant.quantize import quantize_checkpoint
 
 BASE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -36,7 +37,6 @@ FAMILIES = {
     "qwen3_5_moe_text": GDN,                              # the decoder of Qwen3.5 / Qwen3.6 MoE (A3B, A17B)
 }
 CALIB = [[5, 17, 99, 3, 250, 42, 7, 7]]
-RUNTIME_RUNS = ("qwen3_next", "qwen3_5_moe_text")   # models/families/qwen3_hybrid (tests/test_family_hybrid.py)
 
 
 def _build(family: str, folder):
@@ -91,7 +91,7 @@ def test_check_takes_the_family_and_names_the_runtime_gap(sources, family):
     require_target(sources[family])     # configs and tensor headers: no problem
     cfg = json.loads((sources[family] / "config.json").read_text())
     note = runtime_coverage(cfg)
-    if family in RUNTIME_RUNS:
+    if family in RUNTIME_FAMILIES:      # models/families (tests/test_family_*.py)
         assert note is None
     else:
         assert note is not None and f"model_type {family!r}" in note
@@ -131,7 +131,8 @@ def test_build_takes_a_family_the_runtime_does_not_run(tmp_path):
 
     tok = build_tokenizer()
     torch.manual_seed(0)
-    cfg = AutoConfig.for_model("deepseek_v3", **{**BASE, **MLA, "vocab_size": len(tok)})
+    cfg = AutoConfig.for_model("phi3", **{**BASE, "vocab_size": len(tok), "pad_token_id": None, "bos_token_id": 0,
+                                          "eos_token_id": 1})     # a family the runtime does not run
     AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).save_pretrained(tmp_path / "t")
     tok.save_pretrained(tmp_path / "t")
     d = DFlashDrafter(tiny_drafter_config(json.loads((tmp_path / "t" / "config.json").read_text()), 3))
@@ -140,7 +141,7 @@ def test_build_takes_a_family_the_runtime_does_not_run(tmp_path):
     code, _, err = run_cli("build", "--target", str(tmp_path / "t"), "--drafter", str(tmp_path / "d"), "--arch",
                            "hopper", "--gpu", "h200", "--out", str(tmp_path / "b"))
     assert code == 0, err
-    assert sum("does not cover model_type 'deepseek_v3'" in line for line in err.splitlines()) == 1
+    assert sum("does not cover model_type 'phi3'" in line for line in err.splitlines()) == 1
     for f in ("trtllm-serve.yaml", "vllm.json", "sglang.json"):
         assert (tmp_path / "b" / "configs" / f).is_file(), f
     assert json.loads((tmp_path / "b" / "target" / "hf_quant_config.json").read_text())["quantization"]["quant_algo"] \

@@ -86,8 +86,9 @@ def convert_cmd(model, quant, kv_cache, calib, calib_samples, tp, pp, ep, out, a
     """Write a TensorRT-LLM checkpoint (config.json + rank{N}.safetensors) for the TensorRT
     engine path (TensorRT-LLM <= 1.2, `trtllm-build --checkpoint_dir OUT`): TensorRT-LLM tensor
     names, fused qkv per rank, TP splits, vocabulary padded to a multiple of tp, KV heads
-    duplicated when there are fewer than tp. Llama and Qwen3 targets. gpt-oss has no engine
-    layout: serve it with the PyTorch backend from its Hugging Face folder.
+    duplicated when there are fewer than tp. Llama and Qwen3 targets. gpt-oss, DeepSeek-V3 /
+    Kimi K2.5 and GLM-5 have no engine layout: serve them with the PyTorch backend from their
+    Hugging Face (or quantized) folder.
 
     \b
     Examples:

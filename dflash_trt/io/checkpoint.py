@@ -520,7 +520,11 @@ def expected_shape(name: str, cfg: dict) -> tuple[int, ...] | None:
     if len(parts) < 4 or parts[0] != "layers" or not parts[1].isdigit():
         return None
     tail = ".".join(parts[2:])
-    if int(parts[1]) >= c.get("num_hidden_layers", 1 << 30):
+    L = c.get("num_hidden_layers", 1 << 30)
+    if int(parts[1]) >= L:
+        # DeepSeek-V3 / GLM-5 store num_nextn_predict_layers multi-token-prediction layers after the last one
+        if int(parts[1]) < L + (c.get("num_nextn_predict_layers") or 0):
+            return None
         return ()  # a layer that config.json does not have: never fits
     table = {
         "input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
@@ -530,6 +534,9 @@ def expected_shape(name: str, cfg: dict) -> tuple[int, ...] | None:
         "self_attn.v_proj.bias": (nkv * hd,), "self_attn.o_proj.bias": (H,),
         "self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,),
     }
+    if c.get("kv_lora_rank"):   # MLA: per-head query of qk_nope + qk_rope dims, values of v_head_dim
+        qd = nh * ((c.get("qk_nope_head_dim") or 0) + (c.get("qk_rope_head_dim") or 0))
+        table.update({"self_attn.q_proj.weight": (qd, H), "self_attn.o_proj.weight": (H, nh * (c.get("v_head_dim") or hd))})
     if c.get("model_type") in Q_PROJ_WITH_GATE:
         table.update({"self_attn.q_proj.weight": (2 * nh * hd, H), "self_attn.q_proj.bias": (2 * nh * hd,)})
     if c.get("model_type") in QK_NORM_OVER_ALL_HEADS:

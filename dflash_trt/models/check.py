@@ -106,7 +106,7 @@ def runtime_coverage(cfg: dict) -> str | None:
     and `build` print (the bundle is still built: quantize, convert and the serving configs work
     by config; generate / bench / the Triton reference model need the runtime)."""
     mt = decoder_config(cfg).get("model_type") or cfg.get("model_type")
-    if mt in SUPPORTED:
+    if mt in SUPPORTED or cfg.get("model_type") in SUPPORTED:   # (kimi_k25: its text_config says kimi_k2)
         return None
     return (f"note: the CPU reference runtime does not cover model_type {mt!r} (it runs {', '.join(SUPPORTED)}); "
             "the bundle's serving configs and quantized checkpoints do not need it, but generate, bench and the "
@@ -172,15 +172,15 @@ def _check_target_tensors(folder: Path, cfg: dict, allow_pickle: bool = False) -
     except DFlashError as e:
         return p + [str(e).replace("config.json:", f"{folder / 'config.json'}:", 1)]
     if model is not None:
-        expected = set(model.state_dict())
         # the names the runtime loads (load_target: MXFP4 *_blocks + *_scales become one dense
-        # tensor; a tied lm_head is not read; a family's state_name renames or skips, e.g. a
-        # multimodal wrapper's vision tower)
+        # tensor; a family's state_name renames or skips, e.g. a multimodal wrapper's vision tower;
+        # a tied lm_head is not read)
+        expected = set(model.state_dict())
         stored = {k.removesuffix("_blocks") for k in metas if not k.endswith("_scales")}
-        if cfg.get("tie_word_embeddings"):
-            stored.discard("lm_head.weight")
         if (rename := getattr(model, "state_name", None)) is not None:
             stored = {n for n in map(rename, stored) if n is not None}
+        if getattr(model, "tied", cfg.get("tie_word_embeddings")):
+            stored.discard("lm_head.weight")
         p += [f"{folder}: target tensor {k} missing (config.json implies it)" for k in sorted(expected - stored)]
         p += [f"{files.get(k, folder)}: unexpected target tensor {k!r} for this config" for k in sorted(stored - expected)]
     return p[:20]

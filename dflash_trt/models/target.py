@@ -29,13 +29,13 @@ SUPPORTED = tuple(RUNTIME_FAMILIES)   # the model types the CPU runtime runs (mo
 
 
 def hf_config(cfg: dict):
-    """The transformers config object for a config.json dict (used for RoPE and the oracles)."""
+    """The transformers config object for a config.json dict of a runtime family (used for RoPE and
+    the oracles; quant/calibrate checks its own families)."""
     from transformers import AutoConfig
 
     mt = cfg.get("model_type")
-    if RUNTIME_FAMILIES.get(mt) != __name__:   # this decoder's families (quant/calibrate runs its layers too)
-        ours = [t for t, m in RUNTIME_FAMILIES.items() if m == __name__]
-        raise DFlashError(f"config.json: model_type {mt!r} is not supported (supported: {', '.join(ours)})")
+    if mt not in RUNTIME_FAMILIES:
+        raise DFlashError(f"config.json: model_type {mt!r} is not supported (supported: {', '.join(SUPPORTED)})")
     kw = {k: v for k, v in cfg.items() if k not in ("model_type", "transformers_version", "quantization_config")}
     try:
         return AutoConfig.for_model(mt, **kw)
@@ -275,10 +275,10 @@ def load_target(folder: str | Path, dtype: torch.dtype = torch.float32, max_len:
         raise DFlashError(f"{folder / 'config.json'}: missing field model_type")
     model = build_target(cfg, dtype=dtype, max_len=max_len)
     state = dequantize_mxfp4(read_state_dict(folder, allow_pickle=allow_pickle))
-    if getattr(model, "tied", False):
-        state.pop("lm_head.weight", None)
     if (rename := getattr(model, "state_name", None)) is not None:   # a family whose checkpoint wraps its decoder
         state = {n: t for name, t in state.items() if (n := rename(name)) is not None}
+    if getattr(model, "tied", False):
+        state.pop("lm_head.weight", None)
     load_strict(model, state, folder)
     return model.eval()
 

@@ -21,6 +21,7 @@ from tqdm import tqdm
 from dflash_trt.errors import DFlashError
 from dflash_trt.io.checkpoint import CheckpointReader, check_finite
 from dflash_trt.io.jsonio import iter_jsonl
+from dflash_trt.models.families import RUNTIME_FAMILIES
 from dflash_trt.models.layers import RopeTable
 from dflash_trt.models.target import DecoderLayer, hf_config
 from dflash_trt.models.weights import dequantize_mxfp4
@@ -97,6 +98,11 @@ class LayerCalibrator:
 
     def __init__(self, reader: CheckpointReader, cfg: dict, samples: list[torch.Tensor],
                  dtype: torch.dtype | None = None):
+        mt = cfg.get("model_type")
+        if RUNTIME_FAMILIES.get(mt) != DecoderLayer.__module__:
+            raise DFlashError(f"--calib: calibration runs the runtime's Llama / Qwen3 / gpt-oss decoder layers, not "
+                              f"{mt!r} ones; quantize it without --calib (weights only, as ModelOpt's export "
+                              "without input_scale)")
         self.c = hf_config(cfg)
         self.num_layers = self.c.num_hidden_layers
         self.result = CalibrationResult(samples=len(samples), tokens=sum(len(s) for s in samples))

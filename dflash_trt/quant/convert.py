@@ -68,10 +68,21 @@ _PYTORCH_BACKEND = ("serve it with the PyTorch backend straight from the Hugging
 # qwen3_5_weight_mapper.py @da259e7dc656 and qwen3_5_moe_weight_mapper.py @891c11e483f7 beside it).
 _HYBRID = ("TensorRT-LLM has no engine (TensorRT) checkpoint layout for the Gated DeltaNet hybrids (its legacy "
            "QWenConfig takes qwen, qwen2(_moe/_vl/_audio), qwen3, qwen3_moe only); " + _PYTORCH_BACKEND + "`")
+# MLA, read in NVIDIA/TensorRT-LLM: TensorRT-LLM <= 1.2's MODEL_MAP
+# (tensorrt_llm/models/__init__.py @02267d3d4fd886c3ad036f6580beb0847eac6e4b) has no GptOss,
+# DeepseekV3, Kimi-K2.5 or GlmMoeDsa architecture; its one MLA layout, DeepseekV2ForCausalLM
+# (tensorrt_llm/models/deepseek_v2/convert.py @65b31db1b401d3752b8ebe7c29093cbfb6af04b7), routes by
+# softmax (topk_method greedy / group_limited_greedy), reads yarn rope_scaling unconditionally and
+# has no e_score_correction_bias nor DSA indexer: not DeepSeek-V3's sigmoid + bias routing, not GLM-5.
+_MLA = ("TensorRT-LLM has no engine (TensorRT) checkpoint layout for it (its only MLA layout is DeepSeek-V2's: "
+        "softmax routing, no e_score_correction_bias, no DSA indexer); " + _PYTORCH_BACKEND + "`")
 NO_ENGINE_LAYOUT = {
     "gpt_oss": "gpt-oss: TensorRT-LLM has no engine (TensorRT) checkpoint layout for it; " + _PYTORCH_BACKEND
                + " --kv-cache fp8`",
     **{mt: f"{mt}: {_HYBRID}" for mt in ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")},
+    "deepseek_v3": f"DeepSeek-V3 (MLA): {_MLA}",
+    "kimi_k25": f"Kimi K2.5 (DeepSeek-V3 MLA): {_MLA}",
+    "glm_moe_dsa": f"GLM-5 (MLA + DSA): {_MLA}",
 }
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 

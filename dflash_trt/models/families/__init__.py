@@ -15,7 +15,7 @@ has TargetModel's interface (models/target.py), which runtime/decode.py drives:
         not load (load_target and check apply it: a multimodal wrapper's text decoder)
 
 Parameter names are Hugging Face's, so checkpoints load as they are (models/weights.load_strict),
-and each family is tested against transformers in float64 (tests/test_families.py).
+and each family is tested against transformers in float64 (tests/test_family_*.py).
 """
 from __future__ import annotations
 
@@ -33,6 +33,10 @@ RUNTIME_FAMILIES: dict[str, str] = {
     "qwen3_5_text": "dflash_trt.models.families.qwen3_hybrid",
     "qwen3_5_moe": "dflash_trt.models.families.qwen3_hybrid",
     "qwen3_5_moe_text": "dflash_trt.models.families.qwen3_hybrid",
+    # MLA (DeepSeek-V3 layout; GLM-5 adds the DSA indexer)
+    "deepseek_v3": "dflash_trt.models.families.mla",
+    "kimi_k25": "dflash_trt.models.families.mla",      # its text decoder (a deepseek_v3)
+    "glm_moe_dsa": "dflash_trt.models.families.mla",
 }
 
 
