@@ -69,3 +69,49 @@ def test_quantize_is_modelopts(quant_sources, tmp_path, name, fmt):
         assert torch.equal(a[k].reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), k
     ours_q = json.loads((tmp_path / "ours" / "hf_quant_config.json").read_text())
     assert ours_q == json.loads((ref / "hf_quant_config.json").read_text())
+
+
+# ----------------------------------------------------------------------------------------- runtime
+MINIMAX = {**TINY, "num_hidden_layers": 3, "head_dim": 16, "intermediate_size": 32, "num_local_experts": 4,
+           "num_experts_per_tok": 2, "rotary_dim": 8, "tie_word_embeddings": False}
+
+
+def _minimax_init(model):
+    for layer in model.model.layers:   # transformers leaves the selection bias at zero
+        layer.mlp.e_score_correction_bias.normal_(0, 0.5)
+        layer.self_attn.q_norm.weight.normal_(1, 0.3)
+        layer.self_attn.k_norm.weight.normal_(1, 0.3)
+
+
+RUNTIME = {"minimax_m2": ("minimax_m2", MINIMAX, _minimax_init)}
+
+
+@pytest.fixture(scope="module")
+def runtime_targets(tmp_path_factory):
+    from family_oracle import build_hf_tiny
+
+    root = tmp_path_factory.mktemp("runtime")
+    return {name: build_hf_tiny(mt, fields, root / name, init=init) for name, (mt, fields, init) in RUNTIME.items()}
+
+
+@pytest.mark.parametrize("name", RUNTIME)
+def test_same_as_transformers(runtime_targets, name):
+    from family_oracle import same_as_transformers
+
+    same_as_transformers(runtime_targets[name], capture=tuple(range(RUNTIME[name][1]["num_hidden_layers"])))
+
+
+@pytest.mark.parametrize("name", RUNTIME)
+def test_incremental_with_rollback(runtime_targets, name):
+    from family_oracle import incremental_with_rollback
+
+    incremental_with_rollback(runtime_targets[name])
+
+
+@pytest.mark.parametrize("name", RUNTIME)
+def test_lossless(runtime_targets, name, tmp_path):
+    from family_oracle import lossless, random_drafter
+
+    target = runtime_targets[name]
+    drafter = random_drafter(tmp_path / "d", json.loads((target / "config.json").read_text()))
+    lossless(target, drafter)

@@ -33,8 +33,9 @@ def hf_config(cfg: dict):
     from transformers import AutoConfig
 
     mt = cfg.get("model_type")
-    if mt not in RUNTIME_FAMILIES:
-        raise DFlashError(f"config.json: model_type {mt!r} is not supported (supported: {', '.join(SUPPORTED)})")
+    if RUNTIME_FAMILIES.get(mt) != __name__:   # this decoder's families (quant/calibrate runs its layers too)
+        ours = [t for t, m in RUNTIME_FAMILIES.items() if m == __name__]
+        raise DFlashError(f"config.json: model_type {mt!r} is not supported (supported: {', '.join(ours)})")
     kw = {k: v for k, v in cfg.items() if k not in ("model_type", "transformers_version", "quantization_config")}
     try:
         return AutoConfig.for_model(mt, **kw)
@@ -76,11 +77,16 @@ class Attention(nn.Module):
         q = apply_rope(q.transpose(0, 1), cos, sin)
         self.k_cache[:, start:start + T] = apply_rope(k.transpose(0, 1), cos, sin)
         self.v_cache[:, start:start + T] = self.v_proj(x).view(T, self.nkv, self.hd).transpose(0, 1)
+        return self.o_proj(self.attend_cached(q, start, mask))
+
+    def attend_cached(self, q, start: int, mask):
+        """q [nh, T, hd] (RoPE applied) against the cache [0, start+T) -> [T, nh*hd], before o_proj.
+        (models/families reuse it for their own projections.)"""
+        T = q.shape[1]
         decode_sized = T <= gemm.MAX_ROWS   # verify blocks and AR steps; a long prefill runs SDPA in float32
         if q.dtype == torch.float32 and decode_sized and (lib := attention.library()) is not None:
             sinks = self.sinks if self.has_sinks else None
-            return self.o_proj(attention.attend(lib, q, self.k_cache, self.v_cache, start, sinks, self.window,
-                                                self.hd ** -0.5))
+            return attention.attend(lib, q, self.k_cache, self.v_cache, start, sinks, self.window, self.hd ** -0.5)
         n = start + T
         # float64 is for oracles: SDPA, as transformers runs it
         invariant = q.dtype in (torch.bfloat16, torch.float16) or (q.dtype == torch.float32 and decode_sized)
@@ -101,7 +107,7 @@ class Attention(nn.Module):
         else:
             o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask,
                                                enable_gqa=self.nh != self.nkv)[0]
-        return self.o_proj(o.transpose(0, 1).reshape(T, self.nh * self.hd))
+        return o.transpose(0, 1).reshape(T, self.nh * self.hd)
 
     def _attend_eager(self, q, k, v, mask):
         rep = self.nh // self.nkv
@@ -271,6 +277,8 @@ def load_target(folder: str | Path, dtype: torch.dtype = torch.float32, max_len:
     state = dequantize_mxfp4(read_state_dict(folder, allow_pickle=allow_pickle))
     if getattr(model, "tied", False):
         state.pop("lm_head.weight", None)
+    if (rename := getattr(model, "state_name", None)) is not None:   # a family whose checkpoint wraps its decoder
+        state = {n: t for name, t in state.items() if (n := rename(name)) is not None}
     load_strict(model, state, folder)
     return model.eval()
 

@@ -25,6 +25,7 @@ RUNTIME_FAMILIES: dict[str, str] = {
     "llama": "dflash_trt.models.target",
     "qwen3": "dflash_trt.models.target",
     "gpt_oss": "dflash_trt.models.target",
+    "minimax_m2": "dflash_trt.models.families.minimax_m2",
 }
 
 
