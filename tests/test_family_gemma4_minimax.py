@@ -6,14 +6,18 @@
 """
 from __future__ import annotations
 
+import contextlib
+import importlib
+import inspect
 import json
+import textwrap
 
 import pytest
 import safetensors.torch as st
 import torch
+from test_families import _modelopt
 
 from dflash_trt.quant.quantize import quantize_checkpoint
-from test_families import _modelopt
 
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
         "max_position_embeddings": 128, "rms_norm_eps": 1e-6}
@@ -83,7 +87,69 @@ def _minimax_init(model):
         layer.self_attn.k_norm.weight.normal_(1, 0.3)
 
 
-RUNTIME = {"minimax_m2": ("minimax_m2", MINIMAX, _minimax_init)}
+def _gemma4_init(model):
+    """Norm weights, layer scalars and router scales transformers initializes to ones: random, so a
+    misplaced one shows."""
+    for name, p in model.named_parameters():
+        if p.dim() == 1 and ("norm" in name or "scale" in name):
+            p.normal_(1, 0.3)
+    for name, b in model.named_buffers():
+        if name.endswith("layer_scalar"):
+            b.uniform_(0.5, 1.5)
+
+
+GEMMA4_RUNTIME = {**GEMMA4, "num_hidden_layers": 5, "max_position_embeddings": 256,
+                  "layer_types": ["sliding_attention", "full_attention"] * 2 + ["full_attention"]}
+GEMMA4_MOE_RUNTIME = {**GEMMA4_RUNTIME, **{k: GEMMA4_MOE[k] for k in ("enable_moe_block", "num_experts",
+                                                                      "top_k_experts", "moe_intermediate_size")}}
+# E2B / E4B's extras: per-layer inputs, the last layers reusing earlier layers' K/V with a double-width MLP
+GEMMA4_PLE = {**GEMMA4_RUNTIME, "num_hidden_layers": 6, "attention_k_eq_v": False, "hidden_size_per_layer_input": 16,
+              "vocab_size_per_layer_input": 512, "num_kv_shared_layers": 2, "use_double_wide_mlp": True,
+              "layer_types": ["sliding_attention", "full_attention"] * 3}
+RUNTIME = {
+    "minimax_m2": ("minimax_m2", MINIMAX, _minimax_init),
+    "gemma4_text": ("gemma4_text", GEMMA4_RUNTIME, _gemma4_init),            # 31B / 12B layout
+    "gemma4_text-moe": ("gemma4_text", GEMMA4_MOE_RUNTIME, _gemma4_init),    # 26B-A4B layout
+    "gemma4_text-ple": ("gemma4_text", GEMMA4_PLE, _gemma4_init),            # E2B / E4B layout
+}
+
+
+# transformers' Gemma 4 norms, router softmax and eager attention softmax compute in float32 even in a
+# float64 model; the oracle runs transformers' own source of them with those casts made float64
+# (as tests/test_family_hybrid.py does for the hybrids). Unpatched it agrees to float32's precision
+# (test_unpatched_transformers_agrees_to_float32_precision).
+FLOAT64 = ((".float()", ".double()"), ("torch.float32", "torch.float64"))
+IN_FLOAT32 = {"gemma4": ("eager_attention_forward", "Gemma4RMSNorm.forward", "Gemma4TextRouter.forward")}
+
+
+def _float64_copy(fn, namespace: dict):
+    src = textwrap.dedent(inspect.getsource(inspect.unwrap(fn)))
+    for a, b in FLOAT64:
+        src = src.replace(a, b)
+    scope = {}
+    exec(compile(src, inspect.getsourcefile(fn), "exec"), namespace, scope)   # noqa: S102 (transformers' own source)
+    return scope[fn.__name__]
+
+
+@contextlib.contextmanager
+def hf_in_float64(family: str):
+    mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    undo = []
+    for path in IN_FLOAT32.get(family, ()):
+        owner_name, _, attr = path.rpartition(".")
+        owner = getattr(mod, owner_name) if owner_name else mod
+        orig = owner.__dict__[attr]
+        undo.append((owner, attr, orig))
+        setattr(owner, attr, _float64_copy(orig, mod.__dict__))
+    try:
+        yield
+    finally:
+        for owner, attr, orig in reversed(undo):
+            setattr(owner, attr, orig)
+
+
+def _hf_family(name: str) -> str:
+    return "gemma4" if name.startswith("gemma4") else name
 
 
 @pytest.fixture(scope="module")
@@ -94,11 +160,66 @@ def runtime_targets(tmp_path_factory):
     return {name: build_hf_tiny(mt, fields, root / name, init=init) for name, (mt, fields, init) in RUNTIME.items()}
 
 
+def test_unpatched_transformers_agrees_to_float32_precision(runtime_targets):
+    """transformers as installed (its float32 casts kept) is the same model, to float32's precision."""
+    from family_oracle import hf_float64, random_ids
+
+    from dflash_trt.models.target import load_target
+
+    ours = load_target(runtime_targets["gemma4_text-moe"], torch.float64, max_len=32)
+    ours.setup_cache(32)
+    ids = random_ids(ours.vocab_size, 24)
+    logits, _ = ours(torch.tensor(ids), 0, all_logits=True)
+    with torch.no_grad():
+        diff = float((logits - hf_float64(runtime_targets["gemma4_text-moe"])(torch.tensor([ids])).logits[0]).abs().max())
+    assert 1e-9 < diff < 1e-5, diff      # float32 rounding shows, nothing larger
+
+
+@pytest.fixture(scope="module")
+def gemma4_wrapped(tmp_path_factory):
+    """Gemma 4 as released: the multimodal wrapper (model.language_model.*, a vision tower beside it)."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from dflash_trt.models.tiny import build_tokenizer
+
+    folder = tmp_path_factory.mktemp("gemma4_wrapped")
+    tok = build_tokenizer(256)
+    torch.manual_seed(0)
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "num_key_value_heads": 2, "head_dim": 16, "patch_size": 4, "pooling_kernel_size": 2,
+              "position_embedding_size": 64}
+    cfg = AutoConfig.for_model("gemma4", text_config={**GEMMA4_MOE_RUNTIME, "vocab_size": len(tok)},
+                               vision_config=vision, audio_config=None)
+    model = AutoModelForImageTextToText.from_config(cfg).eval()
+    with torch.no_grad():
+        _gemma4_init(model)
+    model.save_pretrained(folder, safe_serialization=True)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def test_the_wrapper_runs_its_text_decoder(gemma4_wrapped, tmp_path):
+    """config.json's text_config, model.language_model.* loaded, the vision tower not: same logits and
+    layers as transformers' Gemma4ForConditionalGeneration, and lossless."""
+    import safetensors
+    from family_oracle import lossless, random_drafter, same_as_transformers
+
+    with safetensors.safe_open(gemma4_wrapped / "model.safetensors", "pt") as f:
+        names = list(f.keys())
+    assert any(n.startswith("model.vision_tower.") for n in names), names[:5]
+    assert any(n.startswith("model.language_model.layers.0.experts.") for n in names)
+    with hf_in_float64("gemma4"):
+        same_as_transformers(gemma4_wrapped, capture=(0, 1, 4))
+        drafter = random_drafter(tmp_path / "d", json.loads((gemma4_wrapped / "config.json").read_text())["text_config"])
+        lossless(gemma4_wrapped, drafter, prompts=2, blocks=(4,))
+
+
 @pytest.mark.parametrize("name", RUNTIME)
 def test_same_as_transformers(runtime_targets, name):
     from family_oracle import same_as_transformers
 
-    same_as_transformers(runtime_targets[name], capture=tuple(range(RUNTIME[name][1]["num_hidden_layers"])))
+    with hf_in_float64(_hf_family(name)):
+        same_as_transformers(runtime_targets[name], capture=tuple(range(RUNTIME[name][1]["num_hidden_layers"])))
 
 
 @pytest.mark.parametrize("name", RUNTIME)
@@ -114,4 +235,5 @@ def test_lossless(runtime_targets, name, tmp_path):
 
     target = runtime_targets[name]
     drafter = random_drafter(tmp_path / "d", json.loads((target / "config.json").read_text()))
-    lossless(target, drafter)
+    with hf_in_float64(_hf_family(name)):
+        lossless(target, drafter)

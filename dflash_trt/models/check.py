@@ -88,7 +88,7 @@ def check_pair(target_dir: str | Path, drafter_dir: str | Path, scan: bool = Fal
     if tcfg is not None and dcfg is not None:
         problems += _check_against_target(target_dir, decoder_config(tcfg), dcfg)
         try:   # the runtime drafts from it: generate refuses a bad one, so check does too
-            read_draft_vocab(drafter_dir, tcfg["vocab_size"])
+            read_draft_vocab(drafter_dir, decoder_config(tcfg)["vocab_size"])
         except DFlashError as e:
             problems.append(str(e))
     if scan:
@@ -168,30 +168,34 @@ def _check_target_tensors(folder: Path, cfg: dict, allow_pickle: bool = False) -
             p.append(f"{files[name]}: tensor {name!r} has shape {list(got)} but {folder / 'config.json'} implies "
                      f"{list(want)}")
     try:
-        expected = _runtime_tensor_names(cfg)
+        model = _runtime_model(cfg)
     except DFlashError as e:
         return p + [str(e).replace("config.json:", f"{folder / 'config.json'}:", 1)]
-    if expected is not None:
+    if model is not None:
+        expected = set(model.state_dict())
         # the names the runtime loads (load_target: MXFP4 *_blocks + *_scales become one dense
-        # tensor; a tied lm_head is not read)
+        # tensor; a tied lm_head is not read; a family's state_name renames or skips, e.g. a
+        # multimodal wrapper's vision tower)
         stored = {k.removesuffix("_blocks") for k in metas if not k.endswith("_scales")}
         if cfg.get("tie_word_embeddings"):
             stored.discard("lm_head.weight")
+        if (rename := getattr(model, "state_name", None)) is not None:
+            stored = {n for n in map(rename, stored) if n is not None}
         p += [f"{folder}: target tensor {k} missing (config.json implies it)" for k in sorted(expected - stored)]
         p += [f"{files.get(k, folder)}: unexpected target tensor {k!r} for this config" for k in sorted(stored - expected)]
     return p[:20]
 
 
-def _runtime_tensor_names(cfg: dict) -> set[str] | None:
-    """The state-dict names of the runtime's model for this config (built on the meta device:
-    no memory), or None for a family the CPU runtime does not run."""
+def _runtime_model(cfg: dict):
+    """The runtime's model for this config, built on the meta device (no memory: its state-dict
+    names and shapes), or None for a family the CPU runtime does not run."""
     import torch
 
     if cfg.get("model_type") not in SUPPORTED:
         return None
     try:
         with torch.device("meta"):
-            return set(build_target(cfg, max_len=1).state_dict())   # (hf_config: a DFlashError if transformers refuses)
+            return build_target(cfg, max_len=1)   # (hf_config: a DFlashError if transformers refuses)
     except (KeyError, TypeError, ValueError, AttributeError, IndexError, ZeroDivisionError, RuntimeError) as e:
         # a field the rules above do not cover (family-specific) that the runtime cannot build from
         raise DFlashError(f"config.json: the runtime cannot build a {cfg['model_type']} model from it "

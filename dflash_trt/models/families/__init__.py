@@ -26,6 +26,8 @@ RUNTIME_FAMILIES: dict[str, str] = {
     "qwen3": "dflash_trt.models.target",
     "gpt_oss": "dflash_trt.models.target",
     "minimax_m2": "dflash_trt.models.families.minimax_m2",
+    "gemma4_text": "dflash_trt.models.families.gemma4",
+    "gemma4": "dflash_trt.models.families.gemma4",       # its text decoder (Gemma 4 as released)
 }
 
 
