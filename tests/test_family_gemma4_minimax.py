@@ -237,3 +237,32 @@ def test_lossless(runtime_targets, name, tmp_path):
     drafter = random_drafter(tmp_path / "d", json.loads((target / "config.json").read_text()))
     with hf_in_float64(_hf_family(name)):
         lossless(target, drafter)
+
+
+# --------------------------------------------------------------------------------- check / convert
+def test_check_takes_the_wrapped_pair_with_no_runtime_note(gemma4_wrapped, tmp_path):
+    """check: the released layout (vision tower beside the decoder) has no problem and no runtime gap."""
+    from family_oracle import random_drafter
+
+    from dflash_trt.models.check import check_pair
+
+    drafter = random_drafter(tmp_path / "d", json.loads((gemma4_wrapped / "config.json").read_text())["text_config"])
+    report = check_pair(gemma4_wrapped, drafter)
+    assert report["ok"], report
+    assert report["runtime_note"] is None
+
+
+@pytest.mark.parametrize("name", ["gemma4_text", "gemma4-moe", "minimax_m2"])
+def test_convert_names_the_path_that_serves_it(quant_sources, tmp_path, name):
+    """TensorRT-LLM <= 1.2's engine-checkpoint path has no Gemma 4 / MiniMax-M2 layout: convert refuses in
+    one line naming the PyTorch backend (trtllm-serve reads the HF / ModelOpt checkpoint)."""
+    from dflash_trt.errors import DFlashError
+    from dflash_trt.quant.convert import convert_checkpoint
+
+    src = quant_sources[name] if name in quant_sources else _build_bf16("minimax_m2", MINIMAX, tmp_path / "m")
+    with pytest.raises(DFlashError) as e:
+        convert_checkpoint(src, tmp_path / "out", progress=False)
+    msg = str(e.value)
+    assert "\n" not in msg and "no engine (TensorRT) checkpoint layout" in msg and "PyTorch backend" in msg, msg
+    assert msg.startswith(json.loads((src / "config.json").read_text())["model_type"] + ":")
+    assert not (tmp_path / "out").exists()

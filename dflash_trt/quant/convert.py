@@ -58,6 +58,30 @@ from dflash_trt.quant.linear import (
 # TensorRT-LLM maps Qwen3ForCausalLM to its QWenForCausalLM; qwen_type "qwen3" turns on the q/k norms.
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 QUANTS = ("none", *FORMATS)
+_PYTORCH_BACKEND = ("serve it with the PyTorch backend straight from the Hugging Face folder (trtllm-serve <dir>, "
+                    "see `dflash-trt build`), optionally after `dflash-trt quantize")
+# model_type -> why convert refuses it: families TensorRT-LLM serves only from the HF / ModelOpt checkpoint.
+# Gated DeltaNet hybrids, read in NVIDIA/TensorRT-LLM: the legacy path's tensorrt_llm/models/qwen/config.py
+# @373970a88b18 (QWenConfig.from_hugging_face asserts qwen_type in qwen, qwen2, qwen2_moe, qwen2_llava_onevision,
+# qwen2_vl, qwen2_audio, qwen3, qwen3_moe); the PyTorch backend's loader for them,
+# tensorrt_llm/_torch/models/checkpoints/hf/qwen3_next_weight_mapper.py @ff5ca3359ab1 (Qwen3NextForCausalLM;
+# qwen3_5_weight_mapper.py @da259e7dc656 and qwen3_5_moe_weight_mapper.py @891c11e483f7 beside it).
+_HYBRID = ("TensorRT-LLM has no engine (TensorRT) checkpoint layout for the Gated DeltaNet hybrids (its legacy "
+           "QWenConfig takes qwen, qwen2(_moe/_vl/_audio), qwen3, qwen3_moe only); " + _PYTORCH_BACKEND + "`")
+NO_ENGINE_LAYOUT = {
+    "gpt_oss": "gpt-oss: TensorRT-LLM has no engine (TensorRT) checkpoint layout for it; " + _PYTORCH_BACKEND
+               + " --kv-cache fp8`",
+    **{mt: f"{mt}: {_HYBRID}" for mt in ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")},
+    # Gemma 4 and MiniMax-M2: the legacy MODEL_MAP (tensorrt_llm/models/__init__.py @02267d3d4fd8) stops at
+    # Gemma3ForCausalLM (tensorrt_llm/models/gemma/config.py @9df6d722b020: GEMMA, GEMMA2, GEMMA3_ARCHITECTURE)
+    # and has no MiniMax; the PyTorch backend serves both: tensorrt_llm/_torch/models/modeling_gemma4.py
+    # @7d4944038513 (its HF loader checkpoints/hf/gemma4_weight_mapper.py @7ed07f0691df) and
+    # modeling_minimaxm2.py @9c8b74e8a640 (register_auto_model("MiniMaxM2ForCausalLM")).
+    **{mt: f"{mt}: TensorRT-LLM has no engine (TensorRT) checkpoint layout for Gemma 4 (its legacy path stops at "
+           f"Gemma 3); {_PYTORCH_BACKEND}`" for mt in ("gemma4", "gemma4_text")},
+    "minimax_m2": "minimax_m2: TensorRT-LLM has no engine (TensorRT) checkpoint layout for MiniMax-M2; "
+                  + _PYTORCH_BACKEND + "`",
+}
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
@@ -297,10 +321,8 @@ def convert_checkpoint(model: str | Path, out: str | Path, tp: int = 1, pp: int 
 
 def _check_options(model: Path, mt: str | None, tp: int, pp: int, ep: int, quant: str, kv_cache: str | None,
                    calib) -> None:
-    if mt == "gpt_oss":
-        raise DFlashError("gpt-oss: TensorRT-LLM has no engine (TensorRT) checkpoint layout for it; serve it with "
-                          "the PyTorch backend straight from the Hugging Face folder (trtllm-serve <dir>, see "
-                          "`dflash-trt build`), optionally after `dflash-trt quantize --kv-cache fp8`")
+    if mt in NO_ENGINE_LAYOUT:
+        raise DFlashError(NO_ENGINE_LAYOUT[mt])
     if mt not in ARCHITECTURES:
         raise DFlashError(f"{model / 'config.json'}: model_type {mt!r} is not supported by convert "
                           f"(supported: {', '.join(ARCHITECTURES)})")
