@@ -369,6 +369,27 @@ class CheckpointReader:
             if hasattr(mmap, "MADV_DONTNEED"):
                 mm.madvise(mmap.MADV_DONTNEED, page, start + n - page)
 
+    def split(self, name: str, pieces: list[tuple[str, tuple[int, ...]]]) -> None:
+        """Present one stored tensor as consecutive pieces that tile its bytes in order (e.g. a fused
+        3-D experts tensor as per-expert matrices): each piece reads, views and releases like a
+        stored tensor, with no copy."""
+        info = self.info(name)
+        begin, size = info.begin, dtype_size(info.dtype)
+        for new, shape in pieces:
+            nbytes = math.prod(shape) * size
+            self._infos[new] = TensorInfo(new, info.dtype, tuple(shape), info.file, begin, nbytes)
+            if self._pickled is not None:
+                flat = self._pickled[name].reshape(-1)
+                start = (begin - info.begin) // size
+                self._pickled[new] = flat[start:start + nbytes // size].view(shape)
+            begin += nbytes
+        if begin != info.begin + info.nbytes:
+            raise ValueError(f"the pieces of {name} do not tile it")
+        del self._infos[name]
+        if self._pickled is not None:
+            del self._pickled[name]
+        self._order = sorted(self._infos, key=lambda k: (str(self._infos[k].file), self._infos[k].begin))
+
     def get_rows(self, name: str, rows: torch.Tensor) -> torch.Tensor:
         """rows of a 2-D tensor (e.g. embeddings for some token ids) without reading the rest."""
         info = self.info(name)
@@ -497,6 +518,28 @@ QK_NORM_OVER_ALL_HEADS = ("minimax_m2",)
 # Families whose q_proj also emits the attention-output gate (nh * head_dim * 2 outputs; transformers 5.24
 # qwen3_next / qwen3_5 / qwen3_5_moe Attention: q_proj = Linear(hidden, heads * head_dim * 2)).
 Q_PROJ_WITH_GATE = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+# Families whose full-attention layers have their own head_dim / KV heads (transformers 5.24 gemma4
+# configuration: global_head_dim, num_global_key_value_heads when attention_k_eq_v; written back to
+# config.json as per_layer_config {layer: {head_dim, num_key_value_heads}}).
+PER_LAYER_ATTENTION = ("gemma4_text",)
+
+
+def layer_attention_dims(c: dict, layer: int) -> tuple[int | None, int | None]:
+    """(head_dim, num_key_value_heads) of one decoder layer's attention, from a config.json dict."""
+    nh = c.get("num_attention_heads")
+    hd = c.get("head_dim") or (c["hidden_size"] // nh if nh and c.get("hidden_size") else None)
+    nkv = c.get("num_key_value_heads") or nh
+    if c.get("model_type") not in PER_LAYER_ATTENTION:
+        return hd, nkv
+    per_layer = c.get("per_layer_config")
+    if isinstance(per_layer, dict):
+        o = per_layer.get(str(layer), per_layer.get(layer)) or {}
+        return o.get("head_dim", hd), o.get("num_key_value_heads", nkv)
+    types = c.get("layer_types") or []
+    if layer < len(types) and types[layer] == "full_attention":
+        kv = c.get("num_global_key_value_heads") if c.get("attention_k_eq_v", False) else None
+        return c.get("global_head_dim", 512), kv or nkv
+    return hd, nkv
 
 
 def expected_shape(name: str, cfg: dict) -> tuple[int, ...] | None:
@@ -526,6 +569,10 @@ def expected_shape(name: str, cfg: dict) -> tuple[int, ...] | None:
         if int(parts[1]) < L + (c.get("num_nextn_predict_layers") or 0):
             return None
         return ()  # a layer that config.json does not have: never fits
+    hd, nkv = layer_attention_dims(c, int(parts[1]))
+    if inter and c.get("model_type") in PER_LAYER_ATTENTION and c.get("use_double_wide_mlp") \
+            and int(parts[1]) >= c["num_hidden_layers"] - (c.get("num_kv_shared_layers") or 0):
+        inter *= 2   # Gemma 4's KV-sharing layers: a double-width MLP
     table = {
         "input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
         "self_attn.q_proj.weight": (nh * hd, H), "self_attn.k_proj.weight": (nkv * hd, H),

@@ -83,6 +83,15 @@ NO_ENGINE_LAYOUT = {
     "deepseek_v3": f"DeepSeek-V3 (MLA): {_MLA}",
     "kimi_k25": f"Kimi K2.5 (DeepSeek-V3 MLA): {_MLA}",
     "glm_moe_dsa": f"GLM-5 (MLA + DSA): {_MLA}",
+    # Gemma 4 and MiniMax-M2: the legacy MODEL_MAP (tensorrt_llm/models/__init__.py @02267d3d4fd8) stops at
+    # Gemma3ForCausalLM (tensorrt_llm/models/gemma/config.py @9df6d722b020: GEMMA, GEMMA2, GEMMA3_ARCHITECTURE)
+    # and has no MiniMax; the PyTorch backend serves both: tensorrt_llm/_torch/models/modeling_gemma4.py
+    # @7d4944038513 (its HF loader checkpoints/hf/gemma4_weight_mapper.py @7ed07f0691df) and
+    # modeling_minimaxm2.py @9c8b74e8a640 (register_auto_model("MiniMaxM2ForCausalLM")).
+    **{mt: f"{mt}: TensorRT-LLM has no engine (TensorRT) checkpoint layout for Gemma 4 (its legacy path stops at "
+           f"Gemma 3); {_PYTORCH_BACKEND}`" for mt in ("gemma4", "gemma4_text")},
+    "minimax_m2": "minimax_m2: TensorRT-LLM has no engine (TensorRT) checkpoint layout for MiniMax-M2; "
+                  + _PYTORCH_BACKEND + "`",
 }
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 

@@ -83,6 +83,45 @@ SHARED_INPUT = {
 }
 
 
+# Exclusions ModelOpt 0.47's export writes otherwise than the plain module list, where transformers'
+# module is not the nn.Linear / nn.Embedding the checkpoint stores (measured against its export:
+# tests/test_family_gemma4_minimax.py). A subclass of nn.Embedding gets no quantizer, so it is not
+# listed (Gemma 4's Gemma4TextScaledWordEmbedding); a Linear inside a router module is summarized as
+# the router's prefix wildcard (Gemma 4's Gemma4TextRouter.proj -> "model.layers.N.router*", by
+# quant_utils._prefix_wildcard_summarize_exclude_modules).
+UNLISTED_EXCLUDED = {"gemma4_text": ("*embed_tokens",), "gemma4": ("*embed_tokens",)}
+LISTED_AS_PREFIX = {"*.router.proj": ".proj"}
+
+
+def _listed_exclusion(module: str, model_type: str | None) -> str | None:
+    """How hf_quant_config's exclude_modules names an unquantized module (None: not at all)."""
+    if any(fnmatch.fnmatchcase(module, p) for p in UNLISTED_EXCLUDED.get(model_type or "", ())):
+        return None
+    for pattern, tail in LISTED_AS_PREFIX.items():
+        if fnmatch.fnmatchcase(module, pattern):
+            return module[: -len(tail)] + "*"
+    return module
+
+
+def split_fused_experts(reader: CheckpointReader) -> None:
+    """Fused 3-D experts as transformers >= 5 saves a family it has no per-expert conversion for
+    (Gemma 4: experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I]) read as the per-expert
+    matrices ModelOpt 0.47's _QuantFusedExperts exports: experts.{e}.gate_proj / up_proj (the first
+    and last I rows of gate_up) / down_proj. Zero-copy (CheckpointReader.split)."""
+    for name in list(reader.keys()):
+        if not name.endswith(".experts.gate_up_proj"):
+            continue
+        base, down = name[: -len("gate_up_proj")], name[: -len("gate_up_proj")] + "down_proj"
+        shape = reader.meta(name)[1]
+        # (gpt-oss's bf16 layout, [E, H, 2I] and [E, I, H], is not this one: its experts stay as stored)
+        if len(shape) != 3 or shape[1] % 2 or down not in reader or reader.meta(down)[1] != (shape[0], shape[2],
+                                                                                            shape[1] // 2):
+            continue
+        E, I, H = shape[0], shape[1] // 2, shape[2]
+        reader.split(name, [(f"{base}{e}.{p}.weight", (I, H)) for e in range(E) for p in ("gate_proj", "up_proj")])
+        reader.split(down, [(f"{base}{e}.down_proj.weight", (H, I)) for e in range(E)])
+
+
 def _shared_input_group(module: str) -> str | None:
     parts = module.split(".")
     if len(parts) > 3 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit():
@@ -243,7 +282,9 @@ def plan_linears(reader: CheckpointReader, fmt: str, exclude: list[str], cfg: di
             continue
         module = name[: -len(".weight")]
         if any(fnmatch.fnmatchcase(module, p) for p in patterns) or (gpt_oss and ".self_attn." not in module):
-            excluded.append(module)
+            listed = _listed_exclusion(module, cfg.get("model_type"))
+            if listed is not None and listed not in excluded:
+                excluded.append(listed)
             continue
         if fmt == "nvfp4" and shape[1] % formats.NVFP4_BLOCK:
             raise DFlashError(f"{reader.file_of(name)}: tensor {name!r} has {shape[1]} input features, not a "
@@ -311,6 +352,7 @@ def quantize_checkpoint(model: str | Path, out: str | Path, fmt: str, kv_cache: 
     refuse_inside(out, "--out", ("--model", model), ("--calib", calib))
     with CheckpointReader(model, allow_pickle=allow_pickle) as reader:
         check_shapes(reader, cfg, model / "config.json")
+        split_fused_experts(reader)
         plan = plan_quantization(reader, cfg, fmt, kv_cache, list(exclude), calibrated=calib is not None)
         cal = None
         if calib is not None:

@@ -37,6 +37,10 @@ RUNTIME_FAMILIES: dict[str, str] = {
     "deepseek_v3": "dflash_trt.models.families.mla",
     "kimi_k25": "dflash_trt.models.families.mla",      # its text decoder (a deepseek_v3)
     "glm_moe_dsa": "dflash_trt.models.families.mla",
+    # Gemma 4 (the multimodal gemma4 runs its text decoder) and MiniMax-M2
+    "minimax_m2": "dflash_trt.models.families.minimax_m2",
+    "gemma4_text": "dflash_trt.models.families.gemma4",
+    "gemma4": "dflash_trt.models.families.gemma4",       # its text decoder (Gemma 4 as released)
 }
 
 
