@@ -44,9 +44,10 @@ def pair(tiny_pairs, tmp_path):
 def vllm_env():
     """The vLLM env (vLLM's CPU build, bundle/vllm_server.py), or a skip naming why there is none.
     `make test` builds it first (`make vllm`); a failed build is recorded and named here."""
-    from dflash_trt.bundle.vllm_server import default_vllm_env, vllm_env_problem
+    from dflash_trt.bundle.vllm_server import vllm_env_problem
+    from dflash_trt.paths import vllm_env_dir
 
-    env = default_vllm_env()
+    env = vllm_env_dir()
     problem = vllm_env_problem(env)
     if problem:
         pytest.skip(problem)

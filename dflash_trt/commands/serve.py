@@ -53,10 +53,10 @@ def serve_cmd(bundle, models, host, http_port, grpc_port, metrics_port, stub_env
     from dflash_trt.errors import DFlashError
 
     if make_vllm_env:
-        from dflash_trt.bundle.vllm_server import default_vllm_env
         from dflash_trt.bundle.vllm_server import make_vllm_env as make_venv
+        from dflash_trt.paths import vllm_env_dir
 
-        click.echo(f"vLLM env ready: {make_venv(Path(vllm_env) if vllm_env else default_vllm_env())}")
+        click.echo(f"vLLM env ready: {make_venv(Path(vllm_env) if vllm_env else vllm_env_dir())}")
         return
     if engine == "vllm":
         _serve_vllm(bundle, host, http_port, vllm_env, list(vllm_args), as_json)
