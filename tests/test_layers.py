@@ -1,6 +1,6 @@
 """The package's layers: a folder is a layer, and a layer imports only the layers below it.
 
-    base (errors, paths, hardware) < kernels < io < presets, models < runtime, quant < train, bundle
+    base (errors, paths, vllm_env, hardware) < kernels < io < presets, models < runtime, quant < train, bundle
     < deploy < the command line (cli, commands/, main_job, bench_all)
 
 Read with `ast` from the source (no import needed); every import of our own modules counts, at
@@ -38,7 +38,7 @@ ALLOWED: dict[str, set[str]] = {
 FACADE = {"dflash_trt": {"runtime"}}
 FOLDER_LAYERS = {"kernels", "io", "presets", "models", "runtime", "quant", "train", "bundle", "deploy"}
 TOP_MODULES = {"cli", "main_job", "bench_all"}
-BASE_MODULES = {"__init__", "errors", "paths", "hardware", "engines"}
+BASE_MODULES = {"__init__", "errors", "paths", "vllm_env", "hardware", "engines"}
 
 # Third-party packages that may be imported inside a function: heavy (torch and what pulls it in)
 # or optional extras. Anything else is imported at module top.
