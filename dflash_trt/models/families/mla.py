@@ -20,6 +20,7 @@ from torch import nn
 from dflash_trt.errors import DFlashError
 from dflash_trt.kernels import gemm
 from dflash_trt.models.layers import Linear, RMSNorm, RopeTable, SwiGLU, linear
+from dflash_trt.models.target import hf_config
 
 KV_PAD = 64   # as models/target.py: attention lengths in whole chunks (batch invariance)
 
@@ -231,8 +232,6 @@ class MLAModel(nn.Module):
     """TargetModel's interface (models/families) for the MLA families."""
 
     def __init__(self, cfg: dict, dtype: torch.dtype = torch.float32, max_len: int = 4096):
-        from dflash_trt.models.target import hf_config
-
         super().__init__()
         self.cfg = cfg
         top = hf_config(cfg)
