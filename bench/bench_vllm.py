@@ -3,7 +3,7 @@ budget: greedy, batch 1, DFlash and plain AR each; tokens/s, tau and the ratios,
 
 The pair is the embedded one (SmolLM2-135M + our drafter) in a bundle built for vLLM
 (`build --stacks vllm`), float32 on both sides (the dtype configs/vllm.json gives vLLM). vLLM runs
-`vllm serve` as the bundle writes it (bundle/vllm_server.py), requests one at a time over HTTP
+`vllm serve` as the bundle writes it (stacks/vllm/server.py), requests one at a time over HTTP
 (token ids in, token ids out: the same prompts as ours, chat template applied by our tokenizer);
 tokens/s = generated tokens / wall seconds of the requests, after one warm-up request. vLLM's
 tau = 1 + accepted / drafts from its /metrics. vLLM's settings: --mode both (default) runs it
@@ -56,7 +56,7 @@ def ours(bundle: Path, prompts: list[str], max_new: int, threads: int) -> tuple[
 
 
 def vllm(bundle: Path, ids: list[list[int]], max_new: int, threads: int, mode: str, work: Path) -> dict:
-    from dflash_trt.bundle.vllm_server import VllmServer
+    from dflash_trt.stacks.vllm.server import VllmServer
 
     extra = ["--enforce-eager"] if mode == "eager" else []
     out = {}

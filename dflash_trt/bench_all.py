@@ -103,7 +103,7 @@ def main() -> int:
                                                               for b, v in labels["generate"].items()},
                              "teacher_forced_positions_per_s": labels["teacher_forced"]["positions_per_s"],
                              "top1_equals_generated": labels["teacher_forced"]["top1_equals_generated"]}
-    from dflash_trt.bundle.vllm_server import vllm_env_problem
+    from dflash_trt.stacks.vllm.server import vllm_env_problem
     from dflash_trt.paths import vllm_env_dir
 
     problem = vllm_env_problem(vllm_env_dir())

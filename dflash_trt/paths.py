@@ -30,6 +30,6 @@ VLLM_ENV_READY = ".dflash-trt-vllm-ready"  # written last by `make vllm`: an env
 
 
 def vllm_env_dir() -> Path:
-    """The side env holding vLLM's CPU build (bundle/vllm_server.py makes it; the trainer's answers
+    """The side env holding vLLM's CPU build (stacks/vllm/server.py makes it; the trainer's answers
     use it too): $DFLASH_TRT_VLLM_ENV, else beside ours (<this env>/vllm, as <this env>/triton-stub)."""
     return Path(os.environ.get("DFLASH_TRT_VLLM_ENV") or Path(sys.prefix) / "vllm")

@@ -42,9 +42,9 @@ def pair(tiny_pairs, tmp_path):
 
 @pytest.fixture(scope="session")
 def vllm_env():
-    """The vLLM env (vLLM's CPU build, bundle/vllm_server.py), or a skip naming why there is none.
+    """The vLLM env (vLLM's CPU build, stacks/vllm/server.py), or a skip naming why there is none.
     `make test` builds it first (`make vllm`); a failed build is recorded and named here."""
-    from dflash_trt.bundle.vllm_server import vllm_env_problem
+    from dflash_trt.stacks.vllm.server import vllm_env_problem
     from dflash_trt.paths import vllm_env_dir
 
     env = vllm_env_dir()

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import yaml
 
-from dflash_trt.bundle.triton_repo import parse_model_config
+from dflash_trt.stacks.tritonserver.repo import parse_model_config
 from dflash_trt.cli import main
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflash_trt.bundle.manifest import read_manifest, verify
+from dflash_trt.io.manifest import read_manifest, verify
 
 from helpers import generate_json, load_model_module, make_pb_utils, run_cli, triton_args
 
@@ -44,7 +44,7 @@ def _drafter_for_other_target(target: Path, dst: Path, **changes) -> Path:
 # ------------------------------------------------------------------------------- the pipeline
 def test_declared_pipeline_is_the_manifests_stage_list():
     from dflash_trt.bundle.build import PIPELINE, Builder, code_hash
-    from dflash_trt.bundle.manifest import STAGES as MANIFEST_STAGES
+    from dflash_trt.io.manifest import STAGES as MANIFEST_STAGES
     from dflash_trt.paths import package_path
 
     assert [st.name for st in PIPELINE] == list(MANIFEST_STAGES) == STAGES
@@ -68,7 +68,7 @@ def test_code_hash_refuses_a_moved_source_file():
         code_hash("formats.py")
 
 def test_gpu_facts_come_from_the_hardware_catalog():
-    from dflash_trt.bundle.manifest import MANIFEST_SCHEMA
+    from dflash_trt.io.manifest import MANIFEST_SCHEMA
     from dflash_trt.commands.build import build_cmd
     from dflash_trt.commands.deploy import deploy_cmd
     from dflash_trt.commands.plugin import ARCHS_HELP
@@ -136,9 +136,9 @@ def test_impossible_requests_are_refused(tiny, tmp_path, pair, args, message):
 
 def test_a_draft_context_over_tensorrt_llms_budget_is_refused_with_the_numbers(tiny, tmp_path):
     """TensorRT-LLM keeps the drafter's context of max_batch_size requests per rank
-    (bundle/dflash_budget.py); build refuses a layout whose buffer exceeds the budget, before any
+    (stacks/trtllm/budget.py); build refuses a layout whose buffer exceeds the budget, before any
     stage runs, naming the sizes and the largest max_batch_size that fits."""
-    from dflash_trt.bundle.dflash_budget import draft_context_budget
+    from dflash_trt.stacks.trtllm.budget import draft_context_budget
     from dflash_trt.hardware import hardware_for_gpu
     dcfg = json.loads((tiny / "llama-drafter" / "config.json").read_text())
     tcfg = json.loads((tiny / "llama" / "config.json").read_text())
@@ -206,7 +206,7 @@ def test_build_completes_with_compile_deferred(hopper):
     c = m["stages"]["compile"]
     assert "no NVIDIA GPU" in c["reason"] and "TensorRT" in c["reason"]
     assert c["commands"][0] == "dflash-trt compile --bundle <bundle>"
-    assert any("dflash_trt.bundle.gpu_compile drafter --onnx onnx/drafter.onnx --plugins plugins" in x for x in c["commands"])
+    assert any("dflash_trt.stacks.trtllm.engine drafter --onnx onnx/drafter.onnx --plugins plugins" in x for x in c["commands"])
     assert _engine_files(bundle) == []  # never a faked engine
     assert (m["arch"], m["gpu"], m["sm"], m["quant"]) == ("hopper", "h200", [90],
                                                           {"target": "fp8", "drafter": "none", "kv_cache": "fp8"})
@@ -390,7 +390,7 @@ def test_fp8_drafter_only_for_vllm(tiny, tmp_path):
 def test_gpt_oss_builds_with_pytorch_backend_keeping_mxfp4(tiny, tmp_path):
     from safetensors import safe_open
 
-    from dflash_trt.bundle.manifest import sha256_file
+    from dflash_trt.io.manifest import sha256_file
 
     bundle = tmp_path / "gptoss"
     build_json("--target", str(tiny / "gptoss"), "--drafter", str(tiny / "gptoss-drafter"), "--arch", "blackwell",
@@ -571,7 +571,7 @@ def test_rebuild_remakes_a_stage_whose_output_was_edited(hopper, tiny, tmp_path)
 def test_hash_cache_knows_hard_links_of_what_it_hashed(tmp_path):
     """A bundle's hard link of a multi-GB input reuses the input's sha256 (not read twice), and
     only while the bytes are the same."""
-    from dflash_trt.bundle.manifest import HashCache, sha256_file
+    from dflash_trt.io.manifest import HashCache, sha256_file
 
     src, link = tmp_path / "w.safetensors", tmp_path / "link.safetensors"
     src.write_bytes(b"x" * 1000)

@@ -23,7 +23,7 @@ import safetensors.torch as st
 import torch
 
 from dflash_trt.errors import DFlashError
-from dflash_trt.quant.convert import convert_checkpoint
+from dflash_trt.stacks.trtllm.convert import convert_checkpoint
 
 IDS = [[5, 17, 99, 3, 250, 42, 7, 7, 130, 64, 200, 11, 90, 1, 33, 77],
        [8, 1, 240, 66, 12, 13, 150, 151, 2, 99, 180, 23, 45, 67, 89, 101]]

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from dflash_trt import engines
-from dflash_trt.bundle.manifest import validate as validate_manifest
+from dflash_trt.io.manifest import validate as validate_manifest
 from dflash_trt.deploy import planner
 from dflash_trt.deploy import values as deploy
 from dflash_trt.errors import DFlashError

@@ -12,18 +12,16 @@ import torch
 import yaml
 from test_sampling import ALPHA, H, V, _counts, _p_value, _target
 
-from dflash_trt.bundle.serving_configs import (
-    drafter_stack_problems,
-    sglang_drafter_args,
-    trtllm_drafter_options,
-    vllm_drafter_env,
-)
 from dflash_trt.errors import DFlashError
 from dflash_trt.models.config import DrafterConfig, drafter_config_problems, layer_attention
 from dflash_trt.models.drafter import DFlashDrafter, attention_mask
 from dflash_trt.runtime.decode import generate
 from dflash_trt.runtime.pair import load_pair
 from dflash_trt.runtime.sampling import SamplingParams
+from dflash_trt.stacks import drafter_problems as drafter_stack_problems
+from dflash_trt.stacks.sglang import sglang_drafter_args
+from dflash_trt.stacks.trtllm.serve_config import trtllm_drafter_options
+from dflash_trt.stacks.vllm.launch import vllm_drafter_env
 
 from helpers import run_cli
 

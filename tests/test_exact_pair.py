@@ -6,7 +6,7 @@ import torch
 
 from dflash_trt.models.config import DrafterConfig
 from dflash_trt.models.drafter import DFlashDrafter
-from dflash_trt.models.target import TargetModel
+from dflash_trt.models.families.dense import DenseTarget as TargetModel
 from dflash_trt.runtime.decode import generate
 
 V, H = 64, 32

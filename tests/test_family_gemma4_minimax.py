@@ -257,7 +257,7 @@ def test_convert_names_the_path_that_serves_it(quant_sources, tmp_path, name):
     """TensorRT-LLM <= 1.2's engine-checkpoint path has no Gemma 4 / MiniMax-M2 layout: convert refuses in
     one line naming the PyTorch backend (trtllm-serve reads the HF / ModelOpt checkpoint)."""
     from dflash_trt.errors import DFlashError
-    from dflash_trt.quant.convert import convert_checkpoint
+    from dflash_trt.stacks.trtllm.convert import convert_checkpoint
 
     src = quant_sources[name] if name in quant_sources else _build_bf16("minimax_m2", MINIMAX, tmp_path / "m")
     with pytest.raises(DFlashError) as e:

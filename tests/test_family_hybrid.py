@@ -237,9 +237,9 @@ def test_check_cli_on_a_wrapped_pair(targets, tmp_path):
 
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "qwen3_5_moe_text"])
 def test_convert_refuses_the_hybrids_naming_the_pytorch_backend(targets, tmp_path, family):
-    """TensorRT-LLM's legacy engine-checkpoint path has no Gated DeltaNet layout (quant/convert.py
+    """TensorRT-LLM's legacy engine-checkpoint path has no Gated DeltaNet layout (stacks/trtllm/convert.py
     NO_ENGINE_LAYOUT says where that was read): one line naming the path that serves them."""
-    from dflash_trt.quant.convert import convert_checkpoint
+    from dflash_trt.stacks.trtllm.convert import convert_checkpoint
 
     with pytest.raises(DFlashError, match=rf"^{family}: TensorRT-LLM has no engine \(TensorRT\) checkpoint layout "
                                           r"for the Gated DeltaNet hybrids .*PyTorch backend .*trtllm-serve <dir>") as e:

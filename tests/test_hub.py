@@ -17,7 +17,7 @@ import pytest
 from huggingface_hub import scan_cache_dir
 from safetensors.torch import load_file, save_file
 
-from dflash_trt.bundle.manifest import read_manifest, sha256_file, verify
+from dflash_trt.io.manifest import read_manifest, sha256_file, verify
 from dflash_trt.errors import DFlashError
 from dflash_trt.presets.catalog import PRESETS
 from dflash_trt.presets.hub import check_disk, download_command, resolve_hub_id

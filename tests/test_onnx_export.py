@@ -118,7 +118,7 @@ def test_external_data_export_is_the_same_model(pair, exported, tmp_path, monkey
     from onnx import numpy_helper
 
     from dflash_trt.bundle import onnx_export
-    from dflash_trt.bundle.manifest import HashCache, sha256_file
+    from dflash_trt.io.manifest import HashCache, sha256_file
 
     monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_ABOVE", 0)
     hashes = HashCache()

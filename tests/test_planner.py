@@ -273,7 +273,7 @@ def test_the_draft_context_buffer_per_rank():
     """gpt-oss-120b on a DGX B300 at the default layout (TP 8, the latency profile's max_batch_size
     64): the buffer TensorRT-LLM's DFlashWorker allocates per rank (64 x 32768 x (2880 bf16 + int64
     position)) and the budget PR #19466 checks it against, formula by formula."""
-    from dflash_trt.bundle.dflash_budget import GIB
+    from dflash_trt.stacks.trtllm.budget import GIB
     _, cfg, dcfg = preset("gpt-oss-120b")
     p = planner.plan(cfg, dcfg, "dgx-b300", profile="latency", kv_fraction=0.85)
     c = p.chosen

@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from dflash_trt.bundle.plugin_build import build_plugin, sass_info
+from dflash_trt.stacks.trtllm.plugin import build_plugin, sass_info
 from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import arch_sms
 from dflash_trt.kernels import kv_inject_trt

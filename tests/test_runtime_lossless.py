@@ -101,7 +101,8 @@ def test_verify_pass_is_batch_invariant(tiny_pairs, arch, dtype):
     import json
 
     from dflash_trt.kernels import attention, c_loader, gemm
-    from dflash_trt.models.target import KV_PAD, TargetModel
+    from dflash_trt.models.attention import KV_PAD
+    from dflash_trt.models.families.dense import DenseTarget as TargetModel
     from dflash_trt.runtime.pair import auto_dtype
 
     if dtype == torch.bfloat16 and auto_dtype() != torch.bfloat16:

@@ -13,7 +13,7 @@ from scipy.stats import chi2_contingency
 
 from dflash_trt.models.config import DrafterConfig
 from dflash_trt.models.drafter import DFlashDrafter
-from dflash_trt.models.target import TargetModel
+from dflash_trt.models.families.dense import DenseTarget as TargetModel
 from dflash_trt.runtime import decode
 from dflash_trt.runtime.decode import generate
 from dflash_trt.runtime.sampling import SamplingParams

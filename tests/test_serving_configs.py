@@ -1,6 +1,6 @@
 """Serving configs: the drafter's settings reach each stack in that stack's own convention.
 
-Oracles are the stacks' own code, read at the commits cited in dflash_trt/serving_configs.py:
+Oracles are the stacks' own code, read at the commits cited in dflash_trt/stacks/:
 - vllm-project/speculators tests/unit/convert/test_dflash_converter.py: z-lab [1, 9, 17, 25, 33]
   -> aux_hidden_state_layer_ids [2, 10, 18, 26, 34], speculative_tokens 15 for block_size 16;
 - vLLM eagle3_utils.get_eagle3_aux_layers_from_config: `[i + 1 for i in target_layer_ids]`;
@@ -12,17 +12,13 @@ import json
 
 import pytest
 
-from dflash_trt.bundle.serving_configs import (
-    layer_ids_by_stack,
-    sglang_launch,
-    speculators_to_zlab,
-    trtllm_serve_config,
-    vllm_launch,
-    vllm_speculative_config,
-)
 from dflash_trt.errors import DFlashError
 from dflash_trt.models.config import DrafterConfig
 from dflash_trt.presets.catalog import get_preset
+from dflash_trt.stacks.layer_ids import layer_ids_by_stack, speculators_to_zlab
+from dflash_trt.stacks.sglang import sglang_launch
+from dflash_trt.stacks.trtllm.serve_config import trtllm_serve_config
+from dflash_trt.stacks.vllm.launch import vllm_launch, vllm_speculative_config
 
 QWEN_DRAFTER = get_preset("qwen3-8b").drafter_config()  # z-lab format, block 16, ids [1, 9, 17, 25, 33]
 
@@ -110,7 +106,9 @@ def test_sglang_launch_holds_zero_based_ids_and_capture_points():
 
 
 def test_each_stacks_dflash_rules():
-    from dflash_trt.bundle.serving_configs import STACKS, fp8_drafter_problem, stack_layout_problems
+    from dflash_trt.stacks import CONFIG_STACKS as STACKS
+    from dflash_trt.stacks import fp8_drafter_problem
+    from dflash_trt.stacks import layout_problems as stack_layout_problems
 
     assert [s for s in STACKS if stack_layout_problems(s, tp=8, pp=1, block_size=16)] == []
     assert [s for s in STACKS if stack_layout_problems(s, tp=1, pp=2, block_size=16)] == ["sglang"]
@@ -132,7 +130,7 @@ def test_kv_cache_dtype_names_per_stack():
 
 
 def test_max_attention_window_only_for_sliding_layers():
-    from dflash_trt.bundle.serving_configs import max_attention_window
+    from dflash_trt.stacks.trtllm.serve_config import max_attention_window
 
     gpt = {"layer_types": ["sliding_attention", "full_attention"] * 2, "sliding_window": 128}
     assert max_attention_window(gpt, 8192) == [128, 8192, 128, 8192]
@@ -140,7 +138,7 @@ def test_max_attention_window_only_for_sliding_layers():
 
 
 def test_profiles_follow_nvidias_curated_configs():
-    from dflash_trt.bundle.serving_profiles import curated_layout, profile_settings
+    from dflash_trt.stacks.trtllm.profiles import curated_layout, profile_settings
     gptoss = get_preset("gpt-oss-120b").config()
     # examples/configs/curated/gpt-oss-120b-{latency,throughput}.yaml @ 65b31db1b401
     lat = profile_settings("latency", gptoss, 10)
@@ -161,7 +159,7 @@ def test_profiles_follow_nvidias_curated_configs():
 
 
 def test_the_drafter_attention_backend_per_gpu_family():
-    from dflash_trt.bundle.serving_profiles import drafter_attention_backend, profile_settings
+    from dflash_trt.stacks.trtllm.profiles import drafter_attention_backend, profile_settings
     tcfg = get_preset("gpt-oss-120b").config()
     kw = dict(target_cfg=tcfg, drafter_path="d", block_size=10, mask_token_id=200000, zlab_ids=[1, 9, 17, 25, 33],
               tp=2, ep=2, pp=1, kv_cache="fp8")

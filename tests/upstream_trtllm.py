@@ -60,7 +60,7 @@ class DFlashDecodingConfig(Strict):
     context_recompute_tail: int | None = 0                            # RC
     # RC: FA4 added (the SM90 drafter path, PR #18553); 0004396 had VANILLA | TRTLLM
     attention_backend: Literal["VANILLA", "TRTLLM", "FA4"] = "VANILLA"
-    # RC: skip the draft-context buffer budget check (PR #19466; bundle/dflash_budget.py models it)
+    # RC: skip the draft-context buffer budget check (PR #19466; stacks/trtllm/budget.py models it)
     skip_ctx_buffer_budget_check: bool = False
 
     @model_validator(mode="after")

@@ -25,12 +25,13 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import yaml
-
-from dflash_trt import __version__, engines
-from dflash_trt.bundle.dflash_budget import draft_context_budget
-from dflash_trt.bundle.gpu_compile import detect_toolchain, run_compile, toolchain_fingerprint
-from dflash_trt.bundle.manifest import (
+from dflash_trt import __version__, engines, stacks
+from dflash_trt.bundle.onnx_export import export_onnx
+from dflash_trt.errors import DFlashError
+from dflash_trt.hardware import arch_has_fp4, arch_sms, gpus, sm_number
+from dflash_trt.io.atomic import atomic_output_dir, refuse_inside
+from dflash_trt.io.checkpoint import load_config
+from dflash_trt.io.manifest import (
     HashCache,
     bundle_files,
     is_bundle,
@@ -39,42 +40,21 @@ from dflash_trt.bundle.manifest import (
     sha256_json,
     write_manifest,
 )
-from dflash_trt.bundle.onnx_export import export_onnx
-from dflash_trt.bundle.plugin_build import build_plugin
-from dflash_trt.bundle.serving_configs import (
-    STACK_NAMES,
-    STACKS,
-    TRTLLM_KV_FRACTION,
-    drafter_stack_problems,
-    fp8_drafter_problem,
-    layer_ids_by_stack,
-    sglang_drafter_args,
-    sglang_launch,
-    stack_layout_problems,
-    trtllm_drafter_options,
-    trtllm_serve_config,
-    vllm_drafter_env,
-    vllm_launch,
-)
-from dflash_trt.bundle.serving_profiles import DRAFTER_ATTENTION_BACKEND, drafter_attention_backend, profile_settings
-from dflash_trt.bundle.triton_repo import llmapi_model_yaml, write_triton_repo
-from dflash_trt.bundle.vllm_drafter import write_vllm_drafter
-from dflash_trt.errors import DFlashError
-from dflash_trt.hardware import arch_has_fp4, arch_sms, gpus, hardware_for_gpu, sm_number
-from dflash_trt.io.atomic import atomic_output_dir, refuse_inside
-from dflash_trt.io.checkpoint import load_config
 from dflash_trt.models.check import NONFINITE_NOTE, check_pair
 from dflash_trt.models.config import load_drafter_config, require_target_config
 from dflash_trt.paths import package_path
 from dflash_trt.presets.catalog import PRESETS, resolve_drafter, resolve_target
 from dflash_trt.presets.hub import snapshot_revision
-from dflash_trt.quant.convert import convert_checkpoint
 from dflash_trt.quant.quantize import quantize_checkpoint
+from dflash_trt.stacks.layer_ids import layer_ids_by_stack
+from dflash_trt.stacks.trtllm.convert import convert_checkpoint
+from dflash_trt.stacks.trtllm.engine import detect_toolchain, run_compile, toolchain_fingerprint
+from dflash_trt.stacks.trtllm.plugin import build_plugin
+from dflash_trt.stacks.trtllm.profiles import DRAFTER_ATTENTION_BACKEND, drafter_attention_backend, profile_settings
 
 QUANTS = ("auto", "none", "fp8", "nvfp4")
 KV_CACHES = ("auto", "fp8", "bf16")
 BACKENDS = ("pytorch", "engine")
-TRITON_MODELS = ["tensorrt_llm", "dflash_reference"]  # tensorrt_llm only when the trtllm stack is served
 # the reference model gets its own copy of the unquantized pair up to this size (CPU smoke tests)
 REFERENCE_COPY_MAX_BYTES = 4 << 30
 
@@ -277,29 +257,33 @@ def check_parallel(o: BuildOptions, cfg: dict, name: str) -> None:
 
 def resolve_stacks(o: BuildOptions, s: dict, block_size: int, dcfg=None) -> tuple[list[str], dict[str, str]]:
     """(stacks that get a config, {stack: why not} for the others), by each stack's own DFlash
-    rules (bundle/serving_configs.py). A stack named in --stacks that cannot serve the layout, or
-    an FP8 drafter for a stack that cannot load one, is an error before anything is written."""
+    rules (dflash_trt/stacks). A stack named in --stacks that cannot serve the layout, or a
+    drafter format a stack's loader cannot load, is an error before anything is written."""
     explicit = o.stacks is not None
-    wanted = list(o.stacks) if explicit else list(STACKS)
-    unknown = [x for x in wanted if x not in STACKS]
+    wanted = list(o.stacks) if explicit else list(stacks.CONFIG_STACKS)
+    unknown = [x for x in wanted if x not in stacks.CONFIG_STACKS]
     if unknown or not wanted:
-        raise DFlashError(f"--stacks {','.join(wanted)}: expected a comma list of {', '.join(STACKS)}")
+        raise DFlashError(f"--stacks {','.join(wanted)}: expected a comma list of {', '.join(stacks.CONFIG_STACKS)}")
     served, skipped = [], {}
-    for stack in wanted:
-        if s["drafter_quant"] == "fp8" and fp8_drafter_problem(stack):
-            raise DFlashError(f"--drafter-quant fp8: {STACK_NAMES[stack]} cannot load an FP8 drafter: "
-                              f"{fp8_drafter_problem(stack)}; use --drafter-quant none, or --stacks vllm")
-        problems = stack_layout_problems(stack, tp=o.tp, pp=o.pp, block_size=block_size)
-        problems += drafter_stack_problems(stack, dcfg) if dcfg is not None else []
+    for st in stacks.served(wanted):
+        refused = st.drafter_quant_problem(s["drafter_quant"])
+        if refused:
+            loaders = [x.name for x in stacks.served(list(stacks.CONFIG_STACKS))
+                       if not x.drafter_quant_problem(s["drafter_quant"])]
+            raise DFlashError(f"--drafter-quant {s['drafter_quant']}: {st.title} cannot load an "
+                              f"{s['drafter_quant'].upper()} drafter: {refused}; use --drafter-quant none"
+                              + (f", or --stacks {','.join(loaders)}" if loaders else ""))
+        problems = st.layout_problems(tp=o.tp, pp=o.pp, block_size=block_size)
+        problems += st.drafter_problems(dcfg) if dcfg is not None else []
         if problems and explicit:
-            raise DFlashError(f"--stacks {stack}: {STACK_NAMES[stack]} cannot serve this layout: {'; '.join(problems)}")
+            raise DFlashError(f"--stacks {st.name}: {st.title} cannot serve this layout: {'; '.join(problems)}")
         if problems:
-            skipped[stack] = "; ".join(problems)
+            skipped[st.name] = "; ".join(problems)
         else:
-            served.append(stack)
+            served.append(st.name)
     if not served:
         raise DFlashError("no serving stack can serve this layout: "
-                          + "; ".join(f"{STACK_NAMES[k]}: {v}" for k, v in skipped.items()))
+                          + "; ".join(f"{stacks.get(k).title}: {v}" for k, v in skipped.items()))
     return served, skipped
 
 
@@ -347,21 +331,22 @@ class Stage:
 
 
 COMMON = ("tool_version", "target", "drafter")
-PACKAGE_OUTPUTS = ("configs", "triton", "engines/README.txt")  # + reference/ when the pair is copied
+PACKAGE_OUTPUTS = ("configs", stacks.TRITON.repository, "engines/README.txt")  # + reference/ when the pair is copied
 PIPELINE = (
     Stage("check", "_check", (*COMMON, "allow_nonfinite"), code=("models/check.py", "models/config.py", "models/target.py",
+                                                                "models/shapes.py", "models/families",
                                                                 "io/checkpoint.py"), outputs=("reports/check.json",)),
     Stage("quantize", "_quantize", (*COMMON, "quant", "kv_cache", "drafter_quant", "calib"),
           code=("quant/quantize.py", "quant/linear.py", "io/formats.py", "kernels/csrc", "kernels/c_loader.py",
-                "quant/calibrate.py", "io/checkpoint.py"),
+                "quant/calibrate.py", "io/checkpoint.py", "models/shapes.py", "models/families"),
           outputs=("target", "drafter")),
     Stage("convert", "_convert", (*COMMON, "backend", "quant", "tp", "pp", "ep", "calib", "kv_cache"),
-          code=("quant/convert.py", "quant/linear.py", "io/formats.py", "kernels/csrc", "kernels/c_loader.py",
-                "io/checkpoint.py", "quant/calibrate.py"), outputs=("trtllm_ckpt",),
+          code=("stacks/trtllm/convert.py", "quant/linear.py", "io/formats.py", "kernels/csrc", "kernels/c_loader.py",
+                "io/checkpoint.py", "quant/calibrate.py", "models/shapes.py"), outputs=("trtllm_ckpt",),
           needs="engine"),
     Stage("plugin", "_plugin", ("tool_version", "arch"),
           code=("kernels/kv_inject_triton.py", "kernels/kv_inject_trt.py", "runtime/kv_inject.py",
-                "bundle/plugin_build.py", "hardware.json"), outputs=("plugins",),  # the catalog gives the SMs
+                "stacks/trtllm/plugin.py", "hardware.json"), outputs=("plugins",),  # the catalog gives the SMs
           needs="trt_drafter"),
     Stage("export-onnx", "_export_onnx", COMMON,
           code=("bundle/onnx_export.py", "models/drafter.py", "models/layers.py", "models/config.py",
@@ -372,7 +357,7 @@ PIPELINE = (
           after=(("onnx", "export-onnx"), ("plugin", "plugin"), ("convert", "convert")), reads_manifest=True,
           needs="compile"),
     Stage("package", "_package", (*COMMON, "manifest"),
-          code=("bundle/serving_configs.py", "bundle/triton_repo.py", "assets/triton_templates"),
+          code=("stacks", "assets/triton_templates"),
           outputs=PACKAGE_OUTPUTS, reads_manifest=True),
 )
 
@@ -465,8 +450,10 @@ class Builder:
                               f"{self.dcfg.block_size}")
         self.stacks, self.skipped_stacks = resolve_stacks(o, self.settings, B, self.dcfg)
         self.profile = profile_settings(o.profile, self.tcfg, B, o.max_batch_size)
-        if "trtllm" in self.stacks:
-            check_draft_context(o, self.settings, self.tcfg, self.dcfg.raw, self.tdir, self.profile)
+        for st in stacks.served(self.stacks):   # what each stack would refuse at start (TensorRT-LLM's budget)
+            st.check_build(target_config=self.tcfg, drafter_config=self.dcfg.raw, target_dir=self.tdir,
+                           gpu=self.settings["gpu"], quant=self.settings["quant"], tp=o.tp, profile_name=o.profile,
+                           profile=self.profile)
         self.dest = dest = Path(o.out) if o.out else default_out(self.name, self.settings, o)
         if dest.exists() and not dest.is_dir():
             raise DFlashError(f"--out {dest}: exists and is not a folder")
@@ -524,8 +511,8 @@ class Builder:
             "parallel": {"tp": o.tp, "ep": o.ep, "pp": o.pp},
             "backend": o.backend,
             "max_seq_len": min(int(tcfg.get("max_position_embeddings", 8192)), 32768),
-            "triton_model_repository": "triton",
-            "triton_models": [x for x in TRITON_MODELS if x != "tensorrt_llm" or "trtllm" in self.stacks],
+            "triton_model_repository": stacks.TRITON.repository,
+            "triton_models": stacks.TRITON.model_list(stacks.served(self.stacks)),
             # which stacks got a config, and why the others did not (their own DFlash rules)
             "serving_stacks": {"served": list(self.stacks), "skipped": dict(self.skipped_stacks)},
             "trt_drafter_engine": o.trt_drafter,
@@ -637,9 +624,13 @@ class Builder:
     def _package(self) -> dict:
         """Serving configs, the Triton repository and engines/README.txt."""
         m, work = self.manifest, self.work
-        m["serving_configs"] = write_configs(work, m, self.tcfg, self.block_size, tdir=self.tdir, ddir=self.ddir)
         layout = m["reference_runtime"]["layout"]
-        write_triton(work, m, self.tcfg, self.block_size, reference_pair(work, layout, self.tdir, self.ddir))
+        ctx = stacks.BundleContext(work=work, manifest=m, target_config=self.tcfg, block_size=self.block_size,
+                                   target_dir=self.tdir, drafter_dir=self.ddir,
+                                   drafter=load_drafter_config(work / "drafter"))
+        m["serving_configs"] = write_configs(ctx)
+        ctx.reference = reference_pair(work, layout, self.tdir, self.ddir)
+        stacks.TRITON.write_repository(ctx, stacks.served(m["serving_stacks"]["served"]))
         (work / "engines").mkdir(exist_ok=True)
         (work / "engines" / "README.txt").write_text(
             "TensorRT engines of this bundle, written by `dflash-trt compile --bundle <bundle>` on the GPU\n"
@@ -668,31 +659,6 @@ class Builder:
         return out
 
 
-# Bytes per weight element of a bf16 checkpoint after quantization (scales included), to estimate
-# the resident weights before quantize runs (planner.ELEMENT_BYTES / bf16's 2 bytes).
-QUANT_BYTES_RATIO = {"fp8": 0.5, "nvfp4": (0.5 + 1 / 16) / 2}
-
-
-def check_draft_context(o: BuildOptions, s: dict, tcfg: dict, dcfg: dict, tdir: Path, profile: dict) -> None:
-    """Refuse, before any stage runs, a layout whose DFlash draft-context buffer exceeds the budget
-    TensorRT-LLM checks it against (bundle/dflash_budget.py), with the numbers. Weights per rank:
-    the target's on-disk bytes / tp (the estimate TensorRT-LLM's check uses), scaled to the target
-    format when build quantizes a bf16 checkpoint. Needs --gpu (the GPU's memory)."""
-    if not s["gpu"]:
-        return
-    hw = hardware_for_gpu(s["gpu"])
-    weights = sum(f.stat().st_size for f in Path(tdir).glob("*.safetensors"))
-    if s["quant"] in QUANT_BYTES_RATIO and not (tcfg.get("quantization_config") or {}):
-        weights = int(weights * QUANT_BYTES_RATIO[s["quant"]])
-    max_seq_len = min(int(tcfg.get("max_position_embeddings", 8192)), 32768)
-    b = draft_context_budget(max_batch=profile["max_batch_size"], max_seq_len=max_seq_len, drafter_cfg=dcfg,
-                             gpu_memory_bytes=hw.reported_memory_bytes, weights_bytes_per_rank=weights // o.tp,
-                             free_gpu_memory_fraction=TRTLLM_KV_FRACTION)
-    if not b.fits:
-        raise DFlashError(f"--gpu {s['gpu']} --tp {o.tp} --profile {o.profile}: {b.describe()}: TensorRT-LLM refuses "
-                          f"this layout at start; pass --max-batch-size {b.largest_batch} or less, or a wider --tp")
-
-
 def reference_layout(s: dict, tdir: Path, ddir: Path) -> str:
     """Where the dflash_reference model finds its pair. The reference runtime loads unquantized
     checkpoints: "bundle" = the bundle's own target/ and drafter/ (not quantized); "copy" = a
@@ -713,93 +679,25 @@ def reference_pair(work: Path, layout: str, tdir: Path, ddir: Path) -> dict:
     return {"target": str(tdir), "drafter": str(ddir)}
 
 
-def write_configs(work: Path, m: dict, tcfg: dict, B: int, *, tdir: Path, ddir: Path) -> dict:
-    """configs/: trtllm-serve.yaml, vllm.json (+ the bare --speculative-config JSON), sglang.json,
-    each only for a served stack (manifest serving_stacks). Paths are bundle-relative: run the
-    commands from the bundle root."""
-    d = m["drafter"]
-    p = m["parallel"]
-    served = m["serving_stacks"]["served"]
-    cfgdir = work / "configs"
-    cfgdir.mkdir(exist_ok=True)
-    dcfg = load_drafter_config(work / "drafter")
-    if "trtllm" in served:
-        (cfgdir / "trtllm-serve.yaml").write_text(
-            "# trtllm-serve target --config configs/trtllm-serve.yaml   (run from the bundle root)\n"
-            + yaml.safe_dump(_trtllm_config(m, tcfg, B, dcfg), sort_keys=False))
-    kw = dict(target_path="target", drafter_path="drafter", block_size=B, zlab_ids=d["target_layer_ids"]["zlab"],
-              tp=p["tp"], ep=p["ep"], pp=p["pp"], kv_cache=m["quant"]["kv_cache"])
-    if "vllm" in served:
-        # a drafter with a draft vocabulary goes to vLLM in vLLM's own form of one (bundle/vllm_drafter.py);
-        # tdir: the source target, unquantized (the rows of its lm_head)
-        vdraft = "configs/vllm-drafter"
-        has_vocab = write_vllm_drafter(work / "drafter", ddir, tdir, work / vdraft)
-        n_vocab = json.loads((work / vdraft / "config.json").read_text())["draft_vocab_size"] if has_vocab else None
-        v = vllm_launch(**{**kw, "drafter_path": vdraft if has_vocab else "drafter"},
-                        dtype=tcfg.get("dtype") or tcfg.get("torch_dtype"), draft_vocab_size=n_vocab)
-        env = vllm_drafter_env(dcfg)
-        if env:   # the drafter's attention layout needs it (serving_configs.vllm_drafter_env)
-            v["env"] = env
-            prefix = " ".join(f"{k}={val}" for k, val in env.items()) + " "
-            v["command"], v["command_anywhere"] = prefix + v["command"], prefix + v["command_anywhere"]
-        (cfgdir / "vllm.json").write_text(json.dumps(v, indent=2) + "\n")
-        (cfgdir / "vllm-speculative-config.json").write_text(json.dumps(v["speculative_config"], indent=2) + "\n")
-    if "sglang" in served:
-        sg = sglang_launch(**kw)
-        if extra := sglang_drafter_args(dcfg):   # the drafter's attention layout needs it
-            sg["argv"] += extra
-            sg["command"] = shlex.join(sg["argv"])
-        (cfgdir / "sglang.json").write_text(json.dumps(sg, indent=2) + "\n")
-    return _configs_index(m)
-
-
-CONFIG_FILES = {"trtllm": {"trtllm_serve": "configs/trtllm-serve.yaml"},
-                "vllm": {"vllm": "configs/vllm.json", "vllm_speculative_config": "configs/vllm-speculative-config.json"},
-                "sglang": {"sglang": "configs/sglang.json"}}
+def write_configs(ctx: stacks.BundleContext) -> dict:
+    """configs/: each served stack's files (manifest serving_stacks), and their index (manifest
+    serving_configs). Paths are bundle-relative: run the commands from the bundle root."""
+    (ctx.work / "configs").mkdir(exist_ok=True)
+    for st in stacks.served(ctx.manifest["serving_stacks"]["served"]):
+        st.write_configs(ctx)
+    return _configs_index(ctx.manifest)
 
 
 def _configs_index(m: dict) -> dict:
-    return {k: v for stack in m["serving_stacks"]["served"] for k, v in CONFIG_FILES[stack].items()}
-
-
-def _trtllm_config(m: dict, tcfg: dict, B: int, dcfg=None) -> dict:
-    d, p = m["drafter"], m["parallel"]
-    cfg = trtllm_serve_config(target_cfg=tcfg, drafter_path="drafter", block_size=B, mask_token_id=d["mask_token_id"],
-                              zlab_ids=d["target_layer_ids"]["trtllm"], tp=p["tp"], ep=p["ep"], pp=p["pp"],
-                              kv_cache=m["quant"]["kv_cache"], arch=m["arch"], max_seq_len=m["max_seq_len"],
-                              profile=profile_settings(m.get("serving_profile", {}).get("profile", "latency"), tcfg, B,
-                                                       m.get("serving_profile", {}).get("max_batch_size")),
-                              drafter_attention_backend=drafter_attention_backend(m["arch"]))
-    # A drafter's own rules last: non-causal sliding-window layers pin VANILLA over the per-GPU choice.
-    if dcfg is not None:
-        cfg["speculative_config"].update(trtllm_drafter_options(dcfg))
-    return cfg
-
-
-def write_triton(work: Path, m: dict, tcfg: dict, B: int, ref: dict) -> None:
-    served = m["serving_stacks"]["served"]
-    llm_yaml = llmapi_model_yaml(_trtllm_config(m, tcfg, B, load_drafter_config(work / "drafter")), "target",
-                                 decoupled=True, max_batch_size=0) \
-        if "trtllm" in served else None
-    reference = {"target": ref["target"], "drafter": ref["drafter"], "block_size": B, "dtype": "float32",
-                 "max_new_tokens": 128, "chat": True, "decode_slots": 1, "max_queue": 64,
-                 "max_prompt_bytes": 1 << 20}
-    vllm_args = json.loads((work / "configs" / "vllm.json").read_text())["engine_args"] if "vllm" in served else None
-    write_triton_repo(work / "triton", llm_yaml=llm_yaml, reference=reference, vllm_engine_args=vllm_args)
+    return {k: v for st in stacks.served(m["serving_stacks"]["served"]) for k, v in st.config_files.items()}
 
 
 def serve_commands(m: dict) -> dict:
-    """How to serve the bundle, from its root."""
+    """How to serve the bundle, from its root: every stack's commands (Triton's CPU model first)."""
     served = m["serving_stacks"]["served"]
-    out = {"triton_cpu": "dflash-trt serve --bundle .   # the dflash_reference model, any machine"}
-    if "trtllm" in served:
-        out |= {"triton": "tritonserver --model-repository triton",
-                "triton_multinode": "trtllm-llmapi-launch tritonserver --model-repository triton",
-                "trtllm_serve": "trtllm-serve target --config configs/trtllm-serve.yaml"}
-    if "vllm" in served:
-        out["vllm"] = "see configs/vllm.json (command)"
-    if "sglang" in served:
-        out["sglang"] = "see configs/sglang.json (command)"
+    out: dict = {}
+    for st in [stacks.TRITON, *stacks.served(served)]:
+        out |= st.serve_commands(served)
     return out
 
 
@@ -839,10 +737,12 @@ def format_summary(res: dict) -> str:
     lines.append("")
     lines.append(f"bundle: {res['bundle']}  ({len(m['artifacts'])} files, {_human(total)}; manifest.json lists each "
                  "with its sha256)")
-    files = [v.removeprefix("configs/") for k, v in m["serving_configs"].items() if k != "vllm_speculative_config"]
+    # each served stack's launch file (its first config file)
+    files = [next(iter(stacks.get(x).config_files.values())).removeprefix("configs/")
+             for x in m["serving_stacks"]["served"]]
     lines.append(f"  configs/ {', '.join(files)}; triton/ " + ", ".join(m["triton_models"]))
     for stack, why in m.get("serving_stacks", {}).get("skipped", {}).items():
-        lines.append(f"  no {STACK_NAMES[stack]} config: {why}")
+        lines.append(f"  no {stacks.get(stack).title} config: {why}")
     if m["stages"]["compile"]["status"] == "deferred":
         lines.append(f"  compile deferred: on the GPU node run `dflash-trt compile --bundle {res['bundle']}`")
     return "\n".join(lines)

@@ -104,7 +104,7 @@ def compile_cmd(bundle, as_json):
     Example (on the GPU node):
       dflash-trt compile --bundle /models/smollm2-135m-blackwell-nvfp4
     """
-    from dflash_trt.bundle.gpu_compile import compile_bundle
+    from dflash_trt.stacks.trtllm.engine import compile_bundle
 
     res = compile_bundle(bundle)
     click.echo(json.dumps(res, indent=2) if as_json else f"compiled {', '.join(res['outputs'])} in {res['bundle']}")
@@ -121,7 +121,7 @@ def verify_cmd(bundle, as_json):
     Example:
       dflash-trt verify --bundle engines/smollm2-135m-blackwell-nvfp4
     """
-    from dflash_trt.bundle.manifest import read_manifest, verify
+    from dflash_trt.io.manifest import read_manifest, verify
 
     problems = verify(bundle)
     n = len(read_manifest(bundle)["artifacts"])

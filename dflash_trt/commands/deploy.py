@@ -77,6 +77,7 @@ def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, max_seq_len, no
     from dflash_trt.deploy import speed as speed_model
     from dflash_trt.deploy import values as deploy
     from dflash_trt.errors import DFlashError
+    from dflash_trt.io.manifest import Manifest
 
     speed = speed or plot_file is not None
     if not speed and (tau is not None or context_tokens is not None):
@@ -94,11 +95,12 @@ def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, max_seq_len, no
         gpu = catalog()[hardware].gpu if hardware else None
         if profile:
             raise DFlashError("--bundle plans the bundle's own serving config (its profile); drop --profile")
+        m = Manifest.read(bundle)
         p = deploy.plan_for_bundle(bundle, nodes=nodes, gpus_per_node=gpus_per_node, gpu=gpu,
-                                   max_seq_len=max_seq_len, objective=objective, **overrides)
+                                   max_seq_len=max_seq_len, objective=objective, manifest=m, **overrides)
         if p is None:
             raise DFlashError(f"{bundle}: the bundle pins no GPU (a CPU-only deployment); pass --hardware")
-        tcfg, dcfg = deploy.bundle_model_configs(bundle)
+        tcfg, dcfg = deploy.bundle_model_configs(bundle, manifest=m)
     else:
         if not target:
             raise DFlashError("--target NAME|DIR (or --bundle DIR) is required")
@@ -189,22 +191,25 @@ def deploy_cmd(bundle, nodes, gpus_per_node, replicas, server, image, engine_ver
     """
     from dflash_trt.deploy import values as deploy
     from dflash_trt.errors import DFlashError
+    from dflash_trt.io.manifest import Manifest
 
     if tau is not None and min_tokens_per_user is None:
         raise DFlashError("--tau is for --min-tokens-per-user; add it (or drop --tau)")
     if min_tokens_per_user is not None and not min_tokens_per_user > 0:
         raise DFlashError(f"--min-tokens-per-user {min_tokens_per_user:g}: must be a positive tokens/s figure")
     deploy.check_release(release, namespace)
+    m = Manifest.read(bundle)   # once: every step below takes it
     values, p = deploy.deploy_values(bundle, nodes=nodes, gpus_per_node=gpus_per_node, replicas=replicas,
                                      gpu=gpu, pvc=pvc, ssh_secret=ssh_secret, image=image,
-                                     multinode_image=multinode_image, server=server, engine_version=engine_version)
+                                     multinode_image=multinode_image, server=server, engine_version=engine_version,
+                                     manifest=m)
     target_speed = None
     if min_tokens_per_user is not None:
         if p is None:
             raise DFlashError("--min-tokens-per-user: a CPU-only deployment has no speed model")
         from dflash_trt.deploy import speed as speed_model
 
-        tcfg, dcfg = deploy.bundle_model_configs(bundle)
+        tcfg, dcfg = deploy.bundle_model_configs(bundle, manifest=m)
         report = speed_model.speed_for(p, tcfg, dcfg, tau=tau)
         batch, user = speed_model.max_concurrency_at(report, p, tcfg, dcfg, min_tokens_per_user)
         # Scale out before an instance holds more sequences than keep every user at the target (or than it batches).

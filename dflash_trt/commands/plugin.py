@@ -39,7 +39,7 @@ def build_cmd(arch, out, as_json):
       dflash-trt plugin build --arch blackwell --out engines/plugin
       dflash-trt plugin build --arch hopper --json | jq '.kernels[].shared_mem'
     """
-    from dflash_trt.bundle.plugin_build import build_plugin
+    from dflash_trt.stacks.trtllm.plugin import build_plugin
 
     m = build_plugin(arch.lower(), out, progress=not as_json)
     if as_json:

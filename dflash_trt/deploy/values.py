@@ -45,16 +45,16 @@ from pathlib import Path
 
 import yaml
 
-from dflash_trt import engines
-from dflash_trt.bundle.manifest import read_manifest
+from dflash_trt import engines, stacks
 from dflash_trt.deploy import planner
 from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import Hardware, hardware_for_gpu
 from dflash_trt.io.jsonio import read_json
+from dflash_trt.io.manifest import Manifest
 from dflash_trt.paths import deploy_path
 
 GIB = 2**30
-REFERENCE_MODEL = "dflash_reference"     # CPU-capable Triton model of the bundle
+REFERENCE_MODEL = stacks.tritonserver.REFERENCE_MODEL   # CPU-capable Triton model of the bundle
 SHM_PER_GPU_GIB = 2                       # /dev/shm per GPU: NCCL and Python-backend tensors
 HOST_MEMORY_BASE_GIB = 32                 # host memory per GPU pod besides /dev/shm
 CPU_PER_GPU = 4
@@ -79,19 +79,19 @@ def default_out(bundle: str | Path) -> Path:
     return b.with_name(b.name + "-deploy")
 
 
-def _drafter_config(bundle: Path, m: dict) -> tuple[str | None, dict | None]:
+def _drafter_config(bundle: Path, m: Manifest) -> tuple[str | None, dict | None]:
     """The drafter's config.json: drafter.config in the manifest, else <bundle>/<drafter.bundle_path>
     or drafter.path, else the preset's drafter shapes for target.name; None if none is known."""
-    d = m.get("drafter") or {}
-    if isinstance(d.get("config"), dict):
-        return "drafter", d["config"]
-    for key in ("bundle_path", "path"):
-        if d.get(key):
-            p = Path(d[key])
+    d = m.drafter
+    if isinstance(d.config, dict):
+        return "drafter", d.config
+    for rel in (d.bundle_path, d.path):
+        if rel:
+            p = Path(rel)
             p = p if p.is_absolute() else bundle / p
             if (p / "config.json").is_file():
                 return p.name, read_json(p / "config.json")
-    name = m["target"].get("name")
+    name = m.target.name
     try:
         _, _, dcfg = planner.target_configs(name) if name else (None, None, None)
     except DFlashError:
@@ -101,79 +101,54 @@ def _drafter_config(bundle: Path, m: dict) -> tuple[str | None, dict | None]:
     return None, None
 
 
-def bundle_hardware(m: dict, gpu: str | None = None) -> Hardware | None:
+def bundle_hardware(m: Manifest, gpu: str | None = None) -> Hardware | None:
     """The catalog node type of the bundle's GPU (or of `gpu` when given); None = CPU-only."""
-    gpu = gpu or m.get("gpu")
+    gpu = gpu or m.gpu
     if gpu in (None, "none", ""):
         return None
     hw = hardware_for_gpu(gpu)
-    arch = m.get("arch")
-    if arch and arch != hw.arch:
-        raise DFlashError(f"manifest.json: bundle built for arch {arch}, but {gpu} is {hw.arch}")
+    if m.arch and m.arch != hw.arch:
+        raise DFlashError(f"manifest.json: bundle built for arch {m.arch}, but {gpu} is {hw.arch}")
     return hw
 
 
 def plan_for_bundle(bundle: str | Path, *, nodes: int = 1, gpus_per_node: int | None = None,
                     gpu: str | None = None, max_seq_len: int | None = None,
-                    objective: str = "latency", **overrides) -> planner.Plan | None:
+                    objective: str = "latency", manifest: Manifest | None = None, **overrides) -> planner.Plan | None:
     """The planner run for a bundle: its target, drafter, formats and GPU; TP / EP fixed to the
     bundle's when it records them (its Triton model was written for them). None for a bundle
-    without a GPU (CPU-only deployment)."""
+    without a GPU (CPU-only deployment). `manifest`: the bundle's, when the caller has read it."""
     bundle = Path(bundle)
-    m = read_manifest(bundle)
+    m = manifest or Manifest.read(bundle)
     hw = bundle_hardware(m, gpu)
     if hw is None:
         return None
     dname, dcfg = _drafter_config(bundle, m)
-    par = m.get("parallel") or {}
-    if int(par.get("pp") or 1) != 1:
+    if m.parallel.pp != 1:
         raise DFlashError("manifest.json: parallel.pp > 1 is not planned; set the chart's parallel.pp by hand")
-    q = m["quant"]
-    llm = {**_llm_api_settings(bundle, m), **overrides}   # max_batch_size / max_attention_window
-    return planner.plan(m["target"]["config"], dcfg, hw, target_name=m["target"].get("name", "target"),
-                        drafter_name=dname, quant=q.get("target", "auto"), kv_cache=q.get("kv_cache", "auto"),
-                        drafter_quant=q.get("drafter") or "none", max_seq_len=max_seq_len or m.get("max_seq_len"), nodes=nodes, gpus_per_node=gpus_per_node, objective=objective,
-                        tp=par.get("tp"), ep=par.get("ep"), **llm,
+    q = m.quant
+    llm = {**served_settings(bundle, m), **overrides}   # max_batch_size / max_attention_window
+    return planner.plan(m.target.config, dcfg, hw, target_name=m.target.name or "target",
+                        drafter_name=dname, quant=q.target or "auto", kv_cache=q.kv_cache or "auto",
+                        drafter_quant=q.drafter, max_seq_len=max_seq_len or m.max_seq_len, nodes=nodes,
+                        gpus_per_node=gpus_per_node, objective=objective, tp=m.parallel.tp, ep=m.parallel.ep, **llm,
                         # the bundle's serving config fixes max_batch_size; a layout cannot lower it
                         batch_pinned="max_batch_size" in llm and "max_batch_size" not in overrides)
 
 
-def bundle_model_configs(bundle: str | Path) -> tuple[dict, dict | None]:
+def bundle_model_configs(bundle: str | Path, manifest: Manifest | None = None) -> tuple[dict, dict | None]:
     """(target config.json, drafter config.json or None) of a bundle: what its plan was made of."""
     bundle = Path(bundle)
-    m = read_manifest(bundle)
-    return m["target"]["config"], _drafter_config(bundle, m)[1]
+    m = manifest or Manifest.read(bundle)
+    return m.target.config, _drafter_config(bundle, m)[1]
 
 
-def _llm_api_settings(bundle: Path, m: dict) -> dict:
-    """KV fraction, per-layer attention windows, batch and token limits from the bundle's
-    TensorRT-LLM settings (what the server will really use), where present: the Triton model's
-    model.yaml, then configs/trtllm-serve.yaml (it wins where both set a key)."""
+def served_settings(bundle: Path, m: Manifest) -> dict:
+    """What the served stacks' own config files fix for the planner (KV fraction, per-layer
+    windows, batch and token limits: what the server will really use), stack by stack."""
     out: dict = {}
-    for path in (bundle / m["triton_model_repository"] / "tensorrt_llm" / "1" / "model.yaml",
-                 bundle / "configs" / "trtllm-serve.yaml"):
-        if not path.is_file():
-            continue
-        try:
-            y = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise DFlashError(f"{path}: invalid YAML ({e})") from None
-        if not isinstance(y, dict):
-            raise DFlashError(f"{path}: expected a mapping of TensorRT-LLM settings")
-        kv = y.get("kv_cache_config") or {}
-        if kv.get("free_gpu_memory_fraction") is not None:
-            out["kv_fraction"] = float(kv["free_gpu_memory_fraction"])
-        if kv.get("max_attention_window") is not None:
-            maw = kv["max_attention_window"]
-            if not (isinstance(maw, list) and maw and all(isinstance(w, int) and w > 0 for w in maw)):
-                raise DFlashError(f"{path}: kv_cache_config.max_attention_window must be a list of positive "
-                                  f"integers (one window per layer, repeated), got {maw!r}")
-            out["max_attention_window"] = maw
-        for key in ("max_batch_size", "max_num_tokens"):
-            if y.get(key):
-                out[key] = int(y[key])
-        if "enable_attention_dp" in y:
-            out["attention_dp"] = bool(y["enable_attention_dp"])
+    for st in stacks.served(m.served_stacks):
+        out |= st.planner_settings(bundle, m)
     return out
 
 
@@ -199,7 +174,7 @@ def deploy_values(bundle: str | Path, *, nodes: int = 1, gpus_per_node: int | No
                   replicas: int | None = None, gpu: str | None = None, pvc: str | None = None,
                   ssh_secret: str = DEFAULT_SSH_SECRET, max_seq_len: int | None = None,
                   image: str | None = None, multinode_image: str | None = None, server: str | None = None,
-                  engine_version: str | None = None) -> tuple[dict, planner.Plan | None]:
+                  engine_version: str | None = None, manifest: Manifest | None = None) -> tuple[dict, planner.Plan | None]:
     """Chart values for a bundle, and the plan they follow (None for CPU-only). `server`: the
     chart's server.stack (default: trtllm-serve when the bundle holds a TensorRT-LLM config, else
     its first stack; Triton's dflash_reference for CPU-only); `image` / `engine_version`: an image
@@ -207,18 +182,19 @@ def deploy_values(bundle: str | Path, *, nodes: int = 1, gpus_per_node: int | No
     records, engines.json)."""
     check_counts(nodes=nodes, gpus_per_node=gpus_per_node, replicas=replicas)
     bundle = Path(bundle)
-    m = read_manifest(bundle)
-    models = list(m["triton_models"])
-    served = list((m.get("serving_stacks") or {}).get("served") or (["trtllm"] if "tensorrt_llm" in models else []))
+    m = manifest or Manifest.read(bundle)
+    models = list(m.triton_models)
+    served = list(m.served_stacks)
     values: dict = {
-        "bundle": {"modelRepository": m["triton_model_repository"], "delivery": "pvc", "stacks": served},
-        "podAnnotations": {"dflash-trt/target": str(m["target"].get("name", "")),
-                           "dflash-trt/tool-version": str(m.get("tool_version", ""))},
+        "bundle": {"modelRepository": m.triton_model_repository, "delivery": "pvc", "stacks": served},
+        "podAnnotations": {"dflash-trt/target": str(m.target.name or ""),
+                           "dflash-trt/tool-version": str(m.tool_version or "")},
     }
-    p = plan_for_bundle(bundle, nodes=nodes, gpus_per_node=gpus_per_node, gpu=gpu, max_seq_len=max_seq_len)
-    server = server or ("triton" if p is None else default_server(served))
+    p = plan_for_bundle(bundle, nodes=nodes, gpus_per_node=gpus_per_node, gpu=gpu, max_seq_len=max_seq_len, manifest=m)
+    server = server or (stacks.cpu_server().name if p is None else default_server(served))
+    srv = stacks.server(server)
     values["server"] = {"stack": server}
-    if p is not None or server != "triton":
+    if p is not None or not srv.cpu_reference:
         values["image"] = server_image(m, server, served, image, engine_version)
     elif image:
         values["image"] = {**parse_image(image, "--image"), "engineVersion": engine_version or ""}
@@ -227,9 +203,9 @@ def deploy_values(bundle: str | Path, *, nodes: int = 1, gpus_per_node: int | No
         if REFERENCE_MODEL not in models:
             raise DFlashError(f"manifest.json: no GPU and no {REFERENCE_MODEL} model in triton_models {models}; "
                               "pass --gpu")
-        if server != "triton":
-            raise DFlashError(f"--server {server}: a CPU-only deployment serves the {REFERENCE_MODEL} model on Triton; "
-                              "pass --gpu for the bundle's GPU servers")
+        if not srv.cpu_reference:
+            raise DFlashError(f"--server {server}: a CPU-only deployment serves the {REFERENCE_MODEL} model on "
+                              f"{stacks.cpu_server().name}; pass --gpu for the bundle's GPU servers")
         values.update({
             "replicas": 1 if replicas is None else replicas,
             "workload": {"kind": "Deployment"},
@@ -246,7 +222,7 @@ def deploy_values(bundle: str | Path, *, nodes: int = 1, gpus_per_node: int | No
     if chosen is None:
         rejected = p.layouts[0].reason if p.layouts else "no layout"
         raise DFlashError(f"the bundle does not fit {nodes} × {p.hardware}: tp {p.layouts[0].tp}: {rejected}")
-    hw = hardware_for_gpu(gpu or m["gpu"])
+    hw = hardware_for_gpu(gpu or m.gpu)
     gpn = p.gpus_per_node
     pod_gpus = min(chosen.tp, gpn)
     n_replicas = chosen.replicas if replicas is None else replicas
@@ -269,10 +245,10 @@ def deploy_values(bundle: str | Path, *, nodes: int = 1, gpus_per_node: int | No
         # Ready for autoscaling.enabled: aim at 80 % of one instance's batch slots in flight.
         "autoscaling": {"targetAverageValue": str(max(1, int(AUTOSCALE_TARGET_SHARE * chosen.max_sequences)))},
     })
-    values["bundle"]["models"] = gpu_models if server == "triton" else []
+    values["bundle"]["models"] = gpu_models if srv.loads_triton_models else []
     values["bundle"]["pvc"] = _pvc(pvc, max(10, bundle_gib), rwx=multi or n_replicas > 1)
     if multi:
-        if server not in MPI_SERVERS:
+        if not srv.mpi_launch:
             raise DFlashError(f"--server {server}: the layout spans {chosen.nodes_per_replica} nodes per instance, and the "
                               f"chart's multi-node launch is MPI, which only {' and '.join(MPI_SERVERS)} run; pass "
                               f"--server {MPI_SERVERS[0]} or a layout within one node")
@@ -286,39 +262,39 @@ def deploy_values(bundle: str | Path, *, nodes: int = 1, gpus_per_node: int | No
     return values, p
 
 
-MPI_SERVERS = ("trtllm-serve", "triton")   # the chart's LeaderWorkerSet launch (trtllm-llmapi-launch under mpirun)
+# the chart's LeaderWorkerSet launch (trtllm-llmapi-launch under mpirun) runs these servers
+MPI_SERVERS = tuple(name for name, srv in stacks.servers().items() if srv.mpi_launch)
 
 
 def default_server(served: list[str]) -> str:
-    """trtllm-serve when the bundle holds a TensorRT-LLM config, else the first stack it holds."""
-    if "trtllm" in served:
-        return "trtllm-serve"
-    for server in engines.SERVERS:
-        if engines.server_stack(server) in served:
-            return server
+    """The first server, in the chart's order (trtllm-serve first), whose stack's config the bundle holds."""
+    for name, srv in stacks.servers().items():
+        if srv.engine_stack in served:
+            return name
     raise DFlashError("manifest.json: serving_stacks.served is empty: the bundle holds no serving config")
 
 
-def server_image(m: dict, server: str, served: list[str], image: str | None, engine_version: str | None) -> dict:
+def server_image(m: Manifest, server: str, served: list[str], image: str | None, engine_version: str | None) -> dict:
     """The chart's image block for `server`: --image with its engine version, or the image the
     manifest records for the server (engines; engines.json for bundles built before it). Refuses
     a server whose stack the bundle holds no config for, and an engine that predates DFlash."""
-    stack = engines.server_stack(server)
-    if stack not in served:
-        raise DFlashError(f"--server {server}: the bundle holds no {engines.facts()['stacks'][stack]['engine']} config "
+    st = stacks.engine_stack(server)
+    if st.name not in served:
+        raise DFlashError(f"--server {server}: the bundle holds no {st.facts['engine']} config "
                           f"(manifest.json serving_stacks.served {served}); choose one of "
-                          f"{', '.join(s for s in engines.SERVERS if engines.server_stack(s) in served)}")
+                          f"{', '.join(n for n, s in stacks.servers().items() if s.engine_stack in served)}")
     if image:
         block = parse_image(image, "--image")
         version, where = engine_version, f"--image {image}"
-        if stack == "trtllm" and block["repository"].endswith("/tritonserver") and engines.triton_image_engine(block["tag"]):
-            version = engines.triton_image_engine(block["tag"])   # Triton's matrix wins over a declaration
-            where += " (Triton's compatibility matrix)"
+        known = st.image_engine_version(block)
+        if known:   # a published image's table (Triton's matrix) wins over a declaration
+            version, source = known
+            where += f" ({source})"
         if not version:
-            raise DFlashError(f"--image {image}: pass --engine-version, the {engines.facts()['stacks'][stack]['engine']} "
+            raise DFlashError(f"--image {image}: pass --engine-version, the {st.facts['engine']} "
                               "version the image carries (deploy refuses one that predates DFlash)")
     else:
-        recorded = ((m.get("engines") or {}).get(stack) or {}).get("servers", {}).get(server)
+        recorded = (m.engines.get(st.name) or {}).get("servers", {}).get(server)
         row = engines.facts()["servers"][server]
         ref = recorded["image"] if recorded else engines.image_ref(row["image"])
         version = recorded["engine_version"] if recorded else row["engine_version"]

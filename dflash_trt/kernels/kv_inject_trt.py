@@ -3,7 +3,7 @@
 Registered through TensorRT's Python plugin API (`tensorrt.plugin`: register / aot_impl). TensorRT
 is imported only inside `register_plugin()`, so everything else here -- the kernel configuration,
 launch grid, scalar-argument order, shape and dtype inference -- is plain Python, used by the AOT
-build (dflash_trt.bundle.plugin_build) and tested on machines without TensorRT. The same arithmetic is
+build (dflash_trt.stacks.trtllm.plugin) and tested on machines without TensorRT. The same arithmetic is
 applied to TensorRT's symbolic shape expressions inside aot_impl (only +, * and // are used).
 
 Plugin I/O (one TensorRT node; the ONNX node `KVInject` with plugin_namespace "dflash"):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dflash_trt.errors import DFlashError
-from dflash_trt.io.checkpoint import CheckpointReader, expected_shape, nonfinite_tensors
+from dflash_trt.io.checkpoint import CheckpointReader, nonfinite_tensors
 from dflash_trt.io.jsonio import read_json
 from dflash_trt.models.config import (
     MAX_BLOCK,  # noqa: F401  (re-exported: the bound's historical home)
@@ -21,6 +21,7 @@ from dflash_trt.models.config import (
 )
 from dflash_trt.models.draft_vocab import read_draft_vocab
 from dflash_trt.models.drafter import DFlashDrafter
+from dflash_trt.models.shapes import expected_shape
 from dflash_trt.models.target import SUPPORTED, build_target, stop_token_ids
 
 NONFINITE_NOTE = "non-finite weights"  # marks the scan's problems (build/generate --allow-nonfinite)
@@ -151,7 +152,7 @@ def _tokenizer_size(folder: Path) -> int | None:
 
 
 def _check_target_tensors(folder: Path, cfg: dict, allow_pickle: bool = False) -> list[str]:
-    """Header shapes against config.json (io.checkpoint.expected_shape), before anything is
+    """Header shapes against config.json (models/shapes.expected_shape), before anything is
     allocated. (A ModelOpt-quantized target stores packed shapes: its headers are not compared.)"""
     try:
         with CheckpointReader(folder, allow_pickle=allow_pickle) as r:

@@ -1,4 +1,4 @@
-"""Building blocks shared by the target models and the drafter: RMSNorm, RoPE tables, SwiGLU.
+"""Building blocks shared by the target models and the drafter: RMSNorm, RoPE tables (full and partial), SwiGLU.
 
 Plain modules with Hugging Face parameter names, so state dicts load without renaming.
 """
@@ -77,20 +77,49 @@ def rope_inv_freq(hf_config) -> tuple[torch.Tensor, float]:
                           f"({type(e).__name__}: {e})") from None
 
 
-class RopeTable(nn.Module):
-    """cos/sin for positions [0, max_len), precomputed once (static shapes, gpt-fast style).
-    Computed in float32 and cast, as transformers does, so float64 runs match its oracle."""
+def partial_rope_inv_freq(hf_config) -> tuple[torch.Tensor, float]:
+    """rope_inv_freq for RoPE on the first head_dim * partial_rotary_factor features of each head
+    (Qwen3-Next / Qwen3.5 gated attention, MiniMax-M2): transformers' default variant of the shared
+    helper ignores the partial factor, the families' own rotary embeddings do not."""
+    p = getattr(hf_config, "rope_parameters", None) or {}
+    if p.get("rope_type", "default") != "default":
+        return rope_inv_freq(hf_config)
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    dim = int(head_dim * p.get("partial_rotary_factor", 1.0))
+    return 1.0 / (float(p["rope_theta"]) ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
 
-    def __init__(self, hf_config, max_len: int, dtype: torch.dtype):
+
+def rope_cos_sin(inv_freq: torch.Tensor, scaling: float, max_len: int, dtype: torch.dtype):
+    """cos/sin [max_len, 2 * len(inv_freq)] (cat(freqs, freqs)), in float32 and then cast, as
+    transformers computes them, so float64 runs match its oracle."""
+    freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq[None, :].float()
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+
+
+class RopeTable(nn.Module):
+    """cos/sin for positions [0, max_len), precomputed once (static shapes, gpt-fast style), from
+    `frequencies(hf_config)` -> (inv_freq, attention scaling) (default: rope_inv_freq)."""
+
+    def __init__(self, hf_config, max_len: int, dtype: torch.dtype, frequencies=rope_inv_freq):
         super().__init__()
-        inv_freq, scaling = rope_inv_freq(hf_config)
-        freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq[None, :].float()
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", (emb.cos() * scaling).to(dtype), persistent=False)
-        self.register_buffer("sin", (emb.sin() * scaling).to(dtype), persistent=False)
+        cos, sin = rope_cos_sin(*frequencies(hf_config), max_len, dtype)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    @property
+    def length(self) -> int:
+        return self.cos.shape[0]
 
     def forward(self, positions: torch.Tensor):
         return self.cos[positions], self.sin[positions]
+
+
+class PartialRope(RopeTable):
+    """RopeTable over the first rotary_dim = head_dim * partial_rotary_factor features (apply_partial_rope)."""
+
+    def __init__(self, hf_config, max_len: int, dtype: torch.dtype):
+        super().__init__(hf_config, max_len, dtype, partial_rope_inv_freq)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -98,3 +127,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rot * sin
+
+
+def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """apply_rope on the first cos.shape[-1] features of each head; the rest pass through."""
+    r = cos.shape[-1]
+    return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)

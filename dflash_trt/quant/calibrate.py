@@ -22,8 +22,9 @@ from dflash_trt.errors import DFlashError
 from dflash_trt.io.checkpoint import CheckpointReader, check_finite
 from dflash_trt.io.jsonio import iter_jsonl
 from dflash_trt.models.families import RUNTIME_FAMILIES
+from dflash_trt.models.families.dense import DecoderLayer
 from dflash_trt.models.layers import RopeTable
-from dflash_trt.models.target import DecoderLayer, hf_config
+from dflash_trt.models.shell import hf_config
 from dflash_trt.models.weights import dequantize_mxfp4
 
 

@@ -39,10 +39,10 @@ from dflash_trt.io.checkpoint import (
     TensorSpec,
     check_finite,
     check_finite_blocks,
-    check_shapes,
     load_config,
 )
 from dflash_trt.models.check import require_checkpoint_config
+from dflash_trt.models.shapes import check_shapes
 from dflash_trt.quant.calibrate import CalibrationResult, LayerCalibrator, layer_tensors, load_calib_samples
 from dflash_trt.quant.linear import (
     FORMATS,

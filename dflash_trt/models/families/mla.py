@@ -7,7 +7,8 @@ Static cache, as the serving engines keep MLA: per layer the normed latent [max_
 and the rotated shared key [max_len, qk_rope_head_dim] (GLM: plus the indexer's key
 [max_len, index_head_dim]), written at [start, start+T). Attention is computed in the latent space
 (kv_b_proj absorbed into the query and the output), so the per-head keys and values are never
-materialized; it equals transformers' expand-then-attend up to rounding.
+materialized; it equals transformers' expand-then-attend up to rounding. kimi_k25 embeds its
+image / video placeholder ids as token 0, as its Kimi_K25Model does for text-only input.
 """
 from __future__ import annotations
 
@@ -19,15 +20,13 @@ from torch import nn
 
 from dflash_trt.errors import DFlashError
 from dflash_trt.kernels import gemm
-from dflash_trt.models.layers import Linear, RMSNorm, RopeTable, SwiGLU, linear
-from dflash_trt.models.target import hf_config
+from dflash_trt.models.attention import pad_to_chunks
+from dflash_trt.models.layers import Linear, RMSNorm, SwiGLU, linear
+from dflash_trt.models.shell import Backbone, TargetShell, hf_config, text_config
 
-KV_PAD = 64   # as models/target.py: attention lengths in whole chunks (batch invariance)
-
-
-def text_config(hf):
-    """The decoder's transformers config (kimi_k25 keeps it in text_config)."""
-    return getattr(hf, "text_config", None) or hf
+WRAPPERS = {"kimi_k25": "deepseek_v3"}   # multimodal -> its text decoder (Kimi_K25Config: kimi_k2 is deepseek_v3)
+# The wrapper's multimodal placeholders (Kimi_K25Model.forward): in text-only input embedded as token 0
+PLACEHOLDERS = ("image_token_id", "video_token_id")
 
 
 def yarn_mscale(scale: float, mscale: float) -> float:
@@ -141,9 +140,9 @@ class MLAttention(nn.Module):
         w_k, w_v = w[:, :self.nope], w[:, self.nope:]             # per head: k_nope = w_k @ latent, v = w_v @ latent
         rows = q_nope.dtype != torch.float64 and q_nope.shape[1] <= gemm.MAX_ROWS
         if rows:
-            # Batch invariance (models/target.py): whole KV_PAD chunks, one query row per product;
+            # Batch invariance (models/attention.py): whole KV_PAD chunks, one query row per product;
             # the padding is masked, so it adds exact zeros
-            n = min(-(-n // KV_PAD) * KV_PAD, self.latent_cache.shape[0])
+            n = min(pad_to_chunks(n), self.latent_cache.shape[0])
             mask = F.pad(mask, (0, n - mask.shape[1]), value=False)
         latent, k_rot = self.latent_cache[:n], self.rope_cache[:n]
 
@@ -220,50 +219,26 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x)), selected
 
 
-class Backbone(nn.Module):
-    def __init__(self, c, glm: bool):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(c, i, glm) for i in range(c.num_hidden_layers))
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-
-
-class MLAModel(nn.Module):
-    """TargetModel's interface (models/families) for the MLA families."""
+class MLAModel(TargetShell):
+    """The runtime model of the MLA families."""
 
     def __init__(self, cfg: dict, dtype: torch.dtype = torch.float32, max_len: int = 4096):
-        super().__init__()
-        self.cfg = cfg
-        top = hf_config(cfg)
-        self.hf = c = text_config(top)
+        super().__init__(cfg)
+        tc, _ = text_config(cfg, WRAPPERS)
+        self.hf = c = hf_config(tc)
         if getattr(c, "hidden_act", "silu") != "silu":
             raise DFlashError(f"config.json: hidden_act {c.hidden_act!r}: the MLA families run silu only")
-        self.wrapped = isinstance(cfg.get("text_config"), dict)   # kimi_k25
-        self.model = Backbone(c, glm=c.model_type == "glm_moe_dsa")
-        self.tied = bool(getattr(top, "tie_word_embeddings", False))   # kimi_k25: the wrapper's flag, as transformers
-        if not self.tied:
-            self.lm_head = Linear(c.hidden_size, c.vocab_size, bias=False)
-        self.rope = RopeTable(c, max(max_len, 1), dtype)
-        self.num_layers, self.hidden_size, self.vocab_size = c.num_hidden_layers, c.hidden_size, c.vocab_size
+        self.wrapped = cfg.get("model_type") in WRAPPERS   # kimi_k25
+        top = hf_config(cfg) if self.wrapped else c
+        if self.wrapped:
+            self.placeholders = tuple(i for n in PLACEHOLDERS if (i := getattr(top, n, None)) is not None)
         self.mtp_layers = int(getattr(c, "num_nextn_predict_layers", 0) or 0)
-        self.max_len = 0
-        self.to(dtype)
+        glm = c.model_type == "glm_moe_dsa"
+        self.finish(Backbone(c, lambda i: DecoderLayer(c, i, glm)),
+                    bool(getattr(top, "tie_word_embeddings", False)), dtype, max_len)   # kimi_k25: the wrapper's flag
         for m in self.modules():
             if isinstance(m, Router):   # kept in float32, as transformers keeps gate.weight and the bias
                 m.float()
-
-    @property
-    def dtype(self):
-        return self.model.embed_tokens.weight.dtype
-
-    def lm_head_weight(self):
-        return self.model.embed_tokens.weight if self.tied else self.lm_head.weight
-
-    def logits(self, h):
-        return linear(h, self.lm_head_weight())
-
-    def embed(self, tokens):
-        return self.model.embed_tokens(tokens)
 
     def cache_bytes_per_position(self) -> int:
         per = 0
@@ -272,19 +247,13 @@ class MLAModel(nn.Module):
             per += a.rank + a.rd + (a.indexer.hd if a.indexer is not None else 0)
         return per * self.dtype.itemsize
 
-    def setup_cache(self, max_len: int):
-        if max_len <= self.max_len:
-            return
-        max_len = -(-max_len // KV_PAD) * KV_PAD
-        if max_len > self.rope.cos.shape[0]:
-            self.rope = RopeTable(self.hf, max_len, self.dtype)
+    def allocate_cache(self, max_len: int) -> None:
         for layer in self.model.layers:
             a = layer.self_attn
             a.latent_cache = torch.zeros(max_len, a.rank, dtype=self.dtype)
             a.rope_cache = torch.zeros(max_len, a.rd, dtype=self.dtype)
             if a.indexer is not None:
                 a.indexer.k_cache = torch.zeros(max_len, a.indexer.hd, dtype=self.dtype)
-        self.max_len = max_len
 
     def state_name(self, name: str) -> str | None:
         """This model's name for a checkpoint tensor; None for one it does not load. kimi_k25 stores
@@ -309,25 +278,12 @@ class MLAModel(nn.Module):
             return None
         return k
 
-    @torch.no_grad()
-    def forward(self, tokens: torch.Tensor, start: int, capture=(), all_logits: bool = False):
-        T = tokens.shape[0]
-        if start + T > self.max_len:
-            raise DFlashError(f"sequence of {start + T} tokens exceeds the KV cache ({self.max_len}); raise max_len")
-        pos = torch.arange(start, start + T)
+    def decode(self, tokens, x, start: int, pos, mask):
         cos, sin = self.rope(pos)
-        mask = torch.arange(start + T)[None, :] <= pos[:, None]
-        x = self.model.embed_tokens(tokens)
-        feats, selected, last = {}, None, self.num_layers - 1
-        for i, layer in enumerate(self.model.layers):
+        selected = None
+        for layer in self.model.layers:
             x, selected = layer(x, cos, sin, start, mask, selected)
-            if i in capture and i != last:
-                feats[i] = x
-        x = self.model.norm(x)
-        if last in capture:
-            feats[last] = x
-        logits = self.logits(x if all_logits else x[-1:])
-        return logits, (torch.cat([feats[i] for i in capture], dim=-1) if capture else None)
+            yield x
 
 
 def build(cfg: dict, dtype: torch.dtype = torch.float32, max_len: int = 4096) -> MLAModel:

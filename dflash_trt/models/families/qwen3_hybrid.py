@@ -17,7 +17,7 @@ The multimodal wrappers (model_type qwen3_5 / qwen3_5_moe: Qwen3.5 and Qwen3.6 a
 their text decoder: config.json's text_config, tensors model.language_model.* (model.visual.* and
 the MTP head mtp.* are not loaded: text in, no MTP drafting).
 
-State: full-attention layers own static KV caches (as models/target.py). A linear-attention
+State: full-attention layers own static KV caches (models/attention.py). A linear-attention
 layer's state after position p is a function of every token before it, so a rollback cannot just
 move a pointer: each layer keeps its last forward's inputs to the recurrence (the conv window
 before it, the per-token k / v / decay / beta, the state it started from and the one it ended
@@ -32,35 +32,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_trt.errors import DFlashError
-from dflash_trt.models.layers import Linear, SwiGLU, apply_rope, linear, rope_inv_freq
-from dflash_trt.models.target import KV_PAD, Attention
+from dflash_trt.models.attention import CachedAttention
+from dflash_trt.models.layers import Linear, PartialRope, SwiGLU, apply_partial_rope
+from dflash_trt.models.shell import Backbone, TargetShell, hf_config, text_config
 
 WRAPPERS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}   # multimodal -> its text decoder
 FUSED_IN_PROJ = ("qwen3_next",)       # in_proj_qkvz / in_proj_ba; Qwen3.5 splits them
 ALWAYS_MOE = ("qwen3_5_moe_text",)
 NEVER_MOE = ("qwen3_5_text",)
-
-
-def text_config(cfg: dict) -> tuple[dict, str]:
-    """The decoder's config.json fields (with model_type) and the checkpoint prefix of its tensors."""
-    mt = cfg.get("model_type")
-    if mt not in WRAPPERS:
-        return cfg, "model."
-    tc = cfg.get("text_config")
-    if not isinstance(tc, dict):
-        raise DFlashError(f"config.json: model_type {mt!r} keeps its decoder's fields in text_config, which is missing")
-    return {"model_type": WRAPPERS[mt], **tc}, "model.language_model."
-
-
-def hf_text_config(tc: dict):
-    from transformers import AutoConfig
-
-    kw = {k: v for k, v in tc.items() if k not in ("model_type", "transformers_version", "quantization_config")}
-    try:
-        return AutoConfig.for_model(tc["model_type"], **kw)
-    except Exception as e:  # noqa: BLE001  transformers validates fields with many exception types
-        msg = str(e).strip().splitlines()[-1].strip() if str(e).strip() else type(e).__name__
-        raise DFlashError(f"config.json: transformers refuses this {tc['model_type']} config ({msg})") from None
+# Family facts (models/shapes.py reads them): q_proj also emits the attention-output gate (nh * head_dim * 2
+# outputs; transformers 5.24 qwen3_next / qwen3_5 / qwen3_5_moe Attention: q_proj = Linear(hidden, heads * head_dim * 2)).
+Q_PROJ_WITH_GATE = ("qwen3_next", *WRAPPERS, *WRAPPERS.values())
 
 
 def _compute_dtype(dt: torch.dtype) -> torch.dtype:
@@ -97,40 +79,12 @@ class GatedRMSNorm(nn.Module):
         return (self.weight * xf.to(x.dtype) * F.silu(gate.to(dt))).to(x.dtype)
 
 
-class PartialRope(nn.Module):
-    """cos/sin [max_len, rotary_dim] for the first rotary_dim = head_dim * partial_rotary_factor
-    features (computed in float32 and cast, as transformers does)."""
-
-    def __init__(self, c, max_len: int, dtype: torch.dtype):
-        super().__init__()
-        p = getattr(c, "rope_parameters", None) or {}
-        if p.get("rope_type", "default") == "default":   # transformers' own default ignores the partial factor
-            dim = int(c.head_dim * p.get("partial_rotary_factor", 1.0))
-            inv_freq = 1.0 / (float(p["rope_theta"]) ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-            scaling = 1.0
-        else:
-            inv_freq, scaling = rope_inv_freq(c)
-        freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq[None, :].float()
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", (emb.cos() * scaling).to(dtype), persistent=False)
-        self.register_buffer("sin", (emb.sin() * scaling).to(dtype), persistent=False)
-
-    def forward(self, positions):
-        return self.cos[positions], self.sin[positions]
-
-
-def apply_partial_rope(x, cos, sin):
-    r = cos.shape[-1]
-    return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
-
-
-class GatedAttention(Attention):
+class GatedAttention(CachedAttention):
     """Full attention with an output gate: q_proj gives [query | gate] per head; out = o_proj(attn * sigmoid(gate)).
-    The cache and the attention itself are target.Attention's (attend_cached)."""
+    The cache and the attention itself are CachedAttention's (attend_cached)."""
 
     def __init__(self, c):
-        nn.Module.__init__(self)
-        self.nh, self.nkv, self.hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        super().__init__(c.num_attention_heads, c.num_key_value_heads, c.head_dim)
         bias = bool(getattr(c, "attention_bias", False))
         self.q_proj = Linear(c.hidden_size, 2 * self.nh * self.hd, bias=bias)
         self.k_proj = Linear(c.hidden_size, self.nkv * self.hd, bias=bias)
@@ -138,8 +92,6 @@ class GatedAttention(Attention):
         self.o_proj = Linear(self.nh * self.hd, c.hidden_size, bias=bias)
         self.q_norm = ZeroCenteredRMSNorm(self.hd, c.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(self.hd, c.rms_norm_eps)
-        self.has_sinks, self.window = False, None
-        self.k_cache = self.v_cache = None
 
     def forward(self, x, cos, sin, start: int, mask):
         T = x.shape[0]
@@ -305,38 +257,19 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Backbone(nn.Module):
-    def __init__(self, c):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_hidden_layers))
-        self.norm = ZeroCenteredRMSNorm(c.hidden_size, c.rms_norm_eps)
-
-
-class HybridTarget(nn.Module):
-    """TargetModel's interface (models/families) for the Qwen3-Next / Qwen3.5 hybrid decoders."""
+class HybridTarget(TargetShell):
+    """The runtime model of the Qwen3-Next / Qwen3.5 hybrid decoders."""
 
     def __init__(self, cfg: dict, dtype: torch.dtype = torch.float32, max_len: int = 4096):
-        super().__init__()
-        self.cfg = cfg
-        tc, self.prefix = text_config(cfg)
-        self.hf = c = hf_text_config(tc)
+        super().__init__(cfg)
+        tc, self.prefix = text_config(cfg, WRAPPERS)
+        self.hf = c = hf_config(tc)
         types = list(c.layer_types or [])
         if len(types) != c.num_hidden_layers:
             raise DFlashError(f"config.json: layer_types has {len(types)} entries for {c.num_hidden_layers} layers")
-        self.model = Backbone(c)
-        self.tied = bool(tc.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False)))
-        if not self.tied:
-            self.lm_head = Linear(c.hidden_size, c.vocab_size, bias=False)
-        self.rope = PartialRope(c, max(max_len, 1), dtype)
-        self.num_layers, self.hidden_size, self.vocab_size = c.num_hidden_layers, c.hidden_size, c.vocab_size
-        self.max_len = 0
         self.last_pass = (0, 0)   # (start, T) of the last forward: where the linear-attention states can resume
-        self.to(dtype)
-
-    @property
-    def dtype(self):
-        return self.model.embed_tokens.weight.dtype
+        self.finish(Backbone(c, lambda i: DecoderLayer(c, i), ZeroCenteredRMSNorm),
+                    bool(tc.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))), dtype, max_len)
 
     def state_name(self, name: str) -> str | None:
         """This model's name for a checkpoint tensor; None for one it does not load (a multimodal
@@ -347,36 +280,16 @@ class HybridTarget(nn.Module):
             return "model." + name[len(self.prefix):]
         return name if name == "lm_head.weight" or self.prefix == "model." else None
 
-    def lm_head_weight(self):
-        return self.model.embed_tokens.weight if self.tied else self.lm_head.weight
+    def rope_table(self, max_len: int, dtype: torch.dtype):
+        return PartialRope(self.hf, max_len, dtype)
 
-    def logits(self, h):
-        return linear(h, self.lm_head_weight())
-
-    def embed(self, tokens):
-        return self.model.embed_tokens(tokens)
-
-    def _attn_layers(self):
+    def kv_layers(self):
+        """The full-attention layers (the linear-attention layers' state: recurrent_state_bytes)."""
         return [layer.self_attn for layer in self.model.layers if layer.kind == "full_attention"]
-
-    def cache_bytes_per_position(self) -> int:
-        """The full-attention layers' KV per position (linear-attention layers: recurrent_state_bytes)."""
-        return sum(2 * a.nkv * a.hd * self.dtype.itemsize for a in self._attn_layers())
 
     def recurrent_state_bytes(self) -> int:
         """The fixed per-sequence state of the linear-attention layers (recurrent + conv window)."""
         return sum(layer.linear_attn.state_bytes() for layer in self.model.layers if layer.kind == "linear_attention")
-
-    def setup_cache(self, max_len: int):
-        if max_len <= self.max_len:
-            return
-        max_len = -(-max_len // KV_PAD) * KV_PAD   # whole KV_PAD chunks: see target.Attention.attend_cached
-        if max_len > self.rope.cos.shape[0]:
-            self.rope = PartialRope(self.hf, max_len, self.dtype)
-        for a in self._attn_layers():
-            a.k_cache = torch.zeros(a.nkv, max_len, a.hd, dtype=self.dtype)
-            a.v_cache = torch.zeros(a.nkv, max_len, a.hd, dtype=self.dtype)
-        self.max_len = max_len
 
     def _offset(self, start: int) -> int | None:
         if start == 0:
@@ -387,27 +300,13 @@ class HybridTarget(nn.Module):
                               "(the last forward) only; start again from position 0")
         return start - s0
 
-    @torch.no_grad()
-    def forward(self, tokens: torch.Tensor, start: int, capture: list[int] = (), all_logits: bool = False):
-        T = tokens.shape[0]
-        if start + T > self.max_len:
-            raise DFlashError(f"sequence of {start + T} tokens exceeds the KV cache ({self.max_len}); raise max_len")
+    def decode(self, tokens, x, start: int, pos, mask):
         offset = self._offset(start)
-        pos = torch.arange(start, start + T)
         cos, sin = self.rope(pos)
-        mask = torch.arange(start + T)[None, :] <= pos[:, None]
-        x = self.model.embed_tokens(tokens)
-        feats, last = {}, self.num_layers - 1
-        for i, layer in enumerate(self.model.layers):
+        for layer in self.model.layers:
             x = layer(x, cos, sin, start, mask, offset)
-            if i in capture and i != last:
-                feats[i] = x
-        self.last_pass = (start, T)
-        x = self.model.norm(x)
-        if last in capture:
-            feats[last] = x
-        logits = self.logits(x if all_logits else x[-1:])
-        return logits, (torch.cat([feats[i] for i in capture], dim=-1) if capture else None)
+            yield x
+        self.last_pass = (start, tokens.shape[0])
 
 
 def build(cfg: dict, dtype: torch.dtype = torch.float32, max_len: int = 4096) -> HybridTarget:

@@ -1,5 +1,5 @@
 """How a process of the vLLM side env (paths.vllm_env_dir) is started: its Python and its
-environment. One place for both users: bundle/vllm_server.py (`vllm serve`, the env's making) and
+environment. One place for both users: stacks/vllm/server.py (`vllm serve`, the env's making) and
 train/data.py (the trainer's vLLM answers)."""
 from __future__ import annotations
 

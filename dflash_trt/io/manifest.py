@@ -13,8 +13,10 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from dflash_trt import engines
 from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import arch_sms, gpus
 from dflash_trt.io.atomic import MARKER, atomic_write_text
@@ -88,7 +90,7 @@ MANIFEST_SCHEMA: dict = {
         # which stacks got a config; a skipped stack maps to the upstream rule the layout breaks
         "serving_stacks": {
             "type": "object", "required": ["served", "skipped"],
-            "properties": {"served": {"type": "array", "items": {"enum": ["trtllm", "vllm", "sglang"]}},
+            "properties": {"served": {"type": "array", "items": {"enum": list(engines.facts()["stacks"])}},
                            "skipped": {"type": "object", "additionalProperties": {"type": "string"}}},
         },
         # each served stack's engine facts and its servers' images (engines.json, dflash_trt/engines.py)
@@ -228,6 +230,106 @@ def read_manifest(bundle: str | Path) -> dict:
     if not isinstance(m["target"].get("config"), dict):  # the schema's check, without jsonschema installed
         raise DFlashError(f"{path}: target.config must be the target's config.json object")
     return m
+
+
+# ------------------------------------------------------------------ the manifest, typed
+# Bundles written before `serving_stacks` existed served the stack of their Triton GPU model.
+LEGACY_STACK_OF_TRITON_MODEL = {"tensorrt_llm": "trtllm"}
+
+
+@dataclass(frozen=True)
+class TargetRecord:
+    name: str
+    path: str
+    config: dict                        # the target's config.json
+    hf_id: str | None = None
+    revision: str | None = None
+    bundle_path: str = "target"
+    sha256: str | None = None
+
+
+@dataclass(frozen=True)
+class DrafterRecord:
+    path: str
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: dict              # convention -> ids (stacks/layer_ids.py)
+    config: dict | None = None          # the drafter's config.json (absent in early bundles)
+    bundle_path: str | None = None
+    revision: str | None = None
+    trained_block_size: int | None = None
+    sha256: str | None = None
+
+
+@dataclass(frozen=True)
+class QuantRecord:
+    target: str                         # nvfp4 | fp8 | mxfp4 | none
+    kv_cache: str                       # fp8 | bf16
+    drafter: str = "none"               # fp8 | none
+
+
+@dataclass(frozen=True)
+class ParallelRecord:
+    tp: int = 1
+    ep: int = 1
+    pp: int = 1
+
+
+def _record(cls, d: dict):
+    names = cls.__dataclass_fields__
+    return cls(**{k: v for k, v in d.items() if k in names})
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """manifest.json as one typed object, read once per command (Manifest.read). `raw` keeps the
+    JSON exactly as read, every key, so that a command updating the manifest writes it back whole."""
+    schema_version: int
+    tool_version: str
+    target: TargetRecord
+    drafter: DrafterRecord
+    arch: str
+    gpu: str | None
+    quant: QuantRecord
+    parallel: ParallelRecord
+    backend: str
+    triton_model_repository: str
+    triton_models: list[str]
+    served_stacks: list[str]            # serving_stacks.served: the stacks with a config in the bundle
+    skipped_stacks: dict[str, str]      # serving_stacks.skipped: stack -> the rule its layout breaks
+    engines: dict                       # stack -> engine facts and its servers' images (engines.json at build)
+    max_seq_len: int | None = None
+    sm: list[int] = field(default_factory=list)
+    serving_configs: dict = field(default_factory=dict)
+    serving_profile: dict = field(default_factory=dict)
+    trt_drafter_engine: bool = False
+    stages: dict = field(default_factory=dict)
+    artifacts: list[dict] = field(default_factory=list)
+    created: str | None = None
+    raw: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def from_dict(cls, m: dict) -> Manifest:
+        """A validated manifest dict (read_manifest) as the typed object; defaults for keys that
+        bundles of earlier versions lack."""
+        ss = m.get("serving_stacks") or {}
+        served = list(ss.get("served") or [LEGACY_STACK_OF_TRITON_MODEL[x] for x in m["triton_models"]
+                                           if x in LEGACY_STACK_OF_TRITON_MODEL])
+        return cls(schema_version=m["schema_version"], tool_version=m["tool_version"],
+                   target=_record(TargetRecord, m["target"]), drafter=_record(DrafterRecord, m["drafter"]),
+                   arch=m["arch"], gpu=m["gpu"], quant=_record(QuantRecord, {**m["quant"], "drafter": m["quant"].get(
+                       "drafter") or "none"}),
+                   parallel=_record(ParallelRecord, m["parallel"]), backend=m["backend"],
+                   triton_model_repository=m["triton_model_repository"], triton_models=list(m["triton_models"]),
+                   served_stacks=served, skipped_stacks=dict(ss.get("skipped") or {}), engines=m.get("engines") or {},
+                   max_seq_len=m.get("max_seq_len"), sm=list(m.get("sm") or []),
+                   serving_configs=m.get("serving_configs") or {}, serving_profile=m.get("serving_profile") or {},
+                   trt_drafter_engine=bool(m.get("trt_drafter_engine")), stages=m.get("stages") or {},
+                   artifacts=list(m["artifacts"]), created=m.get("created"), raw=m)
+
+    @classmethod
+    def read(cls, bundle: str | Path) -> Manifest:
+        return cls.from_dict(read_manifest(bundle))
 
 
 def write_manifest(bundle: str | Path, manifest: dict) -> Path:

@@ -148,4 +148,4 @@ def sass_info(cubin: str | Path) -> dict:
     arch = re.search(r"code for (sm_\w+)", r.stdout)
     return {"arch": arch.group(1) if arch else None,
             "functions": re.findall(r"Function : (\S+)", r.stdout),
-            "instructions": len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+\S", r.stdout, re.M))}
+            "instructions": len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+\S", r.stdout, re.MULTILINE))}

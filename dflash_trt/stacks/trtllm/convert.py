@@ -40,11 +40,11 @@ from dflash_trt.io.checkpoint import (
     ShardedWriter,
     TensorSpec,
     check_finite,
-    check_shapes,
     load_config,
 )
 from dflash_trt.io.direct_io import DirectWriter
 from dflash_trt.models.check import require_checkpoint_config
+from dflash_trt.models.shapes import check_shapes
 from dflash_trt.quant.calibrate import CalibrationResult, calibrate, load_calib_samples
 from dflash_trt.quant.linear import (
     FORMATS,

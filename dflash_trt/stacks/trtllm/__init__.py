@@ -1,0 +1,150 @@
+"""TensorRT-LLM: `trtllm-serve` (PyTorch backend, DFlashDecodingConfig) and Triton's tensorrt_llm
+model, the default stack of a GPU bundle. Its pieces, one concept a module:
+
+    serve_config.py  configs/trtllm-serve.yaml (and the Triton model's model.yaml), its rules
+    profiles.py      --profile latency|throughput: NVIDIA's curated settings per model family
+    budget.py        the DFlash draft-context buffer per rank and the budget it must fit
+    convert.py       the engine path's checkpoint (`dflash-trt convert`, --backend engine)
+    engine.py        the GPU compile stage: TensorRT engines (deferred without a GPU)
+    plugin.py        the dflash::KVInject plugin's AOT kernels (--trt-drafter-engine)
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import ClassVar
+
+import yaml
+
+from dflash_trt import engines
+from dflash_trt.errors import DFlashError
+from dflash_trt.hardware import hardware_for_gpu
+from dflash_trt.stacks.base import BundleContext, Server, Stack
+from dflash_trt.stacks.tritonserver.repo import llmapi_model_yaml
+from dflash_trt.stacks.trtllm.budget import draft_context_budget
+from dflash_trt.stacks.trtllm.profiles import drafter_attention_backend, profile_settings
+from dflash_trt.stacks.trtllm.serve_config import (
+    CHECKED_AGAINST,
+    FP8_DRAFTER_REFUSED,
+    TRTLLM_KV_FRACTION,
+    trtllm_drafter_options,
+    trtllm_serve_config,
+)
+
+# Bytes per weight element of a bf16 checkpoint after quantization (scales included), to estimate
+# the resident weights before quantize runs (planner.ELEMENT_BYTES / bf16's 2 bytes).
+QUANT_BYTES_RATIO = {"fp8": 0.5, "nvfp4": (0.5 + 1 / 16) / 2}
+TRITON_MODEL = "tensorrt_llm"
+
+
+def serve_config(m: dict, tcfg: dict, B: int, dcfg=None) -> dict:
+    """configs/trtllm-serve.yaml of a bundle, from its manifest's first part."""
+    d, p = m["drafter"], m["parallel"]
+    cfg = trtllm_serve_config(target_cfg=tcfg, drafter_path="drafter", block_size=B, mask_token_id=d["mask_token_id"],
+                              zlab_ids=d["target_layer_ids"]["trtllm"], tp=p["tp"], ep=p["ep"], pp=p["pp"],
+                              kv_cache=m["quant"]["kv_cache"], arch=m["arch"], max_seq_len=m["max_seq_len"],
+                              profile=profile_settings(m.get("serving_profile", {}).get("profile", "latency"), tcfg, B,
+                                                       m.get("serving_profile", {}).get("max_batch_size")),
+                              drafter_attention_backend=drafter_attention_backend(m["arch"]))
+    # A drafter's own rules last: non-causal sliding-window layers pin VANILLA over the per-GPU choice.
+    if dcfg is not None:
+        cfg["speculative_config"].update(trtllm_drafter_options(dcfg))
+    return cfg
+
+
+def check_draft_context(*, target_config: dict, drafter_config: dict, target_dir: Path, gpu: str | None, quant: str,
+                        tp: int, profile_name: str, profile: dict) -> None:
+    """Refuse, before any stage runs, a layout whose DFlash draft-context buffer exceeds the budget
+    TensorRT-LLM checks it against (budget.py), with the numbers. Weights per rank: the target's
+    on-disk bytes / tp (the estimate TensorRT-LLM's check uses), scaled to the target format when
+    build quantizes a bf16 checkpoint. Needs a GPU (its memory)."""
+    if not gpu:
+        return
+    hw = hardware_for_gpu(gpu)
+    weights = sum(f.stat().st_size for f in Path(target_dir).glob("*.safetensors"))
+    if quant in QUANT_BYTES_RATIO and not (target_config.get("quantization_config") or {}):
+        weights = int(weights * QUANT_BYTES_RATIO[quant])
+    max_seq_len = min(int(target_config.get("max_position_embeddings", 8192)), 32768)
+    b = draft_context_budget(max_batch=profile["max_batch_size"], max_seq_len=max_seq_len, drafter_cfg=drafter_config,
+                             gpu_memory_bytes=hw.reported_memory_bytes, weights_bytes_per_rank=weights // tp,
+                             free_gpu_memory_fraction=TRTLLM_KV_FRACTION)
+    if not b.fits:
+        raise DFlashError(f"--gpu {gpu} --tp {tp} --profile {profile_name}: {b.describe()}: TensorRT-LLM refuses "
+                          f"this layout at start; pass --max-batch-size {b.largest_batch} or less, or a wider --tp")
+
+
+def read_llm_api_settings(bundle: Path, repository: str) -> dict:
+    """KV fraction, per-layer attention windows, batch and token limits from the bundle's
+    TensorRT-LLM settings (what the server will really use), where present: the Triton model's
+    model.yaml, then configs/trtllm-serve.yaml (it wins where both set a key)."""
+    out: dict = {}
+    for path in (bundle / repository / TRITON_MODEL / "1" / "model.yaml", bundle / "configs" / "trtllm-serve.yaml"):
+        if not path.is_file():
+            continue
+        try:
+            y = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise DFlashError(f"{path}: invalid YAML ({e})") from None
+        if not isinstance(y, dict):
+            raise DFlashError(f"{path}: expected a mapping of TensorRT-LLM settings")
+        kv = y.get("kv_cache_config") or {}
+        if kv.get("free_gpu_memory_fraction") is not None:
+            out["kv_fraction"] = float(kv["free_gpu_memory_fraction"])
+        if kv.get("max_attention_window") is not None:
+            maw = kv["max_attention_window"]
+            if not (isinstance(maw, list) and maw and all(isinstance(w, int) and w > 0 for w in maw)):
+                raise DFlashError(f"{path}: kv_cache_config.max_attention_window must be a list of positive "
+                                  f"integers (one window per layer, repeated), got {maw!r}")
+            out["max_attention_window"] = maw
+        for key in ("max_batch_size", "max_num_tokens"):
+            if y.get(key):
+                out[key] = int(y[key])
+        if "enable_attention_dp" in y:
+            out["attention_dp"] = bool(y["enable_attention_dp"])
+    return out
+
+
+class TensorRTLLM(Stack):
+    name = "trtllm"
+    title = "TensorRT-LLM"
+    checked_against = CHECKED_AGAINST
+    # trtllm-serve, and Triton's tensorrt_llm model (stacks/tritonserver), both MPI-launched across nodes
+    servers = (Server("trtllm-serve", mpi_launch=True),)
+    config_files: ClassVar[dict[str, str]] = {"trtllm_serve": "configs/trtllm-serve.yaml"}
+    triton_models = (TRITON_MODEL,)
+
+    def layout_problems(self, *, tp, pp, block_size):
+        # DFlashDecodingConfig: max_draft_len (NonNegativeInt) = B - 1 drafted tokens per step
+        return [] if block_size - 1 > 0 else [f"max_draft_len = {block_size - 1}: must be > 0"]
+
+    def drafter_quant_problem(self, drafter_quant):
+        return FP8_DRAFTER_REFUSED if drafter_quant == "fp8" else None
+
+    def check_build(self, **kw):
+        check_draft_context(**kw)
+
+    def write_configs(self, ctx: BundleContext) -> None:
+        (ctx.work / "configs" / "trtllm-serve.yaml").write_text(
+            "# trtllm-serve target --config configs/trtllm-serve.yaml   (run from the bundle root)\n"
+            + yaml.safe_dump(serve_config(ctx.manifest, ctx.target_config, ctx.block_size, ctx.drafter),
+                             sort_keys=False))
+
+    def triton_inputs(self, ctx: BundleContext) -> dict:
+        cfg = serve_config(ctx.manifest, ctx.target_config, ctx.block_size, ctx.drafter)
+        return {"llm_yaml": llmapi_model_yaml(cfg, "target", decoupled=True, max_batch_size=0)}
+
+    def serve_commands(self, served):
+        return {"triton": "tritonserver --model-repository triton",
+                "triton_multinode": "trtllm-llmapi-launch tritonserver --model-repository triton",
+                "trtllm_serve": "trtllm-serve target --config configs/trtllm-serve.yaml"}
+
+    def planner_settings(self, bundle, manifest):
+        return read_llm_api_settings(Path(bundle), manifest.triton_model_repository)
+
+    def image_engine_version(self, image):
+        # an NGC tritonserver image: Triton's compatibility matrix says which TensorRT-LLM it carries
+        if image["repository"].endswith("/tritonserver") and engines.triton_image_engine(image["tag"]):
+            return engines.triton_image_engine(image["tag"]), "Triton's compatibility matrix"
+        return None
+
+
+STACK = TensorRTLLM()

