@@ -24,7 +24,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	# A real Triton server for the tests and `dflash-trt serve`: the tritonserver binary of the
 	# nvidia-pytriton wheel, without its dependencies (it pins numpy<2); its Python-backend stub
-	# gets numpy<2 from a side env (.venv/triton-stub), see dflash_trt/bundle/triton_server.py.
+	# gets numpy<2 from a side env (.venv/triton-stub), see dflash_trt/stacks/tritonserver/server.py.
 	$(BIN)/pip install -q --no-deps nvidia-pytriton==0.7.0
 	$(BIN)/dflash-trt serve --make-stub-env
 	touch $(STAMP)
