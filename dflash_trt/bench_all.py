@@ -16,6 +16,8 @@
   ratios (bench/bench_vllm.py; vLLM compiled and eager, the faster reported). Skipped, with the reason, where
   the vLLM env is missing;
 - kv_inject.json: fused KV injection against the reference (bench/bench_kv_inject.py);
+- omp_wait.json: `dflash-trt bench` (2 prompts x 32 tokens) beside one busy process, with the CLI's
+  default OMP_WAIT_POLICY=PASSIVE and with libgomp's own default (bench/bench_omp_wait.py);
 - quantize.json: streaming NVFP4 quantization of multi-GB synthetic checkpoints against
   `cat` and ModelOpt (bench/bench_quantize.py). Skipped with --quick.
 - build_real_size.json: `dflash-trt build` end to end on a gpt-oss-20b-sized pair (13.8 GB),
@@ -116,6 +118,10 @@ def main() -> int:
     kv = _script("bench_kv_inject.py", [], out / "kv_inject.json")
     if kv is not None:
         summary["kv_inject"] = kv
+    omp = _script("bench_omp_wait.py", [], out / "omp_wait.json")
+    if omp is not None:
+        summary["omp_wait"] = {k: {"wall_s": v.get("wall_s"), "tokens_per_s_ar": v.get("tokens_per_s_ar")}
+                               for k, v in omp["settings"].items()}
     if not a.quick:
         q = _script("bench_quantize.py", ["--json"], out / "quantize.json")
         if q is not None:

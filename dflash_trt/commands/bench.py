@@ -25,18 +25,56 @@ from dflash_trt.commands import THREADS, FiniteFloatRange
 @click.option("--full-draft-vocab", is_flag=True,
               help="Draft from the whole vocabulary even if the drafter has a draft_vocab.json.")
 @click.option("--json", "as_json", is_flag=True, help="Print the full JSON report on stdout.")
-def bench_cmd(target, drafter, prompts_file, max_new_tokens, block_size, temperature, limit, dtype, threads,
-              fused, full_draft_vocab, as_json):
+@click.option("--endpoint", metavar="URL",
+              help="Measure a served OpenAI-compatible endpoint (trtllm-serve, vllm serve, SGLang, Triton's OpenAI "
+                   "frontend) instead of our CPU runtime: streaming /v1/completions, the server's own spec-decode "
+                   "counters from its /metrics.")
+@click.option("--concurrency", default="1,2,4", show_default=True, metavar="C1,C2,...",
+              help="--endpoint: the concurrency levels to sweep.")
+@click.option("--model", "model_name", metavar="NAME", help="--endpoint: the served model (default: the one /v1/models lists).")
+@click.option("--metrics-url", metavar="URL", help="--endpoint: the Prometheus page (default: found on the endpoint).")
+@click.option("--ignore-eos", is_flag=True, help="--endpoint: ask the server to decode every --max-new-tokens.")
+@click.option("--warmup/--no-warmup", default=True, show_default=True,
+              help="--endpoint: one short request before the sweep, not counted.")
+@click.option("--gpus", type=click.IntRange(1), default=1, show_default=True,
+              help="--endpoint: GPUs behind the endpoint (tokens/s per GPU on the plot and against the plan).")
+@click.option("--plot", "plot_file", type=click.Path(dir_okay=False),
+              help="--endpoint: draw tokens/s per GPU against tokens/s per user (the axes of plan --plot) as PNG.")
+@click.option("--plan-bundle", type=click.Path(file_okay=False), metavar="DIR",
+              help="--endpoint: overlay the plan of this bundle (plan --bundle) and give measured / plan.")
+@click.pass_context
+def bench_cmd(ctx, target, drafter, prompts_file, max_new_tokens, block_size, temperature, limit, dtype, threads,
+              fused, full_draft_vocab, as_json, endpoint, concurrency, model_name, metrics_url, ignore_eos, warmup, gpus,
+              plot_file, plan_bundle):
     """Run DFlash and plain AR decoding on the same prompts in one process, interleaved, and
     report tau (mean tokens per target pass, bonus included), the wall-clock speed-up, tokens/s,
     losslessness (greedy: every output token-identical to AR), the acceptance histogram and the
     per-block cost split (draft / verify / inject / bookkeeping).
 
+    With --endpoint URL it measures a served OpenAI-compatible endpoint instead: a sweep of
+    --concurrency levels, streaming, tokens/s (total and per user), TTFT, ITL and the acceptance
+    length the server's own spec-decode counters give over each level.
+
     \b
     Examples:
       dflash-trt bench --limit 5
       dflash-trt bench --target DIR --drafter DIR --prompts my.jsonl --max-new-tokens 256 --json
+      dflash-trt bench --endpoint http://localhost:8000 --concurrency 1,2,4,8 --plot speed.png --json
     """
+    from dflash_trt.errors import DFlashError
+
+    runtime_only = ("target", "drafter", "block_size", "temperature", "dtype", "threads", "fused", "full_draft_vocab")
+    endpoint_only = ("concurrency", "model_name", "metrics_url", "ignore_eos", "warmup", "gpus", "plot_file",
+                     "plan_bundle")
+    given = [n for n in (runtime_only if endpoint else endpoint_only)
+             if ctx.get_parameter_source(n) is not click.core.ParameterSource.DEFAULT]
+    if given:
+        opt = "--" + given[0].removesuffix("_name").removesuffix("_file").replace("_", "-")
+        raise DFlashError(f"{opt} measures our CPU runtime; it does not apply to --endpoint" if endpoint
+                          else f"{opt} applies to --endpoint URL only")
+    if endpoint:
+        return _bench_endpoint(endpoint, prompts_file, limit, max_new_tokens, concurrency, model_name, metrics_url,
+                               ignore_eos, warmup, gpus, plot_file, plan_bundle, as_json)
     import torch
 
     from dflash_trt.presets.catalog import resolve_drafter, resolve_target
@@ -60,3 +98,36 @@ def bench_cmd(target, drafter, prompts_file, max_new_tokens, block_size, tempera
         click.echo(json.dumps(report, indent=2))
     else:
         click.echo(format_table(report))
+
+
+def _bench_endpoint(endpoint, prompts_file, limit, max_new_tokens, concurrency, model_name, metrics_url, ignore_eos,
+                    warmup, gpus, plot_file, plan_bundle, as_json):
+    from dflash_trt.deploy import endpoint_bench as eb
+    from dflash_trt.errors import DFlashError
+
+    levels = eb.parse_concurrency(concurrency)
+    if plot_file and not plot_file.lower().endswith(".png"):
+        raise DFlashError(f"--plot {plot_file}: the plot is written as PNG; name the file *.png")
+    rows = eb.read_prompts(prompts_file)[:limit]
+    bench = eb.EndpointBench(endpoint, model=model_name, metrics_url=metrics_url, max_new_tokens=max_new_tokens,
+                             ignore_eos=ignore_eos, warmup=warmup, progress=lambda line: click.echo(line, err=True))
+    bench.connect()
+    planned, note = eb.bundle_plan(plan_bundle) if plan_bundle else (None, None)
+    if note:
+        click.echo(f"note: {note}", err=True)
+    click.echo(f"bench --endpoint {bench.base}: model {bench.model}, engine {bench.engine or 'unknown'}, "
+               f"{len(rows)} prompts x {max_new_tokens} tokens, concurrency {','.join(map(str, levels))}", err=True)
+    report = bench.run(levels, rows)
+    report["gpus"] = gpus
+    speed_report = None
+    if plan_bundle:
+        report["plan"], report["plan_note"] = None, note
+        if planned is not None:
+            speed_report, tau_source = eb.plan_prediction(planned, eb.sweep_acceptance(report))
+            eb.attach_plan(report, speed_report, gpus, tau_source)
+    if plot_file:
+        eb.plot_endpoint(report, plot_file, speed_report, gpus)
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+    else:
+        click.echo(eb.format_report(report) + (f"\nplot: {plot_file}" if plot_file else ""))

@@ -3,15 +3,9 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import click
-
-# Shared CPUs: OpenMP threads that spin while waiting for a busy core make every op 10-20x slower
-# (measured on the 2-core dev machine under load); passive waiting costs almost nothing when idle.
-# Must be set before torch is first imported, which this module does lazily.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-from pathlib import Path
 
 from dflash_trt.commands import SEED, THREADS, FiniteFloatRange
 from dflash_trt.errors import DFlashError

@@ -6,8 +6,6 @@ import os
 
 import click
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # as train-drafter: shared CPUs, torch imported lazily
-
 
 @click.command("draft-vocab")
 @click.option("--target", type=click.Path(), help="Target folder or preset (default: embedded SmolLM2-135M).")

