@@ -21,8 +21,9 @@ import numpy as np
 import pytest
 import yaml
 
-from dflash_trt.stacks.tritonserver.repo import parse_model_config
 from dflash_trt.cli import main
+from dflash_trt.stacks.tritonserver.repo import parse_model_config
+from dflash_trt.stacks.tritonserver.server import default_stub_env, pytriton_dist, server_environment
 
 
 # ------------------------------------------------------------------------------------ the CLI
@@ -141,7 +142,7 @@ class MetricFamily:
     def __init__(self, name, description, kind):
         self.name, self.description, self.kind, self.metrics = name, description, kind, []
 
-    def Metric(self, labels=None):  # noqa: N802 (Triton's name)
+    def Metric(self, labels=None):
         metric = _Metric(labels or {})
         self.metrics.append(metric)
         return metric
@@ -244,6 +245,31 @@ def grpc_stream(grpc_url: str, model: str, inputs, timeout: float) -> tuple[list
 
 # ------------------------------------------------------------------ network namespaces
 @functools.cache
+def tritonserver_missing(stub: bool = True) -> str | None:
+    """None when tritonserver can execute here, else why not (the one reason to skip); `stub`: also
+    that its Python-backend stub can load (a repository with Python models needs it)."""
+    binary = pytriton_dist() / "bin" / "tritonserver"
+    try:
+        p = subprocess.run([str(binary), "--help"], capture_output=True, text=True, check=False,
+                           env=server_environment(default_stub_env()), timeout=60)
+    except OSError as e:
+        return f"{binary} cannot execute here: {e}"
+    if "error while loading shared libraries" in p.stderr:
+        return f"{binary} cannot start here: {p.stderr.strip().splitlines()[-1]}"
+    if not stub:
+        return None
+    # the Python-backend stub links the base interpreter's libpython3.x.so (absent from a static build)
+    stub_dir = pytriton_dist() / "python_backend_stubs" / f"{sys.version_info.major}.{sys.version_info.minor}"
+    if not shutil.which("ldd"):
+        return None  # cannot tell ahead; the server start reports a stub that cannot load
+    ldd = subprocess.run(["ldd", str(stub_dir / "triton_python_backend_stub")], capture_output=True, text=True,
+                         env=server_environment(default_stub_env()), check=False)
+    missing = [line.strip() for line in ldd.stdout.splitlines() if "not found" in line]
+    if missing:
+        return f"the Python-backend stub cannot start here: {missing[0]}"
+    return None
+
+
 def netns_missing() -> str | None:
     """None where this process can make a network namespace (root, iproute2, `ip netns add`
     works), else why not: the reason the multi-node tests skip."""

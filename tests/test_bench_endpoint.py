@@ -23,7 +23,7 @@ import pytest
 
 from dflash_trt.deploy import endpoint_bench as eb
 
-from helpers import run_cli
+from helpers import run_cli, tritonserver_missing
 
 ROOT = Path(__file__).resolve().parents[1]
 N_PROMPTS, MAX_NEW = 4, 24
@@ -250,25 +250,11 @@ def test_plan_bundle_without_gpu_says_so(vllm, tmp_path):
 
 
 # ------------------------------------------------------------------ the real tritonserver
-def _triton_runs() -> str | None:
-    from dflash_trt.stacks.tritonserver.server import default_stub_env, pytriton_dist, server_environment
-
-    binary = pytriton_dist() / "bin" / "tritonserver"
-    try:
-        p = subprocess.run([str(binary), "--help"], capture_output=True, text=True, check=False,
-                           env=server_environment(default_stub_env()), timeout=60)
-    except OSError as e:
-        return f"{binary} cannot execute here: {e}"
-    if "error while loading shared libraries" in p.stderr:
-        return f"{binary} cannot start here: {p.stderr.strip().splitlines()[-1]}"
-    return None
-
-
 @pytest.mark.slow
 def test_tritonserver_has_no_openai_api(tmp_path):
     """tritonserver 2.51 (nvidia-pytriton) speaks KServe v2 on its HTTP port, Prometheus on its
     metrics port, and no OpenAI API on either: one line says so and names the OpenAI frontend."""
-    reason = _triton_runs()
+    reason = tritonserver_missing(stub=False)   # an empty repository: no Python backend
     if reason:
         pytest.skip(reason)
     from dflash_trt.stacks.tritonserver.server import TritonServer

@@ -8,7 +8,6 @@ setup installs both).
 """
 import json
 import re
-import shutil
 import subprocess
 import sys
 import threading
@@ -20,39 +19,17 @@ import numpy as np
 import pytest
 import yaml
 
-from dflash_trt.stacks.tritonserver.server import TritonServer, default_stub_env, pytriton_dist, server_environment
+from dflash_trt.stacks.tritonserver.server import TritonServer
 
-from helpers import grpc_stream, infer_inputs, run_cli
+from helpers import grpc_stream, infer_inputs, run_cli, tritonserver_missing
 
 pytest.importorskip("tritonclient.grpc")  # the client of helpers.grpc_stream
 PROMPT = "the quick brown fox"
 
 
-def _binary_runs() -> str | None:
-    """None when tritonserver can execute here, else why not (the one reason to skip)."""
-    binary = pytriton_dist() / "bin" / "tritonserver"
-    try:
-        p = subprocess.run([str(binary), "--help"], capture_output=True, text=True, check=False,
-                           env=server_environment(default_stub_env()), timeout=60)
-    except OSError as e:
-        return f"{binary} cannot execute here: {e}"
-    if "error while loading shared libraries" in p.stderr:
-        return f"{binary} cannot start here: {p.stderr.strip().splitlines()[-1]}"
-    # the Python-backend stub links the base interpreter's libpython3.x.so (absent from a static build)
-    stub = pytriton_dist() / "python_backend_stubs" / f"{sys.version_info.major}.{sys.version_info.minor}"
-    if not shutil.which("ldd"):
-        return None  # cannot tell ahead; the server start reports a stub that cannot load
-    ldd = subprocess.run(["ldd", str(stub / "triton_python_backend_stub")], capture_output=True, text=True,
-                         env=server_environment(default_stub_env()), check=False)
-    missing = [line.strip() for line in ldd.stdout.splitlines() if "not found" in line]
-    if missing:
-        return f"the Python-backend stub cannot start here: {missing[0]}"
-    return None
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    reason = _binary_runs()
+    reason = tritonserver_missing()
     if reason:
         pytest.skip(reason)
     from dflash_trt.models.tiny import make_tiny
@@ -203,8 +180,8 @@ def test_embedded_pair_through_the_server_is_lossless_with_real_acceptance(tmp_p
     from dflash_trt.errors import DFlashError
     from dflash_trt.presets.embedded import embedded_drafter_path, ensure_embedded_target
 
-    if _binary_runs():
-        pytest.skip(_binary_runs())
+    if tritonserver_missing():
+        pytest.skip(tritonserver_missing())
     try:
         ensure_embedded_target(progress=False)
         embedded_drafter_path()

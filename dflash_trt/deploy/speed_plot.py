@@ -14,7 +14,9 @@ from dflash_trt.io.atomic import atomic_write_bytes
 MAX_LAYOUTS = 6      # lines beyond these crowd the plot; the text and JSON reports carry them all
 
 
-def plot_speed(report: SpeedReport, path: str | Path) -> Path:
+def new_figure(path: str | Path):
+    """(fig, ax, colors) of a PNG plot on these axes, `path` checked first (`bench --endpoint --plot`
+    draws on the same axes)."""
     path = Path(path)
     if path.suffix.lower() != ".png":
         raise DFlashError(f"--plot {path}: the plot is written as PNG; name the file *.png")
@@ -26,21 +28,41 @@ def plot_speed(report: SpeedReport, path: str | Path) -> Path:
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(10, 6.5), dpi=120)
-    ax = fig.add_subplot()
-    colors = matplotlib.colormaps["tab10"].colors
+    return fig, fig.add_subplot(), matplotlib.colormaps["tab10"].colors
+
+
+def draw_layout(ax, layout: LayoutSpeed, tau: float | None, color, ar_label: str, dflash_label: str) -> None:
+    """One layout's curves: AR dashed, DFlash solid (when there is a tau)."""
+    ax.plot([p.ar_tokens_per_s_per_user for p in layout.points], [p.ar_tokens_per_s_per_gpu for p in layout.points],
+            "--", color=color, marker=".", label=ar_label)
+    if tau:
+        ax.plot([p.dflash_tokens_per_s_per_user for p in layout.points],
+                [p.dflash_tokens_per_s_per_gpu for p in layout.points], "-", color=color, marker="o", markersize=3,
+                label=dflash_label)
+
+
+def save_figure(fig, ax, path: str | Path, title: str, ylabel: str = "tokens/s per GPU (decode, log scale)") -> Path:
+    """The shared axes (log tokens/s per GPU against tokens/s per user), the title, the PNG written whole."""
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens/s per user (decode)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, loc="upper right")
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", bbox_inches="tight")
+    return atomic_write_bytes(Path(path), buf.getvalue())
+
+
+def plot_speed(report: SpeedReport, path: str | Path) -> Path:
+    fig, ax, colors = new_figure(path)
     layouts = distinct_curves(report)[:MAX_LAYOUTS]
     if not layouts:
         raise DFlashError(f"--plot: no layout of {report.target} on {report.hardware} has speed figures "
                           "(none fits inside one NVLink domain)")
     for i, (name, l) in enumerate(layouts):
         color = colors[i % len(colors)]
-        x = [p.ar_tokens_per_s_per_user for p in l.points]
-        y = [p.ar_tokens_per_s_per_gpu for p in l.points]
-        ax.plot(x, y, "--", color=color, marker=".", label=f"{name} AR")
-        if report.tau:
-            x = [p.dflash_tokens_per_s_per_user for p in l.points]
-            y = [p.dflash_tokens_per_s_per_gpu for p in l.points]
-            ax.plot(x, y, "-", color=color, marker="o", markersize=3, label=f"{name} DFlash")
+        draw_layout(ax, l, report.tau, color, f"{name} AR", f"{name} DFlash")
         if i == 0:   # the chosen layout: the low and high efficiency sets as thin lines
             for j, tag in ((0, "low"), (1, "high")):
                 ax.plot([p.ar_tokens_per_s_per_user_range[j] for p in l.points],
@@ -71,18 +93,10 @@ def plot_speed(report: SpeedReport, path: str | Path) -> Path:
         ax.text(0.01, 0.01, "published (not a point on these axes):\n" + "\n".join(claims), fontsize=7,
                 transform=ax.transAxes, va="bottom", bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "grey"})
 
-    ax.set_yscale("log")
-    ax.set_xlabel("tokens/s per user (decode)")
-    ax.set_ylabel("tokens/s per GPU (decode, log scale)")
     tau = f"DFlash tau {report.tau:g} (block {report.block_size})" if report.tau else "AR only"
-    ax.set_title(f"{report.target} on {report.hardware}: {tau}, {report.context_tokens} tokens of context\n"
-                 "speed model, dflash_trt/deploy/speed.py (central efficiency; dotted: low / high); "
-                 "numbers at line ends: concurrency", fontsize=9)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, loc="upper right")
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", bbox_inches="tight")
-    return atomic_write_bytes(path, buf.getvalue())
+    return save_figure(fig, ax, path, f"{report.target} on {report.hardware}: {tau}, {report.context_tokens} tokens "
+                       "of context\nspeed model, dflash_trt/deploy/speed.py (central efficiency; dotted: low / high); "
+                       "numbers at line ends: concurrency")
 
 
 def distinct_curves(report: SpeedReport) -> list[tuple[str, LayoutSpeed]]:

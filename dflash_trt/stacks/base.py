@@ -59,6 +59,9 @@ class Stack:
     servers: tuple[Server, ...] = ()
     config_files: ClassVar[dict[str, str]] = {}   # the manifest's serving_configs index: key -> bundle path
     triton_models: tuple[str, ...] = ()  # its models in the bundle's Triton repository (manifest triton_models)
+    # its server's speculative-decoding figures on its Prometheus page (bench --endpoint): prefix,
+    # metrics_paths, kind ("counters" | "gauge"), {name, where} per figure, source
+    spec_decode_metrics: ClassVar[dict] = {}
 
     # -------------------------------------------------------------- what it refuses
     def layout_problems(self, *, tp: int, pp: int, block_size: int) -> list[str]:

@@ -17,6 +17,19 @@ KV_CACHE_FP8 = "fp8_e4m3"
 FP8_DRAFTER_REFUSED = ("SGLang's DFlash drafter (sglang/srt/models/dflash.py DFlashDraftModel) has "
                        "supports_quantization = False and builds fc as a plain Linear")
 
+# SGLang's speculative-decoding figures on /metrics (Stack.spec_decode_metrics)
+SPEC_DECODE_METRICS = {
+    "prefix": "sglang:",
+    "metrics_paths": ["/metrics"],   # with `--enable-metrics`
+    # SGLang exports no spec-decode counters, only gauges of the scheduler's last log interval
+    "kind": "gauge",
+    "acceptance_length": {"name": "sglang:spec_accept_length"},
+    "generation_tokens": {"name": "sglang:generation_tokens"},
+    "source": "sgl-project/sglang python/sglang/srt/metrics/collector.py @00ae9c1590d2d0bb6c0bfff39e312c34ae3dd538 "
+              "(SchedulerMetricsCollector: gauges sglang:spec_accept_length, sglang:spec_accept_rate, "
+              "multiprocess_mode mostrecent; TokenizerMetricsCollector: sglang:generation_tokens_total)",
+}
+
 
 def sglang_launch(*, target_path: str, drafter_path: str, block_size: int, zlab_ids: list[int], tp: int, ep: int,
                   pp: int, kv_cache: str) -> dict:
@@ -72,6 +85,7 @@ class SGLang(Stack):
     checked_against = CHECKED_AGAINST
     servers = (Server("sglang"),)
     config_files: ClassVar[dict[str, str]] = {"sglang": "configs/sglang.json"}
+    spec_decode_metrics: ClassVar[dict] = SPEC_DECODE_METRICS
 
     def layout_problems(self, *, tp, pp, block_size):
         # sglang/srt/arg_groups/speculative_hook.py _handle_dflash

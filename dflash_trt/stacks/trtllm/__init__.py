@@ -34,6 +34,25 @@ from dflash_trt.stacks.trtllm.serve_config import (
 # the resident weights before quantize runs (planner.ELEMENT_BYTES / bf16's 2 bytes).
 QUANT_BYTES_RATIO = {"fp8": 0.5, "nvfp4": (0.5 + 1 / 16) / 2}
 TRITON_MODEL = "tensorrt_llm"
+# trtllm-serve's speculative-decoding counters (Stack.spec_decode_metrics)
+SPEC_DECODE_METRICS = {
+    "prefix": "trtllm_",
+    # trtllm-serve's /metrics is JSON iteration stats; Prometheus text is mounted at
+    # /prometheus/metrics when the LLM args set return_perf_metrics: true
+    "metrics_paths": ["/prometheus/metrics"],
+    "kind": "counters",
+    # no draft count of its own: every draft drafts position 0, so position 0's drafted tokens
+    # are the drafts; accepted = the per-position accepted tokens, summed
+    "drafts": {"name": "trtllm_spec_decode_drafted_tokens", "where": {"token_position": "0"}},
+    "draft_tokens": {"name": "trtllm_spec_decode_drafted_tokens"},
+    "accepted": {"name": "trtllm_spec_decode_accepted_tokens"},
+    "generation_tokens": {"name": "trtllm_generation_tokens"},
+    "source": "NVIDIA/TensorRT-LLM tensorrt_llm/metrics/collector.py @050f80def8df236e326949c8bd9dee10fd896a83 "
+              "(MetricsCollector: per-position counters trtllm_spec_decode_drafted_tokens_total / "
+              "_accepted_tokens_total, label token_position, logged per finished request); "
+              "tensorrt_llm/serve/openai_server.py @00057725d9a6591f033e44f31c219e2426827bb7 "
+              "(mount_metrics: /prometheus/metrics only with return_perf_metrics)",
+}
 
 
 def serve_config(m: dict, tcfg: dict, B: int, dcfg=None) -> dict:
@@ -111,6 +130,7 @@ class TensorRTLLM(Stack):
     servers = (Server("trtllm-serve", mpi_launch=True),)
     config_files: ClassVar[dict[str, str]] = {"trtllm_serve": "configs/trtllm-serve.yaml"}
     triton_models = (TRITON_MODEL,)
+    spec_decode_metrics: ClassVar[dict] = SPEC_DECODE_METRICS
 
     def layout_problems(self, *, tp, pp, block_size):
         # DFlashDecodingConfig: max_draft_len (NonNegativeInt) = B - 1 drafted tokens per step

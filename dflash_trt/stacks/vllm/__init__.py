@@ -17,7 +17,7 @@ from dflash_trt.errors import DFlashError
 from dflash_trt.stacks.base import BundleContext, Server, Stack
 from dflash_trt.stacks.vllm.drafter import write_vllm_drafter
 from dflash_trt.stacks.vllm.launch import CHECKED_AGAINST, vllm_drafter_env, vllm_drafter_problems, vllm_launch
-from dflash_trt.stacks.vllm.server import VllmServer
+from dflash_trt.stacks.vllm.server import SPEC_DECODE_METRICS, VllmServer
 
 VLLM_DRAFTER = "configs/vllm-drafter"   # the drafter in vLLM's form, when it has a draft vocabulary
 
@@ -27,7 +27,9 @@ class VLLM(Stack):
     title = "vLLM"
     checked_against = CHECKED_AGAINST
     servers = (Server("vllm"),)
-    config_files: ClassVar[dict[str, str]] = {"vllm": "configs/vllm.json", "vllm_speculative_config": "configs/vllm-speculative-config.json"}
+    config_files: ClassVar[dict[str, str]] = {"vllm": "configs/vllm.json",
+                                              "vllm_speculative_config": "configs/vllm-speculative-config.json"}
+    spec_decode_metrics: ClassVar[dict] = SPEC_DECODE_METRICS
 
     def layout_problems(self, *, tp, pp, block_size):
         # vllm/config/speculative.py: num_speculative_tokens Field(gt=0); _verify_and_get_draft_tp

