@@ -23,7 +23,7 @@ import pytest
 from dflash_trt.stacks.tritonserver.server import TritonServer
 from dflash_trt.stacks.vllm.server import TRITON_VLLM_ENV, VllmServer, make_vllm_stub_env
 
-from helpers import grpc_stream, infer_inputs
+from helpers import grpc_stream, infer_inputs, tritonserver_missing
 
 pytest.importorskip("tritonclient.grpc")  # the client of helpers.grpc_stream
 pytestmark = pytest.mark.slow
@@ -42,9 +42,7 @@ def _stream(grpc_url: str, model: str, prompt: str, params: dict, timeout=900) -
 
 @pytest.fixture(scope="module")
 def triton_answer(vllm_bundle, vllm_env, tmp_path_factory):
-    from test_triton_server import _binary_runs
-
-    reason = _binary_runs()
+    reason = tritonserver_missing()
     if reason:
         pytest.skip(reason)
     work = tmp_path_factory.mktemp("triton-vllm")
