@@ -48,6 +48,9 @@ class BundleContext:
     drafter_dir: Path             # the source drafter
     drafter: object               # models.config.DrafterConfig of the bundle's drafter/
     reference: dict = field(default_factory=dict)  # where the dflash_reference model finds its pair
+    # the draft length per concurrency build planned (deploy/draft_schedule.DraftSchedule), or None:
+    # each stack writes it into its own control (draft_schedule_fields) unless it refuses it
+    draft_schedule: object = None
 
 
 class Stack:
@@ -75,6 +78,16 @@ class Stack:
     def drafter_quant_problem(self, drafter_quant: str) -> str | None:
         """Why the stack's DFlash loader cannot load a drafter in this format (None: it can)."""
         return None
+
+    def draft_schedule_problem(self) -> str | None:
+        """Why this stack's DFlash path does not honour a draft-length schedule (with the upstream source
+        read), so build writes none for it; None: it does (draft_schedule_fields writes it)."""
+        return "no draft-length control of this stack's DFlash path has been read"
+
+    def draft_schedule_fields(self, schedule) -> dict:
+        """The stack's own control for a draft schedule (deploy/draft_schedule.DraftSchedule), as the
+        fields its config writer merges into its speculative config."""
+        return {}
 
     def check_build(self, *, target_config: dict, drafter_config: dict, target_dir: Path, gpu: str | None,
                     quant: str, tp: int, profile_name: str, profile: dict) -> None:
