@@ -16,6 +16,8 @@ so that a stage can be re-run by hand.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import json
 import os
 import shlex
@@ -81,6 +83,10 @@ class BuildOptions:
     allow_nonfinite: bool = False      # build from weights holding NaN / Inf (check refuses them otherwise)
     profile: str = "latency"           # TensorRT-LLM settings from NVIDIA's curated configs (serving_profiles.py)
     max_batch_size: int | None = None  # default: the profile's
+    # the draft length per concurrency each stack's control gets: a callable of the resolved build (keywords
+    # of deploy/speed.build_schedule but `mode`) returning (DraftSchedule or None, its source or why none);
+    # the command line passes deploy's planner (build --draft-schedule); None: no schedule
+    draft_schedule: Callable[..., tuple[object | None, str]] | None = None
 
 
 @dataclass
@@ -450,6 +456,7 @@ class Builder:
                               f"{self.dcfg.block_size}")
         self.stacks, self.skipped_stacks = resolve_stacks(o, self.settings, B, self.dcfg)
         self.profile = profile_settings(o.profile, self.tcfg, B, o.max_batch_size)
+        self.schedule, self.schedule_source = self._draft_schedule()
         for st in stacks.served(self.stacks):   # what each stack would refuse at start (TensorRT-LLM's budget)
             st.check_build(target_config=self.tcfg, drafter_config=self.dcfg.raw, target_dir=self.tdir,
                            gpu=self.settings["gpu"], quant=self.settings["quant"], tp=o.tp, profile_name=o.profile,
@@ -461,6 +468,18 @@ class Builder:
         if dest.exists() and any(dest.iterdir()) and not is_bundle(dest) and not o.force:
             raise DFlashError(f"--out {dest}: folder exists, is not empty and is not a dflash-trt bundle "
                               "(no manifest.json); choose another --out or pass --force to replace it")
+
+    def _draft_schedule(self) -> tuple[object | None, str]:
+        """(the draft schedule, its source or why there is none), before anything is written."""
+        o, s = self.o, self.settings
+        if o.draft_schedule is None:
+            return None, "not planned (no draft-schedule planner given to the build)"
+        return o.draft_schedule(
+            target_name=self.name, target_config=self.tcfg, drafter_config=self.dcfg.raw, gpu=s["gpu"],
+            quant=s["quant"], kv_cache=s["kv_cache"], drafter_quant=s["drafter_quant"], tp=o.tp, ep=o.ep,
+            block_size=self.block_size, max_batch_size=int(self.profile["max_batch_size"]),
+            max_seq_len=min(int(self.tcfg.get("max_position_embeddings", 8192)), 32768),
+            attention_dp=bool(self.profile.get("enable_attention_dp", False)))
 
     def _read_previous(self) -> None:
         """The bundle already at the destination, whose unchanged stages are reused."""
@@ -525,6 +544,7 @@ class Builder:
                                 "drafter_attention_backend_source": DRAFTER_ATTENTION_BACKEND.get(
                                     s["arch"], ("", "DFlashDecodingConfig default"))[1]},
             "reference_runtime": {"layout": reference_layout(s, self.tdir, self.ddir)},
+            "draft_schedule": draft_schedule_record(self.schedule, self.schedule_source, list(self.stacks)),
         }
         self.facts["manifest"] = {k: v for k, v in m.items() if k != "created"}
 
@@ -627,7 +647,7 @@ class Builder:
         layout = m["reference_runtime"]["layout"]
         ctx = stacks.BundleContext(work=work, manifest=m, target_config=self.tcfg, block_size=self.block_size,
                                    target_dir=self.tdir, drafter_dir=self.ddir,
-                                   drafter=load_drafter_config(work / "drafter"))
+                                   drafter=load_drafter_config(work / "drafter"), draft_schedule=self.schedule)
         m["serving_configs"] = write_configs(ctx)
         ctx.reference = reference_pair(work, layout, self.tdir, self.ddir)
         stacks.TRITON.write_repository(ctx, stacks.served(m["serving_stacks"]["served"]))
@@ -677,6 +697,24 @@ def reference_pair(work: Path, layout: str, tdir: Path, ddir: Path) -> dict:
         link_tree(ddir, work / "reference" / "drafter")
         return {"target": "reference/target", "drafter": "reference/drafter"}
     return {"target": str(tdir), "drafter": str(ddir)}
+
+
+def draft_schedule_record(schedule, source: str, served: list[str]) -> dict:
+    """manifest.json `draft_schedule`: the schedule (or why none) and, per served stack, the fields its own
+    control gets or why it gets none (the stack's draft_schedule_problem, with the upstream source read)."""
+    out: dict = {"source": source, "schedule": schedule.to_dict() if schedule is not None else None, "stacks": {}}
+    for st in stacks.served(served):
+        if schedule is None:
+            why = f"no draft schedule: {source}"
+        elif not schedule.adaptive:
+            last = schedule.ranges[-1][1]
+            why = (f"nothing to write: the schedule drafts K = {schedule.max_k} at every concurrency 1-{last}, "
+                   "what the config does without one")
+        else:
+            why = st.draft_schedule_problem(schedule)
+        out["stacks"][st.name] = {"skipped": why} if why else {
+            "fields": json.loads(json.dumps(st.draft_schedule_fields(schedule)))}   # JSON keys, as written
+    return out
 
 
 def write_configs(ctx: stacks.BundleContext) -> dict:
@@ -743,6 +781,15 @@ def format_summary(res: dict) -> str:
     lines.append(f"  configs/ {', '.join(files)}; triton/ " + ", ".join(m["triton_models"]))
     for stack, why in m.get("serving_stacks", {}).get("skipped", {}).items():
         lines.append(f"  no {stacks.get(stack).title} config: {why}")
+    sched = m.get("draft_schedule")
+    if sched:
+        s = sched["schedule"]
+        lines.append("  draft schedule: " + (", ".join(f"{a}-{b}: K {k}" for a, b, k in s["ranges"])
+                                             + f" ({sched['source']})" if s else sched["source"]))
+        for stack, rec in sched["stacks"].items():
+            title = stacks.get(stack).title
+            lines.append(f"    {title}: " + (", ".join(f"{k}: {json.dumps(v)}" for k, v in rec["fields"].items())
+                                          if "fields" in rec else f"not written: {rec['skipped']}"))
     if m["stages"]["compile"]["status"] == "deferred":
         lines.append(f"  compile deferred: on the GPU node run `dflash-trt compile --bundle {res['bundle']}`")
     return "\n".join(lines)

@@ -49,12 +49,18 @@ from dflash_trt.hardware import arch_sms, gpus
               "trtllm-build command (run by `dflash-trt compile`); no serving file loads it, since DFlash runs only "
               "on the PyTorch backend (DFlashDecodingConfig.supports_backend), so an engine serves the target "
               "without DFlash.")
+@click.option("--draft-schedule", "draft_schedule", default="auto", show_default=True, metavar="auto|off|FILE.json",
+              help="How many tokens to draft at each concurrency, written into each stack's own control "
+              "(TensorRT-LLM max_concurrency / draft_len_schedule; a stack whose DFlash ignores its control gets "
+              "nothing, with the reason in manifest.json). auto: planned like `plan --speed` for --gpu's node, the "
+              "layout and max_batch_size, from the preset drafter's published tau (none without --gpu or a tau); "
+              "FILE.json: a schedule from `plan --speed --json` (layouts[].draft_schedule), e.g. measured elsewhere.")
 @click.option("--out", type=click.Path(file_okay=False), help="Bundle folder (default: engines/<target>-<gpu|arch>-<quant>).")
 @click.option("--force", is_flag=True, help="Redo every stage; replace a non-bundle --out folder.")
 @click.option("--allow-nonfinite", is_flag=True, help="Build from weights holding NaN / Inf (check refuses them).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 def build_cmd(target, drafter, arch, gpu, quant, kv_cache, drafter_quant, stacks, trt_drafter_engine, tp, ep, pp,
-              block_size, profile, max_batch_size, calib, backend, out, force, allow_nonfinite, as_json):
+              block_size, profile, max_batch_size, calib, backend, draft_schedule, out, force, allow_nonfinite, as_json):
     """Build a deployable bundle: check -> quantize -> convert -> plugin -> export-onnx -> compile
     -> package. Re-running skips every stage whose inputs did not change (--force redoes them).
     The bundle holds manifest.json, the (quantized) target and the bf16 drafter, configs/
@@ -72,19 +78,24 @@ def build_cmd(target, drafter, arch, gpu, quant, kv_cache, drafter_quant, stacks
       dflash-trt build --target my/target --drafter my/drafter --arch hopper --out engines/mine
       dflash-trt build --target openai/gpt-oss-20b --drafter z-lab/gpt-oss-20b-DFlash --arch hopper
     """
+    from functools import partial
+
     from dflash_trt.bundle.build import BuildOptions, build, format_summary
+    from dflash_trt.deploy.speed import build_schedule
 
     opts = BuildOptions(target=target, drafter=drafter, arch=arch, gpu=gpu, quant=quant, kv_cache=kv_cache, tp=tp,
                         ep=ep, pp=pp, block_size=block_size, backend=backend, out=out, force=force,
                         drafter_quant=drafter_quant, calib=calib, trt_drafter=trt_drafter_engine,
                         allow_nonfinite=allow_nonfinite, profile=profile, max_batch_size=max_batch_size,
+                        draft_schedule=partial(build_schedule, draft_schedule),
                         stacks=tuple(x.strip() for x in stacks.split(",") if x.strip()) if stacks is not None else None)
     res = build(opts, progress=True)
     if as_json:
         m = res["manifest"]
         click.echo(json.dumps({"bundle": res["bundle"], "stages": res["stages"],
                                "compile": m["stages"]["compile"], "serving_stacks": m["serving_stacks"],
-                               "serving_configs": m["serving_configs"], "artifacts": m["artifacts"],
+                               "serving_configs": m["serving_configs"], "draft_schedule": m.get("draft_schedule"),
+                               "artifacts": m["artifacts"],
                                "manifest": f"{res['bundle']}/manifest.json"}, indent=2))
     else:
         click.echo(format_summary(res))

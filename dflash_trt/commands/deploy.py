@@ -42,6 +42,10 @@ HARDWARE = click.Choice(sorted(catalog()))
               "size); default: the preset drafter's published one. `dflash-trt bench` measures it.")
 @click.option("--context-tokens", type=int, help="Mean tokens of context per sequence while decoding, for --speed "
               "(default 2048).")
+@click.option("--acceptance", "acceptance", type=click.Path(dir_okay=False), help="A `dflash-trt bench --json` report "
+              "of this drafter (its acceptance_histogram, at the drafter's block size): the per-position acceptance "
+              "the draft schedule is chosen from, and tau (instead of --tau). Default: the geometric shape through "
+              "tau, an assumption the report states.")
 @click.option("--plot", "plot_file", type=click.Path(dir_okay=False), help="Draw tokens/s per GPU against tokens/s "
               "per user, AR and DFlash per layout, into this PNG (implies --speed).")
 @click.option("--profile", type=click.Choice(["latency", "throughput"]), help="Follow NVIDIA's curated TensorRT-LLM "
@@ -50,7 +54,7 @@ HARDWARE = click.Choice(sorted(catalog()))
               "attention DP).")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON only (with --speed: under \"speed\").")
 def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, max_seq_len, nodes, gpus_per_node, max_batch_size,
-             max_attention_window, objective, profile, speed, tau, context_tokens, plot_file, as_json):
+             max_attention_window, objective, profile, speed, tau, context_tokens, acceptance, plot_file, as_json):
     """How many GPUs, which TP / EP, how many concurrent sequences fit — from config.json alone.
 
     \b
@@ -60,7 +64,10 @@ def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, max_seq_len, no
     largest max_batch_size that fits, or does not fit when the bundle fixes it); every TP / EP /
     replica layout, ranked, with the reason for each rejected one. With --speed: per layout and
     concurrency, AR and DFlash decode step times and tokens/s per user and per GPU (a physics
-    model with stated assumptions and ranges, docs/speed-model.md).
+    model with stated assumptions and ranges, docs/speed-model.md), and per layout the draft
+    schedule: the K (tokens drafted per step) that gives the most tokens/s at each concurrency,
+    against always drafting the whole block and never speculating, and the concurrency from
+    which speculation stops paying (what `build` writes into each stack's own control).
 
     \b
     Examples:
@@ -72,6 +79,7 @@ def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, max_seq_len, no
       dflash-trt plan --bundle engines/gpt-oss-120b
       dflash-trt plan --target gpt-oss-120b --hardware dgx-b300 --speed --plot gptoss-b300.png
       dflash-trt plan --target qwen3-8b --hardware hgx-h200 --quant fp8 --speed --tau 6.5 --json
+      dflash-trt plan --target qwen3-8b --hardware dgx-b200 --speed --acceptance bench.json
     """
     from dflash_trt.deploy import planner
     from dflash_trt.deploy import speed as speed_model
@@ -80,8 +88,8 @@ def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, max_seq_len, no
     from dflash_trt.io.manifest import Manifest
 
     speed = speed or plot_file is not None
-    if not speed and (tau is not None or context_tokens is not None):
-        raise DFlashError("--tau / --context-tokens set the speed model: add --speed (or --plot FILE.png)")
+    if not speed and (tau is not None or context_tokens is not None or acceptance is not None):
+        raise DFlashError("--tau / --context-tokens / --acceptance set the speed model: add --speed (or --plot FILE.png)")
     overrides = {}
     if max_batch_size is not None:
         overrides["max_batch_size"] = max_batch_size
@@ -114,7 +122,8 @@ def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, max_seq_len, no
                          max_seq_len=max_seq_len, nodes=nodes, gpus_per_node=gpus_per_node, objective=objective,
                          profile=profile, **overrides)
     ctx = speed_model.DEFAULT_CONTEXT_TOKENS if context_tokens is None else context_tokens
-    report = speed_model.speed_for(p, tcfg, dcfg, tau=tau, context_tokens=ctx) if speed else None
+    report = speed_model.speed_for(p, tcfg, dcfg, tau=tau, context_tokens=ctx, acceptance=acceptance) \
+        if speed else None
     if plot_file:
         from dflash_trt.deploy.speed_plot import plot_speed
 

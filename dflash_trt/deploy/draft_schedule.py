@@ -177,3 +177,86 @@ def format_schedule(s: DraftSchedule) -> str:
         lines.append(f"  {l.concurrency:>6} {l.k:>3} {l.tokens_per_s_per_user:>11,.1f} "
                      f"{l.always_k_tokens_per_s_per_user:>12,.1f} {l.ar_tokens_per_s_per_user:>9,.1f}")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading one back: `build --draft-schedule FILE.json` (a DraftSchedule.to_dict(), e.g. measured on a
+# CPU) and `plan --acceptance FILE` (a `dflash-trt bench --json` report)
+
+
+def from_dict(d: object, block_size: int, where: str) -> DraftSchedule:
+    """A DraftSchedule from its to_dict() form, checked: ranges of integers contiguous from 1, every K in
+    0..block_size - 1. `where` names the file in the one-line errors."""
+    if not isinstance(d, dict) or not isinstance(d.get("ranges"), list) or not d["ranges"]:
+        raise DFlashError(f"{where}: expected a draft schedule (a JSON object with \"ranges\": [[first, last, k], ...], "
+                          "as `plan --speed --json` writes under layouts[].draft_schedule)")
+    ranges: list[tuple[int, int, int]] = []
+    for i, r in enumerate(d["ranges"]):
+        if not (isinstance(r, list) and len(r) == 3 and all(isinstance(x, int) and not isinstance(x, bool) for x in r)):
+            raise DFlashError(f"{where}: ranges[{i}] must be [first, last, k] integers, got {r!r}")
+        first, last, k = r
+        want = ranges[-1][1] + 1 if ranges else 1
+        if first != want:
+            raise DFlashError(f"{where}: ranges[{i}] starts at concurrency {first}, expected {want} (ranges cover "
+                              "1..N without gaps or overlaps)")
+        if last < first:
+            raise DFlashError(f"{where}: ranges[{i}] ends at {last}, before its first concurrency {first}")
+        if not 0 <= k <= block_size - 1:
+            raise DFlashError(f"{where}: ranges[{i}] drafts k = {k}, outside 0..{block_size - 1} (block size "
+                              f"{block_size} - 1)")
+        ranges.append((first, last, k))
+    max_k = d.get("max_k", max(k for _, _, k in ranges))
+    if not isinstance(max_k, int) or not max(k for _, _, k in ranges) <= max_k <= block_size - 1:
+        raise DFlashError(f"{where}: max_k {max_k!r} must be an integer from the largest k of the ranges to "
+                          f"{block_size - 1} (block size - 1)")
+    lengths = d.get("acceptance_lengths") or []
+    levels = []
+    for lv in d.get("levels") or []:
+        try:
+            levels.append(Level(**lv))
+        except TypeError as e:
+            raise DFlashError(f"{where}: levels: {e}") from None
+    return DraftSchedule(max_k=max_k, acceptance_lengths=[float(x) for x in lengths], levels=levels, ranges=ranges,
+                         assumptions=[*[str(a) for a in d.get("assumptions") or []], f"schedule read from {where}"])
+
+
+def load_schedule(path: str, block_size: int) -> DraftSchedule:
+    """`build --draft-schedule FILE.json`: a DraftSchedule.to_dict() JSON, checked (from_dict)."""
+    import json
+    from pathlib import Path
+
+    p = Path(path)
+    if not p.is_file():
+        raise DFlashError(f"--draft-schedule {path}: no such file (expected auto, off or a schedule JSON)")
+    try:
+        d = json.loads(p.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DFlashError(f"--draft-schedule {path}: not JSON ({e})") from None
+    return from_dict(d, block_size, f"--draft-schedule {path}")
+
+
+def survival_from_bench(path: str, block_size: int) -> tuple[list[float], float]:
+    """(survival, tau) from a `dflash-trt bench --json` report's acceptance_histogram, whose block_size
+    must be the drafter's served block."""
+    import json
+    from pathlib import Path
+
+    p = Path(path)
+    try:
+        r = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise DFlashError(f"--acceptance {path}: no such file") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DFlashError(f"--acceptance {path}: not JSON ({e})") from None
+    if not isinstance(r, dict) or not isinstance(r.get("acceptance_histogram"), dict):
+        raise DFlashError(f"--acceptance {path}: no acceptance_histogram (expected a `dflash-trt bench --json` report)")
+    if r.get("block_size") != block_size:
+        raise DFlashError(f"--acceptance {path}: measured with block size {r.get('block_size')!r}, the drafter serves "
+                          f"block {block_size}")
+    try:
+        surv = survival_from_histogram(r["acceptance_histogram"], block_size)
+    except (TypeError, ValueError) as e:
+        raise DFlashError(f"--acceptance {path}: acceptance_histogram: {e}") from None
+    except DFlashError as e:
+        raise DFlashError(f"--acceptance {path}: {e}") from None
+    return surv, acceptance_lengths(surv)[-1]

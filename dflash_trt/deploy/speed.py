@@ -48,10 +48,11 @@ import sys
 from dataclasses import asdict, dataclass, field, replace
 from importlib import resources
 
+from dflash_trt.deploy import draft_schedule as ds
 from dflash_trt.deploy import planner
 from dflash_trt.deploy.planner import Group, Layout, ModelShape, Plan, weight_bytes
 from dflash_trt.errors import DFlashError
-from dflash_trt.hardware import Hardware, get_hardware
+from dflash_trt.hardware import Hardware, get_hardware, hardware_for_gpu
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,13 @@ PUBLISHED_TAU = {
     "llama-3.1-8b": (6.1, ("SGLang log of z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat, one request "
                            "(forums.developer.nvidia.com/t/359958)")),
 }
+
+# Acceptance per draft position (share of blocks accepting at least k drafted tokens) published for the
+# presets' drafters: none found. The z-lab model cards and the DFlash paper (arXiv 2602.06036) give the mean
+# acceptance length only, so a preset's schedule takes the geometric shape through its tau
+# (draft_schedule.survival_from_tau), said as an assumption; `dflash-trt bench --json` measures the real one
+# (plan --speed --acceptance REPORT).
+PUBLISHED_SURVIVAL: dict[str, tuple[list[float], str]] = {}
 
 DEFAULT_CONTEXT_TOKENS = 2048   # mean tokens of context per sequence while decoding (1k prompt + half of 2k out)
 ACTIVATION_BYTES = 2            # hidden states on the wire (bf16)
@@ -234,6 +242,8 @@ class LayoutSpeed:
     max_concurrency: int                 # min(max_batch_size, sequences of context + block that fit the KV cache)
     points: list[SpeedPoint]
     reason: str = ""                     # why there are no points
+    # the draft length per concurrency (deploy/draft_schedule.DraftSchedule.to_dict()), with a drafter
+    draft_schedule: dict | None = None
 
 
 @dataclass
@@ -247,6 +257,7 @@ class SpeedReport:
     efficiency: dict
     assumptions: list[str]
     layouts: list[LayoutSpeed]
+    acceptance_source: str = ""          # where the per-position acceptance of the draft schedules comes from
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -272,6 +283,69 @@ def resolve_tau(target_name: str, tau: float | None, block: int, has_drafter: bo
         return min(t, block), src
     raise DFlashError(f"--tau: no published acceptance length for {target_name}'s drafter; pass --tau TAU "
                       "(`dflash-trt bench` measures it)")
+
+
+def resolve_acceptance(target_name: str, tau: float | None, block: int, has_drafter: bool,
+                       acceptance: str | None = None) -> tuple[float | None, str, list[float] | None, str]:
+    """(tau, its source, survival per draft position or None, its source): --acceptance REPORT (a
+    `dflash-trt bench --json` histogram, block size checked), else a published per-position figure, else
+    the geometric shape through tau (--tau or the preset's published one)."""
+    if acceptance is not None:
+        if not has_drafter:
+            raise DFlashError("--acceptance: there is no drafter to accept tokens from (pass --drafter or a preset "
+                              "with one)")
+        if tau is not None:
+            raise DFlashError("--tau and --acceptance: the report's histogram gives tau; pass one of them")
+        surv, t = ds.survival_from_bench(acceptance, block)
+        return t, f"--acceptance {acceptance}", surv, f"measured per position: {acceptance} (bench --json histogram)"
+    t, src = resolve_tau(target_name, tau, block, has_drafter)
+    if t is None:
+        return None, src, None, ""
+    if tau is None and target_name in PUBLISHED_SURVIVAL:
+        surv, where = PUBLISHED_SURVIVAL[target_name]
+        return t, src, list(surv), where
+    return t, src, ds.survival_from_tau(t, block), (
+        f"geometric through tau {t:g} ({src}): every drafted token accepted with the same probability given its "
+        "predecessors were (an assumption: no per-position figure is published for this drafter; "
+        "`dflash-trt bench --json` measures one, plan --acceptance REPORT reads it)")
+
+
+def step_seconds_for(plan: Plan, tp: int, target: ModelShape, drafter: ModelShape, hw: Hardware, context: int,
+                     eff: Efficiency, *, attention_dp: bool = False):
+    """step_seconds(c, K) of one decode step of c sequences drafting K tokens each (draft_schedule.choose):
+    K = 0 a plain AR step; K >= 1 the target's verify over K + 1 tokens per sequence, plus the drafter's
+    pass over its whole block B (and the target's lm_head it borrows) whatever K. A shorter draft keeps the
+    drafter's block: TensorRT-LLM's DFlashWorker (tensorrt_llm/_torch/speculative/dflash.py @ 2fc4bbbc414379ff,
+    prepare_1st_drafter_inputs) builds a query block of the drafter's block_size and gathers only the K
+    drafted positions' logits, so what a schedule saves is the verify's tokens, not the drafter's."""
+    fmt, kv, dq, B = plan.quant["target"], plan.quant["kv_cache"], plan.quant["drafter"], plan.block_size
+    lm_head = _lm_head(target)
+    draft_s: dict[int, float] = {}
+
+    def step(c: int, k: int) -> float:
+        if k == 0:
+            return forward(target, fmt, kv, hw, tp, c, 1, context, eff, attention_dp=attention_dp).time_s
+        if c not in draft_s:
+            draft_s[c] = forward(drafter, dq, kv, hw, tp, c, B, context, eff, attention_dp=attention_dp,
+                                 extra_groups=(lm_head,)).time_s
+        return forward(target, fmt, kv, hw, tp, c, k + 1, context, eff, attention_dp=attention_dp).time_s + draft_s[c]
+    return step
+
+
+SCHEDULE_COST = ("step cost: K = 0 a plain AR step; K >= 1 the target's verify over K + 1 tokens per sequence plus the "
+                 "drafter's whole block (its pass does not shorten with K: TensorRT-LLM's DFlashWorker drafts the full "
+                 "block and keeps K positions), central efficiency set")
+
+
+def layout_schedule(plan: Plan, layout: LayoutSpeed, target: ModelShape, drafter: ModelShape, hw: Hardware,
+                    context: int, survival: list[float], acceptance_source: str,
+                    concurrency_grid: list[int] | None = None) -> ds.DraftSchedule:
+    """The draft length per concurrency of one layout with speed figures (its own concurrencies, or a grid)."""
+    step = step_seconds_for(plan, layout.tp, target, drafter, hw, context, EFFICIENCY["central"],
+                            attention_dp=layout.attention_dp)
+    grid = concurrency_grid or [p.concurrency for p in layout.points]
+    return ds.choose(survival, step, grid, assumptions=[f"acceptance per position: {acceptance_source}",
+                                                        SCHEDULE_COST])
 
 
 def concurrencies(cap: int) -> list[int]:
@@ -348,14 +422,19 @@ def _detail(f: Forward) -> dict:
 
 
 def speed(plan: Plan, target: ModelShape, drafter: ModelShape | None, hw: Hardware, *, tau: float | None = None,
-          context_tokens: int = DEFAULT_CONTEXT_TOKENS) -> SpeedReport:
-    """The speed report of every layout of a plan (fitting ones get curves)."""
+          context_tokens: int = DEFAULT_CONTEXT_TOKENS, acceptance: str | None = None) -> SpeedReport:
+    """The speed report of every layout of a plan (fitting ones get curves and, with a drafter, the draft
+    length per concurrency). acceptance: a `dflash-trt bench --json` report (its per-position histogram)."""
     if not 1 <= context_tokens <= plan.max_seq_len:
         raise DFlashError(f"--context-tokens {context_tokens}: must be in [1, {plan.max_seq_len}] (max_seq_len)")
     if not hw.dense_flops_per_s or "bf16" not in hw.dense_flops_per_s:
         raise DFlashError(f"hardware.json: {hw.name} has no dense_flops_per_s; the speed model needs it")
-    t, src = resolve_tau(plan.target, tau, plan.block_size, drafter is not None)
+    t, src, survival, acc_src = resolve_acceptance(plan.target, tau, plan.block_size, drafter is not None, acceptance)
     layouts = [layout_speed(plan, l, target, drafter, hw, t, context_tokens) for l in plan.layouts]
+    for l in layouts:
+        if l.points and drafter is not None and survival:
+            l.draft_schedule = layout_schedule(plan, l, target, drafter, hw, context_tokens, survival,
+                                               acc_src).to_dict()
     c = EFFICIENCY["central"]
     assumptions = [
         f"decode only, every sequence holding {context_tokens} tokens of context (--context-tokens); prefill not counted",
@@ -368,17 +447,63 @@ def speed(plan: Plan, target: ModelShape, drafter: ModelShape | None, hw: Hardwa
         "MoE routing uniform over the experts (no load imbalance); one replica inside one NVLink domain",
         "ranges: the low / high efficiency sets of dflash_trt/deploy/speed.py (EFFICIENCY)",
     ]
+    if survival:
+        assumptions += [f"draft schedule: acceptance per position {acc_src}",
+                        "draft schedule: a draft of K tokens keeps the acceptance of the full block's first K "
+                        "positions; " + SCHEDULE_COST]
     return SpeedReport(target=plan.target, hardware=hw.name, tau=t, tau_source=src, block_size=plan.block_size,
                        context_tokens=context_tokens, efficiency={k: asdict(v) for k, v in EFFICIENCY.items()},
-                       assumptions=assumptions, layouts=layouts)
+                       assumptions=assumptions, layouts=layouts, acceptance_source=acc_src)
 
 
 def speed_for(plan: Plan, target_cfg: dict, drafter_cfg: dict | None, *, tau: float | None = None,
-              context_tokens: int = DEFAULT_CONTEXT_TOKENS) -> SpeedReport:
+              context_tokens: int = DEFAULT_CONTEXT_TOKENS, acceptance: str | None = None) -> SpeedReport:
     """speed() from the configs the plan was made of."""
     target = planner.target_shape(target_cfg, plan.target)
     drafter = planner.drafter_shape(drafter_cfg, plan.drafter or "drafter") if drafter_cfg and plan.drafter else None
-    return speed(plan, target, drafter, get_hardware(plan.hardware), tau=tau, context_tokens=context_tokens)
+    return speed(plan, target, drafter, get_hardware(plan.hardware), tau=tau, context_tokens=context_tokens,
+                 acceptance=acceptance)
+
+
+def build_schedule(mode: str, *, target_name: str, target_config: dict, drafter_config: dict, gpu: str | None,
+                   quant: str, kv_cache: str, drafter_quant: str, tp: int, ep: int, block_size: int,
+                   max_batch_size: int, max_seq_len: int, attention_dp: bool = False,
+                   context_tokens: int = DEFAULT_CONTEXT_TOKENS) -> tuple[ds.DraftSchedule | None, str]:
+    """`build --draft-schedule auto|off|FILE.json`: (the schedule the bundle's stacks get, or None, and where it
+    comes from or why there is none). auto plans it as `plan --speed` does, for the bundle's GPU node, layout,
+    formats and max_batch_size (the concurrencies 1..max_batch_size), from the preset drafter's published tau;
+    without a GPU (a CPU bundle) or a tau there is none."""
+    if mode == "off":
+        return None, "--draft-schedule off"
+    if mode != "auto":
+        return ds.load_schedule(mode, block_size), f"read from {mode}"
+    if not gpu:
+        return None, ("no GPU (a CPU bundle): the speed model needs the node's hardware (build --gpu), or pass "
+                      "--draft-schedule FILE.json")
+    if target_name not in PUBLISHED_TAU:
+        return None, (f"no acceptance figure for {target_name}'s drafter (no published tau): measure one with "
+                      "`dflash-trt bench --json`, plan with `dflash-trt plan --speed --acceptance REPORT --json` and "
+                      "pass the layout's draft_schedule as --draft-schedule FILE.json")
+    hw = hardware_for_gpu(gpu)
+    dcfg = {**drafter_config, "block_size": block_size}
+    p = planner.plan(target_config, dcfg, hw, target_name=target_name, drafter_name=f"{target_name} drafter",
+                     quant=quant, kv_cache=kv_cache, drafter_quant=drafter_quant, max_seq_len=max_seq_len, tp=tp,
+                     ep=ep, max_batch_size=max_batch_size, attention_dp=attention_dp, batch_pinned=True)
+    lay = p.chosen
+    if lay is None:
+        why = p.layouts[0].reason if p.layouts else "no layout"
+        return None, f"the planner finds tp {tp} ep {ep} does not fit {hw.name} ({why}): no speed figures"
+    target = planner.target_shape(target_config, target_name)
+    drafter = planner.drafter_shape(dcfg, f"{target_name} drafter")
+    ls = layout_speed(p, lay, target, drafter, hw, None, min(context_tokens, p.max_seq_len))
+    if not ls.points:
+        return None, f"tp {tp} ep {ep} on {hw.name} has no speed figures ({ls.reason})"
+    t, src, survival, acc_src = resolve_acceptance(target_name, None, block_size, True)
+    sched = layout_schedule(p, ls, target, drafter, hw, min(context_tokens, p.max_seq_len), survival, acc_src,
+                            concurrency_grid=concurrencies(max_batch_size))
+    sched.assumptions.append(f"planned by the speed model for {hw.name}, tp {tp} ep {ep}, {quant} weights, "
+                             f"{context_tokens} tokens of context, concurrency 1..{max_batch_size} (max_batch_size)")
+    return sched, f"planned for {hw.name} (speed model, tau {t:g}: {src})"
 
 
 def user_speed(target: ModelShape, drafter: ModelShape | None, plan: Plan, hw: Hardware, tp: int, context: int,
@@ -471,6 +596,9 @@ def format_speed(r: SpeedReport, layouts: int = 1) -> str:
                         f"{_rng(p.dflash_tokens_per_s_per_gpu, p.dflash_tokens_per_s_per_gpu_range):>24} "
                         f"{p.dflash_tokens_per_s_per_user / p.ar_tokens_per_s_per_user:>4.2f}x")
             lines.append(row)
+        if l.draft_schedule:
+            lines.append("")
+            lines += ["  " + x for x in ds.format_schedule(schedule_of(l)).splitlines()]
     rest = [l for l in r.layouts if l.points][layouts:]
     if rest:
         lines.append("")
@@ -483,10 +611,26 @@ def format_speed(r: SpeedReport, layouts: int = 1) -> str:
                 s += (f" | DFlash {p1.dflash_tokens_per_s_per_user:,.0f}; {pm.dflash_tokens_per_s_per_gpu:,.0f} "
                       f"({pm.dflash_tokens_per_s_per_user:,.0f})")
             lines.append(s)
+            if l.draft_schedule:
+                lines.append("      draft K: " + _ranges_text(l.draft_schedule["ranges"])
+                             + (f"; speculation stops paying at {l.draft_schedule['stop_concurrency']}"
+                                if l.draft_schedule["stop_concurrency"] else ""))
     for l in r.layouts:
         if l.reason and l.reason != "does not fit":
             lines.append(f"  tp {l.tp}, ep {l.ep}: no speed figures ({l.reason})")
     return "\n".join(lines)
+
+
+def schedule_of(layout: LayoutSpeed) -> ds.DraftSchedule:
+    """A layout's draft schedule as the object (the report carries its to_dict())."""
+    d = layout.draft_schedule
+    return ds.DraftSchedule(max_k=d["max_k"], acceptance_lengths=d["acceptance_lengths"],
+                            levels=[ds.Level(**lv) for lv in d["levels"]], ranges=[tuple(r) for r in d["ranges"]],
+                            assumptions=d["assumptions"])
+
+
+def _ranges_text(ranges) -> str:
+    return ", ".join(f"{a}-{b}: {k}" if a != b else f"{a}: {k}" for a, b, k in ranges)
 
 
 def _rng(v: float, r: list[float]) -> str:

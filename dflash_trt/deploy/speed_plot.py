@@ -76,6 +76,8 @@ def plot_speed(report: SpeedReport, path: str | Path) -> Path:
                                                     l.points[-1].ar_tokens_per_s_per_gpu),
                     fontsize=7, color=color, textcoords="offset points", xytext=(3, 3))
 
+    if layouts and layouts[0][1].draft_schedule:
+        draw_schedule(ax, layouts[0][0], layouts[0][1], colors[0])
     claims, marked = [], 0
     for pt in matching_points(report.target, report.hardware):
         xy = _published_xy(pt)
@@ -97,6 +99,29 @@ def plot_speed(report: SpeedReport, path: str | Path) -> Path:
     return save_figure(fig, ax, path, f"{report.target} on {report.hardware}: {tau}, {report.context_tokens} tokens "
                        "of context\nspeed model, dflash_trt/deploy/speed.py (central efficiency; dotted: low / high); "
                        "numbers at line ends: concurrency")
+
+
+def draw_schedule(ax, name: str, layout: LayoutSpeed, color) -> None:
+    """The chosen layout's draft schedule: its curve (the best K at each concurrency) beside always-K (the
+    DFlash line) and AR, and an inset of K against concurrency with the concurrency where speculation stops."""
+    d, g = layout.draft_schedule, layout.gpus_per_replica
+    lv = d["levels"]
+    ax.plot([x["tokens_per_s_per_user"] for x in lv], [x["concurrency"] * x["tokens_per_s_per_user"] / g for x in lv],
+            "-", color="black", linewidth=2.2, alpha=0.55, label=f"{name} draft schedule (best K per concurrency)")
+    ins = ax.inset_axes([0.07, 0.08, 0.3, 0.26])
+    xs = [c for a, b, _ in d["ranges"] for c in (a, b + 1)]
+    ys = [k for _, _, k in d["ranges"] for _ in (0, 1)]
+    ins.plot(xs, ys, "-", color=color, linewidth=1.5)
+    ins.set_xscale("log")
+    ins.set_ylim(-0.5, d["max_k"] + 0.5)
+    ins.set_xlabel("concurrency", fontsize=6)
+    ins.set_ylabel("K drafted", fontsize=6)
+    ins.tick_params(labelsize=6)
+    stop = d["stop_concurrency"]
+    ins.set_title(f"{name}: " + (f"no speculation from {stop}" if stop else "speculation pays throughout"),
+                  fontsize=6)
+    if stop:
+        ins.axvline(stop, color="grey", linestyle=":", linewidth=1)
 
 
 def distinct_curves(report: SpeedReport) -> list[tuple[str, LayoutSpeed]]:

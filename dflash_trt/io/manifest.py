@@ -101,6 +101,15 @@ MANIFEST_SCHEMA: dict = {
         # build --profile: the TensorRT-LLM settings written, their source, the drafter attention backend
         "serving_profile": {"type": "object", "required": ["profile"],
                             "properties": {"profile": {"enum": ["latency", "throughput"]}}},
+        # build --draft-schedule: the draft length per concurrency (or why none), and per served stack the
+        # fields written into its own control or why nothing was written (stacks/*: draft_schedule_problem)
+        "draft_schedule": {
+            "type": "object", "required": ["source", "schedule", "stacks"],
+            "properties": {"source": {"type": "string"}, "schedule": {"type": ["object", "null"]},
+                           "stacks": {"type": "object", "additionalProperties": {
+                               "type": "object", "minProperties": 1, "maxProperties": 1,
+                               "properties": {"fields": {"type": "object"}, "skipped": {"type": "string"}},
+                               "additionalProperties": False}}}},
         "trt_drafter_engine": {"type": "boolean"},  # build --trt-drafter-engine: plugins/, onnx/, drafter.plan
         "artifacts": {
             "type": "array",

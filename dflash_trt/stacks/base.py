@@ -79,9 +79,10 @@ class Stack:
         """Why the stack's DFlash loader cannot load a drafter in this format (None: it can)."""
         return None
 
-    def draft_schedule_problem(self) -> str | None:
+    def draft_schedule_problem(self, schedule=None) -> str | None:
         """Why this stack's DFlash path does not honour a draft-length schedule (with the upstream source
-        read), so build writes none for it; None: it does (draft_schedule_fields writes it)."""
+        read), so build writes none for it; None: it does (draft_schedule_fields writes it). With a
+        schedule: also why its control cannot express that one (e.g. a draft length that rises again)."""
         return "no draft-length control of this stack's DFlash path has been read"
 
     def draft_schedule_fields(self, schedule) -> dict:

@@ -17,6 +17,13 @@ KV_CACHE_FP8 = "fp8_e4m3"
 FP8_DRAFTER_REFUSED = ("SGLang's DFlash drafter (sglang/srt/models/dflash.py DFlashDraftModel) has "
                        "supports_quantization = False and builds fc as a plain Linear")
 
+# Why build writes no draft schedule for SGLang: its adaptive control does not run for DFLASH.
+ADAPTIVE_REFUSED = ("SGLang 0.5.23 adapts the draft length (--speculative-adaptive, --speculative-adaptive-config) for "
+                    "EAGLE / EAGLE3 only: sglang/srt/speculative/adaptive_spec_params.py:56-64 "
+                    "adaptive_unsupported_reason returns \"speculative_algorithm=DFLASH (only EAGLE/EAGLE3 are "
+                    "supported)\" and arg_groups/speculative_hook.py:261-262 (_maybe_disable_adaptive, :1374) turns the "
+                    "flag off with a warning, so DFLASH drafts its whole block at every batch size")
+
 # SGLang's speculative-decoding figures on /metrics (Stack.spec_decode_metrics)
 SPEC_DECODE_METRICS = {
     "prefix": "sglang:",
@@ -102,6 +109,9 @@ class SGLang(Stack):
 
     def drafter_quant_problem(self, drafter_quant):
         return FP8_DRAFTER_REFUSED if drafter_quant == "fp8" else None
+
+    def draft_schedule_problem(self, schedule=None):
+        return ADAPTIVE_REFUSED
 
     def write_configs(self, ctx: BundleContext) -> None:
         m = ctx.manifest

@@ -24,8 +24,10 @@ from dflash_trt.stacks.trtllm.budget import draft_context_budget
 from dflash_trt.stacks.trtllm.profiles import drafter_attention_backend, profile_settings
 from dflash_trt.stacks.trtllm.serve_config import (
     CHECKED_AGAINST,
+    DRAFT_SCHEDULE_SOURCE,
     FP8_DRAFTER_REFUSED,
     TRTLLM_KV_FRACTION,
+    trtllm_draft_schedule,
     trtllm_drafter_options,
     trtllm_serve_config,
 )
@@ -55,8 +57,9 @@ SPEC_DECODE_METRICS = {
 }
 
 
-def serve_config(m: dict, tcfg: dict, B: int, dcfg=None) -> dict:
-    """configs/trtllm-serve.yaml of a bundle, from its manifest's first part."""
+def serve_config(m: dict, tcfg: dict, B: int, dcfg=None, schedule_fields: dict | None = None) -> dict:
+    """configs/trtllm-serve.yaml of a bundle, from its manifest's first part; schedule_fields: the draft
+    schedule's DFlashDecodingConfig fields (TensorRTLLM.draft_schedule_fields)."""
     d, p = m["drafter"], m["parallel"]
     cfg = trtllm_serve_config(target_cfg=tcfg, drafter_path="drafter", block_size=B, mask_token_id=d["mask_token_id"],
                               zlab_ids=d["target_layer_ids"]["trtllm"], tp=p["tp"], ep=p["ep"], pp=p["pp"],
@@ -67,6 +70,8 @@ def serve_config(m: dict, tcfg: dict, B: int, dcfg=None) -> dict:
     # A drafter's own rules last: non-causal sliding-window layers pin VANILLA over the per-GPU choice.
     if dcfg is not None:
         cfg["speculative_config"].update(trtllm_drafter_options(dcfg))
+    if schedule_fields:
+        cfg["speculative_config"].update(schedule_fields)
     return cfg
 
 
@@ -142,14 +147,27 @@ class TensorRTLLM(Stack):
     def check_build(self, **kw):
         check_draft_context(**kw)
 
+    def draft_schedule_problem(self, schedule=None):
+        # DFlash honours max_concurrency / draft_len_schedule (serve_config.py: DRAFT_SCHEDULE_SOURCE); a
+        # schedule whose length rises past its first cannot be said in them
+        return None if schedule is None else trtllm_draft_schedule(list(schedule.ranges))[1]
+
+    def draft_schedule_fields(self, schedule) -> dict:
+        return trtllm_draft_schedule(list(schedule.ranges))[0]
+
+    def _schedule_fields(self, ctx: BundleContext) -> dict:
+        """The fields build decided to write for this stack (manifest draft_schedule.stacks.trtllm)."""
+        rec = (ctx.manifest.get("draft_schedule") or {}).get("stacks", {}).get(self.name, {})
+        return self.draft_schedule_fields(ctx.draft_schedule) if "fields" in rec and ctx.draft_schedule else {}
+
     def write_configs(self, ctx: BundleContext) -> None:
         (ctx.work / "configs" / "trtllm-serve.yaml").write_text(
             "# trtllm-serve target --config configs/trtllm-serve.yaml   (run from the bundle root)\n"
-            + yaml.safe_dump(serve_config(ctx.manifest, ctx.target_config, ctx.block_size, ctx.drafter),
-                             sort_keys=False))
+            + yaml.safe_dump(serve_config(ctx.manifest, ctx.target_config, ctx.block_size, ctx.drafter,
+                                          self._schedule_fields(ctx)), sort_keys=False))
 
     def triton_inputs(self, ctx: BundleContext) -> dict:
-        cfg = serve_config(ctx.manifest, ctx.target_config, ctx.block_size, ctx.drafter)
+        cfg = serve_config(ctx.manifest, ctx.target_config, ctx.block_size, ctx.drafter, self._schedule_fields(ctx))
         return {"llm_yaml": llmapi_model_yaml(cfg, "target", decoupled=True, max_batch_size=0)}
 
     def serve_commands(self, served):

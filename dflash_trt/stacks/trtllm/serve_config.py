@@ -82,6 +82,48 @@ def trtllm_serve_config(*, target_cfg: dict, drafter_path: str, block_size: int,
     return cfg
 
 
+# Its draft-length controls (Stack.draft_schedule_*), read from the source:
+#   tensorrt_llm/llmapi/llm_args.py @ fcd3f31682808ae56118ae43c1d7864a3a945e6f, DecodingBaseConfig:
+#     max_concurrency: Optional[PositiveInt] ("speculation will be disabled at batch sizes above this value");
+#     draft_len_schedule: Optional[dict[int, int]], each key the largest batch size that drafts its length, batch
+#     sizes above the largest key draft 0 (speculation off); validate_draft_len_schedule_and_sort: keys >= 1,
+#     lengths >= 0 and <= max_draft_len, the smallest key's length == max_draft_len; the two are mutually
+#     exclusive, and max_concurrency becomes {max_concurrency: max_draft_len} when
+#     spec_dec_mode.support_dynamic_draft_len();
+#   tensorrt_llm/_torch/speculative/interface.py @ 00b6d5a25c30b4382d24fbdf52956d601b3ffd24:
+#     SpeculativeDecodingMode.support_dynamic_draft_len() includes is_dflash(), so the one-model DFlash path runs
+#     each step with runtime_draft_len from the schedule (speculative/utils.py get_draft_len_for_batch_size, keys
+#     as upper bounds) and a verify of 1 + runtime_draft_len tokens per request
+#     (DecodingBaseConfig.get_runtime_tokens_per_gen_step);
+#   release 1.4.0rc1's DFlashDecodingConfig reference page lists both fields with these types.
+DRAFT_SCHEDULE_SOURCE = ("NVIDIA/TensorRT-LLM tensorrt_llm/llmapi/llm_args.py @ fcd3f31682808ae5 (DecodingBaseConfig."
+                         "max_concurrency, draft_len_schedule and their validators), tensorrt_llm/_torch/speculative/"
+                         "interface.py @ 00b6d5a25c30b438 (support_dynamic_draft_len includes DFlash), release "
+                         "1.4.0rc1 DFlashDecodingConfig reference page")
+
+
+def trtllm_draft_schedule(ranges: list[tuple[int, int, int]]) -> tuple[dict, str | None]:
+    """(speculative_config fields, None) for a schedule's ranges (first, last, k), or ({}, why TensorRT-LLM's
+    control cannot say it). A cutoff (the full draft, then none) is max_concurrency; anything else is
+    draft_len_schedule keyed by each range's last concurrency (the trailing k = 0 range is implicit: above the
+    largest key TensorRT-LLM drafts 0). max_draft_len is the first range's k: the validator wants the smallest
+    key's length to equal it, and every other length at most it."""
+    ks = [k for _, _, k in ranges]
+    if ks[0] == 0:
+        return {}, "the schedule drafts nothing even at concurrency 1 (max_draft_len must be > 0): serve without DFlash"
+    if max(ks) > ks[0]:
+        return {}, (f"the schedule drafts {ks[0]} at concurrency 1 and {max(ks)} later; TensorRT-LLM's "
+                    "draft_len_schedule needs its smallest key at max_draft_len and every length at most that "
+                    "(llm_args.py validate_draft_len_schedule_and_sort)")
+    body = ranges[:-1] if ks[-1] == 0 else ranges
+    fields: dict = {"max_draft_len": ks[0]}
+    if ks[-1] == 0 and all(k == ks[0] for _, _, k in body):
+        fields["max_concurrency"] = body[-1][1]
+    else:
+        fields["draft_len_schedule"] = {last: k for _, last, k in body}
+    return fields, None
+
+
 def trtllm_drafter_options(dcfg) -> dict:
     """Keys added to TensorRT-LLM's speculative_config for this drafter. DFlashDecodingConfig
     .attention_backend ("VANILLA" | "TRTLLM", default VANILLA; tests/upstream_trtllm.py): the TRTLLM
