@@ -227,6 +227,48 @@ def test_build_completes_with_compile_deferred(hopper):
     assert res["bundle"] == str(bundle) and [s["name"] for s in res["stages"]] == STAGES
 
 
+def test_no_schedule_is_written_without_acceptance_and_the_manifest_says_why(hopper):
+    """auto with a GPU but no acceptance figure for the drafter (a non-preset pair): no stack's control
+    gets a schedule, and the manifest and the summary say why; the stacks' configs carry none."""
+    bundle, res = hopper
+    m = read_manifest(bundle)
+    rec = m["draft_schedule"]
+    assert rec["schedule"] is None and "no acceptance figure for llama's drafter" in rec["source"]
+    assert set(rec["stacks"]) == set(m["serving_stacks"]["served"])
+    assert all(v == {"skipped": f"no draft schedule: {rec['source']}"} for v in rec["stacks"].values())
+    serve = yaml.safe_load((bundle / "configs/trtllm-serve.yaml").read_text())["speculative_config"]
+    assert "draft_len_schedule" not in serve and "max_concurrency" not in serve
+    assert res["draft_schedule"] == rec
+
+
+def test_a_cpu_bundle_plans_no_schedule():
+    from dflash_trt.deploy.speed import build_schedule
+
+    sched, why = build_schedule("auto", target_name="gpt-oss-120b", target_config={}, drafter_config={}, gpu=None,
+                                quant="mxfp4", kv_cache="fp8", drafter_quant="none", tp=8, ep=1, block_size=10,
+                                max_batch_size=128, max_seq_len=32768)
+    assert sched is None and why.startswith("no GPU (a CPU bundle)")
+    assert build_schedule("off", target_name="x", target_config={}, drafter_config={}, gpu="b300", quant="nvfp4",
+                          kv_cache="fp8", drafter_quant="none", tp=1, ep=1, block_size=8, max_batch_size=8,
+                          max_seq_len=8) == (None, "--draft-schedule off")
+
+
+@pytest.mark.parametrize("content,message", [
+    ("{not json", "not JSON"),
+    ('{"ranges": [[1, 8, 7], [10, 64, 0]]}', "ranges[1] starts at concurrency 10, expected 9"),
+    ('{"ranges": [[1, 64, 8]]}', "ranges[0] drafts k = 8, outside 0..7 (block size 8 - 1)"),
+    (None, "no such file"),
+])
+def test_draft_schedule_file_errors_are_one_line_and_write_nothing(tiny, tmp_path, content, message):
+    f = tmp_path / "s.json"
+    if content is not None:
+        f.write_text(content)
+    code, out, err = run_cli("build", "--target", str(tiny / "llama"), "--drafter", str(tiny / "llama-drafter"),
+                             "--arch", "hopper", "--draft-schedule", str(f), "--out", str(tmp_path / "b"))
+    assert code == 1 and message in err and f"--draft-schedule {f}" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "b").exists() and not list(tmp_path.glob(".b.*"))
+
+
 def test_serving_files_hold_the_drafters_real_settings(tiny, hopper):
     bundle, _ = hopper
     d = json.loads((tiny / "llama-drafter" / "config.json").read_text())  # read independently of our code

@@ -1,4 +1,6 @@
 """deploy/draft_schedule.py: the ranges agree with a brute-force best K at every concurrency."""
+import json
+
 import pytest
 
 from dflash_trt.deploy import draft_schedule as ds
@@ -38,3 +40,39 @@ def test_ranges_match_brute_force(per_token):
 def test_max_k_caps_the_draft():
     s = ds.choose(ds.survival_from_tau(4.4, 10), lambda c, k: 1.0, [1, 8], max_k=3)
     assert s.max_k == 3 and s.ranges == [(1, 8, 3)] and not s.adaptive and s.stop_concurrency is None
+
+
+@pytest.mark.parametrize("doc,message", [
+    ([1, 2], "expected a draft schedule"),
+    ({"ranges": []}, "expected a draft schedule"),
+    ({"ranges": [[2, 8, 7]]}, "ranges[0] starts at concurrency 2, expected 1"),
+    ({"ranges": [[1, 8, 7], [10, 20, 3]]}, "ranges[1] starts at concurrency 10, expected 9"),
+    ({"ranges": [[1, 8, 7], [8, 20, 3]]}, "ranges[1] starts at concurrency 8, expected 9"),
+    ({"ranges": [[1, 8, 8]]}, "ranges[0] drafts k = 8, outside 0..7"),
+    ({"ranges": [[1, 8, -1]]}, "ranges[0] drafts k = -1, outside 0..7"),
+    ({"ranges": [[1, 0, 7]]}, "ranges[0] ends at 0, before its first concurrency 1"),
+    ({"ranges": [[1, 8, 2.5]]}, "ranges[0] must be [first, last, k] integers"),
+    ({"ranges": [[1, 8, 3]], "max_k": 9}, "max_k 9 must be an integer from the largest k of the ranges to 7"),
+])
+def test_schedule_file_is_checked(doc, message):
+    with pytest.raises(DFlashError) as e:
+        ds.from_dict(doc, 8, "s.json")
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_schedule_round_trips_through_its_dict():
+    s = ds.choose(ds.survival_from_tau(4.4, 10), lambda c, k: 1 + c * (k + 1) * 0.02 + (0.3 if k else 0), [1, 8, 64])
+    back = ds.from_dict(json.loads(json.dumps(s.to_dict())), 10, "x.json")
+    assert back.ranges == s.ranges and back.levels == s.levels and back.stop_concurrency == s.stop_concurrency
+
+
+def test_acceptance_from_a_bench_report(tmp_path):
+    report = tmp_path / "bench.json"
+    report.write_text(json.dumps({"block_size": 4, "acceptance_histogram": {"1": 10, "2": 5, "3": 5}}))
+    surv, tau = ds.survival_from_bench(str(report), 4)
+    assert surv == [0.5, 0.25, 0.0] and tau == pytest.approx((10 * 1 + 5 * 2 + 5 * 3) / 20)
+    with pytest.raises(DFlashError, match="measured with block size 4, the drafter serves block 10"):
+        ds.survival_from_bench(str(report), 10)
+    report.write_text(json.dumps({"block_size": 4}))
+    with pytest.raises(DFlashError, match="no acceptance_histogram"):
+        ds.survival_from_bench(str(report), 4)

@@ -209,6 +209,59 @@ def test_plan_speed_json_carries_every_number():
     for key in ("weight_bytes_per_gpu", "kv_bytes_per_gpu", "linear_flops_per_gpu", "comm_ms", "fixed_ms", "time_ms"):
         assert key in p["ar_detail"] and key in p["dflash_detail"]["verify"] and key in p["dflash_detail"]["draft"]
     assert p["ar_tokens_per_s_per_gpu"] == pytest.approx(p["ar_tokens_per_s_per_user"] / lay["gpus_per_replica"])
+    # the draft schedule of every layout with curves: ranges covering 1..its most concurrency, one level per
+    # point; drafting the whole block is the DFlash curve, K = 0 the AR curve, the choice at least both
+    for lay in (x for x in s["layouts"] if x["points"]):
+        sc = lay["draft_schedule"]
+        assert sc["ranges"][0][0] == 1 and sc["ranges"][-1][1] == lay["max_concurrency"]
+        assert all(a[1] + 1 == b[0] for a, b in zip(sc["ranges"], sc["ranges"][1:]))
+        assert sc["max_k"] == s["block_size"] - 1 and "stop_concurrency" in sc
+        assert sc["acceptance_lengths"][-1] == pytest.approx(s["tau"])
+        for pt, lv in zip(lay["points"], sc["levels"], strict=True):
+            assert lv["concurrency"] == pt["concurrency"]
+            assert lv["always_k_tokens_per_s_per_user"] == pytest.approx(pt["dflash_tokens_per_s_per_user"])
+            assert lv["ar_tokens_per_s_per_user"] == pytest.approx(pt["ar_tokens_per_s_per_user"])
+            assert lv["tokens_per_s_per_user"] >= max(lv["always_k_tokens_per_s_per_user"],
+                                                      lv["ar_tokens_per_s_per_user"]) * (1 - 1e-9)
+
+
+def test_plan_prints_the_schedule_and_where_speculation_stops():
+    code, out, err = run_cli("plan", "--target", "qwen3-8b", "--hardware", "dgx-b200", "--speed", "--tau", "6.5",
+                             "--max-batch-size", "1024")
+    assert code == 0, err
+    assert "draft length by concurrency: 1-" in out and "always K 15" in out
+    assert "geometric through tau 6.5" in out and "verify over K + 1 tokens" in out   # the assumptions
+    code, out, _ = run_cli("plan", "--target", "qwen3-8b", "--hardware", "dgx-b200", "--speed", "--tau", "6.5",
+                           "--max-batch-size", "1024", "--json")
+    sc = json.loads(out)["speed"]["layouts"][0]["draft_schedule"]
+    ks = [k for _, _, k in sc["ranges"]]
+    assert ks[0] == 15 and ks[-1] < 15     # a dense 8B target: the verify turns compute-bound, K falls
+
+
+def test_a_measured_histogram_sets_the_schedule(tmp_path):
+    """--acceptance: a bench report's per-position histogram. One that never accepts a drafted token
+    makes speculation pay nowhere (K 0 from concurrency 1); a report of another block size is refused."""
+    report = tmp_path / "bench.json"
+    report.write_text(json.dumps({"block_size": 10, "acceptance_histogram": {"1": 100}}))
+    code, out, err = run_cli("plan", "--target", "gpt-oss-120b", "--hardware", "dgx-b300", "--speed", "--acceptance",
+                             str(report), "--json")
+    assert code == 0, err
+    s = json.loads(out)["speed"]
+    assert s["tau"] == 1.0 and str(report) in s["acceptance_source"]
+    sc = s["layouts"][0]["draft_schedule"]
+    assert sc["ranges"] == [[1, s["layouts"][0]["max_concurrency"], 0]] and sc["stop_concurrency"] == 1
+    report.write_text(json.dumps({"block_size": 10, "acceptance_histogram": {"1": 1, "3": 1, "10": 2}}))
+    code, out, err = run_cli("plan", "--target", "gpt-oss-120b", "--hardware", "dgx-b300", "--speed", "--acceptance",
+                             str(report), "--json")
+    s = json.loads(out)["speed"]
+    assert s["tau"] == pytest.approx((1 + 3 + 20) / 4)
+    assert s["layouts"][0]["draft_schedule"]["acceptance_lengths"][:3] == pytest.approx([1, 1.75, 2.5])
+    for args, message in ((["--acceptance", str(report), "--tau", "4"], "--tau and --acceptance"),
+                          (["--acceptance", str(report)], "measured with block size 10, the drafter serves block 16")):
+        target = ["--target", "qwen3-8b", "--hardware", "dgx-b200"] if "16" in message else \
+            ["--target", "gpt-oss-120b", "--hardware", "dgx-b300"]
+        code, out, err = run_cli("plan", *target, "--speed", *args)
+        assert code == 1 and message in err and err.count("\n") == 1 and out == "", err
 
 
 def test_plan_plot_writes_a_png(tmp_path):
@@ -227,7 +280,7 @@ def test_plan_plot_writes_a_png(tmp_path):
     (["--speed", "--tau", "12"], "--tau 12: must be in [1, 10]"),
     (["--speed", "--tau", "0.5"], "--tau 0.5: must be in [1, 10]"),
     (["--speed", "--tau", "nan"], "--tau nan: must be in [1, 10]"),
-    (["--tau", "4"], "--tau / --context-tokens set the speed model: add --speed"),
+    (["--tau", "4"], "--tau / --context-tokens / --acceptance set the speed model: add --speed"),
     (["--speed", "--context-tokens", "0"], "--context-tokens 0: must be in [1, 32768]"),
 ])
 def test_bad_speed_options_are_one_line(tmp_path, args, message):

@@ -99,13 +99,20 @@ def _literal_values(src: str, name: str) -> set[str]:
 
 
 # ------------------------------------------------------------------------------ the bundles
+# a draft schedule for the tiny drafters (block 8): K 7 up to 8 sequences, 3 up to 32, none from 33 on
+SCHEDULE = {"max_k": 7, "ranges": [[1, 8, 7], [9, 32, 3], [33, 64, 0]]}
+
 @pytest.fixture(scope="module")
 def bundles(tmp_path_factory, tiny_pairs):
     """Default bundles of a dense and a MoE/sliding-window pair, a tp=2 and a pp=2 one (which
     SGLang cannot serve: its config must be absent, and any it got would fail its rule below)."""
     root = tmp_path_factory.mktemp("conf")
+    (root / "schedule.json").write_text(json.dumps(SCHEDULE))
     out = {}
     for name, pair, args in (("llama", "llama", ["--arch", "hopper"]),
+                             # a draft schedule from a file (build --draft-schedule), written into each control
+                             ("llama-sched", "llama", ["--arch", "hopper", "--draft-schedule",
+                                                       str(root / "schedule.json")]),
                              ("gptoss", "gpt-oss", ["--arch", "blackwell", "--tp", "2", "--ep", "2"]),
                              ("llama-tp2", "llama", ["--arch", "blackwell", "--tp", "2", "--quant", "none"]),
                              ("llama-pp2", "llama", ["--arch", "hopper", "--pp", "2", "--quant", "none"]),
@@ -127,7 +134,7 @@ def _trtllm_files(bundle: Path) -> list[tuple[str, dict]]:
 
 
 # --------------------------------------------------------------------------------- TensorRT-LLM
-@pytest.mark.parametrize("name", ["llama", "gptoss", "llama-tp2", "llama-pp2", "gptoss-thr"])
+@pytest.mark.parametrize("name", ["llama", "llama-sched", "gptoss", "llama-tp2", "llama-pp2", "gptoss-thr"])
 def test_trtllm_files_validate_against_the_contract(bundles, name):
     arch = json.loads((bundles[name] / "manifest.json").read_text())["arch"]
     for rel, cfg in _trtllm_files(bundles[name]):
@@ -345,3 +352,81 @@ def test_sglang_kv_cache_dtype_and_drafter_precision(bundles):
         drafter = json.loads((bundles[name] / "drafter/config.json").read_text())
         assert "quantization_config" not in drafter
         assert trt.drafter_loader_problems(bundles[name] / "drafter") == []
+
+
+# ------------------------------------------------------------------------------ draft schedules
+def _trtllm_draft_len(spec: trt.DFlashDecodingConfig, batch: int) -> int:
+    """TensorRT-LLM's draft length at a batch size (LLM_ARGS_NEW's field description, speculative/utils.py
+    get_draft_len_for_batch_size): the length of the smallest key >= batch, 0 above the largest key; with
+    max_concurrency instead, max_draft_len up to it and 0 above."""
+    if spec.max_concurrency is not None:
+        return spec.max_draft_len if batch <= spec.max_concurrency else 0
+    if spec.draft_len_schedule is None:
+        return spec.max_draft_len
+    keys = sorted(spec.draft_len_schedule)
+    return next((spec.draft_len_schedule[k] for k in keys if k >= batch), 0)
+
+
+def test_trtllm_draft_schedule_is_written_and_accepted(bundles):
+    """The schedule lands in both TensorRT-LLM files, passes its validators, and TensorRT-LLM's own reading
+    of it drafts what the schedule says at every batch size."""
+    from dflash_trt.deploy.draft_schedule import from_dict
+
+    sched = from_dict(SCHEDULE, 8, "test")
+    m = json.loads((bundles["llama-sched"] / "manifest.json").read_text())
+    assert m["draft_schedule"]["schedule"]["ranges"] == SCHEDULE["ranges"]
+    assert m["draft_schedule"]["stacks"]["trtllm"] == {"fields": {"max_draft_len": 7,
+                                                                  "draft_len_schedule": {"8": 7, "32": 3}}}
+    for rel, cfg in _trtllm_files(bundles["llama-sched"]):
+        spec = trt.TorchLlmArgs(**cfg).speculative_config
+        assert spec.draft_len_schedule == {8: 7, 32: 3} and spec.max_concurrency is None, rel
+        for batch in range(1, 80):
+            want = sched.k_at(batch) if batch <= sched.ranges[-1][1] else 0
+            assert _trtllm_draft_len(spec, batch) == want, (rel, batch)
+    for rel, cfg in _trtllm_files(bundles["llama"]):   # without a schedule (CPU bundle): nothing written
+        assert "draft_len_schedule" not in cfg["speculative_config"] and "max_concurrency" not in cfg["speculative_config"]
+
+
+def test_trtllm_draft_schedule_cutoff_and_refusals():
+    """A cutoff is max_concurrency; every shape the stack writes passes the contract, and the contract
+    (TensorRT-LLM's validators) refuses what TensorRT-LLM refuses."""
+    from dflash_trt.stacks.trtllm.serve_config import trtllm_draft_schedule
+
+    base = {"decoding_type": "DFlash", "max_draft_len": 7, "speculative_model": "drafter"}
+    fields, why = trtllm_draft_schedule([(1, 16, 7), (17, 64, 0)])
+    assert why is None and fields == {"max_draft_len": 7, "max_concurrency": 16}
+    assert trt.DFlashDecodingConfig(**{**base, **fields}).max_concurrency == 16
+    fields, why = trtllm_draft_schedule([(1, 9, 5), (10, 64, 2)])   # drafts to the end: key 64 kept
+    assert why is None and fields == {"max_draft_len": 5, "draft_len_schedule": {9: 5, 64: 2}}
+    trt.DFlashDecodingConfig(**{**base, **fields})
+    fields, why = trtllm_draft_schedule([(1, 1, 6), (2, 4, 5), (5, 64, 7)])   # rises past its first: not expressible
+    assert fields == {} and "smallest key at max_draft_len" in why
+    for bad, message in (({"draft_len_schedule": {8: 6, 32: 3}}, "must equal max_draft_len"),
+                         ({"draft_len_schedule": {8: 7, 32: 9}}, "must be <= max_draft_len"),
+                         ({"draft_len_schedule": {0: 7}}, "must be >= 1"),
+                         ({"draft_len_schedule": {8: 7}, "max_concurrency": 8}, "mutually exclusive"),
+                         ({"max_concurrency": 0}, "greater than 0")):
+        with pytest.raises(ValidationError, match=message):
+            trt.DFlashDecodingConfig(**{**base, **bad})
+
+
+def test_sglang_refuses_adaptive_for_dflash_by_its_own_code(bundles):
+    """SGLang's adaptive_unsupported_reason, compiled from the wheel and run on our arguments, turns
+    --speculative-adaptive off for DFLASH: build writes no adaptive flag and says why (with the
+    lines cited, which are checked here against the wheel)."""
+    from dflash_trt.stacks.sglang import ADAPTIVE_REFUSED
+
+    src = _source("sglang", "sglang/srt/speculative/adaptive_spec_params.py")
+    reason_of = _compile_function(src, "adaptive_unsupported_reason",
+                                  {"resolving_view": lambda a: a, "resolved_view": lambda a: a})
+    g = json.loads((bundles["llama-sched"] / "configs/sglang.json").read_text())
+    args, _ = _sglang_args(g["argv"])
+    reason = reason_of(args)
+    assert reason is not None and "DFLASH" in reason and "only EAGLE/EAGLE3" in reason
+    assert not any(a.startswith("--speculative-adaptive") for a in g["argv"])
+    m = json.loads((bundles["llama-sched"] / "manifest.json").read_text())
+    assert m["draft_schedule"]["stacks"]["sglang"] == {"skipped": ADAPTIVE_REFUSED}
+    lines = src.splitlines()
+    assert lines[55].startswith("def adaptive_unsupported_reason") and "only EAGLE/EAGLE3" in lines[63]
+    hook = _source("sglang", SGL_HOOK).splitlines()
+    assert "_maybe_disable_adaptive(server_args)" in hook[261] and hook[1373].startswith("def _maybe_disable_adaptive")

@@ -3,6 +3,9 @@ TensorRT-LLM wheel with DFlash exists on PyPI, and it needs a GPU). Each model a
 upstream file and commit it was read from (repository NVIDIA/TensorRT-LLM):
 
   LLM_ARGS   tensorrt_llm/llmapi/llm_args.py              @ 0004396720054fd8e205cbf616f21f0b57c6b412
+  LLM_ARGS_NEW  the same file @ fcd3f31682808ae56118ae43c1d7864a3a945e6f: DecodingBaseConfig.max_concurrency /
+             draft_len_schedule, their validators (the draft schedule, stacks/trtllm/serve_config.py)
+  INTERFACE  tensorrt_llm/_torch/speculative/interface.py @ 00b6d5a25c30b4382d24fbdf52956d601b3ffd24
   RC         DFlashDecodingConfig of release 1.4.0rc1 (the newest whose reference page was read:
              https://nvidia.github.io/TensorRT-LLM/1.4.0rc1/llm-api/reference/DFlashDecodingConfig.html;
              1.4.0rc4's API index exists, its DFlash page was not in the stored docs), and
@@ -21,9 +24,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, field_validator, model_validator
 
 LLM_ARGS = "tensorrt_llm/llmapi/llm_args.py@0004396720054fd8e205cbf616f21f0b57c6b412"
+LLM_ARGS_NEW = "tensorrt_llm/llmapi/llm_args.py@fcd3f31682808ae56118ae43c1d7864a3a945e6f"
+# SpeculativeDecodingMode.support_dynamic_draft_len() includes is_dflash(): DFlash runs the schedule
+INTERFACE = "tensorrt_llm/_torch/speculative/interface.py@00b6d5a25c30b4382d24fbdf52956d601b3ffd24"
 DFLASH = "tensorrt_llm/_torch/models/modeling_dflash.py@009d8fa431bd3de92245aab80f8b57dc70da1ac4"
 LLMAPI_PB = "triton_backend/all_models/llmapi/tensorrt_llm/config.pbtxt@0a71057313ec0626527e164a8fc0205c5822e2f5"
 LLMAPI_PY = "triton_backend/all_models/llmapi/tensorrt_llm/1/model.py@044a90d209e380c95e23e8ae42f3583fa05ada78"
@@ -39,6 +45,8 @@ class DFlashDecodingConfig(Strict):
     max_draft_len: NonNegativeInt | None = None
     max_total_draft_tokens: int | None = None
     speculative_model: str | None = None  # validation_alias speculative_model | speculative_model_dir
+    # LLM_ARGS_NEW (DecodingBaseConfig; types as on RC's reference page): above max_concurrency no speculation;
+    # draft_len_schedule {largest batch size: draft length}, 0 above the largest key
     max_concurrency: PositiveInt | None = None
     draft_len_schedule: dict[int, int] | None = None
     load_format: str | None = None
@@ -62,6 +70,33 @@ class DFlashDecodingConfig(Strict):
     attention_backend: Literal["VANILLA", "TRTLLM", "FA4"] = "VANILLA"
     # RC: skip the draft-context buffer budget check (PR #19466; stacks/trtllm/budget.py models it)
     skip_ctx_buffer_budget_check: bool = False
+
+    @field_validator("draft_len_schedule")
+    @classmethod
+    def _schedule(cls, v, info):
+        # LLM_ARGS_NEW: DecodingBaseConfig.validate_draft_len_schedule_and_sort
+        if v is None:
+            return v
+        for batch_size, draft_len in v.items():
+            if batch_size < 1:
+                raise ValueError(f"draft_len_schedule: batch size threshold must be >= 1, got {batch_size}")
+            if draft_len < 0:
+                raise ValueError(f"draft_len_schedule: draft length must be >= 0, got {draft_len}")
+        max_draft_len = info.data.get("max_draft_len")
+        smallest = min(v)
+        if max_draft_len is not None and v[smallest] != max_draft_len:
+            raise ValueError(f"draft_len_schedule[{smallest}] must equal max_draft_len because it is the smallest "
+                             f"batch-size key. Got schedule[{smallest}]={v[smallest]}, but max_draft_len={max_draft_len}.")
+        if max_draft_len is not None and any(d > max_draft_len for d in v.values()):
+            raise ValueError("draft_len_schedule: all draft lengths must be <= max_draft_len")
+        return dict(sorted(v.items()))
+
+    @model_validator(mode="after")
+    def _one_control(self):
+        # LLM_ARGS_NEW: validate_max_concurrency_and_draft_len_schedule_mutually_exclusive
+        if self.max_concurrency is not None and self.draft_len_schedule is not None:
+            raise ValueError("max_concurrency and draft_len_schedule are mutually exclusive")
+        return self
 
     @model_validator(mode="after")
     def _draft_len(self):
