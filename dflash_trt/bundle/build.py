@@ -704,7 +704,10 @@ def draft_schedule_record(schedule, source: str, served: list[str]) -> dict:
     control gets or why it gets none (the stack's draft_schedule_problem, with the upstream source read)."""
     out: dict = {"source": source, "schedule": schedule.to_dict() if schedule is not None else None, "stacks": {}}
     for st in stacks.served(served):
-        if schedule is None:
+        why = st.draft_schedule_problem()      # a stack whose DFlash has no such control says so first
+        if why:
+            pass
+        elif schedule is None:
             why = f"no draft schedule: {source}"
         elif not schedule.adaptive:
             last = schedule.ranges[-1][1]
