@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import sys
+from functools import partial
 
 import click
 
@@ -78,8 +79,6 @@ def build_cmd(target, drafter, arch, gpu, quant, kv_cache, drafter_quant, stacks
       dflash-trt build --target my/target --drafter my/drafter --arch hopper --out engines/mine
       dflash-trt build --target openai/gpt-oss-20b --drafter z-lab/gpt-oss-20b-DFlash --arch hopper
     """
-    from functools import partial
-
     from dflash_trt.bundle.build import BuildOptions, build, format_summary
     from dflash_trt.deploy.speed import build_schedule
 

@@ -20,8 +20,10 @@ writer turns `DraftSchedule.ranges` into that engine's own control.
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from dflash_trt.errors import DFlashError
 
@@ -222,9 +224,6 @@ def from_dict(d: object, block_size: int, where: str) -> DraftSchedule:
 
 def load_schedule(path: str, block_size: int) -> DraftSchedule:
     """`build --draft-schedule FILE.json`: a DraftSchedule.to_dict() JSON, checked (from_dict)."""
-    import json
-    from pathlib import Path
-
     p = Path(path)
     if not p.is_file():
         raise DFlashError(f"--draft-schedule {path}: no such file (expected auto, off or a schedule JSON)")
@@ -238,9 +237,6 @@ def load_schedule(path: str, block_size: int) -> DraftSchedule:
 def survival_from_bench(path: str, block_size: int) -> tuple[list[float], float]:
     """(survival, tau) from a `dflash-trt bench --json` report's acceptance_histogram, whose block_size
     must be the drafter's served block."""
-    import json
-    from pathlib import Path
-
     p = Path(path)
     try:
         r = json.loads(p.read_text())

@@ -31,6 +31,11 @@ positions). Each step emits tau tokens per sequence (tau: mean accepted length, 
     tokens/s per user = tau / (verify + draft)   (AR: 1 / step)
     tokens/s per GPU  = concurrency · tokens/s per user / GPUs of the replica.
 
+Draft schedule (per layout, with a drafter): the same passes price a step drafting K < B - 1 tokens (verify
+over K + 1 tokens, the drafter's whole block; K = 0 an AR step, step_seconds_for), and
+deploy/draft_schedule.py picks the K of most tokens/s at each concurrency from the acceptance per draft
+position (resolve_acceptance). build_schedule is `build --draft-schedule`'s.
+
 Efficiency factors (EFFICIENCY, a low / central / high set; every number printed is the central one with
 the low-high range beside it). LAYER_LATENCY's central value is fitted to one public point, TensorRT-LLM's
 420 tokens/s per user for gpt-oss-120b on 8 × B200 at batch 1 (its gpt-oss deployment blog): at that batch
