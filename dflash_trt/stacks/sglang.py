@@ -1,6 +1,8 @@
 """SGLang: `python -m sglang.launch_server --speculative-algorithm DFLASH`, configs/sglang.json.
 Rules read from sglang 0.5.23 (PyPI wheel); tests/test_stack_conformance.py runs SGLang's own
-parsing code on our files.
+parsing code on our files. No draft schedule is written for it: --speculative-adaptive runs for EAGLE /
+EAGLE3 only (sglang/srt/speculative/adaptive_spec_params.py:56-64, arg_groups/speculative_hook.py:261-262;
+ADAPTIVE_REFUSED), so DFLASH would drop it with a warning.
 """
 from __future__ import annotations
 
