@@ -88,10 +88,9 @@ def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, max_seq_len, no
     from dflash_trt.io.manifest import Manifest
 
     speed = speed or plot_file is not None
-    if not speed and context_tokens is not None:
-        raise DFlashError("--context-tokens sets the speed model: add --speed (or --plot FILE.png)")
-    if not (speed or disaggregated) and tau is not None:
-        raise DFlashError("--tau sets the speed model: add --speed (or --plot FILE.png, or --disaggregated)")
+    if not speed and (context_tokens is not None or (tau is not None and not disaggregated)):
+        raise DFlashError("--tau / --context-tokens set the speed model: add --speed (or --plot FILE.png; --tau also "
+                          "sizes --disaggregated)")
     if not disaggregated and (isl is not None or osl is not None):
         raise DFlashError("--isl / --osl size a disaggregated layout: add --disaggregated")
     overrides = {}
