@@ -17,6 +17,9 @@ from dflash_trt.errors import DFlashError
 from dflash_trt.paths import deploy_path
 
 SERVERS = ("trtllm-serve", "triton", "vllm", "sglang")   # the chart's server.stack values
+# deploy --server values that render an orchestrator's own resource instead of the chart's values
+# (engines.json `dynamo`: dflash_trt/deploy/dynamo.py, a DynamoGraphDeployment)
+ORCHESTRATORS = ("dynamo",)
 
 
 @lru_cache(maxsize=1)

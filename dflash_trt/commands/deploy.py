@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from dflash_trt.engines import SERVERS
+from dflash_trt.engines import ORCHESTRATORS, SERVERS, facts
 from dflash_trt.hardware import catalog, gpus
 
 HARDWARE = click.Choice(sorted(catalog()))
@@ -52,9 +52,16 @@ HARDWARE = click.Choice(sorted(catalog()))
               "config of the target's family (as `build --profile`): its objective, max_batch_size, max_num_tokens "
               "and attention DP, with its TP / EP ranked first where it fits (gpt-oss throughput: TP 2 x EP 2, "
               "attention DP).")
-@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON only (with --speed: under \"speed\").")
+@click.option("--disaggregated", is_flag=True, help="Also estimate a disaggregated layout (Dynamo prefill / decode "
+              "workers, `deploy --server dynamo --disaggregated`): how many of the chosen layout's instances prefill "
+              "and how many decode for --isl / --osl, from the speed model plus a compute-bound prefill pass.")
+@click.option("--isl", type=int, help="--disaggregated: prompt tokens per request (default 4096).")
+@click.option("--osl", type=int, help="--disaggregated: output tokens per request (default 1024).")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON only (with --speed: under \"speed\"; "
+              "with --disaggregated: under \"disaggregated\").")
 def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, max_seq_len, nodes, gpus_per_node, max_batch_size,
-             max_attention_window, objective, profile, speed, tau, context_tokens, acceptance, plot_file, as_json):
+             max_attention_window, objective, profile, speed, tau, context_tokens, acceptance, plot_file, disaggregated,
+             isl, osl, as_json):
     """How many GPUs, which TP / EP, how many concurrent sequences fit — from config.json alone.
 
     \b
@@ -80,6 +87,7 @@ def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, max_seq_len, no
       dflash-trt plan --target gpt-oss-120b --hardware dgx-b300 --speed --plot gptoss-b300.png
       dflash-trt plan --target qwen3-8b --hardware hgx-h200 --quant fp8 --speed --tau 6.5 --json
       dflash-trt plan --target qwen3-8b --hardware dgx-b200 --speed --acceptance bench.json
+      dflash-trt plan --target gpt-oss-120b --hardware dgx-b300 --nodes 2 --disaggregated --isl 8192 --osl 1024
     """
     from dflash_trt.deploy import planner
     from dflash_trt.deploy import speed as speed_model
@@ -88,8 +96,11 @@ def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, max_seq_len, no
     from dflash_trt.io.manifest import Manifest
 
     speed = speed or plot_file is not None
-    if not speed and (tau is not None or context_tokens is not None or acceptance is not None):
-        raise DFlashError("--tau / --context-tokens / --acceptance set the speed model: add --speed (or --plot FILE.png)")
+    if not speed and (context_tokens is not None or acceptance is not None or (tau is not None and not disaggregated)):
+        raise DFlashError("--tau / --context-tokens / --acceptance set the speed model: add --speed (or --plot "
+                          "FILE.png; --tau also sizes --disaggregated)")
+    if not disaggregated and (isl is not None or osl is not None):
+        raise DFlashError("--isl / --osl size a disaggregated layout: add --disaggregated")
     overrides = {}
     if max_batch_size is not None:
         overrides["max_batch_size"] = max_batch_size
@@ -128,13 +139,22 @@ def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, max_seq_len, no
         from dflash_trt.deploy.speed_plot import plot_speed
 
         plot_speed(report, plot_file)
+    split = None
+    if disaggregated:
+        from dflash_trt.deploy.dynamo import DEFAULT_ISL, DEFAULT_OSL
+
+        split = speed_model.disaggregated(p, tcfg, dcfg, isl=DEFAULT_ISL if isl is None else isl,
+                                          osl=DEFAULT_OSL if osl is None else osl, tau=tau)
     if as_json:
         d = p.to_dict()
         if report:
             d["speed"] = report.to_dict()
+        if split:
+            d["disaggregated"] = split.to_dict()
         click.echo(json.dumps(d, indent=2))
     else:
         click.echo(planner.format_plan(p) + (speed_model.format_speed(report) if report else "")
+                   + (speed_model.format_disaggregated(split) if split else "")
                    + (f"\nplot: {plot_file}" if plot_file else ""))
 
 
@@ -145,9 +165,19 @@ def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, max_seq_len, no
 @click.option("--gpus-per-node", type=int, help="1, 2, 4, 8 or 16; default: the bundle GPU's node type (8 on DGX / "
               "HGX, 4 on GB200).")
 @click.option("--replicas", type=int, help="Model instances (1 to 1024); default: the planner's (nodes × GPUs / tp).")
-@click.option("--server", type=click.Choice(SERVERS), help="The server of the pods (the chart's server.stack): "
-              "trtllm-serve, triton, vllm or sglang; each loads the bundle's config for its stack. Default: "
-              "trtllm-serve when the bundle holds a TensorRT-LLM config, else its first stack (CPU-only: triton).")
+@click.option("--server", type=click.Choice([*SERVERS, *ORCHESTRATORS]), help="The server of the pods (the chart's "
+              "server.stack): trtllm-serve, triton, vllm or sglang; each loads the bundle's config for its stack. "
+              "Default: trtllm-serve when the bundle holds a TensorRT-LLM config, else its first stack (CPU-only: "
+              "triton). dynamo: an NVIDIA Dynamo DynamoGraphDeployment instead of Helm values (<out>/dgd.yaml): a "
+              "frontend with KV-aware routing and workers of one engine of the bundle (--engine).")
+@click.option("--engine", "dynamo_engine", type=click.Choice(list(facts()["dynamo"]["workers"])),
+              help="--server dynamo: the engine of the workers (default: the first of vllm, trtllm, sglang the "
+              "bundle holds a config for whose Dynamo image has DFlash).")
+@click.option("--disaggregated", is_flag=True, help="--server dynamo: separate prefill and decode workers (the "
+              "drafter in the decode worker, and in the prefill worker where the engine needs its context there); "
+              "the split of the instances is the speed model's estimate for --isl / --osl (`plan --disaggregated`).")
+@click.option("--isl", type=int, help="--disaggregated: prompt tokens per request the split is sized for (default 4096).")
+@click.option("--osl", type=int, help="--disaggregated: output tokens per request the split is sized for (default 1024).")
 @click.option("--image", help="Serving image REPOSITORY:TAG or REPOSITORY@sha256:DIGEST (default: the server's image "
               "recorded in the bundle's manifest, from engines.json; --server triton needs one built from "
               "deploy/triton-trtllm.Dockerfile). Needs --engine-version.")
@@ -174,8 +204,9 @@ def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, max_seq_len, no
 @click.option("--tau", type=float, help="DFlash mean accepted length for --min-tokens-per-user (default: the preset "
               "drafter's published one).")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary only.")
-def deploy_cmd(bundle, nodes, gpus_per_node, replicas, server, image, engine_version, multinode_image, gpu, pvc,
-               ssh_secret, out, render, chart, release, namespace, min_tokens_per_user, tau, as_json):
+def deploy_cmd(bundle, nodes, gpus_per_node, replicas, server, dynamo_engine, disaggregated, isl, osl, image,
+               engine_version, multinode_image, gpu, pvc, ssh_secret, out, render, chart, release, namespace,
+               min_tokens_per_user, tau, as_json):
     """Write Helm values for a bundle (and, with --render, the Kubernetes manifests).
 
     \b
@@ -197,6 +228,9 @@ def deploy_cmd(bundle, nodes, gpus_per_node, replicas, server, image, engine_ver
       dflash-trt deploy --bundle engines/smollm2-135m --gpu none      # CPU-only smoke test
       dflash-trt deploy --bundle engines/gpt-oss-120b --min-tokens-per-user 500
       helm install gptoss deploy/helm/dflash-trt -f engines/gpt-oss-120b-deploy/values.yaml
+      dflash-trt deploy --bundle engines/gpt-oss-120b --server dynamo --nodes 2
+      dflash-trt deploy --bundle engines/gpt-oss-120b --server dynamo --nodes 2 --disaggregated --isl 8192 --osl 1024
+      kubectl apply -f engines/gpt-oss-120b-deploy/dgd.yaml
     """
     from dflash_trt.deploy import values as deploy
     from dflash_trt.errors import DFlashError
@@ -207,6 +241,18 @@ def deploy_cmd(bundle, nodes, gpus_per_node, replicas, server, image, engine_ver
     if min_tokens_per_user is not None and not min_tokens_per_user > 0:
         raise DFlashError(f"--min-tokens-per-user {min_tokens_per_user:g}: must be a positive tokens/s figure")
     deploy.check_release(release, namespace)
+    if server in ORCHESTRATORS:
+        return _deploy_orchestrated(bundle=bundle, nodes=nodes, gpus_per_node=gpus_per_node, replicas=replicas,
+                                    engine=dynamo_engine, disaggregated=disaggregated, isl=isl, osl=osl, image=image,
+                                    engine_version=engine_version, gpu=gpu, pvc=pvc, out=out, render=render,
+                                    release=release, namespace=namespace, tau=tau, as_json=as_json,
+                                    unused={"--multinode-image": multinode_image, "--chart": chart,
+                                            "--min-tokens-per-user": min_tokens_per_user})
+    for flag, v in (("--engine", dynamo_engine), ("--disaggregated", disaggregated or None), ("--isl", isl),
+                    ("--osl", osl)):
+        if v is not None:
+            raise DFlashError(f"{flag} is for --server {'/'.join(ORCHESTRATORS)} (the chart's servers run one "
+                              "aggregated engine)")
     m = Manifest.read(bundle)   # once: every step below takes it
     values, p = deploy.deploy_values(bundle, nodes=nodes, gpus_per_node=gpus_per_node, replicas=replicas,
                                      gpu=gpu, pvc=pvc, ssh_secret=ssh_secret, image=image,
@@ -272,3 +318,50 @@ def deploy_cmd(bundle, nodes, gpus_per_node, replicas, server, image, engine_ver
                    f"sequences per instance ({t['mode']}, predicted {t['predicted_tokens_per_s_per_user']:,.0f}); "
                    f"autoscaling target {values['autoscaling']['targetAverageValue']}{note}")
     click.echo(f"install: helm install {release} {chart_dir} -f {out / 'values.yaml'}")
+
+
+def _deploy_orchestrated(*, bundle, nodes, gpus_per_node, replicas, engine, disaggregated, isl, osl, image,
+                         engine_version, gpu, pvc, out, render, release, namespace, tau, as_json, unused):
+    """deploy --server dynamo: <out>/dgd.yaml, a DynamoGraphDeployment checked against Dynamo's CRD schema."""
+    from dflash_trt.deploy import dynamo
+    from dflash_trt.deploy import values as deploy
+    from dflash_trt.errors import DFlashError
+
+    for flag, v in unused.items():
+        if v is not None:
+            raise DFlashError(f"{flag}: not used by --server {dynamo.SERVER} (the DynamoGraphDeployment has no chart, "
+                              "no MPI launch and no speed target)")
+    if tau is not None and not disaggregated:
+        raise DFlashError("--tau: with --server dynamo it sizes the --disaggregated split; add --disaggregated")
+    if gpu == "none":
+        raise DFlashError("--gpu none: Dynamo's workers serve the bundle on GPUs; a CPU-only smoke test is the chart's "
+                          "(drop --server dynamo)")
+    dgd, summary = dynamo.render_dgd(bundle, name=release, nodes=nodes, gpus_per_node=gpus_per_node,
+                                     replicas=replicas, disaggregated=disaggregated, isl=isl, osl=osl, engine=engine,
+                                     image=image, engine_version=engine_version, pvc=pvc, gpu=gpu, tau=tau)
+    dgd["metadata"]["namespace"] = namespace
+    out = Path(out) if out else deploy.default_out(bundle)
+    split = summary["disaggregated"]
+    header = (f"# Written by `dflash-trt deploy --bundle {bundle} --server dynamo`: NVIDIA Dynamo {summary['dynamo']}, "
+              f"{summary['engine']} workers, tp {summary['layout']['tp']} each, on {summary['gpu_product']}.\n"
+              + (f"# Disaggregated split (an ESTIMATE of the speed model for isl {split['isl']} / osl {split['osl']}): "
+                 f"{split['prefill_instances']} prefill + {split['decode_instances']} decode.\n" if split else "")
+              + f"# Checked against the {dgd['apiVersion']} CRD schema (unknown fields refused). The bundle must be on "
+              f"the PersistentVolumeClaim {summary['pvc']} (--pvc).\n# Install: kubectl apply -f {out / dynamo.DGD_FILE}\n")
+    dynamo.write_dgd(out, dgd, header, render)
+    if as_json:
+        click.echo(json.dumps({"dgd": str(out / dynamo.DGD_FILE), **summary, "dgd_content": dgd}, indent=2))
+        return
+    click.echo(f"wrote {out / dynamo.DGD_FILE} (DynamoGraphDeployment {release}; CRD schema check passed)")
+    if render:
+        click.echo(f"rendered 1 manifest file(s) into {out / 'manifests'}")
+    workers = ", ".join(f"{k} × {v}" for k, v in summary["workers"].items())
+    click.echo(f"layout: tp {summary['layout']['tp']}, ep {summary['layout']['ep']} per worker; {workers}; "
+               f"{summary['gpus']} × {summary['gpu_product']}")
+    if split:
+        click.echo(f"split (estimate, isl {split['isl']} / osl {split['osl']}): prefill {split['prefill_ms']:,.0f} ms per "
+                   f"prompt, decode {split['decode_tokens_per_s_per_instance']:,.0f} tokens/s per instance, "
+                   f"~{split['requests_per_s']:,.2f} requests/s sustained")
+    click.echo(f"server: dynamo {summary['dynamo']} (frontend {summary['frontend_image']}, --router-mode kv)")
+    click.echo(f"image: {summary['image']['image']} ({summary['engine']} {summary['image']['engine_version']})")
+    click.echo(f"install: kubectl apply -f {out / dynamo.DGD_FILE}")

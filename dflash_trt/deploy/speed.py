@@ -41,8 +41,9 @@ the low-high range beside it). LAYER_LATENCY's central value is fitted to one pu
 420 tokens/s per user for gpt-oss-120b on 8 × B200 at batch 1 (its gpt-oss deployment blog): at that batch
 the weights read per GPU take about 0.1 ms, so nearly all of the 2.4 ms step is fixed per-layer cost. The
 other factors are stated assumptions, checked (not fitted) against the published points of
-docs/speed-model.md. Not modelled: prefill (the curves are decode only: a workload with long prompts
-delivers fewer output tokens per GPU), scheduler stalls, expert load imbalance, networks past one NVLink
+docs/speed-model.md. Not modelled in the curves: prefill (they are decode only: a workload with long prompts
+delivers fewer output tokens per GPU; `disaggregated` below adds a compute-bound prefill pass to split
+instances into prefill and decode ones, an estimate), scheduler stalls, expert load imbalance, networks past one NVLink
 domain (layouts that cross it get no speed figures).
 """
 from __future__ import annotations
@@ -560,6 +561,128 @@ def max_concurrency_at(report: SpeedReport, plan: Plan, target_cfg: dict, drafte
                           f"{user(1):,.0f} tokens/s per user (concurrency 1, tp {lay.tp} on {plan.hardware}, "
                           f"{'DFlash tau ' + format(report.tau, 'g') if report.tau else 'AR'})")
     return k, user(k)
+
+
+# ---------------------------------------------------------------------------------------------
+# Disaggregated serving: how many instances prefill and how many decode (an estimate)
+
+
+@dataclass
+class DisaggEstimate:
+    """Prefill and decode instances for a target input / output length (`plan --disaggregated`,
+    `deploy --server dynamo --disaggregated`): an estimate from the roofline above, not a measurement."""
+    isl: int
+    osl: int
+    tp: int                               # GPUs per instance, prefill and decode alike (the bundle's layout)
+    instances: int
+    prefill_instances: int
+    decode_instances: int
+    prefill_gpus: int
+    decode_gpus: int
+    prefill_ms: float                     # one prompt of isl tokens through one prefill instance (~ TTFT, unqueued)
+    prefill_ms_range: list[float]
+    decode_concurrency: int               # sequences one decode instance holds (KV cache at isl + osl, max_batch_size)
+    decode_tokens_per_s_per_user: float
+    decode_tokens_per_s_per_instance: float
+    decode_tokens_per_s_per_instance_range: list[float]
+    requests_per_s: float                 # sustained by the split: min(prefill side, decode side)
+    prefill_requests_per_s: float
+    decode_requests_per_s: float
+    mode: str                             # "dflash" or "ar" (decode)
+    assumptions: list[str]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def prefill_time(target: ModelShape, drafter: ModelShape | None, plan: Plan, hw: Hardware, tp: int, isl: int,
+                 eff: Efficiency) -> float:
+    """Seconds for one prompt of `isl` tokens on one instance: a single pass over all its tokens (compute-bound
+    past a few hundred tokens), attention over the causal half of the prompt on average; with a drafter, its
+    pass over the same tokens too (DFlash drafts from the prompt's target features: the worker that prefills
+    fills the drafter's context, engines.json dynamo workers.<engine>.disaggregation.drafter_on_prefill)."""
+    fmt, kv, dq = plan.quant["target"], plan.quant["kv_cache"], plan.quant["drafter"]
+    ctx = max(1, isl // 2)
+    t = forward(target, fmt, kv, hw, tp, 1, isl, ctx, eff).time_s
+    if drafter is not None:
+        t += forward(drafter, dq, kv, hw, tp, 1, isl, ctx, eff).time_s
+    return t
+
+
+def disaggregated(plan: Plan, target_cfg: dict, drafter_cfg: dict | None, *, isl: int, osl: int,
+                  instances: int | None = None, tau: float | None = None) -> DisaggEstimate:
+    """Split `instances` (default: the chosen layout's replicas) of the chosen layout into prefill and decode
+    ones so that neither side limits the request rate: a prefill instance takes one prompt at a time
+    (1 / prefill_time requests/s), a decode instance holds as many sequences as its KV cache fits at
+    isl + osl tokens and emits concurrency × tokens/s per user (osl tokens per request). P in 1..N-1
+    maximises min(P · prefill rate, (N - P) · decode rate)."""
+    for name, v in (("--isl", isl), ("--osl", osl)):
+        if not isinstance(v, int) or v < 1:
+            raise DFlashError(f"{name} {v}: must be a positive number of tokens")
+    chosen = plan.chosen
+    if chosen is None:
+        raise DFlashError(f"{plan.target} does not fit {plan.nodes} x {plan.hardware}: nothing to disaggregate")
+    if isl + osl > plan.max_seq_len:
+        raise DFlashError(f"--isl {isl} + --osl {osl} = {isl + osl} tokens: above max_seq_len {plan.max_seq_len}")
+    if not chosen.within_nvlink_domain:
+        raise DFlashError(f"tp {chosen.tp} crosses NVLink domains: the speed model has no figures for it")
+    n = chosen.replicas if instances is None else instances
+    if n < 2:
+        raise DFlashError(f"disaggregated serving needs at least 2 instances (1 prefill + 1 decode); the layout has "
+                          f"{n} of tp {chosen.tp} on {plan.nodes} x {plan.gpus_per_node} GPUs: add --nodes or --replicas")
+    hw = get_hardware(plan.hardware)
+    target = planner.target_shape(target_cfg, plan.target)
+    t, _src = resolve_tau(plan.target, tau, plan.block_size, bool(drafter_cfg and plan.drafter))
+    drafter = planner.drafter_shape(drafter_cfg, plan.drafter or "drafter") if t else None
+    B = plan.block_size if drafter else 1
+    batch = chosen.max_batch_size or plan.max_batch_size     # the layout's, where the draft context caps it
+    per_seq = chosen.kv_bytes_per_token_per_gpu * (isl + osl + B)
+    conc = max(1, min(batch, int(chosen.kv_budget_bytes_per_gpu // per_seq) if per_seq else batch))
+    ctx = isl + osl // 2                                  # mean context while decoding
+    runs = {}
+    for name, eff in EFFICIENCY.items():
+        pre = prefill_time(target, drafter, plan, hw, chosen.tp, isl, eff)
+        user = user_speed(target, drafter, plan, hw, chosen.tp, ctx, eff, tau=t,
+                          attention_dp=chosen.attention_dp)(conc)
+        runs[name] = (pre, user)
+    pre, user = runs["central"]
+    rate_p, rate_d = 1 / pre, conc * user / osl
+    p_best = max(range(1, n), key=lambda k: (min(k * rate_p, (n - k) * rate_d), -k))
+    d_best = n - p_best
+    c = EFFICIENCY["central"]
+    assumptions = [
+        "an estimate from the roofline speed model (docs/speed-model.md), not a measurement",
+        f"every request: {isl} prompt tokens, {osl} output tokens (--isl / --osl)",
+        f"prefill: one prompt at a time per instance, one pass over its {isl} tokens at {c.tensor:.0%} of the dense "
+        "peak (compute-bound), attention over half the prompt on average"
+        + ("; the drafter's pass over the prompt included (the prefill worker fills its context)" if drafter else ""),
+        f"decode: {conc} sequences per instance (KV cache at {isl + osl} tokens, max_batch_size {batch}), "
+        + (f"DFlash tau {t:g}" if t else "AR"),
+        "KV transfer between prefill and decode, queueing and scheduler stalls not counted; prefill and decode "
+        f"instances both tp {chosen.tp} (the bundle's layout)",
+    ]
+    return DisaggEstimate(
+        isl=isl, osl=osl, tp=chosen.tp, instances=n, prefill_instances=p_best, decode_instances=d_best,
+        prefill_gpus=p_best * chosen.tp, decode_gpus=d_best * chosen.tp, prefill_ms=pre * 1e3,
+        prefill_ms_range=sorted([runs["low"][0] * 1e3, runs["high"][0] * 1e3]), decode_concurrency=conc,
+        decode_tokens_per_s_per_user=user, decode_tokens_per_s_per_instance=conc * user,
+        decode_tokens_per_s_per_instance_range=[conc * runs["low"][1], conc * runs["high"][1]],
+        requests_per_s=min(p_best * rate_p, d_best * rate_d), prefill_requests_per_s=p_best * rate_p,
+        decode_requests_per_s=d_best * rate_d, mode="dflash" if t else "ar", assumptions=assumptions)
+
+
+def format_disaggregated(e: DisaggEstimate) -> str:
+    lines = ["", f"disaggregated (ESTIMATE) for isl {e.isl} / osl {e.osl}: {e.prefill_instances} prefill + "
+                 f"{e.decode_instances} decode instance(s) of tp {e.tp} = {e.prefill_gpus} prefill GPU(s) + "
+                 f"{e.decode_gpus} decode GPU(s)",
+             f"  prefill: {e.prefill_ms:,.0f} ms per prompt [{e.prefill_ms_range[0]:,.0f}-{e.prefill_ms_range[1]:,.0f}] "
+             f"(~ time to first token, unqueued); {e.prefill_requests_per_s:,.2f} requests/s on the prefill side",
+             f"  decode ({e.mode}): {e.decode_concurrency} sequences per instance, "
+             f"{e.decode_tokens_per_s_per_user:,.0f} tokens/s per user, {_rng(e.decode_tokens_per_s_per_instance, e.decode_tokens_per_s_per_instance_range)} "
+             f"tokens/s per instance; {e.decode_requests_per_s:,.2f} requests/s on the decode side",
+             f"  sustained: ~{e.requests_per_s:,.2f} requests/s"]
+    lines += [f"  - {a}" for a in e.assumptions]
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,361 @@
+"""NVIDIA Dynamo: a DynamoGraphDeployment (nvidia.com/v1alpha1) for a bundle, `deploy --server dynamo`.
+
+Dynamo is an orchestrator, not a stack: its workers run an engine whose config the bundle already
+holds (vLLM, TensorRT-LLM, SGLang), so this one module turns those configs into Dynamo's worker
+command lines and wraps them in the operator's CRD. The facts it needs (Dynamo's release, the
+images of the frontend and of each engine's worker with the engine version each carries, how a
+worker disaggregates) are data: deploy/helm/dflash-trt/engines.json `dynamo`, each with its source.
+
+What is rendered:
+  Frontend      dynamo.frontend with KV-cache-aware routing (--router-mode kv), /health and /metrics
+                on its HTTP port
+  <Engine>Worker  aggregated: one service of `replicas` workers, each one instance of the bundle's
+                layout (tp GPUs, one node); disaggregated: <Engine>PrefillWorker + <Engine>DecodeWorker,
+                counts from the speed model's estimate (deploy/speed.py `disaggregated`)
+  per worker    the bundle's DFlash speculative config (the drafter), GPU requests, node affinity for the
+                bundle's GPU product (as the chart's), the bundle volume at /bundle (as the chart mounts
+                it; the worker runs from there so the configs' relative paths hold), the system server on
+                DYN_SYSTEM_PORT 9090 (/live, /health, /metrics) as liveness / readiness probes
+
+Checked before anything is written:
+  - every engine's image must carry an engine with DFlash (engines.json stacks.<stack>.dflash_since):
+    Dynamo 1.6.1's SGLang image pins sglang 0.5.21, older than the first SGLang read with DFlash;
+  - the DGD against Dynamo's own CRD schema (deploy/schemas/, copied verbatim with its source),
+    unknown fields rejected: the API server prunes them silently, so an object with a misspelt key
+    would deploy something else than it says. `additionalProperties` absent counts as false except
+    under x-kubernetes-preserve-unknown-fields (Kubernetes' structural-schema pruning rule).
+  Each worker's command line is checked against that worker's own argument parser in the tests
+  (tests/test_dynamo.py reads the ai-dynamo 1.6.1 wheel with `ast`).
+
+Worker command lines, for anyone starting them by hand (Dynamo 1.6.1; from the bundle root; each
+worker serves the system endpoints on DYN_SYSTEM_PORT; the frontend finds workers through the
+discovery backend, --discovery-backend / DYN_DISCOVERY_BACKEND: kubernetes, etcd, file or mem):
+
+  python3 -m dynamo.frontend --http-port 8000 --router-mode kv
+  python3 -m dynamo.vllm --model target --served-model-name NAME <the flags of configs/vllm.json argv
+      after `vllm serve target`> --speculative-config "$(cat configs/vllm-speculative-config.json)"
+      (DFlash: {"method": "dflash", "model": "drafter", "num_speculative_tokens": B-1, ...}; env of
+      configs/vllm.json `env` if any). Disaggregated: add --disaggregation-mode prefill|decode and
+      --kv-transfer-config '{"kv_connector":"NixlConnector","kv_role":"kv_both"}' to both, the
+      speculative config on both (the prefill worker fills the drafter's context).
+  python3 -m dynamo.trtllm --model target --served-model-name NAME --tensor-parallel-size TP
+      --expert-parallel-size EP --extra-engine-args configs/trtllm-serve.yaml
+  python3 -m dynamo.sglang <configs/sglang.json argv after `python -m sglang.launch_server`>
+      --served-model-name NAME   (needs an SGLang with DFlash: not Dynamo 1.6.1's sglang 0.5.21)
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import yaml
+
+from dflash_trt import engines
+from dflash_trt.deploy import speed as speed_model
+from dflash_trt.deploy import values as chart_values
+from dflash_trt.errors import DFlashError
+from dflash_trt.hardware import hardware_for_gpu
+from dflash_trt.io.jsonio import read_json
+from dflash_trt.io.manifest import Manifest
+from dflash_trt.paths import deploy_path
+
+SERVER = "dynamo"                 # deploy --server dynamo (engines.ORCHESTRATORS)
+DGD_FILE = "dgd.yaml"
+BUNDLE_MOUNT = "/bundle"          # where the chart mounts the bundle (values.yaml bundle.mountPath)
+DEFAULT_ISL, DEFAULT_OSL = 4096, 1024   # --disaggregated split when --isl / --osl are not given
+LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)   # the CRD is 0.8 MB of YAML
+
+
+def facts() -> dict:
+    """engines.json `dynamo`: release, images, worker modules, disaggregation, sources."""
+    return engines.facts()["dynamo"]
+
+
+def runnable_stacks() -> tuple[str, ...]:
+    """The engines whose workers Dynamo runs, in engines.json's order (the default pick's order)."""
+    return tuple(facts()["workers"])
+
+
+# ------------------------------------------------------------------ the CRD schema, unknown fields refused
+@lru_cache(maxsize=1)
+def crd_schema() -> dict:
+    """The DGD's openAPIV3Schema (served version), closed the way the API server prunes: every object
+    schema with properties and no additionalProperties refuses other keys, unless it preserves them."""
+    crd = yaml.load(deploy_path("schemas", "nvidia.com_dynamographdeployments.yaml").read_text(), Loader=LOADER)
+    api = facts()["crd"]["api_version"].split("/")[1]
+    version = next((v for v in crd["spec"]["versions"] if v["name"] == api), None)
+    if version is None:
+        raise DFlashError(f"deploy/schemas/nvidia.com_dynamographdeployments.yaml: no version {api}")
+    return _closed(version["schema"]["openAPIV3Schema"])
+
+
+def _closed(node):
+    if isinstance(node, list):
+        return [_closed(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: (_closed(v) if k not in ("enum", "default", "example", "required") else v) for k, v in node.items()}
+    if node.get("x-kubernetes-int-or-string"):
+        out.pop("type", None)
+        out.setdefault("anyOf", [{"type": "integer"}, {"type": "string"}])
+    if (node.get("type") == "object" and "properties" in node and "additionalProperties" not in node
+            and not node.get("x-kubernetes-preserve-unknown-fields")):
+        out["additionalProperties"] = False
+    return out
+
+
+def check_dgd(dgd: dict) -> None:
+    """The DGD against Dynamo's CRD schema (jsonschema, the [deploy] extra): one line naming the field."""
+    try:
+        import jsonschema
+    except ImportError:   # the check is the point of rendering here: never skip it silently
+        raise DFlashError("deploy --server dynamo checks the DynamoGraphDeployment against Dynamo's CRD schema "
+                          "with jsonschema: pip install jsonschema (or the package's [deploy] extra)") from None
+    v = jsonschema.Draft7Validator(crd_schema())
+    errors = sorted(v.iter_errors(dgd), key=lambda e: list(e.absolute_path))
+    if errors:
+        e = errors[0]
+        where = ".".join(str(p) for p in e.absolute_path) or "(top level)"
+        raise DFlashError(f"DynamoGraphDeployment {where}: {e.message} (Dynamo {facts()['version']} CRD "
+                          f"{facts()['crd']['api_version']}; {len(errors)} problem(s))")
+
+
+# ------------------------------------------------------------------ the worker command lines, per engine
+def _vllm_args(bundle: Path) -> tuple[list[str], dict]:
+    cfg = read_json(bundle / "configs" / "vllm.json")
+    argv = list(cfg["argv"])
+    spec_file = bundle / "configs" / "vllm-speculative-config.json"
+    spec = read_json(spec_file) if spec_file.is_file() else cfg["speculative_config"]   # carries a draft schedule
+    i = argv.index("--speculative-config")
+    flags = argv[3:i] + argv[i + 2:]
+    return (["--model", argv[2], *flags, "--speculative-config", json.dumps(spec, separators=(",", ":"))],
+            dict(cfg.get("env") or {}))
+
+
+def _trtllm_args(bundle: Path) -> tuple[list[str], dict]:
+    serve = bundle / "configs" / "trtllm-serve.yaml"
+    if not serve.is_file():
+        raise DFlashError(f"{serve}: missing (the bundle's TensorRT-LLM config: dynamo.trtllm loads it)")
+    cfg = yaml.safe_load(serve.read_text()) or {}
+    if (cfg.get("speculative_config") or {}).get("decoding_type") != "DFlash":
+        raise DFlashError(f"{serve}: speculative_config.decoding_type is not DFlash")
+    # dynamo.trtllm's own parallel flags default to 1; the engine args file repeats them
+    return (["--model", "target", "--tensor-parallel-size", str(cfg.get("tensor_parallel_size", 1)),
+             "--expert-parallel-size", str(cfg.get("moe_expert_parallel_size", 1)),
+             "--extra-engine-args", "configs/trtllm-serve.yaml"], {})
+
+
+def _sglang_args(bundle: Path) -> tuple[list[str], dict]:
+    argv = read_json(bundle / "configs" / "sglang.json")["argv"]
+    return list(argv[3:]), {}     # after `python -m sglang.launch_server`: SGLang's own flags, which dynamo.sglang takes
+
+
+# engines.json dynamo.workers names the engines; these read each one's bundle config into worker flags
+WORKER_ARGS = {"vllm": _vllm_args, "trtllm": _trtllm_args, "sglang": _sglang_args}
+
+
+def worker_argv(stack: str, bundle: Path, served_name: str, role: str | None = None) -> tuple[list[str], dict]:
+    """(`python3 -m dynamo.<engine> ...`, env) of one worker; role: None (aggregated), prefill, decode."""
+    w = facts()["workers"][stack]
+    args, env = WORKER_ARGS[stack](bundle)
+    args += ["--served-model-name", served_name]
+    if role:
+        d = w["disaggregation"]
+        args += [d["flag"], d[role], *d.get("extra", [])]
+    return ["python3", "-m", w["module"], *args], env
+
+
+# ------------------------------------------------------------------ choosing the engine and its image
+def pick_engine(m: Manifest, engine: str | None, image: str | None, engine_version: str | None,
+                disaggregated: bool) -> tuple[str, dict, str]:
+    """(stack, image block, engine version): --engine or the first bundle stack whose Dynamo image has DFlash."""
+    served = list(m.served_stacks)
+    workers = facts()["workers"]
+    if engine:
+        if engine not in workers:
+            raise DFlashError(f"--engine {engine}: Dynamo {facts()['version']} runs workers for "
+                              f"{', '.join(workers)} only")
+        if engine not in served:
+            raise DFlashError(f"--engine {engine}: the bundle holds no {engine} config (manifest.json "
+                              f"serving_stacks.served {served})")
+        candidates = [engine]
+    else:
+        candidates = [s for s in workers if s in served]
+        if not candidates:
+            raise DFlashError(f"deploy --server dynamo: the bundle's stacks {served} include none that Dynamo runs "
+                              f"({', '.join(workers)})")
+    problems = []
+    for stack in candidates:
+        w = workers[stack]
+        if image:
+            block, version = chart_values.parse_image(image, "--image"), engine_version
+            where = f"--image {image}"
+            if not version:
+                raise DFlashError(f"--image {image}: pass --engine-version, the {stack} engine version the image "
+                                  "carries (deploy refuses one that predates DFlash)")
+        else:
+            block, version = dict(w["image"]), w["engine_version"]
+            where = f"Dynamo {facts()['version']} image {engines.image_ref(block)} ({w['engine_version_source']})"
+        problem = engines.dflash_problem(_server_of(stack), version, where)
+        if problem is None and disaggregated and not w.get("disaggregation"):
+            problem = f"--disaggregated with {stack} workers: {w['disaggregation_refused']}"
+        if problem is None:
+            return stack, block, version
+        problems.append(problem)
+    raise DFlashError(problems[0] if len(problems) == 1 else "; ".join(problems))
+
+
+def _server_of(stack: str) -> str:
+    """A server of the stack in engines.json (dflash_problem reads the stack's facts through it)."""
+    return next(n for n, s in engines.facts()["servers"].items() if s["stack"] == stack)
+
+
+# ------------------------------------------------------------------ the DGD
+def _probe(path: str, port: int, period: int, failures: int) -> dict:
+    return {"httpGet": {"path": path, "port": port}, "periodSeconds": period, "timeoutSeconds": 30,
+            "failureThreshold": failures}
+
+
+def _worker_service(*, stack: str, argv: list[str], env: dict, image: str, namespace: str, replicas: int,
+                    gpus: int, gpu_product: str, pvc: str, role: str | None, metrics_annotations: dict) -> dict:
+    sysf = facts()["worker_system"]
+    shm = chart_values.SHM_PER_GPU_GIB * gpus
+    svc = {
+        "componentType": "worker",
+        "dynamoNamespace": namespace,
+        "replicas": replicas,
+        "envs": [{"name": sysf["env"], "value": str(sysf["port"])}, {"name": "BUNDLE_DIR", "value": BUNDLE_MOUNT},
+                 *({"name": k, "value": str(v)} for k, v in env.items())],
+        "resources": {"requests": {"gpu": str(gpus), "cpu": str(chart_values.CPU_PER_GPU * gpus),
+                                   "memory": f"{shm + chart_values.HOST_MEMORY_BASE_GIB}Gi"},
+                      "limits": {"gpu": str(gpus)}},
+        "sharedMemory": {"size": f"{shm}Gi"},
+        "volumeMounts": [{"name": pvc, "mountPoint": BUNDLE_MOUNT}],
+        "livenessProbe": _probe(sysf["live"], sysf["port"], 5, 3),
+        "readinessProbe": _probe(sysf["ready"], sysf["port"], 10, 60),
+        "extraPodMetadata": {"annotations": metrics_annotations},
+        "extraPodSpec": {
+            "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+                {"matchExpressions": [{"key": "nvidia.com/gpu.product", "operator": "In",
+                                       "values": [gpu_product]}]}]}}},
+            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+            "mainContainer": {
+                "image": image, "workingDir": BUNDLE_MOUNT, "command": argv[:3], "args": argv[3:],
+                # weights load for minutes: the startup probe holds liveness off until the worker answers
+                "startupProbe": _probe(sysf["ready"], sysf["port"], 10, 180),
+            },
+        },
+    }
+    if role:
+        svc["subComponentType"] = role
+    return svc
+
+
+def render_dgd(bundle: str | Path, *, name: str, nodes: int = 1, gpus_per_node: int | None = None,
+               replicas: int | None = None, disaggregated: bool = False, isl: int | None = None,
+               osl: int | None = None, engine: str | None = None, image: str | None = None,
+               engine_version: str | None = None, pvc: str | None = None, gpu: str | None = None,
+               tau: float | None = None, manifest: Manifest | None = None) -> tuple[dict, dict]:
+    """(the DGD, a summary) for a bundle: checked against the CRD before it is returned."""
+    chart_values.check_counts(nodes=nodes, gpus_per_node=gpus_per_node, replicas=replicas)
+    if not disaggregated and (isl is not None or osl is not None):
+        raise DFlashError("--isl / --osl size a disaggregated layout: add --disaggregated (or drop them)")
+    bundle = Path(bundle)
+    m = manifest or Manifest.read(bundle)
+    p = chart_values.plan_for_bundle(bundle, nodes=nodes, gpus_per_node=gpus_per_node, gpu=gpu, manifest=m)
+    if p is None:
+        raise DFlashError("deploy --server dynamo: the bundle pins no GPU (CPU-only); Dynamo's workers serve on GPUs "
+                          "here: pass --gpu")
+    chosen = p.chosen
+    if chosen is None:
+        raise DFlashError(f"the bundle does not fit {nodes} × {p.hardware}: tp {p.layouts[0].tp}: "
+                          f"{p.layouts[0].reason if p.layouts else 'no layout'}")
+    if chosen.tp > p.gpus_per_node:
+        raise DFlashError(f"deploy --server dynamo: an instance of tp {chosen.tp} spans nodes of {p.gpus_per_node} GPUs; "
+                          "multi-node Dynamo workers (the DGD's multinode) are not rendered: use a layout within one "
+                          "node, or `deploy` with the chart's LeaderWorkerSet")
+    stack, image_block, version = pick_engine(m, engine, image, engine_version, disaggregated)
+    f, w = facts(), facts()["workers"][stack]
+    hw = hardware_for_gpu(gpu or m.gpu)
+    served_name = str(m.target.name or "target")
+    ns = name
+    n = chosen.replicas if replicas is None else replicas
+    claim = pvc or f"{name}-bundle"
+    annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(f["worker_system"]["port"]),
+                   "prometheus.io/path": f["worker_system"]["metrics_path"]}
+    fe = f["frontend"]
+    fe_port = fe["ports"]["http"]
+    services = {"Frontend": {
+        "componentType": "frontend", "dynamoNamespace": ns, "replicas": 1,
+        "livenessProbe": _probe(fe["live"], fe_port, 5, 3),
+        "readinessProbe": _probe(fe["ready"], fe_port, 10, 60),
+        "extraPodMetadata": {"annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(fe_port),
+                                             "prometheus.io/path": fe["metrics_path"]}},
+        "extraPodSpec": {"mainContainer": {"image": engines.image_ref(fe["image"]),
+                                           "command": ["python3", "-m", fe["module"]], "args": list(fe["args"])}},
+    }}
+    common = {"stack": stack, "image": engines.image_ref(image_block), "namespace": ns, "gpus": chosen.tp,
+              "gpu_product": hw.gpu_product, "pvc": claim, "metrics_annotations": annotations}
+    split = None
+    title = w["component"]
+    if disaggregated:
+        split = speed_model.disaggregated(p, *chart_values.bundle_model_configs(bundle, manifest=m),
+                                          isl=isl or DEFAULT_ISL, osl=osl or DEFAULT_OSL, instances=n, tau=tau)
+        for role, count in (("prefill", split.prefill_instances), ("decode", split.decode_instances)):
+            argv, env = worker_argv(stack, bundle, served_name, role)
+            services[title.replace("Worker", f"{role.capitalize()}Worker")] = _worker_service(
+                argv=argv, env=env, replicas=count, role=role, **common)
+    else:
+        argv, env = worker_argv(stack, bundle, served_name)
+        services[title] = _worker_service(argv=argv, env=env, replicas=n, role=None, **common)
+    dgd = {
+        "apiVersion": f["crd"]["api_version"], "kind": f["crd"]["kind"],
+        "metadata": {"name": name, "annotations": {"dflash-trt/target": served_name,
+                                                   "dflash-trt/tool-version": str(m.tool_version or "")}},
+        "spec": {"backendFramework": stack, "pvcs": [{"name": claim, "create": False}], "services": services},
+    }
+    check_dgd(dgd)
+    summary = {"server": SERVER, "dynamo": f["version"], "engine": stack,
+               "image": {"image": engines.image_ref(image_block), "engine_version": version},
+               "frontend_image": engines.image_ref(fe["image"]), "layout": {"tp": chosen.tp, "ep": chosen.ep},
+               "gpu_product": hw.gpu_product, "pvc": claim,
+               "workers": {k: v["replicas"] for k, v in services.items() if k != "Frontend"},
+               "gpus": sum(v["replicas"] * chosen.tp for k, v in services.items() if k != "Frontend"),
+               "disaggregated": split.to_dict() if split else None, "schema_check": "passed"}
+    return dgd, summary
+
+
+def write_dgd(out: str | Path, dgd: dict, header: str, render: bool) -> Path:
+    """<out>/dgd.yaml (and, with --render, <out>/manifests/dgd.yaml as `kubectl apply -f` takes the chart's),
+    written into a temp folder and renamed: nothing half-written."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    text = header + yaml.safe_dump(dgd, sort_keys=False, width=120)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        (tmp / DGD_FILE).write_text(text)
+        if render:
+            (tmp / "manifests").mkdir()
+            (tmp / "manifests" / DGD_FILE).write_text(text)
+        if out.exists():
+            if not (out / DGD_FILE).is_file():
+                raise DFlashError(f"{out}: exists and is not a Dynamo deploy folder (no {DGD_FILE}); choose another --out")
+            old = out.with_name(f".{out.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+__all__ = ["DGD_FILE", "SERVER", "check_dgd", "crd_schema", "facts", "pick_engine", "render_dgd", "runnable_stacks",
+           "worker_argv", "write_dgd"]
