@@ -115,10 +115,10 @@ def _deploy_plan(bundle: str) -> tuple[dict | None, str | None]:
     if c is None:
         why = p.layouts[0].reason if p.layouts else "no layout"
         return {"hardware": p.hardware, "chosen": None, "reason": why}, f"plan: does not fit one {p.hardware}: {why}"
-    return ({"hardware": p.hardware, "chosen": {"tp": c.tp, "ep": c.ep, "replicas": c.replicas,
-                                                "max_sequences": c.max_sequences}},
-            f"plan on {p.hardware}: tp {c.tp}, ep {c.ep}, {c.replicas} replica(s) of up to {c.max_sequences} "
+    line = (f"plan on {p.hardware}: tp {c.tp}, ep {c.ep}, {c.replicas} replica(s) of up to {c.max_sequences} "
             f"sequences (`dflash-trt plan --bundle {bundle}`; what deploy writes)")
+    return {"hardware": p.hardware, "chosen": {"tp": c.tp, "ep": c.ep, "replicas": c.replicas,
+                                               "max_sequences": c.max_sequences}}, line
 
 
 @click.command("compile")

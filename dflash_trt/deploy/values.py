@@ -16,8 +16,10 @@ relies on:
                                  and .max_attention_window (per-layer windows), max_batch_size,
                                  max_num_tokens
     arch                         "blackwell" | "hopper"
-    gpu                          "b300" | "b200" | "gb200" | "h200" | "h100" | null (no GPU pinned:
+    gpu                          "b300" | "b200" | "gb200" | "h200" | "h100" | null (build --gpu none:
                                  a CPU-only deployment of the reference-runtime model)
+    node                         hardware.json node type of the GPU (build: --gpu's, or the arch's
+                                 default node); absent in older bundles: the GPU's first node
     quant.target                 "nvfp4" | "fp8" | "mxfp4" | "none"
     quant.kv_cache               "fp8" | "bf16"
     parallel.tp, parallel.ep     int: the layout search is restricted to them (the bundle's Triton

@@ -329,7 +329,8 @@ class Manifest:
                    parallel=_record(ParallelRecord, m["parallel"]), backend=m["backend"],
                    triton_model_repository=m["triton_model_repository"], triton_models=list(m["triton_models"]),
                    served_stacks=served, skipped_stacks=dict(ss.get("skipped") or {}), engines=m.get("engines") or {},
-                   max_seq_len=m.get("max_seq_len"), node=m.get("node"), gpu_source=m.get("gpu_source"), sm=list(m.get("sm") or []),
+                   max_seq_len=m.get("max_seq_len"), node=m.get("node"), gpu_source=m.get("gpu_source"),
+                   sm=list(m.get("sm") or []),
                    serving_configs=m.get("serving_configs") or {}, serving_profile=m.get("serving_profile") or {},
                    trt_drafter_engine=bool(m.get("trt_drafter_engine")), stages=m.get("stages") or {},
                    artifacts=list(m["artifacts"]), created=m.get("created"), raw=m)

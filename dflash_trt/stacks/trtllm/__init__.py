@@ -87,8 +87,9 @@ def check_draft_context(*, target_config: dict, drafter_config: dict, target_dir
                              gpu_memory_bytes=hw.reported_memory_bytes, weights_bytes_per_rank=weights // tp,
                              free_gpu_memory_fraction=TRTLLM_KV_FRACTION)
     if not b.fits:
-        raise DFlashError(f"{gpu} ({hw.name}), --tp {tp} --profile {profile_name}: {b.describe()}: TensorRT-LLM refuses "
-                          f"this layout at start; pass --max-batch-size {b.largest_batch} or less, or a wider --tp")
+        raise DFlashError(f"{gpu} ({hw.name}), --tp {tp} --profile {profile_name}: {b.describe()}: TensorRT-LLM "
+                          f"refuses this layout at start; pass --max-batch-size {b.largest_batch} or less, or a "
+                          "wider --tp")
 
 
 def read_llm_api_settings(bundle: Path, repository: str) -> dict:
