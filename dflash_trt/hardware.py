@@ -46,13 +46,29 @@ class Hardware:
 
 
 @lru_cache(maxsize=1)
+def _data() -> dict:
+    return json.loads(resources.files("dflash_trt").joinpath("hardware.json").read_text())
+
+
+@lru_cache(maxsize=1)
 def catalog() -> dict[str, Hardware]:
-    data = json.loads(resources.files("dflash_trt").joinpath("hardware.json").read_text())
     out = {}
-    for name, d in data["hardware"].items():
+    for name, d in _data()["hardware"].items():
         d = dict(d, gpu_product_labels=tuple(d["gpu_product_labels"]), sources=tuple(d.get("sources", ())))
         out[name] = Hardware(name=name, **d)
     return out
+
+
+def arch_default_node(arch: str) -> Hardware:
+    """The node type a bundle built for `arch` without --gpu deploys on (hardware.json
+    arch_default_nodes: blackwell -> dgx-b300, hopper -> hgx-h200)."""
+    defaults = _data().get("arch_default_nodes", {})
+    if arch not in defaults:
+        raise DFlashError(f"hardware.json: arch_default_nodes has no node for {arch!r}; known: {', '.join(defaults)}")
+    hw = get_hardware(defaults[arch])
+    if hw.arch != arch:
+        raise DFlashError(f"hardware.json: arch_default_nodes.{arch} is {hw.name}, a {hw.arch} node")
+    return hw
 
 
 def get_hardware(name: str) -> Hardware:

@@ -1,7 +1,8 @@
 """`make run`: the main job on the embedded pair (SmolLM2-135M-Instruct + our DFlash drafter).
 
 1. set-up: fetch and convert the target once (cached under $DFLASH_TRT_HOME);
-2. `dflash-trt build` of the embedded pair for Blackwell (nothing to compile: the serving files load the checkpoints);
+2. `dflash-trt build` of the embedded pair for Blackwell, deployed on its default node, DGX B300 (nothing to compile:
+   the serving files load the checkpoints);
 3. a short generation with DFlash and with plain AR: same text, tau, and the wall-clock speed-up.
 """
 from __future__ import annotations

@@ -81,7 +81,12 @@ def test_gpu_facts_come_from_the_hardware_catalog():
     assert MANIFEST_SCHEMA["properties"]["gpu"]["enum"] == [*ids, None]
     assert MANIFEST_SCHEMA["properties"]["arch"]["enum"] == ["blackwell", "hopper"]
     choices = {p.name: list(p.type.choices) for p in build_cmd.params if p.name in ("gpu", "arch")}
-    assert choices == {"gpu": ids, "arch": ["blackwell", "hopper", "auto"]}
+    assert choices == {"gpu": [*ids, "none"], "arch": ["blackwell", "hopper", "auto"]}
+    # without --gpu, a bundle deploys on its architecture's DGX / HGX node (issue 33 item 5)
+    from dflash_trt.hardware import arch_default_node
+    assert {a: (arch_default_node(a).gpu, arch_default_node(a).name) for a in arch_sms()} == {
+        "blackwell": ("b300", "dgx-b300"), "hopper": ("h200", "hgx-h200")}
+    assert MANIFEST_SCHEMA["properties"]["node"]["enum"][-1] is None
     assert [list(p.type.choices) for p in deploy_cmd.params if p.name == "gpu"] == [[*ids, "none"]]
     assert ARCHS_HELP == "blackwell (sm_100 + sm_103) or hopper (sm_90)"
 
@@ -134,10 +139,12 @@ def test_impossible_requests_are_refused(tiny, tmp_path, pair, args, message):
     assert not (tmp_path / "b").exists()
 
 
-def test_a_draft_context_over_tensorrt_llms_budget_is_refused_with_the_numbers(tiny, tmp_path):
+@pytest.mark.parametrize("gpu_args", [["--gpu", "h200"], ["--arch", "hopper"]], ids=["gpu", "arch-default-node"])
+def test_a_draft_context_over_tensorrt_llms_budget_is_refused_with_the_numbers(tiny, tmp_path, gpu_args):
     """TensorRT-LLM keeps the drafter's context of max_batch_size requests per rank
     (stacks/trtllm/budget.py); build refuses a layout whose buffer exceeds the budget, before any
-    stage runs, naming the sizes and the largest max_batch_size that fits."""
+    stage runs, naming the sizes and the largest max_batch_size that fits. `--arch hopper` alone
+    checks it too, on the architecture's default node (H200)."""
     from dflash_trt.stacks.trtllm.budget import draft_context_budget
     from dflash_trt.hardware import hardware_for_gpu
     dcfg = json.loads((tiny / "llama-drafter" / "config.json").read_text())
@@ -146,12 +153,15 @@ def test_a_draft_context_over_tensorrt_llms_budget_is_refused_with_the_numbers(t
     b = draft_context_budget(max_batch=1, max_seq_len=min(tcfg["max_position_embeddings"], 32768), drafter_cfg=dcfg,
                              gpu_memory_bytes=hardware_for_gpu("h200").reported_memory_bytes,
                              weights_bytes_per_rank=weights // 2, free_gpu_memory_fraction=0.85)
-    args = ["--target", str(tiny / "llama"), "--drafter", str(tiny / "llama-drafter"), "--gpu", "h200",
+    args = ["--target", str(tiny / "llama"), "--drafter", str(tiny / "llama-drafter"), *gpu_args,
             "--quant", "none", "--tp", "2"]
     code, _, err = run_cli("build", *args, "--max-batch-size", str(b.largest_batch + 1), "--out", str(tmp_path / "b"))
     assert code == 1 and "DFlash draft-context buffer" in err and "vs budget" in err, err
+    assert err.startswith("error: h200 (hgx-h200), --tp 2") and err.count("\n") == 1, err
     assert f"pass --max-batch-size {b.largest_batch} or less" in err
     assert not (tmp_path / "b").exists() and not list(tmp_path.glob(".b.*"))
+    if gpu_args[0] == "--arch":
+        return
     m = json.loads(Path(build_json(*args, "--max-batch-size", str(b.largest_batch), "--out",
                                    str(tmp_path / "ok"))["manifest"]).read_text())
     assert m["serving_profile"]["max_batch_size"] == b.largest_batch
@@ -168,6 +178,13 @@ def test_existing_non_bundle_folder_needs_force(tiny, tmp_path):
                            "--arch", "hopper", "--quant", "none", "--out", str(out))
     assert code == 1 and "is not a dflash-trt bundle" in err and "--force" in err
     assert (out / "notes.txt").read_text() == "not a bundle"
+
+
+def test_help_says_cpu_only_needs_gpu_none():
+    code, out, _ = run_cli("build", "--help")
+    text = " ".join(out.split())
+    assert code == 0 and "blackwell -> b300 (dgx-b300)" in text and "hopper -> h200 (hgx-h200)" in text
+    assert "none = a CPU-only bundle" in text and "only this does" in text
 
 
 def test_arch_auto_without_gpu_says_what_to_pass(tiny, tmp_path, monkeypatch):

@@ -7,6 +7,7 @@ writes (checked against the build's own manifest schema); no weights are needed 
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -349,6 +350,96 @@ def test_real_build_output(tmp_path):
     validate_all([d for p in manifests.iterdir() for d in yaml.safe_load_all(p.read_text()) if d])
     code, out, err = run_cli("verify", "--bundle", str(b))
     assert code == 0, out + err
+
+
+ENGINES_JSON = Path(__file__).resolve().parents[1] / "deploy" / "helm" / "dflash-trt" / "engines.json"
+
+
+def _workload_container(manifests: Path) -> dict:
+    docs = [d for d in yaml.safe_load_all((manifests / "workload.yaml").read_text()) if d]
+    (dep,) = [d for d in docs if d["kind"] == "Deployment"]
+    return dep["spec"]["template"]["spec"]["containers"][0]
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    from dflash_trt.models.tiny import make_tiny
+
+    root = tmp_path_factory.mktemp("pair")
+    make_tiny("llama", root / "t", root / "d", seed=5)
+    return root
+
+
+@pytest.mark.parametrize("arch, gpu, node, product", [("blackwell", "b300", "dgx-b300", "NVIDIA-B300-SXM6-AC"),
+                                                      ("hopper", "h200", "hgx-h200", "NVIDIA-H200")])
+def test_build_arch_alone_deploys_on_the_arch_node(tiny_pair, tmp_path, arch, gpu, node, product):
+    """Issue 33 item 5: `build --arch X` with no --gpu records X's node (hardware.json
+    arch_default_nodes), plans for it, and `deploy --render` asks for its GPUs with the
+    trtllm-serve image engines.json names; it is not the CPU-only reference Deployment."""
+    b = tmp_path / "b"
+    code, out, err = run_cli("build", "--target", str(tiny_pair / "t"), "--drafter", str(tiny_pair / "d"),
+                             "--arch", arch, "--quant", "none", "--out", str(b), "--json")
+    assert code == 0, err
+    res = json.loads(out)
+    m = json.loads((b / "manifest.json").read_text())
+    assert (m["gpu"], m["node"], m["gpu_source"]) == (gpu, node, "arch_default")
+    assert (res["gpu"], res["node"], res["plan"]["hardware"]) == (gpu, node, node)
+    code, out, err = run_cli("deploy", "--bundle", str(b), "--render", "--json")
+    assert code == 0, err
+    d = json.loads(out)
+    c = _workload_container(Path(d["manifests"]))
+    im = json.loads(ENGINES_JSON.read_text())["servers"]["trtllm-serve"]["image"]
+    image = f"{im['repository']}:{im['tag']}"
+    assert d["server"] == "trtllm-serve" and c["image"] == image
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == c["resources"]["requests"]["nvidia.com/gpu"] >= 1
+    assert d["values_content"]["gpu"]["product"] == product
+    assert d["values_content"]["bundle"]["models"] != ["dflash_reference"]
+
+
+def test_build_gpu_none_is_the_only_cpu_only_bundle(tiny_pair, tmp_path):
+    b = tmp_path / "b"
+    code, out, err = run_cli("build", "--target", str(tiny_pair / "t"), "--drafter", str(tiny_pair / "d"),
+                             "--arch", "blackwell", "--gpu", "none", "--quant", "none", "--out", str(b), "--json")
+    assert code == 0, err
+    res = json.loads(out)
+    assert (res["gpu"], res["node"], res["gpu_source"], res["plan"]) == (None, None, "none", None)
+    code, out, err = run_cli("deploy", "--bundle", str(b), "--render", "--json")
+    assert code == 0, err
+    d = json.loads(out)
+    c = _workload_container(Path(d["manifests"]))
+    assert d["server"] == "triton" and d["values_content"]["bundle"]["models"] == ["dflash_reference"]
+    assert "nvidia.com/gpu" not in json.dumps(c["resources"])
+    assert c["resources"]["limits"]["memory"] == f"{deploy.CPU_POD_MEMORY_GIB}Gi"
+    # the weights deploy checks against that limit: the planner's count from the configs, against the
+    # tensors the checkpoints' own headers list (what the runtime's memory bound counts)
+    from dflash_trt.io.checkpoint import CheckpointReader
+    from dflash_trt.io.manifest import Manifest
+
+    elements = 0
+    for folder in (b / "target", b / "drafter"):
+        with CheckpointReader(folder) as r:
+            elements += sum(math.prod(r.meta(k)[1]) for k in r.keys())
+    need, params, dtype = deploy.reference_weights(b, Manifest.read(b))
+    assert dtype == "float32" and need == 4 * params and params == pytest.approx(elements, rel=1e-3)
+
+
+def test_cpu_only_rollout_too_big_for_the_pod_is_refused(tmp_path):
+    """A CPU-only deployment (a --gpu none bundle, or deploy --gpu none) of a model whose weights
+    alone exceed the CPU pod's memory limit is refused in one line with the numbers, nothing
+    written. Oracle: gpt-oss-120b has 116.8 B parameters (its model card: 117B; our drafter adds
+    under 1 B), in float32 (dflash_reference's dtype) ~4 bytes each."""
+    cpu = write_bundle(tmp_path, gpu=None, tp=1)
+    gpu = write_bundle(tmp_path / "g")
+    for argv in (["--bundle", str(cpu)], ["--bundle", str(gpu), "--gpu", "none"]):
+        out = tmp_path / "out"
+        code, stdout, err = run_cli("deploy", *argv, "--out", str(out), "--render")
+        assert code == 1 and err.count("\n") == 1 and stdout == "", err
+        assert "CPU-only deployment of gpt-oss-120b" in err and "in float32" in err, err
+        assert f"over the CPU pod's {deploy.CPU_POD_MEMORY_GIB} GiB memory limit" in err
+        params = float(err.split(" B parameters")[0].split()[-1])
+        gib = float(err.split(" GiB of weights")[0].split()[-1])
+        assert 116.8 <= params <= 116.8 * 1.03 and gib == pytest.approx(params * 1e9 * 4 / 2**30, abs=0.1)
+        assert not out.exists()
 
 
 def test_tp16_b300_two_nodes_render(tmp_path):

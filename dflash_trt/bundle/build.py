@@ -30,7 +30,7 @@ from pathlib import Path
 from dflash_trt import __version__, engines, stacks
 from dflash_trt.bundle.onnx_export import export_onnx
 from dflash_trt.errors import DFlashError
-from dflash_trt.hardware import arch_has_fp4, arch_sms, gpus, sm_number
+from dflash_trt.hardware import arch_default_node, arch_has_fp4, arch_sms, gpus, hardware_for_gpu, sm_number
 from dflash_trt.io.atomic import atomic_output_dir, refuse_inside
 from dflash_trt.io.checkpoint import load_config
 from dflash_trt.io.manifest import (
@@ -66,7 +66,7 @@ class BuildOptions:
     target: str | None = None          # preset name or folder; None = the embedded pair
     drafter: str | None = None         # folder; None = the preset's drafter
     arch: str = "auto"
-    gpu: str | None = None
+    gpu: str | None = None             # b300, h200, ...; None = the arch's default node; "none" = CPU-only
     quant: str = "auto"
     kv_cache: str = "auto"
     tp: int = 1
@@ -184,28 +184,45 @@ def num_experts(cfg: dict) -> int:
     return int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
 
 
-def resolve_gpu(o: BuildOptions) -> tuple[str, str | None, list[int]]:
-    """(arch, GPU id or None, SM versions to build kernels for) from --arch / --gpu or this machine."""
+NO_GPU = "none"   # --gpu none: a CPU-only bundle (manifest gpu_source "none")
+
+
+def resolve_gpu(o: BuildOptions) -> dict:
+    """{arch, gpu, node, gpu_source, sm} from --arch / --gpu or this machine. Without --gpu the bundle
+    is for the architecture's default node (its GPU recorded for deploy, its memory for the build's
+    checks); only --gpu none gives a CPU-only bundle (gpu and node null). The kernels cover one SM
+    when a GPU was named or detected, every SM of the architecture otherwise."""
     by_id, sms_of = gpus(), arch_sms()
     gpu = o.gpu.lower() if o.gpu else None
-    if gpu is not None and gpu not in by_id:
-        raise DFlashError(f"--gpu {o.gpu!r}: expected one of {', '.join(by_id)}")
-    arch = o.arch
+    if gpu is not None and gpu != NO_GPU and gpu not in by_id:
+        raise DFlashError(f"--gpu {o.gpu!r}: expected one of {', '.join([*by_id, NO_GPU])}")
+    arch, source = o.arch, "option" if gpu else None
     if arch == "auto":
-        arch, detected = (by_id[gpu].arch, gpu) if gpu else detect_arch()
-        gpu = gpu or detected
+        if gpu and gpu != NO_GPU:
+            arch = by_id[gpu].arch
+        else:
+            arch, detected = detect_arch()
+            if gpu is None and detected:
+                gpu, source = detected, "detected"
     if arch not in sms_of:
         raise DFlashError(f"--arch {o.arch!r}: expected {', '.join(sms_of)} or auto")
-    if gpu is not None and by_id[gpu].arch != arch:
+    if gpu == NO_GPU:
+        return {"arch": arch, "gpu": None, "node": None, "gpu_source": "none", "sm": sms_of[arch]}
+    if gpu is None:
+        hw = arch_default_node(arch)
+        return {"arch": arch, "gpu": hw.gpu, "node": hw.name, "gpu_source": "arch_default", "sm": sms_of[arch]}
+    if by_id[gpu].arch != arch:
         raise DFlashError(f"--gpu {gpu} is a {by_id[gpu].arch} GPU but --arch is {arch}")
-    return arch, gpu, [sm_number(by_id[gpu])] if gpu else sms_of[arch]
+    return {"arch": arch, "gpu": gpu, "node": hardware_for_gpu(gpu).name, "gpu_source": source,
+            "sm": [sm_number(by_id[gpu])]}
 
 
 def resolve_settings(o: BuildOptions, cfg: dict, name: str) -> dict:
     """Arch, GPU, quantization, KV cache and parallelism, checked against the target's config."""
     if o.backend not in BACKENDS:
         raise DFlashError(f"--backend {o.backend!r}: expected one of {', '.join(BACKENDS)}")
-    arch, gpu, sms = resolve_gpu(o)
+    hw = resolve_gpu(o)
+    arch = hw["arch"]
     if o.quant not in QUANTS:
         raise DFlashError(f"--quant {o.quant!r}: expected one of {', '.join(QUANTS)}")
     if is_mxfp4(cfg):
@@ -232,7 +249,7 @@ def resolve_settings(o: BuildOptions, cfg: dict, name: str) -> dict:
     # DFlash loader takes (FP8 only vLLM: resolve_stacks)
     dq = "none" if o.drafter_quant == "auto" else o.drafter_quant
     check_parallel(o, cfg, name)
-    return {"arch": arch, "gpu": gpu, "sm": sms, "quant": quant, "kv_cache": kv, "drafter_quant": dq}
+    return {**hw, "quant": quant, "kv_cache": kv, "drafter_quant": dq}
 
 
 def check_parallel(o: BuildOptions, cfg: dict, name: str) -> None:
@@ -310,7 +327,8 @@ def resolve_pair(o: BuildOptions) -> tuple[Path, Path, str, str | None]:
 
 
 def default_out(name: str, s: dict, o: BuildOptions) -> Path:
-    parts = [name.replace("/", "-"), s["gpu"] or s["arch"], s["quant"]]
+    # the GPU when one was named or detected; the architecture otherwise (its default node, or CPU-only)
+    parts = [name.replace("/", "-"), s["gpu"] if s["gpu_source"] in ("option", "detected") else s["arch"], s["quant"]]
     if o.tp > 1 or o.ep > 1:
         parts.append(f"tp{o.tp}" + (f"ep{o.ep}" if o.ep > 1 else ""))
     if o.backend == "engine":
@@ -525,7 +543,7 @@ class Builder:
                         "revision": snapshot_revision(self.ddir),
                         "block_size": self.block_size, "trained_block_size": dcfg.block_size,
                         "mask_token_id": dcfg.mask_token_id, "target_layer_ids": ids, "config": dcfg.raw},
-            "arch": s["arch"], "gpu": s["gpu"], "sm": s["sm"],
+            "arch": s["arch"], "gpu": s["gpu"], "node": s["node"], "gpu_source": s["gpu_source"], "sm": s["sm"],
             "quant": {"target": s["quant"], "drafter": s["drafter_quant"], "kv_cache": s["kv_cache"]},
             "parallel": {"tp": o.tp, "ep": o.ep, "pp": o.pp},
             "backend": o.backend,
@@ -782,6 +800,7 @@ def format_summary(res: dict) -> str:
     files = [next(iter(stacks.get(x).config_files.values())).removeprefix("configs/")
              for x in m["serving_stacks"]["served"]]
     lines.append(f"  configs/ {', '.join(files)}; triton/ " + ", ".join(m["triton_models"]))
+    lines.append("  " + gpu_line(m))
     for stack, why in m.get("serving_stacks", {}).get("skipped", {}).items():
         lines.append(f"  no {stacks.get(stack).title} config: {why}")
     sched = m.get("draft_schedule")
@@ -796,6 +815,17 @@ def format_summary(res: dict) -> str:
     if m["stages"]["compile"]["status"] == "deferred":
         lines.append(f"  compile deferred: on the GPU node run `dflash-trt compile --bundle {res['bundle']}`")
     return "\n".join(lines)
+
+
+def gpu_line(m: dict) -> str:
+    """Where the bundle deploys, and why there (manifest gpu, node, gpu_source)."""
+    if m["gpu"] is None:
+        return (f"no GPU (--gpu none): `deploy` serves {stacks.tritonserver.REFERENCE_MODEL} on a CPU-only pod; "
+                f"--gpu <id> deploys on GPUs")
+    why = {"option": "--gpu", "detected": "this machine's GPU",
+           "arch_default": f"the {m['arch']} default node, hardware.json arch_default_nodes; --gpu picks another, "
+                           "--gpu none builds a CPU-only bundle"}.get(m.get("gpu_source"), "")
+    return f"GPU: {m['gpu']} on {m.get('node') or m['gpu']}" + (f" ({why})" if why else "")
 
 
 def _human(n: int) -> str:

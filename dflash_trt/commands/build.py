@@ -7,7 +7,7 @@ from functools import partial
 
 import click
 
-from dflash_trt.hardware import arch_sms, gpus
+from dflash_trt.hardware import arch_default_node, arch_sms, gpus
 
 
 @click.command("build")
@@ -16,9 +16,14 @@ from dflash_trt.hardware import arch_sms, gpus
               "the Hugging Face cache, else downloaded. Default: the embedded pair (smollm2-135m + our drafter).")
 @click.option("--drafter", type=click.Path(), help="DFlash drafter folder or hub id (default: the preset's drafter).")
 @click.option("--arch", type=click.Choice([*arch_sms(), "auto"]), default="auto", show_default=True,
-              help="GPU architecture to build for; auto = this machine's GPU (or the one --gpu names).")
-@click.option("--gpu", type=click.Choice(list(gpus())),
-              help="Exact GPU product (narrows the kernels to its SM version; recorded for deploy).")
+              help="GPU architecture to build for; auto = this machine's GPU (or the one --gpu names; without a GPU "
+              "here, pass --arch).")
+@click.option("--gpu", type=click.Choice([*gpus(), "none"]),
+              help="The GPU the bundle deploys on (recorded for deploy and plan; its memory sizes the build's checks, "
+              "e.g. TensorRT-LLM's draft-context budget; narrows the kernels to its SM). Default: this machine's "
+              "GPU with --arch auto, else the architecture's node: "
+              + ", ".join(f"{a} -> {arch_default_node(a).gpu} ({arch_default_node(a).name})" for a in arch_sms())
+              + ". none = a CPU-only bundle: deploy serves the reference model on a CPU pod, and only this does.")
 @click.option("--quant", type=click.Choice(["auto", "none", "fp8", "nvfp4"]), default="auto", show_default=True,
               help="Target weights: auto = NVFP4 on Blackwell, FP8 on Hopper, MXFP4 kept for gpt-oss.")
 @click.option("--kv-cache", type=click.Choice(["auto", "fp8", "bf16"]), default="auto", show_default=True,
@@ -40,8 +45,8 @@ from dflash_trt.hardware import arch_sms, gpus
 @click.option("--profile", type=click.Choice(["latency", "throughput"]), default="latency", show_default=True,
               help="TensorRT-LLM settings from NVIDIA's curated configs for the target's family (max_batch_size, "
               "max_num_tokens, attention DP, stream_interval); `dflash-trt plan --profile` picks the matching TP / EP.")
-@click.option("--max-batch-size", type=int, help="TensorRT-LLM max_batch_size (default: the profile's). With --gpu, "
-              "build refuses one whose DFlash draft-context buffer exceeds TensorRT-LLM's per-rank budget.")
+@click.option("--max-batch-size", type=int, help="TensorRT-LLM max_batch_size (default: the profile's). Build refuses "
+              "one whose DFlash draft-context buffer exceeds TensorRT-LLM's per-rank budget on the bundle's GPU.")
 @click.option("--calib", type=click.Path(dir_okay=False), help="Calibration prompts (.jsonl, {\"prompt\": ...} "
               "lines) for activation and KV-cache scales; required for quantized engine-backend targets.")
 @click.option("--backend", type=click.Choice(["pytorch", "engine"]), default="pytorch", show_default=True,
@@ -72,8 +77,9 @@ def build_cmd(target, drafter, arch, gpu, quant, kv_cache, drafter_quant, stacks
 
     \b
     Examples:
-      dflash-trt build --arch blackwell                       # the embedded pair, NVFP4
+      dflash-trt build --arch blackwell                       # the embedded pair, NVFP4, for DGX B300
       dflash-trt build --arch hopper --gpu h200 --json        # FP8 for H200
+      dflash-trt build --arch hopper --gpu none               # CPU-only: deploy serves the reference model
       dflash-trt build --target gpt-oss-120b --gpu b300 --tp 8
       dflash-trt build --target gpt-oss-120b --gpu b300 --tp 2 --ep 2 --profile throughput --max-batch-size 128
       dflash-trt build --target my/target --drafter my/drafter --arch hopper --out engines/mine
@@ -89,15 +95,40 @@ def build_cmd(target, drafter, arch, gpu, quant, kv_cache, drafter_quant, stacks
                         draft_schedule=partial(build_schedule, draft_schedule),
                         stacks=tuple(x.strip() for x in stacks.split(",") if x.strip()) if stacks is not None else None)
     res = build(opts, progress=True)
+    plan, plan_line = _deploy_plan(res["bundle"])
     if as_json:
         m = res["manifest"]
         click.echo(json.dumps({"bundle": res["bundle"], "stages": res["stages"],
                                "compile": m["stages"]["compile"], "serving_stacks": m["serving_stacks"],
                                "serving_configs": m["serving_configs"], "draft_schedule": m.get("draft_schedule"),
                                "artifacts": m["artifacts"],
+                               "gpu": m["gpu"], "node": m["node"], "gpu_source": m["gpu_source"], "plan": plan,
                                "manifest": f"{res['bundle']}/manifest.json"}, indent=2))
     else:
-        click.echo(format_summary(res))
+        click.echo(format_summary(res) + (f"\n  {plan_line}" if plan_line else ""))
+
+
+def _deploy_plan(bundle: str) -> tuple[dict | None, str | None]:
+    """The layout `deploy` will use on the bundle's node (`plan --bundle`), as (JSON, summary line);
+    (None, None) for a CPU-only bundle. A bundle the planner cannot place is built all the same
+    (the line says why; `plan --bundle` shows every layout)."""
+    from dflash_trt.deploy.values import plan_for_bundle
+    from dflash_trt.errors import DFlashError
+
+    try:
+        p = plan_for_bundle(bundle)
+    except DFlashError as e:
+        return {"error": str(e)}, f"plan: not planned: {e}"
+    if p is None:
+        return None, None
+    c = p.chosen
+    if c is None:
+        why = p.layouts[0].reason if p.layouts else "no layout"
+        return {"hardware": p.hardware, "chosen": None, "reason": why}, f"plan: does not fit one {p.hardware}: {why}"
+    line = (f"plan on {p.hardware}: tp {c.tp}, ep {c.ep}, {c.replicas} replica(s) of up to {c.max_sequences} "
+            f"sequences (`dflash-trt plan --bundle {bundle}`; what deploy writes)")
+    return {"hardware": p.hardware, "chosen": {"tp": c.tp, "ep": c.ep, "replicas": c.replicas,
+                                               "max_sequences": c.max_sequences}}, line
 
 
 @click.command("compile")

@@ -186,7 +186,9 @@ def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, max_seq_len, no
 @click.option("--multinode-image", help="Image of multi-node (LeaderWorkerSet) pods: the serving image plus sshd, "
               "built from deploy/multinode.Dockerfile; required when an instance spans nodes.")
 @click.option("--gpu", type=click.Choice([*gpus(), "none"]),
-              help="Override the bundle's GPU; none = CPU-only smoke test of the reference model.")
+              help="Override the GPU the bundle records (build's --gpu, by default its --arch's node: b300 for "
+              "Blackwell, h200 for Hopper); none = CPU-only smoke test of the reference model, refused when its "
+              "weights alone exceed the CPU pod's memory limit. A bundle built with --gpu none deploys CPU-only.")
 @click.option("--pvc", help="Existing PersistentVolumeClaim holding the bundle (default: the chart creates one).")
 @click.option("--ssh-secret", default="dflash-trt-ssh", show_default=True,
               help="Secret with the MPI ssh keys, for multi-node (LeaderWorkerSet) layouts.")

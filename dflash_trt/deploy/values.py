@@ -16,8 +16,10 @@ relies on:
                                  and .max_attention_window (per-layer windows), max_batch_size,
                                  max_num_tokens
     arch                         "blackwell" | "hopper"
-    gpu                          "b300" | "b200" | "gb200" | "h200" | "h100" | null (no GPU pinned:
+    gpu                          "b300" | "b200" | "gb200" | "h200" | "h100" | null (build --gpu none:
                                  a CPU-only deployment of the reference-runtime model)
+    node                         hardware.json node type of the GPU (build: --gpu's, or the arch's
+                                 default node); absent in older bundles: the GPU's first node
     quant.target                 "nvfp4" | "fp8" | "mxfp4" | "none"
     quant.kv_cache               "fp8" | "bf16"
     parallel.tp, parallel.ep     int: the layout search is restricted to them (the bundle's Triton
@@ -48,13 +50,16 @@ import yaml
 from dflash_trt import engines, stacks
 from dflash_trt.deploy import planner
 from dflash_trt.errors import DFlashError
-from dflash_trt.hardware import Hardware, hardware_for_gpu
+from dflash_trt.hardware import Hardware, get_hardware, gpus, hardware_for_gpu
 from dflash_trt.io.jsonio import read_json
 from dflash_trt.io.manifest import Manifest
 from dflash_trt.paths import deploy_path
 
 GIB = 2**30
 REFERENCE_MODEL = stacks.tritonserver.REFERENCE_MODEL   # CPU-capable Triton model of the bundle
+CPU_POD_MEMORY_GIB = 16                   # memory limit of the CPU-only pod (dflash_reference, no GPU)
+# bytes per parameter of the reference runtime's dtype; "auto" is float32 or bfloat16 by the pod's CPU
+REFERENCE_DTYPE_BYTES = {"float32": 4, "auto": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 SHM_PER_GPU_GIB = 2                       # /dev/shm per GPU: NCCL and Python-backend tensors
 HOST_MEMORY_BASE_GIB = 32                 # host memory per GPU pod besides /dev/shm
 CPU_PER_GPU = 4
@@ -102,14 +107,47 @@ def _drafter_config(bundle: Path, m: Manifest) -> tuple[str | None, dict | None]
 
 
 def bundle_hardware(m: Manifest, gpu: str | None = None) -> Hardware | None:
-    """The catalog node type of the bundle's GPU (or of `gpu` when given); None = CPU-only."""
+    """The catalog node type of the bundle's GPU (its recorded node), or of `gpu` when given;
+    None = CPU-only."""
     gpu = gpu or m.gpu
     if gpu in (None, "none", ""):
         return None
-    hw = hardware_for_gpu(gpu)
+    hw = get_hardware(m.node) if m.node and gpu == m.gpu else hardware_for_gpu(gpu)
     if m.arch and m.arch != hw.arch:
         raise DFlashError(f"manifest.json: bundle built for arch {m.arch}, but {gpu} is {hw.arch}")
     return hw
+
+
+def reference_weights(bundle: Path, m: Manifest) -> tuple[int, int, str]:
+    """(bytes, parameters, dtype) of the weights the CPU pod's dflash_reference model holds: the
+    target's and the drafter's parameters (the planner's count, from the manifest's configs: the
+    reference pair may live outside the bundle) in the runtime dtype its model.yaml names."""
+    y = bundle / m.triton_model_repository / REFERENCE_MODEL / "1" / "model.yaml"
+    dtype = "float32"   # what build writes (stacks/tritonserver reference_settings)
+    if y.is_file():
+        try:
+            dtype = str((yaml.safe_load(y.read_text()) or {}).get("dtype") or dtype)
+        except yaml.YAMLError as e:
+            raise DFlashError(f"{y}: invalid YAML ({e})") from None
+    if dtype not in REFERENCE_DTYPE_BYTES:
+        raise DFlashError(f"{y}: dtype {dtype!r}: expected one of {', '.join(REFERENCE_DTYPE_BYTES)}")
+    params = planner.target_shape(m.target.config, m.target.name or "target").total_params
+    dcfg = _drafter_config(bundle, m)[1]
+    params += planner.drafter_shape(dcfg).total_params if dcfg else 0
+    return params * REFERENCE_DTYPE_BYTES[dtype], params, dtype
+
+
+def check_cpu_pod_fits(bundle: Path, m: Manifest) -> None:
+    """Refuse a CPU-only rollout whose reference model's weights alone exceed the CPU pod's memory
+    limit: the pod would be OOM-killed while loading, over and over."""
+    need, params, dtype = reference_weights(bundle, m)
+    limit = CPU_POD_MEMORY_GIB * GIB
+    if need > limit:
+        gpu_ids = [g for g, hw in gpus().items() if hw.arch == m.arch]
+        raise DFlashError(f"CPU-only deployment of {m.target.name or 'the target'}: the {REFERENCE_MODEL} model holds "
+                          f"{params / 1e9:.2f} B parameters (target + drafter) in {dtype}, {need / GIB:.1f} GiB of "
+                          f"weights, over the CPU pod's {CPU_POD_MEMORY_GIB} GiB memory limit; deploy on GPUs "
+                          f"(--gpu {' | '.join(gpu_ids)}, or rebuild without --gpu none)")
 
 
 def plan_for_bundle(bundle: str | Path, *, nodes: int = 1, gpus_per_node: int | None = None,
@@ -206,13 +244,14 @@ def deploy_values(bundle: str | Path, *, nodes: int = 1, gpus_per_node: int | No
         if not srv.cpu_reference:
             raise DFlashError(f"--server {server}: a CPU-only deployment serves the {REFERENCE_MODEL} model on "
                               f"{stacks.cpu_server().name}; pass --gpu for the bundle's GPU servers")
+        check_cpu_pod_fits(bundle, m)
         values.update({
             "replicas": 1 if replicas is None else replicas,
             "workload": {"kind": "Deployment"},
             "gpu": {"count": 0, "product": ""},
             "parallel": {"tp": 1, "pp": 1, "ep": 1},
             "shmSize": "1Gi",
-            "resources": {"requests": {"cpu": "2", "memory": "8Gi"}, "limits": {"memory": "16Gi"}},
+            "resources": {"requests": {"cpu": "2", "memory": "8Gi"}, "limits": {"memory": f"{CPU_POD_MEMORY_GIB}Gi"}},
         })
         values["bundle"]["models"] = [REFERENCE_MODEL]
         values["bundle"]["pvc"] = _pvc(pvc, 10, rwx=False)
@@ -222,7 +261,7 @@ def deploy_values(bundle: str | Path, *, nodes: int = 1, gpus_per_node: int | No
     if chosen is None:
         rejected = p.layouts[0].reason if p.layouts else "no layout"
         raise DFlashError(f"the bundle does not fit {nodes} × {p.hardware}: tp {p.layouts[0].tp}: {rejected}")
-    hw = hardware_for_gpu(gpu or m.gpu)
+    hw = bundle_hardware(m, gpu)
     gpn = p.gpus_per_node
     pod_gpus = min(chosen.tp, gpn)
     n_replicas = chosen.replicas if replicas is None else replicas

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from dflash_trt import engines
 from dflash_trt.errors import DFlashError
-from dflash_trt.hardware import arch_sms, gpus
+from dflash_trt.hardware import arch_sms, catalog, gpus
 from dflash_trt.io.atomic import MARKER, atomic_write_text
 from dflash_trt.io.jsonio import read_json
 
@@ -26,6 +26,9 @@ MANIFEST_NAME = "manifest.json"
 SCHEMA_VERSION = 1
 STAGES = ("check", "quantize", "convert", "plugin", "export-onnx", "compile", "package")
 STAGE_STATUSES = ("done", "skipped", "deferred", "failed", "not-needed")
+# How build chose the bundle's GPU: --gpu named it, nvidia-smi showed it, the architecture's default
+# node (hardware.json arch_default_nodes), or --gpu none (a CPU-only bundle: gpu and node null).
+GPU_SOURCES = ("option", "detected", "arch_default", "none")
 
 _ids = {"type": "array", "items": {"type": "integer", "minimum": 0}}
 
@@ -60,6 +63,8 @@ MANIFEST_SCHEMA: dict = {
         },
         "arch": {"enum": list(arch_sms())},
         "gpu": {"enum": [*gpus(), None]},
+        "node": {"enum": [*catalog(), None]},          # the hardware.json node type deploy plans for
+        "gpu_source": {"enum": list(GPU_SOURCES)},
         "sm": {"type": "array", "items": {"type": "integer"}},
         "quant": {
             "type": "object", "required": ["target", "kv_cache"],
@@ -308,6 +313,8 @@ class Manifest:
     skipped_stacks: dict[str, str]      # serving_stacks.skipped: stack -> the rule its layout breaks
     engines: dict                       # stack -> engine facts and its servers' images (engines.json at build)
     max_seq_len: int | None = None
+    node: str | None = None             # hardware.json node type (bundles before it: the GPU's first node)
+    gpu_source: str | None = None       # GPU_SOURCES; None for bundles before it
     sm: list[int] = field(default_factory=list)
     serving_configs: dict = field(default_factory=dict)
     serving_profile: dict = field(default_factory=dict)
@@ -331,7 +338,8 @@ class Manifest:
                    parallel=_record(ParallelRecord, m["parallel"]), backend=m["backend"],
                    triton_model_repository=m["triton_model_repository"], triton_models=list(m["triton_models"]),
                    served_stacks=served, skipped_stacks=dict(ss.get("skipped") or {}), engines=m.get("engines") or {},
-                   max_seq_len=m.get("max_seq_len"), sm=list(m.get("sm") or []),
+                   max_seq_len=m.get("max_seq_len"), node=m.get("node"), gpu_source=m.get("gpu_source"),
+                   sm=list(m.get("sm") or []),
                    serving_configs=m.get("serving_configs") or {}, serving_profile=m.get("serving_profile") or {},
                    trt_drafter_engine=bool(m.get("trt_drafter_engine")), stages=m.get("stages") or {},
                    artifacts=list(m["artifacts"]), created=m.get("created"), raw=m)

@@ -80,7 +80,7 @@ def check_draft_context(*, target_config: dict, drafter_config: dict, target_dir
     """Refuse, before any stage runs, a layout whose DFlash draft-context buffer exceeds the budget
     TensorRT-LLM checks it against (budget.py), with the numbers. Weights per rank: the target's
     on-disk bytes / tp (the estimate TensorRT-LLM's check uses), scaled to the target format when
-    build quantizes a bf16 checkpoint. Needs a GPU (its memory)."""
+    build quantizes a bf16 checkpoint. Needs the bundle's GPU (its memory; none for --gpu none)."""
     if not gpu:
         return
     hw = hardware_for_gpu(gpu)
@@ -92,8 +92,9 @@ def check_draft_context(*, target_config: dict, drafter_config: dict, target_dir
                              gpu_memory_bytes=hw.reported_memory_bytes, weights_bytes_per_rank=weights // tp,
                              free_gpu_memory_fraction=TRTLLM_KV_FRACTION)
     if not b.fits:
-        raise DFlashError(f"--gpu {gpu} --tp {tp} --profile {profile_name}: {b.describe()}: TensorRT-LLM refuses "
-                          f"this layout at start; pass --max-batch-size {b.largest_batch} or less, or a wider --tp")
+        raise DFlashError(f"{gpu} ({hw.name}), --tp {tp} --profile {profile_name}: {b.describe()}: TensorRT-LLM "
+                          f"refuses this layout at start; pass --max-batch-size {b.largest_batch} or less, or a "
+                          "wider --tp")
 
 
 def read_llm_api_settings(bundle: Path, repository: str) -> dict:
