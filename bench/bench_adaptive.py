@@ -217,7 +217,8 @@ def main() -> int:
     from dflash_trt.deploy import draft_schedule as ds
     from dflash_trt.deploy.endpoint_bench import parse_concurrency
     from dflash_trt.runtime.pair import encode_prompt, load_pair
-    from dflash_trt.stacks.vllm.server import bundle_with_draft_schedule, vllm_env_problem
+    from dflash_trt.stacks.vllm import bundle_with_draft_schedule
+    from dflash_trt.stacks.vllm.server import vllm_env_problem
     from dflash_trt.paths import vllm_env_dir
 
     problem = vllm_env_problem(vllm_env_dir())

@@ -95,7 +95,8 @@ def test_a_schedule_vllm_would_refuse_is_one_line(ranges, words, vllm_refuses):
 @pytest.fixture(scope="module")
 def served(vllm_bundle, tmp_path_factory):
     """The bundle's scheduled copy (the vLLM stack's writer with BundleContext.draft_schedule), served."""
-    from dflash_trt.stacks.vllm.server import VllmServer, bundle_with_draft_schedule
+    from dflash_trt.stacks.vllm import bundle_with_draft_schedule
+    from dflash_trt.stacks.vllm.server import VllmServer
 
     bundle = bundle_with_draft_schedule(vllm_bundle, tmp_path_factory.mktemp("adaptive") / "bundle", _schedule(RANGES))
     with VllmServer(bundle, work=tmp_path_factory.mktemp("vllm-adaptive"), extra_args=["--enforce-eager"],

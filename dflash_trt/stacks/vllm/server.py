@@ -305,29 +305,3 @@ class VllmServer(ServerProcess):
         return parse_spec_decode_counters(self.metrics())
 
 
-
-def bundle_with_draft_schedule(bundle: Path, dest: Path, schedule) -> Path:
-    """A copy of `bundle` at `dest` whose configs/vllm.json carries a draft schedule
-    (deploy/draft_schedule.DraftSchedule), written by the vLLM stack's own writer with
-    BundleContext.draft_schedule set, as `build` writes it. The model folders are symlinks to the
-    bundle's (never modified); configs/ is written fresh. For serving one bundle under several
-    schedules (bench/bench_adaptive.py) without building it again."""
-    from dflash_trt.models.config import load_drafter_config
-    from dflash_trt.stacks import REGISTRY
-    from dflash_trt.stacks.base import BundleContext
-
-    bundle, dest = Path(bundle).resolve(), Path(dest)
-    manifest = json.loads((bundle / "manifest.json").read_text())
-    if manifest.get("quant", {}).get("target") != "none":   # write_configs reads the target's lm_head rows
-        raise DFlashError(f"{bundle}: a scheduled copy needs the unquantized target (built with --quant none)")
-    dest.mkdir(parents=True)
-    for entry in bundle.iterdir():
-        if entry.name != "configs":
-            (dest / entry.name).symlink_to(entry)
-    (dest / "configs").mkdir()
-    ctx = BundleContext(work=dest, manifest=manifest, target_config=json.loads((bundle / "target/config.json").read_text()),
-                        block_size=int(manifest["drafter"]["block_size"]), target_dir=bundle / "target",
-                        drafter_dir=bundle / "drafter", drafter=load_drafter_config(bundle / "drafter"),
-                        draft_schedule=schedule)
-    REGISTRY["vllm"].write_configs(ctx)
-    return dest
