@@ -304,4 +304,3 @@ class VllmServer(ServerProcess):
         accepted_per_pos (list). Mean acceptance length = 1 + accepted / drafts (vLLM's own)."""
         return parse_spec_decode_counters(self.metrics())
 
-
