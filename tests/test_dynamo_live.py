@@ -79,6 +79,13 @@ def _spec_counts(worker: DynamoVllmWorker) -> tuple[float, float]:
     return get("vllm:spec_decode_num_drafts"), get("vllm:spec_decode_num_accepted_tokens")
 
 
+def _generated(worker: DynamoVllmWorker) -> float:
+    """The worker's vllm:generation_tokens counter (its own /metrics)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{worker.system_port}/metrics", timeout=30) as r:
+        samples = parse_prometheus(r.read().decode())
+    return sum(v for n, _, v in samples if n in ("vllm:generation_tokens", "vllm:generation_tokens_total"))
+
+
 def _wait(cond, timeout: float, what: str, step: float = 0.5):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -198,20 +205,22 @@ def test_killing_a_worker_mid_run(frontend, workers, prompts, ar_tokens):
 
     threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(prompts))]
     seen = set(_routed(frontend))
+    generated = {w.instance_id: _generated(w) for w in workers}
     for t in threads:
         t.start()
     # the victim: the worker the router sent the first of these requests to (so it has one in flight)
     first = _wait(lambda: [w for r, w in _routed(frontend).items() if r not in seen], 120, "a routing decision")[0]
     victim = next(w for w in workers if w.instance_id == first)
     survivor = next(w for w in workers if w is not victim)
-    time.sleep(1.0)   # let it decode a few tokens
+    # kill mid-decode: once the victim has generated a few tokens since these requests started
+    _wait(lambda: _generated(victim) >= generated[victim.instance_id] + 8, 120, "the victim decodes", step=0.2)
     victim.kill()
     note(f"SIGKILL worker {victim.instance_id} (process group {victim.proc.pid})")
     for t in threads:
         t.join(300)
     assert not any(t.is_alive() for t in threads), "a request hung past 300 s"
-    gone = _wait(lambda: _instances(frontend) == {survivor.instance_id}, 120, "the frontend's /health drops the dead worker")
-    note(f"frontend /health lists instances {sorted(gone)}")
+    _wait(lambda: _instances(frontend) == {survivor.instance_id}, 120, "the frontend's /health drops the dead worker")
+    note(f"frontend /health lists instances {sorted(_instances(frontend))}")
     after = frontend.complete(DFLASH, prompts[0], 8)
     note(f"new request {after['id']} served by {_routed(frontend)[after['id']]}")
 

