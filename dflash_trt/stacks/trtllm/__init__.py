@@ -24,7 +24,6 @@ from dflash_trt.stacks.trtllm.budget import draft_context_budget
 from dflash_trt.stacks.trtllm.profiles import drafter_attention_backend, profile_settings
 from dflash_trt.stacks.trtllm.serve_config import (
     CHECKED_AGAINST,
-    FP8_DRAFTER_REFUSED,
     TRTLLM_KV_FRACTION,
     trtllm_drafter_options,
     trtllm_serve_config,
@@ -135,9 +134,6 @@ class TensorRTLLM(Stack):
     def layout_problems(self, *, tp, pp, block_size):
         # DFlashDecodingConfig: max_draft_len (NonNegativeInt) = B - 1 drafted tokens per step
         return [] if block_size - 1 > 0 else [f"max_draft_len = {block_size - 1}: must be > 0"]
-
-    def drafter_quant_problem(self, drafter_quant):
-        return FP8_DRAFTER_REFUSED if drafter_quant == "fp8" else None
 
     def check_build(self, **kw):
         check_draft_context(**kw)
