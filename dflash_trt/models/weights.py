@@ -30,6 +30,7 @@ class WeightFormat:
     weight_dtype: torch.dtype          # how the quantized `.weight` is stored
     scales: tuple[str, ...]            # side tensors `{module}.{suffix}`, all present
     decode: Callable[..., torch.Tensor]  # (weight, *scales, dtype) -> the float weight
+    stored_shape: Callable[[tuple[int, ...]], tuple[int, ...]] = tuple   # of an [out, in] weight
 
 
 def _fp8_per_tensor(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -39,12 +40,20 @@ def _fp8_per_tensor(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
 
 def _nvfp4(packed: torch.Tensor, block_scales: torch.Tensor, global_scale: torch.Tensor,
            dtype: torch.dtype) -> torch.Tensor:
-    """ModelOpt NVFP4: w = e2m1 * weight_scale (E4M3, per 16 inputs) * weight_scale_2 (fp32)."""
-    return formats.nvfp4_dequantize(packed, block_scales, global_scale, dtype)
+    """ModelOpt NVFP4: w = (e2m1 * weight_scale (E4M3, per 16 inputs)) * weight_scale_2 (fp32), in that
+    order, as the GEMM applies them: the block scale inside the block-scaled MMA (the product is exact
+    in fp32), the global scale once, in the epilogue. (formats.nvfp4_dequantize multiplies the two scales
+    first, which can differ from this in the last bit.)"""
+    codes = formats.e2m1_decode(formats.unpack_nibbles(packed), torch.float32)
+    n = codes.shape[-1]
+    blocks = codes.reshape(*codes.shape[:-1], n // formats.NVFP4_BLOCK, formats.NVFP4_BLOCK)
+    w = (blocks * block_scales.to(torch.float32).unsqueeze(-1)) * global_scale.float()
+    return w.reshape(*packed.shape[:-1], n).to(dtype)
 
 
 WEIGHT_FORMATS: tuple[WeightFormat, ...] = (
-    WeightFormat("nvfp4", torch.uint8, ("weight_scale", "weight_scale_2"), _nvfp4),
+    WeightFormat("nvfp4", torch.uint8, ("weight_scale", "weight_scale_2"), _nvfp4,
+                 lambda shape: (*shape[:-1], shape[-1] // 2)),   # two E2M1 codes a byte
     WeightFormat("fp8", torch.float8_e4m3fn, ("weight_scale",), _fp8_per_tensor),
 )
 # tensors that scale activations or the KV cache: nothing to decode into a weight

@@ -393,7 +393,12 @@ def quantize_checkpoint(model: str | Path, out: str | Path, fmt: str, kv_cache: 
 
 
 def _group_max(plan: QuantizePlan, amax: dict[str, float]) -> dict[str, float]:
-    """Module -> the max of `amax` over its fused group (one input_scale per GEMM, as in ModelOpt)."""
+    """Module -> the activation amax its input_scale comes from, as ModelOpt 0.47's export does: NVFP4
+    takes the max over the fused group (preprocess_linear_fusion), FP8 keeps each Linear's own
+    (requantize_resmooth_fused_llm_layers skips FP8 groups; the engines take the max when they fuse).
+    A drafter's q_proj reads only the block while k/v read the context too, so the two differ there."""
+    if plan.fmt == "fp8":
+        return {lin.module: float(amax[lin.module]) for lin in plan.linears.values()}
     group: dict[str, float] = {}
     for lin in plan.linears.values():
         group[lin.group] = max(group.get(lin.group, 0.0), float(amax[lin.module]))
