@@ -215,3 +215,23 @@ def test_measured_amax_must_cover_every_quantized_linear(tiny_pairs, tmp_path):
     with pytest.raises(DFlashError, match="no activation amax measured for layers.1.mlp.up_proj"):
         quantize_checkpoint(d, tmp_path / "o", "fp8", exclude=["fc"], input_amax=amax, progress=False)
     assert not (tmp_path / "o").exists()
+
+
+def test_plan_reads_the_drafters_format_into_its_bytes():
+    """plan --drafter-quant: the draft pass reads the quantized drafter's bytes (fc kept bf16), so at
+    concurrency 1 a smaller drafter is a faster step; the tau is the same (the speed model's input)."""
+    from dflash_trt.deploy import planner
+    from dflash_trt.deploy import speed as speed_model
+
+    name, tcfg, dcfg = planner.target_configs("gpt-oss-120b")
+    got = {}
+    for dq in ("none", "fp8", "nvfp4"):
+        p = planner.plan(tcfg, dcfg, "dgx-b300", target_name=name, drafter_name="d", drafter_quant=dq, tp=1, ep=1)
+        pt = speed_model.speed_for(p, tcfg, dcfg).layouts[0].points[0]
+        assert pt.concurrency == 1
+        got[dq] = (p.weights_bytes["drafter"], pt.dflash_tokens_per_s_per_user, pt.ar_tokens_per_s_per_user)
+    assert got["none"][0] > got["fp8"][0] > got["nvfp4"][0]
+    assert got["none"][1] < got["fp8"][1] < got["nvfp4"][1]
+    assert got["none"][2] == got["fp8"][2] == got["nvfp4"][2]        # AR does not read the drafter
+    with pytest.raises(DFlashError, match="--drafter-quant nvfp4: .* no FP4 tensor cores"):
+        planner.plan(tcfg, dcfg, "hgx-h200", target_name=name, drafter_quant="nvfp4")
