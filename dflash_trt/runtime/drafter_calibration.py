@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from dflash_trt.errors import DFlashError
 from dflash_trt.runtime.pair import generate, load_pair
@@ -38,7 +39,6 @@ def drafter_input_amax(target_dir: str | Path, drafter_dir: str | Path, prompts:
         prompts = list(prompts)
         if not prompts:
             raise DFlashError("drafter calibration: no prompts")
-        from tqdm import tqdm
         for p in tqdm(prompts, desc="calibrate drafter", disable=not progress, unit="prompt"):
             generate(pair, p, max_new_tokens=max_new_tokens, fused_inject=False)
     finally:
