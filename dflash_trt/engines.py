@@ -51,6 +51,14 @@ def dflash_problem(server: str, engine_version: str, where: str = "engine versio
     return None
 
 
+def pinned_version(stack: str) -> str:
+    """The engine version the stack's servers run (their images' engine_version; one per stack)."""
+    versions = {srv["engine_version"] for srv in facts()["servers"].values() if srv["stack"] == stack}
+    if len(versions) != 1:
+        raise DFlashError(f"engines.json: stack {stack!r} has servers on {len(versions)} engine versions")
+    return versions.pop()
+
+
 def triton_image_engine(tag: str) -> str | None:
     """The TensorRT-LLM version of an NGC tritonserver:<tag> image (Triton's compatibility matrix)."""
     return facts()["triton_trtllm_images"]["tensorrt_llm_by_tag"].get(tag)

@@ -412,8 +412,8 @@ def test_default_bundle_holds_only_what_its_serving_files_load(tiny, tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--drafter-quant", "fp8"], "TensorRT-LLM cannot load an FP8 drafter"),
-    (["--drafter-quant", "fp8", "--stacks", "vllm,sglang"], "SGLang cannot load an FP8 drafter"),
+    (["--drafter-quant", "fp8"], "pass --calib FILE.jsonl"),
+    (["--drafter-quant", "fp8", "--stacks", "vllm,sglang"], "SGLang: its quantized Linears read a static input_scale"),
     (["--stacks", "sglang", "--pp", "2"], "only supports pp_size == 1"),
     (["--stacks", "tensorrt"], "expected a comma list of trtllm, vllm, sglang"),
 ])

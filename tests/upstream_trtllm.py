@@ -192,23 +192,35 @@ class TorchLlmArgs(Strict):
 
 
 def drafter_loader_problems(drafter_dir: Path) -> list[str]:
-    """DFLASH: DFlashForCausalLM.load_weights takes fc.weight as is into
-    `nn.Linear(..., dtype=fc.weight.dtype)`, and neither it nor _build_fused_kv_buffers (which
-    slices qkv_proj.weight) reads a *_scale tensor. So every drafter tensor must be a plain
-    floating weight: an FP8 tensor, or a scale tensor beside one, is a load-time failure or a
-    silently wrong weight. Returns what breaks the rule, by tensor name."""
+    """DFLASH (modeling_dflash.py @ 7c7504c08f1f): DFlashForCausalLM.load_weights takes fc.weight as is
+    into `nn.Linear(..., dtype=fc.weight.dtype)`, and _build_fused_kv_buffers slices qkv_proj.weight
+    raw into F.linear; neither reads a *_scale tensor. So fc and q/k/v must be plain floating weights:
+    an FP8 or packed NVFP4 tensor there, or a scale beside one, is a load-time failure or a silently
+    wrong weight. The other Linears belong to the draft backbone, built with the drafter folder's
+    hf_quant_config.json: quantized only with one (ModelOpt FP8 / NVFP4) and, those being static
+    W8A8 / W4A4, with an input_scale. Returns what breaks the rules, by tensor name."""
+    import json
+    import re
+
     from safetensors import safe_open
 
+    hf_quant = Path(drafter_dir) / "hf_quant_config.json"
+    algo = json.loads(hf_quant.read_text())["quantization"]["quant_algo"] if hf_quant.is_file() else None
+    raw = re.compile(r"^(fc|layers\.\d+\.self_attn\.[qkv]_proj)\.")
     problems = []
     for f in sorted(Path(drafter_dir).glob("*.safetensors")):
         with safe_open(str(f), "pt") as st:
-            for name in st.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                t = st.get_slice(name)
-                dtype = t.get_dtype()
-                if name.endswith(("_scale", "_scale_2")):
-                    problems.append(f"{name}: a scale tensor, which the loader drops")
-                elif dtype.startswith("F8"):
-                    problems.append(f"{name}: {dtype}, built as nn.Linear(dtype=float8), which cannot be created")
+            names = set(st.keys())
+            for name in sorted(names):
+                dtype = st.get_slice(name).get_dtype()
+                quantized = name.endswith(("_scale", "_scale_2")) or dtype.startswith("F8") or dtype == "U8"
+                if raw.match(name) and quantized:
+                    problems.append(f"{name}: {dtype}, read raw by the DFlash loader (fc / fused context K/V), "
+                                    "which drops its scales")
+                elif quantized and algo not in ("FP8", "NVFP4"):
+                    problems.append(f"{name}: {dtype} without a ModelOpt FP8 / NVFP4 hf_quant_config.json")
+                elif name.endswith(".weight_scale") and name[: -len("weight_scale")] + "input_scale" not in names:
+                    problems.append(f"{name[: -len('.weight_scale')]}: no input_scale for the static quantized Linear")
     return problems
 
 

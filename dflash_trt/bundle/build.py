@@ -47,7 +47,9 @@ from dflash_trt.models.config import load_drafter_config, require_target_config
 from dflash_trt.paths import package_path
 from dflash_trt.presets.catalog import PRESETS, resolve_drafter, resolve_target
 from dflash_trt.presets.hub import snapshot_revision
+from dflash_trt.quant.calibrate import load_calib_samples
 from dflash_trt.quant.quantize import quantize_checkpoint
+from dflash_trt.runtime.drafter_calibration import drafter_input_amax
 from dflash_trt.stacks.layer_ids import layer_ids_by_stack
 from dflash_trt.stacks.trtllm.convert import convert_checkpoint
 from dflash_trt.stacks.trtllm.engine import detect_toolchain, run_compile, toolchain_fingerprint
@@ -56,6 +58,8 @@ from dflash_trt.stacks.trtllm.profiles import DRAFTER_ATTENTION_BACKEND, drafter
 
 QUANTS = ("auto", "none", "fp8", "nvfp4")
 KV_CACHES = ("auto", "fp8", "bf16")
+DRAFTER_QUANTS = ("auto", "none", "fp8", "nvfp4")
+DRAFTER_CALIB_SAMPLES = 16   # calibration prompts decoded with the pair for a quantized drafter's input scales
 BACKENDS = ("pytorch", "engine")
 # the reference model gets its own copy of the unquantized pair up to this size (CPU smoke tests)
 REFERENCE_COPY_MAX_BYTES = 4 << 30
@@ -243,11 +247,14 @@ def resolve_settings(o: BuildOptions, cfg: dict, name: str) -> dict:
     if o.kv_cache not in KV_CACHES:
         raise DFlashError(f"--kv-cache {o.kv_cache!r}: expected one of {', '.join(KV_CACHES)}")
     kv = o.kv_cache if o.kv_cache != "auto" else ("bf16" if quant == "none" else "fp8")
-    if o.drafter_quant not in ("auto", "none", "fp8"):
-        raise DFlashError(f"--drafter-quant {o.drafter_quant!r}: expected auto, none or fp8")
-    # auto = none: the drafter is a few percent of the target's bytes, and bf16 is what every stack's
-    # DFlash loader takes (FP8 only vLLM: resolve_stacks)
+    if o.drafter_quant not in DRAFTER_QUANTS:
+        raise DFlashError(f"--drafter-quant {o.drafter_quant!r}: expected one of {', '.join(DRAFTER_QUANTS)}")
+    # auto = none: bf16 is what every stack's DFlash loader takes; a quantized drafter only where the
+    # stacks' loaders take it (drafter_exclusions)
     dq = "none" if o.drafter_quant == "auto" else o.drafter_quant
+    if dq == "nvfp4" and not arch_has_fp4(arch):
+        raise DFlashError(f"--drafter-quant nvfp4 with --arch {arch}: NVFP4 needs Blackwell FP4 tensor cores "
+                          "(sm_100 / sm_103); use --drafter-quant fp8")
     check_parallel(o, cfg, name)
     return {**hw, "quant": quant, "kv_cache": kv, "drafter_quant": dq}
 
@@ -310,6 +317,30 @@ def resolve_stacks(o: BuildOptions, s: dict, block_size: int, dcfg=None) -> tupl
     return served, skipped
 
 
+def drafter_exclusions(served: list[str], drafter_quant: str, calibrated: bool) -> list[str]:
+    """The drafter modules a quantized drafter keeps unquantized (globs over its checkpoint names): every
+    served stack's DFlash loader's needs together (engines.json stacks.<name>.drafter_quant). Refused in
+    one line: a set one of the loaders cannot take (SGLang cannot leave a decoder-layer module
+    unquantized), and, for a loader whose quantized Linears read a static input_scale, no --calib."""
+    if drafter_quant == "none":
+        return []
+    sts = stacks.served(served)
+    keep = sorted({g for st in sts for g in st.drafter_unquantized()})
+    for st in sts:
+        extra = [g for g in keep if g not in st.drafter_unquantized()]
+        if extra and not st.drafter_layer_exclusions():
+            need = next(x for x in sts if extra[0] in x.drafter_unquantized())
+            raise DFlashError(f"--drafter-quant {drafter_quant} with --stacks {','.join(served)}: {need.title} needs "
+                              f"{', '.join(extra)} unquantized, but {st.title} "
+                              f"{engines.pinned_version(st.name)} quantizes every decoder Linear of a DFlash drafter "
+                              f"(no layer exclusion reaches it); build one bundle per stack (--stacks)")
+        if st.drafter_activation_scales() == "static" and not calibrated:
+            raise DFlashError(f"--drafter-quant {drafter_quant} for {st.title}: its quantized Linears read a static "
+                              "input_scale, measured by running the pair; pass --calib FILE.jsonl (the drafter is "
+                              "calibrated by DFlash decoding of those prompts with its target)")
+    return keep
+
+
 def resolve_pair(o: BuildOptions) -> tuple[Path, Path, str, str | None]:
     """(target dir, drafter dir, target name, hub id). Presets and hub ids: presets/hub.py."""
     spec = o.target
@@ -360,8 +391,9 @@ PIPELINE = (
     Stage("check", "_check", (*COMMON, "allow_nonfinite"), code=("models/check.py", "models/config.py", "models/target.py",
                                                                 "models/shapes.py", "models/families",
                                                                 "io/checkpoint.py"), outputs=("reports/check.json",)),
-    Stage("quantize", "_quantize", (*COMMON, "quant", "kv_cache", "drafter_quant", "calib"),
+    Stage("quantize", "_quantize", (*COMMON, "quant", "kv_cache", "drafter_quant", "drafter_exclude", "calib"),
           code=("quant/quantize.py", "quant/linear.py", "io/formats.py", "kernels/csrc", "kernels/c_loader.py",
+                "runtime/drafter_calibration.py",
                 "quant/calibrate.py", "io/checkpoint.py", "models/shapes.py", "models/families"),
           outputs=("target", "drafter")),
     Stage("convert", "_convert", (*COMMON, "backend", "quant", "tp", "pp", "ep", "calib", "kv_cache"),
@@ -473,6 +505,7 @@ class Builder:
             raise DFlashError(f"--block-size {B}: must be between 2 and the drafter's trained block size "
                               f"{self.dcfg.block_size}")
         self.stacks, self.skipped_stacks = resolve_stacks(o, self.settings, B, self.dcfg)
+        self.drafter_exclude = drafter_exclusions(self.stacks, self.settings["drafter_quant"], o.calib is not None)
         self.profile = profile_settings(o.profile, self.tcfg, B, o.max_batch_size)
         self.schedule, self.schedule_source = self._draft_schedule()
         for st in stacks.served(self.stacks):   # what each stack would refuse at start (TensorRT-LLM's budget)
@@ -523,7 +556,7 @@ class Builder:
             "tool_version": __version__, "target": t_hash, "drafter": d_hash,
             "calib": self.cache.sha256(Path(o.calib)) if o.calib else None,
             "arch": s["arch"], "gpu": s["gpu"], "quant": s["quant"], "kv_cache": s["kv_cache"],
-            "drafter_quant": s["drafter_quant"], "backend": o.backend, "tp": o.tp, "ep": o.ep, "pp": o.pp,
+            "drafter_quant": s["drafter_quant"], "drafter_exclude": self.drafter_exclude, "backend": o.backend, "tp": o.tp, "ep": o.ep, "pp": o.pp,
             "block_size": self.block_size, "toolchain": toolchain_fingerprint(self.toolchain),
             "trt_drafter": o.trt_drafter,
             "allow_nonfinite": o.allow_nonfinite,
@@ -617,9 +650,15 @@ class Builder:
         else:
             link_tree(tdir, work / "target")
             notes.append("target kept as is" + (" (MXFP4 experts)" if s["quant"] == "mxfp4" else ""))
-        if s["drafter_quant"] == "fp8":
-            cmds.append(_cmd("quantize", "--model", ddir, "--format", "fp8", "--out", "drafter"))
-            quantize_checkpoint(ddir, work / "drafter", "fp8", progress=self.progress)
+        if s["drafter_quant"] != "none":
+            dq, exclude = s["drafter_quant"], self.drafter_exclude
+            calib = ["--target", tdir, "--calib", o.calib, "--calib-samples", DRAFTER_CALIB_SAMPLES] if o.calib else []
+            cmds.append(_cmd("quantize", "--model", ddir, "--format", dq, *[a for g in exclude for a in ("--exclude", g)],
+                             *calib, "--out", "drafter"))
+            prompts = [t.tolist() for t in load_calib_samples(o.calib, tdir, DRAFTER_CALIB_SAMPLES)] if o.calib else []
+            amax = drafter_input_amax(tdir, ddir, prompts, progress=self.progress) if prompts else None
+            quantize_checkpoint(ddir, work / "drafter", dq, exclude=exclude, input_amax=amax, progress=self.progress)
+            notes.append(f"drafter {dq.upper()}" + (f", {', '.join(exclude)} kept" if exclude else ""))
         else:
             link_tree(ddir, work / "drafter")
             notes.append("drafter kept as is")
@@ -702,7 +741,7 @@ def reference_layout(s: dict, tdir: Path, ddir: Path) -> str:
     checkpoints: "bundle" = the bundle's own target/ and drafter/ (not quantized); "copy" = a
     copy of the source pair under reference/ (hard links; small models); "source" = the source
     folders by absolute path (too big to carry; CPU smoke tests of such models are impractical)."""
-    if s["quant"] not in ("fp8", "nvfp4") and s["drafter_quant"] != "fp8":
+    if s["quant"] not in ("fp8", "nvfp4") and s["drafter_quant"] == "none":
         return "bundle"
     return "copy" if _dir_bytes(tdir) + _dir_bytes(ddir) <= REFERENCE_COPY_MAX_BYTES else "source"
 

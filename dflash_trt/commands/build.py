@@ -28,9 +28,13 @@ from dflash_trt.hardware import arch_default_node, arch_sms, gpus
               help="Target weights: auto = NVFP4 on Blackwell, FP8 on Hopper, MXFP4 kept for gpt-oss.")
 @click.option("--kv-cache", type=click.Choice(["auto", "fp8", "bf16"]), default="auto", show_default=True,
               help="KV-cache format: auto = FP8 when the weights are quantized, else BF16.")
-@click.option("--drafter-quant", type=click.Choice(["auto", "none", "fp8"]), default="auto", show_default=True,
-              help="Drafter weights: auto = none (bf16, a few percent of the target's bytes; every stack loads "
-              "it). fp8 only with --stacks vllm: TensorRT-LLM's and SGLang's DFlash loaders take no FP8 drafter.")
+@click.option("--drafter-quant", type=click.Choice(["auto", "none", "fp8", "nvfp4"]), default="auto",
+              show_default=True,
+              help="Drafter weights: auto = none (bf16; every stack loads it). fp8 / nvfp4: ModelOpt's unified format "
+              "(TensorRT-LLM, SGLang), keeping unquantized what each served stack's DFlash loader needs (TensorRT-LLM: "
+              "fc and q/k/v; SGLang: fc), with input scales from --calib (the pair decodes those prompts). A stack "
+              "whose pinned version loads no such drafter is refused, naming the version that would "
+              "(deploy/helm/dflash-trt/engines.json drafter_quant).")
 @click.option("--stacks", help="Serving stacks to write configs for, a comma list of trtllm, vllm, sglang. Default: "
               "every stack whose DFlash rules the layout meets (the others are skipped, with the reason in the "
               "manifest and summary); a stack named here that cannot serve the layout is an error.")

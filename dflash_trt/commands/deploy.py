@@ -25,6 +25,9 @@ HARDWARE = click.Choice(sorted(catalog()))
               "on Blackwell / FP8 on Hopper (as `dflash-trt build`).")
 @click.option("--kv-cache", type=click.Choice(["auto", "fp8", "bf16"]), default="auto", show_default=True,
               help="KV-cache format; auto = FP8 when the weights are quantized.")
+@click.option("--drafter-quant", type=click.Choice(["none", "fp8", "nvfp4"]), default="none", show_default=True,
+              help="Drafter weight format (as `build --drafter-quant`): its decoder Linears FP8 / NVFP4, fc bf16. "
+              "With --speed, the draft pass reads these bytes.")
 @click.option("--max-seq-len", type=int, help="Tokens per sequence (prompt + output); default min(model max, 32768).")
 @click.option("--nodes", type=int, default=1, show_default=True, help="Nodes available (1 to 1024).")
 @click.option("--gpus-per-node", type=int, help="Default: the hardware's (1 to 16).")
@@ -59,8 +62,8 @@ HARDWARE = click.Choice(sorted(catalog()))
 @click.option("--osl", type=int, help="--disaggregated: output tokens per request (default 1024).")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON only (with --speed: under \"speed\"; "
               "with --disaggregated: under \"disaggregated\").")
-def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, max_seq_len, nodes, gpus_per_node, max_batch_size,
-             max_attention_window, objective, profile, speed, tau, context_tokens, acceptance, plot_file, disaggregated,
+def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, drafter_quant, max_seq_len, nodes, gpus_per_node,
+             max_batch_size, max_attention_window, objective, profile, speed, tau, context_tokens, acceptance, plot_file, disaggregated,
              isl, osl, as_json):
     """How many GPUs, which TP / EP, how many concurrent sequences fit — from config.json alone.
 
@@ -88,6 +91,7 @@ def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, max_seq_len, no
       dflash-trt plan --target qwen3-8b --hardware hgx-h200 --quant fp8 --speed --tau 6.5 --json
       dflash-trt plan --target qwen3-8b --hardware dgx-b200 --speed --acceptance bench.json
       dflash-trt plan --target gpt-oss-120b --hardware dgx-b300 --nodes 2 --disaggregated --isl 8192 --osl 1024
+      dflash-trt plan --target gpt-oss-120b --hardware dgx-b300 --drafter-quant nvfp4 --speed
     """
     from dflash_trt.deploy import planner
     from dflash_trt.deploy import speed as speed_model
@@ -107,8 +111,9 @@ def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, max_seq_len, no
     if max_attention_window is not None:
         overrides["max_attention_window"] = planner.parse_windows(max_attention_window)
     if bundle:
-        if quant != "auto" or kv_cache != "auto":
-            raise DFlashError("--bundle plans the bundle's own formats (manifest quant); drop --quant / --kv-cache")
+        if quant != "auto" or kv_cache != "auto" or drafter_quant != "none":
+            raise DFlashError("--bundle plans the bundle's own formats (manifest quant); drop --quant / --kv-cache / "
+                              "--drafter-quant")
         if target or drafter:
             raise DFlashError("--bundle plans the bundle's own target and drafter; drop --target / --drafter")
         gpu = catalog()[hardware].gpu if hardware else None
@@ -130,8 +135,8 @@ def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, max_seq_len, no
         if drafter:
             dname, dcfg = planner.drafter_config(drafter)
         p = planner.plan(tcfg, dcfg, hardware, target_name=tname, drafter_name=dname, quant=quant, kv_cache=kv_cache,
-                         max_seq_len=max_seq_len, nodes=nodes, gpus_per_node=gpus_per_node, objective=objective,
-                         profile=profile, **overrides)
+                         drafter_quant=drafter_quant, max_seq_len=max_seq_len, nodes=nodes,
+                         gpus_per_node=gpus_per_node, objective=objective, profile=profile, **overrides)
     ctx = speed_model.DEFAULT_CONTEXT_TOKENS if context_tokens is None else context_tokens
     report = speed_model.speed_for(p, tcfg, dcfg, tau=tau, context_tokens=ctx, acceptance=acceptance) \
         if speed else None

@@ -32,11 +32,15 @@ def _size(text: str) -> int:
 @click.option("--calib", type=click.Path(dir_okay=False), help="JSONL calibration prompts: {\"text\": ...}, {\"messages\": [...]} or {\"input_ids\": [...]} per line.")
 @click.option("--calib-samples", type=click.IntRange(1), default=64, show_default=True, help="Prompts to use from --calib.")
 @click.option("--exclude", multiple=True, metavar="PATTERN", help="Keep matching modules unquantized (glob on module names, e.g. '*layers.0.*'); repeatable.")
+@click.option("--target", type=click.Path(file_okay=False), help="For a DFlash drafter with --calib: its target. The pair "
+              "decodes the --calib prompts (greedy DFlash, CPU) and each drafter Linear gets input_scale from the "
+              "largest |input| it read (a drafter's inputs come from its target, so it cannot calibrate alone).")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Largest output shard.")
 @click.option("--allow-pickle", is_flag=True, help="Accept a .bin/.pt checkpoint (loaded with torch.load(weights_only=True)).")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Output folder (replaced atomically).")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON report on stdout.")
-def quantize_cmd(model, fmt, kv_cache, calib, calib_samples, exclude, max_shard_size, allow_pickle, out, as_json):
+def quantize_cmd(model, fmt, kv_cache, calib, calib_samples, exclude, target, max_shard_size, allow_pickle, out,
+                 as_json):
     """Quantize a checkpoint to FP8 or NVFP4, writing a ModelOpt-style unified Hugging Face
     checkpoint (hf_quant_config.json + quantization_config in config.json) that TensorRT-LLM's
     PyTorch backend, vLLM and SGLang load. Streams tensor by tensor: memory does not grow with
@@ -52,12 +56,23 @@ def quantize_cmd(model, fmt, kv_cache, calib, calib_samples, exclude, max_shard_
           --calib prompts.jsonl --out Llama-3.1-8B-FP8
       dflash-trt quantize --model Qwen3-8B --format nvfp4 --calib prompts.jsonl --out Qwen3-8B-NVFP4
       dflash-trt quantize --model Qwen3-8B-DFlash-b16 --format fp8 --out drafter-fp8   # drafter: weights only
+      dflash-trt quantize --model Qwen3-8B-DFlash-b16 --format nvfp4 --exclude fc --target Qwen3-8B \
+          --calib prompts.jsonl --out drafter-nvfp4          # drafter with input scales (SGLang's layout)
     """
     from dflash_trt.quant.quantize import quantize_checkpoint
 
+    amax = None
+    if target is not None:
+        if calib is None:
+            raise DFlashError("--target: calibrates a drafter with its target on --calib prompts; pass --calib FILE")
+        from dflash_trt.quant.calibrate import load_calib_samples
+        from dflash_trt.runtime.drafter_calibration import drafter_input_amax
+        samples = load_calib_samples(calib, target, calib_samples)
+        amax = drafter_input_amax(target, model, [t.tolist() for t in samples], progress=not as_json)
+        calib, calib_samples = None, len(samples)
     rep = quantize_checkpoint(model, out, fmt, kv_cache=kv_cache, calib=calib, calib_samples=calib_samples,
                               exclude=list(exclude), max_shard_bytes=_size(max_shard_size),
-                              progress=not as_json, allow_pickle=allow_pickle).to_dict()
+                              progress=not as_json, allow_pickle=allow_pickle, input_amax=amax).to_dict()
     if as_json:
         click.echo(json.dumps(rep, indent=2))
         return
@@ -66,7 +81,8 @@ def quantize_cmd(model, fmt, kv_cache, calib, calib_samples, exclude, max_shard_
                + (f" ({rep['disk_wait_seconds']:.1f}s of it waiting for the disk)" if rep.get("disk_wait_seconds", 0) >= 0.1 else ""))
     click.echo(f"kept unquantized: {', '.join(rep['exclude_modules']) or 'none'}")
     if rep["calibrated"]:
-        click.echo(f"calibrated on {rep['calibration_samples']} prompts")
+        click.echo(f"calibrated on {rep['calibration_samples'] or calib_samples} prompts"
+                   + (f" (DFlash decoding with {target})" if target else ""))
     for line in rep["not_calibrated"]:
         click.echo(f"NOT calibrated: {line}")
 

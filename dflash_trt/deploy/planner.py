@@ -66,6 +66,10 @@ KV_FORMATS = ("auto", "fp8", "bf16")
 ELEMENT_BYTES = {"none": 2.0, "fp8": 1.0, "nvfp4": 0.5 + 1 / 16, "mxfp4": 0.5 + 1 / 32}
 # Per-tensor fp32 scalars that come with each quantized linear layer (weight_scale(_2), input_scale).
 SCALAR_BYTES_PER_LINEAR = {"none": 0, "fp8": 8, "nvfp4": 8, "mxfp4": 0}
+# A quantized drafter (build --drafter-quant): its decoder Linears in ModelOpt FP8 / NVFP4, fc kept bf16
+# (drafter_shape: fc is not quantizable), as SGLang's DFlash loader takes it; TensorRT-LLM's also keeps
+# q/k/v bf16 (engines.json drafter_quant), which this counts as quantized.
+DRAFTER_QUANT_FORMATS = ("none", "fp8", "nvfp4")
 
 DENSE_TYPES = {"llama", "qwen2", "qwen3", "mistral"}
 MOE_TYPES = {"gpt_oss", "qwen3_moe", "mixtral"}
@@ -488,8 +492,12 @@ def plan(target_cfg: dict, drafter_cfg: dict | None, hardware: str | Hardware, *
                           f"{target.hidden} ({target_name})")
     fmt = resolve_quant(target, hw, quant)
     kv = resolve_kv(fmt, kv_cache, hw)
-    if drafter_quant not in ("none", "fp8"):
-        raise DFlashError(f"drafter quant {drafter_quant!r}: expected none or fp8")
+    if drafter_quant not in DRAFTER_QUANT_FORMATS:
+        raise DFlashError(f"--drafter-quant {drafter_quant!r}: expected one of {', '.join(DRAFTER_QUANT_FORMATS)}")
+    if drafter_quant == "nvfp4" and not hw.fp4:
+        raise DFlashError(f"--drafter-quant nvfp4: {hw.name} ({hw.sm}) has no FP4 tensor cores; use fp8")
+    if drafter_quant == "fp8" and not hw.fp8:
+        raise DFlashError(f"--drafter-quant fp8: {hw.name} ({hw.sm}) has no FP8 tensor cores")
     max_seq_len = _max_seq_len(target_cfg, max_seq_len, target_name)
     block = _block_size(drafter_cfg)
     preferred = None

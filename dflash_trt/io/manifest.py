@@ -69,7 +69,7 @@ MANIFEST_SCHEMA: dict = {
         "quant": {
             "type": "object", "required": ["target", "kv_cache"],
             "properties": {"target": {"enum": ["nvfp4", "fp8", "none", "mxfp4"]},
-                           "drafter": {"enum": ["fp8", "none"]},
+                           "drafter": {"enum": ["nvfp4", "fp8", "none"]},
                            "kv_cache": {"enum": ["fp8", "bf16"]}},
         },
         "parallel": {
@@ -279,7 +279,7 @@ class DrafterRecord:
 class QuantRecord:
     target: str                         # nvfp4 | fp8 | mxfp4 | none
     kv_cache: str                       # fp8 | bf16
-    drafter: str = "none"               # fp8 | none
+    drafter: str = "none"               # nvfp4 | fp8 | none
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from dflash_trt.models.draft_vocab import read_draft_vocab
 from dflash_trt.models.drafter import DFlashDrafter
 from dflash_trt.models.shapes import expected_shape
 from dflash_trt.models.target import SUPPORTED, build_target, stop_token_ids
+from dflash_trt.models.weights import weight_format
 
 NONFINITE_NOTE = "non-finite weights"  # marks the scan's problems (build/generate --allow-nonfinite)
 
@@ -207,6 +208,8 @@ def _check_drafter_tensors(folder: Path, d: DrafterConfig, allow_pickle: bool = 
     try:
         with CheckpointReader(folder, allow_pickle=allow_pickle) as r:
             metas = {k.removeprefix("model."): r.meta(k) for k in r.keys()}
+            # a quantized drafter's weights (models/weights.WEIGHT_FORMATS): checked in their stored form
+            quantized = {k.removeprefix("model."): f for k in r.keys() if (f := weight_format(r, k)) is not None}
     except DFlashError as e:
         return [str(e)]
     import torch
@@ -221,11 +224,15 @@ def _check_drafter_tensors(folder: Path, d: DrafterConfig, allow_pickle: bool = 
                 f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"]
     p = []
     for k, shape in expected.items():
+        fmt = quantized.get(k)
+        if fmt is not None:
+            shape = fmt.stored_shape(shape)
         if k not in metas:
             p.append(f"drafter tensor {k} missing")
         elif tuple(metas[k][1]) != shape:
-            p.append(f"drafter tensor {k} has shape {tuple(metas[k][1])}, config implies {shape}")
-        elif not metas[k][0].is_floating_point:
+            p.append(f"drafter tensor {k} has shape {tuple(metas[k][1])}, config implies {shape}"
+                     + (f" ({fmt.name})" if fmt else ""))
+        elif fmt is None and not metas[k][0].is_floating_point:
             p.append(f"drafter tensor {k} has dtype {metas[k][0]}, expected a floating-point dtype")
     return p[:20]
 

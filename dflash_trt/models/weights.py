@@ -3,6 +3,8 @@
 as the float values they encode, and a strict load into a module."""
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,22 +21,74 @@ def read_state_dict(folder: str | Path, allow_pickle: bool = False) -> dict[str,
         return {name: r.get(name) for name in r.keys()}
 
 
+# The quantized-weight formats a checkpoint's Linear may be stored in, as data: the stored weight's dtype,
+# the side tensors next to `{module}.weight` that carry its scales, and the decode to the values the
+# engine's kernel multiplies by (io/formats.py). One entry (and one decode function) per format.
+@dataclass(frozen=True)
+class WeightFormat:
+    name: str
+    weight_dtype: torch.dtype          # how the quantized `.weight` is stored
+    scales: tuple[str, ...]            # side tensors `{module}.{suffix}`, all present
+    decode: Callable[..., torch.Tensor]  # (weight, *scales, dtype) -> the float weight
+    stored_shape: Callable[[tuple[int, ...]], tuple[int, ...]] = tuple   # of an [out, in] weight
+
+
+def _fp8_per_tensor(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """ModelOpt FP8 (quant_algo FP8): w = e4m3 * weight_scale, one fp32 scale per tensor."""
+    return formats.fp8_dequantize(q, scale, dtype)
+
+
+def _nvfp4(packed: torch.Tensor, block_scales: torch.Tensor, global_scale: torch.Tensor,
+           dtype: torch.dtype) -> torch.Tensor:
+    """ModelOpt NVFP4: w = (e2m1 * weight_scale (E4M3, per 16 inputs)) * weight_scale_2 (fp32), in that
+    order, as the GEMM applies them: the block scale inside the block-scaled MMA (the product is exact
+    in fp32), the global scale once, in the epilogue. (formats.nvfp4_dequantize multiplies the two scales
+    first, which can differ from this in the last bit.)"""
+    codes = formats.e2m1_decode(formats.unpack_nibbles(packed), torch.float32)
+    n = codes.shape[-1]
+    blocks = codes.reshape(*codes.shape[:-1], n // formats.NVFP4_BLOCK, formats.NVFP4_BLOCK)
+    w = (blocks * block_scales.to(torch.float32).unsqueeze(-1)) * global_scale.float()
+    return w.reshape(*packed.shape[:-1], n).to(dtype)
+
+
+WEIGHT_FORMATS: tuple[WeightFormat, ...] = (
+    WeightFormat("nvfp4", torch.uint8, ("weight_scale", "weight_scale_2"), _nvfp4,
+                 lambda shape: (*shape[:-1], shape[-1] // 2)),   # two E2M1 codes a byte
+    WeightFormat("fp8", torch.float8_e4m3fn, ("weight_scale",), _fp8_per_tensor),
+)
+# tensors that scale activations or the KV cache: nothing to decode into a weight
+ACTIVATION_SCALES = ("input_scale", "k_scale", "v_scale")
+
+
+def weight_format(reader: CheckpointReader, name: str) -> WeightFormat | None:
+    """The format `name` (a `{module}.weight`) is stored in; None: a plain float tensor."""
+    if not name.endswith(".weight"):
+        return None
+    m, dtype = name[: -len(".weight")], reader.meta(name)[0]
+    return next((f for f in WEIGHT_FORMATS if dtype == f.weight_dtype
+                 and all(f"{m}.{s}" in reader for s in f.scales)), None)
+
+
 def dequantized_state_dict(folder: str | Path, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """A quantized (FP8 / NVFP4, ModelOpt-style) checkpoint read back as plain float weights,
-    scales dropped: what the CPU reference runtime needs to run a quantized model (e.g. to
-    measure the tau an FP8 drafter costs). Unquantized tensors are returned as stored."""
+    """A quantized checkpoint (WEIGHT_FORMATS, e.g. ModelOpt FP8 / NVFP4) read back as plain float
+    weights, scales dropped: what the CPU reference runtime needs to run a quantized model (e.g.
+    to measure the tau a quantized drafter costs). Each quantized weight is decoded in float32
+    (exactly the values the engine's GEMM multiplies by), then cast to `dtype`; unquantized
+    tensors are returned as stored (floating ones cast to `dtype`)."""
     with CheckpointReader(folder) as r:
-        keys = set(r.keys())
+        side = {f"{n[: -len('.weight')]}.{s}" for n in r.keys() if (f := weight_format(r, n)) for s in f.scales}
         out = {}
         for name in r.keys():
-            if name.endswith((".weight_scale", ".weight_scale_2", ".input_scale", ".k_scale", ".v_scale")):
+            if name in side or name.endswith(tuple("." + s for s in ACTIVATION_SCALES)):
                 continue
             t = r.get(name)
-            m = name[: -len(".weight")] if name.endswith(".weight") else None
-            if m and m + ".weight_scale_2" in keys:
-                t = formats.nvfp4_dequantize(t, r.get(m + ".weight_scale"), r.get(m + ".weight_scale_2"), dtype)
-            elif m and m + ".weight_scale" in keys:
-                t = formats.fp8_dequantize(t, r.get(m + ".weight_scale"), dtype)
+            fmt = weight_format(r, name)
+            if fmt is not None:
+                m = name[: -len(".weight")]
+                t = fmt.decode(t, *(r.get(f"{m}.{s}") for s in fmt.scales), torch.float32).to(dtype)
+            elif name.endswith(".weight") and t.dtype in {f.weight_dtype for f in WEIGHT_FORMATS}:
+                raise DFlashError(f"{r.file_of(name)}: tensor {name!r} is {t.dtype} without the scales of a known "
+                                  f"format ({', '.join(f.name for f in WEIGHT_FORMATS)})")
             elif t.is_floating_point():
                 t = t.to(dtype)
             out[name] = t

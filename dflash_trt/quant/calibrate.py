@@ -59,7 +59,7 @@ def load_calib_samples(path: str | Path, model_dir: str | Path, n: int, max_toke
                 tok = _tokenizer(model_dir)
             if "messages" in rec:
                 ids = tok.apply_chat_template(rec["messages"], tokenize=True)
-                ids = ids["input_ids"] if isinstance(ids, dict) else ids
+                ids = ids["input_ids"] if hasattr(ids, "keys") else ids   # transformers 5: a BatchEncoding
             else:
                 ids = tok(rec["text"])["input_ids"]
         else:

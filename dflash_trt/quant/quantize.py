@@ -230,7 +230,9 @@ class QuantizePlan:
 
 
 def plan_quantization(reader: CheckpointReader, cfg: dict, fmt: str, kv_cache: str | None, exclude: list[str],
-                      calibrated: bool) -> QuantizePlan:
+                      calibrated: bool, measured: set[str] | None = None) -> QuantizePlan:
+    """`measured`: the modules whose activation maxima were measured elsewhere (a drafter's, with its
+    target: runtime/drafter_calibration.py); each quantized one gets an input_scale."""
     linears, excluded = plan_linears(reader, fmt, exclude, cfg)
     if not linears:
         raise DFlashError(f"{reader.folder}: no Linear weights to quantize (all excluded?)")
@@ -244,6 +246,12 @@ def plan_quantization(reader: CheckpointReader, cfg: dict, fmt: str, kv_cache: s
     # with --calib, every quantized Linear inside a decoder layer gets an input_scale
     calibrated_modules = {lin.module for lin in linears.values() if _layer_index(lin.module) is not None} \
         if calibrated else set()
+    if measured is not None:
+        unmeasured = sorted({lin.module for lin in linears.values()} - set(measured))
+        if unmeasured:
+            raise DFlashError(f"{reader.folder}: no activation amax measured for {unmeasured[0]}"
+                              + (f" (and {len(unmeasured) - 1} more)" if len(unmeasured) > 1 else ""))
+        calibrated_modules = {lin.module for lin in linears.values()}
     hf_quant = hf_quant_config(fmt, kv_cache, excluded)
     fp32 = [n for n in reader.keys() if n not in linears and _keeps_fp32(n, keep_in_fp32_patterns(cfg))
             and reader.meta(n)[0].is_floating_point]
@@ -251,7 +259,7 @@ def plan_quantization(reader: CheckpointReader, cfg: dict, fmt: str, kv_cache: s
                         specs=_output_specs(reader, linears, fmt, calibrated_modules, kv_names, set(fp32)),
                         hf_quant=hf_quant, keep_fp32=set(fp32),
                         config=dict(cfg, quantization_config=config_quantization_section(hf_quant)),
-                        not_calibrated=[] if calibrated else _not_calibrated(kv_cache))
+                        not_calibrated=[] if calibrated or measured is not None else _not_calibrated(kv_cache))
 
 
 def _not_calibrated(kv_cache: str | None) -> list[str]:
@@ -339,8 +347,14 @@ def config_quantization_section(hf_quant: dict) -> dict:
 def quantize_checkpoint(model: str | Path, out: str | Path, fmt: str, kv_cache: str | None = None,
                         calib: str | Path | None = None, calib_samples: int = 64, exclude: list[str] = (),
                         max_shard_bytes: int = 5 * 2**30, progress: bool = True,
-                        allow_pickle: bool = False) -> QuantizeReport:
+                        allow_pickle: bool = False, input_amax: dict[str, float] | None = None) -> QuantizeReport:
+    """`input_amax`: activation maxima measured elsewhere, {module: amax} (a DFlash drafter's, measured
+    with its target by runtime/drafter_calibration.py): every quantized Linear gets input_scale from the
+    max over its fused group, as with --calib."""
     t0 = time.time()
+    if input_amax is not None and calib is not None:
+        raise DFlashError("quantize: pass either --calib (a target's own calibration) or measured activation "
+                          "maxima, not both")
     model, out = Path(model), Path(out)
     if fmt not in FORMATS:
         raise DFlashError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
@@ -353,7 +367,8 @@ def quantize_checkpoint(model: str | Path, out: str | Path, fmt: str, kv_cache: 
     with CheckpointReader(model, allow_pickle=allow_pickle) as reader:
         check_shapes(reader, cfg, model / "config.json")
         split_fused_experts(reader)
-        plan = plan_quantization(reader, cfg, fmt, kv_cache, list(exclude), calibrated=calib is not None)
+        plan = plan_quantization(reader, cfg, fmt, kv_cache, list(exclude), calibrated=calib is not None,
+                                 measured=set(input_amax) if input_amax is not None else None)
         cal = None
         if calib is not None:
             if "DFlashDraftModel" in (cfg.get("architectures") or []):
@@ -363,26 +378,42 @@ def quantize_checkpoint(model: str | Path, out: str | Path, fmt: str, kv_cache: 
         with atomic_output_dir(out) as tmp, \
                 Progress(reader.total_bytes, len(reader), f"quantize {fmt}" + (" + calibrate" if cal is not None else ""),
                          progress) as bar:
-            files, disk_wait = _write_weights(plan, reader, cal, tmp, max_shard_bytes, bar)
+            files, disk_wait = _write_weights(plan, reader, cal, tmp, max_shard_bytes, bar,
+                                              _group_max(plan, input_amax) if input_amax is not None else None)
             write_text(tmp / "hf_quant_config.json", json.dumps(plan.hf_quant, indent=4))
             write_text(tmp / "config.json", json.dumps(plan.config, indent=4))
             _copy_side_files(model, tmp)
     return QuantizeReport(out=str(out), format=fmt, kv_cache=kv_cache, quantized_modules=len(plan.linears),
                           copied_tensors=len(reader) - len(plan.linears), exclude_modules=plan.excluded,
                           bytes_in=reader.total_bytes, bytes_out=plan.bytes_out, files=files,
-                          calibrated=cal is not None, calibration_samples=cal.result.samples if cal else 0,
+                          calibrated=cal is not None or input_amax is not None,
+                          calibration_samples=cal.result.samples if cal else 0,
                           not_calibrated=plan.not_calibrated, seconds=round(time.time() - t0, 3),
                           disk_wait_seconds=round(disk_wait, 3))
 
 
+def _group_max(plan: QuantizePlan, amax: dict[str, float]) -> dict[str, float]:
+    """Module -> the activation amax its input_scale comes from, as ModelOpt 0.47's export does: NVFP4
+    takes the max over the fused group (preprocess_linear_fusion), FP8 keeps each Linear's own
+    (requantize_resmooth_fused_llm_layers skips FP8 groups; the engines take the max when they fuse).
+    A drafter's q_proj reads only the block while k/v read the context too, so the two differ there."""
+    if plan.fmt == "fp8":
+        return {lin.module: float(amax[lin.module]) for lin in plan.linears.values()}
+    group: dict[str, float] = {}
+    for lin in plan.linears.values():
+        group[lin.group] = max(group.get(lin.group, 0.0), float(amax[lin.module]))
+    return {lin.module: group[lin.group] for lin in plan.linears.values()}
+
+
 def _write_weights(plan: QuantizePlan, reader: CheckpointReader, cal: LayerCalibrator | None, folder: Path,
-                   max_shard_bytes: int, bar: Progress) -> tuple[list[str], float]:
+                   max_shard_bytes: int, bar: Progress, measured_amax: dict[str, float] | None = None
+                   ) -> tuple[list[str], float]:
     """Every planned tensor into `folder`'s shards: with calibration, the decoder layers first
     (the calibrated pass), then whatever is left, streamed. Returns (files, disk wait seconds)."""
     writer = ShardedWriter(folder, plan.specs, max_shard_bytes, metadata={"producer": "dflash-trt"})
     try:
         done: set[str] = set()
-        input_amax: dict[str, float] = {}
+        input_amax: dict[str, float] = dict(measured_amax or {})
         if cal is not None:
             _write_calibrated_layers(plan, reader, cal, writer, bar, done, input_amax)
         elif plan.kv_cache == "fp8":

@@ -76,8 +76,27 @@ class Stack:
         return []
 
     def drafter_quant_problem(self, drafter_quant: str) -> str | None:
-        """Why the stack's DFlash loader cannot load a drafter in this format (None: it can)."""
-        return None
+        """Why the stack's DFlash loader at the pinned version cannot load a drafter quantized to this
+        scheme (None: it can), in one line naming the version that would, from engines.json
+        (stacks.<name>.drafter_quant: its schemes, why, loads_from, source)."""
+        q = self.facts.get("drafter_quant")
+        if drafter_quant == "none" or q is None or drafter_quant in q["schemes"]:
+            return None
+        later = f"{q['loads_from']} loads it" if q.get("loads_from") else "no release loads one yet"
+        return (f"{self.facts['engine']} {engines.pinned_version(self.name)}'s DFlash loader takes no "
+                f"{drafter_quant.upper()} drafter ({q['why'].split(';')[0]}); {later}")
+
+    def drafter_unquantized(self) -> list[str]:
+        """Drafter modules (globs over its checkpoint names) its DFlash loader needs unquantized."""
+        return list((self.facts.get("drafter_quant") or {}).get("unquantized", []))
+
+    def drafter_layer_exclusions(self) -> bool:
+        """Whether its DFlash loader honours a quantized drafter's exclusion of a decoder-layer module."""
+        return bool((self.facts.get("drafter_quant") or {}).get("layer_exclusions", True))
+
+    def drafter_activation_scales(self) -> str:
+        """"static": its quantized Linears read an input_scale from the checkpoint; "dynamic": they don't."""
+        return (self.facts.get("drafter_quant") or {}).get("activation_scales", "dynamic")
 
     def draft_schedule_problem(self, schedule=None) -> str | None:
         """Why this stack's DFlash path does not honour a draft-length schedule (with the upstream source

@@ -16,8 +16,6 @@ from dflash_trt.stacks.layer_ids import sglang_capture_points, zlab_to_sglang
 CHECKED_AGAINST = "sglang 0.5.23 (PyPI wheel): sglang/srt/arg_groups/speculative_hook.py, sglang/srt/models/dflash.py"
 # --kv-cache-dtype choices ("fp8_e4m3", "fp8_e5m2", ...; no bare "fp8")
 KV_CACHE_FP8 = "fp8_e4m3"
-FP8_DRAFTER_REFUSED = ("SGLang's DFlash drafter (sglang/srt/models/dflash.py DFlashDraftModel) has "
-                       "supports_quantization = False and builds fc as a plain Linear")
 
 # Why build writes no draft schedule for SGLang: its adaptive control does not run for DFLASH.
 ADAPTIVE_REFUSED = ("SGLang 0.5.23 adapts the draft length (--speculative-adaptive, --speculative-adaptive-config) for "
@@ -108,9 +106,6 @@ class SGLang(Stack):
 
     def drafter_problems(self, dcfg):
         return sglang_drafter_problems(dcfg)
-
-    def drafter_quant_problem(self, drafter_quant):
-        return FP8_DRAFTER_REFUSED if drafter_quant == "fp8" else None
 
     def draft_schedule_problem(self, schedule=None):
         return ADAPTIVE_REFUSED

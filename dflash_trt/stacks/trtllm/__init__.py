@@ -25,7 +25,6 @@ from dflash_trt.stacks.trtllm.profiles import drafter_attention_backend, profile
 from dflash_trt.stacks.trtllm.serve_config import (
     CHECKED_AGAINST,
     DRAFT_SCHEDULE_SOURCE,
-    FP8_DRAFTER_REFUSED,
     TRTLLM_KV_FRACTION,
     trtllm_draft_schedule,
     trtllm_drafter_options,
@@ -141,9 +140,6 @@ class TensorRTLLM(Stack):
     def layout_problems(self, *, tp, pp, block_size):
         # DFlashDecodingConfig: max_draft_len (NonNegativeInt) = B - 1 drafted tokens per step
         return [] if block_size - 1 > 0 else [f"max_draft_len = {block_size - 1}: must be > 0"]
-
-    def drafter_quant_problem(self, drafter_quant):
-        return FP8_DRAFTER_REFUSED if drafter_quant == "fp8" else None
 
     def check_build(self, **kw):
         check_draft_context(**kw)

@@ -18,11 +18,6 @@ KV_CACHE_FP8 = "fp8"
 # kv_cache_config.free_gpu_memory_fraction we write (NVIDIA's curated configs use 0.9): what the KV
 # pool leaves is where TensorRT-LLM puts the DFlash draft-context buffer (stacks/trtllm/budget.py).
 TRTLLM_KV_FRACTION = 0.85
-# Why TensorRT-LLM cannot load an FP8 drafter.
-FP8_DRAFTER_REFUSED = ("TensorRT-LLM's DFlash drafter loader (DFlashForCausalLM.load_weights, "
-                       "tensorrt_llm/_torch/models/modeling_dflash.py) builds fc as torch.nn.Linear in fc.weight's dtype, "
-                       "drops fc.weight_scale and slices qkv_proj.weight with no scales; nn.Linear(dtype=float8_e4m3fn) "
-                       "raises NotImplementedError")
 
 
 def max_attention_window(target_cfg: dict, max_seq_len: int) -> list[int] | None:
