@@ -45,6 +45,7 @@ from dflash_trt.models.config import load_drafter_config, require_target_config
 from dflash_trt.paths import package_path
 from dflash_trt.presets.catalog import PRESETS, resolve_drafter, resolve_target
 from dflash_trt.presets.hub import snapshot_revision
+from dflash_trt.quant.int8_drafter import write_int8_drafter
 from dflash_trt.quant.quantize import quantize_checkpoint
 from dflash_trt.stacks.layer_ids import layer_ids_by_stack
 from dflash_trt.stacks.trtllm.convert import convert_checkpoint
@@ -220,8 +221,8 @@ def resolve_settings(o: BuildOptions, cfg: dict, name: str) -> dict:
     if o.kv_cache not in KV_CACHES:
         raise DFlashError(f"--kv-cache {o.kv_cache!r}: expected one of {', '.join(KV_CACHES)}")
     kv = o.kv_cache if o.kv_cache != "auto" else ("bf16" if quant == "none" else "fp8")
-    if o.drafter_quant not in ("auto", "none", "fp8"):
-        raise DFlashError(f"--drafter-quant {o.drafter_quant!r}: expected auto, none or fp8")
+    if o.drafter_quant not in ("auto", "none", "fp8", "int8"):
+        raise DFlashError(f"--drafter-quant {o.drafter_quant!r}: expected auto, none, fp8 or int8")
     # auto = none: the drafter is a few percent of the target's bytes, and bf16 is what every stack's
     # DFlash loader takes (FP8 only vLLM: resolve_stacks)
     dq = "none" if o.drafter_quant == "auto" else o.drafter_quant
@@ -338,7 +339,8 @@ PIPELINE = (
                                                                 "io/checkpoint.py"), outputs=("reports/check.json",)),
     Stage("quantize", "_quantize", (*COMMON, "quant", "kv_cache", "drafter_quant", "calib"),
           code=("quant/quantize.py", "quant/linear.py", "io/formats.py", "kernels/csrc", "kernels/c_loader.py",
-                "quant/calibrate.py", "io/checkpoint.py", "models/shapes.py", "models/families"),
+                "quant/calibrate.py", "io/checkpoint.py", "models/shapes.py", "models/families",
+                "quant/int8_drafter.py", "io/compressed_tensors.py"),
           outputs=("target", "drafter")),
     Stage("convert", "_convert", (*COMMON, "backend", "quant", "tp", "pp", "ep", "calib", "kv_cache"),
           code=("stacks/trtllm/convert.py", "quant/linear.py", "io/formats.py", "kernels/csrc", "kernels/c_loader.py",
@@ -582,6 +584,9 @@ class Builder:
         if s["drafter_quant"] == "fp8":
             cmds.append(_cmd("quantize", "--model", ddir, "--format", "fp8", "--out", "drafter"))
             quantize_checkpoint(ddir, work / "drafter", "fp8", progress=self.progress)
+        elif s["drafter_quant"] == "int8":   # compressed-tensors W8A8, vLLM's (quant/int8_drafter.py)
+            write_int8_drafter(ddir, work / "drafter")
+            notes.append("drafter: compressed-tensors INT8 W8A8")
         else:
             link_tree(ddir, work / "drafter")
             notes.append("drafter kept as is")
@@ -664,7 +669,7 @@ def reference_layout(s: dict, tdir: Path, ddir: Path) -> str:
     checkpoints: "bundle" = the bundle's own target/ and drafter/ (not quantized); "copy" = a
     copy of the source pair under reference/ (hard links; small models); "source" = the source
     folders by absolute path (too big to carry; CPU smoke tests of such models are impractical)."""
-    if s["quant"] not in ("fp8", "nvfp4") and s["drafter_quant"] != "fp8":
+    if s["quant"] not in ("fp8", "nvfp4") and s["drafter_quant"] == "none":
         return "bundle"
     return "copy" if _dir_bytes(tdir) + _dir_bytes(ddir) <= REFERENCE_COPY_MAX_BYTES else "source"
 

@@ -22,9 +22,11 @@ from dflash_trt.hardware import arch_sms, gpus
               help="Target weights: auto = NVFP4 on Blackwell, FP8 on Hopper, MXFP4 kept for gpt-oss.")
 @click.option("--kv-cache", type=click.Choice(["auto", "fp8", "bf16"]), default="auto", show_default=True,
               help="KV-cache format: auto = FP8 when the weights are quantized, else BF16.")
-@click.option("--drafter-quant", type=click.Choice(["auto", "none", "fp8"]), default="auto", show_default=True,
+@click.option("--drafter-quant", type=click.Choice(["auto", "none", "fp8", "int8"]), default="auto", show_default=True,
               help="Drafter weights: auto = none (bf16, a few percent of the target's bytes; every stack loads "
-              "it). fp8 only with --stacks vllm: TensorRT-LLM's and SGLang's DFlash loaders take no FP8 drafter.")
+              "it). fp8 only with --stacks vllm: TensorRT-LLM's and SGLang's DFlash loaders take no FP8 drafter. "
+              "int8: compressed-tensors W8A8 (int8 weights per channel, activations per token), vLLM only; "
+              "the scheme vLLM-CPU has kernels for (docs/vllm-quantized-drafter.md).")
 @click.option("--stacks", help="Serving stacks to write configs for, a comma list of trtllm, vllm, sglang. Default: "
               "every stack whose DFlash rules the layout meets (the others are skipped, with the reason in the "
               "manifest and summary); a stack named here that cannot serve the layout is an error.")

@@ -63,9 +63,10 @@ QUANT_FORMATS = ("auto", "none", "fp8", "nvfp4", "mxfp4")
 KV_FORMATS = ("auto", "fp8", "bf16")
 
 # Bytes per weight element of a quantized linear layer (scale tensors included).
-ELEMENT_BYTES = {"none": 2.0, "fp8": 1.0, "nvfp4": 0.5 + 1 / 16, "mxfp4": 0.5 + 1 / 32}
+# int8: compressed-tensors W8A8 (a drafter for vLLM); its per-channel scales (2 bytes a row) are left out
+ELEMENT_BYTES = {"none": 2.0, "fp8": 1.0, "nvfp4": 0.5 + 1 / 16, "mxfp4": 0.5 + 1 / 32, "int8": 1.0}
 # Per-tensor fp32 scalars that come with each quantized linear layer (weight_scale(_2), input_scale).
-SCALAR_BYTES_PER_LINEAR = {"none": 0, "fp8": 8, "nvfp4": 8, "mxfp4": 0}
+SCALAR_BYTES_PER_LINEAR = {"none": 0, "fp8": 8, "nvfp4": 8, "mxfp4": 0, "int8": 0}
 
 DENSE_TYPES = {"llama", "qwen2", "qwen3", "mistral"}
 MOE_TYPES = {"gpt_oss", "qwen3_moe", "mixtral"}
@@ -316,7 +317,7 @@ def weight_bytes(shape: ModelShape, fmt: str, tp: int = 1, attn_tp: int | None =
     total = 0.0
     for g in shape.groups:
         elems = _elements_per_gpu(g, shape, attn_tp if attn_tp is not None and g.name.startswith("attn") else tp)
-        quantized = g.quantizable and (fmt in ("fp8", "nvfp4") or (fmt == "mxfp4" and g.expert))
+        quantized = g.quantizable and (fmt in ("fp8", "nvfp4", "int8") or (fmt == "mxfp4" and g.expert))
         if quantized:
             total += elems * ELEMENT_BYTES[fmt] + g.linears * SCALAR_BYTES_PER_LINEAR[fmt]
         else:
@@ -488,8 +489,8 @@ def plan(target_cfg: dict, drafter_cfg: dict | None, hardware: str | Hardware, *
                           f"{target.hidden} ({target_name})")
     fmt = resolve_quant(target, hw, quant)
     kv = resolve_kv(fmt, kv_cache, hw)
-    if drafter_quant not in ("none", "fp8"):
-        raise DFlashError(f"drafter quant {drafter_quant!r}: expected none or fp8")
+    if drafter_quant not in ("none", "fp8", "int8"):
+        raise DFlashError(f"drafter quant {drafter_quant!r}: expected none, fp8 or int8")
     max_seq_len = _max_seq_len(target_cfg, max_seq_len, target_name)
     block = _block_size(drafter_cfg)
     preferred = None

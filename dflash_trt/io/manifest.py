@@ -64,7 +64,7 @@ MANIFEST_SCHEMA: dict = {
         "quant": {
             "type": "object", "required": ["target", "kv_cache"],
             "properties": {"target": {"enum": ["nvfp4", "fp8", "none", "mxfp4"]},
-                           "drafter": {"enum": ["fp8", "none"]},
+                           "drafter": {"enum": ["fp8", "int8", "none"]},
                            "kv_cache": {"enum": ["fp8", "bf16"]}},
         },
         "parallel": {

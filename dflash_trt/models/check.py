@@ -10,7 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from dflash_trt.errors import DFlashError
-from dflash_trt.io.checkpoint import CheckpointReader, nonfinite_tensors
+from dflash_trt.io import compressed_tensors
+from dflash_trt.io.checkpoint import CheckpointReader, load_config, nonfinite_tensors
 from dflash_trt.io.jsonio import read_json
 from dflash_trt.models.config import (
     MAX_BLOCK,  # noqa: F401  (re-exported: the bound's historical home)
@@ -219,13 +220,15 @@ def _check_drafter_tensors(folder: Path, d: DrafterConfig, allow_pickle: bool = 
     except (KeyError, TypeError, ValueError, AttributeError, IndexError, ZeroDivisionError, RuntimeError) as e:
         return [f"{folder / 'config.json'}: the runtime cannot build the drafter from it "
                 f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"]
+    int8 = compressed_tensors.is_int8_w8a8(load_config(folder))   # vLLM's W8A8 form: int8 projection weights
     p = []
     for k, shape in expected.items():
         if k not in metas:
             p.append(f"drafter tensor {k} missing")
         elif tuple(metas[k][1]) != shape:
             p.append(f"drafter tensor {k} has shape {tuple(metas[k][1])}, config implies {shape}")
-        elif not metas[k][0].is_floating_point:
+        elif not metas[k][0].is_floating_point and not (int8 and compressed_tensors.is_quantized_linear(k)
+                                                        and metas[k][0] == torch.int8):
             p.append(f"drafter tensor {k} has dtype {metas[k][0]}, expected a floating-point dtype")
     return p[:20]
 

@@ -25,10 +25,13 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
+from dflash_trt.io import compressed_tensors
 from dflash_trt.io.atomic import atomic_output_dir
+from dflash_trt.io.checkpoint import load_config
 from dflash_trt.models.config import DrafterConfig, load_drafter_config
 from dflash_trt.models.layers import Linear, RMSNorm, RopeTable, SwiGLU, apply_rope
-from dflash_trt.models.weights import dequantized_state_dict, load_strict, read_state_dict
+from dflash_trt.models.weights import (dequantized_state_dict, int8_w8a8_dequantized_state_dict, load_strict,
+                                       read_state_dict)
 
 
 def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, causal: bool) -> torch.Tensor | None:
@@ -232,6 +235,10 @@ def load_drafter(folder: str | Path, dtype: torch.dtype | None = None, max_len: 
         # the quantized checkpoint encodes, so the CPU runtime measures the tau quantization costs
         state = dequantized_state_dict(folder, torch.float32)
         dtype = dtype or torch.float32
+    elif compressed_tensors.is_int8_w8a8(load_config(folder)):
+        # vLLM's INT8 W8A8 form (`build --drafter-quant int8`): the weights its kernel applies
+        state = int8_w8a8_dequantized_state_dict(folder, torch.float32)
+        dtype = dtype or torch.float32
     else:
         state = read_state_dict(folder, allow_pickle=allow_pickle)
     # speculators / some exports prefix `model.` and carry the verifier's embeddings: drop those.
@@ -259,3 +266,19 @@ def save_drafter(model: DFlashDrafter, folder: str | Path, dtype: torch.dtype | 
             (tmp / name).write_bytes(body)
     return Path(folder)
 
+
+
+def emulate_int8_activations(drafter: DFlashDrafter) -> DFlashDrafter:
+    """Round the input of each Linear an INT8 W8A8 drafter quantizes (io/compressed_tensors.py
+    QUANTIZED_LINEAR: the layers' attention and MLP projections; fc stays float) to W8A8's
+    per-token int8 grid, as vLLM's int8 kernel does before its int32 GEMM. With the weights of
+    int8_w8a8_dequantized_state_dict this is the scheme's arithmetic up to float32 summation order.
+    The fused context-K/V path folds hidden_norm's weight into k_proj / v_proj, which moves the
+    rounding: decode such a drafter with fused_inject=False."""
+    def round_input(module, args):
+        return (compressed_tensors.quantize_activations_per_token(args[0]), *args[1:])
+
+    for name, module in drafter.named_modules():
+        if isinstance(module, nn.Linear) and compressed_tensors.is_quantized_linear(f"{name}.weight"):
+            module.register_forward_pre_hook(round_input)
+    return drafter

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from dflash_trt.errors import DFlashError
-from dflash_trt.io import formats
+from dflash_trt.io import compressed_tensors, formats
 from dflash_trt.io.checkpoint import CheckpointReader
 from dflash_trt.io.formats import mxfp4_decode
 
@@ -39,6 +39,14 @@ def dequantized_state_dict(folder: str | Path, dtype: torch.dtype = torch.float3
                 t = t.to(dtype)
             out[name] = t
     return out
+
+
+def int8_w8a8_dequantized_state_dict(folder: str | Path, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """A compressed-tensors INT8 W8A8 checkpoint (`build --drafter-quant int8`, vLLM's form) read
+    back as the weights vLLM's int8 kernel applies: int8 codes times their float32 scales
+    (io/compressed_tensors.py). The activations' int8 rounding is not in the weights: see
+    models/drafter.py emulate_int8_activations."""
+    return compressed_tensors.dequantize_int8_w8a8(read_state_dict(folder), dtype)
 
 
 def dequantize_mxfp4(state: dict) -> dict:
