@@ -267,7 +267,6 @@ def save_drafter(model: DFlashDrafter, folder: str | Path, dtype: torch.dtype | 
     return Path(folder)
 
 
-
 def emulate_int8_activations(drafter: DFlashDrafter) -> DFlashDrafter:
     """Round the input of each Linear an INT8 W8A8 drafter quantizes (io/compressed_tensors.py
     QUANTIZED_LINEAR: the layers' attention and MLP projections; fc stays float) to W8A8's

