@@ -23,8 +23,12 @@ from pathlib import Path
 def main(src: str, ignore_json: str, out: str) -> None:
     import torch
     from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import (QuantizationConfig, QuantizationStatus, apply_quantization_config,
-                                                 preset_name_to_scheme)
+    from compressed_tensors.quantization import (
+        QuantizationConfig,
+        QuantizationStatus,
+        apply_quantization_config,
+        preset_name_to_scheme,
+    )
     from compressed_tensors.quantization.lifecycle.forward import dequantize
     from compressed_tensors.quantization.utils import calculate_qparams
     from safetensors.torch import load_file, save_file

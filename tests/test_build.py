@@ -406,7 +406,8 @@ def test_int8_drafter_only_for_vllm_and_our_runtime_reads_it(tiny, tmp_path):
     assert m["reference_runtime"]["layout"] == "copy"   # the reference model runs the float drafter
     cfg = json.loads((bundle / "drafter/config.json").read_text())
     assert cfg["quantization_config"]["format"] == "int-quantized"
-    q, src = load_file(str(bundle / "drafter/model.safetensors")), load_file(str(tiny / "llama-drafter/model.safetensors"))
+    q = load_file(str(bundle / "drafter/model.safetensors"))
+    src = load_file(str(tiny / "llama-drafter/model.safetensors"))
     assert q["layers.0.self_attn.q_proj.weight"].dtype == torch.int8 and "fc.weight_scale" not in q
     assert torch.equal(q["fc.weight"], src["fc.weight"])
     w = load_drafter(bundle / "drafter").layers[0].self_attn.q_proj.weight

@@ -30,7 +30,8 @@ def run_layer(tensors: dict):
     layer.params_dtype = torch.float32
     layer.bias = None
     config = Int8ScaledMMLinearLayerConfig(is_static_input_scheme=False, is_channelwise=True, input_symmetric=True)
-    kernel = CPUInt8ScaledMMLinearKernel(config, ["weight", "weight_scale", "input_scale", "input_zero_point", "azp_adj"])
+    names = ["weight", "weight_scale", "input_scale", "input_zero_point", "azp_adj"]
+    kernel = CPUInt8ScaledMMLinearKernel(config, names)
     torch.set_default_dtype(torch.float32)
     kernel.process_weights_after_loading(layer)
     return kernel.apply_weights(layer, tensors["x"].clone()).tolist()

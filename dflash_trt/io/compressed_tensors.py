@@ -94,7 +94,8 @@ def quantize_int8_w8a8(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     for name, t in state.items():
         if is_quantized_linear(name):
             if not t.is_floating_point() or t.dim() != 2:
-                raise DFlashError(f"{name}: expected a float [out, in] weight to quantize, got {t.dtype} {tuple(t.shape)}")
+                raise DFlashError(f"{name}: expected a float [out, in] weight to quantize, "
+                                  f"got {t.dtype} {tuple(t.shape)}")
             scale = int8_weight_scale(t)
             out[name] = int8_quantize(t, scale).contiguous()
             out[name.removesuffix("weight") + "weight_scale"] = scale.contiguous()

@@ -30,8 +30,12 @@ from dflash_trt.io.atomic import atomic_output_dir
 from dflash_trt.io.checkpoint import load_config
 from dflash_trt.models.config import DrafterConfig, load_drafter_config
 from dflash_trt.models.layers import Linear, RMSNorm, RopeTable, SwiGLU, apply_rope
-from dflash_trt.models.weights import (dequantized_state_dict, int8_w8a8_dequantized_state_dict, load_strict,
-                                       read_state_dict)
+from dflash_trt.models.weights import (
+    dequantized_state_dict,
+    int8_w8a8_dequantized_state_dict,
+    load_strict,
+    read_state_dict,
+)
 
 
 def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, causal: bool) -> torch.Tensor | None:

@@ -40,7 +40,8 @@ def write_int8_drafter(src: str | Path, out: str | Path) -> Path:
     cfg["quantization_config"] = compressed_tensors.QUANTIZATION_CONFIG
     with atomic_output_dir(out) as tmp:
         for f in src.iterdir():
-            if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
+            side = f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json")
+            if f.is_file() and side:
                 shutil.copy2(f, tmp / f.name)
         save_file(quantized, str(tmp / "model.safetensors"),
                   metadata={"format": "pt", "quantized_by": "dflash-trt (compressed-tensors int8 w8a8)"})

@@ -101,7 +101,8 @@ class SGLang(Stack):
         return sglang_drafter_problems(dcfg)
 
     def drafter_quant_problem(self, drafter_quant):
-        return FP8_DRAFTER_REFUSED if drafter_quant in ("fp8", "int8") else None  # a quantized drafter (int8: vLLM only)
+        # any quantized drafter (int8, compressed-tensors W8A8, is written for vLLM only)
+        return FP8_DRAFTER_REFUSED if drafter_quant in ("fp8", "int8") else None
 
     def write_configs(self, ctx: BundleContext) -> None:
         m = ctx.manifest

@@ -137,7 +137,8 @@ class TensorRTLLM(Stack):
         return [] if block_size - 1 > 0 else [f"max_draft_len = {block_size - 1}: must be > 0"]
 
     def drafter_quant_problem(self, drafter_quant):
-        return FP8_DRAFTER_REFUSED if drafter_quant in ("fp8", "int8") else None  # a quantized drafter (int8: vLLM only)
+        # any quantized drafter (int8, compressed-tensors W8A8, is written for vLLM only)
+        return FP8_DRAFTER_REFUSED if drafter_quant in ("fp8", "int8") else None
 
     def check_build(self, **kw):
         check_draft_context(**kw)
