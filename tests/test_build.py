@@ -414,6 +414,8 @@ def test_default_bundle_holds_only_what_its_serving_files_load(tiny, tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--drafter-quant", "fp8"], "pass --calib FILE.jsonl"),
     (["--drafter-quant", "fp8", "--stacks", "vllm,sglang"], "SGLang: its quantized Linears read a static input_scale"),
+    (["--drafter-quant", "int8"], "TensorRT-LLM 1.4.0rc4's DFlash loader takes no INT8 drafter"),
+    (["--drafter-quant", "int8", "--stacks", "vllm,sglang"], "SGLang 0.5.23's DFlash loader takes no INT8 drafter"),
     (["--stacks", "sglang", "--pp", "2"], "only supports pp_size == 1"),
     (["--stacks", "tensorrt"], "expected a comma list of trtllm, vllm, sglang"),
 ])
@@ -446,6 +448,34 @@ def test_fp8_drafter_only_for_vllm(tiny, tmp_path):
     assert sorted(p.name for p in (bundle / "configs").iterdir()) == ["vllm-speculative-config.json", "vllm.json"]
     assert m["triton_models"] == ["dflash_reference"] and not (bundle / "triton/tensorrt_llm").exists()
     assert (bundle / "drafter/hf_quant_config.json").is_file()
+
+
+def test_int8_drafter_only_for_vllm_and_our_runtime_reads_it(tiny, tmp_path):
+    """--drafter-quant int8: drafter/ in compressed-tensors W8A8 (int8 projections, float fc and
+    norms), vLLM's drafter form beside it; our runtime loads it as int8 codes x float32 scales.
+    (The bytes against the library's own export, and vLLM serving it: tests/test_vllm_qdrafter.py.)"""
+    import torch
+    from safetensors.torch import load_file
+
+    from dflash_trt.models.drafter import load_drafter
+
+    bundle = tmp_path / "v"
+    build_json("--target", str(tiny / "llama"), "--drafter", str(tiny / "llama-drafter"), "--arch", "hopper",
+               "--drafter-quant", "int8", "--stacks", "vllm", "--out", str(bundle))
+    m = read_manifest(bundle)
+    assert m["quant"]["drafter"] == "int8" and m["serving_stacks"]["served"] == ["vllm"]
+    assert m["reference_runtime"]["layout"] == "copy"   # the reference model runs the float drafter
+    cfg = json.loads((bundle / "drafter/config.json").read_text())
+    assert cfg["quantization_config"]["format"] == "int-quantized"
+    q = load_file(str(bundle / "drafter/model.safetensors"))
+    src = load_file(str(tiny / "llama-drafter/model.safetensors"))
+    assert q["layers.0.self_attn.q_proj.weight"].dtype == torch.int8 and "fc.weight_scale" not in q
+    assert torch.equal(q["fc.weight"], src["fc.weight"])
+    w = load_drafter(bundle / "drafter").layers[0].self_attn.q_proj.weight
+    scale = q["layers.0.self_attn.q_proj.weight_scale"].float()
+    assert torch.equal(w, q["layers.0.self_attn.q_proj.weight"].float() * scale)
+    # the int8 grid is fine enough: each weight within half a step of the float one
+    assert ((w - src["layers.0.self_attn.q_proj.weight"].float()).abs() <= scale / 2 + 1e-6).all()
 
 
 def test_gpt_oss_builds_with_pytorch_backend_keeping_mxfp4(tiny, tmp_path):

@@ -163,10 +163,11 @@ def test_loader_weights_are_the_formats_decode_and_dflash_stays_ar(tiny_pairs, t
 def test_drafter_quant_facts_and_refusals(tiny_pairs, tmp_path):
     for name in ("trtllm", "vllm", "sglang"):
         q = stacks.get(name).facts["drafter_quant"]
-        assert q["source"] and q["why"] and set(q["schemes"]) <= {"fp8", "nvfp4"}
+        assert q["source"] and q["why"] and set(q["schemes"]) <= {"fp8", "nvfp4", "int8"}
     assert stacks.get("trtllm").drafter_quant_problem("nvfp4") is None
-    msg = stacks.get("vllm").drafter_quant_problem("nvfp4")
-    assert msg.startswith("vLLM 0.33.0's DFlash loader takes no NVFP4 drafter") and "no release loads one yet" in msg
+    assert stacks.get("vllm").drafter_quant_problem("nvfp4") is None   # vLLM 0.33.0 carries both fixes
+    msg = stacks.get("trtllm").drafter_quant_problem("int8")
+    assert msg.startswith("TensorRT-LLM 1.4.0rc4's DFlash loader takes no INT8 drafter") and "no release loads one yet" in msg
     assert "\n" not in msg
     t, d = tiny_pairs["qwen3"]
     calib = tmp_path / "calib.jsonl"
@@ -178,7 +179,7 @@ def test_drafter_quant_facts_and_refusals(tiny_pairs, tmp_path):
             (["--arch", "blackwell", "--drafter-quant", "fp8", "--stacks", "trtllm"], "pass --calib FILE.jsonl"),
             (["--arch", "hopper", "--drafter-quant", "nvfp4", "--stacks", "sglang", "--calib", str(calib)],
              "NVFP4 needs Blackwell"),
-            (["--arch", "blackwell", "--drafter-quant", "nvfp4", "--stacks", "vllm"], "no release loads one yet")):
+            (["--arch", "blackwell", "--drafter-quant", "int8", "--stacks", "trtllm"], "no release loads one yet")):
         code, _, err = run_cli(*base, *args)
         assert code == 1 and message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
         assert not (tmp_path / "b").exists()

@@ -48,6 +48,7 @@ from dflash_trt.paths import package_path
 from dflash_trt.presets.catalog import PRESETS, resolve_drafter, resolve_target
 from dflash_trt.presets.hub import snapshot_revision
 from dflash_trt.quant.calibrate import load_calib_samples
+from dflash_trt.quant.int8_drafter import write_int8_drafter
 from dflash_trt.quant.quantize import quantize_checkpoint
 from dflash_trt.runtime.drafter_calibration import drafter_input_amax
 from dflash_trt.stacks.layer_ids import layer_ids_by_stack
@@ -58,7 +59,7 @@ from dflash_trt.stacks.trtllm.profiles import DRAFTER_ATTENTION_BACKEND, drafter
 
 QUANTS = ("auto", "none", "fp8", "nvfp4")
 KV_CACHES = ("auto", "fp8", "bf16")
-DRAFTER_QUANTS = ("auto", "none", "fp8", "nvfp4")
+DRAFTER_QUANTS = ("auto", "none", "fp8", "nvfp4", "int8")
 DRAFTER_CALIB_SAMPLES = 16   # calibration prompts decoded with the pair for a quantized drafter's input scales
 BACKENDS = ("pytorch", "engine")
 # the reference model gets its own copy of the unquantized pair up to this size (CPU smoke tests)
@@ -334,7 +335,7 @@ def drafter_exclusions(served: list[str], drafter_quant: str, calibrated: bool) 
                               f"{', '.join(extra)} unquantized, but {st.title} "
                               f"{engines.pinned_version(st.name)} quantizes every decoder Linear of a DFlash drafter "
                               f"(no layer exclusion reaches it); build one bundle per stack (--stacks)")
-        if st.drafter_activation_scales() == "static" and not calibrated:
+        if st.drafter_activation_scales(drafter_quant) == "static" and not calibrated:
             raise DFlashError(f"--drafter-quant {drafter_quant} for {st.title}: its quantized Linears read a static "
                               "input_scale, measured by running the pair; pass --calib FILE.jsonl (the drafter is "
                               "calibrated by DFlash decoding of those prompts with its target)")
@@ -394,7 +395,8 @@ PIPELINE = (
     Stage("quantize", "_quantize", (*COMMON, "quant", "kv_cache", "drafter_quant", "drafter_exclude", "calib"),
           code=("quant/quantize.py", "quant/linear.py", "io/formats.py", "kernels/csrc", "kernels/c_loader.py",
                 "runtime/drafter_calibration.py",
-                "quant/calibrate.py", "io/checkpoint.py", "models/shapes.py", "models/families"),
+                "quant/calibrate.py", "io/checkpoint.py", "models/shapes.py", "models/families",
+                "quant/int8_drafter.py", "io/compressed_tensors.py"),
           outputs=("target", "drafter")),
     Stage("convert", "_convert", (*COMMON, "backend", "quant", "tp", "pp", "ep", "calib", "kv_cache"),
           code=("stacks/trtllm/convert.py", "quant/linear.py", "io/formats.py", "kernels/csrc", "kernels/c_loader.py",
@@ -659,6 +661,12 @@ class Builder:
             amax = drafter_input_amax(tdir, ddir, prompts, progress=self.progress) if prompts else None
             quantize_checkpoint(ddir, work / "drafter", dq, exclude=exclude, input_amax=amax, progress=self.progress)
             notes.append(f"drafter {dq.upper()}" + (f", {', '.join(exclude)} kept" if exclude else ""))
+        if s["drafter_quant"] == "fp8":
+            cmds.append(_cmd("quantize", "--model", ddir, "--format", "fp8", "--out", "drafter"))
+            quantize_checkpoint(ddir, work / "drafter", "fp8", progress=self.progress)
+        elif s["drafter_quant"] == "int8":   # compressed-tensors W8A8, vLLM's (quant/int8_drafter.py)
+            write_int8_drafter(ddir, work / "drafter")
+            notes.append("drafter: compressed-tensors INT8 W8A8")
         else:
             link_tree(ddir, work / "drafter")
             notes.append("drafter kept as is")

@@ -28,12 +28,14 @@ from dflash_trt.hardware import arch_default_node, arch_sms, gpus
               help="Target weights: auto = NVFP4 on Blackwell, FP8 on Hopper, MXFP4 kept for gpt-oss.")
 @click.option("--kv-cache", type=click.Choice(["auto", "fp8", "bf16"]), default="auto", show_default=True,
               help="KV-cache format: auto = FP8 when the weights are quantized, else BF16.")
-@click.option("--drafter-quant", type=click.Choice(["auto", "none", "fp8", "nvfp4"]), default="auto",
+@click.option("--drafter-quant", type=click.Choice(["auto", "none", "fp8", "nvfp4", "int8"]), default="auto",
               show_default=True,
               help="Drafter weights: auto = none (bf16; every stack loads it). fp8 / nvfp4: ModelOpt's unified format "
-              "(TensorRT-LLM, SGLang), keeping unquantized what each served stack's DFlash loader needs (TensorRT-LLM: "
-              "fc and q/k/v; SGLang: fc), with input scales from --calib (the pair decodes those prompts). A stack "
-              "whose pinned version loads no such drafter is refused, naming the version that would "
+              "(TensorRT-LLM, SGLang, vLLM), keeping unquantized what each served stack's DFlash loader needs "
+              "(TensorRT-LLM: fc and q/k/v; SGLang: fc), with input scales from --calib (the pair decodes those "
+              "prompts). int8: compressed-tensors W8A8 (int8 weights per channel, activations per token), vLLM only, "
+              "the scheme vLLM-CPU has kernels for (docs/vllm-quantized-drafter.md). A stack whose pinned version "
+              "loads no such drafter is refused, naming the version that would "
               "(deploy/helm/dflash-trt/engines.json drafter_quant).")
 @click.option("--stacks", help="Serving stacks to write configs for, a comma list of trtllm, vllm, sglang. Default: "
               "every stack whose DFlash rules the layout meets (the others are skipped, with the reason in the "

@@ -63,13 +63,14 @@ QUANT_FORMATS = ("auto", "none", "fp8", "nvfp4", "mxfp4")
 KV_FORMATS = ("auto", "fp8", "bf16")
 
 # Bytes per weight element of a quantized linear layer (scale tensors included).
-ELEMENT_BYTES = {"none": 2.0, "fp8": 1.0, "nvfp4": 0.5 + 1 / 16, "mxfp4": 0.5 + 1 / 32}
+# int8: compressed-tensors W8A8 (a drafter for vLLM); its per-channel scales (2 bytes a row) are left out
+ELEMENT_BYTES = {"none": 2.0, "fp8": 1.0, "nvfp4": 0.5 + 1 / 16, "mxfp4": 0.5 + 1 / 32, "int8": 1.0}
 # Per-tensor fp32 scalars that come with each quantized linear layer (weight_scale(_2), input_scale).
-SCALAR_BYTES_PER_LINEAR = {"none": 0, "fp8": 8, "nvfp4": 8, "mxfp4": 0}
+SCALAR_BYTES_PER_LINEAR = {"none": 0, "fp8": 8, "nvfp4": 8, "mxfp4": 0, "int8": 0}
 # A quantized drafter (build --drafter-quant): its decoder Linears in ModelOpt FP8 / NVFP4, fc kept bf16
 # (drafter_shape: fc is not quantizable), as SGLang's DFlash loader takes it; TensorRT-LLM's also keeps
 # q/k/v bf16 (engines.json drafter_quant), which this counts as quantized.
-DRAFTER_QUANT_FORMATS = ("none", "fp8", "nvfp4")
+DRAFTER_QUANT_FORMATS = ("none", "fp8", "nvfp4", "int8")
 
 DENSE_TYPES = {"llama", "qwen2", "qwen3", "mistral"}
 MOE_TYPES = {"gpt_oss", "qwen3_moe", "mixtral"}
@@ -320,7 +321,7 @@ def weight_bytes(shape: ModelShape, fmt: str, tp: int = 1, attn_tp: int | None =
     total = 0.0
     for g in shape.groups:
         elems = _elements_per_gpu(g, shape, attn_tp if attn_tp is not None and g.name.startswith("attn") else tp)
-        quantized = g.quantizable and (fmt in ("fp8", "nvfp4") or (fmt == "mxfp4" and g.expert))
+        quantized = g.quantizable and (fmt in ("fp8", "nvfp4", "int8") or (fmt == "mxfp4" and g.expert))
         if quantized:
             total += elems * ELEMENT_BYTES[fmt] + g.linears * SCALAR_BYTES_PER_LINEAR[fmt]
         else:

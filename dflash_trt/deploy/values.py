@@ -9,7 +9,7 @@ relies on:
     drafter.config               dict: the drafter's config.json (else drafter.bundle_path or
                                  drafter.path, a folder with config.json, relative to the bundle or
                                  absolute; else the preset's drafter shapes)
-    quant.drafter                "fp8" | "none" (default none)
+    quant.drafter                "fp8" | "int8" | "none" (default none)
     max_seq_len                  int: the planner's sequence length (default min(model max, 32768))
     <triton_model_repository>/tensorrt_llm/1/model.yaml and configs/trtllm-serve.yaml (optional
                                  files, the latter wins): kv_cache_config.free_gpu_memory_fraction

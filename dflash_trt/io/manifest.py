@@ -69,7 +69,7 @@ MANIFEST_SCHEMA: dict = {
         "quant": {
             "type": "object", "required": ["target", "kv_cache"],
             "properties": {"target": {"enum": ["nvfp4", "fp8", "none", "mxfp4"]},
-                           "drafter": {"enum": ["nvfp4", "fp8", "none"]},
+                           "drafter": {"enum": ["nvfp4", "fp8", "int8", "none"]},
                            "kv_cache": {"enum": ["fp8", "bf16"]}},
         },
         "parallel": {

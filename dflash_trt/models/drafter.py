@@ -25,10 +25,16 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
+from dflash_trt.io import compressed_tensors
 from dflash_trt.io.atomic import atomic_output_dir
+from dflash_trt.io.checkpoint import load_config
 from dflash_trt.models.config import DrafterConfig, load_drafter_config
 from dflash_trt.models.layers import Linear, RMSNorm, RopeTable, SwiGLU, apply_rope
-from dflash_trt.models.weights import dequantized_state_dict, load_strict, read_state_dict
+from dflash_trt.models.weights import (
+    dequantized_state_dict,
+    load_strict,
+    read_state_dict,
+)
 
 
 def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, causal: bool) -> torch.Tensor | None:
@@ -227,9 +233,10 @@ def load_drafter(folder: str | Path, dtype: torch.dtype | None = None, max_len: 
     """Load a z-lab (or speculators) DFlash checkpoint folder: config.json + *.safetensors."""
     folder = Path(folder)
     cfg = load_drafter_config(folder)
-    if (folder / "hf_quant_config.json").is_file():
-        # an FP8 / NVFP4 drafter from `dflash-trt quantize`: its weights read back as the values
-        # the quantized checkpoint encodes, so the CPU runtime measures the tau quantization costs
+    if (folder / "hf_quant_config.json").is_file() or compressed_tensors.is_int8_w8a8(load_config(folder)):
+        # a quantized drafter (ModelOpt FP8 / NVFP4 from `dflash-trt quantize`, vLLM's INT8 W8A8): its weights
+        # read back as the values the engine's kernel multiplies by (models/weights.WEIGHT_FORMATS), so the
+        # CPU runtime measures the tau quantization costs
         state = dequantized_state_dict(folder, torch.float32)
         dtype = dtype or torch.float32
     else:
@@ -259,3 +266,18 @@ def save_drafter(model: DFlashDrafter, folder: str | Path, dtype: torch.dtype | 
             (tmp / name).write_bytes(body)
     return Path(folder)
 
+
+def emulate_int8_activations(drafter: DFlashDrafter) -> DFlashDrafter:
+    """Round the input of each Linear an INT8 W8A8 drafter quantizes (io/compressed_tensors.py
+    QUANTIZED_LINEAR: the layers' attention and MLP projections; fc stays float) to W8A8's
+    per-token int8 grid, as vLLM's int8 kernel does before its int32 GEMM. With the weights of
+    dequantized_state_dict (its int8 row) this is the scheme's arithmetic up to float32 summation order.
+    The fused context-K/V path folds hidden_norm's weight into k_proj / v_proj, which moves the
+    rounding: decode such a drafter with fused_inject=False."""
+    def round_input(module, args):
+        return (compressed_tensors.quantize_activations_per_token(args[0]), *args[1:])
+
+    for name, module in drafter.named_modules():
+        if isinstance(module, nn.Linear) and compressed_tensors.is_quantized_linear(f"{name}.weight"):
+            module.register_forward_pre_hook(round_input)
+    return drafter

@@ -51,10 +51,17 @@ def _nvfp4(packed: torch.Tensor, block_scales: torch.Tensor, global_scale: torch
     return w.reshape(*packed.shape[:-1], n).to(dtype)
 
 
+def _int8_per_channel(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """compressed-tensors INT8 W8A8 (vLLM's `--drafter-quant int8`): w = int8 * float32(weight_scale), one
+    scale per output channel ([out, 1]), as vLLM's int8 kernel applies it (io/compressed_tensors.py)."""
+    return (q.to(torch.float32) * scale.to(torch.float32)).to(dtype)
+
+
 WEIGHT_FORMATS: tuple[WeightFormat, ...] = (
     WeightFormat("nvfp4", torch.uint8, ("weight_scale", "weight_scale_2"), _nvfp4,
                  lambda shape: (*shape[:-1], shape[-1] // 2)),   # two E2M1 codes a byte
     WeightFormat("fp8", torch.float8_e4m3fn, ("weight_scale",), _fp8_per_tensor),
+    WeightFormat("int8", torch.int8, ("weight_scale",), _int8_per_channel),
 )
 # tensors that scale activations or the KV cache: nothing to decode into a weight
 ACTIVATION_SCALES = ("input_scale", "k_scale", "v_scale")

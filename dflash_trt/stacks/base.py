@@ -94,9 +94,11 @@ class Stack:
         """Whether its DFlash loader honours a quantized drafter's exclusion of a decoder-layer module."""
         return bool((self.facts.get("drafter_quant") or {}).get("layer_exclusions", True))
 
-    def drafter_activation_scales(self) -> str:
-        """"static": its quantized Linears read an input_scale from the checkpoint; "dynamic": they don't."""
-        return (self.facts.get("drafter_quant") or {}).get("activation_scales", "dynamic")
+    def drafter_activation_scales(self, scheme: str) -> str:
+        """"static": its quantized Linears in this scheme read an input_scale from the checkpoint;
+        "dynamic": they don't (engines.json: one value, or one per scheme)."""
+        v = (self.facts.get("drafter_quant") or {}).get("activation_scales", "dynamic")
+        return v.get(scheme, "dynamic") if isinstance(v, dict) else v
 
     def draft_schedule_problem(self, schedule=None) -> str | None:
         """Why this stack's DFlash path does not honour a draft-length schedule (with the upstream source

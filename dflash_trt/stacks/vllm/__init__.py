@@ -57,12 +57,8 @@ class VLLM(Stack):
         vLLM reads them (K 0: that batch size drafts nothing)."""
         return {VLLM_DRAFT_SCHEDULE_FIELD: vllm_draft_schedule_ranges(schedule.ranges, max_k=schedule.max_k)}
 
-    def drafter_quant_problem(self, drafter_quant):
-        # vLLM's DFlash drafter builds every linear, fc included, with the draft quant_config
-        # (vllm/model_executor/models/qwen3_dflash.py); upstream 0.33.0 still breaks on a quantized
-        # drafter (engines.json stacks.vllm.drafter_quant). vLLM's drafter format and the plugin's fix are
-        # issue 35 item 4: until they land, the FP8 drafter accepted before stays accepted.
-        return None if drafter_quant == "fp8" else super().drafter_quant_problem(drafter_quant)
+    # A quantized drafter loads (engines.json stacks.vllm.drafter_quant: ModelOpt FP8 / NVFP4 and
+    # compressed-tensors INT8 W8A8; vLLM-CPU runs the INT8 one: docs/vllm-quantized-drafter.md).
 
     def write_configs(self, ctx: BundleContext) -> None:
         m, tcfg, cfgdir = ctx.manifest, ctx.target_config, ctx.work / "configs"

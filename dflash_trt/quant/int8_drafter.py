@@ -1,0 +1,50 @@
+"""`build --drafter-quant int8`: the drafter as a compressed-tensors INT8 W8A8 checkpoint (the
+format: io/compressed_tensors.py), the quantized scheme vLLM-CPU runs on any x86 CPU.
+
+Quantized: each decoder layer's q/k/v/o and gate/up/down projections (vLLM fuses them into
+qkv_proj and gate_up_proj, all of one scheme as vLLM requires). Kept as stored: fc (the context
+projection: vLLM builds it with the draft quant_config, vllm/model_executor/models/qwen3_dflash.py
+DFlashQwen3Model.__init__, so it is named in `ignore`), the norms, and everything the drafter
+shares with the target (it ships no embeddings or lm_head; vLLM's draft-vocabulary lm_head rows,
+stacks/vllm/drafter.py, are in `ignore`). Side files (draft_vocab.json, MODEL_CARD.md) are copied.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from dflash_trt.errors import DFlashError
+from dflash_trt.io import compressed_tensors
+from dflash_trt.io.atomic import atomic_output_dir
+from dflash_trt.io.checkpoint import CheckpointReader, load_config
+
+
+def write_int8_drafter(src: str | Path, out: str | Path) -> Path:
+    """Write `src` (a bf16 / fp32 DFlash drafter folder) to `out` in INT8 W8A8 form; one
+    model.safetensors (a drafter is small), config.json with its quantization_config."""
+    import torch
+    from safetensors.torch import save_file
+
+    src, out = Path(src), Path(out)
+    cfg = load_config(src)
+    if cfg.get("quantization_config"):
+        raise DFlashError(f"{src}/config.json: the drafter is already quantized "
+                          f"({cfg['quantization_config'].get('quant_method')}); --drafter-quant int8 needs a float one")
+    with CheckpointReader(src) as r:
+        state = {name: r.get(name) for name in r.keys()}
+    if not any(compressed_tensors.is_quantized_linear(n) for n in state):
+        raise DFlashError(f"{src}: no layers.N.self_attn / mlp projection weights to quantize")
+    with torch.no_grad():
+        quantized = compressed_tensors.quantize_int8_w8a8(state)
+    cfg["quantization_config"] = compressed_tensors.QUANTIZATION_CONFIG
+    with atomic_output_dir(out) as tmp:
+        for f in src.iterdir():
+            side = f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json")
+            if f.is_file() and side:
+                shutil.copy2(f, tmp / f.name)
+        save_file(quantized, str(tmp / "model.safetensors"),
+                  metadata={"format": "pt", "quantized_by": "dflash-trt (compressed-tensors int8 w8a8)"})
+        (tmp / "model.safetensors").chmod(0o644)
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return out
