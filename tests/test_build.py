@@ -413,7 +413,7 @@ def test_default_bundle_holds_only_what_its_serving_files_load(tiny, tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--drafter-quant", "fp8"], "pass --calib FILE.jsonl"),
-    (["--drafter-quant", "fp8", "--stacks", "vllm,sglang"], "SGLang: its quantized Linears read a static input_scale"),
+    (["--drafter-quant", "fp8", "--stacks", "vllm,sglang"], "vLLM: its quantized Linears read a static input_scale"),
     (["--drafter-quant", "int8"], "TensorRT-LLM 1.4.0rc4's DFlash loader takes no INT8 drafter"),
     (["--drafter-quant", "int8", "--stacks", "vllm,sglang"], "SGLang 0.5.23's DFlash loader takes no INT8 drafter"),
     (["--stacks", "sglang", "--pp", "2"], "only supports pp_size == 1"),
@@ -439,10 +439,13 @@ def test_stack_whose_rules_the_layout_breaks_is_skipped_with_the_reason(tiny, tm
     assert (bundle / "configs/trtllm-serve.yaml").is_file()
 
 
-def test_fp8_drafter_only_for_vllm(tiny, tmp_path):
+def test_fp8_drafter_for_vllm_alone(tiny, tmp_path):
+    """vLLM 0.33.0 reads a ModelOpt FP8 drafter with static input scales (engines.json), so --calib."""
     bundle = tmp_path / "v"
+    calib = tmp_path / "calib.jsonl"
+    calib.write_text('{"input_ids": [5, 17, 99, 3, 250, 42]}\n')
     build_json("--target", str(tiny / "llama"), "--drafter", str(tiny / "llama-drafter"), "--arch", "hopper",
-               "--drafter-quant", "fp8", "--stacks", "vllm", "--out", str(bundle))
+               "--drafter-quant", "fp8", "--stacks", "vllm", "--calib", str(calib), "--out", str(bundle))
     m = read_manifest(bundle)
     assert m["quant"]["drafter"] == "fp8" and m["serving_stacks"]["served"] == ["vllm"]
     assert sorted(p.name for p in (bundle / "configs").iterdir()) == ["vllm-speculative-config.json", "vllm.json"]

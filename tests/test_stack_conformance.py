@@ -185,8 +185,10 @@ def test_trtllm_drafter_loads_as_upstreams_loader_builds_it(bundles):
 def test_an_fp8_drafter_breaks_the_trtllm_loader_rule(tiny_pairs, tmp_path):
     """Mutation: the FP8 drafter a vLLM-only bundle carries is what TensorRT-LLM could not load."""
     t, d = tiny_pairs["llama"]
+    calib = tmp_path / "calib.jsonl"
+    calib.write_text('{"input_ids": [5, 17, 99, 3, 250, 42]}\n')
     code, _, err = run_cli("build", "--target", str(t), "--drafter", str(d), "--arch", "hopper", "--drafter-quant",
-                           "fp8", "--stacks", "vllm", "--out", str(tmp_path / "b"))
+                           "fp8", "--stacks", "vllm", "--calib", str(calib), "--out", str(tmp_path / "b"))
     assert code == 0, err
     problems = trt.drafter_loader_problems(tmp_path / "b" / "drafter")
     assert any("fc.weight: F8_E4M3" in p for p in problems) and any("weight_scale" in p for p in problems)

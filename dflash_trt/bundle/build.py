@@ -652,7 +652,10 @@ class Builder:
         else:
             link_tree(tdir, work / "target")
             notes.append("target kept as is" + (" (MXFP4 experts)" if s["quant"] == "mxfp4" else ""))
-        if s["drafter_quant"] != "none":
+        if s["drafter_quant"] == "int8":   # compressed-tensors W8A8, vLLM's (quant/int8_drafter.py)
+            write_int8_drafter(ddir, work / "drafter")
+            notes.append("drafter: compressed-tensors INT8 W8A8")
+        elif s["drafter_quant"] != "none":
             dq, exclude = s["drafter_quant"], self.drafter_exclude
             calib = ["--target", tdir, "--calib", o.calib, "--calib-samples", DRAFTER_CALIB_SAMPLES] if o.calib else []
             cmds.append(_cmd("quantize", "--model", ddir, "--format", dq, *[a for g in exclude for a in ("--exclude", g)],
@@ -661,12 +664,6 @@ class Builder:
             amax = drafter_input_amax(tdir, ddir, prompts, progress=self.progress) if prompts else None
             quantize_checkpoint(ddir, work / "drafter", dq, exclude=exclude, input_amax=amax, progress=self.progress)
             notes.append(f"drafter {dq.upper()}" + (f", {', '.join(exclude)} kept" if exclude else ""))
-        if s["drafter_quant"] == "fp8":
-            cmds.append(_cmd("quantize", "--model", ddir, "--format", "fp8", "--out", "drafter"))
-            quantize_checkpoint(ddir, work / "drafter", "fp8", progress=self.progress)
-        elif s["drafter_quant"] == "int8":   # compressed-tensors W8A8, vLLM's (quant/int8_drafter.py)
-            write_int8_drafter(ddir, work / "drafter")
-            notes.append("drafter: compressed-tensors INT8 W8A8")
         else:
             link_tree(ddir, work / "drafter")
             notes.append("drafter kept as is")
