@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import types
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -339,3 +340,27 @@ def validate_all(objs: list[dict]) -> list[str]:
             kv.validate(o, K8S_VERSION, strict=True)
         kinds.append(o["kind"])
     return kinds
+
+
+WHEEL_CACHE = Path(__file__).parent / ".cache" / "wheels"
+
+
+def pypi_wheel(spec: str) -> Path:
+    """An upstream wheel (`name==version`) to read, never to install: `pip download --no-deps` once into
+    tests/.cache/wheels (each stack's and Dynamo's sources are read from their own release)."""
+    name, version = spec.split("==")
+    found = sorted(WHEEL_CACHE.glob(f"{name.replace('-', '_')}-{version}-*.whl"))
+    if not found:
+        WHEEL_CACHE.mkdir(parents=True, exist_ok=True)
+        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                            "--disable-pip-version-check", "-q", spec, "-d", str(WHEEL_CACHE)],
+                           capture_output=True, text=True, check=False)
+        found = sorted(WHEEL_CACHE.glob(f"{name.replace('-', '_')}-{version}-*.whl"))
+        assert found, f"pip download --no-deps {spec} failed: {r.stderr.strip()[-500:]}"
+    return found[0]
+
+
+def wheel_source(spec: str, path: str) -> str:
+    """One source file of an upstream wheel (pypi_wheel), as text."""
+    with zipfile.ZipFile(pypi_wheel(spec)) as z:
+        return z.read(path).decode()

@@ -12,9 +12,6 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
-import subprocess
-import sys
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -28,12 +25,11 @@ from dflash_trt.stacks import trtllm as trtllm_stack
 from dflash_trt.stacks.sglang import sglang_launch
 from dflash_trt.stacks.vllm.launch import vllm_launch
 
-from helpers import run_cli
+from helpers import run_cli, wheel_source
 
 jsonschema = pytest.importorskip("jsonschema")
 
 ROOT = Path(__file__).resolve().parents[1]
-CACHE = Path(__file__).parent / ".cache" / "wheels"
 WHEELS = {"ai_dynamo": "ai-dynamo==1.6.1", "vllm": "vllm==0.31.0", "sglang": "sglang==0.5.23"}
 
 
@@ -263,23 +259,8 @@ def test_plan_disaggregated_is_an_estimate_that_follows_the_lengths():
 
 
 # ------------------------------------------------------------------------------ each worker's own parser
-def _wheel(name: str) -> Path:
-    spec = WHEELS[name]
-    version = spec.split("==")[1]
-    found = sorted(CACHE.glob(f"{name}-{version}-*.whl"))
-    if not found:
-        CACHE.mkdir(parents=True, exist_ok=True)
-        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                            "--disable-pip-version-check", "-q", spec, "-d", str(CACHE)],
-                           capture_output=True, text=True, check=False)
-        found = sorted(CACHE.glob(f"{name}-{version}-*.whl"))
-        assert found, f"pip download --no-deps {spec} failed: {r.stderr.strip()[-500:]}"
-    return found[0]
-
-
 def _source(name: str, path: str) -> str:
-    with zipfile.ZipFile(_wheel(name)) as z:
-        return z.read(path).decode()
+    return wheel_source(WHEELS[name], path)
 
 
 def _dynamo_module(mod: str) -> str:

@@ -14,10 +14,7 @@ from __future__ import annotations
 import ast
 import json
 import logging
-import subprocess
-import sys
 import types
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -26,30 +23,14 @@ import upstream_trtllm as trt
 import yaml
 from pydantic import ValidationError
 
-from helpers import run_cli
+from helpers import run_cli, wheel_source
 
-CACHE = Path(__file__).parent / ".cache" / "wheels"
 WHEELS = {"vllm": "vllm==0.33.0", "sglang": "sglang==0.5.23"}
 
 
 # ------------------------------------------------------------------------- upstream sources
-def _wheel(name: str) -> Path:
-    spec = WHEELS[name]
-    version = spec.split("==")[1]
-    found = sorted(CACHE.glob(f"{name}-{version}-*.whl"))
-    if not found:
-        CACHE.mkdir(parents=True, exist_ok=True)
-        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                            "--disable-pip-version-check", "-q", spec, "-d", str(CACHE)],
-                           capture_output=True, text=True, check=False)
-        found = sorted(CACHE.glob(f"{name}-{version}-*.whl"))
-        assert found, f"pip download --no-deps {spec} failed: {r.stderr.strip()[-500:]}"
-    return found[0]
-
-
 def _source(name: str, path: str) -> str:
-    with zipfile.ZipFile(_wheel(name)) as z:
-        return z.read(path).decode()
+    return wheel_source(WHEELS[name], path)
 
 
 def _function(src: str, name: str, cls: str | None = None) -> ast.FunctionDef:

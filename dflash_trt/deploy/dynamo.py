@@ -46,9 +46,6 @@ discovery backend, --discovery-backend / DYN_DISCOVERY_BACKEND: kubernetes, etcd
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from functools import lru_cache
 from pathlib import Path
 
@@ -332,29 +329,13 @@ def render_dgd(bundle: str | Path, *, name: str, nodes: int = 1, gpus_per_node: 
 def write_dgd(out: str | Path, dgd: dict, header: str, render: bool) -> Path:
     """<out>/dgd.yaml (and, with --render, <out>/manifests/dgd.yaml as `kubectl apply -f` takes the chart's),
     written into a temp folder and renamed: nothing half-written."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     text = header + yaml.safe_dump(dgd, sort_keys=False, width=120)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with chart_values.deploy_folder(out, DGD_FILE) as tmp:
         (tmp / DGD_FILE).write_text(text)
         if render:
             (tmp / "manifests").mkdir()
             (tmp / "manifests" / DGD_FILE).write_text(text)
-        if out.exists():
-            if not (out / DGD_FILE).is_file():
-                raise DFlashError(f"{out}: exists and is not a Dynamo deploy folder (no {DGD_FILE}); choose another --out")
-            old = out.with_name(f".{out.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return Path(out)
 
 
 __all__ = ["DGD_FILE", "SERVER", "check_dgd", "crd_schema", "facts", "pick_engine", "render_dgd", "runnable_stacks",

@@ -43,6 +43,8 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import yaml
@@ -414,25 +416,18 @@ def render(values: dict, chart: str | Path | None = None, release: str = "dflash
             raise DFlashError(f"{chart}: helm rejected the values: {msg}") from None
 
 
-def write_deployment(out: str | Path, values: dict, manifests: dict[str, str] | None, header: str = "") -> Path:
-    """values.yaml (+ manifests/*.yaml) into `out`, written to a temp folder and renamed."""
+@contextmanager
+def deploy_folder(out: str | Path, marker: str) -> Iterator[Path]:
+    """A folder `deploy` writes: filled in a temp folder beside `out`, then swapped in, so nothing is
+    half-written. An `out` that exists must be an earlier one (holding `marker`), else it is refused."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        (tmp / "values.yaml").write_text(header + yaml.safe_dump(values, sort_keys=False))
-        if manifests is not None:
-            (tmp / "manifests").mkdir()
-            for name, text in sorted(manifests.items()):
-                if not text.strip() or name.endswith("NOTES.txt"):
-                    continue
-                (tmp / "manifests" / Path(name).name).write_text(text.lstrip("\n"))
-            notes = next((t for n, t in manifests.items() if n.endswith("NOTES.txt")), None)
-            if notes:
-                (tmp / "NOTES.txt").write_text(notes)
+        yield tmp
         if out.exists():
-            if not (out / "values.yaml").is_file():
-                raise DFlashError(f"{out}: exists and is not a deploy folder (no values.yaml); choose another --out")
+            if not (out / marker).is_file():
+                raise DFlashError(f"{out}: exists and is not a deploy folder (no {marker}); choose another --out")
             old = out.with_name(f".{out.name}.old")
             shutil.rmtree(old, ignore_errors=True)
             os.replace(out, old)
@@ -443,7 +438,22 @@ def write_deployment(out: str | Path, values: dict, manifests: dict[str, str] | 
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    return out
+
+
+def write_deployment(out: str | Path, values: dict, manifests: dict[str, str] | None, header: str = "") -> Path:
+    """values.yaml (+ manifests/*.yaml) into `out`, written to a temp folder and renamed."""
+    with deploy_folder(out, "values.yaml") as tmp:
+        (tmp / "values.yaml").write_text(header + yaml.safe_dump(values, sort_keys=False))
+        if manifests is not None:
+            (tmp / "manifests").mkdir()
+            for name, text in sorted(manifests.items()):
+                if not text.strip() or name.endswith("NOTES.txt"):
+                    continue
+                (tmp / "manifests" / Path(name).name).write_text(text.lstrip("\n"))
+            notes = next((t for n, t in manifests.items() if n.endswith("NOTES.txt")), None)
+            if notes:
+                (tmp / "NOTES.txt").write_text(notes)
+    return Path(out)
 
 
 def rendered_images(manifests: dict[str, str], values: dict) -> list[dict]:
