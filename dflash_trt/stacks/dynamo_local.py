@@ -45,7 +45,7 @@ from dflash_trt.errors import DFlashError
 from dflash_trt.paths import DYNAMO_ENV_READY, dynamo_env_dir
 from dflash_trt.stacks.tritonserver.server import ServerProcess, base_python, free_port
 from dflash_trt.stacks.vllm import server as vllm_server
-from dflash_trt.stacks.vllm.env import CPU_ENV, clean_env, vllm_python
+from dflash_trt.stacks.vllm.env import CPU_ENV, clean_env, side_env_problem, vllm_python
 from dflash_trt.stacks.vllm.server import VllmServer, read_vllm_launch
 
 DYNAMO_VERSION = "1.6.1"
@@ -127,15 +127,8 @@ def make_dynamo_env(dest: Path | None = None, progress: bool = True) -> Path:
 
 
 def dynamo_env_problem(env: Path) -> str | None:
-    """None when the env is ready, else why not, in one line: the recorded failure of `make dynamo`
-    (<env>.failed, written by `make test`) or the missing env."""
-    env = Path(env)
-    if (env / DYNAMO_ENV_READY).is_file() and vllm_python(env).is_file():
-        return None
-    failed = env.with_name(env.name + ".failed")
-    if failed.is_file() and failed.read_text().strip():
-        return f"the Dynamo env {env} could not be built: {failed.read_text().strip()}"
-    return f"no Dynamo env at {env} (create it with `make dynamo`, or set $DFLASH_TRT_DYNAMO_ENV)"
+    """None when the env is ready, else why not, in one line (vllm.env.side_env_problem)."""
+    return side_env_problem(env, DYNAMO_ENV_READY, vllm_python(env), "Dynamo", "dynamo", "DFLASH_TRT_DYNAMO_ENV")
 
 
 def system_port() -> int:

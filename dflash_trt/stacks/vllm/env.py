@@ -44,3 +44,16 @@ def clean_env(extra: dict | None = None) -> dict:
     """os.environ for a process of the vLLM env, less what points at ours (_OURS), plus `extra`."""
     env = {k: v for k, v in os.environ.items() if k not in _OURS}
     return {**env, **(extra or {})}
+
+
+def side_env_problem(env: Path, ready_stamp: str, executable: Path, title: str, make_target: str,
+                     env_var: str) -> str | None:
+    """None when a side env (the vLLM one, the Dynamo one) is ready, else why not, in one line: the
+    recorded failure of `make <make_target>` (<env>.failed, written by `make test`) or the missing env."""
+    env = Path(env)
+    if (env / ready_stamp).is_file() and executable.is_file():
+        return None
+    failed = env.with_name(env.name + ".failed")
+    if failed.is_file() and failed.read_text().strip():
+        return f"the {title} env {env} could not be built: {failed.read_text().strip()}"
+    return f"no {title} env at {env} (create it with `make {make_target}`, or set ${env_var})"

@@ -42,7 +42,7 @@ from dflash_trt.errors import DFlashError
 from dflash_trt.io.prometheus import parse_prometheus, sum_series
 from dflash_trt.paths import VLLM_ENV_READY, vllm_env_dir
 from dflash_trt.stacks.tritonserver.server import STUB_NUMPY, ServerProcess, base_python, free_port
-from dflash_trt.stacks.vllm.env import CPU_ENV, clean_env, vllm_python
+from dflash_trt.stacks.vllm.env import CPU_ENV, clean_env, side_env_problem, vllm_python
 
 TORCH_SPEC = "torch==2.13.0"
 VLLM_VERSION = "0.32.0"
@@ -147,15 +147,8 @@ def check_vllm_env(env: Path) -> Path:
 
 
 def vllm_env_problem(env: Path) -> str | None:
-    """None when the env is ready, else why not, in one line: the recorded failure of `make vllm`
-    (<env>.failed, written by `make test`) or the missing env."""
-    env = Path(env)
-    if (env / VLLM_ENV_READY).is_file() and (env / "bin" / "vllm").is_file():
-        return None
-    failed = env.with_name(env.name + ".failed")
-    if failed.is_file() and failed.read_text().strip():
-        return f"the vLLM env {env} could not be built: {failed.read_text().strip()}"
-    return f"no vLLM env at {env} (create it with `make vllm`, or set $DFLASH_TRT_VLLM_ENV)"
+    """None when the env is ready, else why not, in one line (env.side_env_problem)."""
+    return side_env_problem(env, VLLM_ENV_READY, Path(env) / "bin" / "vllm", "vLLM", "vllm", "DFLASH_TRT_VLLM_ENV")
 
 
 def make_vllm_stub_env(dest: Path, vllm_env: Path | None = None) -> Path:
