@@ -137,6 +137,10 @@ def workers(bundle, dynamo_env, ar_tokens, frontend):
         for w, i in zip(pair, ids):
             w.instance_id = i
         _wait(lambda: set(ids) <= _instances(frontend), 120, "the frontend lists both DFlash workers")
+        # an instance shows in /health before its model card reaches the frontend's model list, and a
+        # completion for a model not listed yet is a 404 (seen once on a fresh-clone CI run)
+        _wait(lambda: DFLASH in {m["id"] for m in frontend.get("/v1/models").get("data", [])}, 120,
+              "the frontend serves the DFlash model")
         yield pair
     finally:
         for w in pair:
