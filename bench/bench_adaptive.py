@@ -23,7 +23,7 @@ The schedule (deploy/draft_schedule.choose) comes from
   llm_base_proposer.py: it keeps the drafter's KV cache in step); "never" has no drafter at all.
 
 Every mode is served by `vllm serve --enforce-eager` (stacks/vllm/server.py VllmServer; one server
-at a time), and swept with `dflash-trt bench --endpoint`'s client (deploy/endpoint_bench.py): greedy,
+at a time), and swept with `dflash-trt bench --endpoint`'s client (bench/endpoint.py): greedy,
 --ignore-eos (every request decodes --max-new-tokens, so a level holds c requests in flight until
 its last wave), the same held-out prompts at every level (at least c requests). Per level: tokens/s
 and the server's own vllm:spec_decode_* deltas (drafts, draft tokens, accepted), so the draft length
@@ -140,7 +140,7 @@ def cost_curve(points: dict[int, float]):
 
 
 def plan(bundle: Path, accept: dict, concurrencies: list[int], context: int, threads: int, repeats: int):
-    from dflash_trt.deploy import draft_schedule as ds
+    from dflash_trt.plan import draft_schedule as ds
 
     B = int(accept["block_size"])
     survival = ds.survival_from_histogram(accept["acceptance_histogram"], B)
@@ -167,7 +167,7 @@ def plan(bundle: Path, accept: dict, concurrencies: list[int], context: int, thr
 # ---------------------------------------------------------------------------------- the runs
 def serve_and_sweep(bundle: Path, mode: str, work: Path, prompts: list[str], concurrencies: list[int],
                     max_new: int, identity_ids: list[list[int]], threads: int) -> dict:
-    from dflash_trt.deploy.endpoint_bench import EndpointBench, stream_completion
+    from dflash_trt.bench.endpoint import EndpointBench, stream_completion
     from dflash_trt.stacks.vllm.server import VllmServer
 
     srv = VllmServer(bundle, work=work, extra_args=["--enforce-eager"], threads=threads,
@@ -214,8 +214,8 @@ def main() -> int:
     ap.add_argument("--plan-only", action="store_true", help="print the schedule planned for this CPU and stop")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
-    from dflash_trt.deploy import draft_schedule as ds
-    from dflash_trt.deploy.endpoint_bench import parse_concurrency
+    from dflash_trt.plan import draft_schedule as ds
+    from dflash_trt.bench.endpoint import parse_concurrency
     from dflash_trt.runtime.pair import encode_prompt, load_pair
     from dflash_trt.stacks.vllm import bundle_with_draft_schedule
     from dflash_trt.stacks.vllm.server import vllm_env_problem

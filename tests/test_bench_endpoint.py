@@ -1,4 +1,4 @@
-"""`dflash-trt bench --endpoint URL` (deploy/endpoint_bench.py) against real servers, and the
+"""`dflash-trt bench --endpoint URL` (bench/endpoint.py) against real servers, and the
 shared-machine default of OMP_WAIT_POLICY (dflash_trt/__init__.py).
 
 Oracles: the server's own Prometheus counters, scraped here around the same run (acceptance
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_trt.deploy import endpoint_bench as eb
+from dflash_trt.bench import endpoint as eb
 
 from helpers import run_cli, tritonserver_missing
 

@@ -1,9 +1,9 @@
-"""deploy/draft_schedule.py: the ranges agree with a brute-force best K at every concurrency."""
+"""plan/draft_schedule.py: the ranges agree with a brute-force best K at every concurrency."""
 import json
 
 import pytest
 
-from dflash_trt.deploy import draft_schedule as ds
+from dflash_trt.plan import draft_schedule as ds
 from dflash_trt.errors import DFlashError
 
 

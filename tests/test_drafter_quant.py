@@ -221,8 +221,8 @@ def test_measured_amax_must_cover_every_quantized_linear(tiny_pairs, tmp_path):
 def test_plan_reads_the_drafters_format_into_its_bytes():
     """plan --drafter-quant: the draft pass reads the quantized drafter's bytes (fc kept bf16), so at
     concurrency 1 a smaller drafter is a faster step; the tau is the same (the speed model's input)."""
-    from dflash_trt.deploy import planner
-    from dflash_trt.deploy import speed as speed_model
+    from dflash_trt.plan import planner
+    from dflash_trt.plan import speed as speed_model
 
     name, tcfg, dcfg = planner.target_configs("gpt-oss-120b")
     got = {}

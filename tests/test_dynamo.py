@@ -18,7 +18,8 @@ import pytest
 import yaml
 
 from dflash_trt import engines
-from dflash_trt.deploy import dynamo, planner
+from dflash_trt.deploy import dynamo
+from dflash_trt.plan import planner
 from dflash_trt.errors import DFlashError
 from dflash_trt.io.manifest import validate as validate_manifest
 from dflash_trt.stacks import trtllm as trtllm_stack

@@ -212,7 +212,7 @@ def test_lossless(targets, tmp_path, family):
 def test_check_covers_it_and_counts_the_full_attention_kv(targets, family):
     """check has no runtime note; KV per position is the full-attention layers' (the planner's
     count, from config alone), and the recurrent state is a fixed size on top."""
-    from dflash_trt.deploy.planner import kv_bytes_per_token, target_shape
+    from dflash_trt.plan.planner import kv_bytes_per_token, target_shape
 
     cfg = json.loads((targets[family] / "config.json").read_text())
     assert runtime_coverage(cfg) is None

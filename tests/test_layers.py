@@ -1,7 +1,7 @@
 """The package's layers: a folder is a layer, and a layer imports only the layers below it.
 
     base (errors, paths, hardware, engines) < kernels < io < presets, models < runtime, quant < stacks
-    < train, bundle < deploy < the command line (cli, commands/, main_job, bench_all)
+    < train, bundle < plan < deploy < bench < the command line (cli, commands/, main_job, bench_all)
 
 No module imports one of ours through importlib (a registry is a dict of imported modules), but
 for the command line's lazy commands and the corpus of standard-library texts (train/).
@@ -35,12 +35,16 @@ ALLOWED: dict[str, set[str]] = {
     "stacks": BASE | {"kernels", "io", "presets", "models", "runtime", "quant", "stacks"},
     "train": BASE | {"kernels", "io", "presets", "models", "runtime", "stacks", "train"},
     "bundle": BASE | {"kernels", "io", "presets", "models", "runtime", "quant", "stacks", "bundle"},
-    "deploy": BASE | {"io", "presets", "models", "stacks", "bundle", "deploy"},
+    "plan": BASE | {"io", "presets", "models", "stacks", "plan"},
+    "deploy": BASE | {"io", "presets", "models", "stacks", "bundle", "plan", "deploy"},
+    # bench/runtime.py measures our runtime, bench/endpoint.py a served bundle against its plan
+    "bench": BASE | {"kernels", "io", "presets", "models", "runtime", "stacks", "plan", "deploy", "bench"},
     "cli": set(),  # the top: may import anything
 }
 # `import dflash_trt` stays light, and `dflash_trt.load_pair` / `.generate` resolve lazily to the runtime
 FACADE = {"dflash_trt": {"runtime"}}
-FOLDER_LAYERS = {"kernels", "io", "presets", "models", "runtime", "quant", "stacks", "train", "bundle", "deploy"}
+FOLDER_LAYERS = {"kernels", "io", "presets", "models", "runtime", "quant", "stacks", "train", "bundle", "plan",
+                 "deploy", "bench"}
 TOP_MODULES = {"cli", "main_job", "bench_all"}
 BASE_MODULES = {"__init__", "errors", "paths", "hardware", "engines"}
 # importlib.import_module, by module: the lazy commands of the CLI (`--help` stays light) and the

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from dflash_trt.deploy import planner
+from dflash_trt.plan import planner
 from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import catalog, get_hardware
 

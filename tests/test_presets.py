@@ -10,7 +10,7 @@ from importlib import resources
 
 import pytest
 
-from dflash_trt.deploy import planner
+from dflash_trt.plan import planner
 from dflash_trt.models.config import decoder_config
 from dflash_trt.presets.catalog import PRESETS
 

@@ -1,4 +1,4 @@
-"""The speed model of `dflash-trt plan --speed` (dflash_trt/deploy/speed.py): its physics against
+"""The speed model of `dflash-trt plan --speed` (dflash_trt/plan/speed.py): its physics against
 independent oracles (a Monte-Carlo of random top-k routing for the experts a step touches; the
 planner's weight bytes, themselves checked against the checkpoint formats; a roofline crossover
 worked out by hand from the parameter groups), the shape of its curves, the published-point table
@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dflash_trt.deploy import planner, speed
+from dflash_trt.plan import planner, speed
 from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import catalog, get_hardware
 
@@ -186,7 +186,7 @@ def test_the_fitted_point_is_reproduced_and_the_docs_table_is_current():
     assert len(fit) == 1
     assert speed.predict_point(fit[0])["central"] == pytest.approx(fit[0]["value"], rel=0.01)
     doc = (Path(__file__).parents[1] / "docs" / "speed-model.md").read_text()
-    assert speed.check_table() in doc, "docs/speed-model.md: rerun python -m dflash_trt.deploy.speed --check"
+    assert speed.check_table() in doc, "docs/speed-model.md: rerun python -m dflash_trt.plan.speed --check"
 
 
 # --- CLI ---------------------------------------------------------------------------------------------

@@ -353,7 +353,7 @@ def _trtllm_draft_len(spec: trt.DFlashDecodingConfig, batch: int) -> int:
 def test_trtllm_draft_schedule_is_written_and_accepted(bundles):
     """The schedule lands in both TensorRT-LLM files, passes its validators, and TensorRT-LLM's own reading
     of it drafts what the schedule says at every batch size."""
-    from dflash_trt.deploy.draft_schedule import from_dict
+    from dflash_trt.plan.draft_schedule import from_dict
 
     sched = from_dict(SCHEDULE, 8, "test")
     m = json.loads((bundles["llama-sched"] / "manifest.json").read_text())

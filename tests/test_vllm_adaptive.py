@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_trt.deploy import draft_schedule as ds
+from dflash_trt.plan import draft_schedule as ds
 from dflash_trt.errors import DFlashError
 from dflash_trt.stacks import REGISTRY
 from dflash_trt.stacks.vllm.launch import VLLM_DRAFT_SCHEDULE_FIELD, vllm_launch

@@ -78,7 +78,7 @@ def bench_cmd(ctx, target, drafter, prompts_file, max_new_tokens, block_size, te
     import torch
 
     from dflash_trt.presets.catalog import resolve_drafter, resolve_target
-    from dflash_trt.runtime.bench import format_table, run_bench
+    from dflash_trt.bench.runtime import format_table, run_bench
     from dflash_trt.runtime.pair import load_pair
     from dflash_trt.train.prompts import read_prompts
 
@@ -102,7 +102,7 @@ def bench_cmd(ctx, target, drafter, prompts_file, max_new_tokens, block_size, te
 
 def _bench_endpoint(endpoint, prompts_file, limit, max_new_tokens, concurrency, model_name, metrics_url, ignore_eos,
                     warmup, gpus, plot_file, plan_bundle, as_json):
-    from dflash_trt.deploy import endpoint_bench as eb
+    from dflash_trt.bench import endpoint as eb
     from dflash_trt.errors import DFlashError
 
     levels = eb.parse_concurrency(concurrency)

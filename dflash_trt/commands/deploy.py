@@ -93,8 +93,8 @@ def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, drafter_quant, 
       dflash-trt plan --target gpt-oss-120b --hardware dgx-b300 --nodes 2 --disaggregated --isl 8192 --osl 1024
       dflash-trt plan --target gpt-oss-120b --hardware dgx-b300 --drafter-quant nvfp4 --speed
     """
-    from dflash_trt.deploy import planner
-    from dflash_trt.deploy import speed as speed_model
+    from dflash_trt.plan import planner
+    from dflash_trt.plan import speed as speed_model
     from dflash_trt.deploy import values as deploy
     from dflash_trt.errors import DFlashError
     from dflash_trt.io.manifest import Manifest
@@ -141,7 +141,7 @@ def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, drafter_quant, 
     report = speed_model.speed_for(p, tcfg, dcfg, tau=tau, context_tokens=ctx, acceptance=acceptance) \
         if speed else None
     if plot_file:
-        from dflash_trt.deploy.speed_plot import plot_speed
+        from dflash_trt.plan.speed_plot import plot_speed
 
         plot_speed(report, plot_file)
     split = None
@@ -269,7 +269,7 @@ def deploy_cmd(bundle, nodes, gpus_per_node, replicas, server, dynamo_engine, di
     if min_tokens_per_user is not None:
         if p is None:
             raise DFlashError("--min-tokens-per-user: a CPU-only deployment has no speed model")
-        from dflash_trt.deploy import speed as speed_model
+        from dflash_trt.plan import speed as speed_model
 
         tcfg, dcfg = deploy.bundle_model_configs(bundle, manifest=m)
         report = speed_model.speed_for(p, tcfg, dcfg, tau=tau)

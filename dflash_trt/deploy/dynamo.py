@@ -11,7 +11,7 @@ What is rendered:
                 on its HTTP port
   <Engine>Worker  aggregated: one service of `replicas` workers, each one instance of the bundle's
                 layout (tp GPUs, one node); disaggregated: <Engine>PrefillWorker + <Engine>DecodeWorker,
-                counts from the speed model's estimate (deploy/speed.py `disaggregated`)
+                counts from the speed model's estimate (plan/speed.py `disaggregated`)
   per worker    the bundle's DFlash speculative config (the drafter), GPU requests, node affinity for the
                 bundle's GPU product (as the chart's), the bundle volume at /bundle (as the chart mounts
                 it; the worker runs from there so the configs' relative paths hold), the system server on
@@ -52,7 +52,7 @@ from pathlib import Path
 import yaml
 
 from dflash_trt import engines
-from dflash_trt.deploy import speed as speed_model
+from dflash_trt.plan import speed as speed_model
 from dflash_trt.deploy import values as chart_values
 from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import hardware_for_gpu

@@ -50,7 +50,7 @@ from pathlib import Path
 import yaml
 
 from dflash_trt import engines, stacks
-from dflash_trt.deploy import planner
+from dflash_trt.plan import planner
 from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import Hardware, get_hardware, gpus, hardware_for_gpu
 from dflash_trt.io.jsonio import read_json

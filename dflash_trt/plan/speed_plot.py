@@ -1,5 +1,5 @@
 """`dflash-trt plan --plot FILE.png`: tokens/s per GPU against tokens/s per user, AR and DFlash, one
-line per layout (the speed model of deploy/speed.py), with the published measurements of the same
+line per layout (the speed model of plan/speed.py), with the published measurements of the same
 target on the same node type marked. matplotlib's headless Agg backend; the PNG is written whole or
 not at all (temp file and rename)."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-from dflash_trt.deploy.speed import LayoutSpeed, SpeedReport, matching_points
+from dflash_trt.plan.speed import LayoutSpeed, SpeedReport, matching_points
 from dflash_trt.errors import DFlashError
 from dflash_trt.io.atomic import atomic_write_bytes
 
@@ -97,7 +97,7 @@ def plot_speed(report: SpeedReport, path: str | Path) -> Path:
 
     tau = f"DFlash tau {report.tau:g} (block {report.block_size})" if report.tau else "AR only"
     return save_figure(fig, ax, path, f"{report.target} on {report.hardware}: {tau}, {report.context_tokens} tokens "
-                       "of context\nspeed model, dflash_trt/deploy/speed.py (central efficiency; dotted: low / high); "
+                       "of context\nspeed model, dflash_trt/plan/speed.py (central efficiency; dotted: low / high); "
                        "numbers at line ends: concurrency")
 
 

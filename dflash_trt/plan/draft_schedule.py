@@ -14,7 +14,7 @@ with a shorter block predicts its first K positions as it does with the full blo
 attends over the whole block of mask tokens, so the assumption is stated wherever a schedule is
 printed.)
 
-The cost model is the caller's: the GPU speed model (deploy/speed.py) for `plan --speed`, measured
+The cost model is the caller's: the GPU speed model (plan/speed.py) for `plan --speed`, measured
 step times for a CPU run. This module only chooses; it is written once and each engine's config
 writer turns `DraftSchedule.ranges` into that engine's own control.
 """

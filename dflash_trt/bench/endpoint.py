@@ -48,9 +48,9 @@ from importlib import resources
 from pathlib import Path
 
 from dflash_trt import stacks
-from dflash_trt.deploy import speed as speed_model
+from dflash_trt.plan import speed as speed_model
 from dflash_trt.deploy import values
-from dflash_trt.deploy.speed_plot import distinct_curves, draw_layout, new_figure, save_figure
+from dflash_trt.plan.speed_plot import distinct_curves, draw_layout, new_figure, save_figure
 from dflash_trt.errors import DFlashError
 from dflash_trt.io.prometheus import parse_prometheus, sum_series
 
@@ -457,7 +457,7 @@ def format_report(report: dict) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# The plan's prediction (read-only use of deploy/values.py and deploy/speed.py)
+# The plan's prediction (read-only use of deploy/values.py and plan/speed.py)
 
 def bundle_plan(bundle: str | Path):
     """(plan, target config, drafter config) of a bundle, or None and one line why there is none."""
@@ -525,7 +525,7 @@ def attach_plan(report: dict, speed_report, gpus: int, tau_source: str) -> None:
 
 
 def plot_endpoint(report: dict, path: str | Path, speed_report=None, gpus: int = 1) -> Path:
-    """The axes of `plan --plot` (deploy/speed_plot.py): tokens/s per GPU (log) against tokens/s
+    """The axes of `plan --plot` (plan/speed_plot.py): tokens/s per GPU (log) against tokens/s
     per user; the measured levels as one line, the plan's chosen layout (AR dashed, DFlash solid,
     as there) when given, each measured point labelled with its concurrency and ratio to the plan."""
     fig, ax, colors = new_figure(path)
@@ -546,7 +546,7 @@ def plot_endpoint(report: dict, path: str | Path, speed_report=None, gpus: int =
         ax.annotate(f"c={lv['concurrency']}{acc}{ratio}", (x, y), fontsize=7, color=colors[3],
                     textcoords="offset points", xytext=(14, 14 + 14 * i),
                     arrowprops={"arrowstyle": "-", "color": colors[3], "linewidth": 0.5})
-    plan = (f"; plan: {speed_report.target} on {speed_report.hardware}, speed model dflash_trt/deploy/speed.py"
+    plan = (f"; plan: {speed_report.target} on {speed_report.hardware}, speed model dflash_trt/plan/speed.py"
             if speed_report is not None else "")
     return save_figure(fig, ax, path,
                        f"bench --endpoint: {report['max_new_tokens']} new tokens per request, greedy, streaming{plan}\n"

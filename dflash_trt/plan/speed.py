@@ -33,7 +33,7 @@ positions). Each step emits tau tokens per sequence (tau: mean accepted length, 
 
 Draft schedule (per layout, with a drafter): the same passes price a step drafting K < B - 1 tokens (verify
 over K + 1 tokens, the drafter's whole block; K = 0 an AR step, step_seconds_for), and
-deploy/draft_schedule.py picks the K of most tokens/s at each concurrency from the acceptance per draft
+plan/draft_schedule.py picks the K of most tokens/s at each concurrency from the acceptance per draft
 position (resolve_acceptance). build_schedule is `build --draft-schedule`'s.
 
 Efficiency factors (EFFICIENCY, a low / central / high set; every number printed is the central one with
@@ -54,9 +54,9 @@ import sys
 from dataclasses import asdict, dataclass, field, replace
 from importlib import resources
 
-from dflash_trt.deploy import draft_schedule as ds
-from dflash_trt.deploy import planner
-from dflash_trt.deploy.planner import Group, Layout, ModelShape, Plan, weight_bytes
+from dflash_trt.plan import draft_schedule as ds
+from dflash_trt.plan import planner
+from dflash_trt.plan.planner import Group, Layout, ModelShape, Plan, weight_bytes
 from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import Hardware, get_hardware, hardware_for_gpu
 
@@ -451,7 +451,7 @@ def speed(plan: Plan, target: ModelShape, drafter: ModelShape | None, hw: Hardwa
         (f"fixed {c.layer_latency_s * 1e6:.1f} us per layer per pass (fitted: TensorRT-LLM gpt-oss-120b 8 x B200 "
          f"batch 1), {c.collective_latency_s * 1e6:.0f} us per collective, {c.step_overhead_s * 1e6:.0f} us per pass"),
         "MoE routing uniform over the experts (no load imbalance); one replica inside one NVLink domain",
-        "ranges: the low / high efficiency sets of dflash_trt/deploy/speed.py (EFFICIENCY)",
+        "ranges: the low / high efficiency sets of dflash_trt/plan/speed.py (EFFICIENCY)",
     ]
     if survival:
         assumptions += [f"draft schedule: acceptance per position {acc_src}",
@@ -766,11 +766,11 @@ def _rng(v: float, r: list[float]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Published measurements (deploy/published_speeds.json): what the model is checked against
+# Published measurements (plan/published_speeds.json): what the model is checked against
 
 
 def published_points() -> list[dict]:
-    return json.loads(resources.files("dflash_trt.deploy").joinpath("published_speeds.json").read_text())["points"]
+    return json.loads(resources.files("dflash_trt.plan").joinpath("published_speeds.json").read_text())["points"]
 
 
 def matching_points(target: str, hardware: str) -> list[dict]:
@@ -868,7 +868,7 @@ def check_table() -> str:
     return "\n".join(rows)
 
 
-if __name__ == "__main__":   # python -m dflash_trt.deploy.speed --check: the table of docs/speed-model.md
+if __name__ == "__main__":   # python -m dflash_trt.plan.speed --check: the table of docs/speed-model.md
     if sys.argv[1:] != ["--check"]:
-        sys.exit("usage: python -m dflash_trt.deploy.speed --check")
+        sys.exit("usage: python -m dflash_trt.plan.speed --check")
     print(check_table())

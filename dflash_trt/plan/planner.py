@@ -34,7 +34,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from dflash_trt.deploy.family_shapes import meta_shape_fields
+from dflash_trt.plan.family_shapes import meta_shape_fields
 from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import Hardware, get_hardware
 from dflash_trt.io.jsonio import read_json
@@ -165,7 +165,7 @@ def target_shape(cfg: dict, name: str = "target") -> ModelShape:
     MoE gpt-oss / Qwen3-MoE / Mixtral)."""
     mt = cfg.get("model_type")
     if mt not in DENSE_TYPES | MOE_TYPES:
-        # any other family: its parameter groups from transformers' model of the config (deploy/family_shapes.py)
+        # any other family: its parameter groups from transformers' model of the config (plan/family_shapes.py)
         fields, groups = meta_shape_fields(cfg, name)
         return ModelShape(**fields, native_format=native_format(cfg), groups=[Group(**g) for g in groups])
     for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
