@@ -67,8 +67,22 @@ FLOAT64 = ((".float()", ".double()"), ("torch.float32", "torch.float64"), ("dtyp
            ("dtype=torch.float)", "dtype=torch.float64)"))
 
 
+def _transformers_function(fn):
+    """The plain function transformers wrote for a kernel name of its module. transformers <= 5.24 wraps
+    it with functools.wraps (inspect.unwrap finds it); 5.25 turns it into an instance of the `kernels`
+    package's Func module (kernels 0.19 _internals/layer/layer.py `_create_func_module`), whose forward
+    closes over the functools-wrapped function (transformers/integrations/hub_kernels.py
+    `use_kernel_func_from_hub_with_fallback`)."""
+    if not inspect.isfunction(fn):
+        closed_over = [cell.cell_contents for cell in type(fn).forward.__closure__ or ()]
+        (fn,) = [f for f in closed_over if inspect.isfunction(f)]
+    return inspect.unwrap(fn)
+
+
 def _float64_copy(fn, namespace: dict):
-    src = textwrap.dedent(inspect.getsource(inspect.unwrap(fn)))
+    """transformers' own source of fn (decorators included) with its float32 casts made float64."""
+    fn = _transformers_function(fn)
+    src = textwrap.dedent(inspect.getsource(fn))
     for a, b in FLOAT64:
         src = src.replace(a, b)
     scope = {}
