@@ -132,7 +132,7 @@ def write_locks(now: dict) -> None:
     for name, (kept, removed) in now.items():
         text = (f"# The {name} env's lock: `pip freeze` of it as `make lock` built it from PyPI on {stamp}\n"
                 f"# (Python {sys.version_info.major}.{sys.version_info.minor}); `make` installs through it with "
-                "pip --constraint (Makefile).\n" + "".join(f"{line}\n" for line in sorted(kept.values(), key=str.lower)))
+                "pip --constraint (Makefile).\n" + "".join(f"{line}\n" for line in kept.values()))  # pip freeze's own order
         if removed:
             text += REMOVED_MARKER + "\n" + "".join(f"{line}\n" for line in sorted(removed.values(), key=str.lower))
         (LOCKS / f"{name}.txt").write_text(text)
