@@ -173,15 +173,18 @@ def train_drafter_cmd(target, data, prompts, out, layers, intermediate_size, tar
                                     answer_engine=answer_engine)
     finally:
         close_world(world)
-    if not world.main:
-        return
+    if world.main:   # only rank 0 reports
+        _report_training(summary, as_json)
+
+
+def _report_training(summary: dict, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(summary, indent=2))
-    else:
-        tau = summary["tau_estimate"]
-        click.echo(f"step {summary['step']}/{summary['steps']}: loss {summary['first_loss']:.3f} -> "
-                   f"{summary['last_loss']:.3f}" + (f", held-out tau ~{tau:.2f}" if tau is not None else "")
-                   + f"; drafter in {summary['drafter']}")
+        return
+    tau = summary["tau_estimate"]
+    click.echo(f"step {summary['step']}/{summary['steps']}: loss {summary['first_loss']:.3f} -> "
+               f"{summary['last_loss']:.3f}" + (f", held-out tau ~{tau:.2f}" if tau is not None else "")
+               + f"; drafter in {summary['drafter']}")
 
 
 @click.command("corpus")
