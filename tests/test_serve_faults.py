@@ -82,7 +82,11 @@ class Serve:
     """`dflash-trt serve ... --json` in its own process; `info` once it is ready. Its stderr goes
     to a file (read at the end), its stdout to a reader thread (the JSON of the endpoints)."""
 
+    running: list[Serve] = []   # ended after each test (a failed test leaves no server behind)
+    kept: list[Serve] = []      # but these: the module's shared server (fixture `triton`)
+
     def __init__(self, *argv: str, cwd: Path | None = None):
+        Serve.running.append(self)
         self.err_file = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (read after the process ends)
         self.proc = subprocess.Popen([sys.executable, "-m", "dflash_trt.cli", "serve", *argv, "--json"],
                                      stdout=subprocess.PIPE, stderr=self.err_file, text=True, cwd=cwd)
@@ -121,12 +125,32 @@ class Serve:
         self.err_file.seek(0)
         self.err = self.err_file.read()
         lines = self.err.strip().splitlines()
+        print(json.dumps({"serve_exit": self.proc.returncode, "last_line": lines[-1] if lines else "",
+                          "seconds": round(took, 1)}))   # the record a run leaves (pytest -s)
         return self.proc.returncode, lines[-1] if lines else "", took
 
     def stop(self, sig=signal.SIGTERM) -> tuple[int, str, float]:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
         return self.wait(STOP_BOUND_S * 4)
+
+    def end(self) -> None:
+        """Whatever is left of this serve and its processes, gone."""
+        left = descendants(self.proc.pid) if self.proc.poll() is None else {}
+        if self.proc.poll() is None:
+            self.stop()
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.fixture(autouse=True)
+def _no_server_left():
+    yield
+    for srv in [s for s in Serve.running if s.proc.poll() is None and s not in Serve.kept]:
+        srv.end()
 
 
 # --- HTTP ------------------------------------------------------------------------------------
@@ -214,6 +238,7 @@ def serve_triton(bundle: Path) -> Serve:
 def triton(bundle):
     """One `serve` for the tests that leave it serving (bad requests, load)."""
     srv = serve_triton(bundle)
+    Serve.kept.append(srv)
     yield srv
     code, last, took = srv.stop()
     assert code == 0 and took < STOP_BOUND_S, (code, last, took)
@@ -285,11 +310,14 @@ def test_killed_stub_fails_the_model_probe_and_ends_serve(bundle):
 
 @pytest.mark.slow
 def test_sigterm_after_a_stub_kill_is_bounded(bundle):
-    """SIGTERM right after the stub died (tritonserver then waits its --exit-timeout-secs for the
-    dead instance): serve and every process under it are gone within STOP_BOUND_S."""
+    """SIGTERM right after the stub died and a request failed on it (tritonserver then waits its
+    --exit-timeout-secs, 30 s by default, for the dead instance): serve and every process under it
+    are gone within STOP_BOUND_S."""
     srv = serve_triton(bundle)
     os.kill(one_process(srv.proc.pid, "triton_python_backend_stub"), signal.SIGKILL)
     group = descendants(srv.proc.pid)
+    status, body = generate(srv.info["http"], {"text_input": "hi", "sampling_param_max_tokens": 2})
+    assert status >= 400 and "not healthy" in body, (status, body)   # a request failed on the dead stub
     code, last, took = srv.stop()
     assert took < STOP_BOUND_S, (took, last)
     assert code == 0 and "tritonserver stopped" in last, (code, last)

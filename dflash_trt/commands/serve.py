@@ -42,7 +42,9 @@ def serve_cmd(bundle, models, host, http_port, grpc_port, metrics_port, stub_env
     """Run Triton Inference Server 2.51 (from the PyPI wheel nvidia-pytriton) on a bundle's
     triton/ model repository, in the foreground until Ctrl-C. Needs no GPU for dflash_reference:
     lossless DFlash on CPU, same request tensors as TensorRT-LLM's llmapi model, custom metrics
-    (dflash_*) on /metrics.
+    (dflash_*) on /metrics. SIGTERM / Ctrl-C stop it (15 s grace, then SIGKILL to the server's
+    process group; exit 0); a server that ends by itself, or whose model stops answering its
+    health request, ends serve with exit 1 and one `error:` line (docs/serving-faults.md).
 
     \b
     Examples:
