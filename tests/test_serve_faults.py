@@ -324,6 +324,22 @@ def test_sigterm_after_a_stub_kill_is_bounded(bundle):
     assert not [p for p in group if Path(f"/proc/{p}").exists()]
 
 
+@pytest.mark.slow
+def test_sigint_ends_serve_with_a_frozen_engine(bundle):
+    """Ctrl-C while tritonserver is frozen (SIGSTOP: it cannot act on its stop signal): the grace
+    runs out, SIGKILL goes to its process group, and serve is gone within STOP_BOUND_S with every
+    process under it."""
+    srv = serve_triton(bundle)
+    server = one_process(srv.proc.pid, "bin/tritonserver")
+    group = [server, *descendants(server)]
+    os.kill(server, signal.SIGSTOP)
+    code, last, took = srv.stop(signal.SIGINT)
+    assert took < STOP_BOUND_S, (took, last)
+    assert code == 0 and last.startswith("tritonserver stopped (killed by signal SIGKILL (-9), after SIGKILL to its "
+                                         "process group)"), (code, last)
+    assert not [p for p in group if Path(f"/proc/{p}").exists()]
+
+
 BAD_SAMPLING = [
     ({"sampling_param_temperature": -1.0}, "sampling_param_temperature"),
     ({"sampling_param_top_p": 0.0}, "sampling_param_top_p"),
