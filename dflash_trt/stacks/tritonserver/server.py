@@ -24,6 +24,7 @@ Three things make its Python backend work outside NVIDIA's container (measured o
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import signal
@@ -34,6 +35,7 @@ import sysconfig
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_trt.errors import DFlashError
@@ -147,6 +149,77 @@ def server_environment(stub_env: Path, extra: dict | None = None) -> dict:
     return env
 
 
+# How long a stop waits after the program's graceful-stop signal before it SIGKILLs the process
+# group: a stop (SIGTERM / Ctrl-C of `dflash-trt serve`) always ends within this plus the reaping.
+# tritonserver is told to give up on in-flight work sooner (EXIT_TIMEOUT_S), so it normally ends itself.
+STOP_GRACE_S = 15.0
+EXIT_TIMEOUT_S = 10
+# serve's watch of a running server: probe() every WATCH_S s, stop after WATCH_FAILURES failures in a row
+WATCH_S = 5.0
+WATCH_FAILURES = 3
+
+
+def describe_exit(code: int | None) -> str:
+    """`exit code 3` or `killed by signal SIGSEGV (-11)`: a Popen returncode in words."""
+    if code is not None and code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name} ({code})"
+        except ValueError:
+            return f"killed by signal {-code} ({code})"
+    return f"exit code {code}"
+
+
+def _killpg(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+@dataclass(frozen=True)
+class ServerEnd:
+    """How a served program ended: by our stop (Ctrl-C / SIGTERM), by itself (`by_itself`), or
+    stopped by us because its probe kept failing (`problem`: the last probe's answer)."""
+    name: str
+    code: int | None
+    by_itself: bool
+    problem: str | None
+    stop_s: float
+    killed: bool
+    log_path: Path
+
+    @property
+    def ok(self) -> bool:
+        return not self.by_itself and self.problem is None
+
+    def line(self) -> str:
+        status = describe_exit(self.code) + (", after SIGKILL to its process group" if self.killed else "")
+        if self.by_itself:
+            return f"{self.name} exited by itself ({status}); log {self.log_path}"
+        if self.problem:
+            return f"{self.name} stopped by dflash-trt: {self.problem}; it then ended ({status}); log {self.log_path}"
+        return f"{self.name} stopped ({status}) in {self.stop_s:.1f} s"
+
+
+HEALTH_INPUT = "health_check"   # the request input our Triton models answer at once, from execute()
+PROBE_TIMEOUT_S = 5.0
+
+
+def ask_model_health(http_url: str, model: str, timeout: float = PROBE_TIMEOUT_S) -> str | None:
+    """None when `model` answers a health request (HEALTH_INPUT) through Triton's generate
+    endpoint, else why not (one line): the model's stub and decode workers are alive."""
+    body = json.dumps({"text_input": "", HEALTH_INPUT: True}).encode()
+    req = urllib.request.Request(f"{http_url}/v2/models/{model}/generate", body, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            r.read()
+        return None
+    except urllib.error.HTTPError as e:
+        return f"model {model} answers its health request with HTTP {e.code}: {e.read()[:200].decode(errors='replace')}"
+    except OSError as e:
+        return f"model {model} does not answer its health request: {e}"
+
+
 class ServerProcess:
     """A server program in its own process group, its output in a log file, ready once its health
     URL answers 200: what tritonserver and `vllm serve` share. A subclass gives command(),
@@ -154,6 +227,8 @@ class ServerProcess:
 
     NAME = "server"
     STOP_SIGNAL = signal.SIGINT
+    STOP_GRACE_S = STOP_GRACE_S
+    killed = False   # stop() had to SIGKILL the group
     proc: subprocess.Popen | None = None
     log_path: Path
 
@@ -170,7 +245,7 @@ class ServerProcess:
 
     def ready(self) -> bool:
         try:
-            with urllib.request.urlopen(self.health_url, timeout=2) as r:
+            with urllib.request.urlopen(self.health_url, timeout=PROBE_TIMEOUT_S) as r:
                 return r.status == 200
         except OSError:  # URLError, refused, reset, timed out: not (yet) serving
             return False
@@ -187,46 +262,72 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise DFlashError(f"{self.NAME} exited with code {self.proc.returncode} before it was ready; "
                                   f"log {self.log_path}:\n{self.log_tail()}")
-            if self.ready():
+            if self.probe() is None:
                 return
             time.sleep(0.5)
         self.stop()
         raise DFlashError(f"{self.NAME} was not ready after {timeout:.0f} s; log {self.log_path}:\n{self.log_tail()}")
 
-    def stop(self, timeout: float = 60.0) -> int:
+    def stop(self, timeout: float | None = None) -> int:
         """STOP_SIGNAL (the program's graceful shutdown), SIGKILL to the whole process group after
-        `timeout`; then whatever of the group outlived it (vLLM's engine core, Triton's stubs).
-        Returns the exit code."""
+        `timeout` (default STOP_GRACE_S) or at once on a second Ctrl-C / SIGTERM; then whatever of
+        the group outlived it (vLLM's engine core, Triton's stubs). Returns the exit code."""
         if self.proc is None:
             return 0
+        grace = self.STOP_GRACE_S if timeout is None else timeout
         if self.proc.poll() is None:
             self.proc.send_signal(self.STOP_SIGNAL)
             try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(grace)
+            except (subprocess.TimeoutExpired, KeyboardInterrupt):
+                self.killed = True
+                _killpg(self.proc.pid)
                 self.proc.wait()
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _killpg(self.proc.pid)
         self._log.close()
         return self.proc.returncode
 
-    def serve_until_stopped(self, announce) -> int:
+    def probe(self) -> str | None:
+        """None while the server would serve a request, else why not (one line). The default asks
+        the health URL; a server whose health URL answers for the server but not for its models
+        asks the models (TritonServer.probe)."""
+        return None if self.ready() else f"{self.health_url} does not answer 200"
+
+    def serve_until_stopped(self, announce, watch_s: float = WATCH_S, failures: int = WATCH_FAILURES) -> ServerEnd:
         """Start, call `announce()` once ready, then stay in the foreground until Ctrl-C or SIGTERM
-        (a pod's stop: made a Ctrl-C here) or the program dies by itself; stop gracefully in every
-        case, a Ctrl-C during a long start included. Returns the exit code."""
+        (a pod's stop: made a Ctrl-C here), the program ends by itself, or probe() has failed
+        `failures` times in a row, `watch_s` apart (a model that cannot answer: we stop the server).
+        Stops in every case (stop(): at most STOP_GRACE_S, then SIGKILL), a Ctrl-C during a long
+        start included. Returns how it ended."""
         signal.signal(signal.SIGTERM, signal.default_int_handler)
+        problem = None
         try:
             self.start()
             announce()
-            self.proc.wait()  # returns early only if the server dies by itself
+            problem = self._watch(watch_s, failures)
         except KeyboardInterrupt:
             pass
         finally:
+            by_itself = self.proc is not None and self.proc.poll() is not None and problem is None
+            started = time.monotonic()
             code = self.stop()
-        return code
+            stop_s = time.monotonic() - started
+        return ServerEnd(self.NAME, code, by_itself, problem, stop_s, self.killed, self.log_path)
+
+    def _watch(self, every: float, failures: int) -> str | None:
+        """Wait while the server runs and its probe answers; None once the process has exited,
+        else the probe's answer after `failures` failures in a row."""
+        failed = 0
+        while True:
+            try:
+                self.proc.wait(every)
+                return None
+            except subprocess.TimeoutExpired:
+                pass
+            problem = self.probe()
+            failed = failed + 1 if problem else 0
+            if failed >= failures and self.proc.poll() is None:
+                return f"{problem} ({failed} probes in a row, {every:g} s apart)"
 
     def __enter__(self):
         return self.start() if self.proc is None else self
@@ -285,11 +386,28 @@ class TritonServer(ServerProcess):
                 "--grpc-address", self.host, "--grpc-port", str(self.grpc_port),
                 "--metrics-address", self.host, "--metrics-port", str(self.metrics_port),
                 "--allow-metrics", "true", "--allow-gpu-metrics", "false", "--allow-cpu-metrics", "false",
-                "--log-verbose", str(self.log_verbose)]
+                "--log-verbose", str(self.log_verbose), "--exit-timeout-secs", str(EXIT_TIMEOUT_S)]
         return argv
 
     def environment(self) -> dict:
         return server_environment(self.stub_env, self.extra_env)
+
+    @property
+    def health_models(self) -> list[str]:
+        """The loaded models that answer a health request (their config declares HEALTH_INPUT)."""
+        return [m for m in self.models if f'name: "{HEALTH_INPUT}"' in (self.repo / m / "config.pbtxt").read_text()]
+
+    def probe(self) -> str | None:
+        """The server's ready endpoint, then each health model asked through its own execute():
+        tritonserver 2.51 keeps /v2/health/ready and the model's ready endpoint at 200 after a
+        Python-backend stub died (its libtriton_python.so exports no TRITONBACKEND_ModelInstanceReady;
+        docs/serving-faults.md), so only the model can say it still serves."""
+        problem = super().probe()
+        for m in [] if problem else self.health_models:
+            problem = ask_model_health(self.http_url, m)
+            if problem:
+                break
+        return problem
 
     def start(self, timeout: float = 180.0) -> TritonServer:
         check_stub_env(self.stub_env, self.stub_imports, self.extra_env)

@@ -434,15 +434,28 @@ containers:
         path: {{ $ep.ready }}
         port: http
       {{- toYaml $v.probes.startup | nindent 6 }}
+    {{- /* Triton: the models answer (files/triton_ready.py), not only the server: its ready
+         endpoints stay 200 after a model's Python stub died (docs/serving-faults.md) */}}
+    {{- $modelProbe := eq $v.server.stack "triton" }}
     livenessProbe:
+      {{- if $modelProbe }}
+      exec:
+        command: ["python3", "/opt/dflash-trt/triton_ready.py"]
+      {{- else }}
       httpGet:
         path: {{ $ep.live }}
         port: http
+      {{- end }}
       {{- toYaml $v.probes.liveness | nindent 6 }}
     readinessProbe:
+      {{- if $modelProbe }}
+      exec:
+        command: ["python3", "/opt/dflash-trt/triton_ready.py"]
+      {{- else }}
       httpGet:
         path: {{ $ep.ready }}
         port: http
+      {{- end }}
       {{- toYaml $v.probes.readiness | nindent 6 }}
     lifecycle:
       # Drain before SIGTERM: the pod has left the Service's endpoints; wait for its in-flight

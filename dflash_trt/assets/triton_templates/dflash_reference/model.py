@@ -20,6 +20,7 @@ dflash_kv_cache_utilization is the KV positions reserved by the active requests 
 max_tokens + one block) over the slots' capacity.
 """
 import json
+import math
 import os
 import queue
 import threading
@@ -37,7 +38,7 @@ def _scalar(request, name, default=None):
         return default
     arr = tensor.as_numpy()
     if arr.size != 1:
-        raise pb_utils.TritonModelException(f"input {name}: expected one value, got shape {list(arr.shape)}")
+        raise BadRequest(f"input {name}: expected one value, got shape {list(arr.shape)}")
     value = arr.reshape(-1)[0]
     return value.decode("utf-8") if isinstance(value, bytes) else value.item() if hasattr(value, "item") else value
 
@@ -45,16 +46,38 @@ def _scalar(request, name, default=None):
 def _prompt(request, max_bytes):
     tensor = pb_utils.get_input_tensor_by_name(request, "text_input")
     if tensor is None:
-        raise pb_utils.TritonModelException("input text_input is missing")
+        raise BadRequest("input text_input is missing")
     arr = tensor.as_numpy().reshape(-1)
     if arr.size != 1:
-        raise pb_utils.TritonModelException(f"input text_input: one prompt per request, got {arr.size}")
+        raise BadRequest(f"input text_input: one prompt per request, got {arr.size}")
     value = arr[0]
     raw = value if isinstance(value, bytes) else str(value).encode("utf-8")
     if len(raw) > max_bytes:
-        raise pb_utils.TritonModelException(f"input text_input: {len(raw)} bytes, more than this model's "
-                                            f"max_prompt_bytes = {max_bytes}")
+        raise BadRequest(f"input text_input: {len(raw)} bytes, more than this model's "
+                           f"max_prompt_bytes = {max_bytes}")
     return raw.decode("utf-8", errors="replace")
+
+
+class BadRequest(Exception):
+    """A request the model refuses: answered with Triton's INVALID_ARG (HTTP 400), not INTERNAL (500)."""
+
+
+def _error(e):
+    if isinstance(e, BadRequest):
+        return pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG)
+    return pb_utils.TritonError(str(e))
+
+
+# (input, generate() argument, type, default, check, what it must be): the sampling parameters
+# the runtime takes (dflash_trt/runtime/sampling.py), checked before a request is queued
+SAMPLING = (
+    ("sampling_param_temperature", "temperature", float, 0.0, lambda v: math.isfinite(v) and v >= 0,
+     "a finite number >= 0 (0 = greedy)"),
+    ("sampling_param_top_p", "top_p", float, 1.0, lambda v: 0 < v <= 1, "in (0, 1] (1 = off)"),
+    ("sampling_param_top_k", "top_k", int, 0, lambda v: v >= 0, "an integer >= 0 (0 = off)"),
+    ("sampling_param_seed", "seed", int, 0, lambda v: 0 <= v < 1 << 64, "an integer in [0, 2**64)"),
+)
+HEALTH_INPUT = "health_check"   # a request with it true is answered at once from execute(): the stub lives
 
 
 def stats_from_result(result, block_size):
@@ -103,18 +126,18 @@ class TritonPythonModel:
         prompt = _prompt(request, self.max_prompt_bytes)
         max_tokens = int(_scalar(request, "sampling_param_max_tokens", self.settings.get("max_new_tokens", 128)))
         if max_tokens < 1:
-            raise pb_utils.TritonModelException(f"input sampling_param_max_tokens: {max_tokens}, must be at least 1")
+            raise BadRequest(f"input sampling_param_max_tokens: {max_tokens}, must be at least 1")
         block_size = int(_scalar(request, "block_size", self.block_size))
         if not 2 <= block_size <= self.block_size:
-            raise pb_utils.TritonModelException(f"input block_size: {block_size}, must be 2..{self.block_size}")
-        return dict(
-            prompt=prompt, max_new_tokens=max_tokens, block_size=block_size,
-            chat=not bool(_scalar(request, "raw_prompt", not self.settings.get("chat", True))),
-            temperature=float(_scalar(request, "sampling_param_temperature", 0.0)),
-            top_k=int(_scalar(request, "sampling_param_top_k", 0)),
-            top_p=float(_scalar(request, "sampling_param_top_p", 1.0)),
-            seed=int(_scalar(request, "sampling_param_seed", 0)),
-        )
+            raise BadRequest(f"input block_size: {block_size}, must be 2..{self.block_size}")
+        kw = {"prompt": prompt, "max_new_tokens": max_tokens, "block_size": block_size,
+              "chat": not bool(_scalar(request, "raw_prompt", not self.settings.get("chat", True)))}
+        for name, arg, cast, default, ok, must in SAMPLING:
+            value = _scalar(request, name)
+            if value is not None and not ok(value):
+                raise BadRequest(f"input {name}: {value}, must be {must}")
+            kw[arg] = cast(default if value is None else value)
+        return kw
 
     def _generate(self, slot, kw):
         from dflash_trt.runtime.pair import encode_prompt, generate
@@ -123,8 +146,8 @@ class TritonPythonModel:
         ids = encode_prompt(pair.tokenizer, kw.pop("prompt"), kw.pop("chat"))
         need = len(ids) + kw["max_new_tokens"] + kw["block_size"] + 1
         if need > self.max_len:
-            raise pb_utils.TritonModelException(f"prompt of {len(ids)} tokens + {kw['max_new_tokens']} new tokens "
-                                                f"exceeds this model's max_len = {self.max_len}")
+            raise BadRequest(f"prompt of {len(ids)} tokens + {kw['max_new_tokens']} new tokens "
+                             f"exceeds this model's max_len = {self.max_len}")
         self.reserved[slot] = need
         self._gauges()
         result = generate(pair, ids, mode="dflash", **kw)
@@ -156,24 +179,37 @@ class TritonPythonModel:
             try:
                 response = self._generate(slot, kw)
             except Exception as e:  # report to the client, keep serving
-                response = pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(e)))
+                response = pb_utils.InferenceResponse(output_tensors=[], error=_error(e))
             finally:
                 self.reserved[slot] = 0
                 self._gauges()
             sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
+    def _health(self):
+        """The answer to a health request: every decode worker is alive (the stub is, as it answers)."""
+        dead = [i for i, w in enumerate(self.workers) if not w.is_alive()]
+        if dead:
+            return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(
+                f"dflash_reference: decode worker(s) {dead} died"))
+        return pb_utils.InferenceResponse(output_tensors=[
+            pb_utils.Tensor("text_output", np.array([b""], dtype=np.object_)),
+            pb_utils.Tensor("finish_reason", np.array([b"health"], dtype=np.object_))])
+
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
             try:
-                self.queue.put_nowait((sender, self._parse(request)))
+                if _scalar(request, HEALTH_INPUT, False):
+                    response = self._health()
+                else:
+                    self.queue.put_nowait((sender, self._parse(request)))
+                    continue
             except queue.Full:
-                sender.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(
-                    f"dflash_reference: {self.queue.maxsize} requests already waiting (max_queue); retry later")),
-                    flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                response = pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(
+                    f"dflash_reference: {self.queue.maxsize} requests already waiting (max_queue); retry later"))
             except Exception as e:
-                sender.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(e))),
-                            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                response = pb_utils.InferenceResponse(output_tensors=[], error=_error(e))
+            sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         self._gauges()
         return None
 
