@@ -34,6 +34,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from dflash_trt.plan.cost import activation_bytes, kv_bytes_per_token, weight_bytes
 from dflash_trt.plan.family_shapes import meta_shape_fields
 from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import Hardware, get_hardware
@@ -62,11 +63,6 @@ MAX_GPUS_PER_NODE = 16
 QUANT_FORMATS = ("auto", "none", "fp8", "nvfp4", "mxfp4")
 KV_FORMATS = ("auto", "fp8", "bf16")
 
-# Bytes per weight element of a quantized linear layer (scale tensors included).
-# int8: compressed-tensors W8A8 (a drafter for vLLM); its per-channel scales (2 bytes a row) are left out
-ELEMENT_BYTES = {"none": 2.0, "fp8": 1.0, "nvfp4": 0.5 + 1 / 16, "mxfp4": 0.5 + 1 / 32, "int8": 1.0}
-# Per-tensor fp32 scalars that come with each quantized linear layer (weight_scale(_2), input_scale).
-SCALAR_BYTES_PER_LINEAR = {"none": 0, "fp8": 8, "nvfp4": 8, "mxfp4": 0, "int8": 0}
 # A quantized drafter (build --drafter-quant): its decoder Linears in ModelOpt FP8 / NVFP4, fc kept bf16
 # (drafter_shape: fc is not quantizable), as SGLang's DFlash loader takes it; TensorRT-LLM's also keeps
 # q/k/v bf16 (engines.json drafter_quant), which this counts as quantized.
@@ -131,6 +127,10 @@ class ModelShape:
         if not any(g.name == "lm_head" for g in self.groups) and self.has_embedding:
             n += self.vocab * self.hidden        # tied lm_head: the embedding matrix is multiplied
         return n
+
+    def output_projection(self) -> Group:
+        """The output projection (the embedding when tied), which a DFlash drafter borrows."""
+        return next((g for g in self.groups if g.name == "lm_head"), Group("lm_head", self.vocab * self.hidden, "tp", False))
 
     @property
     def full_layers(self) -> int:
@@ -313,55 +313,6 @@ def resolve_kv(quant: str, kv: str, hw: Hardware) -> str:
     if kv == "auto":
         kv = "fp8" if quant != "none" and hw.fp8 else "bf16"
     return kv
-
-
-def weight_bytes(shape: ModelShape, fmt: str, tp: int = 1, attn_tp: int | None = None) -> int:
-    """Bytes of the model's weights on one GPU of a tp-way split (tp=1: the whole model);
-    `attn_tp`: the attention's own split (1 under attention DP, which replicates it)."""
-    total = 0.0
-    for g in shape.groups:
-        elems = _elements_per_gpu(g, shape, attn_tp if attn_tp is not None and g.name.startswith("attn") else tp)
-        quantized = g.quantizable and (fmt in ("fp8", "nvfp4", "int8") or (fmt == "mxfp4" and g.expert))
-        if quantized:
-            total += elems * ELEMENT_BYTES[fmt] + g.linears * SCALAR_BYTES_PER_LINEAR[fmt]
-        else:
-            total += elems * 2.0
-    return math.ceil(total)
-
-
-def _elements_per_gpu(g: Group, shape: ModelShape, tp: int) -> float:
-    if g.split == "rep" or tp == 1:
-        return g.elements
-    if g.split == "kv":
-        return g.elements / g.kv_heads * math.ceil(g.kv_heads / tp)
-    if g.name in ("embed", "lm_head"):   # vocab padded to a multiple of tp
-        return math.ceil(shape.vocab / tp) * shape.hidden
-    return g.elements / tp
-
-
-def kv_bytes_per_token(shape: ModelShape, kv_format: str, tp: int = 1, layers: int | None = None) -> int:
-    """KV bytes per token of context on one GPU of a tp-way split, over `layers` layers (default:
-    all of them)."""
-    layers = shape.layers if layers is None else layers
-    b = 1 if kv_format == "fp8" else 2
-    if shape.kv_per_layer:
-        # layers of different widths: exact over all of them; a part of them (the layers that
-        # max_attention_window leaves whole) is counted at the mean width per layer
-        per_layer = [2 * math.ceil(h / tp) * d * b for h, d in shape.kv_per_layer]
-        total = sum(per_layer)
-        return total if layers == len(per_layer) else math.ceil(total * layers / len(per_layer))
-    return layers * 2 * math.ceil(shape.kv_heads / tp) * shape.head_dim * b
-
-
-def activation_bytes(shape: ModelShape, tp: int, max_num_tokens: int, logits_tokens: int) -> int:
-    """A rough upper bound of TensorRT-LLM's activation memory per GPU: bf16 hidden, qkv and MLP
-    intermediates for max_num_tokens tokens in flight, plus fp32 logits (vocab/tp) for the tokens
-    the step samples or verifies (max_batch_size × block)."""
-    heads = shape.heads // tp + 2 * math.ceil(shape.kv_heads / tp)
-    inter = shape.intermediate * (shape.experts_per_token if shape.experts else 1)
-    per_token = 2 * (4 * shape.hidden + heads * shape.head_dim + 2 * inter // tp)
-    logits = logits_tokens * math.ceil(shape.vocab / tp) * 4
-    return max_num_tokens * per_token + logits
 
 
 # ---------------------------------------------------------------------------------------------

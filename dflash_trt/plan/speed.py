@@ -1,28 +1,9 @@
 """Decode speed of a planned layout: tokens/s per user and per GPU against concurrency, for plain
 autoregressive decoding (AR) and for DFlash, from what one decode step physically does on the GPU.
 
-One forward pass of a model over T tokens (T = concurrent sequences × tokens per sequence: 1 for an
-AR step, the block B for a DFlash verify or draft) costs, on each GPU of a replica:
-
-    Σ over its stages  max(bytes read / (HBM bandwidth · HBM_EFF),  FLOPs / (dense peak of the format · TENSOR_EFF))
-    + collectives: TP all-reduce (2 per layer) or, with attention data parallel, EP all-to-all
-      (dispatch + combine per MoE layer): COLLECTIVE_LATENCY + bytes / (NVLink per direction · NVLINK_EFF)
-    + layers · LAYER_LATENCY + STEP_OVERHEAD          (the fixed cost of launching a layer's kernels)
-
-Stages (each a roofline of its own, they run as separate kernels):
-  dense linears  every weight outside the experts (attention projections, dense MLPs, lm_head, router), read
-                 once per pass in its format; FLOPs 2 · elements · tokens.
-  experts        of E experts with top-k routing, T tokens touch E·(1 − (1 − k/E)^T) on average (each
-                 token picks k distinct experts: an expert is missed by one token with probability
-                 1 − k/E); the bytes of those are read, FLOPs are 2 · k/E · expert elements per token.
-  attention      each sequence reads its KV cache once per pass whatever its query count (a verify of
-                 B tokens reads the context once): full layers the whole context, sliding-window layers
-                 at most the window; FLOPs 4 · heads · head_dim per query per context token.
-
-Formats: weight bytes are the planner's (BF16 2, FP8 1, NVFP4 0.5625, MXFP4 0.53125 bytes per element,
-scales included). A GEMM runs at the dense peak of its math format: NVFP4 at FP4, FP8 at FP8, MXFP4 experts
-at FP8 on Blackwell (TensorRT-LLM's W4A8 MXFP4 x MXFP8 MoE; its gpt-oss deployment guide) and at BF16 on
-Hopper (weights dequantized in the kernel), everything else and attention at BF16.
+What one step of a layout costs (bytes read, FLOPs, collectives, fixed launch cost per layer, each pass a
+roofline) is the cost model's, plan/cost.py, which the planner also asks for what a layout holds; this module
+turns step times into curves.
 
 DFlash step = verify (target pass over B tokens per sequence) + draft (the drafter's layers over its block of
 B, reading its own cache of projected target features, plus the target's lm_head over the B − 1 drafted
@@ -32,11 +13,11 @@ positions). Each step emits tau tokens per sequence (tau: mean accepted length, 
     tokens/s per GPU  = concurrency · tokens/s per user / GPUs of the replica.
 
 Draft schedule (per layout, with a drafter): the same passes price a step drafting K < B - 1 tokens (verify
-over K + 1 tokens, the drafter's whole block; K = 0 an AR step, step_seconds_for), and
+over K + 1 tokens, the drafter's whole block; K = 0 an AR step: cost.StepCost.step_seconds), and
 plan/draft_schedule.py picks the K of most tokens/s at each concurrency from the acceptance per draft
 position (resolve_acceptance). build_schedule is `build --draft-schedule`'s.
 
-Efficiency factors (EFFICIENCY, a low / central / high set; every number printed is the central one with
+Efficiency factors (cost.EFFICIENCY, a low / central / high set; every number printed is the central one with
 the low-high range beside it). LAYER_LATENCY's central value is fitted to one public point, TensorRT-LLM's
 420 tokens/s per user for gpt-oss-120b on 8 × B200 at batch 1 (its gpt-oss deployment blog): at that batch
 the weights read per GPU take about 0.1 ms, so nearly all of the 2.4 ms step is fixed per-layer cost. The
@@ -56,38 +37,11 @@ from importlib import resources
 
 from dflash_trt.plan import draft_schedule as ds
 from dflash_trt.plan import planner
-from dflash_trt.plan.planner import Group, Layout, ModelShape, Plan, weight_bytes
+from dflash_trt.plan.cost import EFFICIENCY, Efficiency, Forward, StepCost
+from dflash_trt.plan.planner import Layout, ModelShape, Plan
 from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import Hardware, get_hardware, hardware_for_gpu
 
-
-@dataclass(frozen=True)
-class Efficiency:
-    hbm: float                    # share of the datasheet HBM bandwidth decode kernels reach
-    tensor: float                 # share of the dense tensor peak a GEMM over many tokens reaches
-    nvlink: float                 # share of the per-direction NVLink bandwidth a collective reaches
-    layer_latency_s: float        # fixed time per transformer layer per forward pass
-    collective_latency_s: float   # fixed time per all-reduce / all-to-all
-    step_overhead_s: float        # per forward pass: graph launch, sampling, scheduler
-
-
-# low = pessimistic, high = optimistic. Sources and fits in docs/speed-model.md:
-# - hbm 0.8 (0.7-0.9): the share of peak bandwidth bandwidth-bound kernels are commonly measured at; with it
-#   Llama-3.3-70B FP8 on one H200 at batch 1 comes out at 47 tokens/s against NVIDIA's 51.14 (a check).
-# - tensor 0.6 (0.45-0.75): dense GEMMs over thousands of tokens; checked against TensorRT-LLM's max-throughput
-#   Llama-3.1-8B FP8 table (perf-overview), compute-bound at those batches.
-# - nvlink 0.7 (0.6-0.8), collective latency 8 us (12-5): NCCL / TensorRT-LLM custom all-reduce of small messages.
-# - layer latency 44.5 us central: fitted (module docstring); 60 us low, 25 us high (newer engines with fused
-#   kernels and programmatic dependent launch).
-# - step overhead 100 us (200-50): sampling and the host side of a step under CUDA graphs.
-EFFICIENCY = {
-    "low": Efficiency(hbm=0.7, tensor=0.45, nvlink=0.6, layer_latency_s=60e-6, collective_latency_s=12e-6,
-                      step_overhead_s=200e-6),
-    "central": Efficiency(hbm=0.8, tensor=0.6, nvlink=0.7, layer_latency_s=44.5e-6, collective_latency_s=8e-6,
-                          step_overhead_s=100e-6),
-    "high": Efficiency(hbm=0.9, tensor=0.75, nvlink=0.8, layer_latency_s=25e-6, collective_latency_s=5e-6,
-                       step_overhead_s=50e-6),
-}
 
 # Mean accepted length (tau, bonus token included) of the presets' published drafters, used when --tau is not
 # given. gpt-oss-120b: z-lab/gpt-oss-120b-DFlash model card, block 10, SGLang on one H200, reasoning effort
@@ -109,108 +63,6 @@ PUBLISHED_TAU = {
 PUBLISHED_SURVIVAL: dict[str, tuple[list[float], str]] = {}
 
 DEFAULT_CONTEXT_TOKENS = 2048   # mean tokens of context per sequence while decoding (1k prompt + half of 2k out)
-ACTIVATION_BYTES = 2            # hidden states on the wire (bf16)
-
-
-def experts_touched(experts: int, top_k: int, tokens: float) -> float:
-    """Expected distinct experts `tokens` tokens route to, each picking top_k of `experts` (uniform)."""
-    return experts * (1 - (1 - top_k / experts) ** tokens)
-
-
-def math_format(group: Group, weight_format: str, hw: Hardware) -> str:
-    """The tensor-core format a group's GEMMs run in (module docstring)."""
-    if not group.quantizable or weight_format == "none":
-        return "bf16"
-    if weight_format == "fp8":
-        return "fp8"
-    if weight_format == "nvfp4":
-        return "fp4"
-    if weight_format == "mxfp4" and group.expert:
-        return "fp8" if hw.fp4 else "bf16"
-    return "bf16"
-
-
-@dataclass
-class Forward:
-    """One forward pass on one GPU of a replica: what it reads, computes and sends, and its time."""
-    tokens: int                    # tokens through the model on the whole replica
-    weight_bytes: float
-    kv_bytes: float
-    linear_flops: float
-    attention_flops: float
-    comm_bytes: float
-    memory_s: float = 0.0          # stage times (each stage: max of its memory and compute time)
-    compute_s: float = 0.0
-    bound: str = ""                # "memory" or "compute": which dominates the linear stages
-    comm_s: float = 0.0
-    fixed_s: float = 0.0
-    time_s: float = 0.0
-
-
-def forward(shape: ModelShape, weight_format: str, kv_format: str, hw: Hardware, tp: int, sequences: int,
-            queries: int, context: int, eff: Efficiency, *, attention_dp: bool = False,
-            extra_groups: tuple[Group, ...] = ()) -> Forward:
-    """Cost of one pass of `shape` over `queries` tokens of each of `sequences` sequences holding `context`
-    tokens of KV, on one of the replica's `tp` GPUs. attention_dp: attention (and dense weights) replicated,
-    each GPU its share of the sequences, experts split over the tp GPUs (expert parallel, all-to-all)."""
-    T = sequences * queries
-    share = 1 / tp if attention_dp else 1.0          # the share of the sequences one GPU attends to
-    dense_tp = 1 if attention_dp else tp
-    bw = hw.hbm_bytes_per_s * eff.hbm
-    peak = {f: v * eff.tensor for f, v in hw.dense_flops_per_s.items()}
-
-    w_dense = w_expert = fl_dense_s = fl_expert_s = fl_dense = fl_expert = 0.0
-    for g in (*shape.groups, *extra_groups):
-        if g.name == "embed":
-            continue                                  # a lookup of T rows
-        one = replace(shape, groups=[g])
-        if g.expert or g.name == "expert_bias":
-            frac = experts_touched(shape.experts, shape.experts_per_token, T) / shape.experts
-            w_expert += weight_bytes(one, weight_format, tp) * frac
-            fl = 2 * g.elements * g.active_fraction * T / tp
-            fl_expert += fl
-            fl_expert_s += fl / peak[math_format(g, weight_format, hw)]
-        else:
-            w_dense += weight_bytes(one, weight_format, dense_tp)
-            if g.quantizable or g.name in ("lm_head", "fc"):
-                fl = 2 * g.elements / dense_tp * T * share
-                fl_dense += fl
-                fl_dense_s += fl / peak[math_format(g, weight_format, hw)]
-
-    # attention: KV read once per sequence per pass, written for the new tokens
-    kv_heads = shape.kv_heads if attention_dp else math.ceil(shape.kv_heads / tp)
-    heads = shape.heads if attention_dp else shape.heads // tp
-    kv_per_token_layer = 2 * kv_heads * shape.head_dim * (1 if kv_format == "fp8" else 2)
-    sliding = shape.sliding_layers if shape.sliding_window else 0
-    window = min(context, shape.sliding_window or context)
-    ctx_tokens = (shape.layers - sliding) * context + sliding * window    # context tokens read, over the layers
-    seqs = sequences * share
-    kv = seqs * (ctx_tokens + queries * shape.layers) * kv_per_token_layer
-    fl_attn = seqs * queries * ctx_tokens * 4 * heads * shape.head_dim
-
-    dense_s = max(w_dense / bw, fl_dense_s)
-    expert_s = max(w_expert / bw, fl_expert_s)
-    attn_s = max(kv / bw, fl_attn / peak["bf16"])
-    mem_s = (w_dense + w_expert + kv) / bw
-    comp_s = fl_dense_s + fl_expert_s + fl_attn / peak["bf16"]
-
-    link = hw.nvlink_bytes_per_s / 2 * eff.nvlink        # catalog figure is both directions
-    comm_bytes = comm_s = 0.0
-    if tp > 1 and not attention_dp:                      # all-reduce after attention and after the MLP / MoE
-        msg = T * shape.hidden * ACTIVATION_BYTES
-        comm_bytes = 2 * shape.layers * 2 * (tp - 1) / tp * msg
-        comm_s = 2 * shape.layers * eff.collective_latency_s + comm_bytes / link
-    elif tp > 1 and shape.experts:                       # dispatch + combine of the routed tokens
-        moe_layers = shape.layers
-        msg = T * share * shape.experts_per_token * shape.hidden * ACTIVATION_BYTES * (tp - 1) / tp
-        comm_bytes = moe_layers * 2 * msg
-        comm_s = moe_layers * 2 * eff.collective_latency_s + comm_bytes / link
-
-    fixed_s = shape.layers * eff.layer_latency_s + eff.step_overhead_s
-    return Forward(tokens=T, weight_bytes=w_dense + w_expert, kv_bytes=kv, linear_flops=fl_dense + fl_expert,
-                   attention_flops=fl_attn, comm_bytes=comm_bytes, memory_s=mem_s, compute_s=comp_s,
-                   bound="compute" if fl_dense_s + fl_expert_s > (w_dense + w_expert) / bw else "memory",
-                   comm_s=comm_s, fixed_s=fixed_s, time_s=dense_s + expert_s + attn_s + comm_s + fixed_s)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -318,24 +170,9 @@ def resolve_acceptance(target_name: str, tau: float | None, block: int, has_draf
 
 def step_seconds_for(plan: Plan, tp: int, target: ModelShape, drafter: ModelShape, hw: Hardware, context: int,
                      eff: Efficiency, *, attention_dp: bool = False):
-    """step_seconds(c, K) of one decode step of c sequences drafting K tokens each (draft_schedule.choose):
-    K = 0 a plain AR step; K >= 1 the target's verify over K + 1 tokens per sequence, plus the drafter's
-    pass over its whole block B (and the target's lm_head it borrows) whatever K. A shorter draft keeps the
-    drafter's block: TensorRT-LLM's DFlashWorker (tensorrt_llm/_torch/speculative/dflash.py @ 2fc4bbbc414379ff,
-    prepare_1st_drafter_inputs) builds a query block of the drafter's block_size and gathers only the K
-    drafted positions' logits, so what a schedule saves is the verify's tokens, not the drafter's."""
-    fmt, kv, dq, B = plan.quant["target"], plan.quant["kv_cache"], plan.quant["drafter"], plan.block_size
-    lm_head = _lm_head(target)
-    draft_s: dict[int, float] = {}
-
-    def step(c: int, k: int) -> float:
-        if k == 0:
-            return forward(target, fmt, kv, hw, tp, c, 1, context, eff, attention_dp=attention_dp).time_s
-        if c not in draft_s:
-            draft_s[c] = forward(drafter, dq, kv, hw, tp, c, B, context, eff, attention_dp=attention_dp,
-                                 extra_groups=(lm_head,)).time_s
-        return forward(target, fmt, kv, hw, tp, c, k + 1, context, eff, attention_dp=attention_dp).time_s + draft_s[c]
-    return step
+    """step_seconds(c, K) of one decode step of c sequences drafting K tokens each (draft_schedule.choose),
+    the cost model's (cost.StepCost.step_seconds)."""
+    return StepCost(plan, target, drafter, hw, tp, context, eff, attention_dp=attention_dp).step_seconds
 
 
 SCHEDULE_COST = ("step cost: K = 0 a plain AR step; K >= 1 the target's verify over K + 1 tokens per sequence plus the "
@@ -379,18 +216,15 @@ def layout_speed(plan: Plan, layout: Layout, target: ModelShape, drafter: ModelS
         out.reason = f"one sequence of {context} tokens does not fit the KV cache"
         return out
     out.max_concurrency = cap
-    fmt, kv, dq = plan.quant["target"], plan.quant["kv_cache"], plan.quant["drafter"]
-    lm_head = _lm_head(target)
+    costs = {name: StepCost(plan, target, drafter, hw, tp, context, eff, attention_dp=adp)
+             for name, eff in EFFICIENCY.items()}
     for c in concurrencies(cap):
         runs = {}
-        for name, eff in EFFICIENCY.items():
-            ar = forward(target, fmt, kv, hw, tp, c, 1, context, eff, attention_dp=adp)
+        for name, cost in costs.items():
+            ar = cost.ar(c)
             r = {"ar": ar, "ar_user": 1 / ar.time_s}
             if drafter and tau:
-                v = forward(target, fmt, kv, hw, tp, c, B, context, eff, attention_dp=adp)
-                # the drafter's pass over its block, and the target's lm_head it borrows (counted over all B
-                # positions: B - 1 are drafted, an overestimate of 1/B of its FLOPs)
-                d = forward(drafter, dq, kv, hw, tp, c, B, context, eff, attention_dp=adp, extra_groups=(lm_head,))
+                v, d = cost.verify(c, B), cost.draft(c)
                 r.update(v=v, d=d, df_user=tau / (v.time_s + d.time_s))
             runs[name] = r
         m = runs["central"]
@@ -412,12 +246,6 @@ def layout_speed(plan: Plan, layout: Layout, target: ModelShape, drafter: ModelS
             p.dflash_detail = {"verify": _detail(m["v"]), "draft": _detail(m["d"])}
         out.points.append(p)
     return out
-
-
-def _lm_head(target: ModelShape) -> Group:
-    """The target's output projection (the embedding when tied), which the drafter borrows."""
-    return next((g for g in target.groups if g.name == "lm_head"),
-                Group("lm_head", target.vocab * target.hidden, "tp", False))
 
 
 def _detail(f: Forward) -> dict:
@@ -515,15 +343,10 @@ def build_schedule(mode: str, *, target_name: str, target_config: dict, drafter_
 def user_speed(target: ModelShape, drafter: ModelShape | None, plan: Plan, hw: Hardware, tp: int, context: int,
                eff: Efficiency, *, tau: float | None = None, attention_dp: bool = False):
     """concurrency -> tokens/s per user of one replica: DFlash with tau (and a drafter), else AR."""
-    fmt, kv, dq, B = plan.quant["target"], plan.quant["kv_cache"], plan.quant["drafter"], plan.block_size
+    cost = StepCost(plan, target, drafter, hw, tp, context, eff, attention_dp=attention_dp)
 
     def user(c: int) -> float:
-        if not tau:
-            return 1 / forward(target, fmt, kv, hw, tp, c, 1, context, eff, attention_dp=attention_dp).time_s
-        v = forward(target, fmt, kv, hw, tp, c, B, context, eff, attention_dp=attention_dp)
-        d = forward(drafter, dq, kv, hw, tp, c, B, context, eff, attention_dp=attention_dp,
-                    extra_groups=(_lm_head(target),))
-        return tau / (v.time_s + d.time_s)
+        return tau / cost.dflash_seconds(c) if tau else 1 / cost.ar(c).time_s
     return user
 
 
@@ -597,16 +420,8 @@ class DisaggEstimate:
 
 def prefill_time(target: ModelShape, drafter: ModelShape | None, plan: Plan, hw: Hardware, tp: int, isl: int,
                  eff: Efficiency) -> float:
-    """Seconds for one prompt of `isl` tokens on one instance: a single pass over all its tokens (compute-bound
-    past a few hundred tokens), attention over the causal half of the prompt on average; with a drafter, its
-    pass over the same tokens too (DFlash drafts from the prompt's target features: the worker that prefills
-    fills the drafter's context, engines.json dynamo workers.<engine>.disaggregation.drafter_on_prefill)."""
-    fmt, kv, dq = plan.quant["target"], plan.quant["kv_cache"], plan.quant["drafter"]
-    ctx = max(1, isl // 2)
-    t = forward(target, fmt, kv, hw, tp, 1, isl, ctx, eff).time_s
-    if drafter is not None:
-        t += forward(drafter, dq, kv, hw, tp, 1, isl, ctx, eff).time_s
-    return t
+    """Seconds for one prompt of `isl` tokens on one instance (cost.StepCost.prefill_seconds)."""
+    return StepCost(plan, target, drafter, hw, tp, isl, eff).prefill_seconds(isl)
 
 
 def disaggregated(plan: Plan, target_cfg: dict, drafter_cfg: dict | None, *, isl: int, osl: int,
@@ -812,17 +627,14 @@ def predict_point(pt: dict) -> dict[str, float]:
             continue
         c = layout_speed(p, lay, target, drafter, hw, tau, ctx, attention_dp=adp).max_concurrency \
             if conc == "max" else conc
-        ar = forward(target, p.quant["target"], p.quant["kv_cache"], hw, lay.tp, c, 1, ctx, eff, attention_dp=adp)
+        cost = StepCost(p, target, drafter, hw, lay.tp, ctx, eff, attention_dp=adp)
+        ar = cost.ar(c)
         if metric == "ar_tokens_per_s_per_user":
             out[e_name] = 1 / ar.time_s
         elif metric == "ar_tokens_per_s_per_gpu":
             out[e_name] = c / ar.time_s / lay.tp
         elif metric == "dflash_over_ar_per_user":
-            B = p.block_size
-            v = forward(target, p.quant["target"], p.quant["kv_cache"], hw, lay.tp, c, B, ctx, eff, attention_dp=adp)
-            d = forward(drafter, "none", p.quant["kv_cache"], hw, lay.tp, c, B, ctx, eff, attention_dp=adp,
-                        extra_groups=(_lm_head(target),))
-            out[e_name] = tau / (v.time_s + d.time_s) * ar.time_s
+            out[e_name] = tau / cost.dflash_seconds(c) * ar.time_s
         else:
             raise DFlashError(f"published point {pt['id']}: unknown metric {metric!r}")
     return out
