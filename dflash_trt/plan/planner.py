@@ -1,7 +1,7 @@
 """Capacity planner: per-GPU memory of a (target, drafter) pair on a node type, and the
 TP / EP / replica layouts that fit, ranked — from the models' config.json alone (no weights).
 
-Memory per GPU of one layout:
+Memory per GPU of one layout (each term the cost model's, plan/cost.py, which the speed model reads too):
 
     weights (by format)  +  drafter weights (BF16)  +  activations  +  runtime reserve
     + KV pool = FREE_GPU_MEMORY_FRACTION × what is left        (TensorRT-LLM's kv_cache_config default)

@@ -100,7 +100,7 @@ class LayoutSpeed:
     max_concurrency: int                 # min(max_batch_size, sequences of context + block that fit the KV cache)
     points: list[SpeedPoint]
     reason: str = ""                     # why there are no points
-    # the draft length per concurrency (deploy/draft_schedule.DraftSchedule.to_dict()), with a drafter
+    # the draft length per concurrency (plan/draft_schedule.DraftSchedule.to_dict()), with a drafter
     draft_schedule: dict | None = None
 
 
@@ -279,7 +279,7 @@ def speed(plan: Plan, target: ModelShape, drafter: ModelShape | None, hw: Hardwa
         (f"fixed {c.layer_latency_s * 1e6:.1f} us per layer per pass (fitted: TensorRT-LLM gpt-oss-120b 8 x B200 "
          f"batch 1), {c.collective_latency_s * 1e6:.0f} us per collective, {c.step_overhead_s * 1e6:.0f} us per pass"),
         "MoE routing uniform over the experts (no load imbalance); one replica inside one NVLink domain",
-        "ranges: the low / high efficiency sets of dflash_trt/plan/speed.py (EFFICIENCY)",
+        "ranges: the low / high efficiency sets of dflash_trt/plan/cost.py (EFFICIENCY)",
     ]
     if survival:
         assumptions += [f"draft schedule: acceptance per position {acc_src}",
