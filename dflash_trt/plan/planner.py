@@ -31,7 +31,7 @@ context too. Activations are a rough upper bound (stated below), not a measureme
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from dflash_trt.plan.cost import activation_bytes, kv_bytes_per_token, weight_bytes
@@ -695,6 +695,17 @@ def drafter_config(folder: str) -> tuple[str, dict]:
     return path.name, read_json(path / "config.json")
 
 
+def merged_rows(layouts: list[Layout]) -> list[tuple[int, list[int], Layout]]:
+    """(rank of the first, eps, the first layout) of consecutive ranked layouts equal in all but ep."""
+    out: list[tuple[int, list[int], Layout]] = []
+    for i, l in enumerate(layouts, 1):
+        if out and asdict(replace(out[-1][2], ep=l.ep)) == asdict(l):
+            out[-1][1].append(l.ep)
+        else:
+            out.append((i, [l.ep], l))
+    return out
+
+
 def format_plan(p: Plan) -> str:
     """A human-readable report of a plan."""
     gb = lambda b: f"{b / GIB:,.1f} GiB"
@@ -712,12 +723,18 @@ def format_plan(p: Plan) -> str:
         (f"hardware {p.hardware}: {p.nodes} node(s) × {p.gpus_per_node} GPUs of {gb(p.gpu_memory_bytes)}; "
          f"max_seq_len {p.max_seq_len}, max_batch_size {p.max_batch_size}, objective {p.objective}"),
         "",
-        f"{'rank':>4} {'tp':>3} {'ep':>3} {'repl':>4} {'weights/GPU':>12} {'KV tokens':>12} {'seqs/repl':>9}  reason",
+        f"{'rank':>5} {'tp':>3} {'ep':>7} {'repl':>4} {'weights/GPU':>12} {'KV tokens':>12} {'seqs/repl':>9}  reason",
     ]
-    for i, l in enumerate(p.layouts, 1):
-        lines.append(f"{i if l.fits else '-':>4} {l.tp:>3} {l.ep:>3} {l.replicas:>4} "
+    groups = merged_rows(p.layouts)
+    for first, eps, l in groups:
+        last = first + len(eps) - 1
+        rank = (f"{first}" if last == first else f"{first}-{last}") if l.fits else "-"
+        lines.append(f"{rank:>5} {l.tp:>3} {'/'.join(map(str, eps)):>7} {l.replicas:>4} "
                      f"{gb(l.weights_bytes_per_gpu) if l.weights_bytes_per_gpu else '':>12} {l.kv_tokens:>12,} "
                      f"{l.max_sequences:>9,}  {l.reason}")
+    if len(groups) < len(p.layouts):
+        lines.append("(rows of one tp that differ only in ep, with the same figures, are one row: ep 1/2/...; --json "
+                     "lists each)")
     c = p.chosen
     lines.append("")
     if c:

@@ -37,7 +37,7 @@ from importlib import resources
 
 from dflash_trt.plan import draft_schedule as ds
 from dflash_trt.plan import planner
-from dflash_trt.plan.cost import EFFICIENCY, Efficiency, Forward, StepCost
+from dflash_trt.plan.cost import EFFICIENCY, Efficiency, Forward, StepCost, experts_touched
 from dflash_trt.plan.planner import Layout, ModelShape, Plan
 from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import Hardware, get_hardware, hardware_for_gpu
@@ -97,11 +97,13 @@ class LayoutSpeed:
     replicas: int
     gpus_per_replica: int
     attention_dp: bool
-    max_concurrency: int                 # min(max_batch_size, sequences of context + block that fit the KV cache)
+    max_concurrency: int                 # min(the layout's max_batch_size, sequences of context + block the KV cache fits)
     points: list[SpeedPoint]
     reason: str = ""                     # why there are no points
     # the draft length per concurrency (plan/draft_schedule.DraftSchedule.to_dict()), with a drafter
     draft_schedule: dict | None = None
+    # why K changes with concurrency, with the numbers (explain_schedule); empty where K is the same throughout
+    draft_schedule_why: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -191,6 +193,54 @@ def layout_schedule(plan: Plan, layout: LayoutSpeed, target: ModelShape, drafter
                                                         SCHEDULE_COST])
 
 
+def explain_schedule(sched: ds.DraftSchedule, cost: StepCost) -> list[str]:
+    """Why the draft length changes with concurrency, in numbers ([] when it does not): at each range's first
+    concurrency, what one more and one fewer drafted token would add to the tokens per step and to the step
+    time (the schedule's own acceptance lengths and the cost model's step), how flat tokens/s is around the
+    chosen K, and for an MoE target the expert weights the verify pass reads, which is what makes K rise
+    again once a step's tokens already touch nearly every expert."""
+    if len({k for _, _, k in sched.ranges}) < 2:
+        return []
+    L, top, last = sched.acceptance_lengths, sched.max_k, sched.ranges[-1][1]
+    alone = [c for c in range(1, last + 1) if ds.best_k(c, L, cost.step_seconds)[0] != sched.k_at(c)]
+    search = (f"not an artefact of the search: each concurrency 1-{last} evaluated alone gives the same K" if not alone
+              else f"the search's ranges differ from K evaluated alone at concurrency {alone[:5]}")
+    loss = max((1 - (L[top] / cost.step_seconds(c, top)) / (L[k] / cost.step_seconds(c, k)), c)
+               for a, b, k in sched.ranges for c in (a, b))
+    out = [f"why K changes with concurrency ({search}): K maximises tokens per step L(K) over the step time, L(K) = "
+           + ", ".join(f"{x:.2f}" for x in L) + f" for K = 0..{top}; a drafted token adds one token per sequence to "
+           f"the target's verify pass. Drafting K {top} throughout would lose at most {loss[0]:.1%} tokens/s per user "
+           f"(concurrency {loss[1]})"]
+    for first, last, k in sched.ranges:
+        t = [cost.step_seconds(first, j) for j in range(top + 1)]
+        rate = [L[j] / t[j] for j in range(top + 1)]
+        parts = []
+        if k < top:
+            parts.append(f"K {k + 1} would add {L[k + 1] / L[k] - 1:+.1%} tokens per step for {t[k + 1] / t[k] - 1:+.1%} "
+                         "step time")
+        if k > 0:
+            parts.append(f"K {k - 1} would save {1 - t[k - 1] / t[k]:.1%} step time for {L[k - 1] / L[k] - 1:+.1%} tokens")
+        near = [j for j in range(top + 1) if rate[j] >= 0.99 * rate[k]]
+        span = f"{first}-{last}" if last != first else f"{first}"
+        out.append(f"  concurrency {span}: K {k}: " + "; ".join(parts)
+                   + f"; tokens/s within 1% of its best for K {min(near)}-{max(near)}")
+    target = cost.target
+    if target.experts:
+        c0, c1 = sched.ranges[0][0], sched.ranges[-1][0]
+        lo = [cost.verify(c0, j + 1).weight_bytes / 1e9 for j in (1, top)]
+        share = cost_touched_share(target, c1 * (top + 1))
+        out.append(f"  MoE ({target.experts} experts, top-{target.experts_per_token}): a verify of T tokens reads the "
+                   f"weights of the experts they route to, E(1 - (1 - k/E)^T); at concurrency {c0} K 1 -> {top} reads "
+                   f"{lo[0]:.1f} -> {lo[1]:.1f} GB of weights per GPU, so a long draft costs memory time; at "
+                   f"concurrency {c1}, K {top}, the step's {c1 * (top + 1)} tokens already touch {share:.0%} of the "
+                   "experts, a longer draft reads little more and the choice follows compute")
+    return out
+
+
+def cost_touched_share(target: ModelShape, tokens: int) -> float:
+    return experts_touched(target.experts, target.experts_per_token, tokens) / target.experts
+
+
 def concurrencies(cap: int) -> list[int]:
     """1, 2, 3, 4, 6, 8, 12, 16, 24, ... below cap, then cap."""
     grid = {2**k for k in range(cap.bit_length() + 1)} | {3 * 2**k for k in range(cap.bit_length())}
@@ -211,7 +261,8 @@ def layout_speed(plan: Plan, layout: Layout, target: ModelShape, drafter: ModelS
         out.reason = "crosses NVLink domains: the inter-node network is not modelled"
         return out
     per_seq = layout.kv_bytes_per_token_per_gpu * (context + B)
-    cap = min(plan.max_batch_size, int(layout.kv_budget_bytes_per_gpu // per_seq) if per_seq else plan.max_batch_size)
+    batch = layout.max_batch_size or plan.max_batch_size    # the layout's, where the draft context caps it
+    cap = min(batch, int(layout.kv_budget_bytes_per_gpu // per_seq) if per_seq else batch)
     if cap < 1:
         out.reason = f"one sequence of {context} tokens does not fit the KV cache"
         return out
@@ -267,8 +318,10 @@ def speed(plan: Plan, target: ModelShape, drafter: ModelShape | None, hw: Hardwa
     layouts = [layout_speed(plan, l, target, drafter, hw, t, context_tokens) for l in plan.layouts]
     for l in layouts:
         if l.points and drafter is not None and survival:
-            l.draft_schedule = layout_schedule(plan, l, target, drafter, hw, context_tokens, survival,
-                                               acc_src).to_dict()
+            sched = layout_schedule(plan, l, target, drafter, hw, context_tokens, survival, acc_src)
+            l.draft_schedule = sched.to_dict()
+            l.draft_schedule_why = explain_schedule(sched, StepCost(plan, target, drafter, hw, l.tp, context_tokens,
+                                                                    EFFICIENCY["central"], attention_dp=l.attention_dp))
     c = EFFICIENCY["central"]
     assumptions = [
         f"decode only, every sequence holding {context_tokens} tokens of context (--context-tokens); prefill not counted",
@@ -517,15 +570,38 @@ def max_concurrency_for(points: list[SpeedPoint], min_user: float, mode: str) ->
     return max(ok) if ok else 0
 
 
+def distinct_layouts(layouts: list[LayoutSpeed]) -> list[tuple[list[int], LayoutSpeed]]:
+    """The layouts with speed figures, those of one tp whose every figure is the same merged: (their eps, the
+    first). At tensor-parallel attention the expert-parallel split moves the same expected bytes per GPU, so
+    ep 1/2/4/8 of tp 8 give one curve; attention DP or a different cap keeps them apart."""
+    out: dict[tuple, tuple[list[int], LayoutSpeed]] = {}
+    for l in layouts:
+        if not l.points:
+            continue
+        figures = tuple((p.concurrency, round(p.ar_tokens_per_s_per_gpu, 6), round(p.dflash_tokens_per_s_per_gpu, 6))
+                        for p in l.points)
+        ranges = tuple(map(tuple, l.draft_schedule["ranges"])) if l.draft_schedule else ()
+        out.setdefault((l.tp, l.attention_dp, l.replicas, figures, ranges), ([], l))[0].append(l.ep)
+    return list(out.values())
+
+
+def layout_name(eps: list[int], l: LayoutSpeed) -> str:
+    return f"tp {l.tp}, ep {'/'.join(map(str, eps))}" + (", attention DP" if l.attention_dp else "")
+
+
 def format_speed(r: SpeedReport, layouts: int = 1) -> str:
-    """The text report: assumptions, then per layout a table of concurrency against speed."""
+    """The text report: assumptions, then per layout a table of concurrency against speed (layouts that differ
+    only in an ep with identical figures listed once)."""
     lines = ["", f"speed ({r.target} on {r.hardware}; central estimate [low-high]):"]
     lines += [f"  - {a}" for a in r.assumptions]
-    shown = [l for l in r.layouts if l.points][:layouts]
-    for l in shown:
+    groups = distinct_layouts(r.layouts)
+    if any(len(eps) > 1 for eps, _ in groups):
+        lines.append("  - layouts of one tp whose ep split gives identical figures are listed once (ep 1/2/...): with "
+                     "tensor-parallel attention every GPU reads the same expected expert bytes per step whatever ep")
+    for eps, l in groups[:layouts]:
         lines.append("")
-        lines.append(f"  tp {l.tp}, ep {l.ep}{', attention DP' if l.attention_dp else ''}: {l.replicas} replica(s) of "
-                     f"{l.gpus_per_replica} GPU(s), up to {l.max_concurrency} sequences each")
+        lines.append(f"  {layout_name(eps, l)}: {l.replicas} replica(s) of {l.gpus_per_replica} GPU(s), up to "
+                     f"{l.max_concurrency} sequences each")
         head = f"  {'conc':>5} {'AR ms':>7} {'AR tok/s/user':>22} {'AR tok/s/GPU':>24}"
         if r.tau:
             head += f" {'DF ms':>7} {'DFlash tok/s/user':>22} {'DFlash tok/s/GPU':>24} {'gain':>5}"
@@ -542,13 +618,14 @@ def format_speed(r: SpeedReport, layouts: int = 1) -> str:
         if l.draft_schedule:
             lines.append("")
             lines += ["  " + x for x in ds.format_schedule(schedule_of(l)).splitlines()]
-    rest = [l for l in r.layouts if l.points][layouts:]
+            lines += ["  " + x for x in l.draft_schedule_why]
+    rest = groups[layouts:]
     if rest:
         lines.append("")
         lines.append("  other layouts: tok/s/user at concurrency 1; tok/s/GPU (tok/s/user) at their most concurrency:")
-        for l in rest:
+        for eps, l in rest:
             p1, pm = l.points[0], l.points[-1]
-            s = (f"    tp {l.tp}, ep {l.ep} (up to {l.max_concurrency}): AR {p1.ar_tokens_per_s_per_user:,.0f}; "
+            s = (f"    {layout_name(eps, l)} (up to {l.max_concurrency}): AR {p1.ar_tokens_per_s_per_user:,.0f}; "
                  f"{pm.ar_tokens_per_s_per_gpu:,.0f} ({pm.ar_tokens_per_s_per_user:,.0f})")
             if r.tau:
                 s += (f" | DFlash {p1.dflash_tokens_per_s_per_user:,.0f}; {pm.dflash_tokens_per_s_per_gpu:,.0f} "
@@ -558,6 +635,7 @@ def format_speed(r: SpeedReport, layouts: int = 1) -> str:
                 lines.append("      draft K: " + _ranges_text(l.draft_schedule["ranges"])
                              + (f"; speculation stops paying at {l.draft_schedule['stop_concurrency']}"
                                 if l.draft_schedule["stop_concurrency"] else ""))
+                lines += ["      " + x for x in l.draft_schedule_why]
     for l in r.layouts:
         if l.reason and l.reason != "does not fit":
             lines.append(f"  tp {l.tp}, ep {l.ep}: no speed figures ({l.reason})")
@@ -612,6 +690,9 @@ def predict_point(pt: dict) -> dict[str, float]:
     lay = p.layouts[0]
     if not lay.fits:
         raise DFlashError(f"published point {pt['id']}: the layout does not fit ({lay.reason})")
+    # the published run's max_batch_size, not the lower one the planner gives a layout whose DFlash draft context
+    # would exceed TensorRT-LLM's budget (a check of an open PR): the point is a measurement of that config
+    lay = replace(lay, max_batch_size=p.max_batch_size)
     target = planner.target_shape(tcfg, name)
     drafter = planner.drafter_shape(dcfg) if dcfg else None
     tau = pt.get("tau") or (PUBLISHED_TAU[name][0] if name in PUBLISHED_TAU else None)
