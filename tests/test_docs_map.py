@@ -22,7 +22,8 @@ DOTTED = re.compile(r"(?<![\w./-])dflash_trt(?:\.\w+)+")
 # a source file cited by a path of at least one folder (stacks/trtllm/convert.py, models/target.py)
 SOURCE_PATH = re.compile(r"(?<![\w./<>-])((?:[\w-]+/)+[\w-]+\.(?:py|json|yaml|c|h|md|jsonl|Dockerfile))(?![\w/])")
 # what is not a file of this repository: URLs, upstream sources, run-time outputs
-FOREIGN = re.compile(r"https?://|z-lab/|tensorrt_llm/|vllm/|sglang/|transformers/|triton_backend/|examples/|site-packages/")
+FOREIGN = re.compile(r"https?://|z-lab/|tensorrt_llm/|vllm/|sglang/|transformers/|triton_backend/|examples/|"
+                     r"site-packages/")
 
 
 def repo_files() -> list[str]:

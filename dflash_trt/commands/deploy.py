@@ -77,7 +77,8 @@ def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, drafter_quant, 
     model with stated assumptions and ranges, docs/speed-model.md), and per layout the draft
     schedule: the K (tokens drafted per step) that gives the most tokens/s at each concurrency,
     against always drafting the whole block and never speculating, and the concurrency from
-    which speculation stops paying (what `build` writes into each stack's own control).
+    which speculation stops paying (what `build` writes into each stack's own control; `build
+    --draft-schedule plan.json` takes this command's --speed --json output).
 
     \b
     Examples:
@@ -90,6 +91,7 @@ def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, drafter_quant, 
       dflash-trt plan --target gpt-oss-120b --hardware dgx-b300 --speed --plot gptoss-b300.png
       dflash-trt plan --target qwen3-8b --hardware hgx-h200 --quant fp8 --speed --tau 6.5 --json
       dflash-trt plan --target qwen3-8b --hardware dgx-b200 --speed --acceptance bench.json
+      dflash-trt plan --target smollm2-135m --hardware dgx-b300 --speed --acceptance bench.json --json > plan.json
       dflash-trt plan --target gpt-oss-120b --hardware dgx-b300 --nodes 2 --disaggregated --isl 8192 --osl 1024
       dflash-trt plan --target gpt-oss-120b --hardware dgx-b300 --drafter-quant nvfp4 --speed
     """

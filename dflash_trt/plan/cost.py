@@ -38,12 +38,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from dflash_trt.hardware import Hardware
+from dflash_trt.plan.shapes import Group, ModelShape
 
-if TYPE_CHECKING:   # the shapes are the planner's; this module only reads them
-    from dflash_trt.plan.planner import Group, ModelShape, Plan
+
+class Formats(Protocol):
+    """What a step's cost reads of a plan (planner.Plan): the formats and the drafter's block."""
+    quant: dict            # {"target": weight format, "kv_cache": KV format, "drafter": the drafter's}
+    block_size: int
 
 # Bytes per weight element of a quantized linear layer (scale tensors included).
 # int8: compressed-tensors W8A8 (a drafter for vLLM); its per-channel scales (2 bytes a row) are left out
@@ -249,7 +253,7 @@ class StepCost:
     """The passes of one layout of a plan (tp GPUs per replica, its formats, `context` tokens per sequence)
     under one efficiency set: an AR step, a verify, a draft, a DFlash step of K drafted tokens, a prefill."""
 
-    def __init__(self, plan: Plan, target: ModelShape, drafter: ModelShape | None, hw: Hardware, tp: int,
+    def __init__(self, plan: Formats, target: ModelShape, drafter: ModelShape | None, hw: Hardware, tp: int,
                  context: int, eff: Efficiency, *, attention_dp: bool = False):
         self.target, self.drafter, self.hw, self.tp, self.context, self.eff = target, drafter, hw, tp, context, eff
         self.attention_dp = attention_dp

@@ -31,16 +31,17 @@ context too. Activations are a rough upper bound (stated below), not a measureme
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from dflash_trt.plan.cost import activation_bytes, kv_bytes_per_token, weight_bytes
 from dflash_trt.plan.family_shapes import meta_shape_fields
+from dflash_trt.plan.shapes import Group, ModelShape
 from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import Hardware, get_hardware
 from dflash_trt.io.jsonio import read_json
 from dflash_trt.models.config import DrafterConfig
-from dflash_trt.presets.catalog import FIGURES_KEY, PRESETS
+from dflash_trt.presets.catalog import FIGURES_KEY, PRESETS, resolve_drafter
 from dflash_trt.stacks.trtllm.budget import draft_context_budget
 from dflash_trt.stacks.trtllm.profiles import PROFILES, curated_layout, profile_settings
 
@@ -74,71 +75,6 @@ MOE_TYPES = {"gpt_oss", "qwen3_moe", "mixtral"}
 
 # ---------------------------------------------------------------------------------------------
 # Model shapes and parameter groups
-
-
-@dataclass
-class Group:
-    """One family of tensors with the same format and the same tensor-parallel rule."""
-    name: str
-    elements: int          # whole model
-    split: str             # "tp" (divided by tp), "kv" (per-head, duplicated past kv_heads), "rep"
-    quantizable: bool      # a linear-layer weight that FP8 / NVFP4 (or MXFP4 for experts) applies to
-    linears: int = 0       # number of linear modules (for per-tensor scale bytes)
-    expert: bool = False
-    kv_heads: int = 0      # for split == "kv": heads in the tensor
-    active_fraction: float = 1.0   # share of it a token touches (experts: k / E)
-
-
-@dataclass
-class ModelShape:
-    name: str
-    model_type: str
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    intermediate: int
-    experts: int = 0
-    experts_per_token: int = 0
-    layer_types: list[str] = field(default_factory=list)
-    sliding_window: int | None = None
-    native_format: str = "none"
-    groups: list[Group] = field(default_factory=list)
-    has_embedding: bool = True
-    # (KV heads, head_dim) of each attention layer where they differ by layer (Gemma 4); None: every
-    # layer has kv_heads x head_dim
-    kv_per_layer: list[tuple[int, int]] | None = None
-
-    @property
-    def total_params(self) -> int:
-        return sum(g.elements for g in self.groups)
-
-    @property
-    def active_params(self) -> int:
-        """Parameters one token's forward pass multiplies by: the embedding table is a lookup and
-        is not counted (the convention of the gpt-oss model card); lm_head is (tied or not)."""
-        n = 0
-        for g in self.groups:
-            if g.name == "embed":
-                continue
-            n += round(g.elements * g.active_fraction)
-        if not any(g.name == "lm_head" for g in self.groups) and self.has_embedding:
-            n += self.vocab * self.hidden        # tied lm_head: the embedding matrix is multiplied
-        return n
-
-    def output_projection(self) -> Group:
-        """The output projection (the embedding when tied), which a DFlash drafter borrows."""
-        return next((g for g in self.groups if g.name == "lm_head"), Group("lm_head", self.vocab * self.hidden, "tp", False))
-
-    @property
-    def full_layers(self) -> int:
-        return sum(1 for t in self.layer_types if t != "sliding_attention")
-
-    @property
-    def sliding_layers(self) -> int:
-        return self.layers - self.full_layers
 
 
 def _attention_groups(layers, hidden, heads, kv_heads, head_dim, bias, qk_norm, sinks) -> list[Group]:
@@ -681,6 +617,8 @@ def target_configs(target: str) -> tuple[str, dict, dict | None]:
     if target in PRESETS:
         p = PRESETS[target]
         dcfg = p.drafter_plan_config()
+        if dcfg is None and p.drafter_hf_id is None:    # the embedded pair: our drafter ships in the package
+            dcfg = read_json(resolve_drafter(None, target) / "config.json")
         return target, p.config(), dcfg
     path = Path(target)
     if path.is_dir():

@@ -34,6 +34,7 @@ import math
 import sys
 from dataclasses import asdict, dataclass, field, replace
 from importlib import resources
+from pathlib import Path
 
 from dflash_trt.plan import draft_schedule as ds
 from dflash_trt.plan import planner
@@ -41,6 +42,7 @@ from dflash_trt.plan.cost import EFFICIENCY, Efficiency, Forward, StepCost, expe
 from dflash_trt.plan.planner import Layout, ModelShape, Plan
 from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import Hardware, get_hardware, hardware_for_gpu
+from dflash_trt.presets.catalog import PRESETS
 
 
 # Mean accepted length (tau, bonus token included) of the presets' published drafters, used when --tau is not
@@ -97,7 +99,8 @@ class LayoutSpeed:
     replicas: int
     gpus_per_replica: int
     attention_dp: bool
-    max_concurrency: int                 # min(the layout's max_batch_size, sequences of context + block the KV cache fits)
+    # min(the layout's max_batch_size, sequences of context + block the KV cache fits)
+    max_concurrency: int
     points: list[SpeedPoint]
     reason: str = ""                     # why there are no points
     # the draft length per concurrency (plan/draft_schedule.DraftSchedule.to_dict()), with a drafter
@@ -216,10 +219,11 @@ def explain_schedule(sched: ds.DraftSchedule, cost: StepCost) -> list[str]:
         rate = [L[j] / t[j] for j in range(top + 1)]
         parts = []
         if k < top:
-            parts.append(f"K {k + 1} would add {L[k + 1] / L[k] - 1:+.1%} tokens per step for {t[k + 1] / t[k] - 1:+.1%} "
-                         "step time")
+            parts.append(f"K {k + 1} would add {L[k + 1] / L[k] - 1:+.1%} tokens per step for "
+                         f"{t[k + 1] / t[k] - 1:+.1%} step time")
         if k > 0:
-            parts.append(f"K {k - 1} would save {1 - t[k - 1] / t[k]:.1%} step time for {L[k - 1] / L[k] - 1:+.1%} tokens")
+            parts.append(f"K {k - 1} would save {1 - t[k - 1] / t[k]:.1%} step time for "
+                         f"{L[k - 1] / L[k] - 1:+.1%} tokens")
         near = [j for j in range(top + 1) if rate[j] >= 0.99 * rate[k]]
         span = f"{first}-{last}" if last != first else f"{first}"
         out.append(f"  concurrency {span}: K {k}: " + "; ".join(parts)
@@ -363,15 +367,18 @@ def build_schedule(mode: str, *, target_name: str, target_config: dict, drafter_
     if mode == "off":
         return None, "--draft-schedule off"
     if mode != "auto":
-        return ds.load_schedule(mode, block_size), f"read from {mode}"
+        return schedule_file(mode, block_size, tp, ep), f"read from {mode}"
     if not gpu:
         return None, ("no GPU (a CPU bundle): the speed model needs the node's hardware (build --gpu), or pass "
                       "--draft-schedule FILE.json")
-    if target_name not in PUBLISHED_TAU:
-        return None, (f"no acceptance figure for {target_name}'s drafter (no published tau): measure one with "
-                      "`dflash-trt bench --json`, plan with `dflash-trt plan --speed --acceptance REPORT --json` and "
-                      "pass the layout's draft_schedule as --draft-schedule FILE.json")
     hw = hardware_for_gpu(gpu)
+    if target_name not in PUBLISHED_TAU:
+        pair = target_name if target_name in PRESETS else "TARGET_DIR --drafter DRAFTER_DIR"
+        return None, (f"no acceptance figure for {target_name}'s drafter (no published tau): measure it and plan "
+                      f"with it, then rebuild: `dflash-trt bench --target {pair} --json > bench.json`; "
+                      f"`dflash-trt plan --target {pair} --hardware {hw.name} --quant {quant} --speed --acceptance "
+                      "bench.json --json > plan.json`; `dflash-trt build ... --draft-schedule plan.json` (the layout "
+                      "of this build's --tp / --ep is taken from it)")
     dcfg = {**drafter_config, "block_size": block_size}
     p = planner.plan(target_config, dcfg, hw, target_name=target_name, drafter_name=f"{target_name} drafter",
                      quant=quant, kv_cache=kv_cache, drafter_quant=drafter_quant, max_seq_len=max_seq_len, tp=tp,
@@ -391,6 +398,38 @@ def build_schedule(mode: str, *, target_name: str, target_config: dict, drafter_
     sched.assumptions.append(f"planned by the speed model for {hw.name}, tp {tp} ep {ep}, {quant} weights, "
                              f"{context_tokens} tokens of context, concurrency 1..{max_batch_size} (max_batch_size)")
     return sched, f"planned for {hw.name} (speed model, tau {t:g}: {src})"
+
+
+def schedule_file(path: str, block_size: int, tp: int, ep: int) -> ds.DraftSchedule:
+    """`build --draft-schedule FILE.json`: what `plan --speed --json` prints (the schedule of the layout with this
+    bundle's tp and ep, planned for the drafter's block), or one schedule (a DraftSchedule.to_dict(), e.g.
+    measured on a CPU), checked."""
+    where = f"--draft-schedule {path}"
+    if not Path(path).is_file():
+        raise DFlashError(f"{where}: no such file (expected auto, off or a schedule JSON)")
+    try:
+        d = json.loads(Path(path).read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DFlashError(f"{where}: not JSON ({e})") from None
+    speed_report = d.get("speed") if isinstance(d, dict) else None
+    if speed_report is None and isinstance(d, dict) and "layouts" in d and "tau" in d:
+        speed_report = d                       # the "speed" object alone
+    if speed_report is None:
+        return ds.from_dict(d, block_size, where)
+    if not isinstance(speed_report, dict) or not isinstance(speed_report.get("layouts"), list):
+        raise DFlashError(f"{where}: \"speed\" has no layouts (expected the output of "
+                          "`dflash-trt plan --speed --json`)")
+    if speed_report.get("block_size") != block_size:
+        raise DFlashError(f"{where}: planned for block size {speed_report.get('block_size')!r}, the bundle's drafter "
+                          f"serves block {block_size}")
+    layouts = [l for l in speed_report["layouts"] if isinstance(l, dict)]
+    have = [(l.get("tp"), l.get("ep")) for l in layouts if l.get("draft_schedule")]
+    lay = next((l for l in layouts if (l.get("tp"), l.get("ep")) == (tp, ep)), None)
+    if lay is None or not lay.get("draft_schedule"):
+        raise DFlashError(f"{where}: no draft schedule for tp {tp} ep {ep} (it has "
+                          + (", ".join(f"tp {t} ep {e}" for t, e in have) or "none: plan without a drafter or tau")
+                          + "); plan on the bundle's node with --nodes / --gpus-per-node that allow this layout")
+    return ds.from_dict(lay["draft_schedule"], block_size, f"{where} (tp {tp} ep {ep})")
 
 
 def user_speed(target: ModelShape, drafter: ModelShape | None, plan: Plan, hw: Hardware, tp: int, context: int,
@@ -737,27 +776,53 @@ def _one_set(ls: LayoutSpeed, eff_name: str) -> list[SpeedPoint]:
     return out
 
 
+def point_figure(pt: dict):
+    """How a published point's value and the model's are written: ratios as 2.00x, the rest as counts."""
+    if "over" in pt["metric"]:
+        return lambda x: "AR never reaches it" if math.isinf(x) else f"{x:,.2f}x"
+    return lambda x: f"{x:,.0f}"
+
+
+def verdict(pt: dict, pr: dict[str, float]) -> str:
+    """The model against one published point (pr: predict_point's figures)."""
+    v, c = pt["value"], pr["central"]
+    if pt["compare"] == ">=" and math.isinf(c):
+        return "AR never gets there (central); " + ("high set above the claim" if pr["high"] >= v
+                                                    else "high set below the claim")
+    if pt["compare"] == ">=":
+        return "consistent (above the claim)" if c >= v else f"{c / v - 1:+.0%} below the claim"
+    return f"{c / v - 1:+.0%}" + (" (fitted)" if pt.get("fit") else "")
+
+
+METRIC_TEXT = {
+    "ar_tokens_per_s_per_user": "AR tokens/s per user",
+    "ar_tokens_per_s_per_gpu": "AR tokens/s per GPU",
+    "dflash_over_ar_per_user": "DFlash / AR tokens/s per user",
+    "dflash_over_ar_per_gpu_at_user":
+        "DFlash / AR tokens/s per GPU, every user at >= {min_tokens_per_s_per_user} tokens/s",
+}
+
+
+def describe_point(pt: dict) -> str:
+    """A published point for a reader: what was measured, by whom, at which concurrency."""
+    what = METRIC_TEXT.get(pt["metric"], pt["metric"]).format(**pt)
+    conc = pt["concurrency"]
+    at = f" at concurrency {conc}" if isinstance(conc, int) else (" at the most concurrency" if conc == "max" else "")
+    return f"{what}{at} {pt['compare']} {pt['value']:,} ({pt['engine']})"
+
+
 def check_table() -> str:
     """docs/speed-model.md's table: every published point beside the model's figure."""
     rows = ["| point | setup | published | predicted (central [low-high]) | error |", "|---|---|---|---|---|"]
     for pt in published_points():
         pr = predict_point(pt)
-        v, c = pt["value"], pr["central"]
-        fmt = (lambda x: "AR never reaches it" if math.isinf(x) else f"{x:,.2f}x") if "over" in pt["metric"] \
-            else (lambda x: f"{x:,.0f}")
-        if pt["compare"] == ">=" and math.isinf(c):
-            err = ("AR never gets there (central); " + ("high set above the claim" if pr["high"] >= v
-                                                        else "high set below the claim"))
-        elif pt["compare"] == ">=":
-            err = "consistent (above the claim)" if c >= v else f"{c / v - 1:+.0%} below the claim"
-        else:
-            err = f"{c / v - 1:+.0%}" + (" (fitted)" if pt.get("fit") else "")
+        v, c, fmt = pt["value"], pr["central"], point_figure(pt)
         setup = (f"{pt['target']}, {pt['hardware']} × {pt['gpus']}, tp {pt['tp']} ep {pt['ep']}"
                  f"{' attention-DP' if pt['attention_dp'] else ''}, {pt['quant']}/{pt['kv_cache']} KV, "
                  f"concurrency {pt['concurrency']}, context {pt['context_tokens']}"
                  + (f", tau {pt['tau']}" if pt.get("tau") else ""))
         rows.append(f"| {pt['id']} | {setup} | {pt['metric']} {pt['compare']} {v:,} | "
-                    f"{fmt(c)} [{fmt(pr['low'])}-{fmt(pr['high'])}] | {err} |")
+                    f"{fmt(c)} [{fmt(pr['low'])}-{fmt(pr['high'])}] | {verdict(pt, pr)} |")
     return "\n".join(rows)
 
 
