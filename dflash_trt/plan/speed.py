@@ -808,7 +808,7 @@ def describe_point(pt: dict) -> str:
     what = METRIC_TEXT.get(pt["metric"], pt["metric"]).format(**pt)
     conc = pt["concurrency"]
     at = f" at concurrency {conc}" if isinstance(conc, int) else (" at the most concurrency" if conc == "max" else "")
-    return f"{what}{at} {pt['compare']} {pt['value']:,} ({pt['engine']})"
+    return f"{what}{at} {pt['compare']} {pt['value']:,} ({pt['engine']}; tp {pt['tp']} ep {pt['ep']})"
 
 
 def check_table() -> str:
