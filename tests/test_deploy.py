@@ -16,7 +16,7 @@ import yaml
 
 from dflash_trt import engines
 from dflash_trt.io.manifest import validate as validate_manifest
-from dflash_trt.plan import planner
+from dflash_trt.plan import cost, planner
 from dflash_trt.deploy import values as deploy
 from dflash_trt.errors import DFlashError
 
@@ -233,7 +233,7 @@ def test_the_planner_picks_ep_when_the_bundle_leaves_it(tmp_path):
     b = write_bundle(tmp_path, tp=8, ep=1)
     p = deploy.plan_for_bundle(b)
     assert {(l.tp, l.ep) for l in p.layouts} == {(8, 1)}      # the bundle's Triton model fixes tp / ep
-    assert p.chosen.weights_bytes_per_gpu == planner.weight_bytes(planner.target_shape(
+    assert p.chosen.weights_bytes_per_gpu == cost.weight_bytes(planner.target_shape(
         json.loads((b / "manifest.json").read_text())["target"]["config"]), "mxfp4", 8)
 
 
@@ -535,11 +535,11 @@ def test_min_tokens_per_user_picks_the_batch_that_holds_the_target(tmp_path):
     k, p = s["max_batch_size"], deploy.plan_for_bundle(b)
     _, cfg, dcfg = planner.target_configs("gpt-oss-120b")
     t, d = planner.target_shape(cfg), planner.drafter_shape(dcfg)
-    hw, eff, lay = get_hardware("dgx-b300"), speed.EFFICIENCY["central"], p.chosen
+    hw, eff, lay = get_hardware("dgx-b300"), cost.EFFICIENCY["central"], p.chosen
 
     def user(c):
-        v = speed.forward(t, "mxfp4", "fp8", hw, lay.tp, c, 10, 2048, eff)
-        dr = speed.forward(d, "none", "fp8", hw, lay.tp, c, 10, 2048, eff, extra_groups=(speed._lm_head(t),))
+        v = cost.forward(t, "mxfp4", "fp8", hw, lay.tp, c, 10, 2048, eff)
+        dr = cost.forward(d, "none", "fp8", hw, lay.tp, c, 10, 2048, eff, extra_groups=(t.output_projection(),))
         return 4.4 / (v.time_s + dr.time_s)
 
     assert s["mode"] == "dflash" and s["tau"] == 4.4

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from dflash_trt.plan import planner
+from dflash_trt.plan import cost, planner
 from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import catalog, get_hardware
 
@@ -67,7 +67,7 @@ def test_gpt_oss_120b_drafter_matches_published_size():
     _, _, dcfg = preset("gpt-oss-120b")
     n = planner.drafter_shape(dcfg).total_params
     assert abs(n / 0.78e9 - 1) < 0.02                               # "about 0.78 B parameters"
-    assert abs(planner.weight_bytes(planner.drafter_shape(dcfg), "none") / 2**30 - 1.46) < 0.01   # "1.46 GiB"
+    assert abs(cost.weight_bytes(planner.drafter_shape(dcfg), "none") / 2**30 - 1.46) < 0.01   # "1.46 GiB"
 
 
 def test_mxfp4_weight_bytes_follow_the_checkpoint_tensors():
@@ -76,7 +76,7 @@ def test_mxfp4_weight_bytes_follow_the_checkpoint_tensors():
     # gate_up_proj_blocks uint8 [E, 2I, H/32, 16] + scales [E, 2I, H/32]; down_proj [E, H, I/32, 16] + scales
     experts = L * (E * 2 * I * (H // 32) * 17 + E * H * (I // 32) * 17)
     bf16 = 2 * (planner.target_shape(cfg).total_params - L * E * 3 * H * I)
-    assert planner.weight_bytes(planner.target_shape(cfg), "mxfp4") == experts + bf16
+    assert cost.weight_bytes(planner.target_shape(cfg), "mxfp4") == experts + bf16
 
 
 def test_nvfp4_and_fp8_weight_bytes_by_hand():
@@ -86,10 +86,10 @@ def test_nvfp4_and_fp8_weight_bytes_by_hand():
     linear = 2 * (64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128)      # q,o + k,v + gate,up,down per layer
     other = 2 * 100 * 64 + 2 * 2 * 64 + 64                        # embed, lm_head, norms
     n_linear = 2 * 7
-    assert planner.weight_bytes(s, "none") == 2 * (linear + other)
-    assert planner.weight_bytes(s, "fp8") == linear + 8 * n_linear + 2 * other
+    assert cost.weight_bytes(s, "none") == 2 * (linear + other)
+    assert cost.weight_bytes(s, "fp8") == linear + 8 * n_linear + 2 * other
     # NVFP4: two E2M1 values per byte + one FP8 scale per 16 values, fp32 scale_2 and input_scale
-    assert planner.weight_bytes(s, "nvfp4") == linear // 2 + linear // 16 + 8 * n_linear + 2 * other
+    assert cost.weight_bytes(s, "nvfp4") == linear // 2 + linear // 16 + 8 * n_linear + 2 * other
 
 
 def test_kv_bytes_per_token_by_hand():
@@ -125,8 +125,8 @@ def test_kv_tokens_of_one_layout_by_hand():
     assert lay.kv_sequences == budget // (8192 * per_tok)
     assert lay.max_sequences == min(lay.kv_sequences, 128)             # max_batch_size
     # KV heads are split by tp, and duplicated past 8 KV heads.
-    assert planner.kv_bytes_per_token(planner.target_shape(cfg), "fp8", tp=4) == 36 * 2 * 2 * 128
-    assert planner.kv_bytes_per_token(planner.target_shape(cfg), "fp8", tp=16) == 36 * 2 * 1 * 128
+    assert cost.kv_bytes_per_token(planner.target_shape(cfg), "fp8", tp=4) == 36 * 2 * 2 * 128
+    assert cost.kv_bytes_per_token(planner.target_shape(cfg), "fp8", tp=16) == 36 * 2 * 1 * 128
 
 
 def test_layouts_ranked_and_rejections_explained():
@@ -302,7 +302,7 @@ def test_the_throughput_profile_picks_the_curated_layout_with_attention_dp():
     c = p.chosen
     assert (c.tp, c.ep, c.attention_dp, p.objective) == (2, 2, True, "throughput")
     shape = planner.target_shape(cfg)
-    assert c.kv_bytes_per_token_per_gpu == planner.kv_bytes_per_token(shape, "fp8", 1) + planner.kv_bytes_per_token(
+    assert c.kv_bytes_per_token_per_gpu == cost.kv_bytes_per_token(shape, "fp8", 1) + cost.kv_bytes_per_token(
         planner.drafter_shape(dcfg), "fp8", 1)
     assert c.max_sequences == 2 * min(c.kv_sequences // 2, c.max_batch_size)
     assert c.max_batch_size < 720 and "attention DP" in c.reason

@@ -10,7 +10,7 @@ from importlib import resources
 
 import pytest
 
-from dflash_trt.plan import planner
+from dflash_trt.plan import cost, planner
 from dflash_trt.models.config import decoder_config
 from dflash_trt.presets.catalog import PRESETS
 
@@ -75,7 +75,7 @@ def test_config_files_are_the_bytes_sources_md_records():
 @pytest.mark.parametrize("name", PUBLISHED_DRAFTER_GIB)
 def test_drafter_figures_give_the_published_checkpoint_size(name):
     shape = planner.drafter_shape(PRESETS[name].drafter_plan_config(), name)
-    assert round(planner.weight_bytes(shape, "none") / 2**30, 2) == PUBLISHED_DRAFTER_GIB[name]
+    assert round(cost.weight_bytes(shape, "none") / 2**30, 2) == PUBLISHED_DRAFTER_GIB[name]
 
 
 def test_every_drafter_with_figures_has_a_published_size():
@@ -126,6 +126,6 @@ def test_gemma_4_kv_bytes_per_token_by_hand():
     types = cfg["layer_types"]
     assert types.count("sliding_attention") == 50 and types.count("full_attention") == 10
     shape = planner.target_shape(PRESETS["gemma-4-31b"].config(), "gemma-4-31b")
-    assert planner.kv_bytes_per_token(shape, "fp8") == 50 * 2 * 16 * 256 + 10 * 2 * 4 * 512
+    assert cost.kv_bytes_per_token(shape, "fp8") == 50 * 2 * 16 * 256 + 10 * 2 * 4 * 512
     # TP 8: ceil(16 / 8) = 2 and ceil(4 / 8) = 1 heads per GPU
-    assert planner.kv_bytes_per_token(shape, "fp8", tp=8) == 50 * 2 * 2 * 256 + 10 * 2 * 1 * 512
+    assert cost.kv_bytes_per_token(shape, "fp8", tp=8) == 50 * 2 * 2 * 256 + 10 * 2 * 1 * 512

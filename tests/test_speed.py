@@ -15,13 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dflash_trt.plan import planner, speed
+from dflash_trt.plan import cost, planner, speed
 from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import catalog, get_hardware
 
 from helpers import run_cli
 
-CENTRAL = speed.EFFICIENCY["central"]
+CENTRAL = cost.EFFICIENCY["central"]
 
 
 def shapes(name):
@@ -41,7 +41,7 @@ def test_experts_touched_matches_a_monte_carlo_of_random_routing(experts, k, tok
     picks = np.argsort(rng.random((trials, tokens, experts)), axis=-1)[..., :k]   # k distinct per token
     touched = np.array([np.unique(t).size for t in picks.reshape(trials, -1)])
     se = touched.std(ddof=1) / math.sqrt(trials)
-    expected = speed.experts_touched(experts, k, tokens)
+    expected = cost.experts_touched(experts, k, tokens)
     assert abs(touched.mean() - expected) < 4 * se + 1e-9, (touched.mean(), expected)
 
 
@@ -55,18 +55,18 @@ def test_weight_bytes_read_are_the_planners_by_format():
     embed_bytes = embed.elements * 2
     for fmt in ("none", "fp8", "nvfp4"):
         for seqs in (1, 64):
-            f = speed.forward(t, fmt, "fp8", hw, 1, seqs, 1, 1024, CENTRAL)
-            assert f.weight_bytes == pytest.approx(planner.weight_bytes(t, fmt) - embed_bytes, rel=1e-12)
+            f = cost.forward(t, fmt, "fp8", hw, 1, seqs, 1, 1024, CENTRAL)
+            assert f.weight_bytes == pytest.approx(cost.weight_bytes(t, fmt) - embed_bytes, rel=1e-12)
     q = sum(g.elements for g in t.groups if g.quantizable)
-    none, fp8 = (speed.forward(t, f, "fp8", hw, 1, 1, 1, 1024, CENTRAL).weight_bytes for f in ("none", "fp8"))
+    none, fp8 = (cost.forward(t, f, "fp8", hw, 1, 1, 1, 1024, CENTRAL).weight_bytes for f in ("none", "fp8"))
     assert none - fp8 == pytest.approx(q * (2 - 1) - 8 * sum(g.linears for g in t.groups if g.quantizable), rel=1e-9)
 
     g, _, _ = shapes("gpt-oss-120b")
     experts = [x for x in g.groups if x.expert or x.name == "expert_bias"]
-    exp_bytes = planner.weight_bytes(replace(g, groups=experts), "mxfp4")
-    rest = planner.weight_bytes(replace(g, groups=[x for x in g.groups if x not in experts and x.name != "embed"]),
+    exp_bytes = cost.weight_bytes(replace(g, groups=experts), "mxfp4")
+    rest = cost.weight_bytes(replace(g, groups=[x for x in g.groups if x not in experts and x.name != "embed"]),
                                 "mxfp4")
-    f = speed.forward(g, "mxfp4", "fp8", hw, 1, 1, 1, 1024, CENTRAL)
+    f = cost.forward(g, "mxfp4", "fp8", hw, 1, 1, 1, 1024, CENTRAL)
     assert f.weight_bytes == pytest.approx(rest + exp_bytes * 4 / 128, rel=1e-9)
 
 
@@ -75,8 +75,8 @@ def test_verify_reads_the_kv_cache_once_whatever_the_block():
     the KV bytes differ from an AR step only by the B - 1 extra tokens written."""
     t, _, _ = shapes("llama-3.1-8b")
     hw = get_hardware("hgx-h200")
-    ar = speed.forward(t, "fp8", "fp8", hw, 1, 16, 1, 4096, CENTRAL)
-    v = speed.forward(t, "fp8", "fp8", hw, 1, 16, 10, 4096, CENTRAL)
+    ar = cost.forward(t, "fp8", "fp8", hw, 1, 16, 1, 4096, CENTRAL)
+    v = cost.forward(t, "fp8", "fp8", hw, 1, 16, 10, 4096, CENTRAL)
     per_token_layer = 2 * t.kv_heads * t.head_dim * 1
     assert v.kv_bytes - ar.kv_bytes == 16 * 9 * t.layers * per_token_layer
     assert ar.kv_bytes == 16 * (4096 + 1) * t.layers * per_token_layer
@@ -92,11 +92,11 @@ def test_memory_to_compute_crossover_where_the_flops_say(name, hw_name, fmt):
     hw = get_hardware(hw_name)
     fmt_math = {"none": "bf16", "fp8": "fp8", "nvfp4": "fp4"}[fmt]
     linear = [g for g in t.groups if g.name != "embed"]
-    bytes_ = sum(planner.weight_bytes(replace(t, groups=[g]), fmt) for g in linear)
+    bytes_ = sum(cost.weight_bytes(replace(t, groups=[g]), fmt) for g in linear)
     secs_per_token = sum(2 * g.elements / (hw.dense_flops_per_s[fmt_math if g.quantizable else "bf16"] * CENTRAL.tensor)
                          for g in linear if g.quantizable or g.name == "lm_head")
     crossover = bytes_ / (hw.hbm_bytes_per_s * CENTRAL.hbm) / secs_per_token
-    bound = {T: speed.forward(t, fmt, "fp8", hw, 1, T, 1, 512, CENTRAL).bound for T in
+    bound = {T: cost.forward(t, fmt, "fp8", hw, 1, T, 1, 512, CENTRAL).bound for T in
              (math.floor(crossover) - 1, math.ceil(crossover) + 1)}
     assert bound == {math.floor(crossover) - 1: "memory", math.ceil(crossover) + 1: "compute"}
     # FP8 halves the bytes and doubles the peak against BF16, so on Hopper both cross at the same batch
@@ -110,12 +110,12 @@ def test_dense_verify_costs_an_ar_step_at_batch_1_and_moe_verify_does_not():
     many more experts than 1 token (128 · (1 - (1 - 4/128)^10) = 34.9 against 4), so its verify is dearer."""
     t, _, _ = shapes("qwen3-8b")
     hw = get_hardware("hgx-h100")
-    ar = speed.forward(t, "fp8", "fp8", hw, 1, 1, 1, 2048, CENTRAL)
-    v = speed.forward(t, "fp8", "fp8", hw, 1, 1, 16, 2048, CENTRAL)
+    ar = cost.forward(t, "fp8", "fp8", hw, 1, 1, 1, 2048, CENTRAL)
+    v = cost.forward(t, "fp8", "fp8", hw, 1, 1, 16, 2048, CENTRAL)
     assert 1 <= v.time_s / ar.time_s < 1.03
     g, _, _ = shapes("gpt-oss-120b")
-    ar = speed.forward(g, "mxfp4", "fp8", get_hardware("hgx-h200"), 1, 1, 1, 2048, CENTRAL)
-    v = speed.forward(g, "mxfp4", "fp8", get_hardware("hgx-h200"), 1, 1, 10, 2048, CENTRAL)
+    ar = cost.forward(g, "mxfp4", "fp8", get_hardware("hgx-h200"), 1, 1, 1, 2048, CENTRAL)
+    v = cost.forward(g, "mxfp4", "fp8", get_hardware("hgx-h200"), 1, 1, 10, 2048, CENTRAL)
     assert v.weight_bytes / ar.weight_bytes > 3 and v.time_s / ar.time_s > 1.5
 
 
@@ -162,13 +162,13 @@ def test_curves_are_monotonic_in_concurrency(name, hw_name, quant):
 def test_tp_all_reduce_and_ep_all_to_all_bytes_by_hand():
     g, _, _ = shapes("gpt-oss-120b")
     hw = get_hardware("dgx-b200")
-    f = speed.forward(g, "mxfp4", "fp8", hw, 8, 4, 1, 1024, CENTRAL)
+    f = cost.forward(g, "mxfp4", "fp8", hw, 8, 4, 1, 1024, CENTRAL)
     # 2 all-reduces per layer of T x hidden bf16, ring: 2 (tp - 1) / tp of it leaves each GPU
     assert f.comm_bytes == pytest.approx(2 * 36 * 2 * 7 / 8 * 4 * 2880 * 2)
-    a = speed.forward(g, "mxfp4", "fp8", hw, 4, 2560, 1, 1024, CENTRAL, attention_dp=True)
+    a = cost.forward(g, "mxfp4", "fp8", hw, 4, 2560, 1, 1024, CENTRAL, attention_dp=True)
     # attention DP: each GPU dispatches and combines its 640 tokens x top-4 x hidden, 3/4 of them to other GPUs
     assert a.comm_bytes == pytest.approx(36 * 2 * 640 * 4 * 2880 * 2 * 3 / 4)
-    assert speed.forward(g, "mxfp4", "fp8", hw, 1, 4, 1, 1024, CENTRAL).comm_bytes == 0
+    assert cost.forward(g, "mxfp4", "fp8", hw, 1, 4, 1, 1024, CENTRAL).comm_bytes == 0
 
 
 def test_every_catalog_gpu_has_sourced_dense_peaks():

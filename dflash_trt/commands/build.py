@@ -66,7 +66,10 @@ from dflash_trt.hardware import arch_default_node, arch_sms, gpus
               "(TensorRT-LLM max_concurrency / draft_len_schedule; a stack whose DFlash ignores its control gets "
               "nothing, with the reason in manifest.json). auto: planned like `plan --speed` for --gpu's node, the "
               "layout and max_batch_size, from the preset drafter's published tau (none without --gpu or a tau); "
-              "FILE.json: a schedule from `plan --speed --json` (layouts[].draft_schedule), e.g. measured elsewhere.")
+              "FILE.json: what `plan --speed --json` prints (the layout of this --tp / --ep is taken from it; "
+              "e.g. `plan "
+              "--target NAME --hardware NODE --speed --acceptance bench.json --json > plan.json`), or one schedule "
+              "object (a layout's draft_schedule).")
 @click.option("--out", type=click.Path(file_okay=False), help="Bundle folder (default: engines/<target>-<gpu|arch>-<quant>).")
 @click.option("--force", is_flag=True, help="Redo every stage; replace a non-bundle --out folder.")
 @click.option("--allow-nonfinite", is_flag=True, help="Build from weights holding NaN / Inf (check refuses them).")

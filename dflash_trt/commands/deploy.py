@@ -63,8 +63,8 @@ HARDWARE = click.Choice(sorted(catalog()))
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON only (with --speed: under \"speed\"; "
               "with --disaggregated: under \"disaggregated\").")
 def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, drafter_quant, max_seq_len, nodes, gpus_per_node,
-             max_batch_size, max_attention_window, objective, profile, speed, tau, context_tokens, acceptance, plot_file, disaggregated,
-             isl, osl, as_json):
+             max_batch_size, max_attention_window, objective, profile, speed, tau, context_tokens, acceptance,
+             plot_file, disaggregated, isl, osl, as_json):
     """How many GPUs, which TP / EP, how many concurrent sequences fit — from config.json alone.
 
     \b
@@ -77,7 +77,8 @@ def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, drafter_quant, 
     model with stated assumptions and ranges, docs/speed-model.md), and per layout the draft
     schedule: the K (tokens drafted per step) that gives the most tokens/s at each concurrency,
     against always drafting the whole block and never speculating, and the concurrency from
-    which speculation stops paying (what `build` writes into each stack's own control).
+    which speculation stops paying (what `build` writes into each stack's own control; `build
+    --draft-schedule plan.json` takes this command's --speed --json output).
 
     \b
     Examples:
@@ -90,53 +91,20 @@ def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, drafter_quant, 
       dflash-trt plan --target gpt-oss-120b --hardware dgx-b300 --speed --plot gptoss-b300.png
       dflash-trt plan --target qwen3-8b --hardware hgx-h200 --quant fp8 --speed --tau 6.5 --json
       dflash-trt plan --target qwen3-8b --hardware dgx-b200 --speed --acceptance bench.json
+      dflash-trt plan --target smollm2-135m --hardware dgx-b300 --speed --acceptance bench.json --json > plan.json
       dflash-trt plan --target gpt-oss-120b --hardware dgx-b300 --nodes 2 --disaggregated --isl 8192 --osl 1024
       dflash-trt plan --target gpt-oss-120b --hardware dgx-b300 --drafter-quant nvfp4 --speed
     """
-    from dflash_trt.plan import planner
     from dflash_trt.plan import speed as speed_model
-    from dflash_trt.deploy import values as deploy
-    from dflash_trt.errors import DFlashError
-    from dflash_trt.io.manifest import Manifest
 
     speed = speed or plot_file is not None
-    if not speed and (context_tokens is not None or acceptance is not None or (tau is not None and not disaggregated)):
-        raise DFlashError("--tau / --context-tokens / --acceptance set the speed model: add --speed (or --plot "
-                          "FILE.png; --tau also sizes --disaggregated)")
-    if not disaggregated and (isl is not None or osl is not None):
-        raise DFlashError("--isl / --osl size a disaggregated layout: add --disaggregated")
-    overrides = {}
-    if max_batch_size is not None:
-        overrides["max_batch_size"] = max_batch_size
-    if max_attention_window is not None:
-        overrides["max_attention_window"] = planner.parse_windows(max_attention_window)
+    _check_speed_flags(speed, tau, context_tokens, acceptance, disaggregated, isl, osl)
+    layout = dict(nodes=nodes, gpus_per_node=gpus_per_node, max_seq_len=max_seq_len, objective=objective,
+                  max_batch_size=max_batch_size, max_attention_window=max_attention_window)
     if bundle:
-        if quant != "auto" or kv_cache != "auto" or drafter_quant != "none":
-            raise DFlashError("--bundle plans the bundle's own formats (manifest quant); drop --quant / --kv-cache / "
-                              "--drafter-quant")
-        if target or drafter:
-            raise DFlashError("--bundle plans the bundle's own target and drafter; drop --target / --drafter")
-        gpu = catalog()[hardware].gpu if hardware else None
-        if profile:
-            raise DFlashError("--bundle plans the bundle's own serving config (its profile); drop --profile")
-        m = Manifest.read(bundle)
-        p = deploy.plan_for_bundle(bundle, nodes=nodes, gpus_per_node=gpus_per_node, gpu=gpu,
-                                   max_seq_len=max_seq_len, objective=objective, manifest=m, **overrides)
-        if p is None:
-            raise DFlashError(f"{bundle}: the bundle pins no GPU (a CPU-only deployment); pass --hardware")
-        tcfg, dcfg = deploy.bundle_model_configs(bundle, manifest=m)
+        p, tcfg, dcfg = _bundle_plan(bundle, hardware, quant, kv_cache, drafter_quant, target, drafter, profile, layout)
     else:
-        if not target:
-            raise DFlashError("--target NAME|DIR (or --bundle DIR) is required")
-        if not hardware:
-            raise DFlashError(f"--hardware is required: one of {', '.join(sorted(catalog()))}")
-        tname, tcfg, dcfg = planner.target_configs(target)
-        dname = f"{tname} drafter" if dcfg else None
-        if drafter:
-            dname, dcfg = planner.drafter_config(drafter)
-        p = planner.plan(tcfg, dcfg, hardware, target_name=tname, drafter_name=dname, quant=quant, kv_cache=kv_cache,
-                         drafter_quant=drafter_quant, max_seq_len=max_seq_len, nodes=nodes,
-                         gpus_per_node=gpus_per_node, objective=objective, profile=profile, **overrides)
+        p, tcfg, dcfg = _target_plan(target, drafter, hardware, quant, kv_cache, drafter_quant, profile, layout)
     ctx = speed_model.DEFAULT_CONTEXT_TOKENS if context_tokens is None else context_tokens
     report = speed_model.speed_for(p, tcfg, dcfg, tau=tau, context_tokens=ctx, acceptance=acceptance) \
         if speed else None
@@ -150,17 +118,88 @@ def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, drafter_quant, 
 
         split = speed_model.disaggregated(p, tcfg, dcfg, isl=DEFAULT_ISL if isl is None else isl,
                                           osl=DEFAULT_OSL if osl is None else osl, tau=tau)
+    click.echo(_plan_output(p, report, split, plot_file, as_json))
+
+
+def _check_speed_flags(speed, tau, context_tokens, acceptance, disaggregated, isl, osl) -> None:
+    from dflash_trt.errors import DFlashError
+
+    if not speed and (context_tokens is not None or acceptance is not None or (tau is not None and not disaggregated)):
+        raise DFlashError("--tau / --context-tokens / --acceptance set the speed model: add --speed (or --plot "
+                          "FILE.png; --tau also sizes --disaggregated)")
+    if not disaggregated and (isl is not None or osl is not None):
+        raise DFlashError("--isl / --osl size a disaggregated layout: add --disaggregated")
+
+
+def _layout_overrides(layout: dict) -> dict:
+    """The serving limits given on the command line (the rest: the plan's, or the bundle's, defaults)."""
+    from dflash_trt.plan import planner
+
+    out = {}
+    if layout["max_batch_size"] is not None:
+        out["max_batch_size"] = layout["max_batch_size"]
+    if layout["max_attention_window"] is not None:
+        out["max_attention_window"] = planner.parse_windows(layout["max_attention_window"])
+    return out
+
+
+def _bundle_plan(bundle, hardware, quant, kv_cache, drafter_quant, target, drafter, profile, layout):
+    """`plan --bundle`: (plan, target config, drafter config) of the bundle's own models, formats and GPU."""
+    from dflash_trt.deploy import values as deploy
+    from dflash_trt.errors import DFlashError
+    from dflash_trt.io.manifest import Manifest
+
+    if quant != "auto" or kv_cache != "auto" or drafter_quant != "none":
+        raise DFlashError("--bundle plans the bundle's own formats (manifest quant); drop --quant / --kv-cache / "
+                          "--drafter-quant")
+    if target or drafter:
+        raise DFlashError("--bundle plans the bundle's own target and drafter; drop --target / --drafter")
+    gpu = catalog()[hardware].gpu if hardware else None
+    if profile:
+        raise DFlashError("--bundle plans the bundle's own serving config (its profile); drop --profile")
+    m = Manifest.read(bundle)
+    p = deploy.plan_for_bundle(bundle, nodes=layout["nodes"], gpus_per_node=layout["gpus_per_node"], gpu=gpu,
+                               max_seq_len=layout["max_seq_len"], objective=layout["objective"], manifest=m,
+                               **_layout_overrides(layout))
+    if p is None:
+        raise DFlashError(f"{bundle}: the bundle pins no GPU (a CPU-only deployment); pass --hardware")
+    return (p, *deploy.bundle_model_configs(bundle, manifest=m))
+
+
+def _target_plan(target, drafter, hardware, quant, kv_cache, drafter_quant, profile, layout):
+    """`plan --target`: (plan, target config, drafter config) of a preset or a folder (and --drafter)."""
+    from dflash_trt.errors import DFlashError
+    from dflash_trt.plan import planner
+
+    if not target:
+        raise DFlashError("--target NAME|DIR (or --bundle DIR) is required")
+    if not hardware:
+        raise DFlashError(f"--hardware is required: one of {', '.join(sorted(catalog()))}")
+    tname, tcfg, dcfg = planner.target_configs(target)
+    dname = f"{tname} drafter" if dcfg else None
+    if drafter:
+        dname, dcfg = planner.drafter_config(drafter)
+    p = planner.plan(tcfg, dcfg, hardware, target_name=tname, drafter_name=dname, quant=quant, kv_cache=kv_cache,
+                     drafter_quant=drafter_quant, max_seq_len=layout["max_seq_len"], nodes=layout["nodes"],
+                     gpus_per_node=layout["gpus_per_node"], objective=layout["objective"], profile=profile,
+                     **_layout_overrides(layout))
+    return p, tcfg, dcfg
+
+
+def _plan_output(p, report, split, plot_file, as_json: bool) -> str:
+    from dflash_trt.plan import planner
+    from dflash_trt.plan import speed as speed_model
+
     if as_json:
         d = p.to_dict()
         if report:
             d["speed"] = report.to_dict()
         if split:
             d["disaggregated"] = split.to_dict()
-        click.echo(json.dumps(d, indent=2))
-    else:
-        click.echo(planner.format_plan(p) + (speed_model.format_speed(report) if report else "")
-                   + (speed_model.format_disaggregated(split) if split else "")
-                   + (f"\nplot: {plot_file}" if plot_file else ""))
+        return json.dumps(d, indent=2)
+    return (planner.format_plan(p) + (speed_model.format_speed(report) if report else "")
+            + (speed_model.format_disaggregated(split) if split else "")
+            + (f"\nplot: {plot_file}" if plot_file else ""))
 
 
 @click.command("deploy")

@@ -1,4 +1,4 @@
-"""Planner shapes (deploy/planner.ModelShape) of the target families the planner has no hand-written
+"""Planner shapes (plan/shapes.ModelShape) of the target families the planner has no hand-written
 parameter groups for, read from transformers' own model of the config: built on the meta device (no
 memory), every parameter's shape counted into the planner's groups by its name. Covers any decoder
 transformers 5.24 has a causal-LM class for: DeepSeek-V3 / Kimi K2 (MLA), GLM-5 (MLA + DSA indexer),
@@ -40,7 +40,7 @@ def _hf_model_on_meta(cfg: dict, name: str):
 
 
 def meta_shape_fields(cfg: dict, name: str) -> tuple[dict, list[dict]]:
-    """(planner.ModelShape fields, its planner.Group fields, one dict each) of `cfg`, from
+    """(shapes.ModelShape fields, its shapes.Group fields, one dict each) of `cfg`, from
     transformers' model of it (see the module docstring). Plain dicts: planner builds the objects."""
     hf, model = _hf_model_on_meta(cfg, name)
     H, L, V = hf.hidden_size, hf.num_hidden_layers, hf.vocab_size

@@ -1,7 +1,7 @@
 """Capacity planner: per-GPU memory of a (target, drafter) pair on a node type, and the
 TP / EP / replica layouts that fit, ranked — from the models' config.json alone (no weights).
 
-Memory per GPU of one layout:
+Memory per GPU of one layout (each term the cost model's, plan/cost.py, which the speed model reads too):
 
     weights (by format)  +  drafter weights (BF16)  +  activations  +  runtime reserve
     + KV pool = FREE_GPU_MEMORY_FRACTION × what is left        (TensorRT-LLM's kv_cache_config default)
@@ -31,15 +31,17 @@ context too. Activations are a rough upper bound (stated below), not a measureme
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from dflash_trt.plan.cost import activation_bytes, kv_bytes_per_token, weight_bytes
 from dflash_trt.plan.family_shapes import meta_shape_fields
+from dflash_trt.plan.shapes import Group, ModelShape
 from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import Hardware, get_hardware
 from dflash_trt.io.jsonio import read_json
 from dflash_trt.models.config import DrafterConfig
-from dflash_trt.presets.catalog import FIGURES_KEY, PRESETS
+from dflash_trt.presets.catalog import FIGURES_KEY, PRESETS, resolve_drafter
 from dflash_trt.stacks.trtllm.budget import draft_context_budget
 from dflash_trt.stacks.trtllm.profiles import PROFILES, curated_layout, profile_settings
 
@@ -62,11 +64,6 @@ MAX_GPUS_PER_NODE = 16
 QUANT_FORMATS = ("auto", "none", "fp8", "nvfp4", "mxfp4")
 KV_FORMATS = ("auto", "fp8", "bf16")
 
-# Bytes per weight element of a quantized linear layer (scale tensors included).
-# int8: compressed-tensors W8A8 (a drafter for vLLM); its per-channel scales (2 bytes a row) are left out
-ELEMENT_BYTES = {"none": 2.0, "fp8": 1.0, "nvfp4": 0.5 + 1 / 16, "mxfp4": 0.5 + 1 / 32, "int8": 1.0}
-# Per-tensor fp32 scalars that come with each quantized linear layer (weight_scale(_2), input_scale).
-SCALAR_BYTES_PER_LINEAR = {"none": 0, "fp8": 8, "nvfp4": 8, "mxfp4": 0, "int8": 0}
 # A quantized drafter (build --drafter-quant): its decoder Linears in ModelOpt FP8 / NVFP4, fc kept bf16
 # (drafter_shape: fc is not quantizable), as SGLang's DFlash loader takes it; TensorRT-LLM's also keeps
 # q/k/v bf16 (engines.json drafter_quant), which this counts as quantized.
@@ -78,67 +75,6 @@ MOE_TYPES = {"gpt_oss", "qwen3_moe", "mixtral"}
 
 # ---------------------------------------------------------------------------------------------
 # Model shapes and parameter groups
-
-
-@dataclass
-class Group:
-    """One family of tensors with the same format and the same tensor-parallel rule."""
-    name: str
-    elements: int          # whole model
-    split: str             # "tp" (divided by tp), "kv" (per-head, duplicated past kv_heads), "rep"
-    quantizable: bool      # a linear-layer weight that FP8 / NVFP4 (or MXFP4 for experts) applies to
-    linears: int = 0       # number of linear modules (for per-tensor scale bytes)
-    expert: bool = False
-    kv_heads: int = 0      # for split == "kv": heads in the tensor
-    active_fraction: float = 1.0   # share of it a token touches (experts: k / E)
-
-
-@dataclass
-class ModelShape:
-    name: str
-    model_type: str
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    intermediate: int
-    experts: int = 0
-    experts_per_token: int = 0
-    layer_types: list[str] = field(default_factory=list)
-    sliding_window: int | None = None
-    native_format: str = "none"
-    groups: list[Group] = field(default_factory=list)
-    has_embedding: bool = True
-    # (KV heads, head_dim) of each attention layer where they differ by layer (Gemma 4); None: every
-    # layer has kv_heads x head_dim
-    kv_per_layer: list[tuple[int, int]] | None = None
-
-    @property
-    def total_params(self) -> int:
-        return sum(g.elements for g in self.groups)
-
-    @property
-    def active_params(self) -> int:
-        """Parameters one token's forward pass multiplies by: the embedding table is a lookup and
-        is not counted (the convention of the gpt-oss model card); lm_head is (tied or not)."""
-        n = 0
-        for g in self.groups:
-            if g.name == "embed":
-                continue
-            n += round(g.elements * g.active_fraction)
-        if not any(g.name == "lm_head" for g in self.groups) and self.has_embedding:
-            n += self.vocab * self.hidden        # tied lm_head: the embedding matrix is multiplied
-        return n
-
-    @property
-    def full_layers(self) -> int:
-        return sum(1 for t in self.layer_types if t != "sliding_attention")
-
-    @property
-    def sliding_layers(self) -> int:
-        return self.layers - self.full_layers
 
 
 def _attention_groups(layers, hidden, heads, kv_heads, head_dim, bias, qk_norm, sinks) -> list[Group]:
@@ -313,55 +249,6 @@ def resolve_kv(quant: str, kv: str, hw: Hardware) -> str:
     if kv == "auto":
         kv = "fp8" if quant != "none" and hw.fp8 else "bf16"
     return kv
-
-
-def weight_bytes(shape: ModelShape, fmt: str, tp: int = 1, attn_tp: int | None = None) -> int:
-    """Bytes of the model's weights on one GPU of a tp-way split (tp=1: the whole model);
-    `attn_tp`: the attention's own split (1 under attention DP, which replicates it)."""
-    total = 0.0
-    for g in shape.groups:
-        elems = _elements_per_gpu(g, shape, attn_tp if attn_tp is not None and g.name.startswith("attn") else tp)
-        quantized = g.quantizable and (fmt in ("fp8", "nvfp4", "int8") or (fmt == "mxfp4" and g.expert))
-        if quantized:
-            total += elems * ELEMENT_BYTES[fmt] + g.linears * SCALAR_BYTES_PER_LINEAR[fmt]
-        else:
-            total += elems * 2.0
-    return math.ceil(total)
-
-
-def _elements_per_gpu(g: Group, shape: ModelShape, tp: int) -> float:
-    if g.split == "rep" or tp == 1:
-        return g.elements
-    if g.split == "kv":
-        return g.elements / g.kv_heads * math.ceil(g.kv_heads / tp)
-    if g.name in ("embed", "lm_head"):   # vocab padded to a multiple of tp
-        return math.ceil(shape.vocab / tp) * shape.hidden
-    return g.elements / tp
-
-
-def kv_bytes_per_token(shape: ModelShape, kv_format: str, tp: int = 1, layers: int | None = None) -> int:
-    """KV bytes per token of context on one GPU of a tp-way split, over `layers` layers (default:
-    all of them)."""
-    layers = shape.layers if layers is None else layers
-    b = 1 if kv_format == "fp8" else 2
-    if shape.kv_per_layer:
-        # layers of different widths: exact over all of them; a part of them (the layers that
-        # max_attention_window leaves whole) is counted at the mean width per layer
-        per_layer = [2 * math.ceil(h / tp) * d * b for h, d in shape.kv_per_layer]
-        total = sum(per_layer)
-        return total if layers == len(per_layer) else math.ceil(total * layers / len(per_layer))
-    return layers * 2 * math.ceil(shape.kv_heads / tp) * shape.head_dim * b
-
-
-def activation_bytes(shape: ModelShape, tp: int, max_num_tokens: int, logits_tokens: int) -> int:
-    """A rough upper bound of TensorRT-LLM's activation memory per GPU: bf16 hidden, qkv and MLP
-    intermediates for max_num_tokens tokens in flight, plus fp32 logits (vocab/tp) for the tokens
-    the step samples or verifies (max_batch_size × block)."""
-    heads = shape.heads // tp + 2 * math.ceil(shape.kv_heads / tp)
-    inter = shape.intermediate * (shape.experts_per_token if shape.experts else 1)
-    per_token = 2 * (4 * shape.hidden + heads * shape.head_dim + 2 * inter // tp)
-    logits = logits_tokens * math.ceil(shape.vocab / tp) * 4
-    return max_num_tokens * per_token + logits
 
 
 # ---------------------------------------------------------------------------------------------
@@ -730,6 +617,8 @@ def target_configs(target: str) -> tuple[str, dict, dict | None]:
     if target in PRESETS:
         p = PRESETS[target]
         dcfg = p.drafter_plan_config()
+        if dcfg is None and p.drafter_hf_id is None:    # the embedded pair: our drafter ships in the package
+            dcfg = read_json(resolve_drafter(None, target) / "config.json")
         return target, p.config(), dcfg
     path = Path(target)
     if path.is_dir():
@@ -742,6 +631,17 @@ def drafter_config(folder: str) -> tuple[str, dict]:
     if not path.is_dir():
         raise DFlashError(f"--drafter {folder}: not a folder")
     return path.name, read_json(path / "config.json")
+
+
+def merged_rows(layouts: list[Layout]) -> list[tuple[int, list[int], Layout]]:
+    """(rank of the first, eps, the first layout) of consecutive ranked layouts equal in all but ep."""
+    out: list[tuple[int, list[int], Layout]] = []
+    for i, l in enumerate(layouts, 1):
+        if out and asdict(replace(out[-1][2], ep=l.ep)) == asdict(l):
+            out[-1][1].append(l.ep)
+        else:
+            out.append((i, [l.ep], l))
+    return out
 
 
 def format_plan(p: Plan) -> str:
@@ -761,12 +661,18 @@ def format_plan(p: Plan) -> str:
         (f"hardware {p.hardware}: {p.nodes} node(s) × {p.gpus_per_node} GPUs of {gb(p.gpu_memory_bytes)}; "
          f"max_seq_len {p.max_seq_len}, max_batch_size {p.max_batch_size}, objective {p.objective}"),
         "",
-        f"{'rank':>4} {'tp':>3} {'ep':>3} {'repl':>4} {'weights/GPU':>12} {'KV tokens':>12} {'seqs/repl':>9}  reason",
+        f"{'rank':>5} {'tp':>3} {'ep':>7} {'repl':>4} {'weights/GPU':>12} {'KV tokens':>12} {'seqs/repl':>9}  reason",
     ]
-    for i, l in enumerate(p.layouts, 1):
-        lines.append(f"{i if l.fits else '-':>4} {l.tp:>3} {l.ep:>3} {l.replicas:>4} "
+    groups = merged_rows(p.layouts)
+    for first, eps, l in groups:
+        last = first + len(eps) - 1
+        rank = (f"{first}" if last == first else f"{first}-{last}") if l.fits else "-"
+        lines.append(f"{rank:>5} {l.tp:>3} {'/'.join(map(str, eps)):>7} {l.replicas:>4} "
                      f"{gb(l.weights_bytes_per_gpu) if l.weights_bytes_per_gpu else '':>12} {l.kv_tokens:>12,} "
                      f"{l.max_sequences:>9,}  {l.reason}")
+    if len(groups) < len(p.layouts):
+        lines.append("(rows of one tp that differ only in ep, with the same figures, are one row: ep 1/2/...; --json "
+                     "lists each)")
     c = p.chosen
     lines.append("")
     if c:

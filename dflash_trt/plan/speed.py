@@ -1,28 +1,9 @@
 """Decode speed of a planned layout: tokens/s per user and per GPU against concurrency, for plain
 autoregressive decoding (AR) and for DFlash, from what one decode step physically does on the GPU.
 
-One forward pass of a model over T tokens (T = concurrent sequences × tokens per sequence: 1 for an
-AR step, the block B for a DFlash verify or draft) costs, on each GPU of a replica:
-
-    Σ over its stages  max(bytes read / (HBM bandwidth · HBM_EFF),  FLOPs / (dense peak of the format · TENSOR_EFF))
-    + collectives: TP all-reduce (2 per layer) or, with attention data parallel, EP all-to-all
-      (dispatch + combine per MoE layer): COLLECTIVE_LATENCY + bytes / (NVLink per direction · NVLINK_EFF)
-    + layers · LAYER_LATENCY + STEP_OVERHEAD          (the fixed cost of launching a layer's kernels)
-
-Stages (each a roofline of its own, they run as separate kernels):
-  dense linears  every weight outside the experts (attention projections, dense MLPs, lm_head, router), read
-                 once per pass in its format; FLOPs 2 · elements · tokens.
-  experts        of E experts with top-k routing, T tokens touch E·(1 − (1 − k/E)^T) on average (each
-                 token picks k distinct experts: an expert is missed by one token with probability
-                 1 − k/E); the bytes of those are read, FLOPs are 2 · k/E · expert elements per token.
-  attention      each sequence reads its KV cache once per pass whatever its query count (a verify of
-                 B tokens reads the context once): full layers the whole context, sliding-window layers
-                 at most the window; FLOPs 4 · heads · head_dim per query per context token.
-
-Formats: weight bytes are the planner's (BF16 2, FP8 1, NVFP4 0.5625, MXFP4 0.53125 bytes per element,
-scales included). A GEMM runs at the dense peak of its math format: NVFP4 at FP4, FP8 at FP8, MXFP4 experts
-at FP8 on Blackwell (TensorRT-LLM's W4A8 MXFP4 x MXFP8 MoE; its gpt-oss deployment guide) and at BF16 on
-Hopper (weights dequantized in the kernel), everything else and attention at BF16.
+What one step of a layout costs (bytes read, FLOPs, collectives, fixed launch cost per layer, each pass a
+roofline) is the cost model's, plan/cost.py, which the planner also asks for what a layout holds; this module
+turns step times into curves.
 
 DFlash step = verify (target pass over B tokens per sequence) + draft (the drafter's layers over its block of
 B, reading its own cache of projected target features, plus the target's lm_head over the B − 1 drafted
@@ -32,11 +13,11 @@ positions). Each step emits tau tokens per sequence (tau: mean accepted length, 
     tokens/s per GPU  = concurrency · tokens/s per user / GPUs of the replica.
 
 Draft schedule (per layout, with a drafter): the same passes price a step drafting K < B - 1 tokens (verify
-over K + 1 tokens, the drafter's whole block; K = 0 an AR step, step_seconds_for), and
+over K + 1 tokens, the drafter's whole block; K = 0 an AR step: cost.StepCost.step_seconds), and
 plan/draft_schedule.py picks the K of most tokens/s at each concurrency from the acceptance per draft
 position (resolve_acceptance). build_schedule is `build --draft-schedule`'s.
 
-Efficiency factors (EFFICIENCY, a low / central / high set; every number printed is the central one with
+Efficiency factors (cost.EFFICIENCY, a low / central / high set; every number printed is the central one with
 the low-high range beside it). LAYER_LATENCY's central value is fitted to one public point, TensorRT-LLM's
 420 tokens/s per user for gpt-oss-120b on 8 × B200 at batch 1 (its gpt-oss deployment blog): at that batch
 the weights read per GPU take about 0.1 ms, so nearly all of the 2.4 ms step is fixed per-layer cost. The
@@ -53,41 +34,16 @@ import math
 import sys
 from dataclasses import asdict, dataclass, field, replace
 from importlib import resources
+from pathlib import Path
 
 from dflash_trt.plan import draft_schedule as ds
 from dflash_trt.plan import planner
-from dflash_trt.plan.planner import Group, Layout, ModelShape, Plan, weight_bytes
+from dflash_trt.plan.cost import EFFICIENCY, Efficiency, Forward, StepCost, experts_touched
+from dflash_trt.plan.planner import Layout, ModelShape, Plan
 from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import Hardware, get_hardware, hardware_for_gpu
+from dflash_trt.presets.catalog import PRESETS
 
-
-@dataclass(frozen=True)
-class Efficiency:
-    hbm: float                    # share of the datasheet HBM bandwidth decode kernels reach
-    tensor: float                 # share of the dense tensor peak a GEMM over many tokens reaches
-    nvlink: float                 # share of the per-direction NVLink bandwidth a collective reaches
-    layer_latency_s: float        # fixed time per transformer layer per forward pass
-    collective_latency_s: float   # fixed time per all-reduce / all-to-all
-    step_overhead_s: float        # per forward pass: graph launch, sampling, scheduler
-
-
-# low = pessimistic, high = optimistic. Sources and fits in docs/speed-model.md:
-# - hbm 0.8 (0.7-0.9): the share of peak bandwidth bandwidth-bound kernels are commonly measured at; with it
-#   Llama-3.3-70B FP8 on one H200 at batch 1 comes out at 47 tokens/s against NVIDIA's 51.14 (a check).
-# - tensor 0.6 (0.45-0.75): dense GEMMs over thousands of tokens; checked against TensorRT-LLM's max-throughput
-#   Llama-3.1-8B FP8 table (perf-overview), compute-bound at those batches.
-# - nvlink 0.7 (0.6-0.8), collective latency 8 us (12-5): NCCL / TensorRT-LLM custom all-reduce of small messages.
-# - layer latency 44.5 us central: fitted (module docstring); 60 us low, 25 us high (newer engines with fused
-#   kernels and programmatic dependent launch).
-# - step overhead 100 us (200-50): sampling and the host side of a step under CUDA graphs.
-EFFICIENCY = {
-    "low": Efficiency(hbm=0.7, tensor=0.45, nvlink=0.6, layer_latency_s=60e-6, collective_latency_s=12e-6,
-                      step_overhead_s=200e-6),
-    "central": Efficiency(hbm=0.8, tensor=0.6, nvlink=0.7, layer_latency_s=44.5e-6, collective_latency_s=8e-6,
-                          step_overhead_s=100e-6),
-    "high": Efficiency(hbm=0.9, tensor=0.75, nvlink=0.8, layer_latency_s=25e-6, collective_latency_s=5e-6,
-                       step_overhead_s=50e-6),
-}
 
 # Mean accepted length (tau, bonus token included) of the presets' published drafters, used when --tau is not
 # given. gpt-oss-120b: z-lab/gpt-oss-120b-DFlash model card, block 10, SGLang on one H200, reasoning effort
@@ -109,108 +65,6 @@ PUBLISHED_TAU = {
 PUBLISHED_SURVIVAL: dict[str, tuple[list[float], str]] = {}
 
 DEFAULT_CONTEXT_TOKENS = 2048   # mean tokens of context per sequence while decoding (1k prompt + half of 2k out)
-ACTIVATION_BYTES = 2            # hidden states on the wire (bf16)
-
-
-def experts_touched(experts: int, top_k: int, tokens: float) -> float:
-    """Expected distinct experts `tokens` tokens route to, each picking top_k of `experts` (uniform)."""
-    return experts * (1 - (1 - top_k / experts) ** tokens)
-
-
-def math_format(group: Group, weight_format: str, hw: Hardware) -> str:
-    """The tensor-core format a group's GEMMs run in (module docstring)."""
-    if not group.quantizable or weight_format == "none":
-        return "bf16"
-    if weight_format == "fp8":
-        return "fp8"
-    if weight_format == "nvfp4":
-        return "fp4"
-    if weight_format == "mxfp4" and group.expert:
-        return "fp8" if hw.fp4 else "bf16"
-    return "bf16"
-
-
-@dataclass
-class Forward:
-    """One forward pass on one GPU of a replica: what it reads, computes and sends, and its time."""
-    tokens: int                    # tokens through the model on the whole replica
-    weight_bytes: float
-    kv_bytes: float
-    linear_flops: float
-    attention_flops: float
-    comm_bytes: float
-    memory_s: float = 0.0          # stage times (each stage: max of its memory and compute time)
-    compute_s: float = 0.0
-    bound: str = ""                # "memory" or "compute": which dominates the linear stages
-    comm_s: float = 0.0
-    fixed_s: float = 0.0
-    time_s: float = 0.0
-
-
-def forward(shape: ModelShape, weight_format: str, kv_format: str, hw: Hardware, tp: int, sequences: int,
-            queries: int, context: int, eff: Efficiency, *, attention_dp: bool = False,
-            extra_groups: tuple[Group, ...] = ()) -> Forward:
-    """Cost of one pass of `shape` over `queries` tokens of each of `sequences` sequences holding `context`
-    tokens of KV, on one of the replica's `tp` GPUs. attention_dp: attention (and dense weights) replicated,
-    each GPU its share of the sequences, experts split over the tp GPUs (expert parallel, all-to-all)."""
-    T = sequences * queries
-    share = 1 / tp if attention_dp else 1.0          # the share of the sequences one GPU attends to
-    dense_tp = 1 if attention_dp else tp
-    bw = hw.hbm_bytes_per_s * eff.hbm
-    peak = {f: v * eff.tensor for f, v in hw.dense_flops_per_s.items()}
-
-    w_dense = w_expert = fl_dense_s = fl_expert_s = fl_dense = fl_expert = 0.0
-    for g in (*shape.groups, *extra_groups):
-        if g.name == "embed":
-            continue                                  # a lookup of T rows
-        one = replace(shape, groups=[g])
-        if g.expert or g.name == "expert_bias":
-            frac = experts_touched(shape.experts, shape.experts_per_token, T) / shape.experts
-            w_expert += weight_bytes(one, weight_format, tp) * frac
-            fl = 2 * g.elements * g.active_fraction * T / tp
-            fl_expert += fl
-            fl_expert_s += fl / peak[math_format(g, weight_format, hw)]
-        else:
-            w_dense += weight_bytes(one, weight_format, dense_tp)
-            if g.quantizable or g.name in ("lm_head", "fc"):
-                fl = 2 * g.elements / dense_tp * T * share
-                fl_dense += fl
-                fl_dense_s += fl / peak[math_format(g, weight_format, hw)]
-
-    # attention: KV read once per sequence per pass, written for the new tokens
-    kv_heads = shape.kv_heads if attention_dp else math.ceil(shape.kv_heads / tp)
-    heads = shape.heads if attention_dp else shape.heads // tp
-    kv_per_token_layer = 2 * kv_heads * shape.head_dim * (1 if kv_format == "fp8" else 2)
-    sliding = shape.sliding_layers if shape.sliding_window else 0
-    window = min(context, shape.sliding_window or context)
-    ctx_tokens = (shape.layers - sliding) * context + sliding * window    # context tokens read, over the layers
-    seqs = sequences * share
-    kv = seqs * (ctx_tokens + queries * shape.layers) * kv_per_token_layer
-    fl_attn = seqs * queries * ctx_tokens * 4 * heads * shape.head_dim
-
-    dense_s = max(w_dense / bw, fl_dense_s)
-    expert_s = max(w_expert / bw, fl_expert_s)
-    attn_s = max(kv / bw, fl_attn / peak["bf16"])
-    mem_s = (w_dense + w_expert + kv) / bw
-    comp_s = fl_dense_s + fl_expert_s + fl_attn / peak["bf16"]
-
-    link = hw.nvlink_bytes_per_s / 2 * eff.nvlink        # catalog figure is both directions
-    comm_bytes = comm_s = 0.0
-    if tp > 1 and not attention_dp:                      # all-reduce after attention and after the MLP / MoE
-        msg = T * shape.hidden * ACTIVATION_BYTES
-        comm_bytes = 2 * shape.layers * 2 * (tp - 1) / tp * msg
-        comm_s = 2 * shape.layers * eff.collective_latency_s + comm_bytes / link
-    elif tp > 1 and shape.experts:                       # dispatch + combine of the routed tokens
-        moe_layers = shape.layers
-        msg = T * share * shape.experts_per_token * shape.hidden * ACTIVATION_BYTES * (tp - 1) / tp
-        comm_bytes = moe_layers * 2 * msg
-        comm_s = moe_layers * 2 * eff.collective_latency_s + comm_bytes / link
-
-    fixed_s = shape.layers * eff.layer_latency_s + eff.step_overhead_s
-    return Forward(tokens=T, weight_bytes=w_dense + w_expert, kv_bytes=kv, linear_flops=fl_dense + fl_expert,
-                   attention_flops=fl_attn, comm_bytes=comm_bytes, memory_s=mem_s, compute_s=comp_s,
-                   bound="compute" if fl_dense_s + fl_expert_s > (w_dense + w_expert) / bw else "memory",
-                   comm_s=comm_s, fixed_s=fixed_s, time_s=dense_s + expert_s + attn_s + comm_s + fixed_s)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -245,11 +99,14 @@ class LayoutSpeed:
     replicas: int
     gpus_per_replica: int
     attention_dp: bool
-    max_concurrency: int                 # min(max_batch_size, sequences of context + block that fit the KV cache)
+    # min(the layout's max_batch_size, sequences of context + block the KV cache fits)
+    max_concurrency: int
     points: list[SpeedPoint]
     reason: str = ""                     # why there are no points
-    # the draft length per concurrency (deploy/draft_schedule.DraftSchedule.to_dict()), with a drafter
+    # the draft length per concurrency (plan/draft_schedule.DraftSchedule.to_dict()), with a drafter
     draft_schedule: dict | None = None
+    # why K changes with concurrency, with the numbers (explain_schedule); empty where K is the same throughout
+    draft_schedule_why: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -318,24 +175,9 @@ def resolve_acceptance(target_name: str, tau: float | None, block: int, has_draf
 
 def step_seconds_for(plan: Plan, tp: int, target: ModelShape, drafter: ModelShape, hw: Hardware, context: int,
                      eff: Efficiency, *, attention_dp: bool = False):
-    """step_seconds(c, K) of one decode step of c sequences drafting K tokens each (draft_schedule.choose):
-    K = 0 a plain AR step; K >= 1 the target's verify over K + 1 tokens per sequence, plus the drafter's
-    pass over its whole block B (and the target's lm_head it borrows) whatever K. A shorter draft keeps the
-    drafter's block: TensorRT-LLM's DFlashWorker (tensorrt_llm/_torch/speculative/dflash.py @ 2fc4bbbc414379ff,
-    prepare_1st_drafter_inputs) builds a query block of the drafter's block_size and gathers only the K
-    drafted positions' logits, so what a schedule saves is the verify's tokens, not the drafter's."""
-    fmt, kv, dq, B = plan.quant["target"], plan.quant["kv_cache"], plan.quant["drafter"], plan.block_size
-    lm_head = _lm_head(target)
-    draft_s: dict[int, float] = {}
-
-    def step(c: int, k: int) -> float:
-        if k == 0:
-            return forward(target, fmt, kv, hw, tp, c, 1, context, eff, attention_dp=attention_dp).time_s
-        if c not in draft_s:
-            draft_s[c] = forward(drafter, dq, kv, hw, tp, c, B, context, eff, attention_dp=attention_dp,
-                                 extra_groups=(lm_head,)).time_s
-        return forward(target, fmt, kv, hw, tp, c, k + 1, context, eff, attention_dp=attention_dp).time_s + draft_s[c]
-    return step
+    """step_seconds(c, K) of one decode step of c sequences drafting K tokens each (draft_schedule.choose),
+    the cost model's (cost.StepCost.step_seconds)."""
+    return StepCost(plan, target, drafter, hw, tp, context, eff, attention_dp=attention_dp).step_seconds
 
 
 SCHEDULE_COST = ("step cost: K = 0 a plain AR step; K >= 1 the target's verify over K + 1 tokens per sequence plus the "
@@ -352,6 +194,55 @@ def layout_schedule(plan: Plan, layout: LayoutSpeed, target: ModelShape, drafter
     grid = concurrency_grid or [p.concurrency for p in layout.points]
     return ds.choose(survival, step, grid, assumptions=[f"acceptance per position: {acceptance_source}",
                                                         SCHEDULE_COST])
+
+
+def explain_schedule(sched: ds.DraftSchedule, cost: StepCost) -> list[str]:
+    """Why the draft length changes with concurrency, in numbers ([] when it does not): at each range's first
+    concurrency, what one more and one fewer drafted token would add to the tokens per step and to the step
+    time (the schedule's own acceptance lengths and the cost model's step), how flat tokens/s is around the
+    chosen K, and for an MoE target the expert weights the verify pass reads, which is what makes K rise
+    again once a step's tokens already touch nearly every expert."""
+    if len({k for _, _, k in sched.ranges}) < 2:
+        return []
+    L, top, last = sched.acceptance_lengths, sched.max_k, sched.ranges[-1][1]
+    alone = [c for c in range(1, last + 1) if ds.best_k(c, L, cost.step_seconds)[0] != sched.k_at(c)]
+    search = (f"not an artefact of the search: each concurrency 1-{last} evaluated alone gives the same K" if not alone
+              else f"the search's ranges differ from K evaluated alone at concurrency {alone[:5]}")
+    loss = max((1 - (L[top] / cost.step_seconds(c, top)) / (L[k] / cost.step_seconds(c, k)), c)
+               for a, b, k in sched.ranges for c in (a, b))
+    out = [f"why K changes with concurrency ({search}): K maximises tokens per step L(K) over the step time, L(K) = "
+           + ", ".join(f"{x:.2f}" for x in L) + f" for K = 0..{top}; a drafted token adds one token per sequence to "
+           f"the target's verify pass. Drafting K {top} throughout would lose at most {loss[0]:.1%} tokens/s per user "
+           f"(concurrency {loss[1]})"]
+    for first, last, k in sched.ranges:
+        t = [cost.step_seconds(first, j) for j in range(top + 1)]
+        rate = [L[j] / t[j] for j in range(top + 1)]
+        parts = []
+        if k < top:
+            parts.append(f"K {k + 1} would add {L[k + 1] / L[k] - 1:+.1%} tokens per step for "
+                         f"{t[k + 1] / t[k] - 1:+.1%} step time")
+        if k > 0:
+            parts.append(f"K {k - 1} would save {1 - t[k - 1] / t[k]:.1%} step time for "
+                         f"{L[k - 1] / L[k] - 1:+.1%} tokens")
+        near = [j for j in range(top + 1) if rate[j] >= 0.99 * rate[k]]
+        span = f"{first}-{last}" if last != first else f"{first}"
+        out.append(f"  concurrency {span}: K {k}: " + "; ".join(parts)
+                   + f"; tokens/s within 1% of its best for K {min(near)}-{max(near)}")
+    target = cost.target
+    if target.experts:
+        c0, c1 = sched.ranges[0][0], sched.ranges[-1][0]
+        lo = [cost.verify(c0, j + 1).weight_bytes / 1e9 for j in (1, top)]
+        share = cost_touched_share(target, c1 * (top + 1))
+        out.append(f"  MoE ({target.experts} experts, top-{target.experts_per_token}): a verify of T tokens reads the "
+                   f"weights of the experts they route to, E(1 - (1 - k/E)^T); at concurrency {c0} K 1 -> {top} reads "
+                   f"{lo[0]:.1f} -> {lo[1]:.1f} GB of weights per GPU, so a long draft costs memory time; at "
+                   f"concurrency {c1}, K {top}, the step's {c1 * (top + 1)} tokens already touch {share:.0%} of the "
+                   "experts, a longer draft reads little more and the choice follows compute")
+    return out
+
+
+def cost_touched_share(target: ModelShape, tokens: int) -> float:
+    return experts_touched(target.experts, target.experts_per_token, tokens) / target.experts
 
 
 def concurrencies(cap: int) -> list[int]:
@@ -374,23 +265,21 @@ def layout_speed(plan: Plan, layout: Layout, target: ModelShape, drafter: ModelS
         out.reason = "crosses NVLink domains: the inter-node network is not modelled"
         return out
     per_seq = layout.kv_bytes_per_token_per_gpu * (context + B)
-    cap = min(plan.max_batch_size, int(layout.kv_budget_bytes_per_gpu // per_seq) if per_seq else plan.max_batch_size)
+    batch = layout.max_batch_size or plan.max_batch_size    # the layout's, where the draft context caps it
+    cap = min(batch, int(layout.kv_budget_bytes_per_gpu // per_seq) if per_seq else batch)
     if cap < 1:
         out.reason = f"one sequence of {context} tokens does not fit the KV cache"
         return out
     out.max_concurrency = cap
-    fmt, kv, dq = plan.quant["target"], plan.quant["kv_cache"], plan.quant["drafter"]
-    lm_head = _lm_head(target)
+    costs = {name: StepCost(plan, target, drafter, hw, tp, context, eff, attention_dp=adp)
+             for name, eff in EFFICIENCY.items()}
     for c in concurrencies(cap):
         runs = {}
-        for name, eff in EFFICIENCY.items():
-            ar = forward(target, fmt, kv, hw, tp, c, 1, context, eff, attention_dp=adp)
+        for name, cost in costs.items():
+            ar = cost.ar(c)
             r = {"ar": ar, "ar_user": 1 / ar.time_s}
             if drafter and tau:
-                v = forward(target, fmt, kv, hw, tp, c, B, context, eff, attention_dp=adp)
-                # the drafter's pass over its block, and the target's lm_head it borrows (counted over all B
-                # positions: B - 1 are drafted, an overestimate of 1/B of its FLOPs)
-                d = forward(drafter, dq, kv, hw, tp, c, B, context, eff, attention_dp=adp, extra_groups=(lm_head,))
+                v, d = cost.verify(c, B), cost.draft(c)
                 r.update(v=v, d=d, df_user=tau / (v.time_s + d.time_s))
             runs[name] = r
         m = runs["central"]
@@ -414,12 +303,6 @@ def layout_speed(plan: Plan, layout: Layout, target: ModelShape, drafter: ModelS
     return out
 
 
-def _lm_head(target: ModelShape) -> Group:
-    """The target's output projection (the embedding when tied), which the drafter borrows."""
-    return next((g for g in target.groups if g.name == "lm_head"),
-                Group("lm_head", target.vocab * target.hidden, "tp", False))
-
-
 def _detail(f: Forward) -> dict:
     return {"tokens": f.tokens, "weight_bytes_per_gpu": round(f.weight_bytes), "kv_bytes_per_gpu": round(f.kv_bytes),
             "linear_flops_per_gpu": round(f.linear_flops), "attention_flops_per_gpu": round(f.attention_flops),
@@ -439,8 +322,10 @@ def speed(plan: Plan, target: ModelShape, drafter: ModelShape | None, hw: Hardwa
     layouts = [layout_speed(plan, l, target, drafter, hw, t, context_tokens) for l in plan.layouts]
     for l in layouts:
         if l.points and drafter is not None and survival:
-            l.draft_schedule = layout_schedule(plan, l, target, drafter, hw, context_tokens, survival,
-                                               acc_src).to_dict()
+            sched = layout_schedule(plan, l, target, drafter, hw, context_tokens, survival, acc_src)
+            l.draft_schedule = sched.to_dict()
+            l.draft_schedule_why = explain_schedule(sched, StepCost(plan, target, drafter, hw, l.tp, context_tokens,
+                                                                    EFFICIENCY["central"], attention_dp=l.attention_dp))
     c = EFFICIENCY["central"]
     assumptions = [
         f"decode only, every sequence holding {context_tokens} tokens of context (--context-tokens); prefill not counted",
@@ -451,7 +336,7 @@ def speed(plan: Plan, target: ModelShape, drafter: ModelShape | None, hw: Hardwa
         (f"fixed {c.layer_latency_s * 1e6:.1f} us per layer per pass (fitted: TensorRT-LLM gpt-oss-120b 8 x B200 "
          f"batch 1), {c.collective_latency_s * 1e6:.0f} us per collective, {c.step_overhead_s * 1e6:.0f} us per pass"),
         "MoE routing uniform over the experts (no load imbalance); one replica inside one NVLink domain",
-        "ranges: the low / high efficiency sets of dflash_trt/plan/speed.py (EFFICIENCY)",
+        "ranges: the low / high efficiency sets of dflash_trt/plan/cost.py (EFFICIENCY)",
     ]
     if survival:
         assumptions += [f"draft schedule: acceptance per position {acc_src}",
@@ -482,15 +367,18 @@ def build_schedule(mode: str, *, target_name: str, target_config: dict, drafter_
     if mode == "off":
         return None, "--draft-schedule off"
     if mode != "auto":
-        return ds.load_schedule(mode, block_size), f"read from {mode}"
+        return schedule_file(mode, block_size, tp, ep), f"read from {mode}"
     if not gpu:
         return None, ("no GPU (a CPU bundle): the speed model needs the node's hardware (build --gpu), or pass "
                       "--draft-schedule FILE.json")
-    if target_name not in PUBLISHED_TAU:
-        return None, (f"no acceptance figure for {target_name}'s drafter (no published tau): measure one with "
-                      "`dflash-trt bench --json`, plan with `dflash-trt plan --speed --acceptance REPORT --json` and "
-                      "pass the layout's draft_schedule as --draft-schedule FILE.json")
     hw = hardware_for_gpu(gpu)
+    if target_name not in PUBLISHED_TAU:
+        pair = target_name if target_name in PRESETS else "TARGET_DIR --drafter DRAFTER_DIR"
+        return None, (f"no acceptance figure for {target_name}'s drafter (no published tau): measure it and plan "
+                      f"with it, then rebuild: `dflash-trt bench --target {pair} --json > bench.json`; "
+                      f"`dflash-trt plan --target {pair} --hardware {hw.name} --quant {quant} --speed --acceptance "
+                      "bench.json --json > plan.json`; `dflash-trt build ... --draft-schedule plan.json` (the layout "
+                      "of this build's --tp / --ep is taken from it)")
     dcfg = {**drafter_config, "block_size": block_size}
     p = planner.plan(target_config, dcfg, hw, target_name=target_name, drafter_name=f"{target_name} drafter",
                      quant=quant, kv_cache=kv_cache, drafter_quant=drafter_quant, max_seq_len=max_seq_len, tp=tp,
@@ -512,18 +400,45 @@ def build_schedule(mode: str, *, target_name: str, target_config: dict, drafter_
     return sched, f"planned for {hw.name} (speed model, tau {t:g}: {src})"
 
 
+def schedule_file(path: str, block_size: int, tp: int, ep: int) -> ds.DraftSchedule:
+    """`build --draft-schedule FILE.json`: what `plan --speed --json` prints (the schedule of the layout with this
+    bundle's tp and ep, planned for the drafter's block), or one schedule (a DraftSchedule.to_dict(), e.g.
+    measured on a CPU), checked."""
+    where = f"--draft-schedule {path}"
+    if not Path(path).is_file():
+        raise DFlashError(f"{where}: no such file (expected auto, off or a schedule JSON)")
+    try:
+        d = json.loads(Path(path).read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DFlashError(f"{where}: not JSON ({e})") from None
+    speed_report = d.get("speed") if isinstance(d, dict) else None
+    if speed_report is None and isinstance(d, dict) and "layouts" in d and "tau" in d:
+        speed_report = d                       # the "speed" object alone
+    if speed_report is None:
+        return ds.from_dict(d, block_size, where)
+    if not isinstance(speed_report, dict) or not isinstance(speed_report.get("layouts"), list):
+        raise DFlashError(f"{where}: \"speed\" has no layouts (expected the output of "
+                          "`dflash-trt plan --speed --json`)")
+    if speed_report.get("block_size") != block_size:
+        raise DFlashError(f"{where}: planned for block size {speed_report.get('block_size')!r}, the bundle's drafter "
+                          f"serves block {block_size}")
+    layouts = [l for l in speed_report["layouts"] if isinstance(l, dict)]
+    have = [(l.get("tp"), l.get("ep")) for l in layouts if l.get("draft_schedule")]
+    lay = next((l for l in layouts if (l.get("tp"), l.get("ep")) == (tp, ep)), None)
+    if lay is None or not lay.get("draft_schedule"):
+        raise DFlashError(f"{where}: no draft schedule for tp {tp} ep {ep} (it has "
+                          + (", ".join(f"tp {t} ep {e}" for t, e in have) or "none: plan without a drafter or tau")
+                          + "); plan on the bundle's node with --nodes / --gpus-per-node that allow this layout")
+    return ds.from_dict(lay["draft_schedule"], block_size, f"{where} (tp {tp} ep {ep})")
+
+
 def user_speed(target: ModelShape, drafter: ModelShape | None, plan: Plan, hw: Hardware, tp: int, context: int,
                eff: Efficiency, *, tau: float | None = None, attention_dp: bool = False):
     """concurrency -> tokens/s per user of one replica: DFlash with tau (and a drafter), else AR."""
-    fmt, kv, dq, B = plan.quant["target"], plan.quant["kv_cache"], plan.quant["drafter"], plan.block_size
+    cost = StepCost(plan, target, drafter, hw, tp, context, eff, attention_dp=attention_dp)
 
     def user(c: int) -> float:
-        if not tau:
-            return 1 / forward(target, fmt, kv, hw, tp, c, 1, context, eff, attention_dp=attention_dp).time_s
-        v = forward(target, fmt, kv, hw, tp, c, B, context, eff, attention_dp=attention_dp)
-        d = forward(drafter, dq, kv, hw, tp, c, B, context, eff, attention_dp=attention_dp,
-                    extra_groups=(_lm_head(target),))
-        return tau / (v.time_s + d.time_s)
+        return tau / cost.dflash_seconds(c) if tau else 1 / cost.ar(c).time_s
     return user
 
 
@@ -597,16 +512,8 @@ class DisaggEstimate:
 
 def prefill_time(target: ModelShape, drafter: ModelShape | None, plan: Plan, hw: Hardware, tp: int, isl: int,
                  eff: Efficiency) -> float:
-    """Seconds for one prompt of `isl` tokens on one instance: a single pass over all its tokens (compute-bound
-    past a few hundred tokens), attention over the causal half of the prompt on average; with a drafter, its
-    pass over the same tokens too (DFlash drafts from the prompt's target features: the worker that prefills
-    fills the drafter's context, engines.json dynamo workers.<engine>.disaggregation.drafter_on_prefill)."""
-    fmt, kv, dq = plan.quant["target"], plan.quant["kv_cache"], plan.quant["drafter"]
-    ctx = max(1, isl // 2)
-    t = forward(target, fmt, kv, hw, tp, 1, isl, ctx, eff).time_s
-    if drafter is not None:
-        t += forward(drafter, dq, kv, hw, tp, 1, isl, ctx, eff).time_s
-    return t
+    """Seconds for one prompt of `isl` tokens on one instance (cost.StepCost.prefill_seconds)."""
+    return StepCost(plan, target, drafter, hw, tp, isl, eff).prefill_seconds(isl)
 
 
 def disaggregated(plan: Plan, target_cfg: dict, drafter_cfg: dict | None, *, isl: int, osl: int,
@@ -702,15 +609,38 @@ def max_concurrency_for(points: list[SpeedPoint], min_user: float, mode: str) ->
     return max(ok) if ok else 0
 
 
+def distinct_layouts(layouts: list[LayoutSpeed]) -> list[tuple[list[int], LayoutSpeed]]:
+    """The layouts with speed figures, those of one tp whose every figure is the same merged: (their eps, the
+    first). At tensor-parallel attention the expert-parallel split moves the same expected bytes per GPU, so
+    ep 1/2/4/8 of tp 8 give one curve; attention DP or a different cap keeps them apart."""
+    out: dict[tuple, tuple[list[int], LayoutSpeed]] = {}
+    for l in layouts:
+        if not l.points:
+            continue
+        figures = tuple((p.concurrency, round(p.ar_tokens_per_s_per_gpu, 6), round(p.dflash_tokens_per_s_per_gpu, 6))
+                        for p in l.points)
+        ranges = tuple(map(tuple, l.draft_schedule["ranges"])) if l.draft_schedule else ()
+        out.setdefault((l.tp, l.attention_dp, l.replicas, figures, ranges), ([], l))[0].append(l.ep)
+    return list(out.values())
+
+
+def layout_name(eps: list[int], l: LayoutSpeed) -> str:
+    return f"tp {l.tp}, ep {'/'.join(map(str, eps))}" + (", attention DP" if l.attention_dp else "")
+
+
 def format_speed(r: SpeedReport, layouts: int = 1) -> str:
-    """The text report: assumptions, then per layout a table of concurrency against speed."""
+    """The text report: assumptions, then per layout a table of concurrency against speed (layouts that differ
+    only in an ep with identical figures listed once)."""
     lines = ["", f"speed ({r.target} on {r.hardware}; central estimate [low-high]):"]
     lines += [f"  - {a}" for a in r.assumptions]
-    shown = [l for l in r.layouts if l.points][:layouts]
-    for l in shown:
+    groups = distinct_layouts(r.layouts)
+    if any(len(eps) > 1 for eps, _ in groups):
+        lines.append("  - layouts of one tp whose ep split gives identical figures are listed once (ep 1/2/...): with "
+                     "tensor-parallel attention every GPU reads the same expected expert bytes per step whatever ep")
+    for eps, l in groups[:layouts]:
         lines.append("")
-        lines.append(f"  tp {l.tp}, ep {l.ep}{', attention DP' if l.attention_dp else ''}: {l.replicas} replica(s) of "
-                     f"{l.gpus_per_replica} GPU(s), up to {l.max_concurrency} sequences each")
+        lines.append(f"  {layout_name(eps, l)}: {l.replicas} replica(s) of {l.gpus_per_replica} GPU(s), up to "
+                     f"{l.max_concurrency} sequences each")
         head = f"  {'conc':>5} {'AR ms':>7} {'AR tok/s/user':>22} {'AR tok/s/GPU':>24}"
         if r.tau:
             head += f" {'DF ms':>7} {'DFlash tok/s/user':>22} {'DFlash tok/s/GPU':>24} {'gain':>5}"
@@ -727,13 +657,14 @@ def format_speed(r: SpeedReport, layouts: int = 1) -> str:
         if l.draft_schedule:
             lines.append("")
             lines += ["  " + x for x in ds.format_schedule(schedule_of(l)).splitlines()]
-    rest = [l for l in r.layouts if l.points][layouts:]
+            lines += ["  " + x for x in l.draft_schedule_why]
+    rest = groups[layouts:]
     if rest:
         lines.append("")
         lines.append("  other layouts: tok/s/user at concurrency 1; tok/s/GPU (tok/s/user) at their most concurrency:")
-        for l in rest:
+        for eps, l in rest:
             p1, pm = l.points[0], l.points[-1]
-            s = (f"    tp {l.tp}, ep {l.ep} (up to {l.max_concurrency}): AR {p1.ar_tokens_per_s_per_user:,.0f}; "
+            s = (f"    {layout_name(eps, l)} (up to {l.max_concurrency}): AR {p1.ar_tokens_per_s_per_user:,.0f}; "
                  f"{pm.ar_tokens_per_s_per_gpu:,.0f} ({pm.ar_tokens_per_s_per_user:,.0f})")
             if r.tau:
                 s += (f" | DFlash {p1.dflash_tokens_per_s_per_user:,.0f}; {pm.dflash_tokens_per_s_per_gpu:,.0f} "
@@ -743,6 +674,7 @@ def format_speed(r: SpeedReport, layouts: int = 1) -> str:
                 lines.append("      draft K: " + _ranges_text(l.draft_schedule["ranges"])
                              + (f"; speculation stops paying at {l.draft_schedule['stop_concurrency']}"
                                 if l.draft_schedule["stop_concurrency"] else ""))
+                lines += ["      " + x for x in l.draft_schedule_why]
     for l in r.layouts:
         if l.reason and l.reason != "does not fit":
             lines.append(f"  tp {l.tp}, ep {l.ep}: no speed figures ({l.reason})")
@@ -797,6 +729,9 @@ def predict_point(pt: dict) -> dict[str, float]:
     lay = p.layouts[0]
     if not lay.fits:
         raise DFlashError(f"published point {pt['id']}: the layout does not fit ({lay.reason})")
+    # the published run's max_batch_size, not the lower one the planner gives a layout whose DFlash draft context
+    # would exceed TensorRT-LLM's budget (a check of an open PR): the point is a measurement of that config
+    lay = replace(lay, max_batch_size=p.max_batch_size)
     target = planner.target_shape(tcfg, name)
     drafter = planner.drafter_shape(dcfg) if dcfg else None
     tau = pt.get("tau") or (PUBLISHED_TAU[name][0] if name in PUBLISHED_TAU else None)
@@ -812,17 +747,14 @@ def predict_point(pt: dict) -> dict[str, float]:
             continue
         c = layout_speed(p, lay, target, drafter, hw, tau, ctx, attention_dp=adp).max_concurrency \
             if conc == "max" else conc
-        ar = forward(target, p.quant["target"], p.quant["kv_cache"], hw, lay.tp, c, 1, ctx, eff, attention_dp=adp)
+        cost = StepCost(p, target, drafter, hw, lay.tp, ctx, eff, attention_dp=adp)
+        ar = cost.ar(c)
         if metric == "ar_tokens_per_s_per_user":
             out[e_name] = 1 / ar.time_s
         elif metric == "ar_tokens_per_s_per_gpu":
             out[e_name] = c / ar.time_s / lay.tp
         elif metric == "dflash_over_ar_per_user":
-            B = p.block_size
-            v = forward(target, p.quant["target"], p.quant["kv_cache"], hw, lay.tp, c, B, ctx, eff, attention_dp=adp)
-            d = forward(drafter, "none", p.quant["kv_cache"], hw, lay.tp, c, B, ctx, eff, attention_dp=adp,
-                        extra_groups=(_lm_head(target),))
-            out[e_name] = tau / (v.time_s + d.time_s) * ar.time_s
+            out[e_name] = tau / cost.dflash_seconds(c) * ar.time_s
         else:
             raise DFlashError(f"published point {pt['id']}: unknown metric {metric!r}")
     return out
@@ -844,27 +776,53 @@ def _one_set(ls: LayoutSpeed, eff_name: str) -> list[SpeedPoint]:
     return out
 
 
+def point_figure(pt: dict):
+    """How a published point's value and the model's are written: ratios as 2.00x, the rest as counts."""
+    if "over" in pt["metric"]:
+        return lambda x: "AR never reaches it" if math.isinf(x) else f"{x:,.2f}x"
+    return lambda x: f"{x:,.0f}"
+
+
+def verdict(pt: dict, pr: dict[str, float]) -> str:
+    """The model against one published point (pr: predict_point's figures)."""
+    v, c = pt["value"], pr["central"]
+    if pt["compare"] == ">=" and math.isinf(c):
+        return "AR never gets there (central); " + ("high set above the claim" if pr["high"] >= v
+                                                    else "high set below the claim")
+    if pt["compare"] == ">=":
+        return "consistent (above the claim)" if c >= v else f"{c / v - 1:+.0%} below the claim"
+    return f"{c / v - 1:+.0%}" + (" (fitted)" if pt.get("fit") else "")
+
+
+METRIC_TEXT = {
+    "ar_tokens_per_s_per_user": "AR tokens/s per user",
+    "ar_tokens_per_s_per_gpu": "AR tokens/s per GPU",
+    "dflash_over_ar_per_user": "DFlash / AR tokens/s per user",
+    "dflash_over_ar_per_gpu_at_user":
+        "DFlash / AR tokens/s per GPU, every user at >= {min_tokens_per_s_per_user} tokens/s",
+}
+
+
+def describe_point(pt: dict) -> str:
+    """A published point for a reader: what was measured, by whom, at which concurrency."""
+    what = METRIC_TEXT.get(pt["metric"], pt["metric"]).format(**pt)
+    conc = pt["concurrency"]
+    at = f" at concurrency {conc}" if isinstance(conc, int) else (" at the most concurrency" if conc == "max" else "")
+    return f"{what}{at} {pt['compare']} {pt['value']:,} ({pt['engine']}; tp {pt['tp']} ep {pt['ep']})"
+
+
 def check_table() -> str:
     """docs/speed-model.md's table: every published point beside the model's figure."""
     rows = ["| point | setup | published | predicted (central [low-high]) | error |", "|---|---|---|---|---|"]
     for pt in published_points():
         pr = predict_point(pt)
-        v, c = pt["value"], pr["central"]
-        fmt = (lambda x: "AR never reaches it" if math.isinf(x) else f"{x:,.2f}x") if "over" in pt["metric"] \
-            else (lambda x: f"{x:,.0f}")
-        if pt["compare"] == ">=" and math.isinf(c):
-            err = ("AR never gets there (central); " + ("high set above the claim" if pr["high"] >= v
-                                                        else "high set below the claim"))
-        elif pt["compare"] == ">=":
-            err = "consistent (above the claim)" if c >= v else f"{c / v - 1:+.0%} below the claim"
-        else:
-            err = f"{c / v - 1:+.0%}" + (" (fitted)" if pt.get("fit") else "")
+        v, c, fmt = pt["value"], pr["central"], point_figure(pt)
         setup = (f"{pt['target']}, {pt['hardware']} × {pt['gpus']}, tp {pt['tp']} ep {pt['ep']}"
                  f"{' attention-DP' if pt['attention_dp'] else ''}, {pt['quant']}/{pt['kv_cache']} KV, "
                  f"concurrency {pt['concurrency']}, context {pt['context_tokens']}"
                  + (f", tau {pt['tau']}" if pt.get("tau") else ""))
         rows.append(f"| {pt['id']} | {setup} | {pt['metric']} {pt['compare']} {v:,} | "
-                    f"{fmt(c)} [{fmt(pr['low'])}-{fmt(pr['high'])}] | {err} |")
+                    f"{fmt(c)} [{fmt(pr['low'])}-{fmt(pr['high'])}] | {verdict(pt, pr)} |")
     return "\n".join(rows)
 
 

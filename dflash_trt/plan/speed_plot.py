@@ -5,18 +5,31 @@ not at all (temp file and rename)."""
 from __future__ import annotations
 
 import io
+import math
+import textwrap
 from pathlib import Path
 
-from dflash_trt.plan.speed import LayoutSpeed, SpeedReport, matching_points
+from dflash_trt.plan.speed import (
+    METRIC_TEXT,
+    LayoutSpeed,
+    SpeedReport,
+    describe_point,
+    distinct_layouts,
+    matching_points,
+    point_figure,
+    predict_point,
+    verdict,
+)
 from dflash_trt.errors import DFlashError
 from dflash_trt.io.atomic import atomic_write_bytes
 
+UNBOUNDED = (" (the model's AR never gives every user that many tokens/s, so any DFlash throughput there is an "
+             "unbounded gain)")
 MAX_LAYOUTS = 6      # lines beyond these crowd the plot; the text and JSON reports carry them all
 
 
-def new_figure(path: str | Path):
-    """(fig, ax, colors) of a PNG plot on these axes, `path` checked first (`bench --endpoint --plot`
-    draws on the same axes)."""
+def _matplotlib(path: str | Path):
+    """matplotlib on its headless backend, `path` checked first (a *.png)."""
     path = Path(path)
     if path.suffix.lower() != ".png":
         raise DFlashError(f"--plot {path}: the plot is written as PNG; name the file *.png")
@@ -25,6 +38,13 @@ def new_figure(path: str | Path):
     except ImportError:
         raise DFlashError("--plot needs matplotlib: pip install 'dflash-trt[plot]'") from None
     matplotlib.use("Agg", force=True)
+    return matplotlib
+
+
+def new_figure(path: str | Path):
+    """(fig, ax, colors) of a PNG plot on these axes, `path` checked first (`bench --endpoint --plot`
+    draws on the same axes)."""
+    matplotlib = _matplotlib(path)
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(10, 6.5), dpi=120)
@@ -55,86 +75,138 @@ def save_figure(fig, ax, path: str | Path, title: str, ylabel: str = "tokens/s p
 
 
 def plot_speed(report: SpeedReport, path: str | Path) -> Path:
-    fig, ax, colors = new_figure(path)
+    _matplotlib(path)
+    fig = speed_figure(report)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", bbox_inches="tight")
+    return atomic_write_bytes(Path(path), buf.getvalue())
+
+
+def speed_figure(report: SpeedReport):
+    """The figure of `plan --plot`, every line, band and box labelled: the curves (top left), their legend (top
+    right), the draft length K against concurrency (bottom left, its own axes so it covers no curve) and the
+    published measurements of this target on this node with the model's verdict on each (bottom right)."""
+    import matplotlib
+    from matplotlib.figure import Figure
+
     layouts = distinct_curves(report)[:MAX_LAYOUTS]
     if not layouts:
         raise DFlashError(f"--plot: no layout of {report.target} on {report.hardware} has speed figures "
                           "(none fits inside one NVLink domain)")
+    colors = matplotlib.colormaps["tab10"].colors
+    fig = Figure(figsize=(13, 9.5), dpi=110)
+    grid = fig.add_gridspec(2, 2, width_ratios=[2.3, 1], height_ratios=[2.4, 1], hspace=0.28, wspace=0.04)
+    ax, key, kax, notes = (fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[0, 1]), fig.add_subplot(grid[1, 0]),
+                           fig.add_subplot(grid[1, 1]))
     for i, (name, l) in enumerate(layouts):
         color = colors[i % len(colors)]
-        draw_layout(ax, l, report.tau, color, f"{name} AR", f"{name} DFlash")
-        if i == 0:   # the chosen layout: the low and high efficiency sets as thin lines
-            for j, tag in ((0, "low"), (1, "high")):
-                ax.plot([p.ar_tokens_per_s_per_user_range[j] for p in l.points],
-                        [p.ar_tokens_per_s_per_gpu_range[j] for p in l.points], ":", color=color, linewidth=0.8,
-                        label=f"{name}: low and high efficiency" if j == 0 else None)
-                if report.tau:
-                    ax.plot([p.dflash_tokens_per_s_per_user_range[j] for p in l.points],
-                            [p.dflash_tokens_per_s_per_gpu_range[j] for p in l.points], ":", color=color,
-                            linewidth=0.8)
-        ax.annotate(f"{l.points[-1].concurrency}", (l.points[-1].ar_tokens_per_s_per_user,
-                                                    l.points[-1].ar_tokens_per_s_per_gpu),
-                    fontsize=7, color=color, textcoords="offset points", xytext=(3, 3))
-
-    if layouts and layouts[0][1].draft_schedule:
-        draw_schedule(ax, layouts[0][0], layouts[0][1], colors[0])
-    claims, marked = [], 0
-    for pt in matching_points(report.target, report.hardware):
-        xy = _published_xy(pt)
-        if xy:
-            ax.plot(*xy, marker="*", markersize=13, color="black", linestyle="none")
-            ax.annotate(f"{pt['id']}\n{pt['metric']} {pt['compare']} {pt['value']:,}", xy, fontsize=7,
-                        textcoords="offset points", xytext=(8, 4 - 24 * marked))   # stacked, not overlapping
-            marked += 1
-        else:
-            claims.append(f"{pt['id']}: {pt['metric']} {pt['compare']} {pt['value']:,}")
-            if "min_tokens_per_s_per_user" in pt:     # a claim over an interactivity band: shade it
-                lo = pt["min_tokens_per_s_per_user"]
-                ax.axvspan(lo, pt.get("max_tokens_per_s_per_user", lo * 1.2), color="grey", alpha=0.15)
-    if claims:
-        ax.text(0.01, 0.01, "published (not a point on these axes):\n" + "\n".join(claims), fontsize=7,
-                transform=ax.transAxes, va="bottom", bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "grey"})
+        draw_layout(ax, l, report.tau, color, f"{name} AR (dashed)", f"{name} DFlash, K {report.block_size - 1} "
+                    "every step (solid)")
+        end = l.points[-1]
+        ax.annotate(f"{end.concurrency}", (end.ar_tokens_per_s_per_user, end.ar_tokens_per_s_per_gpu), fontsize=7,
+                    color=color, textcoords="offset points", xytext=(3, 3))
+        if report.tau:
+            ax.annotate(f"{end.concurrency}", (end.dflash_tokens_per_s_per_user, end.dflash_tokens_per_s_per_gpu),
+                        fontsize=7, color=color, textcoords="offset points", xytext=(3, 3))
+        if i == 0:
+            _draw_ranges(ax, name, l, report.tau, color)
+    if layouts[0][1].draft_schedule:
+        draw_schedule(ax, kax, layouts[0][0], layouts[0][1], colors[0])
+    else:
+        kax.axis("off")
+        kax.text(0, 0.5, "no draft schedule: plain decoding (no drafter or no tau)", fontsize=8)
+    _draw_published(ax, notes, report)
 
     tau = f"DFlash tau {report.tau:g} (block {report.block_size})" if report.tau else "AR only"
-    return save_figure(fig, ax, path, f"{report.target} on {report.hardware}: {tau}, {report.context_tokens} tokens "
-                       "of context\nspeed model, dflash_trt/plan/speed.py (central efficiency; dotted: low / high); "
-                       "numbers at line ends: concurrency")
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens/s per user (decode)")
+    ax.set_ylabel("tokens/s per GPU (decode, log scale)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.set_title(f"{report.target} on {report.hardware}: {tau}, {report.context_tokens} tokens of context; speed "
+                 "model (dflash_trt/plan/cost.py, central efficiency)\nnumbers at line ends: concurrency (sequences "
+                 "per replica) at the layout's max_batch_size", fontsize=9)
+    key.axis("off")
+    handles, labels = ax.get_legend_handles_labels()
+    key.legend(handles, labels, loc="upper left", fontsize=7, frameon=False)
+    return fig
 
 
-def draw_schedule(ax, name: str, layout: LayoutSpeed, color) -> None:
-    """The chosen layout's draft schedule: its curve (the best K at each concurrency) beside always-K (the
-    DFlash line) and AR, and an inset of K against concurrency with the concurrency where speculation stops."""
+def _draw_ranges(ax, name: str, layout: LayoutSpeed, tau: float | None, color) -> None:
+    """The chosen layout's low and high efficiency sets: thin dotted lines, each labelled at its end."""
+    modes = [("ar", "AR")] + ([("dflash", "DFlash")] if tau else [])
+    for j, tag in ((0, "low"), (1, "high")):
+        for mode, title in modes:
+            xs = [getattr(p, f"{mode}_tokens_per_s_per_user_range")[j] for p in layout.points]
+            ys = [getattr(p, f"{mode}_tokens_per_s_per_gpu_range")[j] for p in layout.points]
+            first = (j, mode) == (0, "ar")
+            ax.plot(xs, ys, ":", color=color, linewidth=0.9,
+                    label=f"{name}: low / high efficiency sets (dotted)" if first else None)
+            ax.annotate(f"{title} {tag}", (xs[0], ys[0]), fontsize=6, color=color, textcoords="offset points",
+                        xytext=(2, -8))
+
+
+def _draw_published(ax, notes, report: SpeedReport) -> None:
+    """The published measurements of this target on this node: on the axes where they have a place (a star), a
+    band for a claim over an interactivity range; each one written out with the model's figure and verdict."""
+    lines = []
+    for pt in matching_points(report.target, report.hardware):
+        pr = predict_point(pt)
+        fmt = point_figure(pt)
+        text = "\n".join(textwrap.wrap(
+            f"- {describe_point(pt)}. Model: {fmt(pr['central'])} (low set {fmt(pr['low'])}, high set "
+            f"{fmt(pr['high'])}): {verdict(pt, pr)}" + (UNBOUNDED if math.isinf(pr["central"]) else ""), 70,
+            subsequent_indent="  "))
+        xy = _published_xy(pt)
+        if xy:
+            ax.plot(*xy, marker="*", markersize=13, color="black", linestyle="none",
+                    label=f"published: {METRIC_TEXT.get(pt['metric'], pt['metric'])} (star)")
+        elif "min_tokens_per_s_per_user" in pt:     # a claim over an interactivity band: shade it
+            lo = pt["min_tokens_per_s_per_user"]
+            hi = pt.get("max_tokens_per_s_per_user", lo * 1.2)
+            ax.axvspan(lo, hi, color="grey", alpha=0.15,
+                       label=f"published claim: users at {lo:g}-{hi:g} tok/s (grey band)")
+            ax.text((lo + hi) / 2, 0.02, f"claim:\nDFlash >= {pt['value']:g}x\nAR per GPU\nwith users at\n"
+                    f"{lo:g}-{hi:g} tok/s", transform=ax.get_xaxis_transform(), ha="center", va="bottom", fontsize=6)
+        lines.append(text)
+    notes.axis("off")
+    body = "\n".join(lines) if lines else "none published for this target on this node (docs/speed-model.md)"
+    notes.text(0, 1, f"Published measurements, {report.target} on {report.hardware}, against the model\n"
+               "(the model's central figure, then its low and high efficiency sets; docs/speed-model.md):\n" + body,
+               fontsize=7, va="top", wrap=True)
+
+
+def draw_schedule(ax, kax, name: str, layout: LayoutSpeed, color) -> None:
+    """The chosen layout's draft schedule: its curve on the main axes (the best K at each concurrency, beside
+    always drafting the whole block and AR), and K against concurrency on its own axes with the concurrency
+    from which speculation stops paying."""
     d, g = layout.draft_schedule, layout.gpus_per_replica
     lv = d["levels"]
     ax.plot([x["tokens_per_s_per_user"] for x in lv], [x["concurrency"] * x["tokens_per_s_per_user"] / g for x in lv],
-            "-", color="black", linewidth=2.2, alpha=0.55, label=f"{name} draft schedule (best K per concurrency)")
-    ins = ax.inset_axes([0.07, 0.08, 0.3, 0.26])
+            "-", color="black", linewidth=2.2, alpha=0.45,
+            label=f"{name}: best K per concurrency (grey)")
     xs = [c for a, b, _ in d["ranges"] for c in (a, b + 1)]
     ys = [k for _, _, k in d["ranges"] for _ in (0, 1)]
-    ins.plot(xs, ys, "-", color=color, linewidth=1.5)
-    ins.set_xscale("log")
-    ins.set_ylim(-0.5, d["max_k"] + 0.5)
-    ins.set_xlabel("concurrency", fontsize=6)
-    ins.set_ylabel("K drafted", fontsize=6)
-    ins.tick_params(labelsize=6)
+    kax.plot(xs, ys, "-", color=color, linewidth=1.5, label=f"{name}: K drafted per step")
+    kax.set_xscale("log")
+    kax.set_ylim(-0.5, d["max_k"] + 0.5)
+    kax.set_xlabel("concurrency (sequences per replica)", fontsize=7)
+    kax.set_ylabel("K: tokens drafted per step", fontsize=7)
+    kax.tick_params(labelsize=7)
+    kax.grid(True, which="both", alpha=0.3)
     stop = d["stop_concurrency"]
-    ins.set_title(f"{name}: " + (f"no speculation from {stop}" if stop else "speculation pays throughout"),
-                  fontsize=6)
     if stop:
-        ins.axvline(stop, color="grey", linestyle=":", linewidth=1)
+        kax.axvline(stop, color="grey", linestyle=":", linewidth=1, label=f"speculation stops paying ({stop})")
+    kax.set_title(f"draft schedule of {name}: " + (f"no speculation from concurrency {stop}" if stop
+                                                   else "speculation pays at every concurrency")
+                  + f" (K {d['max_k']} = the whole block)", fontsize=8)
+    kax.legend(fontsize=7, loc="lower left")
 
 
 def distinct_curves(report: SpeedReport) -> list[tuple[str, LayoutSpeed]]:
-    """The layouts with speed figures, those with the same curve merged under one name ("tp8 ep1/2/4/8":
+    """The layouts with speed figures, those with the same figures merged under one name ("tp8 ep1/2/4/8":
     at tensor-parallel attention the expert-parallel split moves the same expected bytes per GPU)."""
-    out: dict[tuple, tuple[list[int], LayoutSpeed]] = {}
-    for l in report.layouts:
-        if not l.points:
-            continue
-        key = (l.tp, l.attention_dp, tuple(round(p.ar_tokens_per_s_per_gpu, 6) for p in l.points))
-        out.setdefault(key, ([], l))[0].append(l.ep)
     return [(f"tp{l.tp} ep{'/'.join(map(str, eps))}" + (" attn-DP" if l.attention_dp else ""), l)
-            for eps, l in out.values()]
+            for eps, l in distinct_layouts(report.layouts)]
 
 
 def _published_xy(pt: dict) -> tuple[float, float] | None:

@@ -93,7 +93,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
                                           head_dim=128, vocab=128256, block=10, target_layer_ids=[1, 8, 15, 22, 29],
                                           target_layers=32)),
     Preset("smollm2-135m", "HuggingFaceTB/SmolLM2-135M-Instruct", None, "smollm2-135m.json",
-           revision="4dc8c839ca5df567aa4f5c36798705eac8f35f0e"),
+           revision="4dc8c839ca5df567aa4f5c36798705eac8f35f0e", block_size=8),   # assets/smollm2-135m-dflash
     # Qwen3.5 / 3.6 (vocab 248320; mask 248070 in several copies of these drafters' configs)
     Preset("qwen3.5-27b", "Qwen/Qwen3.5-27B", "z-lab/Qwen3.5-27B-DFlash", "qwen3.5-27b.json",
            revision="fc05daec18b0a78c049392ed2e771dde82bdf654", block_size=16,
