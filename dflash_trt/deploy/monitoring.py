@@ -160,8 +160,8 @@ def dashboard_queries(server: str, w: str = "$__rate_interval", by: tuple[str, .
     panels += [
         ("Draft efficiency (accepted / drafted tokens)", "percentunit", [(m.promql("draft_efficiency", w, b), legend)]),
         ("Generation tokens/s per user", "none",
-         [(f"sum by ({b}) (rate({m.metrics['generation_tokens'].name}[{w}])) / on({b}) "
-           f"(sum by ({b}) (avg_over_time({m.metrics['running'].name}[{w}])) > 0)", legend)]),
+         [((f"sum by ({b}) (rate({m.metrics['generation_tokens'].name}[{w}])) / on({b}) "
+            f"(sum by ({b}) (avg_over_time({m.metrics['running'].name}[{w}])) > 0)"), legend)]),
         ("Generation tokens/s", "none", [(f"sum by ({b}) (rate({m.metrics['generation_tokens'].name}[{w}]))", legend)]),
         ("Requests in flight", "none", [(f"sum by ({b}) ({m.metrics['running'].name})", legend)]),
     ]

@@ -54,8 +54,8 @@ METRICS = StackMetrics(
     draft_efficiency="avg by ({by}) (sglang:spec_accept_rate)",
     source="sglang 0.5.23 PyPI wheel",
     notes=("no per-position acceptance on SGLang's page",
-           "draft efficiency is the scheduler's gauge of its last log interval (accepted / proposed drafts), "
-           "not a rate over the window"),
+           ("draft efficiency is the scheduler's gauge of its last log interval (accepted / proposed drafts), "
+            "not a rate over the window")),
 )
 
 
