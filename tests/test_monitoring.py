@@ -90,14 +90,21 @@ def test_sglang_metric_names_at_their_cited_lines():
 
 
 def test_metrics_are_switched_on_in_the_configs():
+    """SGLang's page needs --enable-metrics, trtllm-serve's return_perf_metrics (the field is in the TensorRT-LLM
+    contract, tests/upstream_trtllm.py, which test_stack_conformance validates built bundles against)."""
+    from dflash_trt.presets.catalog import get_preset
     from dflash_trt.stacks.sglang import sglang_launch
-    from dflash_trt.stacks.trtllm.serve_config import trtllm_serve_config  # noqa: F401 (the writer)
+    from dflash_trt.stacks.trtllm.serve_config import trtllm_serve_config
+    from upstream_trtllm import TorchLlmArgs
 
     argv = sglang_launch(target_path="t", drafter_path="d", block_size=8, zlab_ids=[1, 2], tp=1, ep=1, pp=1,
                          kv_cache="auto")["argv"]
     assert "--enable-metrics" in argv
-    src = (ROOT / "dflash_trt/stacks/trtllm/serve_config.py").read_text()
-    assert '"return_perf_metrics": True' in src
+    cfg = trtllm_serve_config(target_cfg=get_preset("qwen3-8b").config(), drafter_path="drafter", block_size=16,
+                              mask_token_id=151669, zlab_ids=[1, 9, 17, 25, 33], tp=1, ep=1, pp=1, kv_cache="auto",
+                              arch="hopper")
+    assert cfg["return_perf_metrics"] is True
+    assert "return_perf_metrics" in TorchLlmArgs.model_fields
 
 
 def test_bench_view_keeps_what_bench_endpoint_reads():

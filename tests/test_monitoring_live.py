@@ -80,10 +80,10 @@ def prometheus(vllm, rules_file, tmp_path_factory):
                             "static_configs": [{"targets": [host_port], "labels": POD}]}],
     }))
     port = free_port()
-    log = open(work / "prometheus.log", "w")
-    proc = subprocess.Popen(["prometheus", f"--config.file={work / 'prometheus.yml'}",
-                             f"--storage.tsdb.path={work / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
-                            stdout=log, stderr=subprocess.STDOUT)
+    with open(work / "prometheus.log", "w") as log:
+        proc = subprocess.Popen(["prometheus", f"--config.file={work / 'prometheus.yml'}",
+                                 f"--storage.tsdb.path={work / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+                                stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
         for _ in range(120):
@@ -97,7 +97,6 @@ def prometheus(vllm, rules_file, tmp_path_factory):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-        log.close()
 
 
 def test_promtool_check_rules(rules_file):
@@ -161,10 +160,17 @@ def test_every_rule_and_panel_returns_data_under_load(vllm, prometheus, rules_fi
     (keep / "monitoring-live.json").write_text(json.dumps(
         {"rules": {q: seen[q] for q in records}, "panels": {e: seen[e] for _, e, _ in panels},
          "load_seconds": end - start, "acceptance_checks": len(checks),
-         "bench_levels": [{k: lv.get(k) for k in ("concurrency", "acceptance_length", "output_tokens_per_s")}
+         "median_over_load": {f"{title} | {expr}": _median(ranges[(title, expr)]) for title, expr, _ in panels},
+         "bench_levels": [{k: lv.get(k) for k in ("concurrency", "acceptance_length", "tokens_per_s",
+                                                  "tokens_per_s_per_user")}
                           for lv in report.get("levels", [])]}, indent=1))
     png = draw(ranges, panels, keep / "monitoring-dashboard.png", start)
     assert png.stat().st_size > 10_000
+
+
+def _median(series: list[dict]) -> float | None:
+    vals = sorted(float(v) for s in series for _, v in s["values"])
+    return vals[len(vals) // 2] if vals else None
 
 
 def draw(ranges: dict, panels: list, path: Path, t0: float) -> Path:
