@@ -281,3 +281,29 @@ def test_promtool_unit_tests_each_alert(figures, tmp_path):
     spec.write_text(yaml.safe_dump({"rule_files": [rules.name], "evaluation_interval": "1m", "tests": tests}))
     r = subprocess.run([PROMTOOL, "test", "rules", spec.name], capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode != 0 and "DFlashAcceptanceBelowPlan" in r.stdout + r.stderr
+
+
+# ------------------------------------------------------------------ deploy --monitoring
+def test_deploy_monitoring_writes_checked_objects(embedded_vllm_bundle, tmp_path):
+    """The embedded bundle (no draft schedule: no planned acceptance) with a per-user target: the recording
+    rules, the latency alert at 1 / 50 s, the dashboard; every monitoring object checked against the CRDs."""
+    out = tmp_path / "dep"
+    code, stdout, err = run_cli("deploy", "--bundle", str(embedded_vllm_bundle), "--server", "vllm", "--monitoring",
+                                "--min-tokens-per-user", "50", "--tau", "2", "--render", "--out", str(out), "--json")
+    assert code == 0, err
+    summary = json.loads(stdout)
+    assert summary["monitoring"]["time_per_output_token_s"] == pytest.approx(0.02)
+    objs = objects({p.name: p.read_text() for p in (out / "manifests").glob("*.yaml")})
+    assert sorted(mon.check_objects(objs)) == ["PrometheusRule", "ServiceMonitor"]
+    (rule,) = [o for o in objs if o["kind"] == "PrometheusRule"]
+    alerts = [r for g in rule["spec"]["groups"] for r in g["rules"] if "alert" in r]
+    assert [a["alert"] for a in alerts] == ["DFlashTokenLatencyOverTarget"] and "> 0.02" in alerts[0]["expr"]
+    assert any(o["kind"] == "ConfigMap" and o["metadata"]["name"].endswith("-dashboard") for o in objs)
+
+
+def test_deploy_monitoring_is_refused_for_dynamo_with_nothing_written(embedded_vllm_bundle, tmp_path):
+    # Dynamo's DynamoGraphDeployment is not the chart: its workers' metrics are Dynamo's (docs/dynamo.md)
+    out = tmp_path / "dep"
+    code, _, err = run_cli("deploy", "--bundle", str(embedded_vllm_bundle), "--server", "dynamo", "--monitoring",
+                           "--out", str(out))
+    assert code != 0 and "--monitoring" in err and not out.exists(), err
