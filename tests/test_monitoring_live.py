@@ -164,7 +164,8 @@ def test_every_rule_and_panel_returns_data_under_load(vllm, prometheus, rules_fi
     (keep / "monitoring-live.json").write_text(json.dumps(
         {"rules": {q: seen[q] for q in records}, "panels": {e: seen[e] for _, e, _ in panels},
          "load_seconds": end - start, "acceptance_checks": len(checks), "acceptance_checks_equal": same,
-         "median_over_load": {f"{title} | {expr}": _median(ranges[(title, expr)]) for title, expr, _ in panels},
+         "median_over_load": {f"{title} | {_label(legend, ser['metric'])}": _median(ser["values"])
+                              for title, expr, legend in panels for ser in ranges[(title, expr)]},
          "bench_levels": [{k: lv.get(k) for k in ("concurrency", "acceptance_length", "tokens_per_s",
                                                   "tokens_per_s_per_user")}
                           for lv in report.get("levels", [])]}, indent=1))
@@ -172,9 +173,13 @@ def test_every_rule_and_panel_returns_data_under_load(vllm, prometheus, rules_fi
     assert png.stat().st_size > 10_000
 
 
-def _median(series: list[dict]) -> float | None:
-    vals = sorted(float(v) for s in series for _, v in s["values"])
+def _median(values: list) -> float | None:
+    vals = sorted(x for x in (float(v) for _, v in values) if math.isfinite(x))
     return vals[len(vals) // 2] if vals else None
+
+
+def _label(legend: str, metric: dict) -> str:
+    return legend.replace("{{pod}}", metric.get("pod", "")).replace("{{position}}", metric.get("position", ""))
 
 
 def draw(ranges: dict, panels: list, path: Path, t0: float) -> Path:
@@ -193,9 +198,7 @@ def draw(ranges: dict, panels: list, path: Path, t0: float) -> Path:
             for s in ranges[(t, expr)]:
                 xs = [float(x) - t0 for x, _ in s["values"]]
                 ys = [float(y) for _, y in s["values"]]
-                label = legend.replace("{{pod}}", s["metric"].get("pod", "")).replace(
-                    "{{position}}", s["metric"].get("position", ""))
-                ax.plot(xs, ys, label=label)
+                ax.plot(xs, ys, label=_label(legend, s["metric"]))
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("s since load start")
         ax.legend(fontsize=7)
