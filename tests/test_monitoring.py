@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import importlib.util
 import json
 import re
 import shutil
@@ -22,6 +23,7 @@ import yaml
 from upstream_trtllm import TorchLlmArgs
 
 from dflash_trt import stacks
+from dflash_trt.deploy import monitoring as mon
 from dflash_trt.errors import DFlashError
 from dflash_trt.plan import draft_schedule as ds
 from dflash_trt.plan.monitoring_figures import NONE, planned_figures
@@ -31,8 +33,9 @@ from dflash_trt.stacks.trtllm.serve_config import trtllm_serve_config
 
 from helpers import objects, pypi_wheel, run_cli, validate_all
 
-mon = pytest.importorskip("dflash_trt.deploy.monitoring")
-pytest.importorskip("grafana_foundation_sdk")
+# the dashboard (and so deploy --monitoring) is built with grafana-foundation-sdk, the [deploy] extra
+needs_sdk = pytest.mark.skipif(importlib.util.find_spec("grafana_foundation_sdk") is None,
+                               reason="no grafana-foundation-sdk (pip install 'dflash-trt[deploy]')")
 helm = pytest.importorskip("helm_python")
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -154,6 +157,7 @@ def test_crd_copies_are_the_operators_crds_as_sources_md_says():
         assert crd["metadata"]["annotations"]["operator.prometheus.io/version"] == "0.93.0"
 
 
+@needs_sdk
 @pytest.mark.parametrize("server", SERVERS)
 def test_rendered_monitoring_objects_validate_against_the_crds(server, figures):
     values = {"server": {"stack": server}, "monitoring": mon.monitoring_values(server, figures) | {
@@ -174,6 +178,7 @@ def test_rendered_monitoring_objects_validate_against_the_crds(server, figures):
     assert exprs and all(prefix in e for e in exprs), exprs
 
 
+@needs_sdk
 def test_monitoring_off_renders_none_and_without_figures_no_alerts():
     objs = _render({"server": {"stack": "vllm"}})
     assert not [o for o in objs if o["apiVersion"].startswith("monitoring.coreos.com")]
@@ -182,6 +187,7 @@ def test_monitoring_off_renders_none_and_without_figures_no_alerts():
     assert [g["name"] for g in rule["spec"]["groups"]] == ["dflash-trt.recording"]
 
 
+@needs_sdk
 def test_crd_validation_rejects_a_broken_object(figures):
     # the oracle can fail: a typo'd rule field, and a rule group without its name
     objs = _render({"server": {"stack": "vllm"}, "monitoring": mon.monitoring_values("vllm", figures)})
@@ -283,6 +289,7 @@ def test_promtool_unit_tests_each_alert(figures, tmp_path):
 
 
 # ------------------------------------------------------------------ deploy --monitoring
+@needs_sdk
 def test_deploy_monitoring_writes_checked_objects(embedded_vllm_bundle, tmp_path):
     """The embedded bundle (no draft schedule: no planned acceptance) with a per-user target: the recording
     rules, the latency alert at 1 / 50 s, the dashboard; every monitoring object checked against the CRDs."""

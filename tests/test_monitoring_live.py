@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from dflash_trt.deploy import monitoring as mon
 from dflash_trt.stacks.tritonserver.server import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,8 +33,6 @@ POD = {"namespace": "serving", "pod": "vllm-0"}
 
 pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None or shutil.which("promtool") is None,
                                 reason="no prometheus/promtool (apt-get install prometheus; .ci/run does)")
-mon = pytest.importorskip("dflash_trt.deploy.monitoring")
-pytest.importorskip("grafana_foundation_sdk")
 
 
 def _query(base: str, q: str, t: float | None = None) -> list[dict]:
