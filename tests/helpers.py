@@ -338,11 +338,15 @@ def validate_all(objs: list[dict]) -> list[str]:
         elif o["apiVersion"] == "keda.sh/v1alpha1" and o["kind"] == "ScaledObject":
             jsonschema.validate(o, crd_schema(KEDA_CRD, "v1alpha1"))
         elif o["apiVersion"].startswith("monitoring.coreos.com/"):
-            # A Prometheus Operator CRD: no schema kept here; check the fields we rely on: it scrapes
-            # a named port of the release's Service, at an absolute path.
-            ep = o["spec"]["endpoints"][0]
-            ports = {p["name"] for s in objs if s["kind"] == "Service" for p in s["spec"]["ports"]}
-            assert ep["port"] in ports and ep["path"].startswith("/"), (ep, ports)
+            # A Prometheus Operator kind: against its CRD copied into deploy/schemas (unknown fields refused),
+            # and a ServiceMonitor scrapes a named port of the release's Service, at an absolute path.
+            from dflash_trt.deploy.monitoring import crd_schema as monitoring_crd_schema
+            # (no meta-schema check: the CRDs carry Go regexes, e.g. "^(?i)(abort|warn)?$", Python's re refuses)
+            jsonschema.Draft7Validator(monitoring_crd_schema(o["kind"])).validate(o)
+            if o["kind"] == "ServiceMonitor":
+                ep = o["spec"]["endpoints"][0]
+                ports = {p["name"] for s in objs if s["kind"] == "Service" for p in s["spec"]["ports"]}
+                assert ep["port"] in ports and ep["path"].startswith("/"), (ep, ports)
         else:
             kv.validate(o, K8S_VERSION, strict=True)
         kinds.append(o["kind"])

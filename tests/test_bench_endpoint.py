@@ -64,7 +64,7 @@ def test_each_engines_counters(page, engine, want):
 
 
 ENGINE_SOURCES_CITED = {"vllm": "vllm/v1/spec_decode/metrics.py", "trtllm": "tensorrt_llm/metrics/collector.py @",
-                        "sglang": "python/sglang/srt/metrics/collector.py @"}
+                        "sglang": "sglang/srt/observability/metrics_collector.py:"}
 
 
 def test_level_acceptance_from_deltas():

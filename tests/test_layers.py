@@ -58,6 +58,7 @@ LAZY_OK = {"torch", "transformers", "tokenizers", "safetensors", "numpy", "trito
            "jsonschema", "google", "kubernetes_validate", "gguf", "huggingface_hub", "accelerate",
            "httpx", "httpx2",  # huggingface_hub's HTTP client (presets/hub.py catches its transport errors)
            "matplotlib",  # plan --plot (the [plot] extra)
+           "grafana_foundation_sdk",  # deploy --monitoring's dashboard (the [deploy] extra)
            "vllm"}  # train/vllm_answers.py runs in the vLLM environment, never imported by the package
 # Our own modules that import an optional dependency at their top: imported lazily themselves.
 OPTIONAL_OWN = {"dflash_trt.kernels.kv_inject_triton"}

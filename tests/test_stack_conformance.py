@@ -263,10 +263,16 @@ def _sglang_args(argv: list[str]) -> tuple[types.SimpleNamespace, dict]:
     defaults, flags = _sglang_fields()
     args = dict(defaults)
     assert argv[:3] == ["python", "-m", "sglang.launch_server"]
-    rest = argv[3:]
-    for flag, value in zip(rest[::2], rest[1::2], strict=True):
+    rest = list(argv[3:])
+    while rest:
+        flag = rest.pop(0)
         assert flag in flags, f"{flag}: not an SGLang 0.5.23 server argument"
         field = flags[flag]
+        if isinstance(defaults.get(field), bool):   # a bool field is a flag without a value (store_true)
+            assert defaults[field] is False, f"{flag}: defaults to True, a flag cannot turn it off"
+            args[field] = True
+            continue
+        value = rest.pop(0)
         args[field] = int(value) if isinstance(defaults.get(field), int) or value.isdigit() else value
     args["device"] = "cuda"  # the GPU node it will run on (SGLang resolves "auto" there)
     return types.SimpleNamespace(**args), flags

@@ -177,6 +177,10 @@ class TorchLlmArgs(Strict):
     # versions of the index (e.g. TorchLlmArgs "enable_iter_perf_stats: bool = Field(default=False,
     # description='Enable iteration performance statistics.')"), not in the 0004396 pages read
     enable_iter_perf_stats: bool = False
+    # BaseLlmArgs.return_perf_metrics (bool, default False, status prototype): read in the stored llm_args.py
+    # versions ("return_perf_metrics: bool = Field(default=False, description=\"Return perf metrics.\")");
+    # openai_server.py mounts /prometheus/metrics only when it is set
+    return_perf_metrics: bool = False
     # BaseLlmArgs.num_postprocess_workers (int, default 0), TorchLlmArgs.stream_interval (int, default 1),
     # attention_dp_config: the keys NVIDIA's curated gpt-oss configs set (serving_profiles.py)
     num_postprocess_workers: int = 0

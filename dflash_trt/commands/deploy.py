@@ -249,10 +249,15 @@ def _plan_output(p, report, split, plot_file, as_json: bool) -> str:
               "autoscaling target and the max_batch_size to serve with.")
 @click.option("--tau", type=float, help="DFlash mean accepted length for --min-tokens-per-user (default: the preset "
               "drafter's published one).")
+@click.option("--monitoring", is_flag=True, help="Monitoring of speculative decoding: a ServiceMonitor, a PrometheusRule "
+              "(recording rules on the engine's own metrics; alerts on acceptance below the plan, speculation below "
+              "break-even at the measured concurrency, per-token latency over the per-user target, each where the "
+              "bundle's draft schedule or --min-tokens-per-user gives the figure) and a Grafana dashboard ConfigMap "
+              "(docs/monitoring.md).")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary only.")
 def deploy_cmd(bundle, nodes, gpus_per_node, replicas, server, dynamo_engine, disaggregated, isl, osl, image,
                engine_version, multinode_image, gpu, pvc, ssh_secret, out, render, chart, release, namespace,
-               min_tokens_per_user, tau, as_json):
+               min_tokens_per_user, tau, monitoring, as_json):
     """Write Helm values for a bundle (and, with --render, the Kubernetes manifests).
 
     \b
@@ -293,7 +298,8 @@ def deploy_cmd(bundle, nodes, gpus_per_node, replicas, server, dynamo_engine, di
                                     engine_version=engine_version, gpu=gpu, pvc=pvc, out=out, render=render,
                                     release=release, namespace=namespace, tau=tau, as_json=as_json,
                                     unused={"--multinode-image": multinode_image, "--chart": chart,
-                                            "--min-tokens-per-user": min_tokens_per_user})
+                                            "--min-tokens-per-user": min_tokens_per_user,
+                                            "--monitoring": monitoring or None})
     for flag, v in (("--engine", dynamo_engine), ("--disaggregated", disaggregated or None), ("--isl", isl),
                     ("--osl", osl)):
         if v is not None:
@@ -319,8 +325,18 @@ def deploy_cmd(bundle, nodes, gpus_per_node, replicas, server, dynamo_engine, di
                         "predicted_tokens_per_s_per_user": user, "mode": "dflash" if report.tau else "ar",
                         "tau": report.tau, "bundle_max_batch_size": p.max_batch_size,
                         "autoscaling_target": int(values["autoscaling"]["targetAverageValue"])}
+    planned = None
+    if monitoring:
+        from dflash_trt.deploy import monitoring as mon
+        from dflash_trt.io.manifest import read_manifest
+        from dflash_trt.plan.monitoring_figures import bundle_figures
+
+        planned = bundle_figures(read_manifest(bundle), min_tokens_per_user=min_tokens_per_user)
+        values["monitoring"] = mon.monitoring_values(values["server"]["stack"], planned)
     rendered = deploy.render(values, chart, release=release, namespace=namespace)   # the chart's checks, always
     deploy.check_names(rendered)
+    if monitoring:
+        mon.check_rendered(rendered)
     images = deploy.rendered_images(rendered, values)
     manifests = rendered if render else None
     out = Path(out) if out else deploy.default_out(bundle)
@@ -339,7 +355,8 @@ def deploy_cmd(bundle, nodes, gpus_per_node, replicas, server, dynamo_engine, di
         click.echo(json.dumps({"values": str(out / "values.yaml"),
                                "manifests": str(out / "manifests") if manifests is not None else None,
                                "layout": layout, "server": values["server"]["stack"], "images": images,
-                               "speed_target": target_speed, "values_content": values}, indent=2))
+                               "speed_target": target_speed,
+                               "monitoring": planned.to_dict() if planned else None, "values_content": values}, indent=2))
         return
     click.echo(f"wrote {out / 'values.yaml'}")
     if manifests is not None:
@@ -363,6 +380,10 @@ def deploy_cmd(bundle, nodes, gpus_per_node, replicas, server, dynamo_engine, di
         click.echo(f"speed target: >= {t['min_tokens_per_s_per_user']:g} tokens/s per user up to {t['max_batch_size']} "
                    f"sequences per instance ({t['mode']}, predicted {t['predicted_tokens_per_s_per_user']:,.0f}); "
                    f"autoscaling target {values['autoscaling']['targetAverageValue']}{note}")
+    if planned:
+        alerts = [r["alert"] for g in values["monitoring"]["ruleGroups"] for r in g["rules"] if "alert" in r]
+        click.echo(f"monitoring: ServiceMonitor, PrometheusRule (alerts: {', '.join(alerts) or 'none'}; "
+                   f"{planned.source}), Grafana dashboard ConfigMap")
     click.echo(f"install: helm install {release} {chart_dir} -f {out / 'values.yaml'}")
 
 

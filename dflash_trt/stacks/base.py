@@ -53,6 +53,60 @@ class BundleContext:
     draft_schedule: object = None
 
 
+@dataclass(frozen=True)
+class Metric:
+    """One metric as the engine exposes it on its Prometheus page."""
+    name: str                     # the exposed name (a counter with its _total suffix)
+    type: str                     # counter | gauge | histogram
+    labels: tuple[str, ...]       # its labels, the engine's own (Prometheus' job/instance/pod come on top)
+    source: str                   # file:line (or symbol) of the pinned engine version that declares it
+
+
+@dataclass(frozen=True)
+class StackMetrics:
+    """A server's metrics for monitoring DFlash: which series, and the PromQL over them.
+
+    Each PromQL is a template with `{w}` (the rate window, e.g. 2m) and `{by}` (the labels kept, e.g.
+    `namespace, pod`); every expression yields one series per `{by}` group (per_position: one per position,
+    in a label named `position`). An expression the engine cannot answer is "" (no rule, no panel)."""
+    prefix: str                   # the engine's metric prefix
+    metrics_path: str             # its Prometheus page on the serving port
+    enable: str                   # what turns the page on, as the bundle's config writes it
+    metrics: dict[str, Metric]    # role -> metric; roles: drafts, draft_tokens, accepted, accepted_per_position,
+    # generation_tokens, running (requests in flight), ttft, itl, tpot (histograms), acceptance_length (gauge)
+    acceptance_length: str        # mean tokens per verify step, bonus token included (tau)
+    per_position: str             # share of drafts whose position p was accepted, label position
+    draft_efficiency: str         # accepted drafted tokens / drafted tokens
+    source: str                   # the release read (each Metric's source is a file:line in it)
+    kind: str = "counters"        # "counters": bench diffs counters around a run; "gauge": reads the last value
+    notes: tuple[str, ...] = ()   # where an expression is not the engine's own figure, why
+
+    def promql(self, role: str, w: str, by: str) -> str:
+        return getattr(self, role).format(w=w, by=by)
+
+    def histogram(self, role: str) -> str:
+        """The histogram's series name (<name>_bucket), "" when the engine has no such histogram."""
+        m = self.metrics.get(role)
+        return m.name + "_bucket" if m else ""
+
+    def bench_view(self) -> dict:
+        """What bench --endpoint reads: {name, where} per figure (counter names without _total: the
+        parser accepts either), prefix, metrics_paths, kind, source."""
+        out: dict = {"prefix": self.prefix, "metrics_paths": [self.metrics_path], "kind": self.kind}
+        for role in ("drafts", "draft_tokens", "accepted", "generation_tokens", "acceptance_length"):
+            m = self.metrics.get(role)
+            if m:
+                name = m.name.removesuffix("_total") if m.type == "counter" else m.name
+                out[role] = {"name": name, **({"where": dict(DRAFTS_WHERE[m.name])} if m.name in DRAFTS_WHERE
+                                               and role == "drafts" else {})}
+        out["source"] = f"{self.source}: " + "; ".join(sorted({m.source for m in self.metrics.values()}))
+        return out
+
+
+# A stack with no draft counter counts drafts as the drafted tokens at position 0 (every draft drafts it).
+DRAFTS_WHERE = {"trtllm_spec_decode_drafted_tokens_total": (("token_position", "0"),)}
+
+
 class Stack:
     """The defaults of every method; a stack module overrides what it has."""
     name: str = ""                # the manifest's serving_stacks name
@@ -62,9 +116,15 @@ class Stack:
     servers: tuple[Server, ...] = ()
     config_files: ClassVar[dict[str, str]] = {}   # the manifest's serving_configs index: key -> bundle path
     triton_models: tuple[str, ...] = ()  # its models in the bundle's Triton repository (manifest triton_models)
-    # its server's speculative-decoding figures on its Prometheus page (bench --endpoint): prefix,
-    # metrics_paths, kind ("counters" | "gauge"), {name, where} per figure, source
-    spec_decode_metrics: ClassVar[dict] = {}
+    # its server's Prometheus metrics as typed data (names, types, labels, PromQL, sources): the chart's
+    # monitoring (deploy/monitoring.py) and bench --endpoint read them; None: the stack exports none
+    metrics: ClassVar[StackMetrics | None] = None
+
+    @property
+    def spec_decode_metrics(self) -> dict:
+        """The speculative-decoding figures bench --endpoint reads off a /metrics page (StackMetrics.bench_view):
+        prefix, metrics_paths, kind ("counters" | "gauge"), {name, where} per figure, source; {} when none."""
+        return self.metrics.bench_view() if self.metrics else {}
 
     # -------------------------------------------------------------- what it refuses
     def layout_problems(self, *, tp: int, pp: int, block_size: int) -> list[str]:

@@ -10,7 +10,7 @@ import json
 import shlex
 from typing import ClassVar
 
-from dflash_trt.stacks.base import BundleContext, Server, Stack, non_causal_windowed
+from dflash_trt.stacks.base import BundleContext, Metric, Server, Stack, StackMetrics, non_causal_windowed
 from dflash_trt.stacks.layer_ids import sglang_capture_points, zlab_to_sglang
 
 CHECKED_AGAINST = "sglang 0.5.23 (PyPI wheel): sglang/srt/arg_groups/speculative_hook.py, sglang/srt/models/dflash.py"
@@ -24,18 +24,39 @@ ADAPTIVE_REFUSED = ("SGLang 0.5.23 adapts the draft length (--speculative-adapti
                     "supported)\" and arg_groups/speculative_hook.py:261-262 (_maybe_disable_adaptive, :1374) turns the "
                     "flag off with a warning, so DFLASH drafts its whole block at every batch size")
 
-# SGLang's speculative-decoding figures on /metrics (Stack.spec_decode_metrics)
-SPEC_DECODE_METRICS = {
-    "prefix": "sglang:",
-    "metrics_paths": ["/metrics"],   # with `--enable-metrics`
-    # SGLang exports no spec-decode counters, only gauges of the scheduler's last log interval
-    "kind": "gauge",
-    "acceptance_length": {"name": "sglang:spec_accept_length"},
-    "generation_tokens": {"name": "sglang:generation_tokens"},
-    "source": "sgl-project/sglang python/sglang/srt/metrics/collector.py @00ae9c1590d2d0bb6c0bfff39e312c34ae3dd538 "
-              "(SchedulerMetricsCollector: gauges sglang:spec_accept_length, sglang:spec_accept_rate, "
-              "multiprocess_mode mostrecent; TokenizerMetricsCollector: sglang:generation_tokens_total)",
-}
+# SGLang 0.5.23's metrics on /metrics, read in its PyPI wheel (pip download --no-deps sglang==0.5.23):
+# sglang/srt/observability/metrics_collector.py; the page exists only with --enable-metrics
+# (sglang/srt/arg_groups/fields/observability.py:70, default False), which configs/sglang.json passes.
+_MC = "sglang/srt/observability/metrics_collector.py"
+_SCHED = ("model_name", "engine_type", "tp_rank", "pp_rank", "moe_ep_rank")   # metrics_collector.py:1382-1388
+_TOK = ("model_name", "engine_type")                                       # metrics_collector.py:1807-1812
+METRICS = StackMetrics(
+    prefix="sglang:",
+    metrics_path="/metrics",
+    enable="--enable-metrics (configs/sglang.json)",
+    kind="gauge",    # bench --endpoint reads the scheduler's acceptance gauge of its last log interval
+    metrics={
+        "acceptance_length": Metric("sglang:spec_accept_length", "gauge", _SCHED, f"{_MC}:512"),
+        "accept_rate": Metric("sglang:spec_accept_rate", "gauge", _SCHED, f"{_MC}:518"),
+        "verify_calls": Metric("sglang:spec_verify_calls_total", "counter", _TOK, f"{_MC}:1866"),
+        "generation_tokens": Metric("sglang:generation_tokens_total", "counter", (*_TOK, "is_streaming"),
+                                    f"{_MC}:1861"),
+        "running": Metric("sglang:num_running_reqs", "gauge", _SCHED, f"{_MC}:365"),
+        "ttft": Metric("sglang:time_to_first_token_seconds", "histogram", (*_TOK, "is_streaming"), f"{_MC}:2041"),
+        "itl": Metric("sglang:inter_token_latency_seconds", "histogram", _TOK, f"{_MC}:2051"),
+        "tpot": Metric("sglang:request_time_per_output_token_seconds", "histogram", _TOK, f"{_MC}:2058"),
+    },
+    # tokens generated per verify call, both counted per finished request (observe_one_finished_request,
+    # metrics_collector.py:2092-2112): the mean acceptance length over the window, bonus token included
+    acceptance_length="sum by ({by}) (rate(sglang:generation_tokens_total[{w}])) "
+                      "/ sum by ({by}) (rate(sglang:spec_verify_calls_total[{w}]))",
+    per_position="",    # SGLang exports no per-position acceptance
+    draft_efficiency="avg by ({by}) (sglang:spec_accept_rate)",
+    source="sglang 0.5.23 PyPI wheel",
+    notes=("no per-position acceptance on SGLang's page",
+           ("draft efficiency is the scheduler's gauge of its last log interval (accepted / proposed drafts), "
+            "not a rate over the window")),
+)
 
 
 def sglang_launch(*, target_path: str, drafter_path: str, block_size: int, zlab_ids: list[int], tp: int, ep: int,
@@ -43,7 +64,7 @@ def sglang_launch(*, target_path: str, drafter_path: str, block_size: int, zlab_
     argv = ["python", "-m", "sglang.launch_server", "--model-path", target_path,
             "--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", drafter_path,
             "--speculative-dflash-block-size", str(block_size),
-            "--tp-size", str(tp), "--pp-size", str(pp)]
+            "--tp-size", str(tp), "--pp-size", str(pp), "--enable-metrics"]
     if ep > 1:
         argv += ["--ep-size", str(ep)]
     if kv_cache == "fp8":
@@ -92,7 +113,7 @@ class SGLang(Stack):
     checked_against = CHECKED_AGAINST
     servers = (Server("sglang"),)
     config_files: ClassVar[dict[str, str]] = {"sglang": "configs/sglang.json"}
-    spec_decode_metrics: ClassVar[dict] = SPEC_DECODE_METRICS
+    metrics: ClassVar[StackMetrics | None] = METRICS
 
     def layout_problems(self, *, tp, pp, block_size):
         # sglang/srt/arg_groups/speculative_hook.py _handle_dflash

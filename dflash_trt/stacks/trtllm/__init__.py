@@ -18,7 +18,7 @@ import yaml
 from dflash_trt import engines
 from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import hardware_for_gpu
-from dflash_trt.stacks.base import BundleContext, Server, Stack
+from dflash_trt.stacks.base import BundleContext, Metric, Server, Stack, StackMetrics
 from dflash_trt.stacks.tritonserver.repo import llmapi_model_yaml
 from dflash_trt.stacks.trtllm.budget import draft_context_budget
 from dflash_trt.stacks.trtllm.profiles import drafter_attention_backend, profile_settings
@@ -35,25 +35,48 @@ from dflash_trt.stacks.trtllm.serve_config import (
 # the resident weights before quantize runs (planner.ELEMENT_BYTES / bf16's 2 bytes).
 QUANT_BYTES_RATIO = {"fp8": 0.5, "nvfp4": (0.5 + 1 / 16) / 2}
 TRITON_MODEL = "tensorrt_llm"
-# trtllm-serve's speculative-decoding counters (Stack.spec_decode_metrics)
-SPEC_DECODE_METRICS = {
-    "prefix": "trtllm_",
-    # trtllm-serve's /metrics is JSON iteration stats; Prometheus text is mounted at
-    # /prometheus/metrics when the LLM args set return_perf_metrics: true
-    "metrics_paths": ["/prometheus/metrics"],
-    "kind": "counters",
-    # no draft count of its own: every draft drafts position 0, so position 0's drafted tokens
-    # are the drafts; accepted = the per-position accepted tokens, summed
-    "drafts": {"name": "trtllm_spec_decode_drafted_tokens", "where": {"token_position": "0"}},
-    "draft_tokens": {"name": "trtllm_spec_decode_drafted_tokens"},
-    "accepted": {"name": "trtllm_spec_decode_accepted_tokens"},
-    "generation_tokens": {"name": "trtllm_generation_tokens"},
-    "source": "NVIDIA/TensorRT-LLM tensorrt_llm/metrics/collector.py @050f80def8df236e326949c8bd9dee10fd896a83 "
-              "(MetricsCollector: per-position counters trtllm_spec_decode_drafted_tokens_total / "
-              "_accepted_tokens_total, label token_position, logged per finished request); "
-              "tensorrt_llm/serve/openai_server.py @00057725d9a6591f033e44f31c219e2426827bb7 "
-              "(mount_metrics: /prometheus/metrics only with return_perf_metrics)",
-}
+# trtllm-serve's metrics (Stack.metrics): NVIDIA/TensorRT-LLM tensorrt_llm/metrics/collector.py
+# @050f80def8df236e326949c8bd9dee10fd896a83 (MetricsCollector.__init__, cited by attribute); trtllm-serve's
+# /metrics is JSON iteration stats, the Prometheus page is mounted at /prometheus/metrics only when the LLM args
+# set return_perf_metrics: true (tensorrt_llm/serve/openai_server.py @00057725d9a6591f033e44f31c219e2426827bb7
+# mount_metrics; llmapi/llm_args.py `return_perf_metrics: bool = Field(default=False)`), which
+# configs/trtllm-serve.yaml sets.
+_COL = "tensorrt_llm/metrics/collector.py @050f80def8df MetricsCollector"
+_LBL = ("model_name", "engine_type")      # the labels OpenAIServer gives MetricsCollector (its docstring's example)
+METRICS = StackMetrics(
+    prefix="trtllm_",
+    metrics_path="/prometheus/metrics",
+    enable="return_perf_metrics: true (configs/trtllm-serve.yaml)",
+    metrics={
+        # no draft count of its own: every draft drafts position 0, so position 0's drafted tokens are the drafts;
+        # per-position counters, logged per finished request
+        "drafts": Metric("trtllm_spec_decode_drafted_tokens_total", "counter", (*_LBL, "token_position"),
+                         f"{_COL}.counter_tokens_drafted_per_position"),
+        "draft_tokens": Metric("trtllm_spec_decode_drafted_tokens_total", "counter", (*_LBL, "token_position"),
+                               f"{_COL}.counter_tokens_drafted_per_position"),
+        "accepted": Metric("trtllm_spec_decode_accepted_tokens_total", "counter", (*_LBL, "token_position"),
+                           f"{_COL}.counter_tokens_accepted_per_position"),
+        "accepted_per_position": Metric("trtllm_spec_decode_accepted_tokens_total", "counter",
+                                        (*_LBL, "token_position"), f"{_COL}.counter_tokens_accepted_per_position"),
+        "generation_tokens": Metric("trtllm_generation_tokens_total", "counter", _LBL,
+                                    f"{_COL}.counter_generation_tokens"),
+        "running": Metric("trtllm_num_requests_running", "gauge", _LBL, f"{_COL}.num_requests_running"),
+        "ttft": Metric("trtllm_time_to_first_token_seconds", "histogram", _LBL,
+                       f"{_COL}.histogram_time_to_first_token"),
+        "tpot": Metric("trtllm_time_per_output_token_seconds", "histogram", _LBL,
+                       f"{_COL}.histogram_time_per_output_token"),
+    },
+    acceptance_length="1 + sum by ({by}) (rate(trtllm_spec_decode_accepted_tokens_total[{w}])) "
+                      "/ sum by ({by}) (rate(trtllm_spec_decode_drafted_tokens_total{{token_position=\"0\"}}[{w}]))",
+    per_position='label_replace(sum by ({by}, token_position) (rate(trtllm_spec_decode_accepted_tokens_total[{w}])), '
+                 '"position", "$1", "token_position", "(.*)") '
+                 "/ ignoring(position, token_position) group_left "
+                 "sum by ({by}) (rate(trtllm_spec_decode_drafted_tokens_total{{token_position=\"0\"}}[{w}]))",
+    draft_efficiency="sum by ({by}) (rate(trtllm_spec_decode_accepted_tokens_total[{w}])) "
+                     "/ sum by ({by}) (rate(trtllm_spec_decode_drafted_tokens_total[{w}]))",
+    source="NVIDIA/TensorRT-LLM @050f80def8df236e326949c8bd9dee10fd896a83",
+    notes=("no inter-token-latency histogram: the per-token latency is trtllm_time_per_output_token_seconds",),
+)
 
 
 def serve_config(m: dict, tcfg: dict, B: int, dcfg=None, schedule_fields: dict | None = None) -> dict:
@@ -135,7 +158,7 @@ class TensorRTLLM(Stack):
     servers = (Server("trtllm-serve", mpi_launch=True),)
     config_files: ClassVar[dict[str, str]] = {"trtllm_serve": "configs/trtllm-serve.yaml"}
     triton_models = (TRITON_MODEL,)
-    spec_decode_metrics: ClassVar[dict] = SPEC_DECODE_METRICS
+    metrics: ClassVar[StackMetrics | None] = METRICS
 
     def layout_problems(self, *, tp, pp, block_size):
         # DFlashDecodingConfig: max_draft_len (NonNegativeInt) = B - 1 drafted tokens per step

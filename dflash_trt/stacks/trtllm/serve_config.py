@@ -62,6 +62,8 @@ def trtllm_serve_config(*, target_cfg: dict, drafter_path: str, block_size: int,
         # iteration stats (waiting requests, KV-cache blocks) for trtllm-serve's /metrics and the
         # Triton model's dflash_* metrics (LLM.get_stats_async)
         "enable_iter_perf_stats": True,
+        # mounts the Prometheus page /prometheus/metrics with the spec-decode counters (Stack.metrics)
+        "return_perf_metrics": True,
         "speculative_config": {
             "decoding_type": "DFlash",
             "speculative_model": drafter_path,

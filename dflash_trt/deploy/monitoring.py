@@ -1,0 +1,253 @@
+"""Monitoring of a rollout: the PrometheusRule groups and the Grafana dashboard the chart deploys with
+`monitoring.enabled` (`dflash-trt deploy --monitoring` writes them into the values).
+
+Every query comes from the served stack's metrics data (stacks/<stack> `Stack.metrics`: the engine's own
+names and PromQL); the alert thresholds from the plan (plan/monitoring_figures.py). Recording rules, one
+series per pod (`BY`):
+
+    dflash:acceptance_length                 tokens per verify step, bonus included (tau)
+    dflash:acceptance_by_position{position}  share of drafts whose position p was accepted (where exported)
+    dflash:draft_efficiency                  accepted / drafted tokens
+    dflash:concurrency                       requests in flight, averaged over the window
+    dflash:generation_tokens_per_second      tokens/s of the pod
+    dflash:tokens_per_second_per_user        tokens/s / concurrency
+    dflash:ttft_seconds{quantile}, dflash:itl_seconds{quantile}, dflash:time_per_output_token_seconds{quantile}
+
+Alerts (each only where the plan gives its figure): DFlashAcceptanceBelowPlan, DFlashSpeculationNotPaying,
+DFlashTokenLatencyOverTarget. The dashboard is built with grafana-foundation-sdk (Grafana's own typed
+builders; an optional dependency, the `monitoring` extra) on the engine's metric names.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import yaml
+
+from dflash_trt import engines, stacks
+from dflash_trt.deploy.dynamo import LOADER, _closed
+from dflash_trt.errors import DFlashError
+from dflash_trt.paths import deploy_path
+from dflash_trt.plan.monitoring_figures import PlannedFigures
+from dflash_trt.stacks.base import StackMetrics
+
+BY = ("namespace", "pod")          # the ServiceMonitor's target labels: one series per serving pod
+QUANTILES = ("0.5", "0.9", "0.99")
+HISTOGRAMS = {"ttft": "dflash:ttft_seconds", "itl": "dflash:itl_seconds",
+              "tpot": "dflash:time_per_output_token_seconds"}
+DASHBOARD_UID = "dflash-trt-speculation"
+
+
+@dataclass(frozen=True)
+class Settings:
+    window: str = "2m"                 # rate window of the recording rules (>= 4 scrape intervals)
+    alert_for: str = "10m"             # how long a condition holds before its alert fires
+    acceptance_tolerance: float = 0.1  # DFlashAcceptanceBelowPlan: below planned × (1 - this)
+    latency_quantile: str = "0.9"      # DFlashTokenLatencyOverTarget compares this quantile with the target
+
+
+def stack_metrics(server: str) -> StackMetrics:
+    """The metrics of the engine a server runs, when its Prometheus page is the engine's own."""
+    st = stacks.get(engines.server_stack(server))
+    page = engines.facts()["servers"][server]["endpoints"]["metrics_path"]
+    if st.metrics is None or page != st.metrics.metrics_path:
+        raise DFlashError(f"--monitoring: server {server} ({st.title}) exports no speculative-decoding metrics "
+                          f"on its page {page}; serve with vllm, sglang or trtllm-serve")
+    return st.metrics
+
+
+def recording_rules(m: StackMetrics, s: Settings = Settings(), by: tuple[str, ...] = BY) -> list[dict]:
+    b, w = ", ".join(by), s.window
+    rules = [{"record": "dflash:acceptance_length", "expr": m.promql("acceptance_length", w, b)}]
+    if m.per_position:
+        rules.append({"record": "dflash:acceptance_by_position", "expr": m.promql("per_position", w, b)})
+    rules += [
+        {"record": "dflash:draft_efficiency", "expr": m.promql("draft_efficiency", w, b)},
+        {"record": "dflash:concurrency", "expr": f"sum by ({b}) (avg_over_time({m.metrics['running'].name}[{w}]))"},
+        {"record": "dflash:generation_tokens_per_second",
+         "expr": f"sum by ({b}) (rate({m.metrics['generation_tokens'].name}[{w}]))"},
+        # concurrency 0: no series (nobody to serve), not a division by zero
+        {"record": "dflash:tokens_per_second_per_user",
+         "expr": f"dflash:generation_tokens_per_second / on({b}) (dflash:concurrency > 0)"},
+    ]
+    for role, record in HISTOGRAMS.items():
+        if m.histogram(role):
+            rules += [{"record": record, "labels": {"quantile": q},
+                       "expr": f"histogram_quantile({q}, sum by ({b}, le) (rate({m.histogram(role)}[{w}])))"}
+                      for q in QUANTILES]
+    return rules
+
+
+def _by_concurrency(metric: str, rows, value, b: str) -> str:
+    """`metric < value(row)` while the measured concurrency is in the row's range, for every row; neighbouring
+    rows with the same threshold (4 significant digits) are one range."""
+    spans: list[list] = []                       # [first, until, threshold text]
+    for r in rows:
+        v = f"{value(r):.4g}"
+        if spans and spans[-1][2] == v:
+            spans[-1][1] = r.until
+        else:
+            spans.append([r.first, r.until, v])
+    terms = []
+    for i, (first, until, v) in enumerate(spans):
+        lo = "> 0" if i == 0 else f">= {first}"   # below the first planned concurrency: its figure
+        hi = f" < {until}" if until is not None else ""
+        terms.append(f"(({metric} < {v}) and on({b}) (dflash:concurrency {lo}{hi}))")
+    return "\n or ".join(terms)
+
+
+def alert_rules(m: StackMetrics, figures: PlannedFigures, s: Settings = Settings(), by: tuple[str, ...] = BY) -> list[dict]:
+    b = ", ".join(by)
+    out = []
+    rows = [r for r in figures.by_concurrency]
+    if rows:
+        keep = 1 - s.acceptance_tolerance
+        out.append({
+            "alert": "DFlashAcceptanceBelowPlan",
+            "expr": _by_concurrency("dflash:acceptance_length", rows, lambda r: r.planned_acceptance_length * keep, b),
+            "for": s.alert_for, "labels": {"severity": "warning"},
+            "annotations": {
+                "summary": "DFlash acceptance below what the rollout was planned for",
+                "description": ("{{ $labels.pod }}: acceptance length {{ $value | printf \"%.2f\" }} is more than "
+                                f"{s.acceptance_tolerance:.0%} below the planned one at its concurrency ("
+                                + ", ".join(f"c>={r.first}: {r.planned_acceptance_length:.2f}" for r in rows)
+                                + f"; {figures.source}). Retune the draft length (dflash-trt tune) or check the "
+                                "prompt template and target checkpoint."),
+            },
+        })
+        out.append({
+            "alert": "DFlashSpeculationNotPaying",
+            "expr": _by_concurrency("dflash:acceptance_length", rows, lambda r: r.break_even_acceptance_length, b),
+            "for": s.alert_for, "labels": {"severity": "warning"},
+            "annotations": {
+                "summary": "Speculative decoding costs more than it gives at this concurrency",
+                "description": ("{{ $labels.pod }}: acceptance length {{ $value | printf \"%.2f\" }} is below the "
+                                "break-even of the planned draft length at its concurrency ("
+                                + ", ".join(f"c>={r.first} K={r.k}: {r.break_even_acceptance_length:.2f}" for r in rows)
+                                + "): plain decoding would be faster. Draft fewer tokens there (dflash-trt tune)."),
+            },
+        })
+    tpot = figures.time_per_output_token_s
+    if tpot and m.histogram("tpot"):
+        q = s.latency_quantile
+        out.append({
+            "alert": "DFlashTokenLatencyOverTarget",
+            "expr": f'dflash:time_per_output_token_seconds{{quantile="{q}"}} > {tpot:.6g}',
+            "for": s.alert_for, "labels": {"severity": "warning"},
+            "annotations": {
+                "summary": "Per-user token latency over the plan's target",
+                "description": (f"{{{{ $labels.pod }}}}: p{float(q) * 100:g} time per output token "
+                                f"{{{{ $value | humanizeDuration }}}} is over the target {tpot * 1000:.3g} ms "
+                                f"({1 / tpot:.4g} tokens/s per user; {figures.source})."),
+            },
+        })
+    return out
+
+
+def rule_groups(server: str, figures: PlannedFigures, s: Settings = Settings(), by: tuple[str, ...] = BY) -> list[dict]:
+    m = stack_metrics(server)
+    groups = [{"name": "dflash-trt.recording", "rules": recording_rules(m, s, by)}]
+    alerts = alert_rules(m, figures, s, by)
+    if alerts:
+        groups.append({"name": "dflash-trt.alerts", "rules": alerts})
+    return groups
+
+
+# ------------------------------------------------------------------ the dashboard
+def dashboard_queries(server: str, w: str = "$__rate_interval", by: tuple[str, ...] = BY) -> list[tuple[str, str, list[tuple[str, str]]]]:
+    """(panel title, unit, [(PromQL, legend)]) per panel, on the engine's own metric names."""
+    m = stack_metrics(server)
+    b = ", ".join(by)
+    legend = "{{pod}}"
+    panels = [("Acceptance length (tokens per step, bonus included)", "none",
+               [(m.promql("acceptance_length", w, b), legend)])]
+    if m.per_position:
+        panels.append(("Acceptance by draft position", "percentunit",
+                       [(m.promql("per_position", w, b), "{{pod}} position {{position}}")]))
+    panels += [
+        ("Draft efficiency (accepted / drafted tokens)", "percentunit", [(m.promql("draft_efficiency", w, b), legend)]),
+        ("Generation tokens/s per user", "none",
+         [((f"sum by ({b}) (rate({m.metrics['generation_tokens'].name}[{w}])) / on({b}) "
+            f"(sum by ({b}) (avg_over_time({m.metrics['running'].name}[{w}])) > 0)"), legend)]),
+        ("Generation tokens/s", "none", [(f"sum by ({b}) (rate({m.metrics['generation_tokens'].name}[{w}]))", legend)]),
+        ("Requests in flight", "none", [(f"sum by ({b}) ({m.metrics['running'].name})", legend)]),
+    ]
+    titles = {"ttft": "Time to first token", "itl": "Inter-token latency (engine's, per step)",
+              "tpot": "Time per output token"}
+    for role, title in titles.items():
+        if m.histogram(role):
+            panels.append((title, "s", [(f"histogram_quantile({q}, sum by ({b}, le) (rate({m.histogram(role)}[{w}])))",
+                                         f"{{{{pod}}}} p{float(q) * 100:g}") for q in QUANTILES]))
+    return panels
+
+
+def dashboard(server: str) -> dict:
+    """The Grafana dashboard JSON (grafana-foundation-sdk's builders), two panels a row."""
+    try:
+        from grafana_foundation_sdk.builders import prometheus, timeseries
+        from grafana_foundation_sdk.builders.dashboard import Dashboard, DatasourceVariable
+        from grafana_foundation_sdk.cog.encoder import JSONEncoder
+        from grafana_foundation_sdk.models.dashboard import DataSourceRef, GridPos
+    except ImportError:
+        raise DFlashError("--monitoring: the dashboard needs grafana-foundation-sdk (pip install "
+                          "'dflash-trt[monitoring]')") from None
+    m = stack_metrics(server)
+    d = (Dashboard(f"DFlash speculative decoding ({server})").uid(f"{DASHBOARD_UID}-{server}")
+         .tags(["dflash-trt", server]).refresh("30s").time("now-1h", "now")
+         .with_variable(DatasourceVariable("datasource").label("Prometheus").type("prometheus")))
+    ds = DataSourceRef(type_val="prometheus", uid="${datasource}")
+    for i, (title, unit, queries) in enumerate(dashboard_queries(server)):
+        p = (timeseries.Panel().title(title).datasource(ds).unit(unit).min(0)
+             .grid_pos(GridPos(h=8, w=12, x=12 * (i % 2), y=8 * (i // 2))))
+        for j, (expr, legend) in enumerate(queries):
+            p = p.with_target(prometheus.Dataquery().expr(expr).legend_format(legend).ref_id(chr(65 + j)))
+        d = d.with_panel(p)
+    d = d.description(f"{m.prefix}* metrics of {server} ({m.source}); " + "; ".join(m.notes))
+    return json.loads(json.dumps(d.build(), cls=JSONEncoder))
+
+
+def monitoring_values(server: str, figures: PlannedFigures, s: Settings = Settings()) -> dict:
+    """The chart's `monitoring` values: rule groups and the dashboard for this server, thresholds from the plan."""
+    return {"enabled": True, "ruleGroups": rule_groups(server, figures, s),
+            "dashboard": json.dumps(dashboard(server), indent=1, sort_keys=True)}
+
+
+# ------------------------------------------------------------------ the Prometheus Operator CRDs (deploy/schemas)
+CRDS = {"ServiceMonitor": "monitoring.coreos.com_servicemonitors.yaml",
+        "PrometheusRule": "monitoring.coreos.com_prometheusrules.yaml"}
+
+
+def crd_schema(kind: str, version: str = "v1") -> dict:
+    """The kind's openAPIV3Schema from the copied CRD, closed as the API server prunes (unknown keys refused)."""
+    crd = yaml.load(deploy_path("schemas", CRDS[kind]).read_text(), Loader=LOADER)
+    (v,) = [v for v in crd["spec"]["versions"] if v["name"] == version]
+    return _closed(v["schema"]["openAPIV3Schema"])
+
+
+def check_objects(objs: list[dict]) -> list[str]:
+    """Every monitoring.coreos.com object against its CRD (jsonschema); one line naming the field. The kinds
+    checked."""
+    try:
+        import jsonschema
+    except ImportError:
+        raise DFlashError("--monitoring checks the ServiceMonitor and PrometheusRule against the Prometheus Operator "
+                          "CRDs with jsonschema: pip install jsonschema (or the package's [deploy] extra)") from None
+    kinds = []
+    for o in objs:
+        if not str(o.get("apiVersion", "")).startswith("monitoring.coreos.com/"):
+            continue
+        if o["kind"] not in CRDS:
+            raise DFlashError(f"{o['kind']}: no Prometheus Operator CRD kept in deploy/schemas")
+        err = next(iter(jsonschema.Draft7Validator(crd_schema(o["kind"])).iter_errors(o)), None)
+        if err is not None:
+            where = "/".join(str(x) for x in err.absolute_path)
+            raise DFlashError(f"{o['kind']} {o['metadata']['name']}: /{where}: {err.message} "
+                              f"(Prometheus Operator CRD, deploy/schemas/{CRDS[o['kind']]})")
+        kinds.append(o["kind"])
+    return kinds
+
+
+def check_rendered(manifests: dict[str, str]) -> list[str]:
+    """check_objects over a chart's rendered files {path: YAML text}."""
+    return check_objects([o for path, text in manifests.items() if not path.endswith("NOTES.txt")
+                          for o in yaml.safe_load_all(text) if isinstance(o, dict)])
