@@ -6,6 +6,8 @@ PYTHONPATH=<another checkout> to read that one):
 
 - no comparison with a stack or server name literal (==, !=, in / not in a literal container,
   match / case) outside dflash_trt/stacks/; the names are the registry's and engines.json's;
+- no literal list of them there either (a tuple / list / set of two or more, or a dict keyed by two
+  or more: a copy of the registry's names, or a second factory keyed by stack name);
 - no comparison of a `model_type` (cfg["model_type"], cfg.get("model_type"), x.model_type, a
   variable named model_type or assigned from one) with a string literal outside
   dflash_trt/models/families/ and dflash_trt/presets/.
@@ -48,32 +50,72 @@ def _case_strings(pattern) -> set[str]:
     return set()
 
 
+# The same word naming another thing: (file, name) -> what it names there
+OTHER_MEANING = {
+    ("runtime/kv_inject.py", "triton"): "the Triton compiler, a kernel backend (torch | triton), not Triton Inference Server",
+    ("train/data.py", "vllm"): "vLLM as the offline engine writing training answers (--engine auto|vllm|transformers), "
+                               "not a serving stack of a bundle",
+}
+
+
 def stack_and_server_names() -> set[str]:
     f = engines.facts()
     return set(REGISTRY) | set(f["stacks"]) | set(f["servers"])
 
 
-def name_comparisons(tree: ast.AST, names: set[str]) -> list[tuple[int, str]]:
+def name_comparisons(tree: ast.AST, names: set[str]) -> list[tuple[int, set[str]]]:
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Compare) and all(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn))
                                                  for op in node.ops):
             hit = {s for operand in (node.left, *node.comparators) for s in _strings(operand)} & names
             if hit:
-                out.append((node.lineno, ", ".join(sorted(hit))))
+                out.append((node.lineno, hit))
         elif isinstance(node, ast.Match):
             hit = {s for case in node.cases for s in _case_strings(case.pattern)} & names
             if hit:
-                out.append((node.lineno, "match/case " + ", ".join(sorted(hit))))
+                out.append((node.lineno, {f"match/case {h}" for h in hit}))
     return out
 
 
 def test_no_stack_or_server_name_comparison_outside_stacks():
     names = stack_and_server_names()
-    found = [f"dflash_trt/{rel}:{line}: compares with {what}"
-             for rel, tree in _sources("stacks/") for line, what in name_comparisons(tree, names)]
+    found = [f"dflash_trt/{rel}:{line}: compares with {', '.join(sorted(hit))}"
+             for rel, tree in _sources("stacks/")
+             for line, hit in name_comparisons(tree, {n for n in names if (rel, n) not in OTHER_MEANING})]
     assert not found, "a stack or server name branched on outside dflash_trt/stacks/ (ask the Stack):\n" + \
         "\n".join(found)
+
+
+# Literal lists of names that are a format's own keys, not a copy of the registry: (file, names) -> why
+FORMAT_KEYS = {
+    ("io/manifest.py", frozenset({"vllm", "sglang", "trtllm"})):
+        "manifest.json drafter.target_layer_ids' keys: the layer-id conventions (docs/layer-ids.md), a field list "
+        "of the format (io is below stacks/ and cannot ask the registry)",
+}
+
+
+def name_lists(tree: ast.AST, names: set[str]) -> list[tuple[int, frozenset[str]]]:
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            hit = frozenset({s for e in node.elts for s in _strings(e)} & names)
+        elif isinstance(node, ast.Dict):
+            hit = frozenset({s for k in node.keys if k is not None for s in _strings(k)} & names)
+        else:
+            continue
+        if len(hit) >= 2:
+            out.append((node.lineno, hit))
+    return out
+
+
+def test_no_literal_list_of_stack_or_server_names_outside_stacks():
+    names = stack_and_server_names()
+    found = [f"dflash_trt/{rel}:{line}: lists {', '.join(sorted(hit))}"
+             for rel, tree in _sources("stacks/") for line, hit in name_lists(tree, names)
+             if not any(rel == f and hit <= allowed for f, allowed in FORMAT_KEYS)]
+    assert not found, ("a literal list of stack or server names outside dflash_trt/stacks/ (derive it from "
+                       "stacks.REGISTRY or engines.json):\n" + "\n".join(found))
 
 
 # ------------------------------------------------------------------------------- model families
@@ -135,6 +177,10 @@ def test_detectors_see_each_form():
         assert name_comparisons(ast.parse(src), names), src
     for src in ['REGISTRY["vllm"]', 'd = {"vllm": 1}', 'if s == "other": pass']:
         assert not name_comparisons(ast.parse(src), names), src
+    for src in ['X = ("vllm", "trtllm-serve")', 'F = {"vllm": f, "trtllm-serve": g}', 'click.Choice(["vllm", "trtllm-serve"])']:
+        assert name_lists(ast.parse(src), names), src
+    for src in ['X = ("vllm", "hf")', 'F = {"vllm": f}']:
+        assert not name_lists(ast.parse(src), names), src
     caught = ['if cfg.get("model_type") == "gpt_oss": pass', 'if cfg["model_type"] in ("a", "b"): pass',
               'if c.model_type != "qwen3": pass', 'def f(cfg):\n    mt = cfg.get("model_type")\n    return mt == "x"',
               'def f(model_type):\n    return model_type in ["a"]', 'match cfg.get("model_type"):\n    case "a": pass']
