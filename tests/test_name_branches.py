@@ -52,7 +52,8 @@ def _case_strings(pattern) -> set[str]:
 
 # The same word naming another thing: (file, name) -> what it names there
 OTHER_MEANING = {
-    ("runtime/kv_inject.py", "triton"): "the Triton compiler, a kernel backend (torch | triton), not Triton Inference Server",
+    ("runtime/kv_inject.py", "triton"): "the Triton compiler, a kernel backend (torch | triton), not Triton "
+                                        "Inference Server",
     ("train/data.py", "vllm"): "vLLM as the offline engine writing training answers (--engine auto|vllm|transformers), "
                                "not a serving stack of a bundle",
 }
@@ -177,7 +178,8 @@ def test_detectors_see_each_form():
         assert name_comparisons(ast.parse(src), names), src
     for src in ['REGISTRY["vllm"]', 'd = {"vllm": 1}', 'if s == "other": pass']:
         assert not name_comparisons(ast.parse(src), names), src
-    for src in ['X = ("vllm", "trtllm-serve")', 'F = {"vllm": f, "trtllm-serve": g}', 'click.Choice(["vllm", "trtllm-serve"])']:
+    for src in ['X = ("vllm", "trtllm-serve")', 'F = {"vllm": f, "trtllm-serve": g}',
+                'click.Choice(["vllm", "trtllm-serve"])']:
         assert name_lists(ast.parse(src), names), src
     for src in ['X = ("vllm", "hf")', 'F = {"vllm": f}']:
         assert not name_lists(ast.parse(src), names), src
@@ -187,5 +189,6 @@ def test_detectors_see_each_form():
     for src in caught:
         assert model_type_comparisons(ast.parse(src)), src
     for src in ['if "model_type" not in cfg: pass', 'x = {k: v for k, v in c.items() if k not in ("model_type",)}',
-                'if cfg.get("model_type") in SUPPORTED: pass', 'if cfg.get("speculators_model_type") == "dflash": pass']:
+                'if cfg.get("model_type") in SUPPORTED: pass',
+                'if cfg.get("speculators_model_type") == "dflash": pass']:
         assert not model_type_comparisons(ast.parse(src)), src

@@ -49,7 +49,7 @@ class LaunchArgs:
     model: str                        # the target's folder, bundle-relative
     model_flag: str | None = None     # how the launcher takes the model: None positionally, else after this flag
     flags: tuple[str, ...] = ()       # the engine's own flags, as its launcher (and Dynamo's worker for it) take them
-    config_file: str | None = None    # an engine-args file it reads the rest from (TensorRT-LLM's YAML), bundle-relative
+    config_file: str | None = None    # an engine-args file it reads the rest from (TensorRT-LLM's YAML)
     config_flag: str | None = None    # the launcher's flag for that file
     # the layout (the flags or the config file say it to the launcher; an orchestrator may need it as its own flags)
     tp: int = 1
