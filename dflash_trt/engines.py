@@ -16,7 +16,6 @@ from packaging.version import InvalidVersion, Version
 from dflash_trt.errors import DFlashError
 from dflash_trt.paths import deploy_path
 
-SERVERS = ("trtllm-serve", "triton", "vllm", "sglang")   # the chart's server.stack values
 # deploy --server values that render an orchestrator's own resource instead of the chart's values
 # (engines.json `dynamo`: dflash_trt/deploy/dynamo.py, a DynamoGraphDeployment)
 ORCHESTRATORS = ("dynamo",)
@@ -27,12 +26,20 @@ def facts() -> dict:
     return json.loads(deploy_path("helm", "dflash-trt", "engines.json").read_text())
 
 
+def server_names() -> tuple[str, ...]:
+    """The chart's server.stack values, in engines.json's order (its servers)."""
+    return tuple(facts()["servers"])
+
+
+SERVERS = server_names()   # (deploy --server's choices)
+
+
 def server_stack(server: str) -> str:
     """trtllm-serve / triton -> trtllm; vllm -> vllm; sglang -> sglang (the bundle config it loads)."""
     try:
         return facts()["servers"][server]["stack"]
     except KeyError:
-        raise DFlashError(f"unknown server {server!r}: expected one of {', '.join(SERVERS)}") from None
+        raise DFlashError(f"unknown server {server!r}: expected one of {', '.join(server_names())}") from None
 
 
 def parse_version(text: str, where: str) -> Version:

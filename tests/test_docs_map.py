@@ -184,11 +184,6 @@ def test_relative_doc_links_resolve(doc):
     assert not bad, f"{doc}: links to missing files {bad}"
 
 
-# `local_server` is the `contract` helper's to settle (issue 40 item 2: into the interface or out of the doc);
-# until then it is the one name the doc gives that stacks/base.py does not define
-STACKS_DOC_PENDING = {"local_server"}
-
-
 def stacks_doc_members() -> set[str]:
     """The members docs/stacks.md says a stack answers: the names before the colon of each bullet of its
     "What a stack answers" list (parenthesised asides left out)."""
@@ -208,5 +203,5 @@ def test_stacks_doc_matches_the_stack_interface():
 
     doc = stacks_doc_members()
     methods = {n for n, v in vars(Stack).items() if callable(v) and not n.startswith("_")}
-    assert doc - STACKS_DOC_PENDING <= set(dir(Stack)), f"docs/stacks.md names {sorted(doc - set(dir(Stack)))}"
+    assert doc <= set(dir(Stack)), f"docs/stacks.md names {sorted(doc - set(dir(Stack)))}"
     assert methods <= doc, f"docs/stacks.md does not name {sorted(methods - doc)}"

@@ -164,6 +164,25 @@ def test_a_draft_schedule_in_the_speculative_config_is_carried(tmp_path):
         extra["num_speculative_tokens_per_batch_size"]
 
 
+def test_each_workers_arguments_and_the_stacks_own_command_line_are_one_launch(gptoss):
+    """Stack.launch_args is the one record: the stack's own command line (configs/<stack>.json argv, the
+    manifest's trtllm_serve entry) is its argv(), and the Dynamo worker's arguments carry its model and
+    flags unchanged (their names checked against the workers' parsers in the tests below)."""
+    from dflash_trt import stacks
+
+    for name in ("vllm", "sglang"):
+        launch = stacks.get(name).launch_args(gptoss)
+        assert launch.argv() == json.loads((gptoss / f"configs/{name}.json").read_text())["argv"]
+        argv, env = dynamo.worker_argv(name, gptoss, "served")
+        assert argv[3:] == [dynamo.facts()["workers"][name]["args"]["model"], launch.model, *launch.flags,
+                            "--served-model-name", "served"]
+        assert env == dict(launch.env)
+    launch = stacks.get("trtllm").launch_args(gptoss)
+    assert launch.command() == stacks.get("trtllm").serve_commands(["trtllm"])["trtllm_serve"]
+    serve = yaml.safe_load((gptoss / "configs/trtllm-serve.yaml").read_text())
+    assert (launch.tp, launch.ep) == (serve["tensor_parallel_size"], serve.get("moe_expert_parallel_size", 1))
+
+
 # ------------------------------------------------------------------------------ the schema check
 def test_schema_check_refuses_unknown_fields_the_api_server_would_prune(gptoss, tmp_path):
     dgd = deploy_json("--bundle", str(gptoss), "--server", "dynamo", "--out", str(tmp_path / "o"))["dgd_content"]

@@ -44,6 +44,7 @@ from dflash_trt.io.manifest import (
 )
 from dflash_trt.models.check import NONFINITE_NOTE, check_pair
 from dflash_trt.models.config import load_drafter_config, require_target_config
+from dflash_trt.models.families import family
 from dflash_trt.paths import package_path
 from dflash_trt.presets.catalog import PRESETS, resolve_drafter, resolve_target
 from dflash_trt.presets.hub import snapshot_revision
@@ -182,7 +183,8 @@ def detect_arch() -> tuple[str, str | None]:
 
 
 def is_mxfp4(cfg: dict) -> bool:
-    return (cfg.get("quantization_config") or {}).get("quant_method") == "mxfp4" or cfg.get("model_type") == "gpt_oss"
+    return (cfg.get("quantization_config") or {}).get("quant_method") == "mxfp4" or \
+        family(cfg.get("model_type")).mxfp4_experts
 
 
 def num_experts(cfg: dict) -> int:

@@ -8,8 +8,24 @@ import click
 
 from dflash_trt.errors import DFlashError
 
-# the stacks with a server that runs here (Stack.local_server): tritonserver and vLLM-CPU
-LOCAL_ENGINES = ["triton", "vllm"]
+
+class LocalStackChoice(click.Choice):
+    """--engine's choices: the stacks whose server runs here (stacks.local_stacks, Stack.runs_here: tritonserver
+    and vLLM-CPU), read from the registry only when click needs them (`serve --help`, parsing --engine), so
+    that `dflash-trt --help` does not import torch."""
+
+    def __init__(self):
+        super().__init__(())
+
+    @property
+    def choices(self):
+        from dflash_trt import stacks
+
+        return stacks.local_stacks()
+
+    @choices.setter
+    def choices(self, value):   # click.Choice.__init__ sets them; they are the registry's
+        pass
 
 
 @click.command("serve")
@@ -26,7 +42,7 @@ LOCAL_ENGINES = ["triton", "vllm"]
               "Python-backend stub. Default: $DFLASH_TRITON_STUB_ENV or <this env>/triton-stub.")
 @click.option("--make-stub-env", is_flag=True, help="Create the stub env (python -m venv + pip install 'numpy<2') "
               "and exit; `make setup` runs it.")
-@click.option("--engine", type=click.Choice(LOCAL_ENGINES), default="triton", show_default=True,
+@click.option("--engine", type=LocalStackChoice(), default="triton", show_default=True,
               help="triton: Triton Inference Server on the bundle's triton/ repository. vllm: `vllm serve` as the "
               "bundle's configs/vllm.json writes it, with vLLM's CPU build (vllm-cpu) from the vLLM env; it listens "
               "on --http-port, /metrics included.")

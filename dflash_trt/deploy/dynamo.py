@@ -1,10 +1,12 @@
 """NVIDIA Dynamo: a DynamoGraphDeployment (nvidia.com/v1alpha1) for a bundle, `deploy --server dynamo`.
 
 Dynamo is an orchestrator, not a stack: its workers run an engine whose config the bundle already
-holds (vLLM, TensorRT-LLM, SGLang), so this one module turns those configs into Dynamo's worker
-command lines and wraps them in the operator's CRD. The facts it needs (Dynamo's release, the
-images of the frontend and of each engine's worker with the engine version each carries, how a
-worker disaggregates) are data: deploy/helm/dflash-trt/engines.json `dynamo`, each with its source.
+holds (vLLM, TensorRT-LLM, SGLang). Each stack hands over its launch as data (Stack.launch_args:
+stacks/base.LaunchArgs, the same record its own serve command line is rendered from); this module
+renders that into Dynamo's worker command lines and wraps them in the operator's CRD. The facts it
+needs (Dynamo's release, the images of the frontend and of each engine's worker with the engine
+version each carries, each worker's own flag names, how a worker disaggregates) are data:
+deploy/helm/dflash-trt/engines.json `dynamo`, each with its source.
 
 What is rendered:
   Frontend      dynamo.frontend with KV-cache-aware routing (--router-mode kv), /health and /metrics
@@ -45,20 +47,19 @@ discovery backend, --discovery-backend / DYN_DISCOVERY_BACKEND: kubernetes, etcd
 """
 from __future__ import annotations
 
-import json
 from functools import lru_cache
 from pathlib import Path
 
 import yaml
 
-from dflash_trt import engines
+from dflash_trt import engines, stacks
 from dflash_trt.plan import speed as speed_model
 from dflash_trt.deploy import values as chart_values
 from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import hardware_for_gpu
-from dflash_trt.io.jsonio import read_json
 from dflash_trt.io.manifest import Manifest
 from dflash_trt.paths import deploy_path
+from dflash_trt.stacks.base import LaunchArgs
 
 SERVER = "dynamo"                 # deploy --server dynamo (engines.ORCHESTRATORS)
 DGD_FILE = "dgd.yaml"
@@ -121,49 +122,25 @@ def check_dgd(dgd: dict) -> None:
                           f"{facts()['crd']['api_version']}; {len(errors)} problem(s))")
 
 
-# ------------------------------------------------------------------ the worker command lines, per engine
-def _vllm_args(bundle: Path) -> tuple[list[str], dict]:
-    cfg = read_json(bundle / "configs" / "vllm.json")
-    argv = list(cfg["argv"])
-    spec_file = bundle / "configs" / "vllm-speculative-config.json"
-    spec = read_json(spec_file) if spec_file.is_file() else cfg["speculative_config"]   # carries a draft schedule
-    i = argv.index("--speculative-config")
-    flags = argv[3:i] + argv[i + 2:]
-    return (["--model", argv[2], *flags, "--speculative-config", json.dumps(spec, separators=(",", ":"))],
-            dict(cfg.get("env") or {}))
-
-
-def _trtllm_args(bundle: Path) -> tuple[list[str], dict]:
-    serve = bundle / "configs" / "trtllm-serve.yaml"
-    if not serve.is_file():
-        raise DFlashError(f"{serve}: missing (the bundle's TensorRT-LLM config: dynamo.trtllm loads it)")
-    cfg = yaml.safe_load(serve.read_text()) or {}
-    if (cfg.get("speculative_config") or {}).get("decoding_type") != "DFlash":
-        raise DFlashError(f"{serve}: speculative_config.decoding_type is not DFlash")
-    # dynamo.trtllm's own parallel flags default to 1; the engine args file repeats them
-    return (["--model", "target", "--tensor-parallel-size", str(cfg.get("tensor_parallel_size", 1)),
-             "--expert-parallel-size", str(cfg.get("moe_expert_parallel_size", 1)),
-             "--extra-engine-args", "configs/trtllm-serve.yaml"], {})
-
-
-def _sglang_args(bundle: Path) -> tuple[list[str], dict]:
-    argv = read_json(bundle / "configs" / "sglang.json")["argv"]
-    return list(argv[3:]), {}     # after `python -m sglang.launch_server`: SGLang's own flags, which dynamo.sglang takes
-
-
-# engines.json dynamo.workers names the engines; these read each one's bundle config into worker flags
-WORKER_ARGS = {"vllm": _vllm_args, "trtllm": _trtllm_args, "sglang": _sglang_args}
+# ------------------------------------------------------------------ the worker command lines
+def worker_args(launch: LaunchArgs, args: dict) -> list[str]:
+    """A Dynamo worker's arguments from the stack's launch (stacks/base.LaunchArgs), in the worker's own flag
+    names (engines.json dynamo.workers.<engine>.args): the model, the layout where the worker wants it as
+    flags, the engine-args file, then the engine's own flags, which the worker parses with the engine's parser."""
+    layout = [tok for key, flag in (args.get("layout") or {}).items() for tok in (flag, str(getattr(launch, key)))]
+    config = [args["config"], launch.config_file] if launch.config_file else []
+    return [args["model"], launch.model, *layout, *config, *launch.flags]
 
 
 def worker_argv(stack: str, bundle: Path, served_name: str, role: str | None = None) -> tuple[list[str], dict]:
     """(`python3 -m dynamo.<engine> ...`, env) of one worker; role: None (aggregated), prefill, decode."""
     w = facts()["workers"][stack]
-    args, env = WORKER_ARGS[stack](bundle)
-    args += ["--served-model-name", served_name]
+    launch = stacks.get(stack).launch_args(bundle)
+    args = [*worker_args(launch, w["args"]), "--served-model-name", served_name]
     if role:
         d = w["disaggregation"]
         args += [d["flag"], d[role], *d.get("extra", [])]
-    return ["python3", "-m", w["module"], *args], env
+    return ["python3", "-m", w["module"], *args], dict(launch.env)
 
 
 # ------------------------------------------------------------------ choosing the engine and its image
@@ -339,4 +316,4 @@ def write_dgd(out: str | Path, dgd: dict, header: str, render: bool) -> Path:
 
 
 __all__ = ["DGD_FILE", "SERVER", "check_dgd", "crd_schema", "facts", "pick_engine", "render_dgd", "runnable_stacks",
-           "worker_argv", "write_dgd"]
+           "worker_args", "worker_argv", "write_dgd"]

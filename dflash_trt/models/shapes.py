@@ -2,8 +2,8 @@
 Mistral / gpt-oss naming, and the layouts of the families in models/families), checked against the
 safetensors headers before anything is read (check, quantize, convert).
 
-What a family changes (q/k norms over all heads, a gated q_proj, per-layer attention dims) is read
-from the family's own module.
+What a family changes (q/k norms over all heads, a gated q_proj, per-layer attention dims, its own
+expert tensors) is its row (models/families.family), never a branch on its name here.
 """
 from __future__ import annotations
 
@@ -12,10 +12,7 @@ from pathlib import Path
 from dflash_trt.errors import DFlashError
 from dflash_trt.io.checkpoint import CheckpointReader
 from dflash_trt.models.config import decoder_config
-from dflash_trt.models.families import gemma4
-from dflash_trt.models.families.gemma4 import PER_LAYER_ATTENTION
-from dflash_trt.models.families.minimax_m2 import QK_NORM_OVER_ALL_HEADS
-from dflash_trt.models.families.qwen3_hybrid import Q_PROJ_WITH_GATE
+from dflash_trt.models.families import family
 
 
 def layer_attention_dims(c: dict, layer: int) -> tuple[int | None, int | None]:
@@ -23,9 +20,7 @@ def layer_attention_dims(c: dict, layer: int) -> tuple[int | None, int | None]:
     nh = c.get("num_attention_heads")
     hd = c.get("head_dim") or (c["hidden_size"] // nh if nh and c.get("hidden_size") else None)
     nkv = c.get("num_key_value_heads") or nh
-    if c.get("model_type") in PER_LAYER_ATTENTION:
-        return gemma4.layer_attention_dims(c, layer, hd, nkv)
-    return hd, nkv
+    return family(c.get("model_type")).layer_attention_dims(c, layer, hd, nkv)
 
 
 def expected_shape(name: str, cfg: dict) -> tuple[int, ...] | None:
@@ -55,9 +50,10 @@ def expected_shape(name: str, cfg: dict) -> tuple[int, ...] | None:
         if int(parts[1]) < L + (c.get("num_nextn_predict_layers") or 0):
             return None
         return ()  # a layer that config.json does not have: never fits
+    fam = family(c.get("model_type"))
     hd, nkv = layer_attention_dims(c, int(parts[1]))
-    if inter and c.get("model_type") in PER_LAYER_ATTENTION:
-        inter = gemma4.layer_intermediate_size(c, int(parts[1]), inter)
+    if inter:
+        inter = fam.layer_intermediate_size(c, int(parts[1]), inter)
     table = {
         "input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
         "self_attn.q_proj.weight": (nh * hd, H), "self_attn.k_proj.weight": (nkv * hd, H),
@@ -69,22 +65,15 @@ def expected_shape(name: str, cfg: dict) -> tuple[int, ...] | None:
     if c.get("kv_lora_rank"):   # MLA: per-head query of qk_nope + qk_rope dims, values of v_head_dim
         qd = nh * ((c.get("qk_nope_head_dim") or 0) + (c.get("qk_rope_head_dim") or 0))
         table.update({"self_attn.q_proj.weight": (qd, H), "self_attn.o_proj.weight": (H, nh * (c.get("v_head_dim") or hd))})
-    if c.get("model_type") in Q_PROJ_WITH_GATE:
+    if fam.q_proj_with_gate:
         table.update({"self_attn.q_proj.weight": (2 * nh * hd, H), "self_attn.q_proj.bias": (2 * nh * hd,)})
-    if c.get("model_type") in QK_NORM_OVER_ALL_HEADS:
+    if fam.qk_norm_over_all_heads:
         table.update({"self_attn.q_norm.weight": (nh * hd,), "self_attn.k_norm.weight": (nkv * hd,)})
     if not E and inter:
         table.update({"mlp.gate_proj.weight": (inter, H), "mlp.up_proj.weight": (inter, H),
                       "mlp.down_proj.weight": (H, inter)})
-    if E and c.get("model_type") == "gpt_oss":
-        table.update({"mlp.router.weight": (E, H), "mlp.router.bias": (E,),
-                      "self_attn.sinks": (nh,),
-                      "mlp.experts.gate_up_proj_blocks": (E, 2 * inter, H // 32, 16),
-                      "mlp.experts.gate_up_proj_scales": (E, 2 * inter, H // 32),
-                      "mlp.experts.gate_up_proj_bias": (E, 2 * inter),
-                      "mlp.experts.down_proj_blocks": (E, H, inter // 32, 16),
-                      "mlp.experts.down_proj_scales": (E, H, inter // 32),
-                      "mlp.experts.down_proj_bias": (E, H)})
+    if E:
+        table.update(fam.expert_tensor_shapes(H=H, nh=nh, E=E, inter=inter))
     return table.get(tail)
 
 

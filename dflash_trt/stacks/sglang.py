@@ -7,10 +7,13 @@ ADAPTIVE_REFUSED), so DFLASH would drop it with a warning.
 from __future__ import annotations
 
 import json
-import shlex
+from pathlib import Path
 from typing import ClassVar
 
-from dflash_trt.stacks.base import BundleContext, Metric, Server, Stack, StackMetrics, non_causal_windowed
+from dflash_trt.errors import DFlashError
+from dflash_trt.io.jsonio import read_json
+from dflash_trt.stacks.base import (BundleContext, LaunchArgs, Metric, Server, Stack, StackMetrics,
+                                    non_causal_windowed)
 from dflash_trt.stacks.layer_ids import sglang_capture_points, zlab_to_sglang
 
 CHECKED_AGAINST = "sglang 0.5.23 (PyPI wheel): sglang/srt/arg_groups/speculative_hook.py, sglang/srt/models/dflash.py"
@@ -60,18 +63,21 @@ METRICS = StackMetrics(
 
 
 def sglang_launch(*, target_path: str, drafter_path: str, block_size: int, zlab_ids: list[int], tp: int, ep: int,
-                  pp: int, kv_cache: str) -> dict:
-    argv = ["python", "-m", "sglang.launch_server", "--model-path", target_path,
-            "--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", drafter_path,
-            "--speculative-dflash-block-size", str(block_size),
-            "--tp-size", str(tp), "--pp-size", str(pp), "--enable-metrics"]
+                  pp: int, kv_cache: str, extra_args: tuple[str, ...] = ()) -> dict:
+    """configs/sglang.json; extra_args: the drafter's own (sglang_drafter_args)."""
+    flags = ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", drafter_path,
+             "--speculative-dflash-block-size", str(block_size),
+             "--tp-size", str(tp), "--pp-size", str(pp), "--enable-metrics"]
     if ep > 1:
-        argv += ["--ep-size", str(ep)]
+        flags += ["--ep-size", str(ep)]
     if kv_cache == "fp8":
-        argv += ["--kv-cache-dtype", KV_CACHE_FP8]
+        flags += ["--kv-cache-dtype", KV_CACHE_FP8]
+    launch = LaunchArgs(program=("python", "-m", "sglang.launch_server"), model=target_path, model_flag="--model-path",
+                        flags=(*flags, *extra_args), tp=tp, ep=ep, pp=pp)
     return {
-        "argv": argv,
-        "command": shlex.join(argv),
+        "launch": launch.record(),
+        "argv": launch.argv(),
+        "command": launch.command(),
         "dflash_config": {"target_layer_ids": zlab_to_sglang(zlab_ids)},
         "capture_before_layer": sglang_capture_points(zlab_ids),
     }
@@ -134,16 +140,21 @@ class SGLang(Stack):
     def write_configs(self, ctx: BundleContext) -> None:
         m = ctx.manifest
         p = m["parallel"]
+        # extra_args: the drafter's attention layout may need some
         sg = sglang_launch(target_path="target", drafter_path="drafter", block_size=ctx.block_size,
                            zlab_ids=m["drafter"]["target_layer_ids"]["zlab"], tp=p["tp"], ep=p["ep"], pp=p["pp"],
-                           kv_cache=m["quant"]["kv_cache"])
-        if extra := sglang_drafter_args(ctx.drafter):   # the drafter's attention layout needs it
-            sg["argv"] += extra
-            sg["command"] = shlex.join(sg["argv"])
+                           kv_cache=m["quant"]["kv_cache"], extra_args=tuple(sglang_drafter_args(ctx.drafter)))
         (ctx.work / "configs" / "sglang.json").write_text(json.dumps(sg, indent=2) + "\n")
 
     def serve_commands(self, served):
         return {"sglang": "see configs/sglang.json (command)"}
+
+    def launch_args(self, bundle: Path) -> LaunchArgs:
+        path = Path(bundle) / "configs" / "sglang.json"
+        rec = read_json(path).get("launch")
+        if not isinstance(rec, dict):
+            raise DFlashError(f"{path}: no `launch` record (written by an older dflash-trt: build the bundle again)")
+        return LaunchArgs.from_record(rec, str(path))
 
 
 STACK = SGLang()

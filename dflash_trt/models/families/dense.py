@@ -12,10 +12,33 @@ from torch import nn
 
 from dflash_trt.kernels import gemm
 from dflash_trt.models.attention import CachedAttention
+from dflash_trt.models.families.family import Family
 from dflash_trt.models.layers import Linear, RMSNorm, SwiGLU, apply_rope
 from dflash_trt.models.shell import Backbone, TargetShell, hf_config
 
-MODEL_TYPES = ("llama", "qwen3", "gpt_oss")
+
+
+def gpt_oss_expert_tensors(*, H: int, nh: int, E: int, inter: int) -> dict[str, tuple[int, ...]]:
+    """gpt-oss's own tensors per layer: MXFP4 experts (blocks of 32 values in 16 bytes, one scale each),
+    router and expert biases, attention sinks (transformers 5.24 GptOssExperts / GptOssAttention)."""
+    return {"mlp.router.weight": (E, H), "mlp.router.bias": (E,),
+            "self_attn.sinks": (nh,),
+            "mlp.experts.gate_up_proj_blocks": (E, 2 * inter, H // 32, 16),
+            "mlp.experts.gate_up_proj_scales": (E, 2 * inter, H // 32),
+            "mlp.experts.gate_up_proj_bias": (E, 2 * inter),
+            "mlp.experts.down_proj_blocks": (E, H, inter // 32, 16),
+            "mlp.experts.down_proj_scales": (E, H, inter // 32),
+            "mlp.experts.down_proj_bias": (E, H)}
+
+
+# What the pipeline asks of each model type (models/families/family.py)
+TRAITS = {
+    "llama": Family(hand_sized=True),
+    "qwen3": Family(hand_sized=True, qk_norm=True),
+    "gpt_oss": Family(hand_sized=True, experts=True, attention_sinks=True, expert_biases=True, mxfp4_experts=True,
+                      architectures=("GptOssForCausalLM",), expert_tensor_shapes=gpt_oss_expert_tensors),
+}
+MODEL_TYPES = tuple(TRAITS)
 
 
 class Attention(CachedAttention):

@@ -39,14 +39,11 @@ from torch import nn
 
 from dflash_trt.errors import DFlashError
 from dflash_trt.models.attention import CachedAttention
+from dflash_trt.models.families.family import Family
 from dflash_trt.models.layers import Linear, apply_rope, linear, rope_cos_sin
 from dflash_trt.models.shell import Backbone, TargetShell, hf_config, text_config
 
 WRAPPERS = {"gemma4": "gemma4_text"}   # multimodal -> its text decoder
-# Family facts (models/shapes.py reads them): the full-attention layers have their own head_dim / KV heads
-# (transformers 5.24 gemma4 configuration: global_head_dim, num_global_key_value_heads when attention_k_eq_v;
-# written back to config.json as per_layer_config {layer: {head_dim, num_key_value_heads}}).
-PER_LAYER_ATTENTION = ("gemma4_text",)
 # The wrapper's multimodal placeholders (Gemma4Model.forward): in text-only input embedded as the text
 # decoder's pad_token_id
 PLACEHOLDERS = ("image_token_id", "video_token_id", "audio_token_id")
@@ -72,6 +69,19 @@ def layer_intermediate_size(c: dict, layer: int, inter: int) -> int:
     if c.get("use_double_wide_mlp") and layer >= c["num_hidden_layers"] - (c.get("num_kv_shared_layers") or 0):
         return inter * 2
     return inter
+
+
+# What the pipeline asks of each model type (models/families/family.py). The text decoder's full-attention
+# layers have their own head_dim / KV heads (transformers 5.24 gemma4 configuration: global_head_dim,
+# num_global_key_value_heads when attention_k_eq_v; written back to config.json as per_layer_config
+# {layer: {head_dim, num_key_value_heads}}); models/shapes.py reads them per layer. ModelOpt 0.47 gives the
+# scaled word embedding (an nn.Embedding subclass) no quantizer and so does not list it
+# (quant/quantize.py _listed_exclusion; measured in tests/test_family_gemma4_minimax.py).
+TRAITS = {
+    "gemma4_text": Family(layer_attention_dims=layer_attention_dims, layer_intermediate_size=layer_intermediate_size,
+                          unlisted_excluded=("*embed_tokens",)),
+    "gemma4": Family(unlisted_excluded=("*embed_tokens",)),   # its text decoder (Gemma 4 as released)
+}
 
 
 class Gemma4RMSNorm(nn.Module):

@@ -18,12 +18,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_trt.models.attention import CachedAttention
+from dflash_trt.models.families.family import Family
 from dflash_trt.models.layers import Linear, PartialRope, RMSNorm, apply_partial_rope, linear
 from dflash_trt.models.shell import Backbone, TargetShell, hf_config
 
-# Family facts (models/shapes.py reads them): the q/k RMSNorms span all heads' features, not one
+# What the pipeline asks of it (models/families/family.py): the q/k RMSNorms span all heads' features, not one
 # head's (transformers 5.24 modeling_minimax_m2.py: MiniMaxM2Attention q_norm = RMSNorm(head_dim * num_heads)).
-QK_NORM_OVER_ALL_HEADS = ("minimax_m2",)
+TRAITS = {"minimax_m2": Family(qk_norm_over_all_heads=True)}
 
 
 class MiniMaxAttention(CachedAttention):

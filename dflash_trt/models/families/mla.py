@@ -21,12 +21,16 @@ from torch import nn
 from dflash_trt.errors import DFlashError
 from dflash_trt.kernels import gemm
 from dflash_trt.models.attention import pad_to_chunks
+from dflash_trt.models.families.family import Family
 from dflash_trt.models.layers import Linear, RMSNorm, SwiGLU, linear
 from dflash_trt.models.shell import Backbone, TargetShell, hf_config, text_config
 
 WRAPPERS = {"kimi_k25": "deepseek_v3"}   # multimodal -> its text decoder (Kimi_K25Config: kimi_k2 is deepseek_v3)
 # The wrapper's multimodal placeholders (Kimi_K25Model.forward): in text-only input embedded as token 0
 PLACEHOLDERS = ("image_token_id", "video_token_id")
+# What the pipeline asks of each model type (models/families/family.py): a plain decoder's answers; the
+# planner sizes them from transformers' model (MLA's latent KV: plan/family_shapes.py)
+TRAITS = {"deepseek_v3": Family(), "kimi_k25": Family(), "glm_moe_dsa": Family()}
 
 
 def yarn_mscale(scale: float, mscale: float) -> float:

@@ -33,6 +33,7 @@ from torch import nn
 
 from dflash_trt.errors import DFlashError
 from dflash_trt.models.attention import CachedAttention
+from dflash_trt.models.families.family import Family
 from dflash_trt.models.layers import Linear, PartialRope, SwiGLU, apply_partial_rope
 from dflash_trt.models.shell import Backbone, TargetShell, hf_config, text_config
 
@@ -40,9 +41,11 @@ WRAPPERS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}   # mu
 FUSED_IN_PROJ = ("qwen3_next",)       # in_proj_qkvz / in_proj_ba; Qwen3.5 splits them
 ALWAYS_MOE = ("qwen3_5_moe_text",)
 NEVER_MOE = ("qwen3_5_text",)
-# Family facts (models/shapes.py reads them): q_proj also emits the attention-output gate (nh * head_dim * 2
-# outputs; transformers 5.24 qwen3_next / qwen3_5 / qwen3_5_moe Attention: q_proj = Linear(hidden, heads * head_dim * 2)).
-Q_PROJ_WITH_GATE = ("qwen3_next", *WRAPPERS, *WRAPPERS.values())
+# What the pipeline asks of each model type (models/families/family.py): q_proj also emits the attention-output
+# gate (nh * head_dim * 2 outputs; transformers 5.24 qwen3_next / qwen3_5 / qwen3_5_moe Attention:
+# q_proj = Linear(hidden, heads * head_dim * 2)).
+TRAITS = {mt: Family(q_proj_with_gate=True)
+          for mt in ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")}
 
 
 def _compute_dtype(dt: torch.dtype) -> torch.dtype:

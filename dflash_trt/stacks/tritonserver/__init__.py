@@ -33,6 +33,7 @@ class Triton(Stack):
     checked_against = "Triton Inference Server 2.51 (PyPI nvidia-pytriton 0.7.0), tritonclient's model_config.proto"
     repository = REPOSITORY
     writes_config = False     # the repository is written for every bundle, from the served stacks' inputs
+    runs_here = True          # tritonserver from the PyPI wheel, any machine (server.py)
     servers = (Server("triton", mpi_launch=True, loads_triton_models=True, cpu_reference=True),)
 
     def model_list(self, served: list[Stack]) -> list[str]:

@@ -10,6 +10,7 @@ model, the default stack of a GPU bundle. Its pieces, one concept a module:
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import ClassVar
 
@@ -18,7 +19,7 @@ import yaml
 from dflash_trt import engines
 from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import hardware_for_gpu
-from dflash_trt.stacks.base import BundleContext, Metric, Server, Stack, StackMetrics
+from dflash_trt.stacks.base import BundleContext, LaunchArgs, Metric, Server, Stack, StackMetrics
 from dflash_trt.stacks.tritonserver.repo import llmapi_model_yaml
 from dflash_trt.stacks.trtllm.budget import draft_context_budget
 from dflash_trt.stacks.trtllm.profiles import drafter_attention_backend, profile_settings
@@ -32,9 +33,12 @@ from dflash_trt.stacks.trtllm.serve_config import (
 )
 
 # Bytes per weight element of a bf16 checkpoint after quantization (scales included), to estimate
-# the resident weights before quantize runs (planner.ELEMENT_BYTES / bf16's 2 bytes).
+# the resident weights before quantize runs (plan/cost.py ELEMENT_BYTES / bf16's 2 bytes).
 QUANT_BYTES_RATIO = {"fp8": 0.5, "nvfp4": (0.5 + 1 / 16) / 2}
 TRITON_MODEL = "tensorrt_llm"
+SERVE_CONFIG = "configs/trtllm-serve.yaml"
+# trtllm-serve on a bundle: the LLM API settings (and the layout) in its config file
+TRTLLM_SERVE = LaunchArgs(program=("trtllm-serve",), model="target", config_file=SERVE_CONFIG, config_flag="--config")
 # trtllm-serve's metrics (Stack.metrics): NVIDIA/TensorRT-LLM tensorrt_llm/metrics/collector.py
 # @050f80def8df236e326949c8bd9dee10fd896a83 (MetricsCollector.__init__, cited by attribute); trtllm-serve's
 # /metrics is JSON iteration stats, the Prometheus page is mounted at /prometheus/metrics only when the LLM args
@@ -156,7 +160,7 @@ class TensorRTLLM(Stack):
     checked_against = CHECKED_AGAINST
     # trtllm-serve, and Triton's tensorrt_llm model (stacks/tritonserver), both MPI-launched across nodes
     servers = (Server("trtllm-serve", mpi_launch=True),)
-    config_files: ClassVar[dict[str, str]] = {"trtllm_serve": "configs/trtllm-serve.yaml"}
+    config_files: ClassVar[dict[str, str]] = {"trtllm_serve": SERVE_CONFIG}
     triton_models = (TRITON_MODEL,)
     metrics: ClassVar[StackMetrics | None] = METRICS
 
@@ -181,8 +185,8 @@ class TensorRTLLM(Stack):
         return self.draft_schedule_fields(ctx.draft_schedule) if "fields" in rec and ctx.draft_schedule else {}
 
     def write_configs(self, ctx: BundleContext) -> None:
-        (ctx.work / "configs" / "trtllm-serve.yaml").write_text(
-            "# trtllm-serve target --config configs/trtllm-serve.yaml   (run from the bundle root)\n"
+        (ctx.work / SERVE_CONFIG).write_text(
+            f"# {TRTLLM_SERVE.command()}   (run from the bundle root)\n"
             + yaml.safe_dump(serve_config(ctx.manifest, ctx.target_config, ctx.block_size, ctx.drafter,
                                           self._schedule_fields(ctx)), sort_keys=False))
 
@@ -193,7 +197,21 @@ class TensorRTLLM(Stack):
     def serve_commands(self, served):
         return {"triton": "tritonserver --model-repository triton",
                 "triton_multinode": "trtllm-llmapi-launch tritonserver --model-repository triton",
-                "trtllm_serve": "trtllm-serve target --config configs/trtllm-serve.yaml"}
+                "trtllm_serve": TRTLLM_SERVE.command()}
+
+    def launch_args(self, bundle: Path) -> LaunchArgs:
+        """trtllm-serve on the bundle's configs/trtllm-serve.yaml, with the layout that file sets."""
+        serve = Path(bundle) / SERVE_CONFIG
+        if not serve.is_file():
+            raise DFlashError(f"{serve}: missing (the bundle's TensorRT-LLM config)")
+        try:
+            cfg = yaml.safe_load(serve.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise DFlashError(f"{serve}: invalid YAML ({e})") from None
+        if not isinstance(cfg, dict) or (cfg.get("speculative_config") or {}).get("decoding_type") != "DFlash":
+            raise DFlashError(f"{serve}: speculative_config.decoding_type is not DFlash")
+        return replace(TRTLLM_SERVE, tp=int(cfg.get("tensor_parallel_size", 1)),
+                       ep=int(cfg.get("moe_expert_parallel_size", 1)), pp=int(cfg.get("pipeline_parallel_size", 1)))
 
     def planner_settings(self, bundle, manifest):
         return read_llm_api_settings(Path(bundle), manifest.triton_model_repository)

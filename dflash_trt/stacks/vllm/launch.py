@@ -8,6 +8,7 @@ import json
 import shlex
 
 from dflash_trt.errors import DFlashError
+from dflash_trt.stacks.base import LaunchArgs
 from dflash_trt.stacks.layer_ids import zlab_to_vllm
 
 CHECKED_AGAINST = "vllm 0.33.0 (PyPI wheel): vllm/config/speculative.py"
@@ -94,7 +95,9 @@ def vllm_launch(*, target_path: str, drafter_path: str, block_size: int, zlab_id
         args += ["--enable-expert-parallel"]
     if kv_cache == "fp8":
         args += ["--kv-cache-dtype", KV_CACHE_FP8]
-    argv = ["vllm", "serve", target_path, *args, "--speculative-config", json.dumps(spec, separators=(",", ":"))]
+    # the launch without its speculative config, which has a file of its own (it may carry a draft schedule)
+    launch = LaunchArgs(program=("vllm", "serve"), model=target_path, flags=tuple(args), tp=tp, ep=ep, pp=pp)
+    argv = with_speculative_config(launch, spec).argv()
     spec_anywhere = json.dumps({**spec, "model": f"${{BUNDLE}}/{drafter_path}"}, separators=(",", ":"))
     anywhere = (f'vllm serve "${{BUNDLE}}/{target_path}" {shlex.join(args)} --speculative-config '
                 + '"' + spec_anywhere.replace('"', '\\"') + '"')
@@ -115,10 +118,16 @@ def vllm_launch(*, target_path: str, drafter_path: str, block_size: int, zlab_id
         **({"draft_schedule": VLLM_DRAFT_SCHEDULE.format(field=VLLM_DRAFT_SCHEDULE_FIELD)}
            if draft_schedule is not None else {}),
         "paths": "relative to the bundle root: run argv / command from there, or command_anywhere with BUNDLE set",
+        "launch": launch.record(),
         "argv": argv,
         "command": shlex.join(argv),
         "command_anywhere": anywhere,
     }
+
+
+def with_speculative_config(launch: LaunchArgs, spec: dict) -> LaunchArgs:
+    """The launch with `--speculative-config` last, as `vllm serve` takes it (compact JSON)."""
+    return launch.with_flags("--speculative-config", json.dumps(spec, separators=(",", ":")))
 
 
 def vllm_drafter_problems(dcfg) -> list[str]:
