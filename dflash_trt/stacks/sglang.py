@@ -112,10 +112,10 @@ class SGLang(Stack):
 
     def write_configs(self, ctx: BundleContext) -> None:
         m = ctx.manifest
-        p = m["parallel"]
+        p = m.parallel
         sg = sglang_launch(target_path="target", drafter_path="drafter", block_size=ctx.block_size,
-                           zlab_ids=m["drafter"]["target_layer_ids"]["zlab"], tp=p["tp"], ep=p["ep"], pp=p["pp"],
-                           kv_cache=m["quant"]["kv_cache"])
+                           zlab_ids=m.drafter.target_layer_ids["zlab"], tp=p.tp, ep=p.ep, pp=p.pp,
+                           kv_cache=m.quant.kv_cache)
         if extra := sglang_drafter_args(ctx.drafter):   # the drafter's attention layout needs it
             sg["argv"] += extra
             sg["command"] = shlex.join(sg["argv"])
