@@ -33,6 +33,7 @@ from dflash_trt.io.atomic import atomic_output_dir, refuse_inside
 from dflash_trt.io.checkpoint import load_config
 from dflash_trt.io.draft_schedule import DraftSchedule, SchedulePlanner, ScheduleRequest, no_schedule
 from dflash_trt.io.manifest import (
+    SCHEMA_VERSION,
     DrafterRecord,
     HashCache,
     Manifest,
@@ -575,7 +576,8 @@ class Builder:
         ids = layer_ids_by_stack(dcfg.target_layer_ids, int(tcfg["num_hidden_layers"]))
         served = stacks.served(self.stacks)
         self.manifest = m = Manifest(
-            schema_version=1, tool_version=__version__, created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            schema_version=SCHEMA_VERSION, tool_version=__version__,
+            created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             target=TargetRecord(name=self.name, hf_id=self.hf_id, path=str(self.tdir), bundle_path="target",
                                 revision=snapshot_revision(self.tdir), sha256=self.facts["target"], config=tcfg),
             drafter=DrafterRecord(path=str(self.ddir), bundle_path="drafter", sha256=self.facts["drafter"],

@@ -7,6 +7,7 @@ import sys
 import click
 
 from dflash_trt.hardware import arch_default_node, arch_sms, gpus
+from dflash_trt.io.manifest import Manifest
 
 
 @click.command("build")
@@ -99,7 +100,7 @@ def build_cmd(target, drafter, arch, gpu, quant, kv_cache, drafter_quant, stacks
                         draft_schedule=_schedule_planner(draft_schedule),
                         stacks=tuple(x.strip() for x in stacks.split(",") if x.strip()) if stacks is not None else None)
     res = build(opts, progress=True)
-    plan, plan_line = _deploy_plan(res["bundle"])
+    plan, plan_line = _deploy_plan(res["bundle"], res["manifest"])
     if as_json:
         m = res["manifest"].to_dict()
         click.echo(json.dumps({"bundle": res["bundle"], "stages": res["stages"],
@@ -119,7 +120,7 @@ def _schedule_planner(mode: str):
     return lambda request: build_schedule(mode, **request.keywords())
 
 
-def _deploy_plan(bundle: str) -> tuple[dict | None, str | None]:
+def _deploy_plan(bundle: str, manifest: Manifest) -> tuple[dict | None, str | None]:
     """The layout `deploy` will use on the bundle's node (`plan --bundle`), as (JSON, summary line);
     (None, None) for a CPU-only bundle. A bundle the planner cannot place is built all the same
     (the line says why; `plan --bundle` shows every layout)."""
@@ -127,7 +128,7 @@ def _deploy_plan(bundle: str) -> tuple[dict | None, str | None]:
     from dflash_trt.errors import DFlashError
 
     try:
-        p = plan_for_bundle(bundle)
+        p = plan_for_bundle(bundle, manifest=manifest)   # the Manifest build wrote: not read again
     except DFlashError as e:
         return {"error": str(e)}, f"plan: not planned: {e}"
     if p is None:
@@ -173,7 +174,7 @@ def verify_cmd(bundle, as_json):
     Example:
       dflash-trt verify --bundle engines/smollm2-135m-blackwell-nvfp4
     """
-    from dflash_trt.io.manifest import Manifest, verify
+    from dflash_trt.io.manifest import verify
 
     problems = verify(bundle)
     n = len(Manifest.read(bundle).artifacts)

@@ -538,7 +538,8 @@ class Progress:
 # ----------------------------------------------------------------------------------------------
 # writing
 
-def save_safetensors(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None) -> None:
+def save_safetensors(tensors: dict[str, torch.Tensor], path: str | Path,
+                     metadata: dict[str, str] | None = None) -> None:
     """safetensors.torch.save_file, byte for byte the same in every process: the library writes the header's
     __metadata__ in the order of a Rust HashMap, whose hash seed is random per process, so two runs over the same
     tensors and metadata give different files (two metadata keys: one order or the other). Its header is
