@@ -35,6 +35,7 @@ from dflash_trt.io.draft_schedule import DraftSchedule, SchedulePlanner, Schedul
 from dflash_trt.io.manifest import (
     SCHEMA_VERSION,
     DrafterRecord,
+    ArtifactRecord,
     HashCache,
     Manifest,
     ParallelRecord,
@@ -42,6 +43,7 @@ from dflash_trt.io.manifest import (
     ReferenceRuntimeRecord,
     ServingProfileRecord,
     ServingStacksRecord,
+    StageRecord,
     TargetRecord,
     bundle_files,
     is_bundle,
@@ -624,7 +626,8 @@ class Builder:
         if configs is None:  # package was reused
             configs = self.stages["package"].get("serving_configs") or _configs_index(m)
         self.stages["package"]["serving_configs"] = configs
-        return replace(m, serving_configs=configs, stages={st.name: self.stages[st.name] for st in PIPELINE},
+        return replace(m, serving_configs=configs,
+                       stages={st.name: StageRecord(**self.stages[st.name]) for st in PIPELINE},
                        input_files=self.cache.entries, artifacts=self._artifacts(self.work),
                        serve=serve_commands(m))
 
@@ -725,7 +728,7 @@ class Builder:
         # the reference model's copy of the pair, when it has one
         return {"outputs": [*PACKAGE_OUTPUTS, "reference"]} if layout == "copy" else {}
 
-    def _artifacts(self, work: Path) -> list[dict]:
+    def _artifacts(self, work: Path) -> list[ArtifactRecord]:
         """Artifact list. A file linked unchanged from the previous bundle keeps its recorded
         sha256 when its size and mtime are those recorded (a hard link or copy2 keeps both), so a
         re-run does not re-read multi-GB checkpoints; `verify` always re-hashes everything."""
@@ -740,7 +743,7 @@ class Builder:
                 digest = prev["sha256"]
             else:  # an input's hard link (link_tree), or what export-onnx hashed as it wrote: known already
                 digest = self.cache.linked(work / rel) or sha256_file(work / rel)
-            out.append({"path": rel, "bytes": st.st_size, "sha256": digest})
+            out.append(ArtifactRecord(path=rel, bytes=st.st_size, sha256=digest))
         return out
 
 
@@ -794,8 +797,8 @@ def build(o: BuildOptions, progress: bool = True) -> dict:
 
     bundle = Path(res["bundle"])
     m = Manifest.read(bundle)
-    m = replace(m, artifact_stats={a["path"]: [(bundle / a["path"]).stat().st_size,
-                                               (bundle / a["path"]).stat().st_mtime_ns] for a in m.artifacts})
+    m = replace(m, artifact_stats={a.path: [(bundle / a.path).stat().st_size, (bundle / a.path).stat().st_mtime_ns]
+                                   for a in m.artifacts})
     m.write(bundle)
     res["manifest"] = m
     return res
@@ -809,14 +812,14 @@ def format_summary(res: dict) -> str:
         entry = m.stages[r["name"]]
         status = r["status"]
         if status == "skipped":
-            status = "skipped (unchanged" + ("" if entry["status"] == "done" else f", {entry['status']}") + ")"
+            status = "skipped (unchanged" + ("" if entry.status == "done" else f", {entry.status}") + ")"
         rows.append((r["name"], status, f"{r['seconds']:.1f}s", _human(r["bytes"]) if r["outputs"] else "-",
                      ", ".join(r["outputs"]) or "-"))
-        if entry.get("reason"):
-            notes.append(f"  {r['name']}: {entry['reason']}")
+        if entry.reason:
+            notes.append(f"  {r['name']}: {entry.reason}")
     w = [max(len(row[i]) for row in rows) for i in range(4)]
     lines = ["  ".join(row[i].ljust(w[i]) for i in range(4)) + "  " + row[4] for row in rows]
-    total = sum(a["bytes"] for a in m.artifacts)
+    total = sum(a.bytes for a in m.artifacts)
     if notes:
         lines += ["", "notes:"] + notes
     lines.append("")
@@ -837,7 +840,7 @@ def format_summary(res: dict) -> str:
             title = stacks.get(stack).title
             lines.append(f"    {title}: " + (", ".join(f"{k}: {json.dumps(v)}" for k, v in rec.fields.items())
                                           if rec.fields is not None else f"not written: {rec.skipped}"))
-    if m.stages["compile"]["status"] == "deferred":
+    if m.stages["compile"].status == "deferred":
         lines.append(f"  compile deferred: on the GPU node run `dflash-trt compile --bundle {res['bundle']}`")
     return "\n".join(lines)
 

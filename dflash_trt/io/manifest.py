@@ -225,11 +225,11 @@ def bundle_files(bundle: str | Path) -> list[str]:
             and "__pycache__" not in p.parts]
 
 
-def list_artifacts(bundle: str | Path, cache: HashCache | None = None) -> list[dict]:
+def list_artifacts(bundle: str | Path, cache: HashCache | None = None) -> list[ArtifactRecord]:
     """Every file of the bundle except the manifest itself: path (relative), bytes, sha256."""
     bundle = Path(bundle)
     cache = cache or HashCache()
-    return [{"path": rel, "bytes": (bundle / rel).stat().st_size, "sha256": cache.sha256(bundle / rel)}
+    return [ArtifactRecord(path=rel, bytes=(bundle / rel).stat().st_size, sha256=cache.sha256(bundle / rel))
             for rel in bundle_files(bundle)]
 
 
@@ -372,6 +372,29 @@ class DraftScheduleRecord:
 
 
 @dataclass(frozen=True)
+class StageRecord:
+    """One pipeline stage's entry (STAGES): its outcome, the hash of its inputs, what it wrote."""
+    status: str                             # STAGE_STATUSES
+    inputs_sha256: str
+    outputs: list[str] = field(default_factory=list)
+    commands: list[str] | None = _optional()   # the equivalent `dflash-trt` command lines
+    engine_key: str | None = _optional()       # compile: engines/<key>/
+    reason: str | None = _optional()
+    skipped: bool | None = _optional()         # this run reused the previous bundle's outputs
+    seconds: float | None = _optional()        # a run fact (STAGE_RUN_FACTS)
+    serving_configs: dict | None = _optional()   # package: the configs index it wrote
+    toolchain: dict | None = _optional()       # compile, run by `dflash-trt compile`: the GPU toolchain
+
+
+@dataclass(frozen=True)
+class ArtifactRecord:
+    """One file of the bundle (every file but manifest.json)."""
+    path: str                               # bundle-relative
+    bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True)
 class Manifest:
     """manifest.json as one typed object, both ways: `build` makes one (bundle/build.py Builder) and writes
     it (Manifest.write), every other command reads it (Manifest.read). Its fields are in the order the
@@ -400,9 +423,9 @@ class Manifest:
     reference_runtime: ReferenceRuntimeRecord | None = _optional()
     draft_schedule: DraftScheduleRecord | None = _optional()
     serving_configs: dict | None = _optional()   # key -> bundle path of each served stack's config
-    stages: dict | None = _optional()            # stage name -> its entry (STAGES, STAGE_STATUSES)
+    stages: dict[str, StageRecord] | None = _optional()   # stage name -> its entry, in STAGES order
     input_files: dict | None = _optional()       # HashCache entries: the inputs' sha256 by (size, mtime)
-    artifacts: list[dict] | None = _optional()   # every file but manifest.json: path, bytes, sha256
+    artifacts: list[ArtifactRecord] | None = _optional()   # every file but manifest.json
     serve: dict | None = _optional()             # how to serve the bundle, from its root
     artifact_stats: dict | None = _optional()    # path -> [bytes, mtime_ns]: the next build's reuse check
 
@@ -441,8 +464,11 @@ class Manifest:
                    serving_profile=_record(ServingProfileRecord, m.get("serving_profile")),
                    reference_runtime=_record(ReferenceRuntimeRecord, m.get("reference_runtime")),
                    draft_schedule=DraftScheduleRecord.from_dict(m.get("draft_schedule")),
-                   serving_configs=m.get("serving_configs"), stages=m.get("stages"),
-                   input_files=m.get("input_files"), artifacts=m.get("artifacts"), serve=m.get("serve"),
+                   serving_configs=m.get("serving_configs"),
+                   stages={k: _record(StageRecord, v) for k, v in m["stages"].items()} if "stages" in m else None,
+                   input_files=m.get("input_files"),
+                   artifacts=[_record(ArtifactRecord, a) for a in m["artifacts"]] if "artifacts" in m else None,
+                   serve=m.get("serve"),
                    artifact_stats=m.get("artifact_stats"))
 
     def to_dict(self) -> dict:

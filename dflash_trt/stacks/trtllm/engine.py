@@ -155,13 +155,10 @@ def compile_bundle(bundle: str | Path) -> dict:
     res = run_compile(bundle, m, tc)
     if res["status"] == "deferred":
         raise DFlashError(f"compile: cannot run here: {res['reason']}")
-    entry = dict((m.stages or {}).get("compile", {}))
-    entry.update(status="done", skipped=False, outputs=sorted(set(entry.get("outputs", [])) | set(res["outputs"])),
-                 commands=res["commands"],
-                 engine_key=res["engine_key"], toolchain=toolchain_fingerprint(tc))
-    entry.pop("reason", None)
-    replace(m, stages={**(m.stages or {}), "compile": entry},
-            artifacts=list_artifacts(bundle, HashCache())).write(bundle)
+    entry = replace(m.stages["compile"], status="done", skipped=False,
+                    outputs=sorted(set(m.stages["compile"].outputs) | set(res["outputs"])), commands=res["commands"],
+                    engine_key=res["engine_key"], toolchain=toolchain_fingerprint(tc), reason=None)
+    replace(m, stages={**m.stages, "compile": entry}, artifacts=list_artifacts(bundle, HashCache())).write(bundle)
     return {"bundle": str(bundle), "engine_key": res["engine_key"], "outputs": res["outputs"]}
 
 
