@@ -294,14 +294,14 @@ class TargetRecord:
 @dataclass(frozen=True)
 class DrafterRecord:
     path: str
-    bundle_path: str | None = None
-    sha256: str | None = None
+    bundle_path: str | None = _optional()   # absent in early bundles, as are sha256, trained_block_size, config
+    sha256: str | None = _optional()
     revision: str | None = None
     block_size: int = 0                 # the block served
-    trained_block_size: int | None = None
+    trained_block_size: int | None = _optional()
     mask_token_id: int = 0
     target_layer_ids: dict = field(default_factory=dict)   # convention -> ids (stacks/layer_ids.py)
-    config: dict | None = None          # the drafter's config.json (absent in early bundles)
+    config: dict | None = _optional()   # the drafter's config.json
 
 
 @dataclass(frozen=True)
