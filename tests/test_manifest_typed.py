@@ -79,3 +79,29 @@ def test_only_io_manifest_parses_manifest_json():
             if ("manifest.json" in line or "MANIFEST_NAME" in line) and reads.search(line):
                 offenders.append(f"{p.relative_to(root)}:{i}: {line.strip()}")
     assert offenders == []
+
+
+def test_a_manifest_of_an_early_bundle_writes_back_what_was_read():
+    """Keys an early bundle lacks (created, node, serving_profile, draft_schedule, the drafter's config ...) are
+    not added when its manifest is written back (`dflash-trt compile` updates one), and it stays valid."""
+    from dflash_trt.io.manifest import validate
+
+    early = {"schema_version": 1, "tool_version": "0.1.0",
+             "target": {"name": "t", "path": "/m/t", "config": {"model_type": "llama"}, "hf_id": None,
+                        "revision": None, "bundle_path": "target", "sha256": "0" * 64},
+             "drafter": {"path": "/m/d", "revision": None, "block_size": 8, "mask_token_id": 3,
+                         "target_layer_ids": {"zlab": [1], "speculators": [1], "vllm": [1], "sglang": [1]}},
+             "arch": "hopper", "gpu": "h200", "quant": {"target": "fp8", "kv_cache": "fp8"},
+             "parallel": {"tp": 1, "ep": 1, "pp": 1}, "backend": "pytorch",
+             "stages": {"compile": {"status": "deferred", "inputs_sha256": "x", "outputs": [], "reason": "no GPU"}},
+             "triton_model_repository": "triton", "triton_models": ["tensorrt_llm"],
+             "artifacts": [{"path": "a", "bytes": 1, "sha256": "1" * 64}]}
+    validate(early)
+    back = Manifest.from_dict(early).to_dict()
+    validate(back)
+    # what a reader fills in for an early bundle: the stack of its Triton model, a bf16 drafter, no GPU source
+    added = {k: back[k] for k in back.keys() - early.keys()}
+    assert added == {"node": None, "sm": [], "serving_stacks": {"served": ["trtllm"], "skipped": {}},
+                     "trt_drafter_engine": False, "engines": {}}
+    assert {k: back[k] for k in early if k != "quant"} == {k: v for k, v in early.items() if k != "quant"}
+    assert back["quant"] == {**early["quant"], "drafter": "none"}
