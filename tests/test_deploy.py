@@ -525,7 +525,6 @@ def test_min_tokens_per_user_picks_the_batch_that_holds_the_target(tmp_path):
     """deploy --min-tokens-per-user N: the most concurrent sequences whose predicted per-user speed
     is still >= N (one more falls below it, by the speed model's own forward pass), as the
     autoscaling target (capped by what the instance batches) and the max_batch_size to serve with."""
-    from dflash_trt.plan import speed
     from dflash_trt.hardware import get_hardware
 
     b = write_bundle(tmp_path)

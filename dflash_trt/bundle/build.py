@@ -16,15 +16,13 @@ so that a stage can be re-run by hand.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import json
 import os
 import shlex
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from dflash_trt import __version__, engines, stacks
@@ -33,14 +31,24 @@ from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import arch_default_node, arch_has_fp4, arch_sms, gpus, hardware_for_gpu, sm_number
 from dflash_trt.io.atomic import atomic_output_dir, refuse_inside
 from dflash_trt.io.checkpoint import load_config
+from dflash_trt.io.draft_schedule import DraftSchedule, SchedulePlanner, ScheduleRequest, no_schedule
 from dflash_trt.io.manifest import (
+    SCHEMA_VERSION,
+    DrafterRecord,
+    ArtifactRecord,
     HashCache,
+    Manifest,
+    ParallelRecord,
+    QuantRecord,
+    ReferenceRuntimeRecord,
+    ServingProfileRecord,
+    ServingStacksRecord,
+    StageRecord,
+    TargetRecord,
     bundle_files,
     is_bundle,
-    read_manifest,
     sha256_file,
     sha256_json,
-    write_manifest,
 )
 from dflash_trt.models.check import NONFINITE_NOTE, check_pair
 from dflash_trt.models.config import load_drafter_config, require_target_config
@@ -52,6 +60,7 @@ from dflash_trt.quant.calibrate import load_calib_samples
 from dflash_trt.quant.int8_drafter import write_int8_drafter
 from dflash_trt.quant.quantize import quantize_checkpoint
 from dflash_trt.runtime.drafter_calibration import drafter_input_amax
+from dflash_trt.stacks.base import draft_schedule_record
 from dflash_trt.stacks.layer_ids import layer_ids_by_stack
 from dflash_trt.stacks.trtllm.convert import convert_checkpoint
 from dflash_trt.stacks.trtllm.engine import detect_toolchain, run_compile, toolchain_fingerprint
@@ -89,10 +98,9 @@ class BuildOptions:
     allow_nonfinite: bool = False      # build from weights holding NaN / Inf (check refuses them otherwise)
     profile: str = "latency"           # TensorRT-LLM settings from NVIDIA's curated configs (serving_profiles.py)
     max_batch_size: int | None = None  # default: the profile's
-    # the draft length per concurrency each stack's control gets: a callable of the resolved build (keywords
-    # of deploy/speed.build_schedule but `mode`) returning (DraftSchedule or None, its source or why none);
-    # the command line passes deploy's planner (build --draft-schedule); None: no schedule
-    draft_schedule: Callable[..., tuple[object | None, str]] | None = None
+    # the draft length per concurrency each stack's control gets, planned for the resolved build; the command
+    # line passes the planner's (build --draft-schedule); the default plans none
+    draft_schedule: SchedulePlanner = no_schedule
 
 
 @dataclass
@@ -494,7 +502,8 @@ class Builder:
                 if st.reads_manifest and self.manifest is None:
                     self._start_manifest()
                 self._run_stage(st)
-            write_manifest(work, self._finish_manifest())
+            self.manifest = self._finish_manifest()
+            self.manifest.write(work)
         return {"bundle": str(self.dest), "manifest": self.manifest, "stages": [asdict(r) for r in self.reports]}
 
     def _resolve(self) -> None:
@@ -524,17 +533,15 @@ class Builder:
             raise DFlashError(f"--out {dest}: folder exists, is not empty and is not a dflash-trt bundle "
                               "(no manifest.json); choose another --out or pass --force to replace it")
 
-    def _draft_schedule(self) -> tuple[object | None, str]:
+    def _draft_schedule(self) -> tuple[DraftSchedule | None, str]:
         """(the draft schedule, its source or why there is none), before anything is written."""
         o, s = self.o, self.settings
-        if o.draft_schedule is None:
-            return None, "not planned (no draft-schedule planner given to the build)"
-        return o.draft_schedule(
+        return o.draft_schedule(ScheduleRequest(
             target_name=self.name, target_config=self.tcfg, drafter_config=self.dcfg.raw, gpu=s["gpu"],
             quant=s["quant"], kv_cache=s["kv_cache"], drafter_quant=s["drafter_quant"], tp=o.tp, ep=o.ep,
             block_size=self.block_size, max_batch_size=int(self.profile["max_batch_size"]),
             max_seq_len=min(int(self.tcfg.get("max_position_embeddings", 8192)), 32768),
-            attention_dp=bool(self.profile.get("enable_attention_dp", False)))
+            attention_dp=bool(self.profile.get("enable_attention_dp", False))))
 
     def _read_previous(self) -> None:
         """The bundle already at the destination, whose unchanged stages are reused."""
@@ -542,7 +549,7 @@ class Builder:
         self.prev_manifest = None
         if is_bundle(self.dest) and not self.o.force:
             try:
-                self.prev_manifest = read_manifest(self.dest)
+                self.prev_manifest = Manifest.read(self.dest).to_dict()
             except DFlashError as e:
                 self.log(f"previous bundle unreadable, rebuilding every stage ({e})")
 
@@ -571,37 +578,36 @@ class Builder:
         after check: the layer ids below raise for a bad pair, which check explains better."""
         o, s, tcfg, dcfg = self.o, self.settings, self.tcfg, self.dcfg
         ids = layer_ids_by_stack(dcfg.target_layer_ids, int(tcfg["num_hidden_layers"]))
-        self.manifest = m = {
-            "schema_version": 1, "tool_version": __version__,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "target": {"name": self.name, "hf_id": self.hf_id, "path": str(self.tdir), "bundle_path": "target",
-                       "revision": snapshot_revision(self.tdir), "sha256": self.facts["target"], "config": tcfg},
-            "drafter": {"path": str(self.ddir), "bundle_path": "drafter", "sha256": self.facts["drafter"],
-                        "revision": snapshot_revision(self.ddir),
-                        "block_size": self.block_size, "trained_block_size": dcfg.block_size,
-                        "mask_token_id": dcfg.mask_token_id, "target_layer_ids": ids, "config": dcfg.raw},
-            "arch": s["arch"], "gpu": s["gpu"], "node": s["node"], "gpu_source": s["gpu_source"], "sm": s["sm"],
-            "quant": {"target": s["quant"], "drafter": s["drafter_quant"], "kv_cache": s["kv_cache"]},
-            "parallel": {"tp": o.tp, "ep": o.ep, "pp": o.pp},
-            "backend": o.backend,
-            "max_seq_len": min(int(tcfg.get("max_position_embeddings", 8192)), 32768),
-            "triton_model_repository": stacks.TRITON.repository,
-            "triton_models": stacks.TRITON.model_list(stacks.served(self.stacks)),
+        served = stacks.served(self.stacks)
+        self.manifest = m = Manifest(
+            schema_version=SCHEMA_VERSION, tool_version=__version__,
+            created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            target=TargetRecord(name=self.name, hf_id=self.hf_id, path=str(self.tdir), bundle_path="target",
+                                revision=snapshot_revision(self.tdir), sha256=self.facts["target"], config=tcfg),
+            drafter=DrafterRecord(path=str(self.ddir), bundle_path="drafter", sha256=self.facts["drafter"],
+                                  revision=snapshot_revision(self.ddir), block_size=self.block_size,
+                                  trained_block_size=dcfg.block_size, mask_token_id=dcfg.mask_token_id,
+                                  target_layer_ids=ids, config=dcfg.raw),
+            arch=s["arch"], gpu=s["gpu"], node=s["node"], gpu_source=s["gpu_source"], sm=s["sm"],
+            quant=QuantRecord(target=s["quant"], drafter=s["drafter_quant"], kv_cache=s["kv_cache"]),
+            parallel=ParallelRecord(tp=o.tp, ep=o.ep, pp=o.pp), backend=o.backend,
+            max_seq_len=min(int(tcfg.get("max_position_embeddings", 8192)), 32768),
+            triton_model_repository=stacks.TRITON.repository, triton_models=stacks.TRITON.model_list(served),
             # which stacks got a config, and why the others did not (their own DFlash rules)
-            "serving_stacks": {"served": list(self.stacks), "skipped": dict(self.skipped_stacks)},
-            "trt_drafter_engine": o.trt_drafter,
+            serving_stacks=ServingStacksRecord(served=list(self.stacks), skipped=dict(self.skipped_stacks)),
+            trt_drafter_engine=o.trt_drafter,
             # each served stack's engine: first version with DFlash, the contract's, the images (engines.json)
-            "engines": engines.manifest_record(list(self.stacks)),
-            "serving_profile": {"profile": o.profile, **{k: v for k, v in self.profile.items()
-                                                         if k in ("source", "max_batch_size", "max_num_tokens",
-                                                                  "enable_attention_dp")},
-                                "drafter_attention_backend": drafter_attention_backend(s["arch"]),
-                                "drafter_attention_backend_source": DRAFTER_ATTENTION_BACKEND.get(
-                                    s["arch"], ("", "DFlashDecodingConfig default"))[1]},
-            "reference_runtime": {"layout": reference_layout(s, self.tdir, self.ddir)},
-            "draft_schedule": draft_schedule_record(self.schedule, self.schedule_source, list(self.stacks)),
-        }
-        self.facts["manifest"] = {k: v for k, v in m.items() if k != "created"}
+            engines=engines.manifest_record(list(self.stacks)),
+            serving_profile=ServingProfileRecord(
+                profile=o.profile, source=self.profile.get("source"),
+                enable_attention_dp=self.profile.get("enable_attention_dp"),
+                max_batch_size=self.profile.get("max_batch_size"), max_num_tokens=self.profile.get("max_num_tokens"),
+                drafter_attention_backend=drafter_attention_backend(s["arch"]),
+                drafter_attention_backend_source=DRAFTER_ATTENTION_BACKEND.get(
+                    s["arch"], ("", "DFlashDecodingConfig default"))[1]),
+            reference_runtime=ReferenceRuntimeRecord(layout=reference_layout(s, self.tdir, self.ddir)),
+            draft_schedule=draft_schedule_record(self.schedule, self.schedule_source, served))
+        self.facts["manifest"] = {k: v for k, v in m.to_dict().items() if k != "created"}
 
     def _needed(self, st: Stage) -> bool:
         engine, trt = self.o.backend == "engine", self.o.trt_drafter
@@ -616,16 +622,16 @@ class Builder:
         run = getattr(self, st.method) if needed else (lambda: self._not_needed(st))
         self.stage(st.name, inputs, run, list(st.outputs) if needed else [])
 
-    def _finish_manifest(self) -> dict:
+    def _finish_manifest(self) -> Manifest:
         m = self.manifest
-        if "serving_configs" not in m:  # package was reused
-            m["serving_configs"] = self.stages["package"].get("serving_configs") or _configs_index(m)
-        self.stages["package"]["serving_configs"] = m["serving_configs"]
-        m["stages"] = {st.name: self.stages[st.name] for st in PIPELINE}
-        m["input_files"] = self.cache.entries
-        m["artifacts"] = self._artifacts(self.work)
-        m["serve"] = serve_commands(m)
-        return m
+        configs = m.serving_configs
+        if configs is None:  # package was reused
+            configs = self.stages["package"].get("serving_configs") or _configs_index(m)
+        self.stages["package"]["serving_configs"] = configs
+        return replace(m, serving_configs=configs,
+                       stages={st.name: StageRecord(**self.stages[st.name]) for st in PIPELINE},
+                       input_files=self.cache.entries, artifacts=self._artifacts(self.work),
+                       serve=serve_commands(m))
 
     # ---------------------------------------------------------------- the stages (PIPELINE's methods)
     def _check(self) -> dict:
@@ -708,13 +714,13 @@ class Builder:
     def _package(self) -> dict:
         """Serving configs, the Triton repository and engines/README.txt."""
         m, work = self.manifest, self.work
-        layout = m["reference_runtime"]["layout"]
+        layout = m.reference_runtime.layout
         ctx = stacks.BundleContext(work=work, manifest=m, target_config=self.tcfg, block_size=self.block_size,
                                    target_dir=self.tdir, drafter_dir=self.ddir,
-                                   drafter=load_drafter_config(work / "drafter"), draft_schedule=self.schedule)
-        m["serving_configs"] = write_configs(ctx)
+                                   drafter=load_drafter_config(work / "drafter"), serving_profile=self.profile)
+        self.manifest = replace(m, serving_configs=write_configs(ctx))
         ctx.reference = reference_pair(work, layout, self.tdir, self.ddir)
-        stacks.TRITON.write_repository(ctx, stacks.served(m["serving_stacks"]["served"]))
+        stacks.TRITON.write_repository(ctx, stacks.served(m.served_stacks))
         (work / "engines").mkdir(exist_ok=True)
         (work / "engines" / "README.txt").write_text(
             "TensorRT engines of this bundle, written by `dflash-trt compile --bundle <bundle>` on the GPU\n"
@@ -724,7 +730,7 @@ class Builder:
         # the reference model's copy of the pair, when it has one
         return {"outputs": [*PACKAGE_OUTPUTS, "reference"]} if layout == "copy" else {}
 
-    def _artifacts(self, work: Path) -> list[dict]:
+    def _artifacts(self, work: Path) -> list[ArtifactRecord]:
         """Artifact list. A file linked unchanged from the previous bundle keeps its recorded
         sha256 when its size and mtime are those recorded (a hard link or copy2 keeps both), so a
         re-run does not re-read multi-GB checkpoints; `verify` always re-hashes everything."""
@@ -739,7 +745,7 @@ class Builder:
                 digest = prev["sha256"]
             else:  # an input's hard link (link_tree), or what export-onnx hashed as it wrote: known already
                 digest = self.cache.linked(work / rel) or sha256_file(work / rel)
-            out.append({"path": rel, "bytes": st.st_size, "sha256": digest})
+            out.append(ArtifactRecord(path=rel, bytes=st.st_size, sha256=digest))
         return out
 
 
@@ -763,43 +769,22 @@ def reference_pair(work: Path, layout: str, tdir: Path, ddir: Path) -> dict:
     return {"target": str(tdir), "drafter": str(ddir)}
 
 
-def draft_schedule_record(schedule, source: str, served: list[str]) -> dict:
-    """manifest.json `draft_schedule`: the schedule (or why none) and, per served stack, the fields its own
-    control gets or why it gets none (the stack's draft_schedule_problem, with the upstream source read)."""
-    out: dict = {"source": source, "schedule": schedule.to_dict() if schedule is not None else None, "stacks": {}}
-    for st in stacks.served(served):
-        why = st.draft_schedule_problem()      # a stack whose DFlash has no such control says so first
-        if why:
-            pass
-        elif schedule is None:
-            why = f"no draft schedule: {source}"
-        elif not schedule.adaptive:
-            last = schedule.ranges[-1][1]
-            why = (f"nothing to write: the schedule drafts K = {schedule.max_k} at every concurrency 1-{last}, "
-                   "what the config does without one")
-        else:
-            why = st.draft_schedule_problem(schedule)
-        out["stacks"][st.name] = {"skipped": why} if why else {
-            "fields": json.loads(json.dumps(st.draft_schedule_fields(schedule)))}   # JSON keys, as written
-    return out
-
-
 def write_configs(ctx: stacks.BundleContext) -> dict:
     """configs/: each served stack's files (manifest serving_stacks), and their index (manifest
     serving_configs). Paths are bundle-relative: run the commands from the bundle root."""
     (ctx.work / "configs").mkdir(exist_ok=True)
-    for st in stacks.served(ctx.manifest["serving_stacks"]["served"]):
+    for st in stacks.served(ctx.manifest.served_stacks):
         st.write_configs(ctx)
     return _configs_index(ctx.manifest)
 
 
-def _configs_index(m: dict) -> dict:
-    return {k: v for st in stacks.served(m["serving_stacks"]["served"]) for k, v in st.config_files.items()}
+def _configs_index(m: Manifest) -> dict:
+    return {k: v for st in stacks.served(m.served_stacks) for k, v in st.config_files.items()}
 
 
-def serve_commands(m: dict) -> dict:
+def serve_commands(m: Manifest) -> dict:
     """How to serve the bundle, from its root: every stack's commands (Triton's CPU model first)."""
-    served = m["serving_stacks"]["served"]
+    served = m.served_stacks
     out: dict = {}
     for st in [stacks.TRITON, *stacks.served(served)]:
         out |= st.serve_commands(served)
@@ -813,65 +798,64 @@ def build(o: BuildOptions, progress: bool = True) -> dict:
     # the next run's reuse check (mtimes survive the rename)
 
     bundle = Path(res["bundle"])
-    m = read_manifest(bundle)
-    m["artifact_stats"] = {a["path"]: [(bundle / a["path"]).stat().st_size, (bundle / a["path"]).stat().st_mtime_ns]
-                           for a in m["artifacts"]}
-    write_manifest(bundle, m)
+    m = Manifest.read(bundle)
+    m = replace(m, artifact_stats={a.path: [(bundle / a.path).stat().st_size, (bundle / a.path).stat().st_mtime_ns]
+                                   for a in m.artifacts})
+    m.write(bundle)
     res["manifest"] = m
     return res
 
 
 def format_summary(res: dict) -> str:
+    m: Manifest = res["manifest"]
     rows = [("stage", "status", "time", "size", "output")]
     notes = []
     for r in res["stages"]:
-        entry = res["manifest"]["stages"][r["name"]]
+        entry = m.stages[r["name"]]
         status = r["status"]
         if status == "skipped":
-            status = "skipped (unchanged" + ("" if entry["status"] == "done" else f", {entry['status']}") + ")"
+            status = "skipped (unchanged" + ("" if entry.status == "done" else f", {entry.status}") + ")"
         rows.append((r["name"], status, f"{r['seconds']:.1f}s", _human(r["bytes"]) if r["outputs"] else "-",
                      ", ".join(r["outputs"]) or "-"))
-        if entry.get("reason"):
-            notes.append(f"  {r['name']}: {entry['reason']}")
+        if entry.reason:
+            notes.append(f"  {r['name']}: {entry.reason}")
     w = [max(len(row[i]) for row in rows) for i in range(4)]
     lines = ["  ".join(row[i].ljust(w[i]) for i in range(4)) + "  " + row[4] for row in rows]
-    m = res["manifest"]
-    total = sum(a["bytes"] for a in m["artifacts"])
+    total = sum(a.bytes for a in m.artifacts)
     if notes:
         lines += ["", "notes:"] + notes
     lines.append("")
-    lines.append(f"bundle: {res['bundle']}  ({len(m['artifacts'])} files, {_human(total)}; manifest.json lists each "
+    lines.append(f"bundle: {res['bundle']}  ({len(m.artifacts)} files, {_human(total)}; manifest.json lists each "
                  "with its sha256)")
     # each served stack's launch file (its first config file)
-    files = [next(iter(stacks.get(x).config_files.values())).removeprefix("configs/")
-             for x in m["serving_stacks"]["served"]]
-    lines.append(f"  configs/ {', '.join(files)}; triton/ " + ", ".join(m["triton_models"]))
+    files = [next(iter(stacks.get(x).config_files.values())).removeprefix("configs/") for x in m.served_stacks]
+    lines.append(f"  configs/ {', '.join(files)}; triton/ " + ", ".join(m.triton_models))
     lines.append("  " + gpu_line(m))
-    for stack, why in m.get("serving_stacks", {}).get("skipped", {}).items():
+    for stack, why in m.skipped_stacks.items():
         lines.append(f"  no {stacks.get(stack).title} config: {why}")
-    sched = m.get("draft_schedule")
+    sched = m.draft_schedule
     if sched:
-        s = sched["schedule"]
+        s = sched.schedule
         lines.append("  draft schedule: " + (", ".join(f"{a}-{b}: K {k}" for a, b, k in s["ranges"])
-                                             + f" ({sched['source']})" if s else sched["source"]))
-        for stack, rec in sched["stacks"].items():
+                                             + f" ({sched.source})" if s else sched.source))
+        for stack, rec in sched.stacks.items():
             title = stacks.get(stack).title
-            lines.append(f"    {title}: " + (", ".join(f"{k}: {json.dumps(v)}" for k, v in rec["fields"].items())
-                                          if "fields" in rec else f"not written: {rec['skipped']}"))
-    if m["stages"]["compile"]["status"] == "deferred":
+            lines.append(f"    {title}: " + (", ".join(f"{k}: {json.dumps(v)}" for k, v in rec.fields.items())
+                                          if rec.fields is not None else f"not written: {rec.skipped}"))
+    if m.stages["compile"].status == "deferred":
         lines.append(f"  compile deferred: on the GPU node run `dflash-trt compile --bundle {res['bundle']}`")
     return "\n".join(lines)
 
 
-def gpu_line(m: dict) -> str:
+def gpu_line(m: Manifest) -> str:
     """Where the bundle deploys, and why there (manifest gpu, node, gpu_source)."""
-    if m["gpu"] is None:
+    if m.gpu is None:
         return (f"no GPU (--gpu none): `deploy` serves {stacks.tritonserver.REFERENCE_MODEL} on a CPU-only pod; "
                 f"--gpu <id> deploys on GPUs")
     why = {"option": "--gpu", "detected": "this machine's GPU",
-           "arch_default": f"the {m['arch']} default node, hardware.json arch_default_nodes; --gpu picks another, "
-                           "--gpu none builds a CPU-only bundle"}.get(m.get("gpu_source"), "")
-    return f"GPU: {m['gpu']} on {m.get('node') or m['gpu']}" + (f" ({why})" if why else "")
+           "arch_default": f"the {m.arch} default node, hardware.json arch_default_nodes; --gpu picks another, "
+                           "--gpu none builds a CPU-only bundle"}.get(m.gpu_source, "")
+    return f"GPU: {m.gpu} on {m.node or m.gpu}" + (f" ({why})" if why else "")
 
 
 def _human(n: int) -> str:

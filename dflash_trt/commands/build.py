@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import json
 import sys
-from functools import partial
 
 import click
 
 from dflash_trt.hardware import arch_default_node, arch_sms, gpus
+from dflash_trt.io.manifest import Manifest
 
 
 @click.command("build")
@@ -95,18 +95,17 @@ def build_cmd(target, drafter, arch, gpu, quant, kv_cache, drafter_quant, stacks
       dflash-trt build --target openai/gpt-oss-20b --drafter z-lab/gpt-oss-20b-DFlash --arch hopper
     """
     from dflash_trt.bundle.build import BuildOptions, build, format_summary
-    from dflash_trt.plan.speed import build_schedule
 
     opts = BuildOptions(target=target, drafter=drafter, arch=arch, gpu=gpu, quant=quant, kv_cache=kv_cache, tp=tp,
                         ep=ep, pp=pp, block_size=block_size, backend=backend, out=out, force=force,
                         drafter_quant=drafter_quant, calib=calib, trt_drafter=trt_drafter_engine,
                         allow_nonfinite=allow_nonfinite, profile=profile, max_batch_size=max_batch_size,
-                        draft_schedule=partial(build_schedule, draft_schedule),
+                        draft_schedule=_schedule_planner(draft_schedule),
                         stacks=tuple(x.strip() for x in stacks.split(",") if x.strip()) if stacks is not None else None)
     res = build(opts, progress=True)
-    plan, plan_line = _deploy_plan(res["bundle"])
+    plan, plan_line = _deploy_plan(res["bundle"], res["manifest"])
     if as_json:
-        m = res["manifest"]
+        m = res["manifest"].to_dict()
         click.echo(json.dumps({"bundle": res["bundle"], "stages": res["stages"],
                                "compile": m["stages"]["compile"], "serving_stacks": m["serving_stacks"],
                                "serving_configs": m["serving_configs"], "draft_schedule": m.get("draft_schedule"),
@@ -117,7 +116,14 @@ def build_cmd(target, drafter, arch, gpu, quant, kv_cache, drafter_quant, stacks
         click.echo(format_summary(res) + (f"\n  {plan_line}" if plan_line else ""))
 
 
-def _deploy_plan(bundle: str) -> tuple[dict | None, str | None]:
+def _schedule_planner(mode: str):
+    """build --draft-schedule auto|off|FILE.json as build's SchedulePlanner (plan/speed.build_schedule)."""
+    from dflash_trt.plan.speed import build_schedule
+
+    return lambda request: build_schedule(mode, **request.keywords())
+
+
+def _deploy_plan(bundle: str, manifest: Manifest) -> tuple[dict | None, str | None]:
     """The layout `deploy` will use on the bundle's node (`plan --bundle`), as (JSON, summary line);
     (None, None) for a CPU-only bundle. A bundle the planner cannot place is built all the same
     (the line says why; `plan --bundle` shows every layout)."""
@@ -125,7 +131,7 @@ def _deploy_plan(bundle: str) -> tuple[dict | None, str | None]:
     from dflash_trt.errors import DFlashError
 
     try:
-        p = plan_for_bundle(bundle)
+        p = plan_for_bundle(bundle, manifest=manifest)   # the Manifest build wrote: not read again
     except DFlashError as e:
         return {"error": str(e)}, f"plan: not planned: {e}"
     if p is None:
@@ -171,10 +177,10 @@ def verify_cmd(bundle, as_json):
     Example:
       dflash-trt verify --bundle engines/smollm2-135m-blackwell-nvfp4
     """
-    from dflash_trt.io.manifest import read_manifest, verify
+    from dflash_trt.io.manifest import verify
 
     problems = verify(bundle)
-    n = len(read_manifest(bundle)["artifacts"])
+    n = len(Manifest.read(bundle).artifacts)
     if as_json:
         click.echo(json.dumps({"bundle": bundle, "ok": not problems, "artifacts": n, "problems": problems}, indent=2))
     elif problems:

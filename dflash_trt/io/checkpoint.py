@@ -538,6 +538,28 @@ class Progress:
 # ----------------------------------------------------------------------------------------------
 # writing
 
+def save_safetensors(tensors: dict[str, torch.Tensor], path: str | Path,
+                     metadata: dict[str, str] | None = None) -> None:
+    """safetensors.torch.save_file, byte for byte the same in every process: the library writes the header's
+    __metadata__ in the order of a Rust HashMap, whose hash seed is random per process, so two runs over the same
+    tensors and metadata give different files (two metadata keys: one order or the other). Its header is
+    rewritten in place with the metadata keys sorted: the same JSON reordered, so the same length."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata=metadata)
+    if not metadata or len(metadata) < 2:
+        return
+    with open(path, "r+b") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+        raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+        if len(raw) > n:   # serde_json and json agree on this JSON's text; a longer one would move the data
+            raise DFlashError(f"{path}: safetensors header re-serialized to {len(raw)} bytes, over its {n}")
+        f.seek(8)
+        f.write(raw + b" " * (n - len(raw)))
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     name: str

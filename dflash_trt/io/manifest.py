@@ -13,8 +13,9 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from dflash_trt import engines
 from dflash_trt.errors import DFlashError
@@ -224,11 +225,11 @@ def bundle_files(bundle: str | Path) -> list[str]:
             and "__pycache__" not in p.parts]
 
 
-def list_artifacts(bundle: str | Path, cache: HashCache | None = None) -> list[dict]:
+def list_artifacts(bundle: str | Path, cache: HashCache | None = None) -> list[ArtifactRecord]:
     """Every file of the bundle except the manifest itself: path (relative), bytes, sha256."""
     bundle = Path(bundle)
     cache = cache or HashCache()
-    return [{"path": rel, "bytes": (bundle / rel).stat().st_size, "sha256": cache.sha256(bundle / rel)}
+    return [ArtifactRecord(path=rel, bytes=(bundle / rel).stat().st_size, sha256=cache.sha256(bundle / rel))
             for rel in bundle_files(bundle)]
 
 
@@ -249,37 +250,65 @@ def read_manifest(bundle: str | Path) -> dict:
 # ------------------------------------------------------------------ the manifest, typed
 # Bundles written before `serving_stacks` existed served the stack of their Triton GPU model.
 LEGACY_STACK_OF_TRITON_MODEL = {"tensorrt_llm": "trtllm"}
+# A field that bundles of earlier versions (or builds that decide nothing there) lack: left out of the
+# JSON when None, so that what is written is what was read.
+_OPTIONAL = {"omit_none": True}
+
+
+def _optional(default=None):
+    return field(default=default, metadata=_OPTIONAL)
+
+
+def _dump(value):
+    """A record (or a value holding records) as manifest.json's JSON value: keys in field order, optional
+    fields left out when None."""
+    if is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _dump(getattr(value, f.name)) for f in fields(value)
+                if not (f.metadata.get("omit_none") and getattr(value, f.name) is None)}
+    if isinstance(value, dict):
+        return {k: _dump(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_dump(v) for v in value]
+    return value
+
+
+def _record(cls, d: dict | None):
+    """A record from its JSON object: the keys it knows (a later version's extra keys are left)."""
+    if d is None:
+        return None
+    names = cls.__dataclass_fields__
+    return cls(**{k: v for k, v in d.items() if k in names})
 
 
 @dataclass(frozen=True)
 class TargetRecord:
     name: str
-    path: str
-    config: dict                        # the target's config.json
     hf_id: str | None = None
-    revision: str | None = None
+    path: str = ""
     bundle_path: str = "target"
-    sha256: str | None = None
+    revision: str | None = None         # the hub commit (a cache snapshot)
+    sha256: str | None = None           # of the source folder (HashCache.tree)
+    config: dict = field(default_factory=dict)   # the target's config.json
 
 
 @dataclass(frozen=True)
 class DrafterRecord:
     path: str
-    block_size: int
-    mask_token_id: int
-    target_layer_ids: dict              # convention -> ids (stacks/layer_ids.py)
-    config: dict | None = None          # the drafter's config.json (absent in early bundles)
-    bundle_path: str | None = None
+    bundle_path: str | None = _optional()   # absent in early bundles, as are sha256, trained_block_size, config
+    sha256: str | None = _optional()
     revision: str | None = None
-    trained_block_size: int | None = None
-    sha256: str | None = None
+    block_size: int = 0                 # the block served
+    trained_block_size: int | None = _optional()
+    mask_token_id: int = 0
+    target_layer_ids: dict = field(default_factory=dict)   # convention -> ids (stacks/layer_ids.py)
+    config: dict | None = _optional()   # the drafter's config.json
 
 
 @dataclass(frozen=True)
 class QuantRecord:
     target: str                         # nvfp4 | fp8 | mxfp4 | none
-    kv_cache: str                       # fp8 | bf16
-    drafter: str = "none"               # nvfp4 | fp8 | none
+    drafter: str = "none"               # nvfp4 | fp8 | int8 | none
+    kv_cache: str = "bf16"              # fp8 | bf16
 
 
 @dataclass(frozen=True)
@@ -289,15 +318,88 @@ class ParallelRecord:
     pp: int = 1
 
 
-def _record(cls, d: dict):
-    names = cls.__dataclass_fields__
-    return cls(**{k: v for k, v in d.items() if k in names})
+@dataclass(frozen=True)
+class ServingStacksRecord:
+    served: list[str]                   # the stacks with a config in the bundle
+    skipped: dict[str, str] = field(default_factory=dict)   # stack -> the upstream rule its layout breaks
+
+
+@dataclass(frozen=True)
+class ServingProfileRecord:
+    """build --profile: the TensorRT-LLM settings written (stacks/trtllm/profiles.py), their source, and
+    the drafter attention backend."""
+    profile: str = "latency"
+    source: str | None = _optional()
+    enable_attention_dp: bool | None = _optional()
+    max_batch_size: int | None = _optional()
+    max_num_tokens: int | None = _optional()
+    drafter_attention_backend: str | None = _optional()
+    drafter_attention_backend_source: str | None = _optional()
+
+
+@dataclass(frozen=True)
+class ReferenceRuntimeRecord:
+    """Where the dflash_reference model finds its unquantized pair: bundle | copy | source (bundle/build.py)."""
+    layout: str
+
+
+@dataclass(frozen=True)
+class StackScheduleRecord:
+    """One served stack's draft schedule: the fields written into its own control, or why none."""
+    fields: dict | None = _optional()
+    skipped: str | None = _optional()
+
+
+@dataclass(frozen=True)
+class DraftScheduleRecord:
+    """build --draft-schedule: the schedule (DraftSchedule.to_dict(), or None) and where it comes from or
+    why there is none, and per served stack what its writer writes (stacks/base.draft_schedule_record)."""
+    source: str
+    schedule: dict | None = None
+    stacks: dict[str, StackScheduleRecord] = field(default_factory=dict)
+
+    def fields_for(self, stack: str) -> dict:
+        """The fields a stack's writer writes (empty: nothing; the record says why)."""
+        rec = self.stacks.get(stack)
+        return dict(rec.fields) if rec is not None and rec.fields is not None else {}
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> DraftScheduleRecord | None:
+        if d is None:
+            return None
+        return cls(source=d["source"], schedule=d.get("schedule"),
+                   stacks={k: _record(StackScheduleRecord, v) for k, v in (d.get("stacks") or {}).items()})
+
+
+@dataclass(frozen=True)
+class StageRecord:
+    """One pipeline stage's entry (STAGES): its outcome, the hash of its inputs, what it wrote."""
+    status: str                             # STAGE_STATUSES
+    inputs_sha256: str
+    outputs: list[str] = field(default_factory=list)
+    commands: list[str] | None = _optional()   # the equivalent `dflash-trt` command lines
+    engine_key: str | None = _optional()       # compile: engines/<key>/
+    reason: str | None = _optional()
+    skipped: bool | None = _optional()         # this run reused the previous bundle's outputs
+    seconds: float | None = _optional()        # a run fact (STAGE_RUN_FACTS)
+    serving_configs: dict | None = _optional()   # package: the configs index it wrote
+    toolchain: dict | None = _optional()       # compile, run by `dflash-trt compile`: the GPU toolchain
+
+
+@dataclass(frozen=True)
+class ArtifactRecord:
+    """One file of the bundle (every file but manifest.json)."""
+    path: str                               # bundle-relative
+    bytes: int
+    sha256: str
 
 
 @dataclass(frozen=True)
 class Manifest:
-    """manifest.json as one typed object, read once per command (Manifest.read). `raw` keeps the
-    JSON exactly as read, every key, so that a command updating the manifest writes it back whole."""
+    """manifest.json as one typed object, both ways: `build` makes one (bundle/build.py Builder) and writes
+    it (Manifest.write), every other command reads it (Manifest.read). Its fields are in the order the
+    JSON has them; optional ones are left out when None. Stages, artifacts and the hash caches stay JSON
+    objects of their own shapes (MANIFEST_SCHEMA)."""
     schema_version: int
     tool_version: str
     target: TargetRecord
@@ -309,20 +411,38 @@ class Manifest:
     backend: str
     triton_model_repository: str
     triton_models: list[str]
-    served_stacks: list[str]            # serving_stacks.served: the stacks with a config in the bundle
-    skipped_stacks: dict[str, str]      # serving_stacks.skipped: stack -> the rule its layout breaks
-    engines: dict                       # stack -> engine facts and its servers' images (engines.json at build)
-    max_seq_len: int | None = None
+    serving_stacks: ServingStacksRecord
+    engines: dict = field(default_factory=dict)   # stack -> engine facts and its servers' images (engines.json)
+    created: str | None = _optional()
     node: str | None = None             # hardware.json node type (bundles before it: the GPU's first node)
-    gpu_source: str | None = None       # GPU_SOURCES; None for bundles before it
+    gpu_source: str | None = _optional()   # GPU_SOURCES; None for bundles before it
     sm: list[int] = field(default_factory=list)
-    serving_configs: dict = field(default_factory=dict)
-    serving_profile: dict = field(default_factory=dict)
+    max_seq_len: int | None = _optional()
     trt_drafter_engine: bool = False
-    stages: dict = field(default_factory=dict)
-    artifacts: list[dict] = field(default_factory=list)
-    created: str | None = None
-    raw: dict = field(default_factory=dict, repr=False, compare=False)
+    serving_profile: ServingProfileRecord | None = _optional()
+    reference_runtime: ReferenceRuntimeRecord | None = _optional()
+    draft_schedule: DraftScheduleRecord | None = _optional()
+    serving_configs: dict | None = _optional()   # key -> bundle path of each served stack's config
+    stages: dict[str, StageRecord] | None = _optional()   # stage name -> its entry, in STAGES order
+    input_files: dict | None = _optional()       # HashCache entries: the inputs' sha256 by (size, mtime)
+    artifacts: list[ArtifactRecord] | None = _optional()   # every file but manifest.json
+    serve: dict | None = _optional()             # how to serve the bundle, from its root
+    artifact_stats: dict | None = _optional()    # path -> [bytes, mtime_ns]: the next build's reuse check
+
+    # the JSON's key order (the order build has always written them in)
+    JSON_ORDER: ClassVar[tuple[str, ...]] = (
+        "schema_version", "tool_version", "created", "target", "drafter", "arch", "gpu", "node", "gpu_source", "sm",
+        "quant", "parallel", "backend", "max_seq_len", "triton_model_repository", "triton_models", "serving_stacks",
+        "trt_drafter_engine", "engines", "serving_profile", "reference_runtime", "draft_schedule", "serving_configs",
+        "stages", "input_files", "artifacts", "serve", "artifact_stats")
+
+    @property
+    def served_stacks(self) -> list[str]:
+        return list(self.serving_stacks.served)
+
+    @property
+    def skipped_stacks(self) -> dict[str, str]:
+        return dict(self.serving_stacks.skipped)
 
     @classmethod
     def from_dict(cls, m: dict) -> Manifest:
@@ -331,22 +451,57 @@ class Manifest:
         ss = m.get("serving_stacks") or {}
         served = list(ss.get("served") or [LEGACY_STACK_OF_TRITON_MODEL[x] for x in m["triton_models"]
                                            if x in LEGACY_STACK_OF_TRITON_MODEL])
-        return cls(schema_version=m["schema_version"], tool_version=m["tool_version"],
+        return cls(schema_version=m["schema_version"], tool_version=m["tool_version"], created=m.get("created"),
                    target=_record(TargetRecord, m["target"]), drafter=_record(DrafterRecord, m["drafter"]),
-                   arch=m["arch"], gpu=m["gpu"], quant=_record(QuantRecord, {**m["quant"], "drafter": m["quant"].get(
-                       "drafter") or "none"}),
-                   parallel=_record(ParallelRecord, m["parallel"]), backend=m["backend"],
-                   triton_model_repository=m["triton_model_repository"], triton_models=list(m["triton_models"]),
-                   served_stacks=served, skipped_stacks=dict(ss.get("skipped") or {}), engines=m.get("engines") or {},
-                   max_seq_len=m.get("max_seq_len"), node=m.get("node"), gpu_source=m.get("gpu_source"),
+                   arch=m["arch"], gpu=m["gpu"], node=m.get("node"), gpu_source=m.get("gpu_source"),
                    sm=list(m.get("sm") or []),
-                   serving_configs=m.get("serving_configs") or {}, serving_profile=m.get("serving_profile") or {},
-                   trt_drafter_engine=bool(m.get("trt_drafter_engine")), stages=m.get("stages") or {},
-                   artifacts=list(m["artifacts"]), created=m.get("created"), raw=m)
+                   quant=_record(QuantRecord, {**m["quant"], "drafter": m["quant"].get("drafter") or "none"}),
+                   parallel=_record(ParallelRecord, m["parallel"]), backend=m["backend"],
+                   max_seq_len=m.get("max_seq_len"), triton_model_repository=m["triton_model_repository"],
+                   triton_models=list(m["triton_models"]),
+                   serving_stacks=ServingStacksRecord(served=served, skipped=dict(ss.get("skipped") or {})),
+                   trt_drafter_engine=bool(m.get("trt_drafter_engine")), engines=m.get("engines") or {},
+                   serving_profile=_record(ServingProfileRecord, m.get("serving_profile")),
+                   reference_runtime=_record(ReferenceRuntimeRecord, m.get("reference_runtime")),
+                   draft_schedule=DraftScheduleRecord.from_dict(m.get("draft_schedule")),
+                   serving_configs=m.get("serving_configs"),
+                   stages={k: _record(StageRecord, v) for k, v in m["stages"].items()} if "stages" in m else None,
+                   input_files=m.get("input_files"),
+                   artifacts=[_record(ArtifactRecord, a) for a in m["artifacts"]] if "artifacts" in m else None,
+                   serve=m.get("serve"),
+                   artifact_stats=m.get("artifact_stats"))
+
+    def to_dict(self) -> dict:
+        """The JSON object manifest.json holds (keys in JSON_ORDER; optional fields left out when None)."""
+        d = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.metadata.get("omit_none") and v is None:
+                continue
+            d[f.name] = _dump(v)
+        return {k: d[k] for k in self.JSON_ORDER if k in d}
 
     @classmethod
     def read(cls, bundle: str | Path) -> Manifest:
         return cls.from_dict(read_manifest(bundle))
+
+    def write(self, bundle: str | Path) -> Path:
+        """Validate, then write manifest.json atomically."""
+        return write_manifest(bundle, self.to_dict())
+
+
+# The facts of one build run rather than of its inputs: what two builds of the same inputs may differ in
+# (tests/test_reproducible.py compares everything else byte for byte).
+RUN_FACTS = ("created", "artifact_stats")
+STAGE_RUN_FACTS = ("seconds",)
+
+
+def without_run_facts(manifest: dict) -> dict:
+    """A manifest dict without its run facts (RUN_FACTS, each stage's STAGE_RUN_FACTS)."""
+    out = {k: v for k, v in manifest.items() if k not in RUN_FACTS}
+    if "stages" in out:
+        out["stages"] = {n: {k: v for k, v in e.items() if k not in STAGE_RUN_FACTS} for n, e in out["stages"].items()}
+    return out
 
 
 def write_manifest(bundle: str | Path, manifest: dict) -> Path:

@@ -16,16 +16,18 @@ printed.)
 
 The cost model is the caller's: the GPU speed model (plan/speed.py) for `plan --speed`, measured
 step times for a CPU run. This module only chooses; it is written once and each engine's config
-writer turns `DraftSchedule.ranges` into that engine's own control.
+writer turns `DraftSchedule.ranges` into that engine's own control (the type: io/draft_schedule.py).
 """
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dflash_trt.errors import DFlashError
+from dflash_trt.io.draft_schedule import DraftSchedule, Level, from_dict
+
+__all__ = ["DraftSchedule", "Level", "from_dict"]   # the plain type lives in io/ (the stacks type it)
 
 
 def survival_from_histogram(histogram: Mapping[str | int, int], block_size: int) -> list[float]:
@@ -66,48 +68,6 @@ def acceptance_lengths(survival: Sequence[float]) -> list[float]:
             raise DFlashError(f"acceptance at a draft position must be in [0, 1], got {s:g}")
         out.append(out[-1] + s)
     return out
-
-
-@dataclass(frozen=True)
-class Level:
-    """The choice at one concurrency."""
-    concurrency: int
-    k: int                            # tokens drafted per step (0: no speculation)
-    tokens_per_s_per_user: float      # at the chosen k
-    always_k_tokens_per_s_per_user: float   # drafting the most K every step
-    ar_tokens_per_s_per_user: float   # never speculating
-
-
-@dataclass
-class DraftSchedule:
-    max_k: int                        # the most a step drafts (block size - 1, or less if asked)
-    acceptance_lengths: list[float]   # index K
-    levels: list[Level]               # one per concurrency evaluated
-    ranges: list[tuple[int, int, int]]  # (first, last concurrency, k), inclusive, covering 1..max concurrency
-    assumptions: list[str]
-
-    def k_at(self, concurrency: int) -> int:
-        """The draft length at a concurrency (past the last range: the last range's)."""
-        for first, last, k in self.ranges:
-            if first <= concurrency <= last:
-                return k
-        return self.ranges[-1][2]
-
-    @property
-    def stop_concurrency(self) -> int | None:
-        """The lowest concurrency from which on speculation no longer pays (k 0), None if it always does."""
-        tail = self.ranges[-1]
-        return tail[0] if tail[2] == 0 else None
-
-    @property
-    def adaptive(self) -> bool:
-        """Whether the schedule drafts anything other than max_k somewhere."""
-        return any(k != self.max_k for _, _, k in self.ranges)
-
-    def to_dict(self) -> dict:
-        return {"max_k": self.max_k, "acceptance_lengths": self.acceptance_lengths,
-                "levels": [asdict(l) for l in self.levels], "ranges": [list(r) for r in self.ranges],
-                "stop_concurrency": self.stop_concurrency, "assumptions": self.assumptions}
 
 
 def best_k(concurrency: int, lengths: Sequence[float], step_seconds: Callable[[int, int], float]) -> tuple[int, float]:
@@ -184,42 +144,6 @@ def format_schedule(s: DraftSchedule) -> str:
 # ---------------------------------------------------------------------------------------------
 # Reading one back: `build --draft-schedule FILE.json` (a DraftSchedule.to_dict(), e.g. measured on a
 # CPU) and `plan --acceptance FILE` (a `dflash-trt bench --json` report)
-
-
-def from_dict(d: object, block_size: int, where: str) -> DraftSchedule:
-    """A DraftSchedule from its to_dict() form, checked: ranges of integers contiguous from 1, every K in
-    0..block_size - 1. `where` names the file in the one-line errors."""
-    if not isinstance(d, dict) or not isinstance(d.get("ranges"), list) or not d["ranges"]:
-        raise DFlashError(f"{where}: expected a draft schedule (a JSON object with \"ranges\": [[first, last, k], ...], "
-                          "as `plan --speed --json` writes under layouts[].draft_schedule)")
-    ranges: list[tuple[int, int, int]] = []
-    for i, r in enumerate(d["ranges"]):
-        if not (isinstance(r, list) and len(r) == 3 and all(isinstance(x, int) and not isinstance(x, bool) for x in r)):
-            raise DFlashError(f"{where}: ranges[{i}] must be [first, last, k] integers, got {r!r}")
-        first, last, k = r
-        want = ranges[-1][1] + 1 if ranges else 1
-        if first != want:
-            raise DFlashError(f"{where}: ranges[{i}] starts at concurrency {first}, expected {want} (ranges cover "
-                              "1..N without gaps or overlaps)")
-        if last < first:
-            raise DFlashError(f"{where}: ranges[{i}] ends at {last}, before its first concurrency {first}")
-        if not 0 <= k <= block_size - 1:
-            raise DFlashError(f"{where}: ranges[{i}] drafts k = {k}, outside 0..{block_size - 1} (block size "
-                              f"{block_size} - 1)")
-        ranges.append((first, last, k))
-    max_k = d.get("max_k", max(k for _, _, k in ranges))
-    if not isinstance(max_k, int) or not max(k for _, _, k in ranges) <= max_k <= block_size - 1:
-        raise DFlashError(f"{where}: max_k {max_k!r} must be an integer from the largest k of the ranges to "
-                          f"{block_size - 1} (block size - 1)")
-    lengths = d.get("acceptance_lengths") or []
-    levels = []
-    for lv in d.get("levels") or []:
-        try:
-            levels.append(Level(**lv))
-        except TypeError as e:
-            raise DFlashError(f"{where}: levels: {e}") from None
-    return DraftSchedule(max_k=max_k, acceptance_lengths=[float(x) for x in lengths], levels=levels, ranges=ranges,
-                         assumptions=[*[str(a) for a in d.get("assumptions") or []], f"schedule read from {where}"])
 
 
 def load_schedule(path: str, block_size: int) -> DraftSchedule:

@@ -17,14 +17,13 @@ from pathlib import Path
 from dflash_trt.errors import DFlashError
 from dflash_trt.io import compressed_tensors
 from dflash_trt.io.atomic import atomic_output_dir
-from dflash_trt.io.checkpoint import CheckpointReader, load_config
+from dflash_trt.io.checkpoint import CheckpointReader, load_config, save_safetensors
 
 
 def write_int8_drafter(src: str | Path, out: str | Path) -> Path:
     """Write `src` (a bf16 / fp32 DFlash drafter folder) to `out` in INT8 W8A8 form; one
     model.safetensors (a drafter is small), config.json with its quantization_config."""
     import torch
-    from safetensors.torch import save_file
 
     src, out = Path(src), Path(out)
     cfg = load_config(src)
@@ -43,8 +42,8 @@ def write_int8_drafter(src: str | Path, out: str | Path) -> Path:
             side = f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json")
             if f.is_file() and side:
                 shutil.copy2(f, tmp / f.name)
-        save_file(quantized, str(tmp / "model.safetensors"),
-                  metadata={"format": "pt", "quantized_by": "dflash-trt (compressed-tensors int8 w8a8)"})
+        save_safetensors(quantized, tmp / "model.safetensors",
+                         metadata={"format": "pt", "quantized_by": "dflash-trt (compressed-tensors int8 w8a8)"})
         (tmp / "model.safetensors").chmod(0o644)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return out

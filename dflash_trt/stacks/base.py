@@ -24,6 +24,8 @@ from typing import ClassVar
 
 from dflash_trt import engines
 from dflash_trt.errors import DFlashError
+from dflash_trt.io.draft_schedule import DraftSchedule
+from dflash_trt.io.manifest import DraftScheduleRecord, Manifest, StackScheduleRecord
 
 
 @dataclass(frozen=True)
@@ -85,18 +87,19 @@ class LaunchArgs:
 @dataclass
 class BundleContext:
     """What a stack's writer reads while `build` packages a bundle (paths inside the bundle being
-    assembled; the manifest's first part, as a dict, is final by then)."""
+    assembled; the manifest's first part is final by then: each writer writes what it records, e.g. its
+    draft schedule fields, manifest.draft_schedule.fields_for(stack))."""
     work: Path                    # the bundle folder being written
-    manifest: dict
+    manifest: Manifest
     target_config: dict           # the target's config.json
     block_size: int
     target_dir: Path              # the source target (unquantized)
     drafter_dir: Path             # the source drafter
     drafter: object               # models.config.DrafterConfig of the bundle's drafter/
     reference: dict = field(default_factory=dict)  # where the dflash_reference model finds its pair
-    # the draft length per concurrency build planned (deploy/draft_schedule.DraftSchedule), or None:
-    # each stack writes it into its own control (draft_schedule_fields) unless it refuses it
-    draft_schedule: object = None
+    # the TensorRT-LLM serving profile's settings build decided (stacks/trtllm/profiles.profile_settings;
+    # the manifest's serving_profile records its source and limits); None: the writer derives them
+    serving_profile: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -207,15 +210,15 @@ class Stack:
         v = (self.facts.get("drafter_quant") or {}).get("activation_scales", "dynamic")
         return v.get(scheme, "dynamic") if isinstance(v, dict) else v
 
-    def draft_schedule_problem(self, schedule=None) -> str | None:
+    def draft_schedule_problem(self, schedule: DraftSchedule | None = None) -> str | None:
         """Why this stack's DFlash path does not honour a draft-length schedule (with the upstream source
         read), so build writes none for it; None: it does (draft_schedule_fields writes it). With a
         schedule: also why its control cannot express that one (e.g. a draft length that rises again)."""
         return "no draft-length control of this stack's DFlash path has been read"
 
-    def draft_schedule_fields(self, schedule) -> dict:
-        """The stack's own control for a draft schedule (deploy/draft_schedule.DraftSchedule), as the
-        fields its config writer merges into its speculative config."""
+    def draft_schedule_fields(self, schedule: DraftSchedule) -> dict:
+        """The stack's own control for a draft schedule, as the fields its config writer merges into its
+        speculative config. Called once per build (draft_schedule_record); the writer reads the record."""
         return {}
 
     def check_build(self, *, target_config: dict, drafter_config: dict, target_dir: Path, gpu: str | None,
@@ -270,3 +273,26 @@ def non_causal_windowed(dcfg) -> bool:
     """Any drafter layer both sliding-window and non-causal (the DFlash2 fixture: all of them);
     the TensorRT-LLM and SGLang drafter backends each pin a backend for it."""
     return any(w is not None and not c for w, c in dcfg.layer_attention)
+
+
+def draft_schedule_record(schedule: DraftSchedule | None, source: str, served: list[Stack]) -> DraftScheduleRecord:
+    """manifest.json `draft_schedule`, decided once per build: the schedule (or why none) and, per served
+    stack, the fields its own control gets or why it gets none (its draft_schedule_problem, with the
+    upstream source read). Each stack's writer writes exactly the fields recorded here."""
+    out: dict[str, StackScheduleRecord] = {}
+    for st in served:
+        why = st.draft_schedule_problem()      # a stack whose DFlash has no such control says so first
+        if why:
+            pass
+        elif schedule is None:
+            why = f"no draft schedule: {source}"
+        elif not schedule.adaptive:
+            last = schedule.ranges[-1][1]
+            why = (f"nothing to write: the schedule drafts K = {schedule.max_k} at every concurrency 1-{last}, "
+                   "what the config does without one")
+        else:
+            why = st.draft_schedule_problem(schedule)
+        out[st.name] = StackScheduleRecord(skipped=why) if why else \
+            StackScheduleRecord(fields=st.draft_schedule_fields(schedule))
+    return DraftScheduleRecord(source=source, schedule=schedule.to_dict() if schedule is not None else None,
+                               stacks=out)

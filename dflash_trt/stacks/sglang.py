@@ -139,11 +139,11 @@ class SGLang(Stack):
 
     def write_configs(self, ctx: BundleContext) -> None:
         m = ctx.manifest
-        p = m["parallel"]
+        p = m.parallel
         # extra_args: the drafter's attention layout may need some
         sg = sglang_launch(target_path="target", drafter_path="drafter", block_size=ctx.block_size,
-                           zlab_ids=m["drafter"]["target_layer_ids"]["zlab"], tp=p["tp"], ep=p["ep"], pp=p["pp"],
-                           kv_cache=m["quant"]["kv_cache"], extra_args=tuple(sglang_drafter_args(ctx.drafter)))
+                           zlab_ids=m.drafter.target_layer_ids["zlab"], tp=p.tp, ep=p.ep, pp=p.pp,
+                           kv_cache=m.quant.kv_cache, extra_args=tuple(sglang_drafter_args(ctx.drafter)))
         (ctx.work / "configs" / "sglang.json").write_text(json.dumps(sg, indent=2) + "\n")
 
     def serve_commands(self, served):

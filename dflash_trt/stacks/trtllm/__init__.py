@@ -19,13 +19,13 @@ import yaml
 from dflash_trt import engines
 from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import hardware_for_gpu
+from dflash_trt.io.manifest import Manifest
 from dflash_trt.stacks.base import BundleContext, LaunchArgs, Metric, Server, Stack, StackMetrics
 from dflash_trt.stacks.tritonserver.repo import llmapi_model_yaml
 from dflash_trt.stacks.trtllm.budget import draft_context_budget
 from dflash_trt.stacks.trtllm.profiles import drafter_attention_backend, profile_settings
 from dflash_trt.stacks.trtllm.serve_config import (
     CHECKED_AGAINST,
-    DRAFT_SCHEDULE_SOURCE,
     TRTLLM_KV_FRACTION,
     trtllm_draft_schedule,
     trtllm_drafter_options,
@@ -83,16 +83,20 @@ METRICS = StackMetrics(
 )
 
 
-def serve_config(m: dict, tcfg: dict, B: int, dcfg=None, schedule_fields: dict | None = None) -> dict:
-    """configs/trtllm-serve.yaml of a bundle, from its manifest's first part; schedule_fields: the draft
-    schedule's DFlashDecodingConfig fields (TensorRTLLM.draft_schedule_fields)."""
-    d, p = m["drafter"], m["parallel"]
-    cfg = trtllm_serve_config(target_cfg=tcfg, drafter_path="drafter", block_size=B, mask_token_id=d["mask_token_id"],
-                              zlab_ids=d["target_layer_ids"]["trtllm"], tp=p["tp"], ep=p["ep"], pp=p["pp"],
-                              kv_cache=m["quant"]["kv_cache"], arch=m["arch"], max_seq_len=m["max_seq_len"],
-                              profile=profile_settings(m.get("serving_profile", {}).get("profile", "latency"), tcfg, B,
-                                                       m.get("serving_profile", {}).get("max_batch_size")),
-                              drafter_attention_backend=drafter_attention_backend(m["arch"]))
+def serve_config(m: Manifest | dict, tcfg: dict, B: int, dcfg=None, schedule_fields: dict | None = None,
+                 profile: dict | None = None) -> dict:
+    """configs/trtllm-serve.yaml of a bundle, from its manifest's first part (a manifest dict is read as the
+    typed Manifest); schedule_fields: the draft schedule's DFlashDecodingConfig fields as recorded
+    (manifest draft_schedule); profile: the serving profile's settings build decided (BundleContext
+    .serving_profile), else derived from the manifest's serving_profile record."""
+    m = m if isinstance(m, Manifest) else Manifest.from_dict(m)
+    d, p, sp = m.drafter, m.parallel, m.serving_profile
+    if profile is None:
+        profile = profile_settings(sp.profile if sp else "latency", tcfg, B, sp.max_batch_size if sp else None)
+    cfg = trtllm_serve_config(target_cfg=tcfg, drafter_path="drafter", block_size=B, mask_token_id=d.mask_token_id,
+                              zlab_ids=d.target_layer_ids["trtllm"], tp=p.tp, ep=p.ep, pp=p.pp,
+                              kv_cache=m.quant.kv_cache, arch=m.arch, max_seq_len=m.max_seq_len, profile=profile,
+                              drafter_attention_backend=drafter_attention_backend(m.arch))
     # A drafter's own rules last: non-causal sliding-window layers pin VANILLA over the per-GPU choice.
     if dcfg is not None:
         cfg["speculative_config"].update(trtllm_drafter_options(dcfg))
@@ -179,20 +183,20 @@ class TensorRTLLM(Stack):
     def draft_schedule_fields(self, schedule) -> dict:
         return trtllm_draft_schedule(list(schedule.ranges))[0]
 
-    def _schedule_fields(self, ctx: BundleContext) -> dict:
-        """The fields build decided to write for this stack (manifest draft_schedule.stacks.trtllm)."""
-        rec = (ctx.manifest.get("draft_schedule") or {}).get("stacks", {}).get(self.name, {})
-        return self.draft_schedule_fields(ctx.draft_schedule) if "fields" in rec and ctx.draft_schedule else {}
+    def _serve_config(self, ctx: BundleContext) -> dict:
+        """configs/trtllm-serve.yaml's settings: the draft schedule fields build recorded for this stack
+        (manifest draft_schedule.stacks.trtllm), the serving profile build decided."""
+        rec = ctx.manifest.draft_schedule
+        return serve_config(ctx.manifest, ctx.target_config, ctx.block_size, ctx.drafter,
+                            rec.fields_for(self.name) if rec is not None else {}, profile=ctx.serving_profile)
 
     def write_configs(self, ctx: BundleContext) -> None:
         (ctx.work / SERVE_CONFIG).write_text(
             f"# {TRTLLM_SERVE.command()}   (run from the bundle root)\n"
-            + yaml.safe_dump(serve_config(ctx.manifest, ctx.target_config, ctx.block_size, ctx.drafter,
-                                          self._schedule_fields(ctx)), sort_keys=False))
+            + yaml.safe_dump(self._serve_config(ctx), sort_keys=False))
 
     def triton_inputs(self, ctx: BundleContext) -> dict:
-        cfg = serve_config(ctx.manifest, ctx.target_config, ctx.block_size, ctx.drafter, self._schedule_fields(ctx))
-        return {"llm_yaml": llmapi_model_yaml(cfg, "target", decoupled=True, max_batch_size=0)}
+        return {"llm_yaml": llmapi_model_yaml(self._serve_config(ctx), "target", decoupled=True, max_batch_size=0)}
 
     def serve_commands(self, served):
         return {"triton": "tritonserver --model-repository triton",

@@ -19,10 +19,11 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from dflash_trt.errors import DFlashError
-from dflash_trt.io.manifest import HashCache, list_artifacts, read_manifest, verify, write_manifest
+from dflash_trt.io.manifest import HashCache, Manifest, list_artifacts, verify
 from dflash_trt.kernels import kv_inject_trt
 
 
@@ -70,30 +71,30 @@ def engine_key(tc: dict) -> str:
     return f"{slug}-trt{tc['tensorrt'] or 'none'}"
 
 
-def compile_jobs(manifest: dict, key: str = "<gpu>-trt<version>") -> list[dict]:
+def compile_jobs(manifest: Manifest, key: str = "<gpu>-trt<version>") -> list[dict]:
     """The commands of the compile stage, relative to the bundle root (run from there)."""
     jobs = []
-    if manifest.get("trt_drafter_engine"):  # opt-in (build --trt-drafter-engine): no serving file loads it
+    if manifest.trt_drafter_engine:  # opt-in (build --trt-drafter-engine): no serving file loads it
         jobs.append({
             "name": "drafter-engine",
             "outputs": [f"engines/{key}/drafter.plan"],
             "argv": [sys.executable if key != "<gpu>-trt<version>" else "python", "-m", "dflash_trt.stacks.trtllm.engine",
                      "drafter", "--onnx", "onnx/drafter.onnx", "--plugins", "plugins",
-                     "--max-tokens", str(max(64, 4 * manifest["drafter"]["block_size"])),
+                     "--max-tokens", str(max(64, 4 * manifest.drafter.block_size)),
                      "--out", f"engines/{key}/drafter.plan"],
         })
-    if manifest["backend"] == "engine":
-        p = manifest["parallel"]
-        B = manifest["drafter"]["block_size"]
+    if manifest.backend == "engine":
+        p = manifest.parallel
+        B = manifest.drafter.block_size
         jobs.append({
             "name": "target-engine",
             "outputs": [f"engines/{key}/target"],
             "argv": ["trtllm-build", "--checkpoint_dir", "trtllm_ckpt", "--output_dir", f"engines/{key}/target",
-                     "--max_batch_size", "64", "--max_seq_len", str(manifest.get("max_seq_len", 8192)),
+                     "--max_batch_size", "64", "--max_seq_len", str(manifest.max_seq_len or 8192),
                      "--gemm_plugin", "auto", "--use_paged_context_fmha", "enable",
                      # the draft tokens come from the DFlash drafter engine, outside this engine
                      "--speculative_decoding_mode", "draft_tokens_external", "--max_draft_len", str(B - 1),
-                     "--workers", str(p["tp"] * p["pp"])],
+                     "--workers", str(p.tp * p.pp)],
         })
     return jobs
 
@@ -113,11 +114,11 @@ def missing_prerequisites(tc: dict, backend: str) -> list[str]:
     return why
 
 
-def run_compile(bundle: Path, manifest: dict, tc: dict | None = None) -> dict:
+def run_compile(bundle: Path, manifest: Manifest, tc: dict | None = None) -> dict:
     """Run the compile stage in `bundle` (a folder being built, or a published bundle).
     Returns the stage entry fields: status, outputs, commands, reason, engine_key."""
     tc = tc or detect_toolchain()
-    why = missing_prerequisites(tc, manifest["backend"])
+    why = missing_prerequisites(tc, manifest.backend)
     if why:
         return {"status": "deferred", "outputs": [], "commands": ["dflash-trt compile --bundle <bundle>"]
                 + commands_text(compile_jobs(manifest)), "reason": "; ".join(why)}
@@ -146,7 +147,7 @@ def compile_bundle(bundle: str | Path) -> dict:
     problems = verify(bundle)
     if problems:
         raise DFlashError(f"{bundle}: bundle does not match its manifest ({len(problems)} problem(s)), first: {problems[0]}")
-    m = read_manifest(bundle)
+    m = Manifest.read(bundle)
     if not compile_jobs(m):
         raise DFlashError(f"{bundle}: nothing to compile: the bundle was built without --trt-drafter-engine and "
                           "--backend engine; its serving files load the checkpoints as they are")
@@ -154,14 +155,10 @@ def compile_bundle(bundle: str | Path) -> dict:
     res = run_compile(bundle, m, tc)
     if res["status"] == "deferred":
         raise DFlashError(f"compile: cannot run here: {res['reason']}")
-    entry = m["stages"].get("compile", {})
-    entry.update(status="done", skipped=False, outputs=sorted(set(entry.get("outputs", [])) | set(res["outputs"])),
-                 commands=res["commands"],
-                 engine_key=res["engine_key"], toolchain=toolchain_fingerprint(tc))
-    entry.pop("reason", None)
-    m["stages"]["compile"] = entry
-    m["artifacts"] = list_artifacts(bundle, HashCache())
-    write_manifest(bundle, m)
+    entry = replace(m.stages["compile"], status="done", skipped=False,
+                    outputs=sorted(set(m.stages["compile"].outputs) | set(res["outputs"])), commands=res["commands"],
+                    engine_key=res["engine_key"], toolchain=toolchain_fingerprint(tc), reason=None)
+    replace(m, stages={**m.stages, "compile": entry}, artifacts=list_artifacts(bundle, HashCache())).write(bundle)
     return {"bundle": str(bundle), "engine_key": res["engine_key"], "outputs": res["outputs"]}
 
 

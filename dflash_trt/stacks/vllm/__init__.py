@@ -15,9 +15,12 @@ from pathlib import Path
 from typing import ClassVar
 
 from dflash_trt.errors import DFlashError
+from dflash_trt.io.checkpoint import load_config
+from dflash_trt.io.draft_schedule import DraftSchedule
 from dflash_trt.io.jsonio import read_json
+from dflash_trt.io.manifest import Manifest
 from dflash_trt.models.config import load_drafter_config
-from dflash_trt.stacks.base import BundleContext, LaunchArgs, Server, Stack, StackMetrics
+from dflash_trt.stacks.base import BundleContext, LaunchArgs, Server, Stack, StackMetrics, draft_schedule_record
 from dflash_trt.stacks.vllm.drafter import write_vllm_drafter
 from dflash_trt.stacks.vllm.launch import (
     CHECKED_AGAINST,
@@ -66,17 +69,17 @@ class VLLM(Stack):
 
     def write_configs(self, ctx: BundleContext) -> None:
         m, tcfg, cfgdir = ctx.manifest, ctx.target_config, ctx.work / "configs"
-        p = m["parallel"]
-        sched = (self.draft_schedule_fields(ctx.draft_schedule)[VLLM_DRAFT_SCHEDULE_FIELD]
-                 if ctx.draft_schedule is not None and self.draft_schedule_problem() is None else None)
+        p = m.parallel
+        # what build recorded for vLLM (manifest draft_schedule.stacks.vllm): its fields, or nothing
+        sched = (m.draft_schedule.fields_for(self.name) if m.draft_schedule else {}).get(VLLM_DRAFT_SCHEDULE_FIELD)
         # a drafter with a draft vocabulary goes to vLLM in vLLM's own form of one (drafter.py);
         # target_dir: the source target, unquantized (the rows of its lm_head)
         has_vocab = write_vllm_drafter(ctx.work / "drafter", ctx.drafter_dir, ctx.target_dir, ctx.work / VLLM_DRAFTER)
         n_vocab = json.loads((ctx.work / VLLM_DRAFTER / "config.json").read_text())["draft_vocab_size"] \
             if has_vocab else None
         v = vllm_launch(target_path="target", drafter_path=VLLM_DRAFTER if has_vocab else "drafter",
-                        block_size=ctx.block_size, zlab_ids=m["drafter"]["target_layer_ids"]["zlab"], tp=p["tp"],
-                        ep=p["ep"], pp=p["pp"], kv_cache=m["quant"]["kv_cache"],
+                        block_size=ctx.block_size, zlab_ids=m.drafter.target_layer_ids["zlab"], tp=p.tp,
+                        ep=p.ep, pp=p.pp, kv_cache=m.quant.kv_cache,
                         dtype=tcfg.get("dtype") or tcfg.get("torch_dtype"), draft_vocab_size=n_vocab,
                         draft_schedule=sched)
         env = vllm_drafter_env(ctx.drafter)
@@ -123,24 +126,25 @@ class VLLM(Stack):
 STACK = VLLM()
 
 
-def bundle_with_draft_schedule(bundle: Path, dest: Path, schedule) -> Path:
-    """A copy of `bundle` at `dest` whose configs/vllm.json carries a draft schedule
-    (deploy/draft_schedule.DraftSchedule), written by the vLLM stack's own writer with
-    BundleContext.draft_schedule set, as `build` writes it. The model folders are symlinks to the
-    bundle's (never modified); configs/ is written fresh. For serving one bundle under several
-    schedules (bench/bench_adaptive.py) without building it again."""
+def bundle_with_draft_schedule(bundle: Path, dest: Path, schedule: DraftSchedule) -> Path:
+    """A copy of `bundle` at `dest` whose configs/vllm.json carries a draft schedule, written by the vLLM
+    stack's own writer from the schedule's record (stacks/base.draft_schedule_record), as `build` writes
+    it: a schedule build would record as skipped for vLLM (e.g. a flat one) is not written either. The
+    model folders are symlinks to the bundle's (never modified); configs/ is written fresh. For serving
+    one bundle under several schedules (bench/bench_adaptive.py) without building it again."""
     bundle, dest = Path(bundle).resolve(), Path(dest)
-    manifest = json.loads((bundle / "manifest.json").read_text())
-    if manifest.get("quant", {}).get("target") != "none":   # write_configs reads the target's lm_head rows
+    manifest = Manifest.read(bundle)
+    if manifest.quant.target != "none":   # write_configs reads the target's lm_head rows
         raise DFlashError(f"{bundle}: a scheduled copy needs the unquantized target (built with --quant none)")
+    manifest = replace(manifest, draft_schedule=draft_schedule_record(schedule, "given to bundle_with_draft_schedule",
+                                                                      [STACK]))
     dest.mkdir(parents=True)
     for entry in bundle.iterdir():
         if entry.name != "configs":
             (dest / entry.name).symlink_to(entry)
     (dest / "configs").mkdir()
-    ctx = BundleContext(work=dest, manifest=manifest, target_config=json.loads((bundle / "target/config.json").read_text()),
-                        block_size=int(manifest["drafter"]["block_size"]), target_dir=bundle / "target",
-                        drafter_dir=bundle / "drafter", drafter=load_drafter_config(bundle / "drafter"),
-                        draft_schedule=schedule)
+    ctx = BundleContext(work=dest, manifest=manifest, target_config=load_config(bundle / "target"),
+                        block_size=manifest.drafter.block_size, target_dir=bundle / "target",
+                        drafter_dir=bundle / "drafter", drafter=load_drafter_config(bundle / "drafter"))
     STACK.write_configs(ctx)
     return dest

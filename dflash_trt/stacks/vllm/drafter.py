@@ -24,7 +24,7 @@ import os
 from pathlib import Path
 
 from dflash_trt.errors import DFlashError
-from dflash_trt.io.checkpoint import CheckpointReader, load_config
+from dflash_trt.io.checkpoint import CheckpointReader, load_config, save_safetensors
 from dflash_trt.models.draft_vocab import read_draft_vocab
 
 SHARD = "draft_vocab.safetensors"
@@ -44,7 +44,6 @@ def write_vllm_drafter(drafter: Path, source_drafter: Path, target: Path, out: P
     (nothing written) when it has none: then the bundle's drafter/ is what vLLM reads.
     source_drafter: the folder holding draft_vocab.json; target: an unquantized target checkpoint."""
     import torch
-    from safetensors.torch import save_file
 
     target_cfg = load_config(target)
     ids = read_draft_vocab(source_drafter, int(target_cfg["vocab_size"]))
@@ -59,8 +58,8 @@ def write_vllm_drafter(drafter: Path, source_drafter: Path, target: Path, out: P
         rows = r.get_rows(name, ids).contiguous()
     # d2t: draft row i -> target id i + d2t[i] (EAGLE-3's offsets, as vLLM adds them)
     d2t = (ids - torch.arange(len(ids), dtype=torch.int64)).contiguous()
-    save_file({"lm_head.weight": rows, "d2t": d2t}, str(out / SHARD),
-              metadata={"format": "pt", "source": f"rows of the target's {name} for draft_vocab.json"})
+    save_safetensors({"lm_head.weight": rows, "d2t": d2t}, out / SHARD,
+                     metadata={"format": "pt", "source": f"rows of the target's {name} for draft_vocab.json"})
     (out / SHARD).chmod(0o644)  # save_file leaves 0600; the bundle's files are world-readable
     index = out / "model.safetensors.index.json"
     if index.is_file():  # a sharded drafter: the index must name the new tensors too

@@ -1,0 +1,126 @@
+"""The draft-length schedule as a plain type: how many tokens to draft at each concurrency.
+
+Chosen by the planner (plan/draft_schedule.py, plan/speed.py) or read from a file, recorded in the
+bundle manifest (io/manifest.py DraftScheduleRecord) and turned by each serving stack into its own
+control (stacks/*: draft_schedule_fields). It lives here, below every stage that passes it along, so
+that each of them can type it.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Protocol
+
+from dflash_trt.errors import DFlashError
+
+
+@dataclass(frozen=True)
+class Level:
+    """The choice at one concurrency."""
+    concurrency: int
+    k: int                            # tokens drafted per step (0: no speculation)
+    tokens_per_s_per_user: float      # at the chosen k
+    always_k_tokens_per_s_per_user: float   # drafting the most K every step
+    ar_tokens_per_s_per_user: float   # never speculating
+
+
+@dataclass
+class DraftSchedule:
+    max_k: int                        # the most a step drafts (block size - 1, or less if asked)
+    acceptance_lengths: list[float]   # index K
+    levels: list[Level]               # one per concurrency evaluated
+    ranges: list[tuple[int, int, int]]  # (first, last concurrency, k), inclusive, covering 1..max concurrency
+    assumptions: list[str]
+
+    def k_at(self, concurrency: int) -> int:
+        """The draft length at a concurrency (past the last range: the last range's)."""
+        for first, last, k in self.ranges:
+            if first <= concurrency <= last:
+                return k
+        return self.ranges[-1][2]
+
+    @property
+    def stop_concurrency(self) -> int | None:
+        """The lowest concurrency from which on speculation no longer pays (k 0), None if it always does."""
+        tail = self.ranges[-1]
+        return tail[0] if tail[2] == 0 else None
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether the schedule drafts anything other than max_k somewhere."""
+        return any(k != self.max_k for _, _, k in self.ranges)
+
+    def to_dict(self) -> dict:
+        return {"max_k": self.max_k, "acceptance_lengths": self.acceptance_lengths,
+                "levels": [asdict(l) for l in self.levels], "ranges": [list(r) for r in self.ranges],
+                "stop_concurrency": self.stop_concurrency, "assumptions": self.assumptions}
+
+
+
+@dataclass(frozen=True)
+class ScheduleRequest:
+    """The resolved build a draft schedule is planned for (what build knows before anything is written)."""
+    target_name: str
+    target_config: dict
+    drafter_config: dict
+    gpu: str | None
+    quant: str
+    kv_cache: str
+    drafter_quant: str
+    tp: int
+    ep: int
+    block_size: int
+    max_batch_size: int
+    max_seq_len: int
+    attention_dp: bool = False
+
+    def keywords(self) -> dict:
+        """The request as keyword arguments (plan/speed.build_schedule's)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+class SchedulePlanner(Protocol):
+    """What build asks for a draft schedule: (the schedule or None, where it comes from or why there is none).
+    The command line passes the planner's (plan/speed.build_schedule for --draft-schedule auto|off|FILE)."""
+
+    def __call__(self, request: ScheduleRequest) -> tuple[DraftSchedule | None, str]: ...
+
+
+def no_schedule(request: ScheduleRequest) -> tuple[DraftSchedule | None, str]:
+    """The do-nothing planner: build without a draft-schedule planner writes no schedule."""
+    return None, "not planned (no draft-schedule planner given to the build)"
+
+
+def from_dict(d: object, block_size: int, where: str) -> DraftSchedule:
+    """A DraftSchedule from its to_dict() form, checked: ranges of integers contiguous from 1, every K in
+    0..block_size - 1. `where` names the file in the one-line errors."""
+    if not isinstance(d, dict) or not isinstance(d.get("ranges"), list) or not d["ranges"]:
+        raise DFlashError(f"{where}: expected a draft schedule (a JSON object with \"ranges\": [[first, last, k], ...], "
+                          "as `plan --speed --json` writes under layouts[].draft_schedule)")
+    ranges: list[tuple[int, int, int]] = []
+    for i, r in enumerate(d["ranges"]):
+        if not (isinstance(r, list) and len(r) == 3 and all(isinstance(x, int) and not isinstance(x, bool) for x in r)):
+            raise DFlashError(f"{where}: ranges[{i}] must be [first, last, k] integers, got {r!r}")
+        first, last, k = r
+        want = ranges[-1][1] + 1 if ranges else 1
+        if first != want:
+            raise DFlashError(f"{where}: ranges[{i}] starts at concurrency {first}, expected {want} (ranges cover "
+                              "1..N without gaps or overlaps)")
+        if last < first:
+            raise DFlashError(f"{where}: ranges[{i}] ends at {last}, before its first concurrency {first}")
+        if not 0 <= k <= block_size - 1:
+            raise DFlashError(f"{where}: ranges[{i}] drafts k = {k}, outside 0..{block_size - 1} (block size "
+                              f"{block_size} - 1)")
+        ranges.append((first, last, k))
+    max_k = d.get("max_k", max(k for _, _, k in ranges))
+    if not isinstance(max_k, int) or not max(k for _, _, k in ranges) <= max_k <= block_size - 1:
+        raise DFlashError(f"{where}: max_k {max_k!r} must be an integer from the largest k of the ranges to "
+                          f"{block_size - 1} (block size - 1)")
+    lengths = d.get("acceptance_lengths") or []
+    levels = []
+    for lv in d.get("levels") or []:
+        try:
+            levels.append(Level(**lv))
+        except TypeError as e:
+            raise DFlashError(f"{where}: levels: {e}") from None
+    return DraftSchedule(max_k=max_k, acceptance_lengths=[float(x) for x in lengths], levels=levels, ranges=ranges,
+                         assumptions=[*[str(a) for a in d.get("assumptions") or []], f"schedule read from {where}"])

@@ -1,0 +1,107 @@
+"""The typed manifest both ways (io/manifest.py Manifest): what build writes reads back to the same JSON,
+nothing else parses manifest.json, and each stack writes the draft schedule fields the manifest records
+for it (a schedule recorded as skipped for a stack is written into none of its files)."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import yaml
+
+from dflash_trt.io.manifest import DraftScheduleRecord, Manifest
+from dflash_trt.paths import package_path
+from helpers import run_cli
+
+# K 7 everywhere: nothing to write for any stack (the config's own behaviour); and one that adapts
+FLAT = {"max_k": 7, "ranges": [[1, 64, 7]]}
+ADAPTIVE = {"max_k": 7, "ranges": [[1, 8, 7], [9, 32, 3], [33, 64, 0]]}
+
+
+@pytest.fixture(scope="module")
+def scheduled(tmp_path_factory, tiny_pairs):
+    root = tmp_path_factory.mktemp("typed")
+    t, d = tiny_pairs["llama"]
+    out = {}
+    for name, sched in (("flat", FLAT), ("adaptive", ADAPTIVE)):
+        (root / f"{name}.json").write_text(json.dumps(sched))
+        code, _, err = run_cli("build", "--target", str(t), "--drafter", str(d), "--arch", "hopper", "--quant", "none",
+                               "--draft-schedule", str(root / f"{name}.json"), "--out", str(root / name))
+        assert code == 0, err
+        out[name] = root / name
+    return out
+
+
+def test_the_manifest_reads_back_to_the_json_written(scheduled):
+    """Manifest.read(...).to_dict() is manifest.json as written: every key, in its order."""
+    for bundle in scheduled.values():
+        text = (bundle / "manifest.json").read_text()
+        m = Manifest.read(bundle)
+        assert json.dumps(m.to_dict(), indent=2) + "\n" == text
+        assert isinstance(m.draft_schedule, DraftScheduleRecord) and m.serving_profile.profile == "latency"
+        assert m.reference_runtime.layout == "bundle"
+
+
+def test_a_flat_schedule_recorded_skipped_is_written_nowhere(scheduled):
+    m = json.loads((scheduled["flat"] / "manifest.json").read_text())
+    rec = m["draft_schedule"]["stacks"]
+    assert rec["vllm"]["skipped"].startswith("nothing to write: the schedule drafts K = 7 at every concurrency")
+    assert rec["trtllm"]["skipped"].startswith("nothing to write")
+    spec = json.loads((scheduled["flat"] / "configs/vllm.json").read_text())["speculative_config"]
+    assert "num_speculative_tokens_per_batch_size" not in spec
+    assert "num_speculative_tokens_per_batch_size" not in json.loads(
+        (scheduled["flat"] / "configs/vllm-speculative-config.json").read_text())
+    serve = yaml.safe_load((scheduled["flat"] / "configs/trtllm-serve.yaml").read_text())["speculative_config"]
+    assert "draft_len_schedule" not in serve and "max_concurrency" not in serve
+
+
+def test_each_stack_writes_the_fields_recorded_for_it(scheduled):
+    """vllm.json and trtllm-serve.yaml carry exactly the recorded fields (JSON keys as JSON writes them)."""
+    bundle = scheduled["adaptive"]
+    rec = json.loads((bundle / "manifest.json").read_text())["draft_schedule"]["stacks"]
+    spec = json.loads((bundle / "configs/vllm.json").read_text())["speculative_config"]
+    assert set(rec["vllm"]) == {"fields"}
+    assert {k: spec[k] for k in rec["vllm"]["fields"]} == rec["vllm"]["fields"]
+    assert json.loads((bundle / "configs/vllm-speculative-config.json").read_text()) == spec
+    serve = yaml.safe_load((bundle / "configs/trtllm-serve.yaml").read_text())["speculative_config"]
+    assert json.loads(json.dumps({k: serve[k] for k in rec["trtllm"]["fields"]})) == rec["trtllm"]["fields"]
+
+
+def test_only_io_manifest_parses_manifest_json():
+    """A module reading manifest.json goes through Manifest.read / read_manifest (io/manifest.py)."""
+    reads = re.compile(r"json\.loads?\(|read_json\(|read_text\(|open\(")
+    root = package_path()
+    offenders = []
+    for p in sorted(root.rglob("*.py")):
+        if p == root / "io" / "manifest.py":
+            continue
+        for i, line in enumerate(p.read_text().splitlines(), 1):
+            if ("manifest.json" in line or "MANIFEST_NAME" in line) and reads.search(line):
+                offenders.append(f"{p.relative_to(root)}:{i}: {line.strip()}")
+    assert offenders == []
+
+
+def test_a_manifest_of_an_early_bundle_writes_back_what_was_read():
+    """Keys an early bundle lacks (created, node, serving_profile, draft_schedule, the drafter's config ...) are
+    not added when its manifest is written back (`dflash-trt compile` updates one), and it stays valid."""
+    from dflash_trt.io.manifest import validate
+
+    early = {"schema_version": 1, "tool_version": "0.1.0",
+             "target": {"name": "t", "path": "/m/t", "config": {"model_type": "llama"}, "hf_id": None,
+                        "revision": None, "bundle_path": "target", "sha256": "0" * 64},
+             "drafter": {"path": "/m/d", "revision": None, "block_size": 8, "mask_token_id": 3,
+                         "target_layer_ids": {"zlab": [1], "speculators": [1], "vllm": [1], "sglang": [1]}},
+             "arch": "hopper", "gpu": "h200", "quant": {"target": "fp8", "kv_cache": "fp8"},
+             "parallel": {"tp": 1, "ep": 1, "pp": 1}, "backend": "pytorch",
+             "stages": {"compile": {"status": "deferred", "inputs_sha256": "x", "outputs": [], "reason": "no GPU"}},
+             "triton_model_repository": "triton", "triton_models": ["tensorrt_llm"],
+             "artifacts": [{"path": "a", "bytes": 1, "sha256": "1" * 64}]}
+    validate(early)
+    back = Manifest.from_dict(early).to_dict()
+    validate(back)
+    # what a reader fills in for an early bundle: the stack of its Triton model, a bf16 drafter, no GPU source
+    added = {k: back[k] for k in back.keys() - early.keys()}
+    assert added == {"node": None, "sm": [], "serving_stacks": {"served": ["trtllm"], "skipped": {}},
+                     "trt_drafter_engine": False, "engines": {}}
+    assert {k: back[k] for k in early if k != "quant"} == {k: v for k, v in early.items() if k != "quant"}
+    assert back["quant"] == {**early["quant"], "drafter": "none"}
