@@ -4,7 +4,7 @@
 
 Each stage is a function from its inputs to output folder(s) inside the bundle plus a manifest
 entry holding the sha256 of its inputs (content hashes of the checkpoints, the options that
-matter, the code that produces it). A re-run reuses (hard-links) the previous bundle's outputs
+matter, the code that produces it). A re-run reuses (io/clone.carry_tree) the previous bundle's outputs
 of every stage whose inputs hash is unchanged and reports it `skipped`; `--force` redoes all.
 
 The bundle is assembled in a temporary folder beside the destination and renamed into place
@@ -32,6 +32,7 @@ from dflash_trt.bundle.onnx_export import export_onnx
 from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import arch_default_node, arch_has_fp4, arch_sms, gpus, hardware_for_gpu, sm_number
 from dflash_trt.io.atomic import atomic_output_dir, refuse_inside
+from dflash_trt.io.clone import carry_tree, clone_tree
 from dflash_trt.io.checkpoint import load_config
 from dflash_trt.io.manifest import (
     HashCache,
@@ -92,6 +93,9 @@ class BuildOptions:
     # of deploy/speed.build_schedule but `mode`) returning (DraftSchedule or None, its source or why none);
     # the command line passes deploy's planner (build --draft-schedule); None: no schedule
     draft_schedule: Callable[..., tuple[object | None, str]] | None = None
+    # refuses (DFlashError) a finished bundle folder, before it is published, that `deploy` would refuse
+    # (the command line passes deploy's own check: the planner's layout rules and the chart's); None: no check
+    deployable: Callable[[Path], None] | None = None
 
 
 @dataclass
@@ -111,27 +115,11 @@ def _dir_bytes(p: Path) -> int:
     return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
 
 
-LINK_MIN_BYTES = 16 << 20
-
-
-def link_tree(src: Path, dst: Path) -> None:
-    """Copy a file or folder; files of 16 MiB and more (weights) as hard links, so a bundle of a
-    120B model costs no extra disk. Small files (configs, tokenizer) are real copies, so editing
-    one in the bundle never edits the source. Plain copy across file systems."""
-    def link(s, d):
-        if os.path.getsize(s) >= LINK_MIN_BYTES:
-            try:  # to the file itself: Linux link(2) of a symlink (a Hugging Face snapshot's) links the symlink
-                os.link(os.path.realpath(s), d)
-                return d
-            except OSError:
-                pass
-        return shutil.copy2(s, d)
-
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    if src.is_file():
-        link(src, dst)
-    else:
-        shutil.copytree(src, dst, copy_function=link, ignore=shutil.ignore_patterns("__pycache__", ".cache"))
+def link_tree(src: Path, dst: Path, on_file=None) -> None:
+    """The bundle's own copy of a source file or folder (io/clone.py: a reflink where the filesystem
+    has them, else a copy): never a hard link, so writing a bundle file never writes the source.
+    on_file(src, dst) after each file (the build hands the copy its source's known sha256)."""
+    clone_tree(src, dst, on_file)
 
 
 def code_hash(*relpaths: str) -> str:
@@ -440,7 +428,7 @@ class Builder:
         if prev and prev.get("inputs_sha256") == digest and prev["status"] not in ("failed", "skipped") \
                 and self._outputs_intact(name, prev["outputs"]):
             for p in prev["outputs"]:
-                link_tree(self.prev_dir / p, self.work / p)
+                carry_tree(self.prev_dir / p, self.work / p)
             # `status` stays the stage's outcome (done / deferred / not-needed: what deploy reads);
             # `skipped` says that this run reused it
             entry = dict(prev, skipped=True)
@@ -493,6 +481,8 @@ class Builder:
                     self._start_manifest()
                 self._run_stage(st)
             write_manifest(work, self._finish_manifest())
+            if self.o.deployable is not None:
+                self.o.deployable(work)
         return {"bundle": str(self.dest), "manifest": self.manifest, "stages": [asdict(r) for r in self.reports]}
 
     def _resolve(self) -> None:
@@ -650,7 +640,7 @@ class Builder:
                                       progress=self.progress)
             notes += list(getattr(rep, "not_calibrated", None) or [])
         else:
-            link_tree(tdir, work / "target")
+            link_tree(tdir, work / "target", self._copied)
             notes.append("target kept as is" + (" (MXFP4 experts)" if s["quant"] == "mxfp4" else ""))
         if s["drafter_quant"] == "int8":   # compressed-tensors W8A8, vLLM's (quant/int8_drafter.py)
             write_int8_drafter(ddir, work / "drafter")
@@ -665,9 +655,15 @@ class Builder:
             quantize_checkpoint(ddir, work / "drafter", dq, exclude=exclude, input_amax=amax, progress=self.progress)
             notes.append(f"drafter {dq.upper()}" + (f", {', '.join(exclude)} kept" if exclude else ""))
         else:
-            link_tree(ddir, work / "drafter")
+            link_tree(ddir, work / "drafter", self._copied)
             notes.append("drafter kept as is")
         return {"commands": cmds, "reason": "; ".join(notes)}
+
+    def _copied(self, src: Path, dst: Path) -> None:
+        """A source file copied into the bundle has the sha256 hashed from the source (not re-read)."""
+        digest = self.cache.linked(src)
+        if digest is not None:
+            self.cache.remember(dst, digest)
 
     def _not_needed(self, st: Stage) -> dict:
         """A stage whose artifacts this build does not ask for (nothing in the serving files loads them)."""
@@ -711,7 +707,7 @@ class Builder:
                                    target_dir=self.tdir, drafter_dir=self.ddir,
                                    drafter=load_drafter_config(work / "drafter"), draft_schedule=self.schedule)
         m["serving_configs"] = write_configs(ctx)
-        ctx.reference = reference_pair(work, layout, self.tdir, self.ddir)
+        ctx.reference = reference_pair(work, layout, self.tdir, self.ddir, self._copied)
         stacks.TRITON.write_repository(ctx, stacks.served(m["serving_stacks"]["served"]))
         (work / "engines").mkdir(exist_ok=True)
         (work / "engines" / "README.txt").write_text(
@@ -735,7 +731,7 @@ class Builder:
             reused = any(rel == r or rel.startswith(r + "/") for r in self.reused)
             if reused and prev and prev["bytes"] == st.st_size and stats.get(rel) == [st.st_size, st.st_mtime_ns]:
                 digest = prev["sha256"]
-            else:  # an input's hard link (link_tree), or what export-onnx hashed as it wrote: known already
+            else:  # an input's copy (link_tree, _copied), or what export-onnx hashed as it wrote: known already
                 digest = self.cache.linked(work / rel) or sha256_file(work / rel)
             out.append({"path": rel, "bytes": st.st_size, "sha256": digest})
         return out
@@ -744,19 +740,19 @@ class Builder:
 def reference_layout(s: dict, tdir: Path, ddir: Path) -> str:
     """Where the dflash_reference model finds its pair. The reference runtime loads unquantized
     checkpoints: "bundle" = the bundle's own target/ and drafter/ (not quantized); "copy" = a
-    copy of the source pair under reference/ (hard links; small models); "source" = the source
+    copy of the source pair under reference/ (small models); "source" = the source
     folders by absolute path (too big to carry; CPU smoke tests of such models are impractical)."""
     if s["quant"] not in ("fp8", "nvfp4") and s["drafter_quant"] == "none":
         return "bundle"
     return "copy" if _dir_bytes(tdir) + _dir_bytes(ddir) <= REFERENCE_COPY_MAX_BYTES else "source"
 
 
-def reference_pair(work: Path, layout: str, tdir: Path, ddir: Path) -> dict:
+def reference_pair(work: Path, layout: str, tdir: Path, ddir: Path, on_file=None) -> dict:
     if layout == "bundle":
         return {"target": "target", "drafter": "drafter"}
     if layout == "copy":
-        link_tree(tdir, work / "reference" / "target")
-        link_tree(ddir, work / "reference" / "drafter")
+        link_tree(tdir, work / "reference" / "target", on_file)
+        link_tree(ddir, work / "reference" / "drafter", on_file)
         return {"target": "reference/target", "drafter": "reference/drafter"}
     return {"target": str(tdir), "drafter": str(ddir)}
 

@@ -98,7 +98,7 @@ def build_cmd(target, drafter, arch, gpu, quant, kv_cache, drafter_quant, stacks
                         ep=ep, pp=pp, block_size=block_size, backend=backend, out=out, force=force,
                         drafter_quant=drafter_quant, calib=calib, trt_drafter=trt_drafter_engine,
                         allow_nonfinite=allow_nonfinite, profile=profile, max_batch_size=max_batch_size,
-                        draft_schedule=partial(build_schedule, draft_schedule),
+                        draft_schedule=partial(build_schedule, draft_schedule), deployable=check_deployable,
                         stacks=tuple(x.strip() for x in stacks.split(",") if x.strip()) if stacks is not None else None)
     res = build(opts, progress=True)
     plan, plan_line = _deploy_plan(res["bundle"])
@@ -112,6 +112,23 @@ def build_cmd(target, drafter, arch, gpu, quant, kv_cache, drafter_quant, stacks
                                "manifest": f"{res['bundle']}/manifest.json"}, indent=2))
     else:
         click.echo(format_summary(res) + (f"\n  {plan_line}" if plan_line else ""))
+
+
+def check_deployable(bundle) -> None:
+    """Refuse, before the bundle is published, a layout `deploy` would refuse: the planner's rules
+    for the bundle (tp a power of two, pp 1, ...) and, where the layout fits its node, the chart's
+    own checks on the values deploy writes (Helm's engine). A layout that fits no single node is
+    built all the same (deploy --nodes places it; the summary's plan line says why)."""
+    from dflash_trt.deploy.values import deploy_values, plan_for_bundle, render
+    from dflash_trt.errors import DFlashError
+
+    try:
+        p = plan_for_bundle(bundle)
+        if p is None or p.chosen is not None:
+            values, _ = deploy_values(bundle)
+            render(values)
+    except DFlashError as e:
+        raise DFlashError(f"deploy would refuse this bundle: {e}; nothing was written") from None
 
 
 def _deploy_plan(bundle: str) -> tuple[dict | None, str | None]:

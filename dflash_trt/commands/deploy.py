@@ -119,6 +119,7 @@ def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, drafter_quant, 
         gpu = catalog()[hardware].gpu if hardware else None
         if profile:
             raise DFlashError("--bundle plans the bundle's own serving config (its profile); drop --profile")
+        deploy.require_intact(bundle)
         m = Manifest.read(bundle)
         p = deploy.plan_for_bundle(bundle, nodes=nodes, gpus_per_node=gpus_per_node, gpu=gpu,
                                    max_seq_len=max_seq_len, objective=objective, manifest=m, **overrides)
@@ -210,10 +211,12 @@ def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, drafter_quant, 
               "autoscaling target and the max_batch_size to serve with.")
 @click.option("--tau", type=float, help="DFlash mean accepted length for --min-tokens-per-user (default: the preset "
               "drafter's published one).")
+@click.option("--force", is_flag=True, help="Replace an --out folder whose files were edited since deploy wrote "
+              "them (without it, deploy refuses and names the edited file).")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary only.")
 def deploy_cmd(bundle, nodes, gpus_per_node, replicas, server, dynamo_engine, disaggregated, isl, osl, image,
                engine_version, multinode_image, gpu, pvc, ssh_secret, out, render, chart, release, namespace,
-               min_tokens_per_user, tau, as_json):
+               min_tokens_per_user, tau, force, as_json):
     """Write Helm values for a bundle (and, with --render, the Kubernetes manifests).
 
     \b
@@ -248,6 +251,7 @@ def deploy_cmd(bundle, nodes, gpus_per_node, replicas, server, dynamo_engine, di
     if min_tokens_per_user is not None and not min_tokens_per_user > 0:
         raise DFlashError(f"--min-tokens-per-user {min_tokens_per_user:g}: must be a positive tokens/s figure")
     deploy.check_release(release, namespace)
+    deploy.require_intact(bundle)   # what verify refuses, deploy refuses: the pods would load it
     if server in ORCHESTRATORS:
         return _deploy_orchestrated(bundle=bundle, nodes=nodes, gpus_per_node=gpus_per_node, replicas=replicas,
                                     engine=dynamo_engine, disaggregated=disaggregated, isl=isl, osl=osl, image=image,
@@ -295,7 +299,7 @@ def deploy_cmd(bundle, nodes, gpus_per_node, replicas, server, dynamo_engine, di
                  f"{target_speed['predicted_tokens_per_s_per_user']:,.0f}); autoscaling.targetAverageValue "
                  f"{target_speed['autoscaling_target']}; serve with max_batch_size {target_speed['max_batch_size']}.\n" if target_speed else "")
               + f"# Install: helm install {release} {chart_dir} -f {out / 'values.yaml'}\n")
-    deploy.write_deployment(out, values, manifests, header)
+    deploy.write_deployment(out, values, manifests, header, force=force)
     if as_json:
         click.echo(json.dumps({"values": str(out / "values.yaml"),
                                "manifests": str(out / "manifests") if manifests is not None else None,
