@@ -25,6 +25,7 @@ import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
 from dflash_trt import __version__, engines, stacks
@@ -46,8 +47,8 @@ from dflash_trt.io.manifest import (
 from dflash_trt.models.check import NONFINITE_NOTE, check_pair
 from dflash_trt.models.config import load_drafter_config, require_target_config
 from dflash_trt.paths import package_path
-from dflash_trt.presets.catalog import PRESETS, resolve_drafter, resolve_target
-from dflash_trt.presets.hub import snapshot_revision
+from dflash_trt.presets.catalog import PRESETS, missing_pair, resolve_config_pair, resolve_drafter, resolve_target
+from dflash_trt.presets.hub import HubMissing, snapshot_revision
 from dflash_trt.quant.calibrate import load_calib_samples
 from dflash_trt.quant.int8_drafter import write_int8_drafter
 from dflash_trt.quant.quantize import quantize_checkpoint
@@ -96,6 +97,8 @@ class BuildOptions:
     # refuses (DFlashError) a finished bundle folder, before it is published, that `deploy` would refuse
     # (the command line passes deploy's own check: the planner's layout rules and the chart's); None: no check
     deployable: Callable[[Path], None] | None = None
+    # every config, the Triton repository, the manifest and the plan, without the weights (configs_only_*)
+    configs_only: bool = False
 
 
 @dataclass
@@ -333,7 +336,10 @@ def drafter_exclusions(served: list[str], drafter_quant: str, calibrated: bool) 
 def resolve_pair(o: BuildOptions) -> tuple[Path, Path, str, str | None]:
     """(target dir, drafter dir, target name, hub id). Presets and hub ids: presets/hub.py."""
     spec = o.target
-    tdir = Path(resolve_target(spec)).resolve()
+    try:
+        tdir = Path(resolve_target(spec)).resolve()
+    except HubMissing as e:   # name the drafter's download too, in the same line
+        raise missing_pair(spec, o.drafter, e) from None
     ddir = Path(resolve_drafter(o.drafter, spec)).resolve()
     hub = spec is not None and not Path(spec).exists() and spec not in PRESETS  # an org/name hub id
     name = spec if spec in PRESETS or hub else ("smollm2-135m" if spec is None else tdir.name)
@@ -344,6 +350,39 @@ def resolve_pair(o: BuildOptions) -> tuple[Path, Path, str, str | None]:
         if not any(folder.glob("*.safetensors")):
             raise DFlashError(f"{folder}: the {what} folder has no *.safetensors weights")
     return tdir, ddir, name, hf_id
+
+
+# ------------------------------------------------------------------ configs-only (build --configs-only)
+WEIGHT_STAGES = ("check", "quantize")      # what needs the weights; every other stage reads configs only
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+def configs_only_pair(o: BuildOptions) -> tuple[Path, Path, str, str | None, list[dict]]:
+    """resolve_pair for --configs-only: folders holding the two config.json files (presets/catalog.py
+    resolve_config_pair), and the downloads the weights still need."""
+    if o.backend == "engine" or o.trt_drafter or o.drafter_quant not in ("auto", "none") or o.calib:
+        raise DFlashError("--configs-only writes what needs no weights: drop --backend engine, --trt-drafter-engine, "
+                          "--drafter-quant and --calib (they read the weights)")
+    tdir, ddir, downloads = resolve_config_pair(o.target, o.drafter)
+    spec = o.target
+    hub = not Path(spec).exists() and spec not in PRESETS
+    name = spec if spec in PRESETS or hub else tdir.name
+    hf_id = PRESETS[name].hf_id if name in PRESETS else (spec if hub else None)
+    return tdir, ddir, name, hf_id, [d.to_dict() for d in downloads]
+
+
+def configs_only_record(downloads: list[dict]) -> dict:
+    """manifest.json `weights` of a configs-only bundle: absent, and how to get them."""
+    return {"present": False, "downloads": downloads}
+
+
+def configs_only_fill_command(o: BuildOptions, dest: Path) -> str:
+    """The build that fills a configs-only bundle in, once the weights are downloaded."""
+    args = ["build", *(["--target", o.target] if o.target else []), *(["--drafter", o.drafter] if o.drafter else []),
+            "--arch", o.arch, *(["--gpu", o.gpu] if o.gpu else []),
+            *(["--tp", o.tp] if o.tp != 1 else []), *(["--ep", o.ep] if o.ep != 1 else []),
+            *(["--quant", o.quant] if o.quant != "auto" else []), "--out", dest]
+    return _cmd(*args)
 
 
 def default_out(name: str, s: dict, o: BuildOptions) -> Path:
@@ -488,7 +527,10 @@ class Builder:
     def _resolve(self) -> None:
         """The pair, its configs, the settings, the block size and the bundle folder."""
         o = self.o
-        self.tdir, self.ddir, self.name, self.hf_id = resolve_pair(o)
+        if o.configs_only:
+            self.tdir, self.ddir, self.name, self.hf_id, self.downloads = configs_only_pair(o)
+        else:
+            (self.tdir, self.ddir, self.name, self.hf_id), self.downloads = resolve_pair(o), []
         self.tcfg = require_target_config(load_config(self.tdir), str(self.tdir / "config.json"))
         self.settings = resolve_settings(o, self.tcfg, self.name)
         self.dcfg = load_drafter_config(self.ddir)
@@ -586,9 +628,14 @@ class Builder:
                                 "drafter_attention_backend": drafter_attention_backend(s["arch"]),
                                 "drafter_attention_backend_source": DRAFTER_ATTENTION_BACKEND.get(
                                     s["arch"], ("", "DFlashDecodingConfig default"))[1]},
-            "reference_runtime": {"layout": reference_layout(s, self.tdir, self.ddir)},
+            "reference_runtime": {"layout": reference_layout(s, self.tdir, self.ddir, o.configs_only)},
             "draft_schedule": draft_schedule_record(self.schedule, self.schedule_source, list(self.stacks)),
         }
+        if o.configs_only:
+            m["weights"] = configs_only_record(self.downloads)
+            for role in ("target", "drafter"):
+                m[role]["revision"] = m[role]["revision"] or next(
+                    (d["revision"] for d in self.downloads if d["role"] == role), None)
         self.facts["manifest"] = {k: v for k, v in m.items() if k != "created"}
 
     def _needed(self, st: Stage) -> bool:
@@ -602,6 +649,8 @@ class Builder:
         if st.code:
             inputs["code"] = code_hash(*st.code) if needed else None  # code counts only where it runs
         run = getattr(self, st.method) if needed else (lambda: self._not_needed(st))
+        if needed and self.o.configs_only and st.name in WEIGHT_STAGES:
+            run = partial(self._without_weights, st)
         self.stage(st.name, inputs, run, list(st.outputs) if needed else [])
 
     def _finish_manifest(self) -> dict:
@@ -658,6 +707,20 @@ class Builder:
             link_tree(ddir, work / "drafter", self._copied)
             notes.append("drafter kept as is")
         return {"commands": cmds, "reason": "; ".join(notes)}
+
+    def _without_weights(self, st: Stage) -> dict:
+        """check / quantize of a configs-only build: deferred until the weights are here. target/ and
+        drafter/ get the source folders' small files (config.json, tokenizer, ...) and no weights."""
+        if st.name == "quantize":
+            for src, dst in ((self.tdir, self.work / "target"), (self.ddir, self.work / "drafter")):
+                link_tree(src, dst)
+                for f in dst.rglob("*"):
+                    if f.is_file() and f.suffix in WEIGHT_SUFFIXES:
+                        f.unlink()
+        todo = [d["command"] for d in self.downloads if d["command"]]
+        return {"status": "deferred", "commands": todo + [configs_only_fill_command(self.o, self.dest)],
+                "reason": "configs only: the weights are not here; download them and run the build again into "
+                          "the same --out (the last command) to fill the bundle in"}
 
     def _copied(self, src: Path, dst: Path) -> None:
         """A source file copied into the bundle has the sha256 hashed from the source (not re-read)."""
@@ -737,13 +800,15 @@ class Builder:
         return out
 
 
-def reference_layout(s: dict, tdir: Path, ddir: Path) -> str:
+def reference_layout(s: dict, tdir: Path, ddir: Path, configs_only: bool = False) -> str:
     """Where the dflash_reference model finds its pair. The reference runtime loads unquantized
     checkpoints: "bundle" = the bundle's own target/ and drafter/ (not quantized); "copy" = a
     copy of the source pair under reference/ (small models); "source" = the source
     folders by absolute path (too big to carry; CPU smoke tests of such models are impractical)."""
     if s["quant"] not in ("fp8", "nvfp4") and s["drafter_quant"] == "none":
         return "bundle"
+    if configs_only:   # the size of the weights is not known here; the full build decides again
+        return "source"
     return "copy" if _dir_bytes(tdir) + _dir_bytes(ddir) <= REFERENCE_COPY_MAX_BYTES else "source"
 
 
@@ -852,6 +917,10 @@ def format_summary(res: dict) -> str:
             title = stacks.get(stack).title
             lines.append(f"    {title}: " + (", ".join(f"{k}: {json.dumps(v)}" for k, v in rec["fields"].items())
                                           if "fields" in rec else f"not written: {rec['skipped']}"))
+    if m.get("weights", {}).get("present") is False:
+        lines.append("  configs only: no weights in target/ and drafter/; download them, then build into the same "
+                     "--out to fill the bundle in:")
+        lines += [f"    {c}" for c in m["stages"]["quantize"].get("commands", [])]
     if m["stages"]["compile"]["status"] == "deferred":
         lines.append(f"  compile deferred: on the GPU node run `dflash-trt compile --bundle {res['bundle']}`")
     return "\n".join(lines)

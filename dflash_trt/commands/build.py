@@ -70,9 +70,15 @@ from dflash_trt.hardware import arch_default_node, arch_sms, gpus
 @click.option("--out", type=click.Path(file_okay=False), help="Bundle folder (default: engines/<target>-<gpu|arch>-<quant>).")
 @click.option("--force", is_flag=True, help="Redo every stage; replace a non-bundle --out folder.")
 @click.option("--allow-nonfinite", is_flag=True, help="Build from weights holding NaN / Inf (check refuses them).")
+@click.option("--configs-only", is_flag=True, help="Before the download: every config, the Triton repository, the "
+              "manifest (weights recorded as absent, with the `hf download` commands of target and drafter at their "
+              "pinned revisions), the plan and the draft schedule, from the config.json files alone (a preset's "
+              "shipped ones, a hub id's config.json, or folders holding config.json). `deploy --render` and "
+              "`plan --bundle` work on it; the same build without --configs-only into the same --out fills it in.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 def build_cmd(target, drafter, arch, gpu, quant, kv_cache, drafter_quant, stacks, trt_drafter_engine, tp, ep, pp,
-              block_size, profile, max_batch_size, calib, backend, draft_schedule, out, force, allow_nonfinite, as_json):
+              block_size, profile, max_batch_size, calib, backend, draft_schedule, out, force, allow_nonfinite,
+              configs_only, as_json):
     """Build a deployable bundle: check -> quantize -> convert -> plugin -> export-onnx -> compile
     -> package. Re-running skips every stage whose inputs did not change (--force redoes them).
     The bundle holds manifest.json, the (quantized) target and the bf16 drafter, configs/
@@ -99,6 +105,7 @@ def build_cmd(target, drafter, arch, gpu, quant, kv_cache, drafter_quant, stacks
                         drafter_quant=drafter_quant, calib=calib, trt_drafter=trt_drafter_engine,
                         allow_nonfinite=allow_nonfinite, profile=profile, max_batch_size=max_batch_size,
                         draft_schedule=partial(build_schedule, draft_schedule), deployable=check_deployable,
+                        configs_only=configs_only,
                         stacks=tuple(x.strip() for x in stacks.split(",") if x.strip()) if stacks is not None else None)
     res = build(opts, progress=True)
     plan, plan_line = _deploy_plan(res["bundle"])
@@ -109,6 +116,7 @@ def build_cmd(target, drafter, arch, gpu, quant, kv_cache, drafter_quant, stacks
                                "serving_configs": m["serving_configs"], "draft_schedule": m.get("draft_schedule"),
                                "artifacts": m["artifacts"],
                                "gpu": m["gpu"], "node": m["node"], "gpu_source": m["gpu_source"], "plan": plan,
+                               "weights": m.get("weights", {"present": True}),
                                "manifest": f"{res['bundle']}/manifest.json"}, indent=2))
     else:
         click.echo(format_summary(res) + (f"\n  {plan_line}" if plan_line else ""))
@@ -118,10 +126,14 @@ def check_deployable(bundle) -> None:
     """Refuse, before the bundle is published, a layout `deploy` would refuse: the planner's rules
     for the bundle (tp a power of two, pp 1, ...) and, where the layout fits its node, the chart's
     own checks on the values deploy writes (Helm's engine). A layout that fits no single node is
-    built all the same (deploy --nodes places it; the summary's plan line says why)."""
+    built all the same (deploy --nodes places it; the summary's plan line says why), and so is one with
+    pipeline parallelism, which deploy leaves to the chart's parallel.pp by hand (the plan line says so)."""
     from dflash_trt.deploy.values import deploy_values, plan_for_bundle, render
     from dflash_trt.errors import DFlashError
+    from dflash_trt.io.manifest import read_manifest
 
+    if read_manifest(bundle)["parallel"]["pp"] > 1:
+        return
     try:
         p = plan_for_bundle(bundle)
         if p is None or p.chosen is not None:
@@ -188,14 +200,22 @@ def verify_cmd(bundle, as_json):
     from dflash_trt.io.manifest import read_manifest, verify
 
     problems = verify(bundle)
-    n = len(read_manifest(bundle)["artifacts"])
+    m = read_manifest(bundle)
+    n = len(m["artifacts"])
+    weights = m.get("weights", {"present": True})
     if as_json:
-        click.echo(json.dumps({"bundle": bundle, "ok": not problems, "artifacts": n, "problems": problems}, indent=2))
+        click.echo(json.dumps({"bundle": bundle, "ok": not problems, "artifacts": n, "problems": problems,
+                               "weights": weights}, indent=2))
     elif problems:
         for p in problems:
             click.echo(f"problem: {p}", err=True)
     else:
         click.echo(f"ok: {n} artifacts match the manifest")
+    if not as_json and not weights["present"]:
+        click.echo(f"configs only: target/ and drafter/ hold no weights (configs, Triton repository, plan and "
+                   f"draft schedule are complete); download, then build into {bundle} again:")
+        for d in weights["downloads"]:
+            click.echo(f"  {d['role']}: {d['command'] or 'the folder the build was given (no hub id)'}")
     if problems:
         if not as_json:
             click.echo(f"error: {bundle}: {len(problems)} file(s) do not match the manifest", err=True)
