@@ -213,17 +213,17 @@ class Download:
 def missing_pair(target: str | None, drafter: str | None, first: HubMissing) -> DFlashError:
     """One line naming every download a build still needs, when the target (`first`) was not found:
     the drafter is looked up too, so the message names both `hf download` lines at once."""
-    cmds = [first.command]
+    missing = [first]
     try:
         resolve_drafter(drafter, target)
     except HubMissing as e:
-        cmds.append(e.command)
+        missing.append(e)
     except DFlashError:
         pass
-    what = " and ".join([first.what] + (["its drafter"] if len(cmds) > 1 else []))
-    return DFlashError(f"{str(first).split(':', 1)[0]}; {what} must be downloaded first: "
-                       + "; ".join(f"`{c}`" for c in cmds)
-                       + ". `dflash-trt build --configs-only` writes every config, the plan and the rollout now")
+    return DFlashError(f"{' and '.join(m.what for m in missing)}: not here and {first.why}; on a machine with hub "
+                       f"access run " + " and ".join(f"`{m.command}`" for m in missing)
+                       + " (and point HF_HUB_CACHE at that cache); `dflash-trt build --configs-only` with the same "
+                       "options writes every config, the plan and the rollout now")
 
 
 def _staged_config(name: str, role: str, config: dict) -> Path:

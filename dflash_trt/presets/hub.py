@@ -45,9 +45,9 @@ class HubMissing(DFlashError):
     """A checkpoint in none of the places looked in, with the hub off or unreachable: `command` is
     the `hf download` line that fills the cache (callers missing two checkpoints name both)."""
 
-    def __init__(self, message: str, what: str, command: str):
+    def __init__(self, message: str, what: str, command: str, why: str):
         super().__init__(message)
-        self.what, self.command = what, command
+        self.what, self.command, self.why = what, command, why
 
 
 def hub_unreachable() -> str | None:
@@ -172,7 +172,7 @@ def resolve_hub_id(hf_id: str, revision: str | None = None, role: str = "target"
     off = hub_unreachable()
     if off:
         raise HubMissing(f"{what} not found and {off}: {looked}; on a machine with hub access run `{cmd}` (and "
-                         "point HF_HUB_CACHE at that cache)", what, cmd)
+                         "point HF_HUB_CACHE at that cache)", what, cmd, off)
     return check_complete(download(hf_id, rev, what, cmd, looked), what, f"finish the download: `{cmd}`")
 
 
@@ -196,7 +196,7 @@ def download_config(hf_id: str, revision: str | None, role: str) -> Path:
     cmd = f"hf download {hf_id}" + (f" --revision {rev}" if rev != "main" else "") + " config.json"
     off = hub_unreachable()
     if off:
-        raise HubMissing(f"{what}: no config.json here and {off}; on a machine with hub access run `{cmd}`", what, cmd)
+        raise HubMissing(f"{what}: no config.json here and {off}; on a machine with hub access run `{cmd}`", what, cmd, off)
     from huggingface_hub import hf_hub_download
 
     try:
