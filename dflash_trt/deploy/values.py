@@ -516,7 +516,11 @@ def rendered_images(manifests: dict[str, str], values: dict) -> list[dict]:
             for ref, init in _container_images(obj or {}):
                 if ref in seen:
                     continue
-                if init:
+                if (obj or {}).get("kind") == "Job":
+                    what = "the bundle loader Job: copies the bundle onto the claim"
+                elif init and ref in versions:
+                    what = f"init container: waits for the bundle loader ({stack['engine']} {versions[ref]})"
+                elif init:
                     what = "init container: copies the bundle"
                 elif versions.get(ref):
                     what = f"{stack['engine']} {versions[ref]}; DFlash since {stack['dflash_since']}"
