@@ -220,7 +220,9 @@ def missing_pair(target: str | None, drafter: str | None, first: HubMissing) -> 
         missing.append(e)
     except DFlashError:
         pass
-    return DFlashError(f"{' and '.join(m.what for m in missing)}: not here and {first.why}; on a machine with hub "
+    return DFlashError(f"{' and '.join(m.what for m in missing)}: not here ("
+                       + "; ".join(f"{m.what.split()[0]}: {m.looked}" for m in missing if m.looked)
+                       + f") and {first.why}; on a machine with hub "
                        f"access run " + " and ".join(f"`{m.command}`" for m in missing)
                        + " (and point HF_HUB_CACHE at that cache); `dflash-trt build --configs-only` with the same "
                        "options writes every config, the plan and the rollout now")

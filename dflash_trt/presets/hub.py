@@ -45,9 +45,9 @@ class HubMissing(DFlashError):
     """A checkpoint in none of the places looked in, with the hub off or unreachable: `command` is
     the `hf download` line that fills the cache (callers missing two checkpoints name both)."""
 
-    def __init__(self, message: str, what: str, command: str, why: str):
+    def __init__(self, message: str, what: str, command: str, why: str, looked: str = ""):
         super().__init__(message)
-        self.what, self.command, self.why = what, command, why
+        self.what, self.command, self.why, self.looked = what, command, why, looked
 
 
 def hub_unreachable() -> str | None:
@@ -172,7 +172,7 @@ def resolve_hub_id(hf_id: str, revision: str | None = None, role: str = "target"
     off = hub_unreachable()
     if off:
         raise HubMissing(f"{what} not found and {off}: {looked}; on a machine with hub access run `{cmd}` (and "
-                         "point HF_HUB_CACHE at that cache)", what, cmd, off)
+                         "point HF_HUB_CACHE at that cache)", what, cmd, off, looked)
     return check_complete(download(hf_id, rev, what, cmd, looked), what, f"finish the download: `{cmd}`")
 
 
