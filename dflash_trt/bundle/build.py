@@ -352,6 +352,21 @@ def resolve_pair(o: BuildOptions) -> tuple[Path, Path, str, str | None]:
     return tdir, ddir, name, hf_id
 
 
+def refuse_other_hardware(prev: dict | None, s: dict, dest: Path) -> None:
+    """A rebuild into an --out holding a bundle for another architecture or GPU would silently turn,
+    say, a Blackwell NVFP4 bundle into a Hopper FP8 one: refused unless --force (which reads no
+    previous bundle: prev None)."""
+    if not prev:
+        return
+    def where(arch, gpu, quant):
+        return f"{arch} ({gpu or 'CPU-only'}, {quant})"
+    was = where(prev.get("arch"), prev.get("gpu"), (prev.get("quant") or {}).get("target"))
+    now = where(s["arch"], s["gpu"], s["quant"])
+    if (prev.get("arch"), prev.get("gpu")) != (s["arch"], s["gpu"]):
+        raise DFlashError(f"--out {dest}: holds a bundle for {was}, this build is for {now}; pass --force to "
+                          "replace it, or choose another --out")
+
+
 # ------------------------------------------------------------------ configs-only (build --configs-only)
 WEIGHT_STAGES = ("check", "quantize")      # what needs the weights; every other stage reads configs only
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -511,6 +526,7 @@ class Builder:
     def run(self) -> dict:
         self._resolve()
         self._read_previous()
+        refuse_other_hardware(self.prev_manifest, self.settings, self.dest)
         self._hash_inputs()
         with atomic_output_dir(self.dest) as work:
             self.work = work
@@ -904,7 +920,11 @@ def format_summary(res: dict) -> str:
     # each served stack's launch file (its first config file)
     files = [next(iter(stacks.get(x).config_files.values())).removeprefix("configs/")
              for x in m["serving_stacks"]["served"]]
-    lines.append(f"  configs/ {', '.join(files)}; triton/ " + ", ".join(m["triton_models"]))
+    # what is in triton/ (the vllm model is written for every bundle with a vLLM config, though not in
+    # triton_models, the models a Triton pod loads by default)
+    repo = Path(res["bundle"]) / m["triton_model_repository"]
+    models = sorted(p.name for p in repo.iterdir() if p.is_dir()) if repo.is_dir() else m["triton_models"]
+    lines.append(f"  configs/ {', '.join(files)}; {m['triton_model_repository']}/ " + ", ".join(models))
     lines.append("  " + gpu_line(m))
     for stack, why in m.get("serving_stacks", {}).get("skipped", {}).items():
         lines.append(f"  no {stacks.get(stack).title} config: {why}")
@@ -913,7 +933,13 @@ def format_summary(res: dict) -> str:
         s = sched["schedule"]
         lines.append("  draft schedule: " + (", ".join(f"{a}-{b}: K {k}" for a, b, k in s["ranges"])
                                              + f" ({sched['source']})" if s else sched["source"]))
+        unplanned = f"no draft schedule: {sched['source']}"
+        same = [stacks.get(k).title for k, rec in sched["stacks"].items() if rec.get("skipped") == unplanned]
+        if same:   # the reason is the schedule's own (said above), not the stack's: once
+            lines.append(f"    {', '.join(same)}: not written (no schedule)")
         for stack, rec in sched["stacks"].items():
+            if rec.get("skipped") == unplanned:
+                continue
             title = stacks.get(stack).title
             lines.append(f"    {title}: " + (", ".join(f"{k}: {json.dumps(v)}" for k, v in rec["fields"].items())
                                           if "fields" in rec else f"not written: {rec['skipped']}"))

@@ -11,7 +11,7 @@ from dflash_trt.hardware import arch_default_node, arch_sms, gpus
 
 
 @click.command("build")
-@click.option("--target", help="Preset name (gpt-oss-120b, gpt-oss-20b, qwen3-8b, llama-3.1-8b, smollm2-135m), a "
+@click.option("--target", help="Preset name (e.g. gpt-oss-120b, qwen3-8b; `dflash-trt presets` lists every one), a "
               "checkpoint folder or a hub id (org/name); presets and hub ids are found in $DFLASH_TRT_HOME/models or "
               "the Hugging Face cache, else downloaded. Default: the embedded pair (smollm2-135m + our drafter).")
 @click.option("--drafter", type=click.Path(), help="DFlash drafter folder or hub id (default: the preset's drafter).")
@@ -164,6 +164,39 @@ def _deploy_plan(bundle: str) -> tuple[dict | None, str | None]:
             f"sequences (`dflash-trt plan --bundle {bundle}`; what deploy writes)")
     return {"hardware": p.hardware, "chosen": {"tp": c.tp, "ep": c.ep, "replicas": c.replicas,
                                                "max_sequences": c.max_sequences}}, line
+
+
+@click.command("presets")
+@click.option("--json", "as_json", is_flag=True)
+def presets_cmd(as_json):
+    """The known (target, drafter) pairs `--target NAME` takes (build, plan, check, generate):
+    hub ids at their pinned revisions, the drafter's block size, and what the planner and
+    `build --configs-only` know of the drafter before any download (its config.json shipped, its
+    published figures, or nothing: then pass --drafter).
+
+    \b
+    Example:
+      dflash-trt presets
+      dflash-trt build --target qwen3-8b --arch hopper --configs-only
+    """
+    from dflash_trt.presets.catalog import PRESETS
+
+    rows = []
+    for p in PRESETS.values():
+        known = "config.json" if p.drafter_config_file else ("published figures" if p.drafter_shapes else "-")
+        rows.append({"name": p.name, "target": p.hf_id, "target_revision": p.revision,
+                     "drafter": p.drafter_hf_id or "embedded (ours)", "drafter_revision": p.drafter_revision,
+                     "block_size": p.block_size, "drafter_known": known})
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    head = ("name", "target", "drafter", "block", "drafter before download")
+    table = [head] + [(r["name"], r["target"] + (f"@{r['target_revision'][:10]}" if r["target_revision"] else ""),
+                       r["drafter"] + (f"@{r['drafter_revision'][:10]}" if r["drafter_revision"] else ""),
+                       str(r["block_size"] or "-"), r["drafter_known"]) for r in rows]
+    w = [max(len(t[i]) for t in table) for i in range(len(head))]
+    for t in table:
+        click.echo("  ".join(c.ljust(w[i]) for i, c in enumerate(t)).rstrip())
 
 
 @click.command("compile")
