@@ -17,7 +17,7 @@ import yaml
 from dflash_trt.deploy.rollout import version_sub_path
 from dflash_trt.io.manifest import read_manifest, verify
 
-from helpers import run_cli
+from helpers import run_cli, validate_all
 
 LOADER = "registry.example.com/bundles/llama"
 
@@ -70,6 +70,15 @@ def test_each_version_mounts_its_own_claim_folder(versions):
         assert f"bundles/llama-h200-{digest[:12]}" in out
         subs.append(sub)
     assert subs[0] != subs[1]
+
+
+def test_the_rendered_objects_pass_the_kubernetes_schemas(versions):
+    pytest.importorskip("kubernetes_validate")
+    pytest.importorskip("jsonschema")
+    _, dep, _ = versions["v2"]
+    objs_all = [o for f in sorted((dep / "manifests").iterdir()) for o in objs(dep, f.name)]
+    kinds = validate_all(objs_all)
+    assert "Job" in kinds and "ConfigMap" in kinds and "Deployment" in kinds
 
 
 def test_the_two_revisions_differ_only_in_the_bundle_version(versions):
