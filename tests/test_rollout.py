@@ -58,7 +58,8 @@ def test_each_version_mounts_its_own_claim_folder(versions):
         values = yaml.safe_load((dep / "values.yaml").read_text())
         assert values["bundle"]["pvc"]["subPath"] == sub and values["bundle"]["pvc"]["existingClaim"] == "models"
         pod = objs(dep, "workload.yaml")[0]["spec"]["template"]["spec"]
-        mounts = [m for c in pod["containers"] + pod["initContainers"] for m in c["volumeMounts"] if m["name"] == "bundle"]
+        mounts = [m for c in pod["containers"] + pod["initContainers"] for m in c["volumeMounts"]
+                  if m["name"] == "bundle"]
         assert mounts and {m["subPath"] for m in mounts} == {sub} and all(m["readOnly"] for m in mounts)
         job = next(o for o in objs(dep, "loader-job.yaml") if o["kind"] == "Job")
         assert job["metadata"]["name"] == f"dflash-trt-load-{digest[:8]}"
@@ -87,8 +88,8 @@ def test_the_two_revisions_differ_only_in_the_bundle_version(versions):
     (b1, d1, _), (b2, d2, _) = versions["v1"], versions["v2"]
     s1, s2 = version_sub_path(b1), version_sub_path(b2)
     w1, w2 = (d / "manifests" / "workload.yaml" for d in (d1, d2))
-    diff = [line for line in difflib.unified_diff(w1.read_text().splitlines(), w2.read_text().splitlines(),
-                                                  lineterm="", n=0) if line[:1] in "+-" and line[:3] not in ("+++", "---")]
+    lines = difflib.unified_diff(w1.read_text().splitlines(), w2.read_text().splitlines(), lineterm="", n=0)
+    diff = [line for line in lines if line[:1] in "+-" and line[:3] not in ("+++", "---")]
     assert diff, "the two revisions render the same Deployment"
     for line in diff:   # every changed line names the bundle version (subPath, the wait message)
         assert s1 in line or s2 in line, line

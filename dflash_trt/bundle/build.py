@@ -19,9 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import json
-import os
 import shlex
-import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -734,7 +732,8 @@ class Builder:
                     if f.is_file() and f.suffix in WEIGHT_SUFFIXES:
                         f.unlink()
         todo = [d["command"] for d in self.downloads if d["command"]]
-        return {"status": "deferred", "outputs": list(st.outputs) if st.name == "quantize" else [], "commands": todo + [configs_only_fill_command(self.o, self.dest)],
+        return {"status": "deferred", "outputs": list(st.outputs) if st.name == "quantize" else [],
+                "commands": todo + [configs_only_fill_command(self.o, self.dest)],
                 "reason": "configs only: the weights are not here; download them and run the build again into "
                           "the same --out (the last command) to fill the bundle in"}
 

@@ -214,8 +214,8 @@ def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, drafter_quant, 
 @click.option("--sub-path", help="The bundle's folder inside the claim (the chart's bundle.pvc.subPath). Default: "
               "bundles/<bundle>-<manifest digest>, one folder per bundle version, so an upgrade is a new folder and "
               "`helm rollback` mounts the previous one (docs/rollout.md); '' = the claim's root.")
-@click.option("--loader-image", help="REPOSITORY:TAG of an image holding the bundle at /bundle (deploy/bundle.Dockerfile): "
-              "the chart's loader Job copies it onto the claim under --sub-path, checking every sha256, and the pods "
+@click.option("--loader-image", help="REPOSITORY:TAG of an image holding the bundle at /bundle "
+              "(deploy/bundle.Dockerfile): the chart's loader Job copies it onto the claim under --sub-path, checking every sha256, and the pods "
               "wait for it. Without it, copy the bundle there with `dflash-trt push`.")
 @click.option("--force", is_flag=True, help="Replace an --out folder whose files were edited since deploy wrote "
               "them (without it, deploy refuses and names the edited file).")

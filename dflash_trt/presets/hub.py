@@ -196,7 +196,8 @@ def download_config(hf_id: str, revision: str | None, role: str) -> Path:
     cmd = f"hf download {hf_id}" + (f" --revision {rev}" if rev != "main" else "") + " config.json"
     off = hub_unreachable()
     if off:
-        raise HubMissing(f"{what}: no config.json here and {off}; on a machine with hub access run `{cmd}`", what, cmd, off)
+        raise HubMissing(f"{what}: no config.json here and {off}; on a machine with hub access run `{cmd}`",
+                         what, cmd, off)
     from huggingface_hub import hf_hub_download
 
     try:
