@@ -220,3 +220,29 @@ def test_missing_checkpoints_name_both_downloads(tmp_path, env):
     assert f"`hf download z-lab/gpt-oss-120b-DFlash --revision {p.drafter_revision}" in line
     assert "--configs-only" in line
     assert not any(w in line for w in ("Dry run", "snapshot_download", "LocalEntryNotFound", "httpx", "Traceback"))
+
+
+def _cache_config(cache: Path, hf_id: str, src: Path) -> None:
+    """config.json alone in the Hugging Face cache layout (what `hf download ID config.json` leaves)."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = cache / f"models--{hf_id.replace('/', '--')}"
+    (repo / "snapshots" / commit).mkdir(parents=True)
+    shutil.copyfile(src / "config.json", repo / "snapshots" / commit / "config.json")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+
+
+def test_configs_only_from_hub_ids(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
+    monkeypatch.setenv("DFLASH_TRT_HOME", str(tmp_path / "home"))
+    code, _, err = run_cli("build", "--target", "someorg/model", "--drafter", "other/drafter", "--arch", "hopper",
+                           "--configs-only", "--out", str(tmp_path / "b"))
+    assert code == 1 and "`hf download someorg/model config.json` and `hf download other/drafter config.json`" in err
+    _cache_config(tmp_path / "hf", "someorg/model", tiny / "llama")
+    _cache_config(tmp_path / "hf", "other/drafter", tiny / "llama-drafter")
+    code, out, err = run_cli("build", "--target", "someorg/model", "--drafter", "other/drafter", "--arch", "hopper",
+                             "--configs-only", "--out", str(tmp_path / "b"), "--json")
+    assert code == 0, err
+    dl = {d["role"]: d for d in json.loads(out)["weights"]["downloads"]}
+    assert dl["target"]["command"].startswith("hf download someorg/model --include '*.safetensors'")
+    assert dl["drafter"]["hf_id"] == "other/drafter" and verify(tmp_path / "b") == []

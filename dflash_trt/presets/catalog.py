@@ -256,7 +256,18 @@ def resolve_config_pair(target: str | None, drafter: str | None) -> tuple[Path, 
         tdir = find_config(p.hf_id, p.revision) or _staged_config(target, "target", p.config())
         downloads.append(hub_dl("target", p.hf_id, p.revision))
     elif target is not None and is_hub_id(target):
-        tdir = download_config(target, None, "target")
+        try:
+            tdir = download_config(target, None, "target")
+        except HubMissing as e:   # name the drafter's config too, when it is missing as well
+            missing = [e]
+            if drafter is not None and not Path(drafter).exists() and is_hub_id(drafter):
+                try:
+                    download_config(drafter, None, "drafter")
+                except HubMissing as e2:
+                    missing.append(e2)
+            raise DFlashError(f"{' and '.join(m.what for m in missing)}: no config.json here and {e.why}; on a "
+                              "machine with hub access run " + " and ".join(f"`{m.command}`" for m in missing)
+                              + " (and point HF_HUB_CACHE at that cache)") from None
         downloads.append(hub_dl("target", target, None))
     else:
         raise DFlashError(f"--target {target!r}: --configs-only takes a preset ({', '.join(sorted(PRESETS))}), a hub "
