@@ -31,7 +31,7 @@ from dflash_trt.bundle.onnx_export import export_onnx
 from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import arch_default_node, arch_has_fp4, arch_sms, gpus, hardware_for_gpu, sm_number
 from dflash_trt.io.atomic import atomic_output_dir, refuse_inside
-from dflash_trt.io.clone import carry_tree, clone_tree
+from dflash_trt.io.clone import carry_tree, clone_file, clone_tree
 from dflash_trt.io.checkpoint import load_config
 from dflash_trt.io.manifest import (
     HashCache,
@@ -727,10 +727,11 @@ class Builder:
         drafter/ get the source folders' small files (config.json, tokenizer, ...) and no weights."""
         if st.name == "quantize":
             for src, dst in ((self.tdir, self.work / "target"), (self.ddir, self.work / "drafter")):
-                link_tree(src, dst)
-                for f in dst.rglob("*"):
-                    if f.is_file() and f.suffix in WEIGHT_SUFFIXES:
-                        f.unlink()
+                dst.mkdir(parents=True, exist_ok=True)
+                for f in sorted(src.rglob("*")):   # never the weights, even where the folder has them
+                    if f.is_file() and f.suffix not in WEIGHT_SUFFIXES and "__pycache__" not in f.parts:
+                        (dst / f.relative_to(src)).parent.mkdir(parents=True, exist_ok=True)
+                        clone_file(f, dst / f.relative_to(src))
         todo = [d["command"] for d in self.downloads if d["command"]]
         return {"status": "deferred", "outputs": list(st.outputs) if st.name == "quantize" else [],
                 "commands": todo + [configs_only_fill_command(self.o, self.dest)],
