@@ -67,15 +67,40 @@ def cli():
     """
 
 
+class _Watched:
+    """stdout, noting whether anything was written (a command that printed its JSON report, e.g. a
+    failed `check --json`, has said it all: no second JSON document after it)."""
+
+    def __init__(self, stream):
+        self.stream, self.wrote = stream, False
+
+    def write(self, text):
+        self.wrote = self.wrote or bool(text)
+        return self.stream.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
 def _error(msg: str, code: int, argv) -> None:
     """The one `error: ...` line on stderr; with --json also {"error", "exit_code"} on stdout, so a
     script reading stdout gets JSON whether the command succeeded or not."""
-    if "--json" in (sys.argv[1:] if argv is None else argv):
+    out = sys.stdout
+    if "--json" in (sys.argv[1:] if argv is None else argv) and not (isinstance(out, _Watched) and out.wrote):
         click.echo(json.dumps({"error": msg, "exit_code": code}))
     click.echo(f"error: {msg}", err=True)
 
 
 def main(argv=None):
+    watched = sys.stdout = _Watched(sys.stdout)
+    try:
+        _main(argv)
+    finally:
+        if sys.stdout is watched:
+            sys.stdout = watched.stream
+
+
+def _main(argv=None):
     try:
         cli.main(args=argv, prog_name="dflash-trt", standalone_mode=False)
     except DFlashError as e:
