@@ -214,12 +214,12 @@ def main() -> int:
     ap.add_argument("--plan-only", action="store_true", help="print the schedule planned for this CPU and stop")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
-    from dflash_trt.plan import draft_schedule as ds
     from dflash_trt.bench.endpoint import parse_concurrency
+    from dflash_trt.paths import vllm_env_dir
+    from dflash_trt.plan import draft_schedule as ds
     from dflash_trt.runtime.pair import encode_prompt, load_pair
     from dflash_trt.stacks.vllm import bundle_with_draft_schedule
     from dflash_trt.stacks.vllm.server import vllm_env_problem
-    from dflash_trt.paths import vllm_env_dir
 
     problem = vllm_env_problem(vllm_env_dir())
     if problem:

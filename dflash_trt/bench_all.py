@@ -110,8 +110,8 @@ def main() -> int:
                                                               for b, v in labels["generate"].items()},
                              "teacher_forced_positions_per_s": labels["teacher_forced"]["positions_per_s"],
                              "top1_equals_generated": labels["teacher_forced"]["top1_equals_generated"]}
-    from dflash_trt.stacks.vllm.server import vllm_env_problem
     from dflash_trt.paths import vllm_env_dir
+    from dflash_trt.stacks.vllm.server import vllm_env_problem
 
     problem = vllm_env_problem(vllm_env_dir())
     lim_v = ["--prompts", str(a.limit)] if a.limit else []

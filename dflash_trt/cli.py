@@ -6,6 +6,7 @@ commands do not pay for importing torch, transformers or modelopt.
 from __future__ import annotations
 
 import importlib
+import json
 import sys
 
 import click
@@ -27,12 +28,14 @@ COMMANDS: dict[str, str] = {
     "convert": "dflash_trt.commands.quant:convert_cmd",
     "build": "dflash_trt.commands.build:build_cmd",
     "compile": "dflash_trt.commands.build:compile_cmd",
+    "presets": "dflash_trt.commands.build:presets_cmd",
     "verify": "dflash_trt.commands.build:verify_cmd",
     "serve": "dflash_trt.commands.serve:serve_cmd",
     "plugin": "dflash_trt.commands.plugin:plugin_group",
     "export-onnx": "dflash_trt.commands.plugin:export_onnx_cmd",
     "plan": "dflash_trt.commands.deploy:plan_cmd",
     "deploy": "dflash_trt.commands.deploy:deploy_cmd",
+    "push": "dflash_trt.commands.deploy:push_cmd",
 }
 
 
@@ -64,11 +67,44 @@ def cli():
     """
 
 
+class _Watched:
+    """stdout, noting whether anything was written (a command that printed its JSON report, e.g. a
+    failed `check --json`, has said it all: no second JSON document after it)."""
+
+    def __init__(self, stream):
+        self.stream, self.wrote = stream, False
+
+    def write(self, text):
+        self.wrote = self.wrote or bool(text)
+        return self.stream.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+def _error(msg: str, code: int, argv) -> None:
+    """The one `error: ...` line on stderr; with --json also {"error", "exit_code"} on stdout, so a
+    script reading stdout gets JSON whether the command succeeded or not."""
+    out = sys.stdout
+    if "--json" in (sys.argv[1:] if argv is None else argv) and not (isinstance(out, _Watched) and out.wrote):
+        click.echo(json.dumps({"error": msg, "exit_code": code}))
+    click.echo(f"error: {msg}", err=True)
+
+
 def main(argv=None):
+    watched = sys.stdout = _Watched(sys.stdout)
+    try:
+        _main(argv)
+    finally:
+        if sys.stdout is watched:
+            sys.stdout = watched.stream
+
+
+def _main(argv=None):
     try:
         cli.main(args=argv, prog_name="dflash-trt", standalone_mode=False)
     except DFlashError as e:
-        click.echo(f"error: {e}", err=True)
+        _error(str(e), 1, argv)
         sys.exit(1)
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
@@ -79,12 +115,12 @@ def main(argv=None):
         if ctx is not None:
             click.echo(ctx.get_usage(), err=True)
             click.echo(f"Try '{ctx.command_path} {ctx.help_option_names[0]}' for help.\n", err=True)
-        click.echo(f"error: {e.format_message()}", err=True)
+        _error(e.format_message(), e.exit_code, argv)
         sys.exit(e.exit_code)
     except OSError as e:
         # an I/O failure no command anticipated: still one line naming the path, never a traceback
         where = f"{e.filename}: " if e.filename else ""
-        click.echo(f"error: {where}{e.strerror or e}", err=True)
+        _error(f"{where}{e.strerror or e}", 1, argv)
         sys.exit(1)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import sys
 
+from dflash_trt.bench.runtime import cost_ratios, explain
 from dflash_trt.cli import main as cli
 from dflash_trt.kernels import gemm
 from dflash_trt.presets.catalog import resolve_drafter, resolve_target
-from dflash_trt.bench.runtime import cost_ratios, explain
 from dflash_trt.runtime.pair import generate, load_pair
 
 PROMPT = "Write a Python function `is_palindrome(s)` that checks whether a string reads the same backwards."

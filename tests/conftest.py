@@ -44,8 +44,8 @@ def pair(tiny_pairs, tmp_path):
 def vllm_env():
     """The vLLM env (vLLM's CPU build, stacks/vllm/server.py), or a skip naming why there is none.
     `make test` builds it first (`make vllm`); a failed build is recorded and named here."""
-    from dflash_trt.stacks.vllm.server import vllm_env_problem
     from dflash_trt.paths import vllm_env_dir
+    from dflash_trt.stacks.vllm.server import vllm_env_problem
 
     env = vllm_env_dir()
     problem = vllm_env_problem(env)

@@ -68,11 +68,11 @@ def test_code_hash_refuses_a_moved_source_file():
         code_hash("formats.py")
 
 def test_gpu_facts_come_from_the_hardware_catalog():
-    from dflash_trt.io.manifest import MANIFEST_SCHEMA
     from dflash_trt.commands.build import build_cmd
     from dflash_trt.commands.deploy import deploy_cmd
     from dflash_trt.commands.plugin import ARCHS_HELP
     from dflash_trt.hardware import arch_has_fp4, arch_sms, gpus
+    from dflash_trt.io.manifest import MANIFEST_SCHEMA
 
     ids = ["b300", "b200", "gb200", "h200", "h100"]
     assert list(gpus()) == ids
@@ -145,8 +145,8 @@ def test_a_draft_context_over_tensorrt_llms_budget_is_refused_with_the_numbers(t
     (stacks/trtllm/budget.py); build refuses a layout whose buffer exceeds the budget, before any
     stage runs, naming the sizes and the largest max_batch_size that fits. `--arch hopper` alone
     checks it too, on the architecture's default node (H200)."""
-    from dflash_trt.stacks.trtllm.budget import draft_context_budget
     from dflash_trt.hardware import hardware_for_gpu
+    from dflash_trt.stacks.trtllm.budget import draft_context_budget
     dcfg = json.loads((tiny / "llama-drafter" / "config.json").read_text())
     tcfg = json.loads((tiny / "llama" / "config.json").read_text())
     weights = sum(f.stat().st_size for f in (tiny / "llama").glob("*.safetensors"))

@@ -199,7 +199,7 @@ def corrupt(kind: str, m: Path) -> str:
     if kind == "header_too_long":
         data = f.read_bytes()
         f.write_bytes(struct.pack("<Q", len(data) * 2) + data[8:])
-        return r"model.safetensors: header length \d+ is larger than the file"
+        return r"model.safetensors: header of \d+ bytes needs a file of at least \d+ bytes"
     if kind == "overlap":
         k = "model.layers.0.self_attn.k_proj.weight"
         b, e = header[q]["data_offsets"]

@@ -15,10 +15,10 @@ import pytest
 import yaml
 
 from dflash_trt import engines
-from dflash_trt.io.manifest import validate as validate_manifest
-from dflash_trt.plan import cost, planner
 from dflash_trt.deploy import values as deploy
 from dflash_trt.errors import DFlashError
+from dflash_trt.io.manifest import validate as validate_manifest
+from dflash_trt.plan import cost, planner
 
 from helpers import objects, run_cli, validate_all
 

@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from dflash_trt.plan import draft_schedule as ds
 from dflash_trt.errors import DFlashError
+from dflash_trt.plan import draft_schedule as ds
 
 
 def test_survival_from_histogram():

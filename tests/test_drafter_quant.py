@@ -26,6 +26,7 @@ from dflash_trt.errors import DFlashError
 from dflash_trt.io.checkpoint import CheckpointReader
 from dflash_trt.models.drafter import load_drafter
 from dflash_trt.quant.quantize import quantize_checkpoint
+
 from helpers import run_cli
 
 PROFILES = {name: stacks.get(name).drafter_unquantized() for name in ("trtllm", "sglang")}

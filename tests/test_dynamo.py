@@ -19,9 +19,10 @@ import yaml
 
 from dflash_trt import engines
 from dflash_trt.deploy import dynamo
-from dflash_trt.plan import planner
 from dflash_trt.errors import DFlashError
+from dflash_trt.io.manifest import list_artifacts
 from dflash_trt.io.manifest import validate as validate_manifest
+from dflash_trt.plan import planner
 from dflash_trt.stacks import trtllm as trtllm_stack
 from dflash_trt.stacks.sglang import sglang_launch
 from dflash_trt.stacks.vllm.launch import vllm_launch
@@ -58,8 +59,6 @@ def write_bundle(root: Path, *, target="gpt-oss-120b", gpu="b300", arch="blackwe
         "artifacts": [], "serving_stacks": {"served": list(stacks), "skipped": {}},
         "engines": engines.manifest_record(list(stacks)),
     }
-    validate_manifest(m)
-    (bundle / "manifest.json").write_text(json.dumps(m))
     if "vllm" in stacks:
         v = vllm_launch(target_path="target", drafter_path="drafter", block_size=B, zlab_ids=ids, tp=tp, ep=ep, pp=1,
                         kv_cache=kv, dtype=cfg.get("torch_dtype"))
@@ -72,6 +71,9 @@ def write_bundle(root: Path, *, target="gpt-oss-120b", gpu="b300", arch="blackwe
         g = sglang_launch(target_path="target", drafter_path="drafter", block_size=B, zlab_ids=ids, tp=tp, ep=ep, pp=1,
                           kv_cache=kv)
         (bundle / "configs/sglang.json").write_text(json.dumps(g))
+    m["artifacts"] = list_artifacts(bundle)   # deploy verifies a bundle first, as `verify` does
+    validate_manifest(m)
+    (bundle / "manifest.json").write_text(json.dumps(m))
     return bundle
 
 

@@ -102,8 +102,8 @@ def test_plan_reads_the_family(sources, family):
     """The planner's parameter count = the elements stored in the checkpoint transformers wrote; KV per
     token as the family stores it (MLA: kv_lora_rank + qk_rope_head_dim per layer, unsplit; GatedDeltaNet
     layers: none)."""
-    from dflash_trt.plan.planner import kv_bytes_per_token, plan, target_shape
     from dflash_trt.io.checkpoint import CheckpointReader
+    from dflash_trt.plan.planner import kv_bytes_per_token, plan, target_shape
 
     cfg = json.loads((sources[family] / "config.json").read_text())
     shape = target_shape(cfg)

@@ -78,7 +78,8 @@ def test_gemma4_embeds_its_placeholders_as_pad(gemma4):
 
 
 def test_the_text_only_model_types_map_nothing():
-    from dflash_trt.models.families import gemma4 as g, mla
+    from dflash_trt.models.families import gemma4 as g
+    from dflash_trt.models.families import mla
 
     for module, cfg in ((mla, {"model_type": "deepseek_v3", **BASE, **MLA, "vocab_size": 260, **KIMI_IDS}),
                         (g, {"model_type": "gemma4_text", **GEMMA4_PLE, "vocab_size": 260, **GEMMA4_IDS})):

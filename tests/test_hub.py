@@ -17,8 +17,8 @@ import pytest
 from huggingface_hub import scan_cache_dir
 from safetensors.torch import load_file, save_file
 
-from dflash_trt.io.manifest import read_manifest, sha256_file, verify
 from dflash_trt.errors import DFlashError
+from dflash_trt.io.manifest import read_manifest, sha256_file, verify
 from dflash_trt.presets.catalog import PRESETS
 from dflash_trt.presets.hub import check_disk, download_command, resolve_hub_id
 
@@ -206,13 +206,10 @@ def test_no_room_for_the_download_is_refused_before_the_first_byte(tmp_path):
     check_disk(tmp_path, 1 << 20, "target x/y", "hf download x/y")   # room: no error
 
 
-def test_cache_blobs_are_hashed_by_their_names_and_verify_rereads_them(cached_qwen, monkeypatch):
+def test_cache_blobs_are_hashed_by_their_names_and_verify_rereads_them(cached_qwen):
     """A snapshot's LFS blobs are named by their sha256: the build takes the name instead of
-    reading a multi-GB file; `verify` re-reads, so a blob whose name lies is caught there.
-    (Every file hard-linked into the bundle here, as files of 16 MiB and more are.)"""
-    from dflash_trt.bundle import build
-
-    monkeypatch.setattr(build, "LINK_MIN_BYTES", 0)
+    reading a multi-GB file (its copy in the bundle carries the source's digest: io/clone.py);
+    `verify` re-reads, so a blob whose name lies is caught there."""
     _, t, _ = cached_qwen
     code, out, err = run_cli("build", "--target", "qwen3-8b", "--arch", "hopper", "--quant", "none", "--json")
     assert code == 0, err

@@ -11,6 +11,7 @@ import yaml
 
 from dflash_trt.io.manifest import DraftScheduleRecord, Manifest
 from dflash_trt.paths import package_path
+
 from helpers import run_cli
 
 # K 7 everywhere: nothing to write for any stack (the config's own behaviour); and one that adapts

@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from dflash_trt.plan import cost, planner
 from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import catalog, get_hardware
+from dflash_trt.plan import cost, planner
 
 from helpers import run_cli
 

@@ -10,11 +10,11 @@ import re
 import pytest
 import torch
 
-from dflash_trt.stacks.trtllm.plugin import build_plugin, sass_info
 from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import arch_sms
 from dflash_trt.kernels import kv_inject_trt
 from dflash_trt.paths import package_path
+from dflash_trt.stacks.trtllm.plugin import build_plugin, sass_info
 
 from helpers import run_cli
 

@@ -10,8 +10,8 @@ from importlib import resources
 
 import pytest
 
-from dflash_trt.plan import cost, planner
 from dflash_trt.models.config import decoder_config
+from dflash_trt.plan import cost, planner
 from dflash_trt.presets.catalog import PRESETS
 
 from helpers import run_cli

@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dflash_trt.plan import cost, planner, speed
 from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import catalog, get_hardware
+from dflash_trt.plan import cost, planner, speed
 
 from helpers import run_cli
 

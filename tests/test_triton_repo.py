@@ -15,10 +15,10 @@ import yaml
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
-from dflash_trt.stacks.trtllm.serve_config import trtllm_serve_config
-from dflash_trt.stacks.tritonserver.repo import llmapi_model_yaml, parse_model_config, write_triton_repo
 from dflash_trt.errors import DFlashError
 from dflash_trt.presets.catalog import get_preset
+from dflash_trt.stacks.tritonserver.repo import llmapi_model_yaml, parse_model_config, write_triton_repo
+from dflash_trt.stacks.trtllm.serve_config import trtllm_serve_config
 
 from helpers import generate_json, load_model_module, make_pb_utils, triton_args
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash_trt.plan import draft_schedule as ds
 from dflash_trt.errors import DFlashError
+from dflash_trt.plan import draft_schedule as ds
 from dflash_trt.stacks import REGISTRY
 from dflash_trt.stacks.vllm.launch import VLLM_DRAFT_SCHEDULE_FIELD, vllm_launch
 
@@ -40,7 +40,7 @@ def _planned() -> ds.DraftSchedule:
 
 # ------------------------------------------------------------------ the field, by vLLM's own code
 def _vllm_dynamic_sd():
-    from test_stack_conformance import _source   # the vllm 0.33.0 wheel's files (tests/.cache/wheels)
+    from test_stack_conformance import _source  # the vllm 0.33.0 wheel's files (tests/.cache/wheels)
 
     namespace: dict = {}
     exec(compile(_source("vllm", "vllm/v1/spec_decode/dynamic/utils.py"), "<vllm dynamic/utils.py>", "exec"),  # noqa: S102

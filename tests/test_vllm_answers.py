@@ -11,9 +11,9 @@ import json
 import pytest
 
 from dflash_trt.errors import DFlashError
+from dflash_trt.stacks.vllm.env import vllm_env_ready
 from dflash_trt.train.data import generate_responses
 from dflash_trt.train.prompts import build_prompts
-from dflash_trt.stacks.vllm.env import vllm_env_ready
 
 
 def test_asking_for_vllm_without_its_environment_is_one_clear_error(tmp_path, monkeypatch):

@@ -15,11 +15,11 @@ import pytest
 import torch
 from test_dflash2 import VARIANTS
 
-from dflash_trt.stacks.vllm.server import vllm_env_problem
 from dflash_trt.models.config import DrafterConfig
 from dflash_trt.models.drafter import CandidateSelector, GroupedDynamicConv
 from dflash_trt.paths import vllm_env_dir
 from dflash_trt.stacks.vllm.env import CPU_ENV, clean_env, vllm_python
+from dflash_trt.stacks.vllm.server import vllm_env_problem
 
 PROBE = Path(__file__).parent / "vllm_dflash2_probe.py"
 VLLM_DIR = vllm_env_dir()

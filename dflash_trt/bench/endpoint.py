@@ -48,11 +48,11 @@ from importlib import resources
 from pathlib import Path
 
 from dflash_trt import stacks
-from dflash_trt.plan import speed as speed_model
 from dflash_trt.deploy import values
-from dflash_trt.plan.speed_plot import distinct_curves, draw_layout, new_figure, save_figure
 from dflash_trt.errors import DFlashError
 from dflash_trt.io.prometheus import parse_prometheus, sum_series
+from dflash_trt.plan import speed as speed_model
+from dflash_trt.plan.speed_plot import distinct_curves, draw_layout, new_figure, save_figure
 
 # ---------------------------------------------------------------------------------------------
 # Each engine's own speculative-decoding counters: its stack module's data (Stack.spec_decode_metrics).

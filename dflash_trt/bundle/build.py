@@ -4,7 +4,7 @@
 
 Each stage is a function from its inputs to output folder(s) inside the bundle plus a manifest
 entry holding the sha256 of its inputs (content hashes of the checkpoints, the options that
-matter, the code that produces it). A re-run reuses (hard-links) the previous bundle's outputs
+matter, the code that produces it). A re-run reuses (io/clone.carry_tree) the previous bundle's outputs
 of every stage whose inputs hash is unchanged and reports it `skipped`; `--force` redoes all.
 
 The bundle is assembled in a temporary folder beside the destination and renamed into place
@@ -17,12 +17,12 @@ so that a stage can be re-run by hand.
 from __future__ import annotations
 
 import json
-import os
 import shlex
-import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from pathlib import Path
 
 from dflash_trt import __version__, engines, stacks
@@ -31,11 +31,12 @@ from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import arch_default_node, arch_has_fp4, arch_sms, gpus, hardware_for_gpu, sm_number
 from dflash_trt.io.atomic import atomic_output_dir, refuse_inside
 from dflash_trt.io.checkpoint import load_config
+from dflash_trt.io.clone import carry_tree, clone_file, clone_tree
 from dflash_trt.io.draft_schedule import DraftSchedule, SchedulePlanner, ScheduleRequest, no_schedule
 from dflash_trt.io.manifest import (
     SCHEMA_VERSION,
-    DrafterRecord,
     ArtifactRecord,
+    DrafterRecord,
     HashCache,
     Manifest,
     ParallelRecord,
@@ -45,6 +46,7 @@ from dflash_trt.io.manifest import (
     ServingStacksRecord,
     StageRecord,
     TargetRecord,
+    WeightsRecord,
     bundle_files,
     is_bundle,
     sha256_file,
@@ -54,8 +56,8 @@ from dflash_trt.models.check import NONFINITE_NOTE, check_pair
 from dflash_trt.models.config import load_drafter_config, require_target_config
 from dflash_trt.models.families import family
 from dflash_trt.paths import package_path
-from dflash_trt.presets.catalog import PRESETS, resolve_drafter, resolve_target
-from dflash_trt.presets.hub import snapshot_revision
+from dflash_trt.presets.catalog import PRESETS, missing_pair, resolve_config_pair, resolve_drafter, resolve_target
+from dflash_trt.presets.hub import HubMissing, snapshot_revision
 from dflash_trt.quant.calibrate import load_calib_samples
 from dflash_trt.quant.int8_drafter import write_int8_drafter
 from dflash_trt.quant.quantize import quantize_checkpoint
@@ -101,6 +103,11 @@ class BuildOptions:
     # the draft length per concurrency each stack's control gets, planned for the resolved build; the command
     # line passes the planner's (build --draft-schedule); the default plans none
     draft_schedule: SchedulePlanner = no_schedule
+    # refuses (DFlashError) a finished bundle folder, before it is published, that `deploy` would refuse
+    # (the command line passes deploy's own check: the planner's layout rules and the chart's); None: no check
+    deployable: Callable[[Path], None] | None = None
+    # every config, the Triton repository, the manifest and the plan, without the weights (configs_only_*)
+    configs_only: bool = False
 
 
 @dataclass
@@ -120,27 +127,11 @@ def _dir_bytes(p: Path) -> int:
     return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
 
 
-LINK_MIN_BYTES = 16 << 20
-
-
-def link_tree(src: Path, dst: Path) -> None:
-    """Copy a file or folder; files of 16 MiB and more (weights) as hard links, so a bundle of a
-    120B model costs no extra disk. Small files (configs, tokenizer) are real copies, so editing
-    one in the bundle never edits the source. Plain copy across file systems."""
-    def link(s, d):
-        if os.path.getsize(s) >= LINK_MIN_BYTES:
-            try:  # to the file itself: Linux link(2) of a symlink (a Hugging Face snapshot's) links the symlink
-                os.link(os.path.realpath(s), d)
-                return d
-            except OSError:
-                pass
-        return shutil.copy2(s, d)
-
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    if src.is_file():
-        link(src, dst)
-    else:
-        shutil.copytree(src, dst, copy_function=link, ignore=shutil.ignore_patterns("__pycache__", ".cache"))
+def link_tree(src: Path, dst: Path, on_file=None) -> None:
+    """The bundle's own copy of a source file or folder (io/clone.py: a reflink where the filesystem
+    has them, else a copy): never a hard link, so writing a bundle file never writes the source.
+    on_file(src, dst) after each file (the build hands the copy its source's known sha256)."""
+    clone_tree(src, dst, on_file)
 
 
 def code_hash(*relpaths: str) -> str:
@@ -355,7 +346,10 @@ def drafter_exclusions(served: list[str], drafter_quant: str, calibrated: bool) 
 def resolve_pair(o: BuildOptions) -> tuple[Path, Path, str, str | None]:
     """(target dir, drafter dir, target name, hub id). Presets and hub ids: presets/hub.py."""
     spec = o.target
-    tdir = Path(resolve_target(spec)).resolve()
+    try:
+        tdir = Path(resolve_target(spec)).resolve()
+    except HubMissing as e:   # name the drafter's download too, in the same line
+        raise missing_pair(spec, o.drafter, e) from None
     ddir = Path(resolve_drafter(o.drafter, spec)).resolve()
     hub = spec is not None and not Path(spec).exists() and spec not in PRESETS  # an org/name hub id
     name = spec if spec in PRESETS or hub else ("smollm2-135m" if spec is None else tdir.name)
@@ -366,6 +360,54 @@ def resolve_pair(o: BuildOptions) -> tuple[Path, Path, str, str | None]:
         if not any(folder.glob("*.safetensors")):
             raise DFlashError(f"{folder}: the {what} folder has no *.safetensors weights")
     return tdir, ddir, name, hf_id
+
+
+def refuse_other_hardware(prev: dict | None, s: dict, dest: Path) -> None:
+    """A rebuild into an --out holding a bundle for another architecture or GPU would silently turn,
+    say, a Blackwell NVFP4 bundle into a Hopper FP8 one: refused unless --force (which reads no
+    previous bundle: prev None)."""
+    if not prev:
+        return
+    def where(arch, gpu, quant):
+        return f"{arch} ({gpu or 'CPU-only'}, {quant})"
+    was = where(prev.get("arch"), prev.get("gpu"), (prev.get("quant") or {}).get("target"))
+    now = where(s["arch"], s["gpu"], s["quant"])
+    if (prev.get("arch"), prev.get("gpu")) != (s["arch"], s["gpu"]):
+        raise DFlashError(f"--out {dest}: holds a bundle for {was}, this build is for {now}; pass --force to "
+                          "replace it, or choose another --out")
+
+
+# ------------------------------------------------------------------ configs-only (build --configs-only)
+WEIGHT_STAGES = ("check", "quantize")      # what needs the weights; every other stage reads configs only
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+def configs_only_pair(o: BuildOptions) -> tuple[Path, Path, str, str | None, list[dict]]:
+    """resolve_pair for --configs-only: folders holding the two config.json files (presets/catalog.py
+    resolve_config_pair), and the downloads the weights still need."""
+    if o.backend == "engine" or o.trt_drafter or o.drafter_quant not in ("auto", "none") or o.calib:
+        raise DFlashError("--configs-only writes what needs no weights: drop --backend engine, --trt-drafter-engine, "
+                          "--drafter-quant and --calib (they read the weights)")
+    tdir, ddir, downloads = resolve_config_pair(o.target, o.drafter)
+    spec = o.target
+    hub = not Path(spec).exists() and spec not in PRESETS
+    name = spec if spec in PRESETS or hub else tdir.name
+    hf_id = PRESETS[name].hf_id if name in PRESETS else (spec if hub else None)
+    return tdir, ddir, name, hf_id, [d.to_dict() for d in downloads]
+
+
+def configs_only_record(downloads: list[dict]) -> WeightsRecord:
+    """manifest.json `weights` of a configs-only bundle: absent, and how to get them."""
+    return WeightsRecord(present=False, downloads=downloads)
+
+
+def configs_only_fill_command(o: BuildOptions, dest: Path) -> str:
+    """The build that fills a configs-only bundle in, once the weights are downloaded."""
+    args = ["build", *(["--target", o.target] if o.target else []), *(["--drafter", o.drafter] if o.drafter else []),
+            "--arch", o.arch, *(["--gpu", o.gpu] if o.gpu else []),
+            *(["--tp", o.tp] if o.tp != 1 else []), *(["--ep", o.ep] if o.ep != 1 else []),
+            *(["--quant", o.quant] if o.quant != "auto" else []), "--out", dest]
+    return _cmd(*args)
 
 
 def default_out(name: str, s: dict, o: BuildOptions) -> Path:
@@ -450,7 +492,7 @@ class Builder:
         if prev and prev.get("inputs_sha256") == digest and prev["status"] not in ("failed", "skipped") \
                 and self._outputs_intact(name, prev["outputs"]):
             for p in prev["outputs"]:
-                link_tree(self.prev_dir / p, self.work / p)
+                carry_tree(self.prev_dir / p, self.work / p)
             # `status` stays the stage's outcome (done / deferred / not-needed: what deploy reads);
             # `skipped` says that this run reused it
             entry = dict(prev, skipped=True)
@@ -494,6 +536,7 @@ class Builder:
     def run(self) -> dict:
         self._resolve()
         self._read_previous()
+        refuse_other_hardware(self.prev_manifest, self.settings, self.dest)
         self._hash_inputs()
         with atomic_output_dir(self.dest) as work:
             self.work = work
@@ -504,12 +547,17 @@ class Builder:
                 self._run_stage(st)
             self.manifest = self._finish_manifest()
             self.manifest.write(work)
+            if self.o.deployable is not None:
+                self.o.deployable(work)
         return {"bundle": str(self.dest), "manifest": self.manifest, "stages": [asdict(r) for r in self.reports]}
 
     def _resolve(self) -> None:
         """The pair, its configs, the settings, the block size and the bundle folder."""
         o = self.o
-        self.tdir, self.ddir, self.name, self.hf_id = resolve_pair(o)
+        if o.configs_only:
+            self.tdir, self.ddir, self.name, self.hf_id, self.downloads = configs_only_pair(o)
+        else:
+            (self.tdir, self.ddir, self.name, self.hf_id), self.downloads = resolve_pair(o), []
         self.tcfg = require_target_config(load_config(self.tdir), str(self.tdir / "config.json"))
         self.settings = resolve_settings(o, self.tcfg, self.name)
         self.dcfg = load_drafter_config(self.ddir)
@@ -605,8 +653,14 @@ class Builder:
                 drafter_attention_backend=drafter_attention_backend(s["arch"]),
                 drafter_attention_backend_source=DRAFTER_ATTENTION_BACKEND.get(
                     s["arch"], ("", "DFlashDecodingConfig default"))[1]),
-            reference_runtime=ReferenceRuntimeRecord(layout=reference_layout(s, self.tdir, self.ddir)),
+            reference_runtime=ReferenceRuntimeRecord(layout=reference_layout(s, self.tdir, self.ddir, o.configs_only)),
             draft_schedule=draft_schedule_record(self.schedule, self.schedule_source, served))
+        if o.configs_only:
+            revision = {role: getattr(m, role).revision or next(
+                (d["revision"] for d in self.downloads if d["role"] == role), None) for role in ("target", "drafter")}
+            self.manifest = m = replace(m, weights=configs_only_record(self.downloads),
+                                        target=replace(m.target, revision=revision["target"]),
+                                        drafter=replace(m.drafter, revision=revision["drafter"]))
         self.facts["manifest"] = {k: v for k, v in m.to_dict().items() if k != "created"}
 
     def _needed(self, st: Stage) -> bool:
@@ -620,6 +674,8 @@ class Builder:
         if st.code:
             inputs["code"] = code_hash(*st.code) if needed else None  # code counts only where it runs
         run = getattr(self, st.method) if needed else (lambda: self._not_needed(st))
+        if needed and self.o.configs_only and st.name in WEIGHT_STAGES:
+            run = partial(self._without_weights, st)
         self.stage(st.name, inputs, run, list(st.outputs) if needed else [])
 
     def _finish_manifest(self) -> Manifest:
@@ -658,7 +714,7 @@ class Builder:
                                       progress=self.progress)
             notes += list(getattr(rep, "not_calibrated", None) or [])
         else:
-            link_tree(tdir, work / "target")
+            link_tree(tdir, work / "target", self._copied)
             notes.append("target kept as is" + (" (MXFP4 experts)" if s["quant"] == "mxfp4" else ""))
         if s["drafter_quant"] == "int8":   # compressed-tensors W8A8, vLLM's (quant/int8_drafter.py)
             write_int8_drafter(ddir, work / "drafter")
@@ -673,9 +729,31 @@ class Builder:
             quantize_checkpoint(ddir, work / "drafter", dq, exclude=exclude, input_amax=amax, progress=self.progress)
             notes.append(f"drafter {dq.upper()}" + (f", {', '.join(exclude)} kept" if exclude else ""))
         else:
-            link_tree(ddir, work / "drafter")
+            link_tree(ddir, work / "drafter", self._copied)
             notes.append("drafter kept as is")
         return {"commands": cmds, "reason": "; ".join(notes)}
+
+    def _without_weights(self, st: Stage) -> dict:
+        """check / quantize of a configs-only build: deferred until the weights are here. target/ and
+        drafter/ get the source folders' small files (config.json, tokenizer, ...) and no weights."""
+        if st.name == "quantize":
+            for src, dst in ((self.tdir, self.work / "target"), (self.ddir, self.work / "drafter")):
+                dst.mkdir(parents=True, exist_ok=True)
+                for f in sorted(src.rglob("*")):   # never the weights, even where the folder has them
+                    if f.is_file() and f.suffix not in WEIGHT_SUFFIXES and "__pycache__" not in f.parts:
+                        (dst / f.relative_to(src)).parent.mkdir(parents=True, exist_ok=True)
+                        clone_file(f, dst / f.relative_to(src))
+        todo = [d["command"] for d in self.downloads if d["command"]]
+        return {"status": "deferred", "outputs": list(st.outputs) if st.name == "quantize" else [],
+                "commands": todo + [configs_only_fill_command(self.o, self.dest)],
+                "reason": "configs only: the weights are not here; download them and run the build again into "
+                          "the same --out (the last command) to fill the bundle in"}
+
+    def _copied(self, src: Path, dst: Path) -> None:
+        """A source file copied into the bundle has the sha256 hashed from the source (not re-read)."""
+        digest = self.cache.linked(src)
+        if digest is not None:
+            self.cache.remember(dst, digest)
 
     def _not_needed(self, st: Stage) -> dict:
         """A stage whose artifacts this build does not ask for (nothing in the serving files loads them)."""
@@ -719,7 +797,7 @@ class Builder:
                                    target_dir=self.tdir, drafter_dir=self.ddir,
                                    drafter=load_drafter_config(work / "drafter"), serving_profile=self.profile)
         self.manifest = replace(m, serving_configs=write_configs(ctx))
-        ctx.reference = reference_pair(work, layout, self.tdir, self.ddir)
+        ctx.reference = reference_pair(work, layout, self.tdir, self.ddir, self._copied)
         stacks.TRITON.write_repository(ctx, stacks.served(m.served_stacks))
         (work / "engines").mkdir(exist_ok=True)
         (work / "engines" / "README.txt").write_text(
@@ -743,28 +821,30 @@ class Builder:
             reused = any(rel == r or rel.startswith(r + "/") for r in self.reused)
             if reused and prev and prev["bytes"] == st.st_size and stats.get(rel) == [st.st_size, st.st_mtime_ns]:
                 digest = prev["sha256"]
-            else:  # an input's hard link (link_tree), or what export-onnx hashed as it wrote: known already
+            else:  # an input's copy (link_tree, _copied), or what export-onnx hashed as it wrote: known already
                 digest = self.cache.linked(work / rel) or sha256_file(work / rel)
             out.append(ArtifactRecord(path=rel, bytes=st.st_size, sha256=digest))
         return out
 
 
-def reference_layout(s: dict, tdir: Path, ddir: Path) -> str:
+def reference_layout(s: dict, tdir: Path, ddir: Path, configs_only: bool = False) -> str:
     """Where the dflash_reference model finds its pair. The reference runtime loads unquantized
     checkpoints: "bundle" = the bundle's own target/ and drafter/ (not quantized); "copy" = a
-    copy of the source pair under reference/ (hard links; small models); "source" = the source
+    copy of the source pair under reference/ (small models); "source" = the source
     folders by absolute path (too big to carry; CPU smoke tests of such models are impractical)."""
     if s["quant"] not in ("fp8", "nvfp4") and s["drafter_quant"] == "none":
         return "bundle"
+    if configs_only:   # the size of the weights is not known here; the full build decides again
+        return "source"
     return "copy" if _dir_bytes(tdir) + _dir_bytes(ddir) <= REFERENCE_COPY_MAX_BYTES else "source"
 
 
-def reference_pair(work: Path, layout: str, tdir: Path, ddir: Path) -> dict:
+def reference_pair(work: Path, layout: str, tdir: Path, ddir: Path, on_file=None) -> dict:
     if layout == "bundle":
         return {"target": "target", "drafter": "drafter"}
     if layout == "copy":
-        link_tree(tdir, work / "reference" / "target")
-        link_tree(ddir, work / "reference" / "drafter")
+        link_tree(tdir, work / "reference" / "target", on_file)
+        link_tree(ddir, work / "reference" / "drafter", on_file)
         return {"target": "reference/target", "drafter": "reference/drafter"}
     return {"target": str(tdir), "drafter": str(ddir)}
 
@@ -829,7 +909,11 @@ def format_summary(res: dict) -> str:
                  "with its sha256)")
     # each served stack's launch file (its first config file)
     files = [next(iter(stacks.get(x).config_files.values())).removeprefix("configs/") for x in m.served_stacks]
-    lines.append(f"  configs/ {', '.join(files)}; triton/ " + ", ".join(m.triton_models))
+    # what is in triton/ (the vllm model is written for every bundle with a vLLM config, though not in
+    # triton_models, the models a Triton pod loads by default)
+    repo = Path(res["bundle"]) / m.triton_model_repository
+    models = sorted(p.name for p in repo.iterdir() if p.is_dir()) if repo.is_dir() else m.triton_models
+    lines.append(f"  configs/ {', '.join(files)}; {m.triton_model_repository}/ " + ", ".join(models))
     lines.append("  " + gpu_line(m))
     for stack, why in m.skipped_stacks.items():
         lines.append(f"  no {stacks.get(stack).title} config: {why}")
@@ -838,10 +922,20 @@ def format_summary(res: dict) -> str:
         s = sched.schedule
         lines.append("  draft schedule: " + (", ".join(f"{a}-{b}: K {k}" for a, b, k in s["ranges"])
                                              + f" ({sched.source})" if s else sched.source))
+        unplanned = f"no draft schedule: {sched.source}"
+        same = [stacks.get(k).title for k, rec in sched.stacks.items() if rec.skipped == unplanned]
+        if same:   # the reason is the schedule's own (said above), not the stack's: once
+            lines.append(f"    {', '.join(same)}: not written (no schedule)")
         for stack, rec in sched.stacks.items():
+            if rec.skipped == unplanned:
+                continue
             title = stacks.get(stack).title
             lines.append(f"    {title}: " + (", ".join(f"{k}: {json.dumps(v)}" for k, v in rec.fields.items())
                                           if rec.fields is not None else f"not written: {rec.skipped}"))
+    if m.weights is not None and not m.weights.present:
+        lines.append("  configs only: no weights in target/ and drafter/; download them, then build into the same "
+                     "--out to fill the bundle in:")
+        lines += [f"    {c}" for c in (m.stages["quantize"].commands or [])]
     if m.stages["compile"].status == "deferred":
         lines.append(f"  compile deferred: on the GPU node run `dflash-trt compile --bundle {res['bundle']}`")
     return "\n".join(lines)

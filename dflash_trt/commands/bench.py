@@ -77,8 +77,8 @@ def bench_cmd(ctx, target, drafter, prompts_file, max_new_tokens, block_size, te
                                ignore_eos, warmup, gpus, plot_file, plan_bundle, as_json)
     import torch
 
-    from dflash_trt.presets.catalog import resolve_drafter, resolve_target
     from dflash_trt.bench.runtime import format_table, run_bench
+    from dflash_trt.presets.catalog import resolve_drafter, resolve_target
     from dflash_trt.runtime.pair import load_pair
     from dflash_trt.train.prompts import read_prompts
 

@@ -11,7 +11,7 @@ from dflash_trt.io.manifest import Manifest
 
 
 @click.command("build")
-@click.option("--target", help="Preset name (gpt-oss-120b, gpt-oss-20b, qwen3-8b, llama-3.1-8b, smollm2-135m), a "
+@click.option("--target", help="Preset name (e.g. gpt-oss-120b, qwen3-8b; `dflash-trt presets` lists every one), a "
               "checkpoint folder or a hub id (org/name); presets and hub ids are found in $DFLASH_TRT_HOME/models or "
               "the Hugging Face cache, else downloaded. Default: the embedded pair (smollm2-135m + our drafter).")
 @click.option("--drafter", type=click.Path(), help="DFlash drafter folder or hub id (default: the preset's drafter).")
@@ -73,9 +73,15 @@ from dflash_trt.io.manifest import Manifest
 @click.option("--out", type=click.Path(file_okay=False), help="Bundle folder (default: engines/<target>-<gpu|arch>-<quant>).")
 @click.option("--force", is_flag=True, help="Redo every stage; replace a non-bundle --out folder.")
 @click.option("--allow-nonfinite", is_flag=True, help="Build from weights holding NaN / Inf (check refuses them).")
+@click.option("--configs-only", is_flag=True, help="Before the download: every config, the Triton repository, the "
+              "manifest (weights recorded as absent, with the `hf download` commands of target and drafter at their "
+              "pinned revisions), the plan and the draft schedule, from the config.json files alone (a preset's "
+              "shipped ones, a hub id's config.json, or folders holding config.json). `deploy --render` and "
+              "`plan --bundle` work on it; the same build without --configs-only into the same --out fills it in.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 def build_cmd(target, drafter, arch, gpu, quant, kv_cache, drafter_quant, stacks, trt_drafter_engine, tp, ep, pp,
-              block_size, profile, max_batch_size, calib, backend, draft_schedule, out, force, allow_nonfinite, as_json):
+              block_size, profile, max_batch_size, calib, backend, draft_schedule, out, force, allow_nonfinite,
+              configs_only, as_json):
     """Build a deployable bundle: check -> quantize -> convert -> plugin -> export-onnx -> compile
     -> package. Re-running skips every stage whose inputs did not change (--force redoes them).
     The bundle holds manifest.json, the (quantized) target and the bf16 drafter, configs/
@@ -100,7 +106,8 @@ def build_cmd(target, drafter, arch, gpu, quant, kv_cache, drafter_quant, stacks
                         ep=ep, pp=pp, block_size=block_size, backend=backend, out=out, force=force,
                         drafter_quant=drafter_quant, calib=calib, trt_drafter=trt_drafter_engine,
                         allow_nonfinite=allow_nonfinite, profile=profile, max_batch_size=max_batch_size,
-                        draft_schedule=_schedule_planner(draft_schedule),
+                        draft_schedule=_schedule_planner(draft_schedule), deployable=check_deployable,
+                        configs_only=configs_only,
                         stacks=tuple(x.strip() for x in stacks.split(",") if x.strip()) if stacks is not None else None)
     res = build(opts, progress=True)
     plan, plan_line = _deploy_plan(res["bundle"], res["manifest"])
@@ -111,6 +118,7 @@ def build_cmd(target, drafter, arch, gpu, quant, kv_cache, drafter_quant, stacks
                                "serving_configs": m["serving_configs"], "draft_schedule": m.get("draft_schedule"),
                                "artifacts": m["artifacts"],
                                "gpu": m["gpu"], "node": m["node"], "gpu_source": m["gpu_source"], "plan": plan,
+                               "weights": m.get("weights", {"present": True}),
                                "manifest": f"{res['bundle']}/manifest.json"}, indent=2))
     else:
         click.echo(format_summary(res) + (f"\n  {plan_line}" if plan_line else ""))
@@ -121,6 +129,27 @@ def _schedule_planner(mode: str):
     from dflash_trt.plan.speed import build_schedule
 
     return lambda request: build_schedule(mode, **request.keywords())
+
+
+def check_deployable(bundle) -> None:
+    """Refuse, before the bundle is published, a layout `deploy` would refuse: the planner's rules
+    for the bundle (tp a power of two, pp 1, ...) and, where the layout fits its node, the chart's
+    own checks on the values deploy writes (Helm's engine). A layout that fits no single node is
+    built all the same (deploy --nodes places it; the summary's plan line says why), and so is one with
+    pipeline parallelism, which deploy leaves to the chart's parallel.pp by hand (the plan line says so)."""
+    from dflash_trt.deploy.values import deploy_values, plan_for_bundle, render
+    from dflash_trt.errors import DFlashError
+    from dflash_trt.io.manifest import read_manifest
+
+    if read_manifest(bundle)["parallel"]["pp"] > 1:
+        return
+    try:
+        p = plan_for_bundle(bundle)
+        if p is None or p.chosen is not None:
+            values, _ = deploy_values(bundle)
+            render(values)
+    except DFlashError as e:
+        raise DFlashError(f"deploy would refuse this bundle: {e}; nothing was written") from None
 
 
 def _deploy_plan(bundle: str, manifest: Manifest) -> tuple[dict | None, str | None]:
@@ -144,6 +173,39 @@ def _deploy_plan(bundle: str, manifest: Manifest) -> tuple[dict | None, str | No
             f"sequences (`dflash-trt plan --bundle {bundle}`; what deploy writes)")
     return {"hardware": p.hardware, "chosen": {"tp": c.tp, "ep": c.ep, "replicas": c.replicas,
                                                "max_sequences": c.max_sequences}}, line
+
+
+@click.command("presets")
+@click.option("--json", "as_json", is_flag=True)
+def presets_cmd(as_json):
+    """The known (target, drafter) pairs `--target NAME` takes (build, plan, check, generate):
+    hub ids at their pinned revisions, the drafter's block size, and what the planner and
+    `build --configs-only` know of the drafter before any download (its config.json shipped, its
+    published figures, or nothing: then pass --drafter).
+
+    \b
+    Example:
+      dflash-trt presets
+      dflash-trt build --target qwen3-8b --arch hopper --configs-only
+    """
+    from dflash_trt.presets.catalog import PRESETS
+
+    rows = []
+    for p in PRESETS.values():
+        known = "config.json" if p.drafter_config_file else ("published figures" if p.drafter_shapes else "-")
+        rows.append({"name": p.name, "target": p.hf_id, "target_revision": p.revision,
+                     "drafter": p.drafter_hf_id or "embedded (ours)", "drafter_revision": p.drafter_revision,
+                     "block_size": p.block_size, "drafter_known": known})
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    head = ("name", "target", "drafter", "block", "drafter before download")
+    table = [head] + [(r["name"], r["target"] + (f"@{r['target_revision'][:10]}" if r["target_revision"] else ""),
+                       r["drafter"] + (f"@{r['drafter_revision'][:10]}" if r["drafter_revision"] else ""),
+                       str(r["block_size"] or "-"), r["drafter_known"]) for r in rows]
+    w = [max(len(t[i]) for t in table) for i in range(len(head))]
+    for t in table:
+        click.echo("  ".join(c.ljust(w[i]) for i, c in enumerate(t)).rstrip())
 
 
 @click.command("compile")
@@ -180,14 +242,22 @@ def verify_cmd(bundle, as_json):
     from dflash_trt.io.manifest import verify
 
     problems = verify(bundle)
-    n = len(Manifest.read(bundle).artifacts)
+    m = Manifest.read(bundle)
+    n = len(m.artifacts)
+    weights = m.to_dict().get("weights", {"present": True})
     if as_json:
-        click.echo(json.dumps({"bundle": bundle, "ok": not problems, "artifacts": n, "problems": problems}, indent=2))
+        click.echo(json.dumps({"bundle": bundle, "ok": not problems, "artifacts": n, "problems": problems,
+                               "weights": weights}, indent=2))
     elif problems:
         for p in problems:
             click.echo(f"problem: {p}", err=True)
     else:
         click.echo(f"ok: {n} artifacts match the manifest")
+    if not as_json and not weights["present"]:
+        click.echo(f"configs only: target/ and drafter/ hold no weights (configs, Triton repository, plan and "
+                   f"draft schedule are complete); download, then build into {bundle} again:")
+        for d in weights["downloads"]:
+            click.echo(f"  {d['role']}: {d['command'] or 'the folder the build was given (no hub id)'}")
     if problems:
         if not as_json:
             click.echo(f"error: {bundle}: {len(problems)} file(s) do not match the manifest", err=True)

@@ -157,6 +157,7 @@ def _bundle_plan(bundle, hardware, quant, kv_cache, drafter_quant, target, draft
     gpu = catalog()[hardware].gpu if hardware else None
     if profile:
         raise DFlashError("--bundle plans the bundle's own serving config (its profile); drop --profile")
+    deploy.require_intact(bundle)   # a bundle `verify` refuses is planned no more than deployed
     m = Manifest.read(bundle)
     p = deploy.plan_for_bundle(bundle, nodes=layout["nodes"], gpus_per_node=layout["gpus_per_node"], gpu=gpu,
                                max_seq_len=layout["max_seq_len"], objective=layout["objective"], manifest=m,
@@ -254,10 +255,18 @@ def _plan_output(p, report, split, plot_file, as_json: bool) -> str:
               "break-even at the measured concurrency, per-token latency over the per-user target, each where the "
               "bundle's draft schedule or --min-tokens-per-user gives the figure) and a Grafana dashboard ConfigMap "
               "(docs/monitoring.md).")
+@click.option("--sub-path", help="The bundle's folder inside the claim (the chart's bundle.pvc.subPath). Default: "
+              "bundles/<bundle>-<manifest digest>, one folder per bundle version, so an upgrade is a new folder and "
+              "`helm rollback` mounts the previous one (docs/rollout.md); '' = the claim's root.")
+@click.option("--loader-image", help="REPOSITORY:TAG of an image holding the bundle at /bundle "
+              "(deploy/bundle.Dockerfile): the chart's loader Job copies it onto the claim under --sub-path, checking every sha256, and the pods "
+              "wait for it. Without it, copy the bundle there with `dflash-trt push`.")
+@click.option("--force", is_flag=True, help="Replace an --out folder whose files were edited since deploy wrote "
+              "them (without it, deploy refuses and names the edited file).")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary only.")
 def deploy_cmd(bundle, nodes, gpus_per_node, replicas, server, dynamo_engine, disaggregated, isl, osl, image,
                engine_version, multinode_image, gpu, pvc, ssh_secret, out, render, chart, release, namespace,
-               min_tokens_per_user, tau, monitoring, as_json):
+               min_tokens_per_user, tau, monitoring, sub_path, loader_image, force, as_json):
     """Write Helm values for a bundle (and, with --render, the Kubernetes manifests).
 
     \b
@@ -283,6 +292,7 @@ def deploy_cmd(bundle, nodes, gpus_per_node, replicas, server, dynamo_engine, di
       dflash-trt deploy --bundle engines/gpt-oss-120b --server dynamo --nodes 2 --disaggregated --isl 8192 --osl 1024
       kubectl apply -f engines/gpt-oss-120b-deploy/dgd.yaml
     """
+    from dflash_trt.deploy import rollout
     from dflash_trt.deploy import values as deploy
     from dflash_trt.errors import DFlashError
     from dflash_trt.io.manifest import Manifest
@@ -292,6 +302,7 @@ def deploy_cmd(bundle, nodes, gpus_per_node, replicas, server, dynamo_engine, di
     if min_tokens_per_user is not None and not min_tokens_per_user > 0:
         raise DFlashError(f"--min-tokens-per-user {min_tokens_per_user:g}: must be a positive tokens/s figure")
     deploy.check_release(release, namespace)
+    deploy.require_intact(bundle)   # what verify refuses, deploy refuses: the pods would load it
     if server in ORCHESTRATORS:
         return _deploy_orchestrated(bundle=bundle, nodes=nodes, gpus_per_node=gpus_per_node, replicas=replicas,
                                     engine=dynamo_engine, disaggregated=disaggregated, isl=isl, osl=osl, image=image,
@@ -310,6 +321,8 @@ def deploy_cmd(bundle, nodes, gpus_per_node, replicas, server, dynamo_engine, di
                                      gpu=gpu, pvc=pvc, ssh_secret=ssh_secret, image=image,
                                      multinode_image=multinode_image, server=server, engine_version=engine_version,
                                      manifest=m)
+    rollout.delivery_values(values, bundle, sub_path=sub_path,
+                            loader_image=deploy.parse_image(loader_image, "--loader-image") if loader_image else None)
     target_speed = None
     if min_tokens_per_user is not None:
         if p is None:
@@ -349,8 +362,11 @@ def deploy_cmd(bundle, nodes, gpus_per_node, replicas, server, dynamo_engine, di
                  f"{target_speed['max_batch_size']} sequences per instance (speed model, predicted "
                  f"{target_speed['predicted_tokens_per_s_per_user']:,.0f}); autoscaling.targetAverageValue "
                  f"{target_speed['autoscaling_target']}; serve with max_batch_size {target_speed['max_batch_size']}.\n" if target_speed else "")
-              + f"# Install: helm install {release} {chart_dir} -f {out / 'values.yaml'}\n")
-    deploy.write_deployment(out, values, manifests, header)
+              + _delivery_header(bundle, values)
+              + f"# Install: helm install {release} {chart_dir} -f {out / 'values.yaml'}\n"
+              + f"# Upgrade (a new bundle version: new subPath): helm upgrade {release} {chart_dir} -f "
+              f"{out / 'values.yaml'}; back: helm rollback {release} (docs/rollout.md)\n")
+    deploy.write_deployment(out, values, manifests, header, force=force)
     if as_json:
         click.echo(json.dumps({"values": str(out / "values.yaml"),
                                "manifests": str(out / "manifests") if manifests is not None else None,
@@ -368,6 +384,9 @@ def deploy_cmd(bundle, nodes, gpus_per_node, replicas, server, dynamo_engine, di
     else:
         click.echo("layout: CPU-only, model dflash_reference")
     click.echo(f"server: {values['server']['stack']}")
+    if not m.raw.get("weights", {}).get("present", True):
+        click.echo("note: the bundle holds configs only (no weights): fill it in (`dflash-trt verify --bundle "
+                   f"{bundle}` says how) before copying it to the cluster")
     for im in images:
         click.echo(f"image: {im['image']} ({im['what']})")
     if target_speed:
@@ -384,7 +403,49 @@ def deploy_cmd(bundle, nodes, gpus_per_node, replicas, server, dynamo_engine, di
         alerts = [r["alert"] for g in values["monitoring"]["ruleGroups"] for r in g["rules"] if "alert" in r]
         click.echo(f"monitoring: ServiceMonitor, PrometheusRule (alerts: {', '.join(alerts) or 'none'}; "
                    f"{planned.source}), Grafana dashboard ConfigMap")
+    sub = values["bundle"].get("pvc", {}).get("subPath")
+    if values["bundle"].get("loader", {}).get("enabled"):
+        click.echo(f"bundle: the loader Job copies it from {loader_image} to the claim's {sub}/ (pods wait for it)")
+    elif sub:
+        click.echo(f"bundle: the pods mount the claim's {sub}/: copy it there with `dflash-trt push --bundle {bundle} "
+                   f"--to <the claim, mounted>` (or --loader-image)")
     click.echo(f"install: helm install {release} {chart_dir} -f {out / 'values.yaml'}")
+
+
+def _delivery_header(bundle, values: dict) -> str:
+    sub = values["bundle"].get("pvc", {}).get("subPath")
+    if not sub:
+        return ""
+    if values["bundle"].get("loader", {}).get("enabled"):
+        return f"# Bundle: copied to the claim's {sub}/ by the loader Job (bundle.loader), checked file by file.\n"
+    return f"# Bundle: on the claim under {sub}/: `dflash-trt push --bundle {bundle} --to <claim mounted here>`.\n"
+
+
+@click.command("push")
+@click.option("--bundle", required=True, type=click.Path(exists=True, file_okay=False), help="A dflash-trt bundle.")
+@click.option("--to", "claim", required=True, type=click.Path(file_okay=False),
+              help="The claim (PersistentVolumeClaim) the pods mount, mounted on this machine (an NFS share, a node).")
+@click.option("--sub-path", help="Folder inside the claim (default: bundles/<bundle>-<manifest digest>, what `deploy` "
+              "sets as bundle.pvc.subPath).")
+@click.option("--json", "as_json", is_flag=True)
+def push_cmd(bundle, claim, sub_path, as_json):
+    """Copy a bundle onto the claim the pods mount, under its version folder: verified first,
+    copied into a temp folder beside it (reflinks where the filesystem has them), re-hashed,
+    then renamed into place. A version already there is left as it is.
+
+    \b
+    Examples:
+      dflash-trt push --bundle engines/gpt-oss-120b-b300 --to /mnt/models
+      dflash-trt deploy --bundle engines/gpt-oss-120b-b300 --pvc models --render
+      helm upgrade gptoss deploy/helm/dflash-trt -f engines/gpt-oss-120b-b300-deploy/values.yaml
+    """
+    from dflash_trt.deploy.rollout import push
+
+    dest, copied = push(bundle, claim, sub_path)
+    if as_json:
+        click.echo(json.dumps({"bundle": bundle, "to": str(dest), "copied": copied}, indent=2))
+    else:
+        click.echo(f"{'copied' if copied else 'already there'}: {dest} (verified against its manifest.json)")
 
 
 def _deploy_orchestrated(*, bundle, nodes, gpus_per_node, replicas, engine, disaggregated, isl, osl, image,

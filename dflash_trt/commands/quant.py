@@ -56,7 +56,7 @@ def quantize_cmd(model, fmt, kv_cache, calib, calib_samples, exclude, target, ma
           --calib prompts.jsonl --out Llama-3.1-8B-FP8
       dflash-trt quantize --model Qwen3-8B --format nvfp4 --calib prompts.jsonl --out Qwen3-8B-NVFP4
       dflash-trt quantize --model Qwen3-8B-DFlash-b16 --format fp8 --out drafter-fp8   # drafter: weights only
-      dflash-trt quantize --model Qwen3-8B-DFlash-b16 --format nvfp4 --exclude fc --target Qwen3-8B \
+      dflash-trt quantize --model Qwen3-8B-DFlash-b16 --format nvfp4 --exclude fc --target Qwen3-8B \\
           --calib prompts.jsonl --out drafter-nvfp4          # drafter with input scales (SGLang's layout)
     """
     from dflash_trt.quant.quantize import quantize_checkpoint

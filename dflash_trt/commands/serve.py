@@ -67,7 +67,7 @@ def serve_cmd(bundle, models, host, http_port, grpc_port, metrics_port, stub_env
       dflash-trt serve --bundle engines/smollm2-135m-hopper-fp8
       curl localhost:8000/v2/health/ready; curl -s localhost:8002/metrics | grep dflash_
       dflash-trt serve --bundle engines/smollm2-135m-hopper-none --engine vllm   # vLLM-CPU, DFlash
-      curl localhost:8000/v1/completions -d '{"prompt": "def add(a, b):", "max_tokens": 16}' \
+      curl localhost:8000/v1/completions -d '{"prompt": "def add(a, b):", "max_tokens": 16}' \\
            -H 'Content-Type: application/json'
     """
     from dflash_trt import stacks

@@ -53,12 +53,12 @@ from pathlib import Path
 import yaml
 
 from dflash_trt import engines, stacks
-from dflash_trt.plan import speed as speed_model
 from dflash_trt.deploy import values as chart_values
 from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import hardware_for_gpu
 from dflash_trt.io.manifest import Manifest
 from dflash_trt.paths import deploy_path
+from dflash_trt.plan import speed as speed_model
 from dflash_trt.stacks.base import LaunchArgs
 
 SERVER = "dynamo"                 # deploy --server dynamo (engines.ORCHESTRATORS)

@@ -38,6 +38,7 @@ an opt-in engine build that no serving file loads).
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -50,12 +51,14 @@ from pathlib import Path
 import yaml
 
 from dflash_trt import engines, stacks
-from dflash_trt.plan import planner
 from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import Hardware, get_hardware, gpus, hardware_for_gpu
+from dflash_trt.io.atomic import dir_mode
 from dflash_trt.io.jsonio import read_json
-from dflash_trt.io.manifest import Manifest
+from dflash_trt.io.manifest import Manifest, sha256_file
+from dflash_trt.io.manifest import verify as verify_bundle
 from dflash_trt.paths import deploy_path
+from dflash_trt.plan import planner
 
 GIB = 2**30
 REFERENCE_MODEL = stacks.tritonserver.REFERENCE_MODEL   # CPU-capable Triton model of the bundle
@@ -150,6 +153,17 @@ def check_cpu_pod_fits(bundle: Path, m: Manifest) -> None:
                           f"{params / 1e9:.2f} B parameters (target + drafter) in {dtype}, {need / GIB:.1f} GiB of "
                           f"weights, over the CPU pod's {CPU_POD_MEMORY_GIB} GiB memory limit; deploy on GPUs "
                           f"(--gpu {' | '.join(gpu_ids)}, or rebuild without --gpu none)")
+
+
+def require_intact(bundle: str | Path) -> None:
+    """Refuse a bundle `dflash-trt verify` refuses (a file missing, changed or unlisted), naming the
+    first file: deploy and plan read its configs, and the pods would load what the manifest does not
+    describe. Re-hashes every file, as verify does."""
+    problems = verify_bundle(bundle)
+    if problems:
+        raise DFlashError(f"{bundle}: the bundle does not match its manifest.json ({len(problems)} problem(s); "
+                          f"`dflash-trt verify --bundle {bundle}` lists them): {problems[0]}; rebuild it "
+                          "(`dflash-trt build ... --out` the same folder)")
 
 
 def plan_for_bundle(bundle: str | Path, *, nodes: int = 1, gpus_per_node: int | None = None,
@@ -416,15 +430,29 @@ def render(values: dict, chart: str | Path | None = None, release: str = "dflash
             raise DFlashError(f"{chart}: helm rejected the values: {msg}") from None
 
 
+DEPLOY_RECORD = ".dflash-trt-deploy.json"   # {file: sha256} of what deploy wrote: edits since are the user's
+
+
 @contextmanager
-def deploy_folder(out: str | Path, marker: str) -> Iterator[Path]:
+def deploy_folder(out: str | Path, marker: str, force: bool | None = None) -> Iterator[Path]:
     """A folder `deploy` writes: filled in a temp folder beside `out`, then swapped in, so nothing is
-    half-written. An `out` that exists must be an earlier one (holding `marker`), else it is refused."""
+    half-written. An `out` that exists must be an earlier one (holding `marker`), else it is refused;
+    with force False, one whose files were edited since deploy wrote them (DEPLOY_RECORD) is refused
+    too, naming the file (force True replaces it; None: no such check). Folders and files get the
+    umask's modes (mkdtemp's 0700 is only for the temp name)."""
     out = Path(out)
+    if out.exists() and force is False:
+        edited = edited_files(out)
+        if edited:
+            raise DFlashError(f"{out / edited[0]}: edited since deploy wrote it ({len(edited)} file(s) edited); "
+                              "pass --force to replace the folder, or --out elsewhere to keep the edits")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
+        os.chmod(tmp, dir_mode())
         yield tmp
+        record = {f.relative_to(tmp).as_posix(): sha256_file(f) for f in sorted(tmp.rglob("*")) if f.is_file()}
+        (tmp / DEPLOY_RECORD).write_text(json.dumps(record, indent=2) + "\n")
         if out.exists():
             if not (out / marker).is_file():
                 raise DFlashError(f"{out}: exists and is not a deploy folder (no {marker}); choose another --out")
@@ -440,9 +468,25 @@ def deploy_folder(out: str | Path, marker: str) -> Iterator[Path]:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def write_deployment(out: str | Path, values: dict, manifests: dict[str, str] | None, header: str = "") -> Path:
-    """values.yaml (+ manifests/*.yaml) into `out`, written to a temp folder and renamed."""
-    with deploy_folder(out, "values.yaml") as tmp:
+def edited_files(out: Path) -> list[str]:
+    """The files of a deploy folder that differ from what deploy wrote (DEPLOY_RECORD; a folder
+    written before the record existed: none known)."""
+    try:
+        record = json.loads((out / DEPLOY_RECORD).read_text())
+    except (OSError, ValueError):
+        return []
+    return [rel for rel, digest in record.items()
+            if not (out / rel).is_file() or sha256_file(out / rel) != digest]
+
+
+def write_deployment(out: str | Path, values: dict, manifests: dict[str, str] | None, header: str = "",
+                     force: bool | None = None, extra: dict[str, str] | None = None) -> Path:
+    """values.yaml (+ manifests/*.yaml, + `extra` {relative path: text}) into `out`, written to a
+    temp folder and renamed (deploy_folder, `force` as there)."""
+    with deploy_folder(out, "values.yaml", force) as tmp:
+        for rel, text in (extra or {}).items():
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            (tmp / rel).write_text(text)
         (tmp / "values.yaml").write_text(header + yaml.safe_dump(values, sort_keys=False))
         if manifests is not None:
             (tmp / "manifests").mkdir()
@@ -472,7 +516,11 @@ def rendered_images(manifests: dict[str, str], values: dict) -> list[dict]:
             for ref, init in _container_images(obj or {}):
                 if ref in seen:
                     continue
-                if init:
+                if (obj or {}).get("kind") == "Job":
+                    what = "the bundle loader Job: copies the bundle onto the claim"
+                elif init and ref in versions:
+                    what = f"init container: waits for the bundle loader ({stack['engine']} {versions[ref]})"
+                elif init:
                     what = "init container: copies the bundle"
                 elif versions.get(ref):
                     what = f"{stack['engine']} {versions[ref]}; DFlash since {stack['dflash_since']}"

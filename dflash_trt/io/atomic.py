@@ -36,6 +36,31 @@ def disk_error(path: Path, what: str, e: OSError) -> DFlashError:
     return DFlashError(f"{path}: cannot write {what} ({e.strerror or e})")
 
 
+def current_umask() -> int:
+    """This process's umask, read without changing it (Linux /proc; else set and restored)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def file_mode() -> int:
+    """The mode open(2) gives a new file: 0666 less the umask (0644 under 022). mkstemp and
+    mkdtemp make 0600 / 0700 whatever the umask; what we publish from them gets this instead, so
+    a pod running as another uid reads a bundle like any other file."""
+    return 0o666 & ~current_umask()
+
+
+def dir_mode() -> int:
+    """The mode mkdir(2) gives a new folder: 0777 less the umask (0755 under 022)."""
+    return 0o777 & ~current_umask()
+
+
 def write_text(path: Path, text: str) -> None:
     try:
         Path(path).write_text(text)
@@ -57,6 +82,7 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), file_mode())   # mkstemp's 0600 is for the temp name, not for the result
             f.write(data)
         os.replace(tmp, path)
     except BaseException as e:
@@ -138,6 +164,7 @@ def _mark(folder: Path) -> None:
 def _temp_dir(parent: Path, prefix: str) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
     try:
+        os.chmod(tmp, dir_mode())   # mkdtemp's 0700 would outlive the rename that publishes the folder
         _mark(tmp)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -212,7 +239,6 @@ def atomic_output_dir(dest: str | Path) -> Iterator[Path]:
         try:
             yield tmp
             (tmp / MARKER).unlink()
-            os.chmod(tmp, 0o755)
             if dest.exists():
                 old = _temp_dir(dest.parent, f".{dest.name}.old-")
                 os.replace(dest, old / dest.name)

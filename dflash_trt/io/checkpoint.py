@@ -78,8 +78,9 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, TensorInfo], dict]:
             if len(head) < 8:
                 raise DFlashError(f"{path}: truncated safetensors file ({size} bytes, no header)")
             (n,) = struct.unpack("<Q", head)
-            if n > size - 8:
-                raise DFlashError(f"{path}: header length {n} is larger than the file ({size} bytes)")
+            if n > size - 8:   # the file must hold the 8-byte length and then the n-byte header
+                raise DFlashError(f"{path}: header of {n} bytes needs a file of at least {8 + n} bytes "
+                                  f"(8-byte length + header), but the file has {size}")
             if n > MAX_HEADER_BYTES:
                 raise DFlashError(f"{path}: header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit")
             raw = f.read(n)

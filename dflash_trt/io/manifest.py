@@ -395,6 +395,13 @@ class ArtifactRecord:
 
 
 @dataclass(frozen=True)
+class WeightsRecord:
+    """A configs-only bundle's weights (build --configs-only): absent, and how to get them."""
+    present: bool
+    downloads: list[dict] = field(default_factory=list)   # {role, hf_id, revision, command} per download
+
+
+@dataclass(frozen=True)
 class Manifest:
     """manifest.json as one typed object, both ways: `build` makes one (bundle/build.py Builder) and writes
     it (Manifest.write), every other command reads it (Manifest.read). Its fields are in the order the
@@ -422,6 +429,7 @@ class Manifest:
     serving_profile: ServingProfileRecord | None = _optional()
     reference_runtime: ReferenceRuntimeRecord | None = _optional()
     draft_schedule: DraftScheduleRecord | None = _optional()
+    weights: WeightsRecord | None = _optional()   # None: the weights are in the bundle
     serving_configs: dict | None = _optional()   # key -> bundle path of each served stack's config
     stages: dict[str, StageRecord] | None = _optional()   # stage name -> its entry, in STAGES order
     input_files: dict | None = _optional()       # HashCache entries: the inputs' sha256 by (size, mtime)
@@ -433,7 +441,8 @@ class Manifest:
     JSON_ORDER: ClassVar[tuple[str, ...]] = (
         "schema_version", "tool_version", "created", "target", "drafter", "arch", "gpu", "node", "gpu_source", "sm",
         "quant", "parallel", "backend", "max_seq_len", "triton_model_repository", "triton_models", "serving_stacks",
-        "trt_drafter_engine", "engines", "serving_profile", "reference_runtime", "draft_schedule", "serving_configs",
+        "trt_drafter_engine", "engines", "serving_profile", "reference_runtime", "draft_schedule", "weights",
+        "serving_configs",
         "stages", "input_files", "artifacts", "serve", "artifact_stats")
 
     @property
@@ -464,6 +473,7 @@ class Manifest:
                    serving_profile=_record(ServingProfileRecord, m.get("serving_profile")),
                    reference_runtime=_record(ReferenceRuntimeRecord, m.get("reference_runtime")),
                    draft_schedule=DraftScheduleRecord.from_dict(m.get("draft_schedule")),
+                   weights=_record(WeightsRecord, m.get("weights")),
                    serving_configs=m.get("serving_configs"),
                    stages={k: _record(StageRecord, v) for k, v in m["stages"].items()} if "stages" in m else None,
                    input_files=m.get("input_files"),

@@ -34,14 +34,14 @@ import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from dflash_trt.plan.cost import activation_bytes, kv_bytes_per_token, weight_bytes
-from dflash_trt.plan.family_shapes import meta_shape_fields
-from dflash_trt.plan.shapes import Group, ModelShape
 from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import Hardware, get_hardware
 from dflash_trt.io.jsonio import read_json
 from dflash_trt.models.config import DrafterConfig
 from dflash_trt.models.families import family
+from dflash_trt.plan.cost import activation_bytes, kv_bytes_per_token, weight_bytes
+from dflash_trt.plan.family_shapes import meta_shape_fields
+from dflash_trt.plan.shapes import Group, ModelShape
 from dflash_trt.presets.catalog import FIGURES_KEY, PRESETS, resolve_drafter
 from dflash_trt.stacks.trtllm.budget import draft_context_budget
 from dflash_trt.stacks.trtllm.profiles import PROFILES, curated_layout, profile_settings

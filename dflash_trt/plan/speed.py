@@ -36,14 +36,13 @@ from dataclasses import asdict, dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 
+from dflash_trt.errors import DFlashError
+from dflash_trt.hardware import Hardware, get_hardware, hardware_for_gpu
 from dflash_trt.plan import draft_schedule as ds
 from dflash_trt.plan import planner
 from dflash_trt.plan.cost import EFFICIENCY, Efficiency, Forward, StepCost, experts_touched
 from dflash_trt.plan.planner import Layout, ModelShape, Plan
-from dflash_trt.errors import DFlashError
-from dflash_trt.hardware import Hardware, get_hardware, hardware_for_gpu
 from dflash_trt.presets.catalog import PRESETS
-
 
 # Mean accepted length (tau, bonus token included) of the presets' published drafters, used when --tau is not
 # given. gpt-oss-120b: z-lab/gpt-oss-120b-DFlash model card, block 10, SGLang on one H200, reasoning effort

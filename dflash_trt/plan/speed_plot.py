@@ -9,6 +9,8 @@ import math
 import textwrap
 from pathlib import Path
 
+from dflash_trt.errors import DFlashError
+from dflash_trt.io.atomic import atomic_write_bytes
 from dflash_trt.plan.speed import (
     METRIC_TEXT,
     LayoutSpeed,
@@ -20,8 +22,6 @@ from dflash_trt.plan.speed import (
     predict_point,
     verdict,
 )
-from dflash_trt.errors import DFlashError
-from dflash_trt.io.atomic import atomic_write_bytes
 
 UNBOUNDED = (" (the model's AR never gives every user that many tokens/s, so any DFlash throughput there is an "
              "unbounded gain)")

@@ -10,8 +10,10 @@ from importlib import resources
 from pathlib import Path
 
 from dflash_trt.errors import DFlashError
+from dflash_trt.io.atomic import atomic_output_dir
+from dflash_trt.paths import dflash_home
 from dflash_trt.presets.embedded import embedded_drafter_path, ensure_embedded_target
-from dflash_trt.presets.hub import is_hub_id, resolve_hub_id
+from dflash_trt.presets.hub import HubMissing, download_command, download_config, find_config, is_hub_id, resolve_hub_id
 
 # Marks a drafter dict as published figures (presets/configs/SOURCES.md), not a config.json: the
 # planner reads only its shapes from it (deploy/planner.drafter_shape).
@@ -194,3 +196,104 @@ def resolve_drafter(spec: str | None, target_spec: str | None = None) -> Path:
         p = PRESETS[target_spec]
         return resolve_hub_id(p.drafter_hf_id, p.drafter_revision, "drafter")
     raise DFlashError("--drafter is required when --target is a folder or a hub id")
+
+
+@dataclass(frozen=True)
+class Download:
+    """A checkpoint a configs-only bundle still needs: its hub id, pinned revision and `hf download` line."""
+    role: str                  # target | drafter
+    hf_id: str | None          # None: a folder given without a hub id (the user knows where it comes from)
+    revision: str | None
+    command: str | None
+
+    def to_dict(self) -> dict:
+        return {"role": self.role, "hf_id": self.hf_id, "revision": self.revision, "command": self.command}
+
+
+def missing_pair(target: str | None, drafter: str | None, first: HubMissing) -> DFlashError:
+    """One line naming every download a build still needs, when the target (`first`) was not found:
+    the drafter is looked up too, so the message names both `hf download` lines at once."""
+    missing = [first]
+    try:
+        resolve_drafter(drafter, target)
+    except HubMissing as e:
+        missing.append(e)
+    except DFlashError:
+        pass
+    return DFlashError(f"{' and '.join(m.what for m in missing)}: not here ("
+                       + "; ".join(f"{m.what.split()[0]}: {m.looked}" for m in missing if m.looked)
+                       + f") and {first.why}; on a machine with hub "
+                       f"access run " + " and ".join(f"`{m.command}`" for m in missing)
+                       + " (and point HF_HUB_CACHE at that cache); `dflash-trt build --configs-only` with the same "
+                       "options writes every config, the plan and the rollout now")
+
+
+def _staged_config(name: str, role: str, config: dict) -> Path:
+    """$DFLASH_TRT_HOME/configs/<name>/<role>/config.json: a preset's shipped config as a folder (written once)."""
+    dest = dflash_home() / "configs" / name.replace("/", "--") / role
+    text = json.dumps(config, indent=2) + "\n"
+    if (dest / "config.json").is_file() and (dest / "config.json").read_text() == text:
+        return dest
+    with atomic_output_dir(dest) as tmp:
+        (tmp / "config.json").write_text(text)
+    return dest
+
+
+def resolve_config_pair(target: str | None, drafter: str | None) -> tuple[Path, Path, list[Download]]:
+    """`build --configs-only`: (folder with the target's config.json, folder with the drafter's, the
+    downloads the weights still need), before any weight exists here. A preset uses its shipped
+    config (and its drafter's, or the drafter's published figures where they name mask_token_id);
+    a hub id reads config.json from the cache or fetches that one file; a folder is taken as is."""
+    def hub_dl(role, hf_id, rev):
+        return Download(role, hf_id, rev, download_command(hf_id, rev or "main"))
+
+    downloads: list[Download] = []
+    if target is not None and Path(target).exists():
+        tdir = Path(target)
+        downloads.append(Download("target", None, None, None))
+    elif target in PRESETS:
+        p = PRESETS[target]
+        tdir = find_config(p.hf_id, p.revision) or _staged_config(target, "target", p.config())
+        downloads.append(hub_dl("target", p.hf_id, p.revision))
+    elif target is not None and is_hub_id(target):
+        try:
+            tdir = download_config(target, None, "target")
+        except HubMissing as e:   # name the drafter's config too, when it is missing as well
+            missing = [e]
+            if drafter is not None and not Path(drafter).exists() and is_hub_id(drafter):
+                try:
+                    download_config(drafter, None, "drafter")
+                except HubMissing as e2:
+                    missing.append(e2)
+            raise DFlashError(f"{' and '.join(m.what for m in missing)}: no config.json here and {e.why}; on a "
+                              "machine with hub access run " + " and ".join(f"`{m.command}`" for m in missing)
+                              + " (and point HF_HUB_CACHE at that cache)") from None
+        downloads.append(hub_dl("target", target, None))
+    else:
+        raise DFlashError(f"--target {target!r}: --configs-only takes a preset ({', '.join(sorted(PRESETS))}), a hub "
+                          "id (org/name) or a folder with config.json")
+    if drafter is not None and Path(drafter).exists():
+        ddir = Path(drafter)
+        downloads.append(Download("drafter", None, None, None))
+    elif drafter is not None and is_hub_id(drafter):
+        ddir = download_config(drafter, None, "drafter")
+        downloads.append(hub_dl("drafter", drafter, None))
+    elif drafter is None and target in PRESETS and PRESETS[target].drafter_hf_id:
+        p = PRESETS[target]
+        ddir = find_config(p.drafter_hf_id, p.drafter_revision)
+        if ddir is None:
+            cfg = p.drafter_config() or p.drafter_shapes
+            if not cfg or "mask_token_id" not in cfg.get("dflash_config", {}):
+                raise DFlashError(f"--configs-only: the config.json of {target}'s drafter {p.drafter_hf_id} is not "
+                                  f"shipped (no published mask_token_id); run `hf download {p.drafter_hf_id}"
+                                  + (f" --revision {p.drafter_revision}" if p.drafter_revision else "")
+                                  + " config.json` and pass --drafter with its folder")
+            ddir = _staged_config(target, "drafter", cfg)
+        downloads.append(hub_dl("drafter", p.drafter_hf_id, p.drafter_revision))
+    else:
+        raise DFlashError("--configs-only: --drafter DIR|ORG/NAME is required when --target is not a preset with a "
+                          "published drafter")
+    for folder, role in ((tdir, "target"), (ddir, "drafter")):
+        if not (Path(folder) / "config.json").is_file():
+            raise DFlashError(f"{folder}: the {role} folder has no config.json")
+    return Path(tdir).resolve(), Path(ddir).resolve(), downloads

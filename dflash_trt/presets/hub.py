@@ -20,8 +20,10 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import socket
 import sys
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from dflash_trt.errors import DFlashError
 from dflash_trt.io.jsonio import read_json
@@ -36,6 +38,31 @@ IGNORE = ["*/*"]
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 COMMIT = re.compile(r"^[0-9a-f]{40}$")
 DISK_MARGIN = 1 << 30   # left free after a download
+HUB_PROBE_SECONDS = 3.0   # one TCP connect to the hub before any download (huggingface_hub retries for ~26 s)
+
+
+class HubMissing(DFlashError):
+    """A checkpoint in none of the places looked in, with the hub off or unreachable: `command` is
+    the `hf download` line that fills the cache (callers missing two checkpoints name both)."""
+
+    def __init__(self, message: str, what: str, command: str, why: str, looked: str = ""):
+        super().__init__(message)
+        self.what, self.command, self.why, self.looked = what, command, why, looked
+
+
+def hub_unreachable() -> str | None:
+    """Why the hub cannot be reached (one line), or None: HF_HUB_OFFLINE, else one TCP connect to
+    its endpoint (HF_ENDPOINT, default huggingface.co:443) within HUB_PROBE_SECONDS, so a machine
+    without network is told at once instead of after huggingface_hub's retries."""
+    if hub_offline():
+        return "the hub is off (HF_HUB_OFFLINE)"
+    url = urlsplit(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
+    try:
+        socket.create_connection((host, port), timeout=HUB_PROBE_SECONDS).close()
+    except OSError as e:
+        return f"the hub is unreachable ({host}:{port}: {e.strerror or type(e).__name__})"
+    return None
 
 
 def is_hub_id(spec: str) -> bool:
@@ -142,10 +169,42 @@ def resolve_hub_id(hf_id: str, revision: str | None = None, role: str = "target"
         looked += f" (there, but {problem})"   # e.g. only config.json fetched by another tool: download the rest
     elif held:
         looked += f", which holds revision(s) {', '.join(held)} but not {rev}"
-    if hub_offline():
-        raise DFlashError(f"{what} not found and the hub is off (HF_HUB_OFFLINE): {looked}; on a machine with hub "
-                          f"access run `{cmd}` (and point HF_HUB_CACHE at that cache)")
+    off = hub_unreachable()
+    if off:
+        raise HubMissing(f"{what} not found and {off}: {looked}; on a machine with hub access run `{cmd}` (and "
+                         "point HF_HUB_CACHE at that cache)", what, cmd, off, looked)
     return check_complete(download(hf_id, rev, what, cmd, looked), what, f"finish the download: `{cmd}`")
+
+
+def find_config(hf_id: str, revision: str | None = None) -> Path | None:
+    """A local folder holding hf_id's config.json at revision (our folder, else the cache's snapshot,
+    weights or not), or None. What `build --configs-only` reads before any download."""
+    mine = own_folder(hf_id)
+    if (mine / "config.json").is_file():
+        return mine
+    return cached_snapshot(hf_id, revision or "main")[0]
+
+
+def download_config(hf_id: str, revision: str | None, role: str) -> Path:
+    """find_config, else config.json alone from the hub into the cache (a few KB): the folder holding it.
+    With the hub off or unreachable: HubMissing naming the download command."""
+    rev = revision or "main"
+    what = f"{role} {hf_id}" + (f"@{rev}" if rev != "main" else "")
+    found = find_config(hf_id, revision)
+    if found is not None:
+        return found
+    cmd = f"hf download {hf_id}" + (f" --revision {rev}" if rev != "main" else "") + " config.json"
+    off = hub_unreachable()
+    if off:
+        raise HubMissing(f"{what}: no config.json here and {off}; on a machine with hub access run `{cmd}`",
+                         what, cmd, off)
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return Path(hf_hub_download(hf_id, "config.json", revision=rev, cache_dir=str(hf_hub_cache()))).parent
+    except Exception as e:   # huggingface_hub's errors: one line, no traceback
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DFlashError(f"{what}: cannot fetch config.json ({reason[:160]}); run `{cmd}`") from None
 
 
 def download(hf_id: str, rev: str, what: str, cmd: str, looked: str) -> Path:

@@ -12,8 +12,7 @@ from typing import ClassVar
 
 from dflash_trt.errors import DFlashError
 from dflash_trt.io.jsonio import read_json
-from dflash_trt.stacks.base import (BundleContext, LaunchArgs, Metric, Server, Stack, StackMetrics,
-                                    non_causal_windowed)
+from dflash_trt.stacks.base import BundleContext, LaunchArgs, Metric, Server, Stack, StackMetrics, non_causal_windowed
 from dflash_trt.stacks.layer_ids import sglang_capture_points, zlab_to_sglang
 
 CHECKED_AGAINST = "sglang 0.5.23 (PyPI wheel): sglang/srt/arg_groups/speculative_hook.py, sglang/srt/models/dflash.py"

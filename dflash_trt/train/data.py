@@ -27,8 +27,8 @@ from dflash_trt.io.jsonio import read_jsonl
 from dflash_trt.models.config import MAX_VOCAB
 from dflash_trt.models.target import stop_token_ids
 from dflash_trt.runtime.pair import encode_prompt, resolve_dtype
-from dflash_trt.train.prompts import read_prompts
 from dflash_trt.stacks.vllm.env import CPU_ENV, clean_env, vllm_env_ready, vllm_python
+from dflash_trt.train.prompts import read_prompts
 
 MAX_SEQUENCE = 1 << 16  # tokens per training sequence (prompt + response)
 

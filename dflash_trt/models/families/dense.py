@@ -17,7 +17,6 @@ from dflash_trt.models.layers import Linear, RMSNorm, SwiGLU, apply_rope
 from dflash_trt.models.shell import Backbone, TargetShell, hf_config
 
 
-
 def gpt_oss_expert_tensors(*, H: int, nh: int, E: int, inter: int) -> dict[str, tuple[int, ...]]:
     """gpt-oss's own tensors per layer: MXFP4 experts (blocks of 32 values in 16 bytes, one scale each),
     router and expert biases, attention sinks (transformers 5.24 GptOssExperts / GptOssAttention)."""

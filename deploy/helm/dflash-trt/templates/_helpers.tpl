@@ -402,6 +402,21 @@ imagePullSecrets:
 securityContext:
   {{- toYaml $v.podSecurityContext | nindent 2 }}
 {{- include "dflash-trt.scheduling" $root }}
+{{- if $v.bundle.loader.enabled }}
+initContainers:
+  # The bundle loader Job writes manifest.json last: wait for this version's copy to be complete.
+  - name: wait-bundle
+    image: {{ include "dflash-trt.image" . | quote }}
+    imagePullPolicy: {{ $v.image.pullPolicy }}
+    command: ["/bin/sh", "-c", {{ printf "until [ -f %s/manifest.json ]; do echo waiting for the bundle loader to fill %s; sleep 10; done" $v.bundle.mountPath $v.bundle.pvc.subPath | quote }}]
+    securityContext:
+      {{- include "dflash-trt.securityContext" $root | nindent 6 }}
+    volumeMounts:
+      - name: bundle
+        mountPath: {{ $v.bundle.mountPath }}
+        subPath: {{ $v.bundle.pvc.subPath }}
+        readOnly: true
+{{- end }}
 {{- if eq $v.bundle.delivery "image" }}
 initContainers:
   - name: bundle
@@ -532,4 +547,13 @@ volumes:
   mountPath: /etc/dflash-trt/ssh
   readOnly: true
 {{- end }}
+{{- end }}
+
+{{/* The bundle loader Job's labels: not the serving pods' selector (the Service never routes to it). */}}
+{{- define "dflash-trt.loaderLabels" -}}
+helm.sh/chart: {{ include "dflash-trt.chart" . }}
+app.kubernetes.io/name: {{ include "dflash-trt.name" . }}-loader
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/component: bundle-loader
 {{- end }}
