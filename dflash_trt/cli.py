@@ -28,6 +28,7 @@ COMMANDS: dict[str, str] = {
     "build": "dflash_trt.commands.build:build_cmd",
     "compile": "dflash_trt.commands.build:compile_cmd",
     "verify": "dflash_trt.commands.build:verify_cmd",
+    "doctor": "dflash_trt.commands.doctor:doctor_cmd",
     "serve": "dflash_trt.commands.serve:serve_cmd",
     "plugin": "dflash_trt.commands.plugin:plugin_group",
     "export-onnx": "dflash_trt.commands.plugin:export_onnx_cmd",
