@@ -91,13 +91,13 @@ def check_driver(node: Node) -> str:
     _nvidia_smi(node)
     build = f"torch {torch.__version__} (CUDA {torch.version.cuda or 'none: a CPU build'})"
     if node.gpu_name is None:
-        raise NotRun(f"no NVIDIA GPU: nvidia-smi {'found no GPU' if shutil.which('nvidia-smi') else 'is not installed'}; "
-                     f"{build}")
+        smi = "found no GPU" if shutil.which("nvidia-smi") else "is not installed"
+        raise NotRun(f"no NVIDIA GPU: nvidia-smi {smi}; {build}")
     if torch.version.cuda is None:
         raise DFlashError(f"{node.gpu_name} (driver {node.driver}) but {build} cannot use it: install a CUDA build")
     if not torch.cuda.is_available():
-        raise DFlashError(f"{node.gpu_name} (driver {node.driver}, CUDA {node.cuda_driver}) but torch.cuda.is_available() "
-                          f"is false with {build}: the driver is older than the CUDA torch was built for?")
+        raise DFlashError(f"{node.gpu_name} (driver {node.driver}, CUDA {node.cuda_driver}) but "
+                          f"torch.cuda.is_available() is false with {build}: is the driver older than torch's CUDA?")
     x = torch.ones(64, 64, device="cuda")
     if float((x @ x).sum()) != 64.0 ** 3:
         raise DFlashError("a 64x64 matmul on the GPU gave a wrong result")
@@ -136,7 +136,8 @@ def _plugin_arch(node: Node) -> tuple[str, list[int]]:
         raise NotRun("no GPU and no GPU bundle: no SM to compile for")
     arch = next((a for a, sms in sms_of.items() if sm in sms), None)
     if arch is None:
-        raise DFlashError(f"sm_{sm} is neither Hopper nor Blackwell ({', '.join(f'{a}: {s}' for a, s in sms_of.items())})")
+        known = ", ".join(f"{a}: {s}" for a, s in sms_of.items())
+        raise DFlashError(f"sm_{sm} is neither Hopper nor Blackwell ({known})")
     return arch, [sm]
 
 
@@ -193,7 +194,8 @@ def _random_drafter(hd: int, bias: bool):
     cfg = DrafterConfig.from_dict(dict(
         hidden_size=H, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=hd,
         intermediate_size=2 * H, vocab_size=64, block_size=4, rms_norm_eps=1e-6, rope_theta=10000.0,
-        max_position_embeddings=1024, attention_bias=bias, dflash_config=dict(mask_token_id=1, target_layer_ids=[0, 1])))
+        max_position_embeddings=1024, attention_bias=bias,
+        dflash_config=dict(mask_token_id=1, target_layer_ids=[0, 1])))
     g = torch.Generator().manual_seed(hd)
     d = DFlashDrafter(cfg, max_len=1024)
     with torch.no_grad():
@@ -227,7 +229,8 @@ def check_kv_inject_cuda(node: Node) -> str:
         torch.cuda.synchronize()
         for name, got, ref, scale in (("K", k.cpu(), ref_k, scales[0]), ("V", v.cpu(), ref_v, scales[1])):
             if fp8:   # codes outside the rounding of ref +- tolerance
-                lo, hi = quantize_fp8(ref - KV_TOLERANCE, scale).float(), quantize_fp8(ref + KV_TOLERANCE, scale).float()
+                lo = quantize_fp8(ref - KV_TOLERANCE, scale).float()
+                hi = quantize_fp8(ref + KV_TOLERANCE, scale).float()
                 bad = int(((got.float() < lo) | (got.float() > hi)).sum())
                 if bad:
                     raise DFlashError(f"hd {hd} FP8 cache: {bad} {name} codes differ from the reference's")

@@ -50,7 +50,8 @@ def make_tiny_cmd(arch, out, drafter_out, seed, block_size, no_mxfp4, drafter_ki
               "Hugging Face cache or downloaded). Default: the embedded target.")
 @click.option("--drafter", type=click.Path(), help="DFlash drafter folder or hub id (default: the preset's drafter).")
 @click.option("--bundle", type=click.Path(file_okay=False, exists=True),
-              help="Run a bundle's own target/ and drafter/ (quantized as its engines load them) instead of --target/--drafter.")
+              help="Run a bundle's own target/ and drafter/ (quantized as its engines load them) instead of "
+                   "--target / --drafter.")
 @click.option("--scan/--no-scan", default=True, show_default=True,
               help="Read every weight once (streaming, bounded memory) and report NaN / Inf tensors.")
 @click.option("--json", "as_json", is_flag=True)
@@ -93,7 +94,8 @@ def check_cmd(target, drafter, bundle, scan, as_json):
 @click.option("--target", type=click.Path(), help="Target folder or preset (default: embedded SmolLM2-135M).")
 @click.option("--drafter", type=click.Path(), help="DFlash drafter folder (default: the preset's drafter).")
 @click.option("--bundle", type=click.Path(file_okay=False, exists=True),
-              help="Run a bundle's own target/ and drafter/ (quantized as its engines load them) instead of --target/--drafter.")
+              help="Run a bundle's own target/ and drafter/ (quantized as its engines load them) instead of "
+                   "--target / --drafter.")
 @click.option("--prompt", "-p", required=True, help="User message (rendered with the chat template if any).")
 @click.option("--max-new-tokens", type=click.IntRange(1), default=128, show_default=True)
 @click.option("--temperature", type=FiniteFloatRange(0), default=0.0, show_default=True, help="0 = greedy.")
