@@ -68,3 +68,31 @@ def test_bundle_gpu_rule(hopper_bundle, gpu, sm, ok):
     else:
         with pytest.raises(DFlashError, match="not the bundle's h200"):
             check_bundle_gpu(node)
+
+
+# ------------------------------------------------------------------ the chart's opt-in init step
+def test_chart_doctor_init_step_is_opt_in_and_runs_on_the_servers_gpus():
+    pytest.importorskip("helm_python")   # as tests/test_helm.py
+    pytest.importorskip("kubernetes_validate")
+    from test_helm import SCENARIOS, helm, pod_specs, render
+
+    from helpers import objects, validate_all
+
+    values = SCENARIOS["h200-fp8"]
+    off = objects(render(values))
+    for spec in (s for o in off for s in pod_specs(o)):
+        assert "doctor" not in [c["name"] for c in spec.get("initContainers", [])]
+    image = {"repository": "registry.example.com/dflash-trt-doctor", "tag": "0.1.0"}
+    objs = objects(render({**values, "doctor": {"enabled": True, "image": image}}))
+    validate_all(objs)
+    [spec] = [s for o in objs for s in pod_specs(o)]
+    init = {c["name"]: c for c in spec["initContainers"]}
+    assert list(init) == ["bundle", "doctor"]   # the bundle is copied in first, then checked
+    doctor, server = init["doctor"], spec["containers"][0]
+    assert doctor["command"] == ["dflash-trt", "doctor", "--bundle", "/bundle", "--require-gpu"]
+    assert doctor["image"] == "registry.example.com/dflash-trt-doctor:0.1.0"
+    assert doctor["resources"] == server["resources"] and doctor["resources"]["limits"]["nvidia.com/gpu"] == 4
+    assert {m["mountPath"] for m in server["volumeMounts"]} <= {m["mountPath"] for m in doctor["volumeMounts"]}
+    with pytest.raises(helm.HelmRenderError) as e:
+        render({**values, "doctor": {"enabled": True}})
+    assert "doctor.enabled needs doctor.image.repository" in str(e.value)
