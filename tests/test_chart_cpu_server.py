@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from dflash_trt.bundle.served import served_pair
 from dflash_trt.paths import deploy_path
@@ -27,7 +28,7 @@ from dflash_trt.stacks.tritonserver.server import (
     server_environment,
 )
 
-from helpers import generate_json, objects, run_cli, tritonserver_missing
+from helpers import objects, run_cli, tritonserver_missing
 
 PROMPT = "the quick brown fox"
 HOST_DIRS = ("bin", "sbin", "lib", "lib32", "lib64", "usr", "etc", "work", "root", "sys", "dev")
@@ -133,5 +134,10 @@ def test_the_charts_cpu_container_serves_the_bundle(tmp_path):
                        capture_output=True, text=True, env=env, timeout=900)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     served = json.loads(r.stdout.strip().splitlines()[-1])["text"]
-    expected = generate_json(*served_pair(bundle), PROMPT, 16)["text"]   # (--quant none: what dflash_reference loads)
-    assert served == expected
+    # the oracle: `generate` on the pair dflash_reference loads (--quant none: the bundle's own), in its dtype
+    dtype = yaml.safe_load((bundle / "triton/dflash_reference/1/model.yaml").read_text())["dtype"]
+    t, d = served_pair(bundle)
+    out = subprocess.run([sys.executable, "-m", "dflash_trt.cli", "generate", "--target", str(t), "--drafter", str(d),
+                          "-p", PROMPT, "--max-new-tokens", "16", "--dtype", dtype, "--json"],
+                         capture_output=True, text=True, check=True)
+    assert served == json.loads(out.stdout)["text"]
