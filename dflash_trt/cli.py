@@ -30,6 +30,7 @@ COMMANDS: dict[str, str] = {
     "compile": "dflash_trt.commands.build:compile_cmd",
     "presets": "dflash_trt.commands.build:presets_cmd",
     "verify": "dflash_trt.commands.build:verify_cmd",
+    "doctor": "dflash_trt.commands.doctor:doctor_cmd",
     "serve": "dflash_trt.commands.serve:serve_cmd",
     "plugin": "dflash_trt.commands.plugin:plugin_group",
     "export-onnx": "dflash_trt.commands.plugin:export_onnx_cmd",

@@ -419,3 +419,75 @@ def test_sglang_refuses_adaptive_for_dflash_by_its_own_code(bundles):
     assert lines[55].startswith("def adaptive_unsupported_reason") and "only EAGLE/EAGLE3" in lines[63]
     hook = _source("sglang", SGL_HOOK).splitlines()
     assert "_maybe_disable_adaptive(server_args)" in hook[261] and hook[1373].startswith("def _maybe_disable_adaptive")
+
+
+# ------------------------------------------------------------- activation dtype per quantization method
+# vLLM refuses at start a --dtype its quantization method does not take as activations
+# (vllm/config/vllm.py:937-943 in 0.33.0: `get_supported_act_dtypes`); SGLang 0.5.23 declares the same
+# lists (ModelOpt*Config / Mxfp4Config) and resolves "auto" by its own `_get_and_verify_dtype`.
+VLLM_QUANT_FILES = {"ModelOptFp8Config": "modelopt.py", "ModelOptNvFp4Config": "modelopt.py", "Mxfp4Config": "mxfp4.py"}
+SGLANG_METHOD = {"fp8": ("modelopt_quant.py", "ModelOptFp8Config"), "nvfp4": ("modelopt_quant.py", "ModelOptFp4Config"),
+                 "mxfp4": ("mxfp4.py", "Mxfp4Config")}
+
+
+def _act_dtypes(src: str, cls: str) -> set[str]:
+    """The torch dtypes a quantization config's get_supported_act_dtypes returns, by name (half -> float16)."""
+    ret = _function(src, "get_supported_act_dtypes", cls).body[-1].value
+    return {{"half": "float16"}.get(e.attr, e.attr) for e in ret.elts}
+
+
+@pytest.fixture(scope="module")
+def float32_bundles(tmp_path_factory):
+    """A float32 target (as the embedded SmolLM2 is) quantized to NVFP4 (Blackwell) and FP8 (Hopper)."""
+    from dflash_trt.models.tiny import make_tiny
+
+    root = tmp_path_factory.mktemp("f32")
+    make_tiny("llama", root / "t", root / "d", seed=4)
+    cfg = json.loads((root / "t/config.json").read_text())
+    cfg.pop("torch_dtype", None)
+    (root / "t/config.json").write_text(json.dumps({**cfg, "dtype": "float32"}))
+    out = {}
+    for arch, gpu in (("blackwell", "b300"), ("hopper", "h200")):
+        code, _, err = run_cli("build", "--target", str(root / "t"), "--drafter", str(root / "d"), "--arch", arch,
+                               "--gpu", gpu, "--out", str(root / arch))
+        assert code == 0, err
+        out[arch] = root / arch
+    return out
+
+
+def test_our_dtype_table_is_vllms_own():
+    from dflash_trt.stacks.vllm.launch import QUANT_ACT_DTYPES
+
+    refusal = _source("vllm", "vllm/config/vllm.py")
+    assert "supported_dtypes = quant_config.get_supported_act_dtypes()" in refusal
+    assert "if model_config.dtype not in supported_dtypes:" in refusal
+    cli_dtypes = _literal_values(_source("vllm", "vllm/config/model.py"), "ModelDType")
+    for fmt, (cls, ours) in QUANT_ACT_DTYPES.items():
+        src = _source("vllm", f"vllm/model_executor/layers/quantization/{VLLM_QUANT_FILES[cls]}")
+        assert set(ours) == _act_dtypes(src, cls) & cli_dtypes, fmt
+
+
+def test_every_served_activation_dtype_is_one_the_quant_method_takes(bundles, float32_bundles):
+    sglang_cfg = _source("sglang", "sglang/srt/configs/model_config.py")
+    table = next(n for n in ast.parse(sglang_cfg).body if isinstance(n, ast.Assign)
+                 and getattr(n.targets[0], "id", "") == "_STR_DTYPE_TO_TORCH_DTYPE")
+    ns = {"torch": torch, "logger": logging.getLogger("sglang"), "PretrainedConfig": dict, "Union": object}
+    ns["_STR_DTYPE_TO_TORCH_DTYPE"] = eval(compile(ast.Expression(table.value), "<sglang>", "eval"), ns)  # noqa: S307
+    sglang_dtype = _compile_function(sglang_cfg, "_get_and_verify_dtype", ns)
+    seen = set()
+    for bundle in [*float32_bundles.values(), bundles["llama"], bundles["gptoss"]]:
+        quant = json.loads((bundle / "manifest.json").read_text())["quant"]["target"]
+        tcfg = json.loads((bundle / "target/config.json").read_text())
+        seen.add((quant, tcfg.get("dtype")))
+        vllm = json.loads((bundle / "configs/vllm.json").read_text())
+        cls = {"fp8": "ModelOptFp8Config", "nvfp4": "ModelOptNvFp4Config", "mxfp4": "Mxfp4Config"}[quant]
+        accepted = _act_dtypes(_source("vllm", f"vllm/model_executor/layers/quantization/{VLLM_QUANT_FILES[cls]}"),
+                               cls)
+        assert vllm["engine_args"]["dtype"] in accepted, (bundle.name, vllm["engine_args"]["dtype"], accepted)
+        assert vllm["argv"][vllm["argv"].index("--dtype") + 1] == vllm["engine_args"]["dtype"]
+        argv = json.loads((bundle / "configs/sglang.json").read_text())["argv"]
+        asked = argv[argv.index("--dtype") + 1] if "--dtype" in argv else "auto"
+        file, scls = SGLANG_METHOD[quant]
+        resolved = str(sglang_dtype(tcfg, asked)).removeprefix("torch.")
+        assert resolved in _act_dtypes(_source("sglang", f"sglang/srt/layers/quantization/{file}"), scls), bundle.name
+    assert ("nvfp4", "float32") in seen and ("fp8", "float32") in seen   # the case vLLM refused

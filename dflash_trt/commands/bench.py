@@ -12,6 +12,9 @@ from dflash_trt.commands import THREADS, FiniteFloatRange
 @click.command("bench")
 @click.option("--target", type=click.Path(), help="Target folder or preset (default: embedded SmolLM2-135M).")
 @click.option("--drafter", type=click.Path(), help="DFlash drafter folder (default: the preset's drafter).")
+@click.option("--bundle", type=click.Path(file_okay=False, exists=True),
+              help="Run a bundle's own target/ and drafter/ (quantized as its engines load them) instead of "
+                   "--target / --drafter.")
 @click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False),
               help='JSONL of {"prompt": ...} lines (default: the embedded held-out prompts).')
 @click.option("--max-new-tokens", type=click.IntRange(1), default=128, show_default=True)
@@ -19,7 +22,8 @@ from dflash_trt.commands import THREADS, FiniteFloatRange
 @click.option("--temperature", type=FiniteFloatRange(0), default=0.0, show_default=True)
 @click.option("--limit", type=click.IntRange(1), help="Use only the first N prompts.")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True,
-              help="auto: bfloat16 where the CPU has native bf16 (AMX / AVX512-BF16), else float32.")
+              help="auto: float32 for a quantized target (the exact values its engine's GEMMs multiply by), else "
+                   "bfloat16 where the CPU has native bf16 (AMX / AVX512-BF16), else float32.")
 @click.option("--threads", type=THREADS, help="torch threads (default: torch's choice).")
 @click.option("--fused/--no-fused", default=True, show_default=True, help="Fused KV-injection path.")
 @click.option("--full-draft-vocab", is_flag=True,
@@ -43,7 +47,7 @@ from dflash_trt.commands import THREADS, FiniteFloatRange
 @click.option("--plan-bundle", type=click.Path(file_okay=False), metavar="DIR",
               help="--endpoint: overlay the plan of this bundle (plan --bundle) and give measured / plan.")
 @click.pass_context
-def bench_cmd(ctx, target, drafter, prompts_file, max_new_tokens, block_size, temperature, limit, dtype, threads,
+def bench_cmd(ctx, target, drafter, bundle, prompts_file, max_new_tokens, block_size, temperature, limit, dtype, threads,
               fused, full_draft_vocab, as_json, endpoint, concurrency, model_name, metrics_url, ignore_eos, warmup, gpus,
               plot_file, plan_bundle):
     """Run DFlash and plain AR decoding on the same prompts in one process, interleaved, and
@@ -59,11 +63,12 @@ def bench_cmd(ctx, target, drafter, prompts_file, max_new_tokens, block_size, te
     Examples:
       dflash-trt bench --limit 5
       dflash-trt bench --target DIR --drafter DIR --prompts my.jsonl --max-new-tokens 256 --json
+      dflash-trt bench --bundle engines/smollm2-135m-blackwell-nvfp4 --json   # what the engines load
       dflash-trt bench --endpoint http://localhost:8000 --concurrency 1,2,4,8 --plot speed.png --json
     """
     from dflash_trt.errors import DFlashError
 
-    runtime_only = ("target", "drafter", "block_size", "temperature", "dtype", "threads", "fused", "full_draft_vocab")
+    runtime_only = ("target", "drafter", "bundle", "block_size", "temperature", "dtype", "threads", "fused", "full_draft_vocab")
     endpoint_only = ("concurrency", "model_name", "metrics_url", "ignore_eos", "warmup", "gpus", "plot_file",
                      "plan_bundle")
     given = [n for n in (runtime_only if endpoint else endpoint_only)
@@ -78,6 +83,8 @@ def bench_cmd(ctx, target, drafter, prompts_file, max_new_tokens, block_size, te
     import torch
 
     from dflash_trt.bench.runtime import format_table, run_bench
+    from dflash_trt.bundle.served import pair_folders
+    from dflash_trt.models.weights import holds_quantized_weights
     from dflash_trt.presets.catalog import resolve_drafter, resolve_target
     from dflash_trt.runtime.pair import load_pair
     from dflash_trt.train.prompts import read_prompts
@@ -87,11 +94,14 @@ def bench_cmd(ctx, target, drafter, prompts_file, max_new_tokens, block_size, te
     if prompts_file is None:
         prompts_file = str(resources.files("dflash_trt").joinpath("data", "heldout_prompts.jsonl"))
     prompts = read_prompts(prompts_file)[:limit]
+    target, drafter = pair_folders(bundle, target, drafter)
     pair = load_pair(resolve_target(target), resolve_drafter(drafter, target), dtype, draft_vocab=not full_draft_vocab)
     report = run_bench(pair, prompts, max_new_tokens=max_new_tokens, block_size=block_size, temperature=temperature,
                        fused_inject=fused, progress=True)
     report["threads"] = torch.get_num_threads()
     report["dtype"] = str(pair.target.dtype).removeprefix("torch.")
+    report["target"], report["drafter"] = str(pair.target_dir), str(pair.drafter_dir)
+    report["target_quantized"] = holds_quantized_weights(pair.target_dir)
     vocab = pair.drafter.draft_vocab
     report["draft_vocab_size"] = len(vocab) if vocab is not None else pair.target.vocab_size
     if as_json:

@@ -49,10 +49,13 @@ def make_tiny_cmd(arch, out, drafter_out, seed, block_size, no_mxfp4, drafter_ki
 @click.option("--target", type=click.Path(), help="Target folder, preset name or hub id (org/name; found in the "
               "Hugging Face cache or downloaded). Default: the embedded target.")
 @click.option("--drafter", type=click.Path(), help="DFlash drafter folder or hub id (default: the preset's drafter).")
+@click.option("--bundle", type=click.Path(file_okay=False, exists=True),
+              help="Run a bundle's own target/ and drafter/ (quantized as its engines load them) instead of "
+                   "--target / --drafter.")
 @click.option("--scan/--no-scan", default=True, show_default=True,
               help="Read every weight once (streaming, bounded memory) and report NaN / Inf tensors.")
 @click.option("--json", "as_json", is_flag=True)
-def check_cmd(target, drafter, scan, as_json):
+def check_cmd(target, drafter, bundle, scan, as_json):
     """Validate a (target, drafter) pair without loading it: each config's types and ranges
     (heads divide hidden_size, layer_types per layer, block_size 2..64, ...), hidden sizes,
     target_layer_ids (sorted, unique, inside the target's depth), mask_token_id inside the
@@ -63,10 +66,13 @@ def check_cmd(target, drafter, scan, as_json):
     \b
     Example:
       dflash-trt check --target tiny/target --drafter tiny/drafter --json
+      dflash-trt check --bundle engines/smollm2-135m-blackwell-nvfp4
     """
+    from dflash_trt.bundle.served import pair_folders
     from dflash_trt.models.check import check_pair
     from dflash_trt.presets.catalog import resolve_drafter, resolve_target
 
+    target, drafter = pair_folders(bundle, target, drafter)
     tdir = resolve_target(target)
     ddir = resolve_drafter(drafter, target)
     report = check_pair(tdir, ddir, scan=scan)
@@ -87,6 +93,9 @@ def check_cmd(target, drafter, scan, as_json):
 @click.command("generate")
 @click.option("--target", type=click.Path(), help="Target folder or preset (default: embedded SmolLM2-135M).")
 @click.option("--drafter", type=click.Path(), help="DFlash drafter folder (default: the preset's drafter).")
+@click.option("--bundle", type=click.Path(file_okay=False, exists=True),
+              help="Run a bundle's own target/ and drafter/ (quantized as its engines load them) instead of "
+                   "--target / --drafter.")
 @click.option("--prompt", "-p", required=True, help="User message (rendered with the chat template if any).")
 @click.option("--max-new-tokens", type=click.IntRange(1), default=128, show_default=True)
 @click.option("--temperature", type=FiniteFloatRange(0), default=0.0, show_default=True, help="0 = greedy.")
@@ -97,14 +106,15 @@ def check_cmd(target, drafter, scan, as_json):
 @click.option("--mode", type=click.Choice(["dflash", "ar"]), default="dflash", show_default=True,
               help="ar = plain autoregressive decoding of the target (the baseline).")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "float64", "bfloat16"]), default="auto", show_default=True,
-              help="auto: bfloat16 where the CPU has native bf16 (AMX / AVX512-BF16), else float32.")
+              help="auto: float32 for a quantized target (the exact values its engine's GEMMs multiply by), else "
+                   "bfloat16 where the CPU has native bf16 (AMX / AVX512-BF16), else float32.")
 @click.option("--raw", is_flag=True, help="Feed the prompt as raw text, without the chat template.")
 @click.option("--allow-pickle", is_flag=True,
               help="Accept .bin/.pt pickle weights (loaded with torch.load(weights_only=True)); refused otherwise.")
 @click.option("--allow-nonfinite", is_flag=True, help="Load weights holding NaN / Inf (refused otherwise).")
 @click.option("--fused/--no-fused", default=True, show_default=True, help="Fused KV-injection path.")
 @click.option("--json", "as_json", is_flag=True)
-def generate_cmd(target, drafter, prompt, max_new_tokens, temperature, top_k, top_p, seed, block_size, mode,
+def generate_cmd(target, drafter, bundle, prompt, max_new_tokens, temperature, top_k, top_p, seed, block_size, mode,
                  dtype, raw, allow_pickle, allow_nonfinite, fused, as_json):
     """Generate text with lossless DFlash speculative decoding (or plain AR with --mode ar).
 
@@ -116,10 +126,13 @@ def generate_cmd(target, drafter, prompt, max_new_tokens, temperature, top_k, to
       dflash-trt generate -p "Write a Python function that reverses a list"
       dflash-trt generate -p "hello" --mode ar --json
       dflash-trt generate --target tiny/target --drafter tiny/drafter -p "hi" --temperature 0.8 --seed 3
+      dflash-trt generate --bundle engines/smollm2-135m-blackwell-nvfp4 -p "hello"   # the served NVFP4 target
     """
+    from dflash_trt.bundle.served import pair_folders
     from dflash_trt.presets.catalog import resolve_drafter, resolve_target
     from dflash_trt.runtime.pair import generate, load_pair
 
+    target, drafter = pair_folders(bundle, target, drafter)
     tdir = resolve_target(target)
     ddir = resolve_drafter(drafter, target) if mode == "dflash" else None
     pair = load_pair(tdir, ddir, dtype, allow_pickle=allow_pickle, allow_nonfinite=allow_nonfinite)

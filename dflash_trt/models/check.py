@@ -23,7 +23,7 @@ from dflash_trt.models.draft_vocab import read_draft_vocab
 from dflash_trt.models.drafter import DFlashDrafter
 from dflash_trt.models.shapes import expected_shape
 from dflash_trt.models.target import SUPPORTED, build_target, stop_token_ids
-from dflash_trt.models.weights import weight_format
+from dflash_trt.models.weights import format_problems, quantized_weights, scale_tensors, weight_format
 
 NONFINITE_NOTE = "non-finite weights"  # marks the scan's problems (build/generate --allow-nonfinite)
 
@@ -154,21 +154,25 @@ def _tokenizer_size(folder: Path) -> int | None:
 
 def _check_target_tensors(folder: Path, cfg: dict, allow_pickle: bool = False) -> list[str]:
     """Header shapes against config.json (models/shapes.expected_shape), before anything is
-    allocated. (A ModelOpt-quantized target stores packed shapes: its headers are not compared.)"""
+    allocated. A quantized target (a bundle's target/: models/weights.WEIGHT_FORMATS) is checked in
+    its stored form, packed weights and their scales, as the runtime loads it."""
     try:
         with CheckpointReader(folder, allow_pickle=allow_pickle) as r:
-            if (folder / "hf_quant_config.json").is_file():
-                return []
             metas = {k: r.meta(k) for k in r.keys()}
             files = {k: r.file_of(k) for k in r.keys()}
+            quantized = quantized_weights(r)
+            side = scale_tensors(r)
+            implied = {k: want for k in quantized if (want := expected_shape(k, cfg)) is not None}
+            p = format_problems(r, implied)
     except DFlashError as e:
         return [str(e)]
-    p = []
     for name, (_, got) in metas.items():
         want = expected_shape(name, cfg)
+        if want is not None and name in quantized:
+            want = quantized[name].stored_shape(tuple(want))
         if want is not None and tuple(got) != tuple(want):
             p.append(f"{files[name]}: tensor {name!r} has shape {list(got)} but {folder / 'config.json'} implies "
-                     f"{list(want)}")
+                     f"{list(want)}" + (f" ({quantized[name].name})" if name in quantized else ""))
     try:
         model = _runtime_model(cfg)
     except DFlashError as e:
@@ -178,7 +182,7 @@ def _check_target_tensors(folder: Path, cfg: dict, allow_pickle: bool = False) -
         # tensor; a family's state_name renames or skips, e.g. a multimodal wrapper's vision tower;
         # a tied lm_head is not read)
         expected = set(model.state_dict())
-        stored = {k.removesuffix("_blocks") for k in metas if not k.endswith("_scales")}
+        stored = {k.removesuffix("_blocks") for k in metas if not k.endswith("_scales") and k not in side}
         if (rename := getattr(model, "state_name", None)) is not None:
             stored = {n for n in map(rename, stored) if n is not None}
         if getattr(model, "tied", cfg.get("tie_word_embeddings")):

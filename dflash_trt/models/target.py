@@ -15,7 +15,7 @@ from dflash_trt.io.jsonio import read_json
 from dflash_trt.models.config import require_target_config
 from dflash_trt.models.families import FAMILIES, family_module
 from dflash_trt.models.shell import TargetShell as TargetModel
-from dflash_trt.models.weights import dequantize_mxfp4, load_strict, read_state_dict
+from dflash_trt.models.weights import dequantize_mxfp4, dequantized_state_dict, load_strict
 
 SUPPORTED = tuple(FAMILIES)   # the model types the CPU runtime runs (models/families)
 
@@ -38,7 +38,9 @@ def load_target(folder: str | Path, dtype: torch.dtype = torch.float32, max_len:
     if "model_type" not in cfg:
         raise DFlashError(f"{folder / 'config.json'}: missing field model_type")
     model = build_target(cfg, dtype=dtype, max_len=max_len)
-    state = dequantize_mxfp4(read_state_dict(folder, allow_pickle=allow_pickle))
+    # a quantized target (a bundle's target/: ModelOpt FP8 / NVFP4, gpt-oss MXFP4 experts) is read back as the
+    # values the engines' GEMMs multiply by, so the runtime decodes the model the engines serve
+    state = dequantize_mxfp4(dequantized_state_dict(folder, None, allow_pickle=allow_pickle))
     if (rename := getattr(model, "state_name", None)) is not None:   # a family whose checkpoint wraps its decoder
         state = {n: t for name, t in state.items() if (n := rename(name)) is not None}
     if getattr(model, "tied", False):

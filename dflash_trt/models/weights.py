@@ -31,6 +31,8 @@ class WeightFormat:
     scales: tuple[str, ...]            # side tensors `{module}.{suffix}`, all present
     decode: Callable[..., torch.Tensor]  # (weight, *scales, dtype) -> the float weight
     stored_shape: Callable[[tuple[int, ...]], tuple[int, ...]] = tuple   # of an [out, in] weight
+    scale_shapes: Callable[[tuple[int, ...]], tuple[tuple[int, ...], ...]] = lambda shape: ((),)   # of `scales`
+    decoded_shape: Callable[[tuple[int, ...]], tuple[int, ...]] = tuple   # stored_shape's inverse
 
 
 def _fp8_per_tensor(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -59,9 +61,12 @@ def _int8_per_channel(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) 
 
 WEIGHT_FORMATS: tuple[WeightFormat, ...] = (
     WeightFormat("nvfp4", torch.uint8, ("weight_scale", "weight_scale_2"), _nvfp4,
-                 lambda shape: (*shape[:-1], shape[-1] // 2)),   # two E2M1 codes a byte
+                 lambda shape: (*shape[:-1], shape[-1] // 2),   # two E2M1 codes a byte
+                 lambda shape: ((*shape[:-1], shape[-1] // formats.NVFP4_BLOCK), ()),
+                 lambda shape: (*shape[:-1], shape[-1] * 2)),
     WeightFormat("fp8", torch.float8_e4m3fn, ("weight_scale",), _fp8_per_tensor),
-    WeightFormat("int8", torch.int8, ("weight_scale",), _int8_per_channel),
+    WeightFormat("int8", torch.int8, ("weight_scale",), _int8_per_channel,
+                 scale_shapes=lambda shape: ((*shape[:-1], 1),)),
 )
 # tensors that scale activations or the KV cache: nothing to decode into a weight
 ACTIVATION_SCALES = ("input_scale", "k_scale", "v_scale")
@@ -76,30 +81,73 @@ def weight_format(reader: CheckpointReader, name: str) -> WeightFormat | None:
                  and all(f"{m}.{s}" in reader for s in f.scales)), None)
 
 
-def dequantized_state_dict(folder: str | Path, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """A quantized checkpoint (WEIGHT_FORMATS, e.g. ModelOpt FP8 / NVFP4) read back as plain float
-    weights, scales dropped: what the CPU reference runtime needs to run a quantized model (e.g.
-    to measure the tau a quantized drafter costs). Each quantized weight is decoded in float32
-    (exactly the values the engine's GEMM multiplies by), then cast to `dtype`; unquantized
-    tensors are returned as stored (floating ones cast to `dtype`)."""
-    with CheckpointReader(folder) as r:
-        side = {f"{n[: -len('.weight')]}.{s}" for n in r.keys() if (f := weight_format(r, n)) for s in f.scales}
+def scale_tensors(reader: CheckpointReader) -> set[str]:
+    """The tensors that hold no weight of the model: each quantized weight's scales (WEIGHT_FORMATS)
+    and the activation / KV-cache scales (ACTIVATION_SCALES)."""
+    side = {f"{n[: -len('.weight')]}.{s}" for n in reader.keys() if (f := weight_format(reader, n)) for s in f.scales}
+    return side | {n for n in reader.keys() if n.endswith(tuple("." + s for s in ACTIVATION_SCALES))}
+
+
+def quantized_weights(reader: CheckpointReader) -> dict[str, WeightFormat]:
+    """`{module}.weight` -> its format, for every weight stored quantized."""
+    return {n: f for n in reader.keys() if (f := weight_format(reader, n)) is not None}
+
+
+def format_problems(reader: CheckpointReader, shapes: dict[str, tuple[int, ...]] | None = None) -> list[str]:
+    """What stops a quantized weight from being decoded, by tensor: a weight in a quantized dtype without
+    its format's scales; with `shapes` (weight name -> the [out, in] shape the config implies), a scale of
+    the wrong shape. `check` reports these; the loader refuses the first."""
+    p = []
+    quantized = quantized_weights(reader)
+    dtypes = {f.weight_dtype for f in WEIGHT_FORMATS}
+    for name in reader.keys():
+        dtype = reader.meta(name)[0]
+        fmt = quantized.get(name)
+        if fmt is None and name.endswith(".weight") and dtype in dtypes:
+            p.append(f"{reader.file_of(name)}: tensor {name!r} is {dtype} without the scales of a known format "
+                     f"({'; '.join(f.name + ': ' + ' + '.join(f.scales) for f in WEIGHT_FORMATS)})")
+        elif fmt is not None and shapes is not None and name in shapes:
+            m = name[: -len(".weight")]
+            for suffix, want in zip(fmt.scales, fmt.scale_shapes(tuple(shapes[name]))):
+                got = tuple(reader.meta(f"{m}.{suffix}")[1])
+                if got != tuple(want):
+                    p.append(f"{reader.file_of(f'{m}.{suffix}')}: tensor {m}.{suffix} has shape {list(got)}, "
+                             f"{fmt.name} of a {list(shapes[name])} weight implies {list(want)}")
+    return p
+
+
+def dequantized_state_dict(folder: str | Path, dtype: torch.dtype | None = torch.float32,
+                           allow_pickle: bool = False) -> dict[str, torch.Tensor]:
+    """A checkpoint's tensors as the model's float weights: each quantized weight (WEIGHT_FORMATS, e.g.
+    ModelOpt FP8 / NVFP4) decoded in float32 to exactly the values the engine's GEMM multiplies by,
+    then cast to `dtype`; its scales and the activation / KV-cache scales dropped; the other tensors
+    as stored (floating ones cast to `dtype`; dtype None: quantized weights stay float32, the rest as
+    stored). A plain checkpoint reads back unchanged. What the CPU reference runtime loads, so it runs
+    the quantized model an engine serves (the target of a bundle, a quantized drafter)."""
+    with CheckpointReader(folder, allow_pickle=allow_pickle) as r:
+        if problems := format_problems(r):
+            raise DFlashError(problems[0])
+        side = scale_tensors(r)
+        quantized = quantized_weights(r)
         out = {}
         for name in r.keys():
-            if name in side or name.endswith(tuple("." + s for s in ACTIVATION_SCALES)):
+            if name in side:
                 continue
             t = r.get(name)
-            fmt = weight_format(r, name)
-            if fmt is not None:
+            if (fmt := quantized.get(name)) is not None:
                 m = name[: -len(".weight")]
-                t = fmt.decode(t, *(r.get(f"{m}.{s}") for s in fmt.scales), torch.float32).to(dtype)
-            elif name.endswith(".weight") and t.dtype in {f.weight_dtype for f in WEIGHT_FORMATS}:
-                raise DFlashError(f"{r.file_of(name)}: tensor {name!r} is {t.dtype} without the scales of a known "
-                                  f"format ({', '.join(f.name for f in WEIGHT_FORMATS)})")
-            elif t.is_floating_point():
+                t = fmt.decode(t, *(r.get(f"{m}.{s}") for s in fmt.scales), torch.float32)
+                t = t.to(dtype) if dtype is not None else t
+            elif t.is_floating_point() and dtype is not None:
                 t = t.to(dtype)
             out[name] = t
     return out
+
+
+def holds_quantized_weights(folder: str | Path, allow_pickle: bool = False) -> bool:
+    """Whether a checkpoint stores any weight in a WEIGHT_FORMATS format (headers only)."""
+    with CheckpointReader(folder, allow_pickle=allow_pickle) as r:
+        return bool(quantized_weights(r))
 
 
 def dequantize_mxfp4(state: dict) -> dict:

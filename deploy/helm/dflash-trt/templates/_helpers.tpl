@@ -402,8 +402,14 @@ imagePullSecrets:
 securityContext:
   {{- toYaml $v.podSecurityContext | nindent 2 }}
 {{- include "dflash-trt.scheduling" $root }}
-{{- if $v.bundle.loader.enabled }}
+{{- $doctor := and $v.doctor.enabled (ne $role "worker") }}
+{{- if and $doctor (not $v.doctor.image.repository) }}
+{{- fail "doctor.enabled needs doctor.image.repository: an image with dflash-trt, a CUDA torch and triton (deploy/triton-cpu.Dockerfile built with --build-arg BASE=<the server's image>)" }}
+{{- end }}
+{{- if or $v.bundle.loader.enabled (eq $v.bundle.delivery "image") $doctor }}
 initContainers:
+{{- end }}
+{{- if $v.bundle.loader.enabled }}
   # The bundle loader Job writes manifest.json last: wait for this version's copy to be complete.
   - name: wait-bundle
     image: {{ include "dflash-trt.image" . | quote }}
@@ -418,7 +424,6 @@ initContainers:
         readOnly: true
 {{- end }}
 {{- if eq $v.bundle.delivery "image" }}
-initContainers:
   - name: bundle
     image: {{ printf "%s:%s" $v.bundle.image.repository $v.bundle.image.tag | quote }}
     imagePullPolicy: {{ $v.bundle.image.pullPolicy }}
@@ -428,6 +433,21 @@ initContainers:
     volumeMounts:
       - name: bundle
         mountPath: /mnt/bundle
+{{- end }}
+{{- if $doctor }}
+  # the node check (`dflash-trt doctor`) on the GPUs the server will use, after the bundle is in place
+  - name: doctor
+    image: {{ printf "%s:%s" $v.doctor.image.repository (default "latest" $v.doctor.image.tag) | quote }}
+    imagePullPolicy: {{ $v.doctor.image.pullPolicy }}
+    command: {{ concat (list "dflash-trt" "doctor" "--bundle" $v.bundle.mountPath "--require-gpu") $v.doctor.args | toJson }}
+    env:
+      {{- include "dflash-trt.env" $root | fromJsonArray | toYaml | nindent 6 }}
+    resources:
+      {{- include "dflash-trt.gpuResources" $root | nindent 6 }}
+    securityContext:
+      {{- include "dflash-trt.securityContext" $root | nindent 6 }}
+    volumeMounts:
+      {{- include "dflash-trt.volumeMounts" (dict "root" $root "role" $role) | trim | nindent 6 }}
 {{- end }}
 containers:
   - name: {{ if eq $role "worker" }}worker{{ else }}{{ $v.server.stack }}{{ end }}
