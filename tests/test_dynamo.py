@@ -10,6 +10,7 @@ stacks/trtllm/serve_config.py, stacks/sglang.py)."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -71,7 +72,7 @@ def write_bundle(root: Path, *, target="gpt-oss-120b", gpu="b300", arch="blackwe
         g = sglang_launch(target_path="target", drafter_path="drafter", block_size=B, zlab_ids=ids, tp=tp, ep=ep, pp=1,
                           kv_cache=kv)
         (bundle / "configs/sglang.json").write_text(json.dumps(g))
-    m["artifacts"] = list_artifacts(bundle)   # deploy verifies a bundle first, as `verify` does
+    m["artifacts"] = [dataclasses.asdict(a) for a in list_artifacts(bundle)]   # deploy verifies a bundle first, as `verify` does
     validate_manifest(m)
     (bundle / "manifest.json").write_text(json.dumps(m))
     return bundle

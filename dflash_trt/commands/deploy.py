@@ -384,7 +384,7 @@ def deploy_cmd(bundle, nodes, gpus_per_node, replicas, server, dynamo_engine, di
     else:
         click.echo("layout: CPU-only, model dflash_reference")
     click.echo(f"server: {values['server']['stack']}")
-    if not m.raw.get("weights", {}).get("present", True):
+    if m.weights is not None and not m.weights.present:
         click.echo("note: the bundle holds configs only (no weights): fill it in (`dflash-trt verify --bundle "
                    f"{bundle}` says how) before copying it to the cluster")
     for im in images:
