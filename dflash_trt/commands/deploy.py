@@ -294,14 +294,9 @@ def deploy_cmd(bundle, nodes, gpus_per_node, replicas, server, dynamo_engine, di
     """
     from dflash_trt.deploy import rollout
     from dflash_trt.deploy import values as deploy
-    from dflash_trt.errors import DFlashError
     from dflash_trt.io.manifest import Manifest
 
-    if tau is not None and min_tokens_per_user is None:
-        raise DFlashError("--tau is for --min-tokens-per-user; add it (or drop --tau)")
-    if min_tokens_per_user is not None and not min_tokens_per_user > 0:
-        raise DFlashError(f"--min-tokens-per-user {min_tokens_per_user:g}: must be a positive tokens/s figure")
-    deploy.check_release(release, namespace)
+    _check_chart_flags(tau, min_tokens_per_user, release, namespace)
     deploy.require_intact(bundle)   # what verify refuses, deploy refuses: the pods would load it
     if server in ORCHESTRATORS:
         return _deploy_orchestrated(bundle=bundle, nodes=nodes, gpus_per_node=gpus_per_node, replicas=replicas,
@@ -311,11 +306,7 @@ def deploy_cmd(bundle, nodes, gpus_per_node, replicas, server, dynamo_engine, di
                                     unused={"--multinode-image": multinode_image, "--chart": chart,
                                             "--min-tokens-per-user": min_tokens_per_user,
                                             "--monitoring": monitoring or None})
-    for flag, v in (("--engine", dynamo_engine), ("--disaggregated", disaggregated or None), ("--isl", isl),
-                    ("--osl", osl)):
-        if v is not None:
-            raise DFlashError(f"{flag} is for --server {'/'.join(ORCHESTRATORS)} (the chart's servers run one "
-                              "aggregated engine)")
+    _refuse_orchestrator_flags(dynamo_engine=dynamo_engine, disaggregated=disaggregated, isl=isl, osl=osl)
     m = Manifest.read(bundle)   # once: every step below takes it
     values, p = deploy.deploy_values(bundle, nodes=nodes, gpus_per_node=gpus_per_node, replicas=replicas,
                                      gpu=gpu, pvc=pvc, ssh_secret=ssh_secret, image=image,
@@ -323,55 +314,114 @@ def deploy_cmd(bundle, nodes, gpus_per_node, replicas, server, dynamo_engine, di
                                      manifest=m)
     rollout.delivery_values(values, bundle, sub_path=sub_path,
                             loader_image=deploy.parse_image(loader_image, "--loader-image") if loader_image else None)
-    target_speed = None
-    if min_tokens_per_user is not None:
-        if p is None:
-            raise DFlashError("--min-tokens-per-user: a CPU-only deployment has no speed model")
-        from dflash_trt.plan import speed as speed_model
-
-        tcfg, dcfg = deploy.bundle_model_configs(bundle, manifest=m)
-        report = speed_model.speed_for(p, tcfg, dcfg, tau=tau)
-        batch, user = speed_model.max_concurrency_at(report, p, tcfg, dcfg, min_tokens_per_user)
-        # Scale out before an instance holds more sequences than keep every user at the target (or than it batches).
-        values["autoscaling"]["targetAverageValue"] = str(min(batch, p.chosen.max_sequences))
-        target_speed = {"min_tokens_per_s_per_user": min_tokens_per_user, "max_batch_size": batch,
-                        "predicted_tokens_per_s_per_user": user, "mode": "dflash" if report.tau else "ar",
-                        "tau": report.tau, "bundle_max_batch_size": p.max_batch_size,
-                        "autoscaling_target": int(values["autoscaling"]["targetAverageValue"])}
-    planned = None
-    if monitoring:
-        from dflash_trt.deploy import monitoring as mon
-        from dflash_trt.io.manifest import read_manifest
-        from dflash_trt.plan.monitoring_figures import bundle_figures
-
-        planned = bundle_figures(read_manifest(bundle), min_tokens_per_user=min_tokens_per_user)
-        values["monitoring"] = mon.monitoring_values(values["server"]["stack"], planned)
-    rendered = deploy.render(values, chart, release=release, namespace=namespace)   # the chart's checks, always
-    deploy.check_names(rendered)
-    if monitoring:
-        mon.check_rendered(rendered)
-    images = deploy.rendered_images(rendered, values)
+    target_speed = _speed_target(bundle, m, p, values, min_tokens_per_user, tau)
+    planned = _monitoring_values(bundle, values, min_tokens_per_user) if monitoring else None
+    rendered = _render_checked(values, chart, release, namespace, monitoring)
     manifests = rendered if render else None
     out = Path(out) if out else deploy.default_out(bundle)
     chart_dir = Path(chart) if chart else deploy.default_chart_dir()
-    layout = asdict(p.chosen) if p else None
-    header = (f"# Written by `dflash-trt deploy --bundle {bundle}`.\n"
-              + (f"# Layout: tp {p.chosen.tp}, ep {p.chosen.ep}, {values['replicas']} replica(s) on {p.hardware} "
-                 f"({p.chosen.reason}).\n" if p else "# CPU-only: the reference-runtime model, no GPU.\n")
-              + (f"# Speed target: >= {target_speed['min_tokens_per_s_per_user']:g} tokens/s per user holds up to "
-                 f"{target_speed['max_batch_size']} sequences per instance (speed model, predicted "
-                 f"{target_speed['predicted_tokens_per_s_per_user']:,.0f}); autoscaling.targetAverageValue "
-                 f"{target_speed['autoscaling_target']}; serve with max_batch_size {target_speed['max_batch_size']}.\n" if target_speed else "")
-              + _delivery_header(bundle, values)
-              + f"# Install: helm install {release} {chart_dir} -f {out / 'values.yaml'}\n"
-              + f"# Upgrade (a new bundle version: new subPath): helm upgrade {release} {chart_dir} -f "
-              f"{out / 'values.yaml'}; back: helm rollback {release} (docs/rollout.md)\n")
-    deploy.write_deployment(out, values, manifests, header, force=force)
+    deploy.write_deployment(out, values, manifests, _values_header(bundle, values, p, target_speed, release,
+                                                                  chart_dir, out), force=force)
+    _report_deployment(as_json, bundle, m, p, values, rendered, manifests, target_speed, planned, loader_image, out,
+                       release, chart_dir)
+
+
+def _check_chart_flags(tau, min_tokens_per_user, release, namespace) -> None:
+    from dflash_trt.deploy import values as deploy
+    from dflash_trt.errors import DFlashError
+
+    if tau is not None and min_tokens_per_user is None:
+        raise DFlashError("--tau is for --min-tokens-per-user; add it (or drop --tau)")
+    if min_tokens_per_user is not None and not min_tokens_per_user > 0:
+        raise DFlashError(f"--min-tokens-per-user {min_tokens_per_user:g}: must be a positive tokens/s figure")
+    deploy.check_release(release, namespace)
+
+
+def _refuse_orchestrator_flags(**flags) -> None:
+    """The chart's servers run one aggregated engine: Dynamo's flags are refused there."""
+    from dflash_trt.errors import DFlashError
+
+    names = {"dynamo_engine": "--engine", "disaggregated": "--disaggregated", "isl": "--isl", "osl": "--osl"}
+    for key, v in flags.items():
+        if v not in (None, False):
+            raise DFlashError(f"{names[key]} is for --server {'/'.join(ORCHESTRATORS)} (the chart's servers run one "
+                              "aggregated engine)")
+
+
+def _speed_target(bundle, m, p, values: dict, min_tokens_per_user, tau) -> dict | None:
+    """deploy --min-tokens-per-user: the most concurrent sequences per instance that keep every user at the
+    target (the speed model), set as the autoscaling target; None without the flag."""
+    if min_tokens_per_user is None:
+        return None
+    from dflash_trt.deploy import values as deploy
+    from dflash_trt.errors import DFlashError
+    from dflash_trt.plan import speed as speed_model
+
+    if p is None:
+        raise DFlashError("--min-tokens-per-user: a CPU-only deployment has no speed model")
+    tcfg, dcfg = deploy.bundle_model_configs(bundle, manifest=m)
+    report = speed_model.speed_for(p, tcfg, dcfg, tau=tau)
+    batch, user = speed_model.max_concurrency_at(report, p, tcfg, dcfg, min_tokens_per_user)
+    # Scale out before an instance holds more sequences than keep every user at the target (or than it batches).
+    values["autoscaling"]["targetAverageValue"] = str(min(batch, p.chosen.max_sequences))
+    return {"min_tokens_per_s_per_user": min_tokens_per_user, "max_batch_size": batch,
+            "predicted_tokens_per_s_per_user": user, "mode": "dflash" if report.tau else "ar",
+            "tau": report.tau, "bundle_max_batch_size": p.max_batch_size,
+            "autoscaling_target": int(values["autoscaling"]["targetAverageValue"])}
+
+
+def _monitoring_values(bundle, values: dict, min_tokens_per_user):
+    """deploy --monitoring: the chart's monitoring values from the bundle's planned figures (returned)."""
+    from dflash_trt.deploy import monitoring as mon
+    from dflash_trt.io.manifest import read_manifest
+    from dflash_trt.plan.monitoring_figures import bundle_figures
+
+    planned = bundle_figures(read_manifest(bundle), min_tokens_per_user=min_tokens_per_user)
+    values["monitoring"] = mon.monitoring_values(values["server"]["stack"], planned)
+    return planned
+
+
+def _render_checked(values: dict, chart, release, namespace, monitoring: bool) -> dict:
+    """The chart rendered with Helm's engine (its own checks, always), names Kubernetes takes, and the
+    monitoring objects against the Prometheus Operator CRDs."""
+    from dflash_trt.deploy import values as deploy
+
+    rendered = deploy.render(values, chart, release=release, namespace=namespace)
+    deploy.check_names(rendered)
+    if monitoring:
+        from dflash_trt.deploy import monitoring as mon
+
+        mon.check_rendered(rendered)
+    return rendered
+
+
+def _values_header(bundle, values: dict, p, target_speed: dict | None, release, chart_dir: Path, out: Path) -> str:
+    """The comment lines at the top of values.yaml: what deploy decided, and the Helm commands."""
+    return (f"# Written by `dflash-trt deploy --bundle {bundle}`.\n"
+            + (f"# Layout: tp {p.chosen.tp}, ep {p.chosen.ep}, {values['replicas']} replica(s) on {p.hardware} "
+               f"({p.chosen.reason}).\n" if p else "# CPU-only: the reference-runtime model, no GPU.\n")
+            + (f"# Speed target: >= {target_speed['min_tokens_per_s_per_user']:g} tokens/s per user holds up to "
+               f"{target_speed['max_batch_size']} sequences per instance (speed model, predicted "
+               f"{target_speed['predicted_tokens_per_s_per_user']:,.0f}); autoscaling.targetAverageValue "
+               f"{target_speed['autoscaling_target']}; serve with max_batch_size {target_speed['max_batch_size']}.\n"
+               if target_speed else "")
+            + _delivery_header(bundle, values)
+            + f"# Install: helm install {release} {chart_dir} -f {out / 'values.yaml'}\n"
+            + f"# Upgrade (a new bundle version: new subPath): helm upgrade {release} {chart_dir} -f "
+            f"{out / 'values.yaml'}; back: helm rollback {release} (docs/rollout.md)\n")
+
+
+def _report_deployment(as_json: bool, bundle, m, p, values: dict, rendered: dict, manifests, target_speed, planned,
+                       loader_image, out: Path, release, chart_dir: Path) -> None:
+    """deploy's summary: JSON (--json), else one line per decision."""
+    from dflash_trt.deploy import values as deploy
+
+    images = deploy.rendered_images(rendered, values)
     if as_json:
         click.echo(json.dumps({"values": str(out / "values.yaml"),
                                "manifests": str(out / "manifests") if manifests is not None else None,
-                               "layout": layout, "server": values["server"]["stack"], "images": images,
-                               "speed_target": target_speed,
+                               "layout": asdict(p.chosen) if p else None, "server": values["server"]["stack"],
+                               "images": images, "speed_target": target_speed,
                                "monitoring": planned.to_dict() if planned else None, "values_content": values}, indent=2))
         return
     click.echo(f"wrote {out / 'values.yaml'}")
@@ -390,15 +440,7 @@ def deploy_cmd(bundle, nodes, gpus_per_node, replicas, server, dynamo_engine, di
     for im in images:
         click.echo(f"image: {im['image']} ({im['what']})")
     if target_speed:
-        t = target_speed
-        note = (f"; the bundle's max_batch_size {t['bundle_max_batch_size']} admits more sequences than hold the "
-                f"target: serve with max_batch_size {t['max_batch_size']}" if t["bundle_max_batch_size"] >
-                t["max_batch_size"] else f"; the bundle's max_batch_size {t['bundle_max_batch_size']} is below it: "
-                f"max_batch_size {t['max_batch_size']} would batch more at the same target"
-                if t["bundle_max_batch_size"] < t["max_batch_size"] else "")
-        click.echo(f"speed target: >= {t['min_tokens_per_s_per_user']:g} tokens/s per user up to {t['max_batch_size']} "
-                   f"sequences per instance ({t['mode']}, predicted {t['predicted_tokens_per_s_per_user']:,.0f}); "
-                   f"autoscaling target {values['autoscaling']['targetAverageValue']}{note}")
+        click.echo(_speed_target_line(target_speed, values))
     if planned:
         alerts = [r["alert"] for g in values["monitoring"]["ruleGroups"] for r in g["rules"] if "alert" in r]
         click.echo(f"monitoring: ServiceMonitor, PrometheusRule (alerts: {', '.join(alerts) or 'none'}; "
@@ -410,6 +452,17 @@ def deploy_cmd(bundle, nodes, gpus_per_node, replicas, server, dynamo_engine, di
         click.echo(f"bundle: the pods mount the claim's {sub}/: copy it there with `dflash-trt push --bundle {bundle} "
                    f"--to <the claim, mounted>` (or --loader-image)")
     click.echo(f"install: helm install {release} {chart_dir} -f {out / 'values.yaml'}")
+
+
+def _speed_target_line(t: dict, values: dict) -> str:
+    note = (f"; the bundle's max_batch_size {t['bundle_max_batch_size']} admits more sequences than hold the "
+            f"target: serve with max_batch_size {t['max_batch_size']}" if t["bundle_max_batch_size"] >
+            t["max_batch_size"] else f"; the bundle's max_batch_size {t['bundle_max_batch_size']} is below it: "
+            f"max_batch_size {t['max_batch_size']} would batch more at the same target"
+            if t["bundle_max_batch_size"] < t["max_batch_size"] else "")
+    return (f"speed target: >= {t['min_tokens_per_s_per_user']:g} tokens/s per user up to {t['max_batch_size']} "
+            f"sequences per instance ({t['mode']}, predicted {t['predicted_tokens_per_s_per_user']:,.0f}); "
+            f"autoscaling target {values['autoscaling']['targetAverageValue']}{note}")
 
 
 def _delivery_header(bundle, values: dict) -> str:
