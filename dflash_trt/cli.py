@@ -33,6 +33,7 @@ COMMANDS: dict[str, str] = {
     "export-onnx": "dflash_trt.commands.plugin:export_onnx_cmd",
     "plan": "dflash_trt.commands.deploy:plan_cmd",
     "deploy": "dflash_trt.commands.deploy:deploy_cmd",
+    "tune": "dflash_trt.commands.tune:tune_cmd",
 }
 
 
