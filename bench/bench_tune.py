@@ -34,11 +34,13 @@ acceptance not supported with CPU sampling"); bench/vllm_cpu_synthetic/sitecusto
 servers' PYTHONPATH only, gives its greedy CPU kernel the synthetic branch of vLLM's own Triton kernel
 (rejection_sampler.py:725-780), transcribed.
 
-Modes are interleaved: profile by profile, each repeat serves (c), (a), (b) in a rotated order ((c) first in
-the first repeat: (b) is tuned from it), and "never" once per repeat of the first profile. Medians over repeats; the noise of a mode at a level is
-the spread of its repeats. Writes JSON (--json on stdout, --partial after every server).
+Modes are interleaved: each repeat of a profile serves (c), (a), (b) in a rotated order ((c) first in the
+first repeat: (b) is tuned from it), and "never" once per repeat of the first profile; the real profile's
+repeats run first, then the synthetic ones repeat by repeat (a run cut short has every profile once). Medians
+over repeats; the noise of a mode at a level is the spread of its repeats. Writes JSON (--json on stdout,
+--partial after every server).
 
-    python bench/bench_tune.py --repeats 2 --json     # ~35 min on 2 shared cores
+    python bench/bench_tune.py --repeats 2 --json     # ~40 min per profile on 2 cores shared with ~8 jobs
 """
 from __future__ import annotations
 
