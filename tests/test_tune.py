@@ -122,6 +122,26 @@ def test_replan_is_the_brute_force_best_at_every_concurrency(tau):
     assert r.at_served.concurrency == 3
 
 
+@pytest.mark.parametrize("min_gain", [0.01, 0.05])
+def test_min_gain_keeps_the_served_k_unless_it_pays(min_gain):
+    surv = ds.survival_from_tau(2.5, MAX_K + 1)
+    w = _served(surv, lambda i: MAX_K, 3000)
+    a = tune.survival_from_window(w, MAX_K)
+    cost = speed.StepCost(_cost, [1, 2, 4, 8, 16, 32, 64], "test cost")
+    before = ds.DraftSchedule(max_k=MAX_K, acceptance_lengths=[], levels=[], ranges=[(1, 8, 4), (9, 64, 2)],
+                              assumptions=[])
+    r = tune.replan(before, w, a, cost, MAX_K, min_gain=min_gain)
+    lengths = [1 + sum(a.survival[:k]) for k in range(MAX_K + 1)]
+    for c in range(1, 65):                       # brute force: the best K, unless the served one is within min_gain
+        rates = [lengths[k] / _cost(c, k) for k in range(MAX_K + 1)]
+        best_k = max(range(MAX_K + 1), key=lambda k: (rates[k], -k))
+        served = before.k_at(c)
+        want = best_k if rates[best_k] >= rates[served] * (1 + min_gain) else served
+        assert rates[r.after.k_at(c)] == pytest.approx(rates[want], rel=1e-9), (c, r.after.ranges)
+    assert all(ch.gain >= min_gain for ch in r.changes)
+    assert [tuple(x) for x in r.after.ranges][0][0] == 1 and r.after.ranges[-1][1] == 64
+
+
 def test_k0_in_vllm_is_a_recommendation_not_plain_decoding():
     surv = ds.survival_from_tau(1.3, MAX_K + 1)
     w = _served(surv, lambda i: MAX_K, 3000)

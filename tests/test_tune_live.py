@@ -149,3 +149,70 @@ def test_synthetic_label_refused_when_the_server_does_not_accept_so(server):
     code, out, err = run_cli("bench", "--endpoint", server.url, "--synthetic-acceptance", "6.5", "--concurrency", "1",
                              "--max-new-tokens", "16", "--limit", "2")
     assert code != 0 and "not the assumed" in err and '"rejection_sample_method": "synthetic"' in err, err
+
+
+def test_tune_from_a_real_prometheus(server, vllm_bundle, tmp_path):
+    """Debian's Prometheus 2.42 scrapes the server every second while two clients load it; tune --prometheus
+    reads the same counters through its query API."""
+    import shutil
+    import subprocess
+    import urllib.request
+
+    from dflash_trt.stacks.tritonserver.server import free_port
+
+    prom = shutil.which("prometheus")
+    if prom is None:
+        pytest.skip("no prometheus binary (Debian package prometheus)")
+    port = free_port()
+    host = server.url.split("//")[1]
+    (tmp_path / "prometheus.yml").write_text(
+        "global: {scrape_interval: 1s}\n"
+        f"scrape_configs: [{{job_name: vllm, static_configs: [{{targets: ['{host}']}}]}}]\n")
+    proc = subprocess.Popen([prom, f"--config.file={tmp_path / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "prometheus.log", "w"))
+    url = f"http://127.0.0.1:{port}"
+    prompts, stop = _prompts(), threading.Event()
+    try:
+        for _ in range(60):
+            try:
+                urllib.request.urlopen(f"{url}/-/ready", timeout=2)
+                break
+            except OSError:
+                time.sleep(1)
+
+        def load(offset: int):
+            i = offset
+            while not stop.is_set():
+                server.post("/v1/completions", {"model": server.served_model, "prompt": prompts[i % len(prompts)],
+                                                "max_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True})
+                i += 2
+        threads = [threading.Thread(target=load, args=(k,), daemon=True) for k in range(2)]
+        time.sleep(3)
+        first = server.spec_decode_counters()
+        for t in threads:
+            t.start()
+        time.sleep(45)
+        stop.set()
+        for t in threads:
+            t.join()
+        last = server.spec_decode_counters()
+        time.sleep(3)      # the last scrape
+        code, out, err = run_cli("tune", "--bundle", str(vllm_bundle), "--prometheus", url, "--window", "60s",
+                                 "--selector", 'job="vllm"', "--min-drafts", "50", "--out", str(tmp_path / "r2"),
+                                 "--json")
+    finally:
+        stop.set()
+        proc.terminate()
+        proc.wait(30)
+    assert code == 0, err
+    rep = json.loads(out)
+    w, drafts = rep["window"], last["drafts"] - first["drafts"]
+    print("prometheus window:", {k: w[k] for k in ("drafts", "accepted", "mean_concurrency", "max_concurrency")},
+          "server counters:", drafts, "after:", rep["after"]["ranges"])
+    # increase() over 60 s covers the whole load (started after the first scrape, ended before the last)
+    assert w["drafts"] == pytest.approx(drafts, rel=0.05)
+    assert rep["acceptance"]["survival"][0] == pytest.approx(
+        (last["accepted_per_pos"][0] - first["accepted_per_pos"][0]) / drafts, abs=0.03)
+    assert 0 < w["mean_concurrency"] <= 2 and w["max_concurrency"] == 2
+    assert read_manifest(tmp_path / "r2")["tune"]["window"]["source"] == f"prometheus {url}"

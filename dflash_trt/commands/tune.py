@@ -32,11 +32,14 @@ from dflash_trt.commands import FiniteFloatRange
 @click.option("--values-out", type=click.Path(dir_okay=False), metavar="FILE.yaml",
               help="Where the values diff for `helm upgrade` goes (default: OUT/helm-upgrade-values.yaml beside "
                    "the revision, not inside it).")
+@click.option("--min-gain", type=FiniteFloatRange(0, 1), default=0.01, show_default=True,
+              help="Keep the served K at a concurrency where the re-planned K is predicted to gain less than this "
+                   "share of tokens/s per user (no churn for a tie).")
 @click.option("--json", "as_json", is_flag=True, help="Print the whole report as JSON on stdout.")
 @click.option("--every", type=FiniteFloatRange(0.1), help="--endpoint: seconds between gauge reads (default: "
               "window / 20, 0.5 to 5).")
-def tune_cmd(bundle_dir, endpoint, prometheus, selector, window, min_drafts, step_cost, out, values_out, as_json,
-             every):
+def tune_cmd(bundle_dir, endpoint, prometheus, selector, window, min_drafts, step_cost, out, values_out, min_gain,
+             as_json, every):
     """Read the acceptance per draft position that a serving replica really had over a window, and
     the concurrency it ran at; re-plan the draft length K for every concurrency from that acceptance
     and the bundle's cost model; write a new bundle revision whose configs carry the new schedule, and
@@ -92,7 +95,7 @@ def tune_cmd(bundle_dir, endpoint, prometheus, selector, window, min_drafts, ste
         w = tune.read_prometheus(prometheus, seconds, selector=selector, stack=stack)
     before = tune.served_schedule(m, block)
     acc = tune.survival_from_window(w, max_k, tune.served_ranges(bundle, before, stack), min_drafts=min_drafts)
-    r = tune.replan(before, w, acc, cost, max_k, stack)
+    r = tune.replan(before, w, acc, cost, max_k, stack, min_gain=min_gain)
     new_m = revision.write_revision(bundle, Path(out), r)
     values_path = Path(values_out) if values_out else Path(str(Path(out)) + ".helm-upgrade-values.yaml")
     diff = revision.values_diff(bundle, Path(out), values_path)

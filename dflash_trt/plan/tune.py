@@ -389,13 +389,17 @@ def _full_block(max_k: int, last: int) -> ds.DraftSchedule:
 
 
 def replan(before: ds.DraftSchedule | None, window: Window, acceptance: Acceptance, cost: speed.StepCost,
-           max_k: int, stack: str = "vllm") -> Retune:
-    """The schedule from the measured acceptance and the cost model, and what changed against `before`."""
+           max_k: int, stack: str = "vllm", min_gain: float = 0.0) -> Retune:
+    """The schedule from the measured acceptance and the cost model, and what changed against `before`.
+    min_gain: keep the served K at a concurrency where the re-planned one is predicted to gain less than this
+    share of tokens/s per user (no churn for a tie)."""
     after = ds.choose(acceptance.survival, cost.step_seconds, cost.concurrencies, max_k=max_k, assumptions=[
         f"acceptance per position measured by the engine over {window.seconds:.0f} s ({window.source}): "
         f"{window.drafts:.0f} drafts, tau {acceptance.tau:.2f}", *acceptance.notes, cost.source])
     old = before or _full_block(max_k, cost.concurrencies[-1])
     lengths = ds.acceptance_lengths(acceptance.survival)
+    if min_gain > 0:
+        after = keep_unless_gain(after, old, lengths, cost, min_gain)
 
     def change(c: int) -> Change:
         kb, ka = old.k_at(c), after.k_at(c)
@@ -415,6 +419,28 @@ def replan(before: ds.DraftSchedule | None, window: Window, acceptance: Acceptan
                         "--speculative-config")
     return Retune(before=before, after=after, window=window, acceptance=acceptance, cost_source=cost.source,
                   changes=changes, at_served=at, recommendations=recs)
+
+
+def keep_unless_gain(after: ds.DraftSchedule, old: ds.DraftSchedule, lengths: list[float], cost: speed.StepCost,
+                     min_gain: float) -> ds.DraftSchedule:
+    """`after` with the served K kept at every concurrency where `after`'s K gains less than min_gain."""
+    def rate(c: int, k: int) -> float:
+        return lengths[k] / cost.step_seconds(c, k)
+    ks = []
+    for c in range(1, after.ranges[-1][1] + 1):
+        k_new, k_old = after.k_at(c), min(old.k_at(c), after.max_k)
+        ks.append(k_new if rate(c, k_new) >= rate(c, k_old) * (1 + min_gain) else k_old)
+    ranges: list[tuple[int, int, int]] = []
+    for c, k in enumerate(ks, start=1):
+        if ranges and ranges[-1][2] == k:
+            ranges[-1] = (ranges[-1][0], c, k)
+        else:
+            ranges.append((c, c, k))
+    levels = [ds.Level(lv.concurrency, ks[lv.concurrency - 1], rate(lv.concurrency, ks[lv.concurrency - 1]),
+                       lv.always_k_tokens_per_s_per_user, lv.ar_tokens_per_s_per_user) for lv in after.levels]
+    return ds.DraftSchedule(max_k=after.max_k, acceptance_lengths=after.acceptance_lengths, levels=levels,
+                            ranges=ranges, assumptions=[*after.assumptions, f"the served K kept where the re-plan gains "
+                                                        f"less than {min_gain:.0%} tokens/s per user"])
 
 
 def format_retune(r: Retune) -> str:
