@@ -20,6 +20,11 @@
   bundle's num_speculative_tokens_per_batch_size, against always-K and never speculating, modes
   interleaved, the server's spec-decode counters per level, token identity to vLLM's AR
   (bench/bench_adaptive.py; one repeat with --quick). Skipped, with the reason, where the vLLM env is missing;
+- tune.json: `dflash-trt tune` on the real engine: tokens/s at concurrency 1, 4, 16 with the build-time
+  schedule, the schedule tune re-plans from the counters vLLM exported while serving code prompts, always
+  the full block and no speculation, at the drafter's own acceptance (token identity to vLLM's AR checked)
+  and at two synthetic acceptance profiles (tau 4.4 and 2.5) (bench/bench_tune.py; one repeat with --quick).
+  Skipped, with the reason, where the vLLM env is missing;
 - kv_inject.json: fused KV injection against the reference (bench/bench_kv_inject.py);
 - omp_wait.json: `dflash-trt bench` (2 prompts x 32 tokens) beside one busy process, with the CLI's
   default OMP_WAIT_POLICY=PASSIVE and with libgomp's own default (bench/bench_omp_wait.py);
@@ -132,6 +137,19 @@ def main() -> int:
                            for m in ("always", "never", "scheduled")},
                         "scheduled_over_best_of_always_never": r["scheduled_over_best_of_always_never"]}
                        for r in ad["levels"]]}
+    tn = {"skipped": problem} if problem else _script(
+        "bench_tune.py", ["--json", "--acceptance-json", str(out / "runtime_embedded.json"),
+                          *(["--repeats", "1"] if a.quick else [])], out / "tune.json")
+    if tn is not None:
+        summary["tune"] = tn if "skipped" in tn else {
+            "build_ranges": tn["build_schedule"]["ranges"],
+            "tuned_ranges": {p: t["after"]["ranges"] for p, t in tn["tuned"].items()},
+            "token_identical_to_vllm_ar": tn["token_identical_to_vllm_ar"],
+            "load_average_1min": tn["load_average_1min"],
+            "levels": [{k: r.get(k) for k in ("profile", "concurrency", "k_build", "k_tuned", "best_other",
+                                             "tuned_over_best_other", "tuned_ge_best_within_noise")}
+                       | {m: r[m]["tokens_per_s_median"] for m in ("build", "tuned", "always", "never") if m in r}
+                       for r in tn["levels"]]}
     kv = _script("bench_kv_inject.py", [], out / "kv_inject.json")
     if kv is not None:
         summary["kv_inject"] = kv

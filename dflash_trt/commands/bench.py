@@ -46,10 +46,16 @@ from dflash_trt.commands import THREADS, FiniteFloatRange
               help="--endpoint: draw tokens/s per GPU against tokens/s per user (the axes of plan --plot) as PNG.")
 @click.option("--plan-bundle", type=click.Path(file_okay=False), metavar="DIR",
               help="--endpoint: overlay the plan of this bundle (plan --bundle) and give measured / plan.")
+@click.option("--synthetic-acceptance", "synthetic", metavar="RATES|TAU",
+              help="--endpoint: a capacity sweep at an ASSUMED acceptance, as NVIDIA's Dynamo recipes run one: the "
+                   "vLLM server accepts drafts by its synthetic rejection sampler (per-position rates, or the "
+                   "geometric rates through a mean acceptance length TAU); the report and plot are labelled "
+                   "synthetic, and the server's counters must show those rates (else a one-line error naming the "
+                   "--speculative-config fields to serve it with).")
 @click.pass_context
 def bench_cmd(ctx, target, drafter, bundle, prompts_file, max_new_tokens, block_size, temperature, limit, dtype, threads,
               fused, full_draft_vocab, as_json, endpoint, concurrency, model_name, metrics_url, ignore_eos, warmup, gpus,
-              plot_file, plan_bundle):
+              plot_file, plan_bundle, synthetic):
     """Run DFlash and plain AR decoding on the same prompts in one process, interleaved, and
     report tau (mean tokens per target pass, bonus included), the wall-clock speed-up, tokens/s,
     losslessness (greedy: every output token-identical to AR), the acceptance histogram and the
@@ -57,7 +63,9 @@ def bench_cmd(ctx, target, drafter, bundle, prompts_file, max_new_tokens, block_
 
     With --endpoint URL it measures a served OpenAI-compatible endpoint instead: a sweep of
     --concurrency levels, streaming, tokens/s (total and per user), TTFT, ITL and the acceptance
-    length the server's own spec-decode counters give over each level.
+    length the server's own spec-decode counters give over each level; per request and per prompt
+    category too where the engine returns it (vLLM started with --per-request-spec-decode-metrics
+    summary). --synthetic-acceptance sweeps capacity at an assumed acceptance instead of the drafter's.
 
     \b
     Examples:
@@ -65,12 +73,13 @@ def bench_cmd(ctx, target, drafter, bundle, prompts_file, max_new_tokens, block_
       dflash-trt bench --target DIR --drafter DIR --prompts my.jsonl --max-new-tokens 256 --json
       dflash-trt bench --bundle engines/smollm2-135m-blackwell-nvfp4 --json   # what the engines load
       dflash-trt bench --endpoint http://localhost:8000 --concurrency 1,2,4,8 --plot speed.png --json
+      dflash-trt bench --endpoint http://localhost:8000 --synthetic-acceptance 4.4 --concurrency 1,8,64
     """
     from dflash_trt.errors import DFlashError
 
     runtime_only = ("target", "drafter", "bundle", "block_size", "temperature", "dtype", "threads", "fused", "full_draft_vocab")
     endpoint_only = ("concurrency", "model_name", "metrics_url", "ignore_eos", "warmup", "gpus", "plot_file",
-                     "plan_bundle")
+                     "plan_bundle", "synthetic")
     given = [n for n in (runtime_only if endpoint else endpoint_only)
              if ctx.get_parameter_source(n) is not click.core.ParameterSource.DEFAULT]
     if given:
@@ -79,7 +88,7 @@ def bench_cmd(ctx, target, drafter, bundle, prompts_file, max_new_tokens, block_
                           else f"{opt} applies to --endpoint URL only")
     if endpoint:
         return _bench_endpoint(endpoint, prompts_file, limit, max_new_tokens, concurrency, model_name, metrics_url,
-                               ignore_eos, warmup, gpus, plot_file, plan_bundle, as_json)
+                               ignore_eos, warmup, gpus, plot_file, plan_bundle, as_json, synthetic)
     import torch
 
     from dflash_trt.bench.runtime import format_table, run_bench
@@ -111,7 +120,7 @@ def bench_cmd(ctx, target, drafter, bundle, prompts_file, max_new_tokens, block_
 
 
 def _bench_endpoint(endpoint, prompts_file, limit, max_new_tokens, concurrency, model_name, metrics_url, ignore_eos,
-                    warmup, gpus, plot_file, plan_bundle, as_json):
+                    warmup, gpus, plot_file, plan_bundle, as_json, synthetic=None):
     from dflash_trt.bench import endpoint as eb
     from dflash_trt.errors import DFlashError
 
@@ -120,7 +129,8 @@ def _bench_endpoint(endpoint, prompts_file, limit, max_new_tokens, concurrency, 
         raise DFlashError(f"--plot {plot_file}: the plot is written as PNG; name the file *.png")
     rows = eb.read_prompts(prompts_file)[:limit]
     bench = eb.EndpointBench(endpoint, model=model_name, metrics_url=metrics_url, max_new_tokens=max_new_tokens,
-                             ignore_eos=ignore_eos, warmup=warmup, progress=lambda line: click.echo(line, err=True))
+                             ignore_eos=ignore_eos, warmup=warmup, progress=lambda line: click.echo(line, err=True),
+                             synthetic=synthetic)
     bench.connect()
     planned, note = eb.bundle_plan(plan_bundle) if plan_bundle else (None, None)
     if note:

@@ -370,14 +370,42 @@ def build_schedule(mode: str, *, target_name: str, target_config: dict, drafter_
     if not gpu:
         return None, ("no GPU (a CPU bundle): the speed model needs the node's hardware (build --gpu), or pass "
                       "--draft-schedule FILE.json")
-    hw = hardware_for_gpu(gpu)
     if target_name not in PUBLISHED_TAU:
         pair = target_name if target_name in PRESETS else "TARGET_DIR --drafter DRAFTER_DIR"
         return None, (f"no acceptance figure for {target_name}'s drafter (no published tau): measure it and plan "
                       f"with it, then rebuild: `dflash-trt bench --target {pair} --json > bench.json`; "
-                      f"`dflash-trt plan --target {pair} --hardware {hw.name} --quant {quant} --speed --acceptance "
-                      "bench.json --json > plan.json`; `dflash-trt build ... --draft-schedule plan.json` (the layout "
-                      "of this build's --tp / --ep is taken from it)")
+                      f"`dflash-trt plan --target {pair} --hardware {hardware_for_gpu(gpu).name} --quant {quant} "
+                      "--speed --acceptance bench.json --json > plan.json`; `dflash-trt build ... --draft-schedule "
+                      "plan.json` (the layout of this build's --tp / --ep is taken from it)")
+    cost = schedule_cost(target_name=target_name, target_config=target_config, drafter_config=drafter_config,
+                         gpu=gpu, quant=quant, kv_cache=kv_cache, drafter_quant=drafter_quant, tp=tp, ep=ep,
+                         block_size=block_size, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+                         attention_dp=attention_dp, context_tokens=context_tokens)
+    if isinstance(cost, str):
+        return None, cost
+    t, src, survival, acc_src = resolve_acceptance(target_name, None, block_size, True)
+    sched = ds.choose(survival, cost.step_seconds, cost.concurrencies,
+                      assumptions=[f"acceptance per position: {acc_src}", SCHEDULE_COST, cost.source])
+    return sched, f"planned for {cost.hardware} (speed model, tau {t:g}: {src})"
+
+
+@dataclass(frozen=True)
+class ScheduleCost:
+    """What a decode step costs, for draft_schedule.choose: step_seconds(c, K), the concurrencies to plan at,
+    and where the figures come from (the speed model's cost.StepCost on a GPU node, or a measured table)."""
+    step_seconds: object            # Callable[[int, int], float]
+    concurrencies: list[int]
+    source: str
+    hardware: str = ""
+
+
+def schedule_cost(*, target_name: str, target_config: dict, drafter_config: dict, gpu: str, quant: str,
+                  kv_cache: str, drafter_quant: str, tp: int, ep: int, block_size: int, max_batch_size: int,
+                  max_seq_len: int, attention_dp: bool = False,
+                  context_tokens: int = DEFAULT_CONTEXT_TOKENS) -> ScheduleCost | str:
+    """The speed model's step cost of a bundle's layout on its GPU node (build --draft-schedule auto, and
+    `tune` re-planning from served acceptance), or why there is none (a str)."""
+    hw = hardware_for_gpu(gpu)
     dcfg = {**drafter_config, "block_size": block_size}
     p = planner.plan(target_config, dcfg, hw, target_name=target_name, drafter_name=f"{target_name} drafter",
                      quant=quant, kv_cache=kv_cache, drafter_quant=drafter_quant, max_seq_len=max_seq_len, tp=tp,
@@ -385,18 +413,18 @@ def build_schedule(mode: str, *, target_name: str, target_config: dict, drafter_
     lay = p.chosen
     if lay is None:
         why = p.layouts[0].reason if p.layouts else "no layout"
-        return None, f"the planner finds tp {tp} ep {ep} does not fit {hw.name} ({why}): no speed figures"
+        return f"the planner finds tp {tp} ep {ep} does not fit {hw.name} ({why}): no speed figures"
     target = planner.target_shape(target_config, target_name)
     drafter = planner.drafter_shape(dcfg, f"{target_name} drafter")
-    ls = layout_speed(p, lay, target, drafter, hw, None, min(context_tokens, p.max_seq_len))
+    context = min(context_tokens, p.max_seq_len)
+    ls = layout_speed(p, lay, target, drafter, hw, None, context)
     if not ls.points:
-        return None, f"tp {tp} ep {ep} on {hw.name} has no speed figures ({ls.reason})"
-    t, src, survival, acc_src = resolve_acceptance(target_name, None, block_size, True)
-    sched = layout_schedule(p, ls, target, drafter, hw, min(context_tokens, p.max_seq_len), survival, acc_src,
-                            concurrency_grid=concurrencies(max_batch_size))
-    sched.assumptions.append(f"planned by the speed model for {hw.name}, tp {tp} ep {ep}, {quant} weights, "
-                             f"{context_tokens} tokens of context, concurrency 1..{max_batch_size} (max_batch_size)")
-    return sched, f"planned for {hw.name} (speed model, tau {t:g}: {src})"
+        return f"tp {tp} ep {ep} on {hw.name} has no speed figures ({ls.reason})"
+    step = step_seconds_for(p, ls.tp, target, drafter, hw, context, EFFICIENCY["central"],
+                            attention_dp=ls.attention_dp)
+    return ScheduleCost(step, concurrencies(max_batch_size),
+                        f"planned by the speed model for {hw.name}, tp {tp} ep {ep}, {quant} weights, {context_tokens} "
+                        f"tokens of context, concurrency 1..{max_batch_size} (max_batch_size)", hw.name)
 
 
 def schedule_file(path: str, block_size: int, tp: int, ep: int) -> ds.DraftSchedule:
