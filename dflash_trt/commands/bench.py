@@ -89,6 +89,13 @@ def bench_cmd(ctx, target, drafter, bundle, prompts_file, max_new_tokens, block_
     if endpoint:
         return _bench_endpoint(endpoint, prompts_file, limit, max_new_tokens, concurrency, model_name, metrics_url,
                                ignore_eos, warmup, gpus, plot_file, plan_bundle, as_json, synthetic)
+    _bench_runtime(target, drafter, bundle, prompts_file, max_new_tokens, block_size, temperature, limit, dtype,
+                   threads, fused, full_draft_vocab, as_json)
+
+
+def _bench_runtime(target, drafter, bundle, prompts_file, max_new_tokens, block_size, temperature, limit, dtype,
+                   threads, fused, full_draft_vocab, as_json) -> None:
+    """bench on our CPU runtime: DFlash and AR interleaved on the same prompts."""
     import torch
 
     from dflash_trt.bench.runtime import format_table, run_bench

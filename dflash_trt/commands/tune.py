@@ -67,23 +67,13 @@ def tune_cmd(bundle_dir, endpoint, prometheus, selector, window, min_drafts, ste
     from dflash_trt.models.config import load_drafter_config
     from dflash_trt.plan import tune
 
-    if bool(endpoint) == bool(prometheus):
-        raise DFlashError("tune: pass one of --endpoint URL (watch a replica) or --prometheus URL (read its history)")
-    if selector and not prometheus:
-        raise DFlashError("--selector applies to --prometheus only")
-    if every and not endpoint:
-        raise DFlashError("--every applies to --endpoint only")
+    _check_sources(endpoint, prometheus, selector, every)
     bundle = Path(bundle_dir)
     m = read_manifest(bundle)
-    served = m["serving_stacks"]["served"]
-    stack = next((s for s in served if s in tune.TUNE_READERS), None)
-    if stack is None:
-        raise DFlashError(f"tune: the bundle serves {', '.join(served)}; tune reads per-position acceptance from vLLM "
-                          "only (the one engine exporting it) - build the bundle with --stacks vllm")
+    stack = _tuned_stack(m)
     if Path(out).exists() and any(Path(out).iterdir()):
         raise DFlashError(f"--out {out}: exists and is not empty")
-    block = int(m["drafter"]["block_size"])
-    max_k = block - 1
+    max_k = int(m["drafter"]["block_size"]) - 1   # the drafted tokens of a block
     cost = tune.step_cost_table(step_cost) if step_cost else \
         tune.bundle_step_cost(m, load_drafter_config(bundle / "drafter").raw)
     seconds = tune.parse_window(window)
@@ -93,19 +83,42 @@ def tune_cmd(bundle_dir, endpoint, prometheus, selector, window, min_drafts, ste
         w = tune.read_endpoint(endpoint, seconds, every_s=every, stack=stack, progress=log)
     else:
         w = tune.read_prometheus(prometheus, seconds, selector=selector, stack=stack)
-    before = tune.served_schedule(m, block)
+    before = tune.served_schedule(m, max_k + 1)
     acc = tune.survival_from_window(w, max_k, tune.served_ranges(bundle, before, stack), min_drafts=min_drafts)
     r = tune.replan(before, w, acc, cost, max_k, stack, min_gain=min_gain)
     new_m = revision.write_revision(bundle, Path(out), r)
     values_path = Path(values_out) if values_out else Path(str(Path(out)) + ".helm-upgrade-values.yaml")
     diff = revision.values_diff(bundle, Path(out), values_path)
     changed = revision.changed_files(bundle, Path(out))
-    report = r.to_dict() | {"revision": str(out), "changed_files": changed, "values_diff": diff,
-                            "values_file": str(values_path), "tune_record": new_m["tune"]}
     if as_json:
-        click.echo(json.dumps(report, indent=2))
-    else:
-        click.echo(tune.format_retune(r))
-        click.echo(f"revision: {out} ({len(changed)} files changed: "
-                   f"{', '.join(changed[:6])}{', ...' if len(changed) > 6 else ''})")
-        click.echo(f"helm upgrade values: {values_path} ({', '.join(diff) or 'no value changes'})")
+        click.echo(json.dumps(r.to_dict() | {"revision": str(out), "changed_files": changed, "values_diff": diff,
+                                             "values_file": str(values_path), "tune_record": new_m["tune"]}, indent=2))
+        return
+    click.echo(tune.format_retune(r))
+    click.echo(f"revision: {out} ({len(changed)} files changed: "
+               f"{', '.join(changed[:6])}{', ...' if len(changed) > 6 else ''})")
+    click.echo(f"helm upgrade values: {values_path} ({', '.join(diff) or 'no value changes'})")
+
+
+def _check_sources(endpoint, prometheus, selector, every) -> None:
+    from dflash_trt.errors import DFlashError
+
+    if bool(endpoint) == bool(prometheus):
+        raise DFlashError("tune: pass one of --endpoint URL (watch a replica) or --prometheus URL (read its history)")
+    if selector and not prometheus:
+        raise DFlashError("--selector applies to --prometheus only")
+    if every and not endpoint:
+        raise DFlashError("--every applies to --endpoint only")
+
+
+def _tuned_stack(m: dict) -> str:
+    """The bundle's served stack whose per-position acceptance tune reads (plan/tune.py TUNE_READERS)."""
+    from dflash_trt.errors import DFlashError
+    from dflash_trt.plan import tune
+
+    served = m["serving_stacks"]["served"]
+    stack = next((s for s in served if s in tune.TUNE_READERS), None)
+    if stack is None:
+        raise DFlashError(f"tune: the bundle serves {', '.join(served)}; tune reads per-position acceptance from vLLM "
+                          "only (the one engine exporting it) - build the bundle with --stacks vllm")
+    return stack
