@@ -103,9 +103,10 @@ class BuildOptions:
     # the draft length per concurrency each stack's control gets, planned for the resolved build; the command
     # line passes the planner's (build --draft-schedule); the default plans none
     draft_schedule: SchedulePlanner = no_schedule
-    # refuses (DFlashError) a finished bundle folder, before it is published, that `deploy` would refuse
-    # (the command line passes deploy's own check: the planner's layout rules and the chart's); None: no check
-    deployable: Callable[[Path], None] | None = None
+    # refuses (DFlashError) a finished bundle folder, before it is published, that `deploy` would refuse, and
+    # returns deploy's plan of it (the command line passes deploy's own check: the planner's layout rules and
+    # the chart's; build's result carries it as deploy_plan); None: no check
+    deployable: Callable[[Path], object] | None = None
     # every config, the Triton repository, the manifest and the plan, without the weights (configs_only_*)
     configs_only: bool = False
 
@@ -547,9 +548,9 @@ class Builder:
                 self._run_stage(st)
             self.manifest = self._finish_manifest()
             self.manifest.write(work)
-            if self.o.deployable is not None:
-                self.o.deployable(work)
-        return {"bundle": str(self.dest), "manifest": self.manifest, "stages": [asdict(r) for r in self.reports]}
+            deploy_plan = self.o.deployable(work) if self.o.deployable is not None else None
+        return {"bundle": str(self.dest), "manifest": self.manifest, "stages": [asdict(r) for r in self.reports],
+                "deploy_plan": deploy_plan}
 
     def _resolve(self) -> None:
         """The pair, its configs, the settings, the block size and the bundle folder."""

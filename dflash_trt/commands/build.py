@@ -110,7 +110,7 @@ def build_cmd(target, drafter, arch, gpu, quant, kv_cache, drafter_quant, stacks
                         configs_only=configs_only,
                         stacks=tuple(x.strip() for x in stacks.split(",") if x.strip()) if stacks is not None else None)
     res = build(opts, progress=True)
-    plan, plan_line = _deploy_plan(res["bundle"], res["manifest"])
+    plan, plan_line = _deploy_plan(res["bundle"], res["deploy_plan"])
     if as_json:
         m = res["manifest"].to_dict()
         click.echo(json.dumps({"bundle": res["bundle"], "stages": res["stages"],
@@ -131,38 +131,35 @@ def _schedule_planner(mode: str):
     return lambda request: build_schedule(mode, **request.keywords())
 
 
-def check_deployable(bundle) -> None:
-    """Refuse, before the bundle is published, a layout `deploy` would refuse: the planner's rules
-    for the bundle (tp a power of two, pp 1, ...) and, where the layout fits its node, the chart's
-    own checks on the values deploy writes (Helm's engine). A layout that fits no single node is
-    built all the same (deploy --nodes places it; the summary's plan line says why), and so is one with
-    pipeline parallelism, which deploy leaves to the chart's parallel.pp by hand (the plan line says so)."""
+def check_deployable(bundle):
+    """Plan the bundle as `deploy` will (`plan --bundle`), once, and refuse, before the bundle is published, a
+    layout `deploy` would refuse: the planner's rules for the bundle (tp a power of two, ...) and, where the
+    layout fits its node, the chart's own checks on the values deploy writes (Helm's engine). Returns the plan
+    (None: CPU-only), or why it is not planned (a str): a layout with pipeline parallelism, which deploy leaves
+    to the chart's parallel.pp by hand. A layout that fits no single node is built all the same (deploy --nodes
+    places it; the summary's plan line says why)."""
     from dflash_trt.deploy.values import deploy_values, plan_for_bundle, render
     from dflash_trt.errors import DFlashError
-    from dflash_trt.io.manifest import read_manifest
 
-    if read_manifest(bundle)["parallel"]["pp"] > 1:
-        return
+    m = Manifest.read(bundle)
+    if m.parallel.pp > 1:
+        return "parallel.pp > 1 is not planned; set the chart's parallel.pp by hand"
     try:
-        p = plan_for_bundle(bundle)
+        p = plan_for_bundle(bundle, manifest=m)
         if p is None or p.chosen is not None:
-            values, _ = deploy_values(bundle)
+            values, _ = deploy_values(bundle, manifest=m, plan=p)
             render(values)
     except DFlashError as e:
         raise DFlashError(f"deploy would refuse this bundle: {e}; nothing was written") from None
+    return p
 
 
-def _deploy_plan(bundle: str, manifest: Manifest) -> tuple[dict | None, str | None]:
-    """The layout `deploy` will use on the bundle's node (`plan --bundle`), as (JSON, summary line);
-    (None, None) for a CPU-only bundle. A bundle the planner cannot place is built all the same
-    (the line says why; `plan --bundle` shows every layout)."""
-    from dflash_trt.deploy.values import plan_for_bundle
-    from dflash_trt.errors import DFlashError
-
-    try:
-        p = plan_for_bundle(bundle, manifest=manifest)   # the Manifest build wrote: not read again
-    except DFlashError as e:
-        return {"error": str(e)}, f"plan: not planned: {e}"
+def _deploy_plan(bundle: str, p) -> tuple[dict | None, str | None]:
+    """The layout `deploy` will use on the bundle's node (check_deployable's plan, or why none), as (JSON,
+    summary line); (None, None) for a CPU-only bundle. A bundle the planner cannot place is built all the
+    same (the line says why; `plan --bundle` shows every layout)."""
+    if isinstance(p, str):
+        return {"error": p}, f"plan: not planned: {p}"
     if p is None:
         return None, None
     c = p.chosen
