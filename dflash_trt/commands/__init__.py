@@ -24,3 +24,18 @@ class FiniteFloatRange(click.FloatRange):
         if not math.isfinite(v):
             self.fail(f"{value!r} is not a finite number.", param, ctx)
         return v
+
+
+# --bundle of check / generate / bench: the pair a bundle serves, instead of --target / --drafter
+BUNDLE_PAIR_OPTION = click.option(
+    "--bundle", type=click.Path(file_okay=False, exists=True),
+    help="Run a bundle's own target/ and drafter/ (quantized as its engines load them) instead of "
+         "--target / --drafter.")
+
+
+def pair_options(fn):
+    """--target, --drafter and --bundle of generate and bench: the pair to run."""
+    fn = BUNDLE_PAIR_OPTION(fn)
+    fn = click.option("--drafter", type=click.Path(), help="DFlash drafter folder (default: the preset's drafter).")(fn)
+    return click.option("--target", type=click.Path(),
+                        help="Target folder or preset (default: embedded SmolLM2-135M).")(fn)

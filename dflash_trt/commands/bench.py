@@ -6,15 +6,11 @@ from importlib import resources
 
 import click
 
-from dflash_trt.commands import THREADS, FiniteFloatRange
+from dflash_trt.commands import THREADS, FiniteFloatRange, pair_options
 
 
 @click.command("bench")
-@click.option("--target", type=click.Path(), help="Target folder or preset (default: embedded SmolLM2-135M).")
-@click.option("--drafter", type=click.Path(), help="DFlash drafter folder (default: the preset's drafter).")
-@click.option("--bundle", type=click.Path(file_okay=False, exists=True),
-              help="Run a bundle's own target/ and drafter/ (quantized as its engines load them) instead of "
-                   "--target / --drafter.")
+@pair_options
 @click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False),
               help='JSONL of {"prompt": ...} lines (default: the embedded held-out prompts).')
 @click.option("--max-new-tokens", type=click.IntRange(1), default=128, show_default=True)

@@ -5,7 +5,7 @@ import json
 
 import click
 
-from dflash_trt.commands import SEED, FiniteFloatRange
+from dflash_trt.commands import BUNDLE_PAIR_OPTION, SEED, FiniteFloatRange, pair_options
 from dflash_trt.errors import DFlashError
 
 
@@ -49,9 +49,7 @@ def make_tiny_cmd(arch, out, drafter_out, seed, block_size, no_mxfp4, drafter_ki
 @click.option("--target", type=click.Path(), help="Target folder, preset name or hub id (org/name; found in the "
               "Hugging Face cache or downloaded). Default: the embedded target.")
 @click.option("--drafter", type=click.Path(), help="DFlash drafter folder or hub id (default: the preset's drafter).")
-@click.option("--bundle", type=click.Path(file_okay=False, exists=True),
-              help="Run a bundle's own target/ and drafter/ (quantized as its engines load them) instead of "
-                   "--target / --drafter.")
+@BUNDLE_PAIR_OPTION
 @click.option("--scan/--no-scan", default=True, show_default=True,
               help="Read every weight once (streaming, bounded memory) and report NaN / Inf tensors.")
 @click.option("--json", "as_json", is_flag=True)
@@ -91,11 +89,7 @@ def check_cmd(target, drafter, bundle, scan, as_json):
 
 
 @click.command("generate")
-@click.option("--target", type=click.Path(), help="Target folder or preset (default: embedded SmolLM2-135M).")
-@click.option("--drafter", type=click.Path(), help="DFlash drafter folder (default: the preset's drafter).")
-@click.option("--bundle", type=click.Path(file_okay=False, exists=True),
-              help="Run a bundle's own target/ and drafter/ (quantized as its engines load them) instead of "
-                   "--target / --drafter.")
+@pair_options
 @click.option("--prompt", "-p", required=True, help="User message (rendered with the chat template if any).")
 @click.option("--max-new-tokens", type=click.IntRange(1), default=128, show_default=True)
 @click.option("--temperature", type=FiniteFloatRange(0), default=0.0, show_default=True, help="0 = greedy.")
