@@ -33,17 +33,26 @@ from helpers import objects, run_cli, tritonserver_missing
 PROMPT = "the quick brown fox"
 HOST_DIRS = ("bin", "sbin", "lib", "lib32", "lib64", "usr", "etc", "work", "root", "sys", "dev")
 PROBE = r"""
-import json, sys, time, urllib.request
+import json, subprocess, sys, time, urllib.request
 import numpy as np
 sys.path.insert(0, sys.argv[5])
 from helpers import grpc_stream, infer_inputs
 http, grpc, ready, prompt = sys.argv[1:5]
+ready = json.loads(ready)   # the chart's readiness probe: {"httpGet": {"path": ...}} or {"exec": {"command": [...]}}
+
+
+def is_ready():
+    if "exec" in ready:
+        return subprocess.run(ready["exec"]["command"], capture_output=True, timeout=30).returncode == 0
+    return urllib.request.urlopen(f"http://127.0.0.1:{http}{ready['httpGet']['path']}", timeout=5).status == 200
+
+
 deadline = time.time() + 240
 while True:
     try:
-        if urllib.request.urlopen(f"http://127.0.0.1:{http}{ready}", timeout=5).status == 200:
+        if is_ready():
             break
-    except OSError:
+    except (OSError, subprocess.SubprocessError):
         pass
     if time.time() > deadline:
         sys.exit("not ready in 240 s")
@@ -123,10 +132,10 @@ def test_the_charts_cpu_container_serves_the_bundle(tmp_path):
     env.update({e["name"]: e["value"] for e in c["env"]})
     env["PATH"] = f"{default_stub_env() / 'bin'}:/opt/tritonserver/bin:/usr/local/bin:/usr/bin:/bin"
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    ready = c["readinessProbe"]["httpGet"]["path"]
+    ready = json.dumps({k: v for k, v in c["readinessProbe"].items() if k in ("httpGet", "exec")})
     inside = (f"{shlex.join(c['command'])} > /tmp/server.log 2>&1 & server=$!; "
               f"{shlex.quote(sys.executable)} -c {shlex.quote(PROBE)} {ports['http']} {ports['grpc']} "
-              f"{ready} {shlex.quote(PROMPT)} {shlex.quote(str(Path(__file__).parent))}; rc=$?; kill -INT $server; (sleep 60; kill -9 $server) & wait $server || true; "
+              f"{shlex.quote(ready)} {shlex.quote(PROMPT)} {shlex.quote(str(Path(__file__).parent))}; rc=$?; kill -INT $server; (sleep 60; kill -9 $server) & wait $server || true; "
               f"[ $rc = 0 ] || tail -30 /tmp/server.log >&2; exit $rc")
     script = "\n".join(setup + [f"exec {chroot} {shlex.quote(str(root))} /bin/sh -c {shlex.quote(inside)}"])
     # a private PID namespace too: whatever the server leaves (its Python-backend stub) ends with it

@@ -154,7 +154,8 @@ def test_every_rule_and_panel_returns_data_under_load(vllm, prometheus, rules_fi
     # A scrape appended after a rule's evaluation with an earlier timestamp changes the raw query at that instant
     # afterwards (Prometheus' ingestion race), so most, not all, evaluations match to the last bit.
     same = sum(math.isclose(a, b, rel_tol=1e-9) for a, b in checks)
-    assert len(checks) >= 20 and same >= 0.8 * len(checks), checks
+    # (the number of checks is the load's length over the 2 s poll: 13 on an idle CI machine, 36 on a busy one)
+    assert len(checks) >= 5 and same >= 0.8 * len(checks), checks
 
     report = json.loads(out)
     keep = Path(os.environ.get("DFLASH_TRT_MONITORING_OUT") or tmp_path)

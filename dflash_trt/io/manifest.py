@@ -402,6 +402,22 @@ class WeightsRecord:
 
 
 @dataclass(frozen=True)
+class TuneRecord:
+    """A revision written by `dflash-trt tune`: the served acceptance its draft schedule was re-planned from."""
+    from_revision: dict                 # {bundle, manifest_sha256} of the revision it came from
+    window: dict                        # {source, start, seconds, mean_concurrency, max_concurrency}
+    drafts: float
+    draft_tokens: float
+    accepted: float
+    accepted_per_pos: list
+    acceptance: dict                    # {tau, survival, measured_positions}
+    cost_model: str
+    changes: list[dict] = field(default_factory=list)
+    recommendations: list[str] = field(default_factory=list)
+    tuned: str | None = None            # when (UTC)
+
+
+@dataclass(frozen=True)
 class Manifest:
     """manifest.json as one typed object, both ways: `build` makes one (bundle/build.py Builder) and writes
     it (Manifest.write), every other command reads it (Manifest.read). Its fields are in the order the
@@ -430,6 +446,7 @@ class Manifest:
     reference_runtime: ReferenceRuntimeRecord | None = _optional()
     draft_schedule: DraftScheduleRecord | None = _optional()
     weights: WeightsRecord | None = _optional()   # None: the weights are in the bundle
+    tune: TuneRecord | None = _optional()         # a revision `tune` wrote
     serving_configs: dict | None = _optional()   # key -> bundle path of each served stack's config
     stages: dict[str, StageRecord] | None = _optional()   # stage name -> its entry, in STAGES order
     input_files: dict | None = _optional()       # HashCache entries: the inputs' sha256 by (size, mtime)
@@ -442,7 +459,7 @@ class Manifest:
         "schema_version", "tool_version", "created", "target", "drafter", "arch", "gpu", "node", "gpu_source", "sm",
         "quant", "parallel", "backend", "max_seq_len", "triton_model_repository", "triton_models", "serving_stacks",
         "trt_drafter_engine", "engines", "serving_profile", "reference_runtime", "draft_schedule", "weights",
-        "serving_configs",
+        "tune", "serving_configs",
         "stages", "input_files", "artifacts", "serve", "artifact_stats")
 
     @property
@@ -474,6 +491,7 @@ class Manifest:
                    reference_runtime=_record(ReferenceRuntimeRecord, m.get("reference_runtime")),
                    draft_schedule=DraftScheduleRecord.from_dict(m.get("draft_schedule")),
                    weights=_record(WeightsRecord, m.get("weights")),
+                   tune=_record(TuneRecord, m.get("tune")),
                    serving_configs=m.get("serving_configs"),
                    stages={k: _record(StageRecord, v) for k, v in m["stages"].items()} if "stages" in m else None,
                    input_files=m.get("input_files"),
