@@ -127,6 +127,12 @@ def test_the_charts_cpu_container_serves_the_bundle(tmp_path):
     setup += [f"ln -s {shlex.quote(t)} {shlex.quote(str(dst))}" for t, dst in links]
     setup += [f"mkdir -p {root}/tmp {root}/proc", f"{mount} -t tmpfs tmpfs {root}/tmp",   # the emptyDir /tmp
               f"{mount} -t proc proc {root}/proc", f"{ip} link set lo up"]
+    # this checkout, its env (the stub env inside it) and the base interpreter, wherever they lie (a clone under
+    # /tmp is hidden by the emptyDir above): bound last
+    for src in sorted({Path(__file__).resolve().parents[1], Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve()}):
+        if src.parts[1] not in HOST_DIRS:
+            dst = root / src.relative_to("/")
+            setup += [f"mkdir -p {shlex.quote(str(dst))}", f"{mount} --rbind {shlex.quote(str(src))} {shlex.quote(str(dst))}"]
 
     env = server_environment(default_stub_env())
     env.update({e["name"]: e["value"] for e in c["env"]})
