@@ -120,25 +120,6 @@ def measure_pass_seconds(bundle: Path, sizes: list[int], context: int, threads: 
     return out
 
 
-def cost_curve(points: dict[int, float]):
-    """t(n): linear between the measured token counts, made non-decreasing (a pass over more tokens
-    never costs less; a lower figure past a higher one is the shared machine's jitter)."""
-    xs = sorted(points)
-    ys, top = [], 0.0
-    for x in xs:
-        top = max(top, points[x])
-        ys.append(top)
-
-    def t(n: float) -> float:
-        if n <= xs[0]:
-            return ys[0]
-        for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
-            if n <= x1:
-                return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
-        return ys[-1] * n / xs[-1]
-    return t, dict(zip(xs, ys))
-
-
 def plan(bundle: Path, accept: dict, concurrencies: list[int], context: int, threads: int, repeats: int):
     from dflash_trt.plan import draft_schedule as ds
 
@@ -150,6 +131,8 @@ def plan(bundle: Path, accept: dict, concurrencies: list[int], context: int, thr
     passes = measure_pass_seconds(bundle, sizes, context, threads, repeats)
     # a CPU pass is flat while reading the weights dominates (a few to some tens of tokens), then
     # grows with the tokens: that knee, against the acceptance, is where drafting stops paying
+    from dflash_trt.plan.tune import cost_curve
+
     curve, used = cost_curve({n: t + d for n, (t, d) in passes.items()})
 
     def step_seconds(c: int, k: int) -> float:

@@ -316,9 +316,18 @@ def step_cost_table(path: str | Path) -> speed.ScheduleCost:
         return speed.ScheduleCost(lambda c, k: a + b * c * (k + 1), grid, source, "measured")
     if min(pts) < 1 or any(not (s > 0 and math.isfinite(s)) for s in pts.values()):
         raise DFlashError(f"--step-cost {path}: step_seconds needs token counts >= 1 with positive seconds")
-    xs, ys, top = sorted(pts), [], 0.0
+    t, _ = cost_curve(pts)
+    return speed.ScheduleCost(lambda c, k: t(c * (k + 1)), grid, source, "measured")
+
+
+def cost_curve(points: dict[int, float]):
+    """(t(n), the points used): seconds of a pass over n tokens, linear between the measured token counts, made
+    non-decreasing (a pass over more tokens never costs less; a lower figure past a higher one is a shared
+    machine's jitter), proportional past the last. Also bench/bench_adaptive.py's."""
+    xs = sorted(points)
+    ys, top = [], 0.0
     for x in xs:
-        top = max(top, pts[x])
+        top = max(top, points[x])
         ys.append(top)
 
     def t(n: float) -> float:
@@ -328,7 +337,7 @@ def step_cost_table(path: str | Path) -> speed.ScheduleCost:
             if n <= x1:
                 return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
         return ys[-1] * n / xs[-1]
-    return speed.ScheduleCost(lambda c, k: t(c * (k + 1)), grid, source, "measured")
+    return t, dict(zip(xs, ys))
 
 
 def bundle_step_cost(m: dict, drafter_config: dict) -> speed.ScheduleCost:
