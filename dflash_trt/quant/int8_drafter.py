@@ -17,7 +17,8 @@ from pathlib import Path
 from dflash_trt.errors import DFlashError
 from dflash_trt.io import compressed_tensors
 from dflash_trt.io.atomic import atomic_output_dir
-from dflash_trt.io.checkpoint import CheckpointReader, load_config, save_safetensors
+from dflash_trt.io.checkpoint import CheckpointReader, load_config
+from dflash_trt.io.shards import save_safetensors
 
 
 def write_int8_drafter(src: str | Path, out: str | Path) -> Path:
