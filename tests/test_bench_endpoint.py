@@ -79,7 +79,7 @@ def test_level_acceptance_from_deltas():
 
 
 @pytest.mark.parametrize("text, problem", [
-    ('{"prompt": "a"}\nnot json\n', "line 2: not JSON"),
+    ('{"prompt": "a"}\nnot json\n', "p.jsonl:2: invalid JSON"),
     ('{"text": "a"}\n', 'line 1: needs {"prompt"'),
     ('{"prompt": ""}\n', "line 1: needs"),
     ('{"prompt": "a", "category": 3}\n', 'line 1: "category" must be a string'),

@@ -22,10 +22,8 @@ The requests and the counters are bench/client.py's; --synthetic-acceptance is b
 from __future__ import annotations
 
 import itertools
-import json
 import math
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 
 from dflash_trt.bench.client import (
@@ -44,6 +42,8 @@ from dflash_trt.bench.client import (
 from dflash_trt.bench.synthetic import SYNTHETIC_LABEL, check_synthetic, parse_synthetic
 from dflash_trt.deploy import values
 from dflash_trt.errors import DFlashError
+from dflash_trt.io.jsonio import iter_jsonl
+from dflash_trt.paths import package_path
 from dflash_trt.plan import speed as speed_model
 from dflash_trt.plan import tune
 from dflash_trt.plan.speed_plot import distinct_curves, draw_layout, new_figure, save_figure
@@ -54,21 +54,9 @@ from dflash_trt.plan.speed_plot import distinct_curves, draw_layout, new_figure,
 def read_prompts(path: str | Path | None) -> list[dict]:
     """[{"prompt", "category"?}] of a JSONL file (default: the embedded held-out prompts); one line
     naming the line at fault otherwise."""
-    if path is None:
-        path = resources.files("dflash_trt").joinpath("data", "heldout_prompts.jsonl")
-    path = Path(str(path))
-    try:
-        lines = path.read_text().splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise DFlashError(f"--prompts {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+    path = path or package_path("data", "heldout_prompts.jsonl")
     rows = []
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError as e:
-            raise DFlashError(f"--prompts {path} line {i}: not JSON ({e.msg})") from None
+    for i, row in iter_jsonl(path):
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"]:
             raise DFlashError(f'--prompts {path} line {i}: needs {{"prompt": "non-empty text"}}')
         cat = row.get("category")

@@ -454,11 +454,9 @@ def check_finite(name: str, tensor: torch.Tensor, file: str | Path | None = None
     reuse as the quantization amax: one pass over the data does both (amax propagates NaN/Inf)."""
     if not tensor.is_floating_point() or tensor.numel() == 0:
         return None
-
-    t = tensor if tensor.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) else tensor.float()
-    amax, finite = abs_max(t)
+    amax, finite = abs_max(_wide(tensor))
     if not finite:
-        _not_finite(name, t, file)
+        raise DFlashError(_nonfinite_message(name, tensor, file))
     return amax
 
 
@@ -468,16 +466,17 @@ def check_finite_blocks(name: str, tensor: torch.Tensor, file: str | Path | None
     from the same one pass (formats.block_abs_max)."""
     amax, finite, bmax = block_abs_max(tensor)
     if not finite:
-        _not_finite(name, tensor, file)
+        raise DFlashError(_nonfinite_message(name, tensor, file))
     return amax, bmax
 
 
-def _not_finite(name: str, t: torch.Tensor, file: str | Path | None, offset: int = 0) -> None:
-    raise DFlashError(_nonfinite_message(name, t, file, offset))
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """t in a dtype torch reduces over (FP8 widened to fp32)."""
+    return t if t.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) else t.float()
 
 
 def _nonfinite_message(name: str, t: torch.Tensor, file: str | Path | None, offset: int = 0) -> str:
-    t = t if t.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) else t.float()
+    t = _wide(t)
     idx = int((~torch.isfinite(t)).reshape(-1).nonzero()[0])
     bad = "NaN" if bool(torch.isnan(t.reshape(-1)[idx])) else "Inf"
     where = f"{file}: " if file else ""
@@ -493,9 +492,8 @@ def nonfinite_tensors(reader: CheckpointReader, limit: int = 20) -> list[str]:
         if not info.dtype.is_floating_point:
             continue
         for offset, flat in reader.iter_slices(name):
-            t = flat if flat.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) else flat.float()
-            if not abs_max(t)[1]:
-                found.append(_nonfinite_message(name, t, info.file, offset))
+            if not abs_max(_wide(flat))[1]:
+                found.append(_nonfinite_message(name, flat, info.file, offset))
                 break
         if len(found) >= limit:
             break

@@ -105,7 +105,7 @@ def quantize_checkpoint(model: str | Path, out: str | Path, fmt: str, kv_cache: 
                                               _group_max(plan, input_amax) if input_amax is not None else None)
             write_text(tmp / "hf_quant_config.json", json.dumps(plan.hf_quant, indent=4))
             write_text(tmp / "config.json", json.dumps(plan.config, indent=4))
-            _copy_side_files(model, tmp)
+            copy_side_files(model, tmp)
     return QuantizeReport(out=str(out), format=fmt, kv_cache=kv_cache, quantized_modules=len(plan.linears),
                           copied_tensors=len(reader) - len(plan.linears), exclude_modules=plan.excluded,
                           bytes_in=reader.total_bytes, bytes_out=plan.bytes_out, files=files,
@@ -307,7 +307,7 @@ _WEIGHT_FILE = re.compile(r"(\.safetensors|\.bin|\.pt|\.pth|\.ckpt)$|^model\.saf
                           r"^pytorch_model\.bin\.index\.json$|^config\.json$|^hf_quant_config\.json$")
 
 
-def _copy_side_files(src: Path, dst: Path) -> None:
+def copy_side_files(src: Path, dst: Path) -> None:
     """Tokenizer, generation config, chat template, license...: everything but weights and configs."""
     for p in sorted(src.iterdir()):
         if p.is_file() and not _WEIGHT_FILE.search(p.name):
