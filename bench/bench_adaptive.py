@@ -23,7 +23,7 @@ The schedule (deploy/draft_schedule.choose) comes from
   llm_base_proposer.py: it keeps the drafter's KV cache in step); "never" has no drafter at all.
 
 Every mode is served by `vllm serve --enforce-eager` (stacks/vllm/server.py VllmServer; one server
-at a time), and swept with `dflash-trt bench --endpoint`'s client (bench/endpoint.py): greedy,
+at a time), and swept with `dflash-trt bench --endpoint`'s client (bench/client.py): greedy,
 --ignore-eos (every request decodes --max-new-tokens, so a level holds c requests in flight until
 its last wave), the same held-out prompts at every level (at least c requests). Per level: tokens/s
 and the server's own vllm:spec_decode_* deltas (drafts, draft tokens, accepted), so the draft length
@@ -150,7 +150,8 @@ def plan(bundle: Path, accept: dict, concurrencies: list[int], context: int, thr
 # ---------------------------------------------------------------------------------- the runs
 def serve_and_sweep(bundle: Path, mode: str, work: Path, prompts: list[str], concurrencies: list[int],
                     max_new: int, identity_ids: list[list[int]], threads: int) -> dict:
-    from dflash_trt.bench.endpoint import EndpointBench, stream_completion
+    from dflash_trt.bench.client import stream_completion
+    from dflash_trt.bench.endpoint import EndpointBench
     from dflash_trt.stacks.vllm.server import VllmServer
 
     srv = VllmServer(bundle, work=work, extra_args=["--enforce-eager"], threads=threads,

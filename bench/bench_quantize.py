@@ -38,7 +38,8 @@ def build_checkpoint(folder: Path, layers: int) -> int:
     import torch
 
     from dflash_trt.io.atomic import atomic_output_dir
-    from dflash_trt.io.checkpoint import ShardedWriter, TensorSpec, expected_shape
+    from dflash_trt.io.shards import ShardedWriter, TensorSpec
+    from dflash_trt.models.shapes import expected_shape
 
     cfg = dict(CFG, num_hidden_layers=layers)
     names = ["model.embed_tokens.weight"]

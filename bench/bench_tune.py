@@ -113,7 +113,8 @@ def serve_and_sweep(bundle: Path, mode: str, work: Path, prompts: list[str], lev
                     identity_ids: list[list[int]], threads: int, env: dict) -> dict:
     """One server: identity ids one request at a time, then the sweep; per level tokens/s and counter deltas,
     and the counters over the whole sweep (with accepted tokens per position) for tune."""
-    from dflash_trt.bench.endpoint import EndpointBench, stream_completion
+    from dflash_trt.bench.client import stream_completion
+    from dflash_trt.bench.endpoint import EndpointBench
     from dflash_trt.stacks.vllm.server import VllmServer
 
     srv = VllmServer(bundle, work=work, extra_args=["--enforce-eager"], threads=threads,

@@ -87,10 +87,6 @@ def hardware_for_gpu(gpu: str) -> Hardware:
     raise DFlashError(f"unknown GPU {gpu!r}; known: {known}")
 
 
-def all_gpu_product_labels() -> list[str]:
-    return [label for hw in catalog().values() for label in hw.gpu_product_labels]
-
-
 # The GPU / architecture / SM facts every stage uses (build's --gpu and --arch, the plugin's
 # cubins, quantize's FP4 check, the manifest schema, click choices) derive from the catalog.
 def gpus() -> dict[str, Hardware]:

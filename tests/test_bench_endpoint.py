@@ -1,4 +1,4 @@
-"""`dflash-trt bench --endpoint URL` (bench/endpoint.py) against real servers, and the
+"""`dflash-trt bench --endpoint URL` (bench/endpoint.py, bench/client.py) against real servers, and the
 shared-machine default of OMP_WAIT_POLICY (dflash_trt/__init__.py).
 
 Oracles: the server's own Prometheus counters, scraped here around the same run (acceptance
@@ -21,7 +21,9 @@ from pathlib import Path
 
 import pytest
 
+from dflash_trt.bench import client
 from dflash_trt.bench import endpoint as eb
+from dflash_trt.io.prometheus import parse_prometheus
 
 from helpers import run_cli, tritonserver_missing
 
@@ -56,11 +58,11 @@ sglang:generation_tokens_total{model_name="m"} 12.0
     (SGLANG_PAGE, "sglang", {"acceptance_length": 2.75, "generation_tokens": 12}),
 ])
 def test_each_engines_counters(page, engine, want):
-    samples = eb.parse_prometheus(page)
-    assert eb.detect_engine(samples) == engine
+    samples = parse_prometheus(page)
+    assert client.detect_engine(samples) == engine
     got = eb.spec_counters(engine, samples)
     assert {k: got[k] for k in want} == want
-    assert ENGINE_SOURCES_CITED[engine] in eb.ENGINE_COUNTERS[engine]["source"]
+    assert ENGINE_SOURCES_CITED[engine] in client.ENGINE_COUNTERS[engine]["source"]
 
 
 ENGINE_SOURCES_CITED = {"vllm": "vllm/v1/spec_decode/metrics.py", "trtllm": "tensorrt_llm/metrics/collector.py @",
@@ -77,7 +79,7 @@ def test_level_acceptance_from_deltas():
 
 
 @pytest.mark.parametrize("text, problem", [
-    ('{"prompt": "a"}\nnot json\n', "line 2: not JSON"),
+    ('{"prompt": "a"}\nnot json\n', "p.jsonl:2: invalid JSON"),
     ('{"text": "a"}\n', 'line 1: needs {"prompt"'),
     ('{"prompt": ""}\n', "line 1: needs"),
     ('{"prompt": "a", "category": 3}\n', 'line 1: "category" must be a string'),
@@ -185,9 +187,9 @@ def test_acceptance_and_tokens_equal_the_servers_counters(vllm):
     generated tokens, and the ids the server streams for the same prompts."""
     streamed = sum(len(_streamed_ids(vllm, p, MAX_NEW)) for p in _prompts())
     for c in (1, 2):
-        before = eb.spec_counters("vllm", eb.parse_prometheus(vllm.metrics()))
+        before = eb.spec_counters("vllm", parse_prometheus(vllm.metrics()))
         report = _bench(vllm, "--concurrency", str(c), "--no-warmup")
-        after = eb.spec_counters("vllm", eb.parse_prometheus(vllm.metrics()))
+        after = eb.spec_counters("vllm", parse_prometheus(vllm.metrics()))
         assert report["model"] == vllm.served_model and report["engine"] == "vllm"
         (level,) = report["levels"]
         drafts, accepted = after["drafts"] - before["drafts"], after["accepted"] - before["accepted"]

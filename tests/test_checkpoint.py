@@ -16,7 +16,8 @@ from safetensors import safe_open
 
 from dflash_trt.errors import DFlashError
 from dflash_trt.io.atomic import atomic_output_dir
-from dflash_trt.io.checkpoint import CheckpointReader, ShardedWriter, TensorSpec, check_finite, load_config
+from dflash_trt.io.checkpoint import CheckpointReader, check_finite, load_config
+from dflash_trt.io.shards import ShardedWriter, TensorSpec
 
 from helpers import run_cli
 

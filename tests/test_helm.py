@@ -18,7 +18,7 @@ kv = pytest.importorskip("kubernetes_validate")
 jsonschema = pytest.importorskip("jsonschema")
 
 from dflash_trt.deploy.values import default_chart_dir
-from dflash_trt.hardware import all_gpu_product_labels
+from dflash_trt.hardware import catalog
 
 CHART = default_chart_dir()
 
@@ -352,7 +352,7 @@ def test_schema_divisibility_rule(gpus, tp, pp, ok):
 def test_schema_gpu_products_are_the_hardware_catalog():
     schema = json.loads((CHART / "values.schema.json").read_text())
     enum = schema["properties"]["gpu"]["properties"]["product"]["enum"]
-    assert sorted(enum) == sorted(all_gpu_product_labels() + [""])
+    assert sorted(enum) == sorted([label for hw in catalog().values() for label in hw.gpu_product_labels] + [""])
 
 
 LWS_OK = SCENARIOS["two-node-lws"]

@@ -26,7 +26,7 @@ import torch
 from dflash_trt.errors import DFlashError
 from dflash_trt.io.checkpoint import CheckpointReader
 from dflash_trt.quant.linear import HF_EXPORT, TRTLLM_EXPORT, linear_specs, per_tensor_scale, quantize_linear
-from dflash_trt.quant.quantize import check_format_for_arch, quantize_checkpoint
+from dflash_trt.quant.quantize import quantize_checkpoint
 
 CALIB_IDS = [[5, 17, 99, 3, 250, 42, 7, 7, 130, 64, 200, 11, 90, 1, 33, 77],
              [8, 1, 240, 66, 12, 13, 150, 151, 2, 99, 180, 23, 45, 67, 89, 101]]
@@ -204,19 +204,6 @@ def test_gpt_oss_nvfp4_refused_fp8_keeps_mxfp4_experts(tmp_path, tiny_pairs):
         for k in src.keys():
             if "experts" in k or "router" in k:
                 assert torch.equal(_bytes(r.get(k)), _bytes(src.get(k))), k
-
-
-def test_check_format_for_arch():
-    with pytest.raises(DFlashError, match="NVFP4 weights need Blackwell"):
-        check_format_for_arch("nvfp4", "hopper")
-    check_format_for_arch("nvfp4", "blackwell")
-    check_format_for_arch("fp8", "hopper")
-    # GPU ids and SMs resolve through the hardware catalog
-    check_format_for_arch("nvfp4", "b200")
-    check_format_for_arch("nvfp4", "sm_103")
-    for arch in ("h200", "sm_90", "ampere"):
-        with pytest.raises(DFlashError, match="NVFP4 weights need Blackwell"):
-            check_format_for_arch("nvfp4", arch)
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])

@@ -58,7 +58,7 @@ def test_safetensors_metadata_is_written_in_one_order(tmp_path):
     import torch
     from safetensors import safe_open
 
-    from dflash_trt.io.checkpoint import save_safetensors
+    from dflash_trt.io.shards import save_safetensors
 
     t = {"b": torch.arange(6, dtype=torch.int64), "a": torch.ones(2, 3)}
     keys = [f"k{i}" for i in range(8)]

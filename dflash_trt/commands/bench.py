@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-from importlib import resources
 
 import click
 
@@ -94,18 +93,16 @@ def _bench_runtime(target, drafter, bundle, prompts_file, max_new_tokens, block_
     """bench on our CPU runtime: DFlash and AR interleaved on the same prompts."""
     import torch
 
+    from dflash_trt.bench.endpoint import read_prompts
     from dflash_trt.bench.runtime import format_table, run_bench
     from dflash_trt.bundle.served import pair_folders
     from dflash_trt.models.weights import holds_quantized_weights
     from dflash_trt.presets.catalog import resolve_drafter, resolve_target
     from dflash_trt.runtime.pair import load_pair
-    from dflash_trt.train.prompts import read_prompts
 
     if threads:
         torch.set_num_threads(threads)
-    if prompts_file is None:
-        prompts_file = str(resources.files("dflash_trt").joinpath("data", "heldout_prompts.jsonl"))
-    prompts = read_prompts(prompts_file)[:limit]
+    prompts = [row["prompt"] for row in read_prompts(prompts_file)][:limit]
     target, drafter = pair_folders(bundle, target, drafter)
     pair = load_pair(resolve_target(target), resolve_drafter(drafter, target), dtype, draft_vocab=not full_draft_vocab)
     report = run_bench(pair, prompts, max_new_tokens=max_new_tokens, block_size=block_size, temperature=temperature,

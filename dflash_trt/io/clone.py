@@ -19,6 +19,7 @@ import errno
 import fcntl
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 from dflash_trt.io.atomic import file_mode
@@ -78,28 +79,30 @@ def _copy(fs, fd) -> str:
     return "copy"
 
 
-def clone_tree(src: str | Path, dst: str | Path, on_file=None) -> dict[str, int]:
-    """Copy a file or folder with clone_file (folders' modes by the umask); `on_file(src, dst)` is
-    called after each file. Returns {how: files} for the summary."""
-    src, dst = Path(src), Path(dst)
-    counts: dict[str, int] = {}
-
-    def one(s: Path, d: Path) -> None:
-        how = clone_file(s, d)
-        counts[how] = counts.get(how, 0) + 1
-        if on_file is not None:
-            on_file(s, d)
-
+def _tree(src: Path, dst: Path, followlinks: bool) -> Iterator[tuple[Path, Path]]:
+    """(source file, its destination) over a file or a folder (IGNORED folders left out), each
+    destination folder made on the way."""
     dst.parent.mkdir(parents=True, exist_ok=True)
     if src.is_file():
-        one(src, dst)
-        return counts
-    for root, dirs, files in os.walk(src, followlinks=True):
+        yield src, dst
+        return
+    for root, dirs, files in os.walk(src, followlinks=followlinks):
         dirs[:] = sorted(x for x in dirs if x not in IGNORED)
         rel = Path(root).relative_to(src)
         (dst / rel).mkdir(parents=True, exist_ok=True)
         for f in sorted(files):
-            one(Path(root) / f, dst / rel / f)
+            yield Path(root) / f, dst / rel / f
+
+
+def clone_tree(src: str | Path, dst: str | Path, on_file=None) -> dict[str, int]:
+    """Copy a file or folder with clone_file (folders' modes by the umask); `on_file(src, dst)` is
+    called after each file. Returns {how: files} for the summary."""
+    counts: dict[str, int] = {}
+    for s, d in _tree(Path(src), Path(dst), followlinks=True):
+        how = clone_file(s, d)
+        counts[how] = counts.get(how, 0) + 1
+        if on_file is not None:
+            on_file(s, d)
     return counts
 
 
@@ -108,24 +111,11 @@ def carry_tree(src: str | Path, dst: str | Path) -> None:
     the previous bundle holds the only name of the file (the old bundle is removed once the new one
     is in place, so the file ends with one name again), a clone_file copy where the file has other
     names (a bundle written before bundles stopped hard-linking their sources)."""
-    src, dst = Path(src), Path(dst)
-
-    def one(s: Path, d: Path) -> None:
+    for s, d in _tree(Path(src), Path(dst), followlinks=False):
         if not s.is_symlink() and os.stat(s).st_nlink == 1:
             try:
                 os.link(s, d)
-                return
+                continue
             except OSError:   # another filesystem: copy
                 pass
         clone_file(s, d)
-
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    if src.is_file():
-        one(src, dst)
-        return
-    for root, dirs, files in os.walk(src):
-        dirs[:] = sorted(x for x in dirs if x not in IGNORED)
-        rel = Path(root).relative_to(src)
-        (dst / rel).mkdir(parents=True, exist_ok=True)
-        for f in sorted(files):
-            one(Path(root) / f, dst / rel / f)

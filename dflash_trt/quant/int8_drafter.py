@@ -11,13 +11,14 @@ stacks/vllm/drafter.py, are in `ignore`). Side files (draft_vocab.json, MODEL_CA
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 from dflash_trt.errors import DFlashError
 from dflash_trt.io import compressed_tensors
 from dflash_trt.io.atomic import atomic_output_dir
-from dflash_trt.io.checkpoint import CheckpointReader, load_config, save_safetensors
+from dflash_trt.io.checkpoint import CheckpointReader, load_config
+from dflash_trt.io.shards import save_safetensors
+from dflash_trt.quant.quantize import copy_side_files
 
 
 def write_int8_drafter(src: str | Path, out: str | Path) -> Path:
@@ -38,10 +39,7 @@ def write_int8_drafter(src: str | Path, out: str | Path) -> Path:
         quantized = compressed_tensors.quantize_int8_w8a8(state)
     cfg["quantization_config"] = compressed_tensors.QUANTIZATION_CONFIG
     with atomic_output_dir(out) as tmp:
-        for f in src.iterdir():
-            side = f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json")
-            if f.is_file() and side:
-                shutil.copy2(f, tmp / f.name)
+        copy_side_files(src, tmp)
         save_safetensors(quantized, tmp / "model.safetensors",
                          metadata={"format": "pt", "quantized_by": "dflash-trt (compressed-tensors int8 w8a8)"})
         (tmp / "model.safetensors").chmod(0o644)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash_trt.io import formats
-from dflash_trt.io.checkpoint import TensorSpec
+from dflash_trt.io.shards import TensorSpec
 
 MODELOPT_VERSION = "0.47.0"   # the ModelOpt release whose export formats we reproduce
 FORMATS = ("fp8", "nvfp4")

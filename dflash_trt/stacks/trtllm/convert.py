@@ -34,15 +34,9 @@ import torch
 from dflash_trt.errors import DFlashError
 from dflash_trt.io import formats
 from dflash_trt.io.atomic import atomic_output_dir, refuse_inside, write_text
-from dflash_trt.io.checkpoint import (
-    CheckpointReader,
-    Progress,
-    ShardedWriter,
-    TensorSpec,
-    check_finite,
-    load_config,
-)
+from dflash_trt.io.checkpoint import CheckpointReader, check_finite, load_config
 from dflash_trt.io.direct_io import DirectWriter
+from dflash_trt.io.shards import Progress, ShardedWriter, TensorSpec
 from dflash_trt.models.check import require_checkpoint_config
 from dflash_trt.models.shapes import check_shapes
 from dflash_trt.quant.calibrate import CalibrationResult, calibrate, load_calib_samples

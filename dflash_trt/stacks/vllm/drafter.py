@@ -24,7 +24,8 @@ import os
 from pathlib import Path
 
 from dflash_trt.errors import DFlashError
-from dflash_trt.io.checkpoint import CheckpointReader, load_config, save_safetensors
+from dflash_trt.io.checkpoint import CheckpointReader, load_config
+from dflash_trt.io.shards import save_safetensors
 from dflash_trt.models.draft_vocab import read_draft_vocab
 
 SHARD = "draft_vocab.safetensors"
