@@ -13,7 +13,7 @@ import pytest
 
 from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import get_hardware
-from dflash_trt.plan import cost, planner, speed
+from dflash_trt.plan import cost, planner, schedule_cost, speed, speed_check
 from dflash_trt.plan import draft_schedule as ds
 from dflash_trt.presets.embedded import embedded_drafter_path
 
@@ -102,9 +102,9 @@ def test_the_plot_labels_every_line_band_and_box(gptoss_b300):
     assert len(unlabelled) == 3          # the other three dotted range lines, each annotated above
     assert kax.get_ylabel().startswith("K") and kax.get_legend() is not None
     text = "\n".join(t.get_text() for t in notes.texts)
-    for pt in speed.matching_points(report.target, report.hardware):
+    for pt in speed_check.matching_points(report.target, report.hardware):
         assert pt["id"] not in text and pt["id"] not in "\n".join(annotations)   # no internal ids
-        assert speed.verdict(pt, speed.predict_point(pt))[:20] in " ".join(text.split())
+        assert speed_check.verdict(pt, speed_check.predict_point(pt))[:20] in " ".join(text.split())
 
 
 def test_plan_knows_the_embedded_pairs_drafter():
@@ -128,7 +128,7 @@ def _embedded_schedule(mode, **kw):
     _, tcfg, dcfg = planner.target_configs("smollm2-135m")
     args = dict(target_name="smollm2-135m", target_config=tcfg, drafter_config=dcfg, gpu="b300", quant="nvfp4",
                 kv_cache="fp8", drafter_quant="none", tp=1, ep=1, block_size=8, max_batch_size=128, max_seq_len=8192)
-    return speed.build_schedule(mode, **{**args, **kw})
+    return schedule_cost.build_schedule(mode, **{**args, **kw})
 
 
 def test_builds_recipe_works_as_written_and_plan_json_is_a_draft_schedule(tmp_path, bench_report, monkeypatch):

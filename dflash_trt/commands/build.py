@@ -125,8 +125,8 @@ def build_cmd(target, drafter, arch, gpu, quant, kv_cache, drafter_quant, stacks
 
 
 def _schedule_planner(mode: str):
-    """build --draft-schedule auto|off|FILE.json as build's SchedulePlanner (plan/speed.build_schedule)."""
-    from dflash_trt.plan.speed import build_schedule
+    """build --draft-schedule auto|off|FILE.json as build's SchedulePlanner (plan/schedule_cost.build_schedule)."""
+    from dflash_trt.plan.schedule_cost import build_schedule
 
     return lambda request: build_schedule(mode, **request.keywords())
 
