@@ -61,7 +61,7 @@ def test_a_changing_draft_length_is_explained_and_is_the_exhaustive_choice():
     name, tcfg, dcfg = planner.target_configs("gpt-oss-120b")
     p = planner.plan(tcfg, dcfg, "dgx-b300", target_name=name, drafter_name="d", tp=1)
     ls = speed.speed_for(p, tcfg, dcfg).layouts[0]
-    sched = speed.schedule_of(ls)
+    sched = ds.from_dict(ls.draft_schedule, p.block_size, "test")
     assert [k for _, _, k in sched.ranges] == [7, 6, 7, 9]
     step = cost.StepCost(p, planner.target_shape(tcfg, name), planner.drafter_shape(dcfg), get_hardware("dgx-b300"),
                          1, speed.DEFAULT_CONTEXT_TOKENS, cost.EFFICIENCY["central"]).step_seconds

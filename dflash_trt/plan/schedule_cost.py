@@ -11,14 +11,13 @@ from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import hardware_for_gpu
 from dflash_trt.plan import draft_schedule as ds
 from dflash_trt.plan import planner
-from dflash_trt.plan.cost import EFFICIENCY
+from dflash_trt.plan.cost import EFFICIENCY, StepCost
 from dflash_trt.plan.speed import (
     DEFAULT_CONTEXT_TOKENS,
     SCHEDULE_COST,
     concurrencies,
     layout_speed,
     resolve_acceptance,
-    step_seconds_for,
 )
 from dflash_trt.presets.catalog import PRESETS
 
@@ -89,9 +88,8 @@ def schedule_cost(*, target_name: str, target_config: dict, drafter_config: dict
     ls = layout_speed(p, lay, target, drafter, hw, None, context)
     if not ls.points:
         return f"tp {tp} ep {ep} on {hw.name} has no speed figures ({ls.reason})"
-    step = step_seconds_for(p, ls.tp, target, drafter, hw, context, EFFICIENCY["central"],
-                            attention_dp=ls.attention_dp)
-    return ScheduleCost(step, concurrencies(max_batch_size),
+    step = StepCost(p, target, drafter, hw, ls.tp, context, EFFICIENCY["central"], attention_dp=ls.attention_dp)
+    return ScheduleCost(step.step_seconds, concurrencies(max_batch_size),
                         f"planned by the speed model for {hw.name}, tp {tp} ep {ep}, {quant} weights, {context_tokens} "
                         f"tokens of context, concurrency 1..{max_batch_size} (max_batch_size)", hw.name)
 

@@ -149,27 +149,9 @@ def resolve_tau(target_name: str, tau: float | None, block: int, has_drafter: bo
     return resolve_acceptance(target_name, tau, block, has_drafter)[:2]
 
 
-def step_seconds_for(plan: Plan, tp: int, target: ModelShape, drafter: ModelShape, hw: Hardware, context: int,
-                     eff: Efficiency, *, attention_dp: bool = False):
-    """step_seconds(c, K) of one decode step of c sequences drafting K tokens each (draft_schedule.choose),
-    the cost model's (cost.StepCost.step_seconds)."""
-    return StepCost(plan, target, drafter, hw, tp, context, eff, attention_dp=attention_dp).step_seconds
-
-
 SCHEDULE_COST = ("step cost: K = 0 a plain AR step; K >= 1 the target's verify over K + 1 tokens per sequence plus the "
                  "drafter's whole block (its pass does not shorten with K: TensorRT-LLM's DFlashWorker drafts the full "
                  "block and keeps K positions), central efficiency set")
-
-
-def layout_schedule(plan: Plan, layout: LayoutSpeed, target: ModelShape, drafter: ModelShape, hw: Hardware,
-                    context: int, survival: list[float], acceptance_source: str,
-                    concurrency_grid: list[int] | None = None) -> ds.DraftSchedule:
-    """The draft length per concurrency of one layout with speed figures (its own concurrencies, or a grid)."""
-    step = step_seconds_for(plan, layout.tp, target, drafter, hw, context, EFFICIENCY["central"],
-                            attention_dp=layout.attention_dp)
-    grid = concurrency_grid or [p.concurrency for p in layout.points]
-    return ds.choose(survival, step, grid, assumptions=[f"acceptance per position: {acceptance_source}",
-                                                        SCHEDULE_COST])
 
 
 def explain_schedule(sched: ds.DraftSchedule, cost: StepCost) -> list[str]:
@@ -208,17 +190,13 @@ def explain_schedule(sched: ds.DraftSchedule, cost: StepCost) -> list[str]:
     if target.experts:
         c0, c1 = sched.ranges[0][0], sched.ranges[-1][0]
         lo = [cost.verify(c0, j + 1).weight_bytes / 1e9 for j in (1, top)]
-        share = cost_touched_share(target, c1 * (top + 1))
+        share = experts_touched(target.experts, target.experts_per_token, c1 * (top + 1)) / target.experts
         out.append(f"  MoE ({target.experts} experts, top-{target.experts_per_token}): a verify of T tokens reads the "
                    f"weights of the experts they route to, E(1 - (1 - k/E)^T); at concurrency {c0} K 1 -> {top} reads "
                    f"{lo[0]:.1f} -> {lo[1]:.1f} GB of weights per GPU, so a long draft costs memory time; at "
                    f"concurrency {c1}, K {top}, the step's {c1 * (top + 1)} tokens already touch {share:.0%} of the "
                    "experts, a longer draft reads little more and the choice follows compute")
     return out
-
-
-def cost_touched_share(target: ModelShape, tokens: int) -> float:
-    return experts_touched(target.experts, target.experts_per_token, tokens) / target.experts
 
 
 def concurrencies(cap: int) -> list[int]:
@@ -297,11 +275,12 @@ def speed(plan: Plan, target: ModelShape, drafter: ModelShape | None, hw: Hardwa
     t, src, survival, acc_src = resolve_acceptance(plan.target, tau, plan.block_size, drafter is not None, acceptance)
     layouts = [layout_speed(plan, l, target, drafter, hw, t, context_tokens) for l in plan.layouts]
     for l in layouts:
-        if l.points and drafter is not None and survival:
-            sched = layout_schedule(plan, l, target, drafter, hw, context_tokens, survival, acc_src)
-            l.draft_schedule = sched.to_dict()
-            l.draft_schedule_why = explain_schedule(sched, StepCost(plan, target, drafter, hw, l.tp, context_tokens,
-                                                                    EFFICIENCY["central"], attention_dp=l.attention_dp))
+        if l.points and drafter is not None and survival:   # K per concurrency at the layout's own concurrencies
+            cost = StepCost(plan, target, drafter, hw, l.tp, context_tokens, EFFICIENCY["central"],
+                            attention_dp=l.attention_dp)
+            sched = ds.choose(survival, cost.step_seconds, [p.concurrency for p in l.points],
+                              assumptions=[f"acceptance per position: {acc_src}", SCHEDULE_COST])
+            l.draft_schedule, l.draft_schedule_why = sched.to_dict(), explain_schedule(sched, cost)
     c = EFFICIENCY["central"]
     assumptions = [
         f"decode only, every sequence holding {context_tokens} tokens of context (--context-tokens); prefill not counted",
@@ -411,17 +390,11 @@ class DisaggEstimate:
         return asdict(self)
 
 
-def prefill_time(target: ModelShape, drafter: ModelShape | None, plan: Plan, hw: Hardware, tp: int, isl: int,
-                 eff: Efficiency) -> float:
-    """Seconds for one prompt of `isl` tokens on one instance (cost.StepCost.prefill_seconds)."""
-    return StepCost(plan, target, drafter, hw, tp, isl, eff).prefill_seconds(isl)
-
-
 def disaggregated(plan: Plan, target_cfg: dict, drafter_cfg: dict | None, *, isl: int, osl: int,
                   instances: int | None = None, tau: float | None = None) -> DisaggEstimate:
     """Split `instances` (default: the chosen layout's replicas) of the chosen layout into prefill and decode
     ones so that neither side limits the request rate: a prefill instance takes one prompt at a time
-    (1 / prefill_time requests/s), a decode instance holds as many sequences as its KV cache fits at
+    (1 / the prefill time requests/s: cost.StepCost.prefill_seconds), a decode instance holds as many sequences as its KV cache fits at
     isl + osl tokens and emits concurrency × tokens/s per user (osl tokens per request). P in 1..N-1
     maximises min(P · prefill rate, (N - P) · decode rate)."""
     for name, v in (("--isl", isl), ("--osl", osl)):
@@ -449,7 +422,7 @@ def disaggregated(plan: Plan, target_cfg: dict, drafter_cfg: dict | None, *, isl
     ctx = isl + osl // 2                                  # mean context while decoding
     runs = {}
     for name, eff in EFFICIENCY.items():
-        pre = prefill_time(target, drafter, plan, hw, chosen.tp, isl, eff)
+        pre = StepCost(plan, target, drafter, hw, chosen.tp, isl, eff).prefill_seconds(isl)
         user = user_speed(target, drafter, plan, hw, chosen.tp, ctx, eff, tau=t,
                           attention_dp=chosen.attention_dp)(conc)
         runs[name] = (pre, user)
@@ -544,7 +517,7 @@ def format_speed(r: SpeedReport, layouts: int = 1) -> str:
             lines.append(row)
         if l.draft_schedule:
             lines.append("")
-            lines += ["  " + x for x in ds.format_schedule(schedule_of(l)).splitlines()]
+            lines += ["  " + x for x in ds.format_schedule(ds.from_dict(l.draft_schedule, r.block_size, "speed report")).splitlines()]
             lines += ["  " + x for x in l.draft_schedule_why]
     rest = groups[layouts:]
     if rest:
@@ -567,14 +540,6 @@ def format_speed(r: SpeedReport, layouts: int = 1) -> str:
         if l.reason and l.reason != "does not fit":
             lines.append(f"  tp {l.tp}, ep {l.ep}: no speed figures ({l.reason})")
     return "\n".join(lines)
-
-
-def schedule_of(layout: LayoutSpeed) -> ds.DraftSchedule:
-    """A layout's draft schedule as the object (the report carries its to_dict())."""
-    d = layout.draft_schedule
-    return ds.DraftSchedule(max_k=d["max_k"], acceptance_lengths=d["acceptance_lengths"],
-                            levels=[ds.Level(**lv) for lv in d["levels"]], ranges=[tuple(r) for r in d["ranges"]],
-                            assumptions=d["assumptions"])
 
 
 def _ranges_text(ranges) -> str:
