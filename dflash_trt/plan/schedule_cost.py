@@ -40,8 +40,8 @@ def build_schedule(mode: str, *, target_name: str, target_config: dict, drafter_
     preset = PRESETS.get(target_name)
     if not (preset and (preset.published_tau or preset.acceptance_file)):
         pair = target_name if preset else "TARGET_DIR --drafter DRAFTER_DIR"
-        return None, (f"no acceptance figure for {target_name}'s drafter (none published or measured): measure it and plan "
-                      f"with it, then rebuild: `dflash-trt bench --target {pair} --json > bench.json`; "
+        return None, (f"no acceptance figure for {target_name}'s drafter (none published or measured): measure it "
+                      f"and plan with it, then rebuild: `dflash-trt bench --target {pair} --json > bench.json`; "
                       f"`dflash-trt plan --target {pair} --hardware {hardware_for_gpu(gpu).name} --quant {quant} "
                       "--speed --acceptance bench.json --json > plan.json`; `dflash-trt build ... --draft-schedule "
                       "plan.json` (the layout of this build's --tp / --ep is taken from it)")

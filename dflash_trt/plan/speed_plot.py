@@ -12,7 +12,14 @@ from pathlib import Path
 from dflash_trt.errors import DFlashError
 from dflash_trt.io.atomic import atomic_write_bytes
 from dflash_trt.plan.speed import LayoutSpeed, SpeedReport, distinct_layouts
-from dflash_trt.plan.speed_check import METRIC_TEXT, describe_point, matching_points, point_figure, predict_point, verdict
+from dflash_trt.plan.speed_check import (
+    METRIC_TEXT,
+    describe_point,
+    matching_points,
+    point_figure,
+    predict_point,
+    verdict,
+)
 
 UNBOUNDED = (" (the model's AR never gives every user that many tokens/s, so any DFlash throughput there is an "
              "unbounded gain)")
