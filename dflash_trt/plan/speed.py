@@ -517,7 +517,8 @@ def format_speed(r: SpeedReport, layouts: int = 1) -> str:
             lines.append(row)
         if l.draft_schedule:
             lines.append("")
-            lines += ["  " + x for x in ds.format_schedule(ds.from_dict(l.draft_schedule, r.block_size, "speed report")).splitlines()]
+            sched = ds.from_dict(l.draft_schedule, r.block_size, "speed report")
+            lines += ["  " + x for x in ds.format_schedule(sched).splitlines()]
             lines += ["  " + x for x in l.draft_schedule_why]
     rest = groups[layouts:]
     if rest:
