@@ -261,7 +261,7 @@ def test_no_schedule_is_written_without_acceptance_and_the_manifest_says_why(hop
 
 
 def test_a_cpu_bundle_plans_no_schedule():
-    from dflash_trt.plan.speed import build_schedule
+    from dflash_trt.plan.schedule_cost import build_schedule
 
     sched, why = build_schedule("auto", target_name="gpt-oss-120b", target_config={}, drafter_config={}, gpu=None,
                                 quant="mxfp4", kv_cache="fp8", drafter_quant="none", tp=8, ep=1, block_size=10,

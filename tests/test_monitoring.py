@@ -292,8 +292,9 @@ def test_promtool_unit_tests_each_alert(figures, tmp_path):
 # ------------------------------------------------------------------ deploy --monitoring
 @needs_sdk
 def test_deploy_monitoring_writes_checked_objects(embedded_vllm_bundle, tmp_path):
-    """The embedded bundle (no draft schedule: no planned acceptance) with a per-user target: the recording
-    rules, the latency alert at 1 / 50 s, the dashboard; every monitoring object checked against the CRDs."""
+    """The embedded bundle (its draft schedule planned at build from the drafter's measured acceptance,
+    assets/smollm2-135m-dflash/acceptance.json) with a per-user target: the recording rules, both acceptance
+    alerts, the latency alert at 1 / 50 s, the dashboard; every monitoring object checked against the CRDs."""
     out = tmp_path / "dep"
     code, stdout, err = run_cli("deploy", "--bundle", str(embedded_vllm_bundle), "--server", "vllm", "--monitoring",
                                 "--min-tokens-per-user", "50", "--tau", "2", "--render", "--out", str(out), "--json")
@@ -304,8 +305,48 @@ def test_deploy_monitoring_writes_checked_objects(embedded_vllm_bundle, tmp_path
     assert sorted(mon.check_objects(objs)) == ["PrometheusRule", "ServiceMonitor"]
     (rule,) = [o for o in objs if o["kind"] == "PrometheusRule"]
     alerts = [r for g in rule["spec"]["groups"] for r in g["rules"] if "alert" in r]
-    assert [a["alert"] for a in alerts] == ["DFlashTokenLatencyOverTarget"] and "> 0.02" in alerts[0]["expr"]
+    assert [a["alert"] for a in alerts] == ["DFlashAcceptanceBelowPlan", "DFlashSpeculationNotPaying",
+                                            "DFlashTokenLatencyOverTarget"] and "> 0.02" in alerts[2]["expr"]
     assert any(o["kind"] == "ConfigMap" and o["metadata"]["name"].endswith("-dashboard") for o in objs)
+
+
+@needs_sdk
+@needs_promtool
+def test_embedded_bundles_rules_fire_below_its_measured_acceptance(embedded_vllm_bundle, tmp_path):
+    """The embedded pair's PrometheusRule as `deploy --monitoring` renders it, through promtool: `check rules`,
+    then `test rules` on synthetic vLLM series. The plan's acceptance is the drafter's measured one (tau 1.92 at K 7,
+    from acceptance.json): healthy series at that tau fire nothing; 1.5 (below 90% of plan, above break-even) fires
+    only the plan alert; 1.05 (below break-even, ~1.14 here) both."""
+    out = tmp_path / "dep"
+    code, stdout, err = run_cli("deploy", "--bundle", str(embedded_vllm_bundle), "--server", "vllm", "--monitoring",
+                                "--render", "--out", str(out), "--json")
+    assert code == 0, err
+    rows = json.loads(stdout)["monitoring"]["by_concurrency"]
+    stored = json.loads((ROOT / "dflash_trt/assets/smollm2-135m-dflash/acceptance.json").read_text())
+    surv = stored["acceptance_per_position"]   # planned at K drafted tokens: 1 + the first K positions' acceptance
+    assert [r["planned_acceptance_length"] for r in rows] == pytest.approx([1 + sum(surv[:r["k"]]) for r in rows],
+                                                                           abs=1e-5)
+    assert all(1.05 < r["break_even_acceptance_length"] < 1.5 for r in rows) and 1.5 < 0.9 * stored["tau"]
+    (rule,) = [o for o in objects({p.name: p.read_text() for p in (out / "manifests").glob("*.yaml")})
+               if o["kind"] == "PrometheusRule"]
+    groups = rule["spec"]["groups"]
+    for r in (r for g in groups for r in g["rules"]):
+        r.pop("annotations", None)   # promtool test compares annotations too; the expressions are what is tested
+    rules = tmp_path / "embedded.rules.yml"
+    rules.write_text(yaml.safe_dump({"groups": groups}, sort_keys=False))
+    r = subprocess.run([PROMTOOL, "check", "rules", str(rules)], capture_output=True, text=True)
+    assert r.returncode == 0 and re.search(r"SUCCESS: \d+ rules found", r.stdout), r.stdout + r.stderr
+    healthy = "0+92x30"                                   # 92 of 100 drafts' tokens accepted a minute: tau 1.92
+    drop = lambda v: f"0+92x10 {920 + v}+{v}x20"          # tau 1.92 for 10 min, then 1 + v/100
+    cases = [(healthy, {}), (drop(50), {"DFlashAcceptanceBelowPlan": True}),
+             (drop(5), {"DFlashAcceptanceBelowPlan": True, "DFlashSpeculationNotPaying": True})]
+    names = ("DFlashAcceptanceBelowPlan", "DFlashSpeculationNotPaying", "DFlashTokenLatencyOverTarget")
+    tests = [{"interval": "1m", "input_series": _vllm_series(accepted_per_min=acc, running=4),
+              "alert_rule_test": [_alert(n, fires.get(n, False)) for n in names]} for acc, fires in cases]
+    spec = tmp_path / "alerts.test.yml"
+    spec.write_text(yaml.safe_dump({"rule_files": [rules.name], "evaluation_interval": "1m", "tests": tests}))
+    r = subprocess.run([PROMTOOL, "test", "rules", spec.name], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0 and "SUCCESS" in r.stdout, r.stdout + r.stderr
 
 
 def test_deploy_monitoring_is_refused_for_dynamo_with_nothing_written(embedded_vllm_bundle, tmp_path):

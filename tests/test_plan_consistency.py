@@ -13,7 +13,7 @@ import pytest
 
 from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import get_hardware
-from dflash_trt.plan import cost, planner, speed
+from dflash_trt.plan import cost, planner, schedule_cost, speed, speed_check
 from dflash_trt.plan import draft_schedule as ds
 from dflash_trt.presets.embedded import embedded_drafter_path
 
@@ -61,7 +61,7 @@ def test_a_changing_draft_length_is_explained_and_is_the_exhaustive_choice():
     name, tcfg, dcfg = planner.target_configs("gpt-oss-120b")
     p = planner.plan(tcfg, dcfg, "dgx-b300", target_name=name, drafter_name="d", tp=1)
     ls = speed.speed_for(p, tcfg, dcfg).layouts[0]
-    sched = speed.schedule_of(ls)
+    sched = ds.from_dict(ls.draft_schedule, p.block_size, "test")
     assert [k for _, _, k in sched.ranges] == [7, 6, 7, 9]
     step = cost.StepCost(p, planner.target_shape(tcfg, name), planner.drafter_shape(dcfg), get_hardware("dgx-b300"),
                          1, speed.DEFAULT_CONTEXT_TOKENS, cost.EFFICIENCY["central"]).step_seconds
@@ -102,9 +102,9 @@ def test_the_plot_labels_every_line_band_and_box(gptoss_b300):
     assert len(unlabelled) == 3          # the other three dotted range lines, each annotated above
     assert kax.get_ylabel().startswith("K") and kax.get_legend() is not None
     text = "\n".join(t.get_text() for t in notes.texts)
-    for pt in speed.matching_points(report.target, report.hardware):
+    for pt in speed_check.matching_points(report.target, report.hardware):
         assert pt["id"] not in text and pt["id"] not in "\n".join(annotations)   # no internal ids
-        assert speed.verdict(pt, speed.predict_point(pt))[:20] in " ".join(text.split())
+        assert speed_check.verdict(pt, speed_check.predict_point(pt))[:20] in " ".join(text.split())
 
 
 def test_plan_knows_the_embedded_pairs_drafter():
@@ -117,22 +117,33 @@ def test_plan_knows_the_embedded_pairs_drafter():
 
 @pytest.fixture()
 def bench_report(tmp_path):
-    """A `dflash-trt bench --json` report's acceptance fields (the embedded drafter's block of 8)."""
+    """A `dflash-trt bench --json` report's acceptance fields (qwen3-8b's drafter: a block of 16)."""
     f = tmp_path / "bench.json"
-    f.write_text(json.dumps({"block_size": 8, "acceptance_histogram": {"1": 51, "2": 36, "3": 14, "4": 10, "5": 6,
-                                                                       "6": 2, "7": 1}}))
+    f.write_text(json.dumps({"block_size": 16, "acceptance_histogram": {"1": 51, "2": 36, "3": 14, "4": 10, "5": 6,
+                                                                        "6": 2, "7": 1, "16": 3}}))
     return f
 
 
-def _embedded_schedule(mode, **kw):
-    _, tcfg, dcfg = planner.target_configs("smollm2-135m")
-    args = dict(target_name="smollm2-135m", target_config=tcfg, drafter_config=dcfg, gpu="b300", quant="nvfp4",
-                kv_cache="fp8", drafter_quant="none", tp=1, ep=1, block_size=8, max_batch_size=128, max_seq_len=8192)
-    return speed.build_schedule(mode, **{**args, **kw})
+def _schedule(name, mode, **kw):
+    _, tcfg, dcfg = planner.target_configs(name)
+    args = dict(target_name=name, target_config=tcfg, drafter_config=dcfg, gpu="b300", quant="nvfp4",
+                kv_cache="fp8", drafter_quant="none", tp=1, ep=1, block_size=dcfg["block_size"], max_batch_size=128,
+                max_seq_len=8192)
+    return schedule_cost.build_schedule(mode, **{**args, **kw})
+
+
+def test_embedded_bundle_is_planned_from_the_drafters_measured_acceptance():
+    """build --draft-schedule auto for the embedded pair: the acceptance `bench` measured, stored beside the
+    drafter's model card (presets/catalog.py acceptance_file), not a geometric guess."""
+    stored = json.loads((embedded_drafter_path() / "acceptance.json").read_text())
+    sched, why = _schedule("smollm2-135m", "auto")
+    assert "smollm2-135m-dflash/acceptance.json" in why
+    lengths = [1 + sum(stored["acceptance_per_position"][:k]) for k in range(stored["block_size"])]
+    assert sched.acceptance_lengths == pytest.approx(lengths[:sched.max_k + 1], abs=1e-5)
 
 
 def test_builds_recipe_works_as_written_and_plan_json_is_a_draft_schedule(tmp_path, bench_report, monkeypatch):
-    sched, why = _embedded_schedule("auto")
+    sched, why = _schedule("qwen3-8b", "auto")     # a preset whose drafter has no published or measured tau
     assert sched is None
     commands = re.findall(r"`(dflash-trt [^`]+)`", why)
     plan_cmd = next(c for c in commands if c.startswith("dflash-trt plan"))
@@ -142,14 +153,15 @@ def test_builds_recipe_works_as_written_and_plan_json_is_a_draft_schedule(tmp_pa
     code, out, err = run_cli(*argv)
     assert code == 0, err
     (tmp_path / "plan.json").write_text(out)
-    sched, src = _embedded_schedule("plan.json")
+    sched, src = _schedule("qwen3-8b", "plan.json")
     planned = next(l for l in json.loads(out)["speed"]["layouts"] if (l["tp"], l["ep"]) == (1, 1))
     assert [list(r) for r in sched.ranges] == planned["draft_schedule"]["ranges"] and src == "read from plan.json"
     # one layout's schedule object is still taken as it is
     (tmp_path / "one.json").write_text(json.dumps(planned["draft_schedule"]))
-    assert _embedded_schedule("one.json")[0].ranges == sched.ranges
+    assert _schedule("qwen3-8b", "one.json")[0].ranges == sched.ranges
     # a layout the plan has no schedule for, or another block size: one line naming the file
-    with pytest.raises(DFlashError, match=r"plan.json: no draft schedule for tp 2 ep 1 \(it has tp 1 ep 1\)"):
-        _embedded_schedule("plan.json", tp=2)
-    with pytest.raises(DFlashError, match=r"plan.json: planned for block size 8, the bundle's drafter serves block 10"):
-        _embedded_schedule("plan.json", block_size=10)
+    with pytest.raises(DFlashError, match=r"plan.json: no draft schedule for tp 3 ep 1 \(it has tp 8 ep 1, tp 4 ep 1, "
+                                          r"tp 2 ep 1, tp 1 ep 1\)"):
+        _schedule("qwen3-8b", "plan.json", tp=3)
+    with pytest.raises(DFlashError, match=r"planned for block size 16, the bundle's drafter serves block 10"):
+        _schedule("qwen3-8b", "plan.json", block_size=10)

@@ -129,3 +129,36 @@ def test_gemma_4_kv_bytes_per_token_by_hand():
     assert cost.kv_bytes_per_token(shape, "fp8") == 50 * 2 * 16 * 256 + 10 * 2 * 4 * 512
     # TP 8: ceil(16 / 8) = 2 and ceil(4 / 8) = 1 heads per GPU
     assert cost.kv_bytes_per_token(shape, "fp8", tp=8) == 50 * 2 * 2 * 256 + 10 * 2 * 1 * 512
+
+
+# ----------------------------------------------------------------------- the embedded drafter's measured acceptance
+def test_embedded_acceptance_is_measured_on_the_shipped_prompts_and_plan_speed_uses_it(tmp_path):
+    """The smollm2-135m preset's acceptance is the file `dflash-trt bench` wrote beside the drafter's model card:
+    measured on the shipped held-out prompts (their sha256), at the drafter's block. `plan --speed` without --tau
+    takes tau and the per-position acceptance from it (names it as the source), and its schedule is what the
+    histogram gives, computed here by hand (not the geometric shape through a tau)."""
+    p = PRESETS["smollm2-135m"]
+    assets = resources.files("dflash_trt")
+    stored = json.loads(assets.joinpath(p.acceptance_file).read_text())
+    prompts = assets.joinpath("data", "heldout_prompts.jsonl").read_bytes()
+    assert stored["prompts"]["sha256"] == hashlib.sha256(prompts).hexdigest()
+    drafter = json.loads(assets.joinpath("assets", "smollm2-135m-dflash", "config.json").read_text())
+    B = stored["block_size"]
+    assert B == drafter["block_size"] and "dflash-trt bench" in stored["command"]
+    hist = {int(k): v for k, v in stored["acceptance_histogram"].items()}
+    blocks = sum(hist.values())
+    survival = [sum(v for n, v in hist.items() if n > k) / blocks for k in range(1, B)]
+    assert survival == pytest.approx(stored["acceptance_per_position"], abs=1e-6)
+    code, out, err = run_cli("plan", "--target", "smollm2-135m", "--hardware", "dgx-b300", "--speed", "--json")
+    assert code == 0, err
+    speed = json.loads(out)["speed"]
+    assert p.acceptance_file in speed["tau_source"] and p.acceptance_file in speed["acceptance_source"]
+    assert speed["tau"] == pytest.approx(1 + sum(survival)) == pytest.approx(stored["tau"], abs=0.01)
+    sched = speed["layouts"][0]["draft_schedule"]
+    lengths = [1 + sum(survival[:k]) for k in range(B)]
+    assert sched["acceptance_lengths"] == pytest.approx(lengths[:sched["max_k"] + 1])
+    # the schedule is what `build --draft-schedule FILE.json` reads
+    f = tmp_path / "plan.json"
+    f.write_text(out)
+    from dflash_trt.plan.schedule_cost import schedule_file
+    assert schedule_file(str(f), B, 1, 1).ranges == [tuple(r) for r in sched["ranges"]]

@@ -17,7 +17,7 @@ import pytest
 
 from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import catalog, get_hardware
-from dflash_trt.plan import cost, planner, speed
+from dflash_trt.plan import cost, planner, speed, speed_check
 
 from helpers import run_cli
 
@@ -182,11 +182,11 @@ def test_every_catalog_gpu_has_sourced_dense_peaks():
 
 
 def test_the_fitted_point_is_reproduced_and_the_docs_table_is_current():
-    fit = [p for p in speed.published_points() if p.get("fit")]
+    fit = [p for p in speed_check.published_points() if p.get("fit")]
     assert len(fit) == 1
-    assert speed.predict_point(fit[0])["central"] == pytest.approx(fit[0]["value"], rel=0.01)
+    assert speed_check.predict_point(fit[0])["central"] == pytest.approx(fit[0]["value"], rel=0.01)
     doc = (Path(__file__).parents[1] / "docs" / "speed-model.md").read_text()
-    assert speed.check_table() in doc, "docs/speed-model.md: rerun python -m dflash_trt.plan.speed --check"
+    assert speed_check.check_table() in doc, "docs/speed-model.md: rerun python -m dflash_trt.plan.speed_check"
 
 
 # --- CLI ---------------------------------------------------------------------------------------------
@@ -296,6 +296,6 @@ def test_plot_needs_png_and_a_tau_for_an_unknown_drafter(tmp_path):
     code, _, err = run_cli("plan", "--target", "gpt-oss-120b", "--hardware", "dgx-b300", "--plot", str(tmp_path / "a.jpg"))
     assert code == 1 and "name the file *.png" in err and not (tmp_path / "a.jpg").exists()
     code, _, err = run_cli("plan", "--target", "qwen3-8b", "--hardware", "hgx-h200", "--speed")
-    assert code == 1 and "no published acceptance length for qwen3-8b" in err and "--tau" in err
+    assert code == 1 and "no published or measured acceptance for qwen3-8b" in err and "--tau" in err
     with pytest.raises(DFlashError, match="no drafter"):
         speed.resolve_tau("x", 3.0, 1, has_drafter=False)

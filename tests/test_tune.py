@@ -20,7 +20,8 @@ import pytest
 
 from dflash_trt.errors import DFlashError
 from dflash_trt.plan import draft_schedule as ds
-from dflash_trt.plan import speed, tune
+from dflash_trt.plan import tune
+from dflash_trt.plan.schedule_cost import ScheduleCost
 
 from helpers import run_cli
 
@@ -107,7 +108,7 @@ def test_replan_is_the_brute_force_best_at_every_concurrency(tau):
     surv = ds.survival_from_tau(tau, MAX_K + 1)
     w = _served(surv, lambda i: MAX_K, 3000)
     a = tune.survival_from_window(w, MAX_K)
-    cost = speed.ScheduleCost(_cost, [1, 2, 4, 8, 16, 32, 64], "test cost")
+    cost = ScheduleCost(_cost, [1, 2, 4, 8, 16, 32, 64], "test cost")
     before = ds.DraftSchedule(max_k=MAX_K, acceptance_lengths=[], levels=[], ranges=[(1, 64, 3)], assumptions=[])
     r = tune.replan(before, w, a, cost, MAX_K)
     lengths = [1 + sum(a.survival[:k]) for k in range(MAX_K + 1)]
@@ -127,7 +128,7 @@ def test_min_gain_keeps_the_served_k_unless_it_pays(min_gain):
     surv = ds.survival_from_tau(2.5, MAX_K + 1)
     w = _served(surv, lambda i: MAX_K, 3000)
     a = tune.survival_from_window(w, MAX_K)
-    cost = speed.ScheduleCost(_cost, [1, 2, 4, 8, 16, 32, 64], "test cost")
+    cost = ScheduleCost(_cost, [1, 2, 4, 8, 16, 32, 64], "test cost")
     before = ds.DraftSchedule(max_k=MAX_K, acceptance_lengths=[], levels=[], ranges=[(1, 8, 4), (9, 64, 2)],
                               assumptions=[])
     r = tune.replan(before, w, a, cost, MAX_K, min_gain=min_gain)
@@ -146,7 +147,7 @@ def test_k0_in_vllm_is_a_recommendation_not_plain_decoding():
     surv = ds.survival_from_tau(1.3, MAX_K + 1)
     w = _served(surv, lambda i: MAX_K, 3000)
     w.mean_concurrency = 40.0
-    r = tune.replan(None, w, tune.survival_from_window(w, MAX_K), speed.ScheduleCost(
+    r = tune.replan(None, w, tune.survival_from_window(w, MAX_K), ScheduleCost(
         lambda c, k: 1.0 + 0.01 * c * (k + 1), [1, 2, 4, 8, 16, 32, 64], "linear"), MAX_K)
     stop = r.after.stop_concurrency
     assert stop is not None and stop <= 40

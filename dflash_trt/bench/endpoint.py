@@ -302,8 +302,8 @@ def bundle_plan(bundle: str | Path):
 
 
 def plan_prediction(planned, measured_tau: float | None):
-    """The SpeedReport of the plan (speed.speed_for) and where its tau came from: the published
-    one of the target's preset when there is one (what `plan --speed` uses), else the acceptance
+    """The SpeedReport of the plan (speed.speed_for) and where its tau came from: the target
+    preset's (published or measured) when there is one (what `plan --speed` uses), else the acceptance
     length the server measured over the whole sweep, else AR only."""
     p, tcfg, dcfg = planned
     if dcfg is not None and p.drafter:

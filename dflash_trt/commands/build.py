@@ -65,7 +65,8 @@ from dflash_trt.io.manifest import Manifest
               help="How many tokens to draft at each concurrency, written into each stack's own control "
               "(TensorRT-LLM max_concurrency / draft_len_schedule; a stack whose DFlash ignores its control gets "
               "nothing, with the reason in manifest.json). auto: planned like `plan --speed` for --gpu's node, the "
-              "layout and max_batch_size, from the preset drafter's published tau (none without --gpu or a tau); "
+              "layout and max_batch_size, from the preset drafter's published or measured acceptance (none "
+              "without --gpu or either); "
               "FILE.json: what `plan --speed --json` prints (the layout of this --tp / --ep is taken from it; "
               "e.g. `plan "
               "--target NAME --hardware NODE --speed --acceptance bench.json --json > plan.json`), or one schedule "
@@ -125,8 +126,8 @@ def build_cmd(target, drafter, arch, gpu, quant, kv_cache, drafter_quant, stacks
 
 
 def _schedule_planner(mode: str):
-    """build --draft-schedule auto|off|FILE.json as build's SchedulePlanner (plan/speed.build_schedule)."""
-    from dflash_trt.plan.speed import build_schedule
+    """build --draft-schedule auto|off|FILE.json as build's SchedulePlanner (plan/schedule_cost.build_schedule)."""
+    from dflash_trt.plan.schedule_cost import build_schedule
 
     return lambda request: build_schedule(mode, **request.keywords())
 

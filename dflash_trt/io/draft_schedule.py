@@ -74,13 +74,13 @@ class ScheduleRequest:
     attention_dp: bool = False
 
     def keywords(self) -> dict:
-        """The request as keyword arguments (plan/speed.build_schedule's)."""
+        """The request as keyword arguments (plan/schedule_cost.build_schedule's)."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 class SchedulePlanner(Protocol):
     """What build asks for a draft schedule: (the schedule or None, where it comes from or why there is none).
-    The command line passes the planner's (plan/speed.build_schedule for --draft-schedule auto|off|FILE)."""
+    The command line passes the planner's (plan/schedule_cost.build_schedule for --draft-schedule auto|off|FILE)."""
 
     def __call__(self, request: ScheduleRequest) -> tuple[DraftSchedule | None, str]: ...
 

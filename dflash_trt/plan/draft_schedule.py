@@ -142,41 +142,34 @@ def format_schedule(s: DraftSchedule) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Reading one back: `build --draft-schedule FILE.json` (a DraftSchedule.to_dict(), e.g. measured on a
-# CPU) and `plan --acceptance FILE` (a `dflash-trt bench --json` report)
+# Reading files: `build --draft-schedule FILE.json` (plan/schedule_cost.schedule_file) and the acceptance of a
+# `dflash-trt bench --json` report (plan --acceptance FILE, a preset's measured acceptance_file)
 
 
-def load_schedule(path: str, block_size: int) -> DraftSchedule:
-    """`build --draft-schedule FILE.json`: a DraftSchedule.to_dict() JSON, checked (from_dict)."""
-    p = Path(path)
-    if not p.is_file():
-        raise DFlashError(f"--draft-schedule {path}: no such file (expected auto, off or a schedule JSON)")
+def read_json_file(path: str, where: str) -> object:
+    """A JSON file's content; a missing or broken one is one line starting with `where`."""
     try:
-        d = json.loads(p.read_text())
+        return json.loads(Path(path).read_text())
+    except (FileNotFoundError, IsADirectoryError):
+        raise DFlashError(f"{where}: no such file") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DFlashError(f"--draft-schedule {path}: not JSON ({e})") from None
-    return from_dict(d, block_size, f"--draft-schedule {path}")
+        raise DFlashError(f"{where}: not JSON ({e})") from None
 
 
-def survival_from_bench(path: str, block_size: int) -> tuple[list[float], float]:
+def survival_from_bench(path: str, block_size: int, where: str | None = None) -> tuple[list[float], float]:
     """(survival, tau) from a `dflash-trt bench --json` report's acceptance_histogram, whose block_size
     must be the drafter's served block."""
-    p = Path(path)
-    try:
-        r = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise DFlashError(f"--acceptance {path}: no such file") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DFlashError(f"--acceptance {path}: not JSON ({e})") from None
+    where = where or f"--acceptance {path}"
+    r = read_json_file(path, where)
     if not isinstance(r, dict) or not isinstance(r.get("acceptance_histogram"), dict):
-        raise DFlashError(f"--acceptance {path}: no acceptance_histogram (expected a `dflash-trt bench --json` report)")
+        raise DFlashError(f"{where}: no acceptance_histogram (expected a `dflash-trt bench --json` report)")
     if r.get("block_size") != block_size:
-        raise DFlashError(f"--acceptance {path}: measured with block size {r.get('block_size')!r}, the drafter serves "
+        raise DFlashError(f"{where}: measured with block size {r.get('block_size')!r}, the drafter serves "
                           f"block {block_size}")
     try:
         surv = survival_from_histogram(r["acceptance_histogram"], block_size)
     except (TypeError, ValueError) as e:
-        raise DFlashError(f"--acceptance {path}: acceptance_histogram: {e}") from None
+        raise DFlashError(f"{where}: acceptance_histogram: {e}") from None
     except DFlashError as e:
-        raise DFlashError(f"--acceptance {path}: {e}") from None
+        raise DFlashError(f"{where}: {e}") from None
     return surv, acceptance_lengths(surv)[-1]

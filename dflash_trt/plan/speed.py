@@ -15,53 +15,32 @@ positions). Each step emits tau tokens per sequence (tau: mean accepted length, 
 Draft schedule (per layout, with a drafter): the same passes price a step drafting K < B - 1 tokens (verify
 over K + 1 tokens, the drafter's whole block; K = 0 an AR step: cost.StepCost.step_seconds), and
 plan/draft_schedule.py picks the K of most tokens/s at each concurrency from the acceptance per draft
-position (resolve_acceptance). build_schedule is `build --draft-schedule`'s.
+position (resolve_acceptance: --acceptance, --tau, or the preset's measured or published figure); what a
+bundle's schedule is planned from at build is plan/schedule_cost.py's.
 
 Efficiency factors (cost.EFFICIENCY, a low / central / high set; every number printed is the central one with
 the low-high range beside it). LAYER_LATENCY's central value is fitted to one public point, TensorRT-LLM's
 420 tokens/s per user for gpt-oss-120b on 8 × B200 at batch 1 (its gpt-oss deployment blog): at that batch
 the weights read per GPU take about 0.1 ms, so nearly all of the 2.4 ms step is fixed per-layer cost. The
 other factors are stated assumptions, checked (not fitted) against the published points of
-docs/speed-model.md. Not modelled in the curves: prefill (they are decode only: a workload with long prompts
+docs/speed-model.md (plan/speed_check.py). Not modelled in the curves: prefill (they are decode only: a workload with long prompts
 delivers fewer output tokens per GPU; `disaggregated` below adds a compute-bound prefill pass to split
 instances into prefill and decode ones, an estimate), scheduler stalls, expert load imbalance, networks past one NVLink
 domain (layouts that cross it get no speed figures).
 """
 from __future__ import annotations
 
-import json
 import math
-import sys
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from importlib import resources
-from pathlib import Path
 
 from dflash_trt.errors import DFlashError
-from dflash_trt.hardware import Hardware, get_hardware, hardware_for_gpu
+from dflash_trt.hardware import Hardware, get_hardware
 from dflash_trt.plan import draft_schedule as ds
 from dflash_trt.plan import planner
 from dflash_trt.plan.cost import EFFICIENCY, Efficiency, Forward, StepCost, experts_touched
 from dflash_trt.plan.planner import Layout, ModelShape, Plan
 from dflash_trt.presets.catalog import PRESETS
-
-# Mean accepted length (tau, bonus token included) of the presets' published drafters, used when --tau is not
-# given. gpt-oss-120b: z-lab/gpt-oss-120b-DFlash model card, block 10, SGLang on one H200, reasoning effort
-# medium: HumanEval 4.4, MBPP 4.6, MT-Bench 3.7, GSM8K 5.3, Math500 5.4 (coding, as NVIDIA's SPEED-Bench
-# coding curve). llama-3.1-8b: an SGLang decode log of z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat (block 10),
-# "accept len: 6.10", one request (NVIDIA developer forum thread 359958): a weak source, say so.
-PUBLISHED_TAU = {
-    "gpt-oss-120b": (4.4, ("z-lab/gpt-oss-120b-DFlash model card: HumanEval, block 10, SGLang, 1 x H200 "
-                           "(MBPP 4.6, MT-Bench 3.7, GSM8K 5.3, Math500 5.4)")),
-    "llama-3.1-8b": (6.1, ("SGLang log of z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat, one request "
-                           "(forums.developer.nvidia.com/t/359958)")),
-}
-
-# Acceptance per draft position (share of blocks accepting at least k drafted tokens) published for the
-# presets' drafters: none found. The z-lab model cards and the DFlash paper (arXiv 2602.06036) give the mean
-# acceptance length only, so a preset's schedule takes the geometric shape through its tau
-# (draft_schedule.survival_from_tau), said as an assumption; `dflash-trt bench --json` measures the real one
-# (plan --speed --acceptance REPORT).
-PUBLISHED_SURVIVAL: dict[str, tuple[list[float], str]] = {}
 
 DEFAULT_CONTEXT_TOKENS = 2048   # mean tokens of context per sequence while decoding (1k prompt + half of 2k out)
 
@@ -129,70 +108,50 @@ class SpeedReport:
         return next((l for l in self.layouts if l.points), None)
 
 
-def resolve_tau(target_name: str, tau: float | None, block: int, has_drafter: bool) -> tuple[float | None, str]:
-    """--tau, checked against the drafter's block; else the preset's published one."""
+def resolve_acceptance(target_name: str, tau: float | None, block: int, has_drafter: bool,
+                       acceptance: str | None = None) -> tuple[float | None, str, list[float] | None, str]:
+    """(tau, its source, survival per draft position, its source), from the first of: --acceptance REPORT (a
+    `dflash-trt bench --json` report), --tau, the preset's acceptance measured by bench (presets/catalog.py
+    acceptance_file), the preset's published tau; checked against the drafter's block. Where only a tau is known,
+    per position is the geometric shape through it (an assumption, said)."""
+    given = "--acceptance" if acceptance is not None else "--tau" if tau is not None else None
     if not has_drafter:
-        if tau is not None:
-            raise DFlashError("--tau: there is no drafter to accept tokens from (pass --drafter or a preset with one)")
-        return None, "no drafter: AR only"
+        if given:
+            raise DFlashError(f"{given}: there is no drafter to accept tokens from (pass --drafter or a preset with one)")
+        return None, "no drafter: AR only", None, ""
+    if acceptance is not None and tau is not None:
+        raise DFlashError("--tau and --acceptance: the report's histogram gives tau; pass one of them")
+    preset = PRESETS.get(target_name)
+    if acceptance is not None or (tau is None and preset and preset.acceptance_file):
+        where = f"--acceptance {acceptance}" if acceptance else f"dflash_trt/{preset.acceptance_file}"
+        surv, t = ds.survival_from_bench(acceptance or str(resources.files("dflash_trt") / preset.acceptance_file),
+                                         block, where)
+        src = where if acceptance else f"measured by `dflash-trt bench`: {where} (the {target_name} preset's)"
+        return t, src, surv, f"measured per position: {where} (bench's acceptance histogram)"
     if tau is not None:
         if not (math.isfinite(tau) and 1 <= tau <= block):
             raise DFlashError(f"--tau {tau:g}: must be in [1, {block}] (1 = nothing accepted, {block} = the drafter's "
                               "whole block)")
-        return float(tau), "--tau"
-    if target_name in PUBLISHED_TAU:
-        t, src = PUBLISHED_TAU[target_name]
-        return min(t, block), src
-    raise DFlashError(f"--tau: no published acceptance length for {target_name}'s drafter; pass --tau TAU "
-                      "(`dflash-trt bench` measures it)")
-
-
-def resolve_acceptance(target_name: str, tau: float | None, block: int, has_drafter: bool,
-                       acceptance: str | None = None) -> tuple[float | None, str, list[float] | None, str]:
-    """(tau, its source, survival per draft position or None, its source): --acceptance REPORT (a
-    `dflash-trt bench --json` histogram, block size checked), else a published per-position figure, else
-    the geometric shape through tau (--tau or the preset's published one)."""
-    if acceptance is not None:
-        if not has_drafter:
-            raise DFlashError("--acceptance: there is no drafter to accept tokens from (pass --drafter or a preset "
-                              "with one)")
-        if tau is not None:
-            raise DFlashError("--tau and --acceptance: the report's histogram gives tau; pass one of them")
-        surv, t = ds.survival_from_bench(acceptance, block)
-        return t, f"--acceptance {acceptance}", surv, f"measured per position: {acceptance} (bench --json histogram)"
-    t, src = resolve_tau(target_name, tau, block, has_drafter)
-    if t is None:
-        return None, src, None, ""
-    if tau is None and target_name in PUBLISHED_SURVIVAL:
-        surv, where = PUBLISHED_SURVIVAL[target_name]
-        return t, src, list(surv), where
+        t, src = float(tau), "--tau"
+    elif preset and preset.published_tau:
+        t, src = min(preset.published_tau[0], block), preset.published_tau[1]
+    else:
+        raise DFlashError(f"--tau: no published or measured acceptance for {target_name}'s drafter; pass --tau TAU or "
+                          "--acceptance REPORT (`dflash-trt bench --json` measures it)")
     return t, src, ds.survival_from_tau(t, block), (
         f"geometric through tau {t:g} ({src}): every drafted token accepted with the same probability given its "
         "predecessors were (an assumption: no per-position figure is published for this drafter; "
         "`dflash-trt bench --json` measures one, plan --acceptance REPORT reads it)")
 
 
-def step_seconds_for(plan: Plan, tp: int, target: ModelShape, drafter: ModelShape, hw: Hardware, context: int,
-                     eff: Efficiency, *, attention_dp: bool = False):
-    """step_seconds(c, K) of one decode step of c sequences drafting K tokens each (draft_schedule.choose),
-    the cost model's (cost.StepCost.step_seconds)."""
-    return StepCost(plan, target, drafter, hw, tp, context, eff, attention_dp=attention_dp).step_seconds
+def resolve_tau(target_name: str, tau: float | None, block: int, has_drafter: bool) -> tuple[float | None, str]:
+    """(tau, its source) as resolve_acceptance finds them."""
+    return resolve_acceptance(target_name, tau, block, has_drafter)[:2]
 
 
 SCHEDULE_COST = ("step cost: K = 0 a plain AR step; K >= 1 the target's verify over K + 1 tokens per sequence plus the "
                  "drafter's whole block (its pass does not shorten with K: TensorRT-LLM's DFlashWorker drafts the full "
                  "block and keeps K positions), central efficiency set")
-
-
-def layout_schedule(plan: Plan, layout: LayoutSpeed, target: ModelShape, drafter: ModelShape, hw: Hardware,
-                    context: int, survival: list[float], acceptance_source: str,
-                    concurrency_grid: list[int] | None = None) -> ds.DraftSchedule:
-    """The draft length per concurrency of one layout with speed figures (its own concurrencies, or a grid)."""
-    step = step_seconds_for(plan, layout.tp, target, drafter, hw, context, EFFICIENCY["central"],
-                            attention_dp=layout.attention_dp)
-    grid = concurrency_grid or [p.concurrency for p in layout.points]
-    return ds.choose(survival, step, grid, assumptions=[f"acceptance per position: {acceptance_source}",
-                                                        SCHEDULE_COST])
 
 
 def explain_schedule(sched: ds.DraftSchedule, cost: StepCost) -> list[str]:
@@ -231,17 +190,13 @@ def explain_schedule(sched: ds.DraftSchedule, cost: StepCost) -> list[str]:
     if target.experts:
         c0, c1 = sched.ranges[0][0], sched.ranges[-1][0]
         lo = [cost.verify(c0, j + 1).weight_bytes / 1e9 for j in (1, top)]
-        share = cost_touched_share(target, c1 * (top + 1))
+        share = experts_touched(target.experts, target.experts_per_token, c1 * (top + 1)) / target.experts
         out.append(f"  MoE ({target.experts} experts, top-{target.experts_per_token}): a verify of T tokens reads the "
                    f"weights of the experts they route to, E(1 - (1 - k/E)^T); at concurrency {c0} K 1 -> {top} reads "
                    f"{lo[0]:.1f} -> {lo[1]:.1f} GB of weights per GPU, so a long draft costs memory time; at "
                    f"concurrency {c1}, K {top}, the step's {c1 * (top + 1)} tokens already touch {share:.0%} of the "
                    "experts, a longer draft reads little more and the choice follows compute")
     return out
-
-
-def cost_touched_share(target: ModelShape, tokens: int) -> float:
-    return experts_touched(target.experts, target.experts_per_token, tokens) / target.experts
 
 
 def concurrencies(cap: int) -> list[int]:
@@ -320,11 +275,12 @@ def speed(plan: Plan, target: ModelShape, drafter: ModelShape | None, hw: Hardwa
     t, src, survival, acc_src = resolve_acceptance(plan.target, tau, plan.block_size, drafter is not None, acceptance)
     layouts = [layout_speed(plan, l, target, drafter, hw, t, context_tokens) for l in plan.layouts]
     for l in layouts:
-        if l.points and drafter is not None and survival:
-            sched = layout_schedule(plan, l, target, drafter, hw, context_tokens, survival, acc_src)
-            l.draft_schedule = sched.to_dict()
-            l.draft_schedule_why = explain_schedule(sched, StepCost(plan, target, drafter, hw, l.tp, context_tokens,
-                                                                    EFFICIENCY["central"], attention_dp=l.attention_dp))
+        if l.points and drafter is not None and survival:   # K per concurrency at the layout's own concurrencies
+            cost = StepCost(plan, target, drafter, hw, l.tp, context_tokens, EFFICIENCY["central"],
+                            attention_dp=l.attention_dp)
+            sched = ds.choose(survival, cost.step_seconds, [p.concurrency for p in l.points],
+                              assumptions=[f"acceptance per position: {acc_src}", SCHEDULE_COST])
+            l.draft_schedule, l.draft_schedule_why = sched.to_dict(), explain_schedule(sched, cost)
     c = EFFICIENCY["central"]
     assumptions = [
         f"decode only, every sequence holding {context_tokens} tokens of context (--context-tokens); prefill not counted",
@@ -354,109 +310,6 @@ def speed_for(plan: Plan, target_cfg: dict, drafter_cfg: dict | None, *, tau: fl
     return speed(plan, target, drafter, get_hardware(plan.hardware), tau=tau, context_tokens=context_tokens,
                  acceptance=acceptance)
 
-
-def build_schedule(mode: str, *, target_name: str, target_config: dict, drafter_config: dict, gpu: str | None,
-                   quant: str, kv_cache: str, drafter_quant: str, tp: int, ep: int, block_size: int,
-                   max_batch_size: int, max_seq_len: int, attention_dp: bool = False,
-                   context_tokens: int = DEFAULT_CONTEXT_TOKENS) -> tuple[ds.DraftSchedule | None, str]:
-    """`build --draft-schedule auto|off|FILE.json`: (the schedule the bundle's stacks get, or None, and where it
-    comes from or why there is none). auto plans it as `plan --speed` does, for the bundle's GPU node, layout,
-    formats and max_batch_size (the concurrencies 1..max_batch_size), from the preset drafter's published tau;
-    without a GPU (a CPU bundle) or a tau there is none."""
-    if mode == "off":
-        return None, "--draft-schedule off"
-    if mode != "auto":
-        return schedule_file(mode, block_size, tp, ep), f"read from {mode}"
-    if not gpu:
-        return None, ("no GPU (a CPU bundle): the speed model needs the node's hardware (build --gpu), or pass "
-                      "--draft-schedule FILE.json")
-    if target_name not in PUBLISHED_TAU:
-        pair = target_name if target_name in PRESETS else "TARGET_DIR --drafter DRAFTER_DIR"
-        return None, (f"no acceptance figure for {target_name}'s drafter (no published tau): measure it and plan "
-                      f"with it, then rebuild: `dflash-trt bench --target {pair} --json > bench.json`; "
-                      f"`dflash-trt plan --target {pair} --hardware {hardware_for_gpu(gpu).name} --quant {quant} "
-                      "--speed --acceptance bench.json --json > plan.json`; `dflash-trt build ... --draft-schedule "
-                      "plan.json` (the layout of this build's --tp / --ep is taken from it)")
-    cost = schedule_cost(target_name=target_name, target_config=target_config, drafter_config=drafter_config,
-                         gpu=gpu, quant=quant, kv_cache=kv_cache, drafter_quant=drafter_quant, tp=tp, ep=ep,
-                         block_size=block_size, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                         attention_dp=attention_dp, context_tokens=context_tokens)
-    if isinstance(cost, str):
-        return None, cost
-    t, src, survival, acc_src = resolve_acceptance(target_name, None, block_size, True)
-    sched = ds.choose(survival, cost.step_seconds, cost.concurrencies,
-                      assumptions=[f"acceptance per position: {acc_src}", SCHEDULE_COST, cost.source])
-    return sched, f"planned for {cost.hardware} (speed model, tau {t:g}: {src})"
-
-
-@dataclass(frozen=True)
-class ScheduleCost:
-    """What a decode step costs, for draft_schedule.choose: step_seconds(c, K), the concurrencies to plan at,
-    and where the figures come from (the speed model's cost.StepCost on a GPU node, or a measured table)."""
-    step_seconds: object            # Callable[[int, int], float]
-    concurrencies: list[int]
-    source: str
-    hardware: str = ""
-
-
-def schedule_cost(*, target_name: str, target_config: dict, drafter_config: dict, gpu: str, quant: str,
-                  kv_cache: str, drafter_quant: str, tp: int, ep: int, block_size: int, max_batch_size: int,
-                  max_seq_len: int, attention_dp: bool = False,
-                  context_tokens: int = DEFAULT_CONTEXT_TOKENS) -> ScheduleCost | str:
-    """The speed model's step cost of a bundle's layout on its GPU node (build --draft-schedule auto, and
-    `tune` re-planning from served acceptance), or why there is none (a str)."""
-    hw = hardware_for_gpu(gpu)
-    dcfg = {**drafter_config, "block_size": block_size}
-    p = planner.plan(target_config, dcfg, hw, target_name=target_name, drafter_name=f"{target_name} drafter",
-                     quant=quant, kv_cache=kv_cache, drafter_quant=drafter_quant, max_seq_len=max_seq_len, tp=tp,
-                     ep=ep, max_batch_size=max_batch_size, attention_dp=attention_dp, batch_pinned=True)
-    lay = p.chosen
-    if lay is None:
-        why = p.layouts[0].reason if p.layouts else "no layout"
-        return f"the planner finds tp {tp} ep {ep} does not fit {hw.name} ({why}): no speed figures"
-    target = planner.target_shape(target_config, target_name)
-    drafter = planner.drafter_shape(dcfg, f"{target_name} drafter")
-    context = min(context_tokens, p.max_seq_len)
-    ls = layout_speed(p, lay, target, drafter, hw, None, context)
-    if not ls.points:
-        return f"tp {tp} ep {ep} on {hw.name} has no speed figures ({ls.reason})"
-    step = step_seconds_for(p, ls.tp, target, drafter, hw, context, EFFICIENCY["central"],
-                            attention_dp=ls.attention_dp)
-    return ScheduleCost(step, concurrencies(max_batch_size),
-                        f"planned by the speed model for {hw.name}, tp {tp} ep {ep}, {quant} weights, {context_tokens} "
-                        f"tokens of context, concurrency 1..{max_batch_size} (max_batch_size)", hw.name)
-
-
-def schedule_file(path: str, block_size: int, tp: int, ep: int) -> ds.DraftSchedule:
-    """`build --draft-schedule FILE.json`: what `plan --speed --json` prints (the schedule of the layout with this
-    bundle's tp and ep, planned for the drafter's block), or one schedule (a DraftSchedule.to_dict(), e.g.
-    measured on a CPU), checked."""
-    where = f"--draft-schedule {path}"
-    if not Path(path).is_file():
-        raise DFlashError(f"{where}: no such file (expected auto, off or a schedule JSON)")
-    try:
-        d = json.loads(Path(path).read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DFlashError(f"{where}: not JSON ({e})") from None
-    speed_report = d.get("speed") if isinstance(d, dict) else None
-    if speed_report is None and isinstance(d, dict) and "layouts" in d and "tau" in d:
-        speed_report = d                       # the "speed" object alone
-    if speed_report is None:
-        return ds.from_dict(d, block_size, where)
-    if not isinstance(speed_report, dict) or not isinstance(speed_report.get("layouts"), list):
-        raise DFlashError(f"{where}: \"speed\" has no layouts (expected the output of "
-                          "`dflash-trt plan --speed --json`)")
-    if speed_report.get("block_size") != block_size:
-        raise DFlashError(f"{where}: planned for block size {speed_report.get('block_size')!r}, the bundle's drafter "
-                          f"serves block {block_size}")
-    layouts = [l for l in speed_report["layouts"] if isinstance(l, dict)]
-    have = [(l.get("tp"), l.get("ep")) for l in layouts if l.get("draft_schedule")]
-    lay = next((l for l in layouts if (l.get("tp"), l.get("ep")) == (tp, ep)), None)
-    if lay is None or not lay.get("draft_schedule"):
-        raise DFlashError(f"{where}: no draft schedule for tp {tp} ep {ep} (it has "
-                          + (", ".join(f"tp {t} ep {e}" for t, e in have) or "none: plan without a drafter or tau")
-                          + "); plan on the bundle's node with --nodes / --gpus-per-node that allow this layout")
-    return ds.from_dict(lay["draft_schedule"], block_size, f"{where} (tp {tp} ep {ep})")
 
 
 def user_speed(target: ModelShape, drafter: ModelShape | None, plan: Plan, hw: Hardware, tp: int, context: int,
@@ -537,17 +390,11 @@ class DisaggEstimate:
         return asdict(self)
 
 
-def prefill_time(target: ModelShape, drafter: ModelShape | None, plan: Plan, hw: Hardware, tp: int, isl: int,
-                 eff: Efficiency) -> float:
-    """Seconds for one prompt of `isl` tokens on one instance (cost.StepCost.prefill_seconds)."""
-    return StepCost(plan, target, drafter, hw, tp, isl, eff).prefill_seconds(isl)
-
-
 def disaggregated(plan: Plan, target_cfg: dict, drafter_cfg: dict | None, *, isl: int, osl: int,
                   instances: int | None = None, tau: float | None = None) -> DisaggEstimate:
     """Split `instances` (default: the chosen layout's replicas) of the chosen layout into prefill and decode
     ones so that neither side limits the request rate: a prefill instance takes one prompt at a time
-    (1 / prefill_time requests/s), a decode instance holds as many sequences as its KV cache fits at
+    (1 / the prefill time requests/s: cost.StepCost.prefill_seconds), a decode instance holds as many sequences as its KV cache fits at
     isl + osl tokens and emits concurrency × tokens/s per user (osl tokens per request). P in 1..N-1
     maximises min(P · prefill rate, (N - P) · decode rate)."""
     for name, v in (("--isl", isl), ("--osl", osl)):
@@ -575,7 +422,7 @@ def disaggregated(plan: Plan, target_cfg: dict, drafter_cfg: dict | None, *, isl
     ctx = isl + osl // 2                                  # mean context while decoding
     runs = {}
     for name, eff in EFFICIENCY.items():
-        pre = prefill_time(target, drafter, plan, hw, chosen.tp, isl, eff)
+        pre = StepCost(plan, target, drafter, hw, chosen.tp, isl, eff).prefill_seconds(isl)
         user = user_speed(target, drafter, plan, hw, chosen.tp, ctx, eff, tau=t,
                           attention_dp=chosen.attention_dp)(conc)
         runs[name] = (pre, user)
@@ -620,20 +467,7 @@ def format_disaggregated(e: DisaggEstimate) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Reading a curve
-
-
-def best_at_interactivity(points: list[SpeedPoint], min_user: float, mode: str) -> SpeedPoint | None:
-    """The point of most tokens/s per GPU among those giving each user at least min_user tokens/s."""
-    key_user, key_gpu = f"{mode}_tokens_per_s_per_user", f"{mode}_tokens_per_s_per_gpu"
-    ok = [p for p in points if getattr(p, key_user) >= min_user]
-    return max(ok, key=lambda p: getattr(p, key_gpu)) if ok else None
-
-
-def max_concurrency_for(points: list[SpeedPoint], min_user: float, mode: str) -> int:
-    """The largest concurrency whose predicted tokens/s per user is at least min_user (0: none)."""
-    ok = [p.concurrency for p in points if getattr(p, f"{mode}_tokens_per_s_per_user") >= min_user]
-    return max(ok) if ok else 0
+# The text report
 
 
 def distinct_layouts(layouts: list[LayoutSpeed]) -> list[tuple[list[int], LayoutSpeed]]:
@@ -683,7 +517,8 @@ def format_speed(r: SpeedReport, layouts: int = 1) -> str:
             lines.append(row)
         if l.draft_schedule:
             lines.append("")
-            lines += ["  " + x for x in ds.format_schedule(schedule_of(l)).splitlines()]
+            sched = ds.from_dict(l.draft_schedule, r.block_size, "speed report")
+            lines += ["  " + x for x in ds.format_schedule(sched).splitlines()]
             lines += ["  " + x for x in l.draft_schedule_why]
     rest = groups[layouts:]
     if rest:
@@ -708,14 +543,6 @@ def format_speed(r: SpeedReport, layouts: int = 1) -> str:
     return "\n".join(lines)
 
 
-def schedule_of(layout: LayoutSpeed) -> ds.DraftSchedule:
-    """A layout's draft schedule as the object (the report carries its to_dict())."""
-    d = layout.draft_schedule
-    return ds.DraftSchedule(max_k=d["max_k"], acceptance_lengths=d["acceptance_lengths"],
-                            levels=[ds.Level(**lv) for lv in d["levels"]], ranges=[tuple(r) for r in d["ranges"]],
-                            assumptions=d["assumptions"])
-
-
 def _ranges_text(ranges) -> str:
     return ", ".join(f"{a}-{b}: {k}" if a != b else f"{a}: {k}" for a, b, k in ranges)
 
@@ -724,136 +551,3 @@ def _rng(v: float, r: list[float]) -> str:
     return f"{v:,.0f} [{r[0]:,.0f}-{r[1]:,.0f}]"
 
 
-# ---------------------------------------------------------------------------------------------
-# Published measurements (plan/published_speeds.json): what the model is checked against
-
-
-def published_points() -> list[dict]:
-    return json.loads(resources.files("dflash_trt.plan").joinpath("published_speeds.json").read_text())["points"]
-
-
-def matching_points(target: str, hardware: str) -> list[dict]:
-    """The published points for this target on this node type (the plot marks them)."""
-    return [p for p in published_points() if p["target"] == target and p["hardware"] == hardware]
-
-
-def predict_point(pt: dict) -> dict[str, float]:
-    """The model's figure for one published point under each efficiency set ({"low", "central", "high"};
-    inf where AR never reaches the interactivity a ratio is taken at)."""
-    if "target_config" in pt:
-        name, tcfg, dcfg = pt["target"], pt["target_config"], None
-    else:
-        name, tcfg, dcfg = planner.target_configs(pt["target"])
-    if not pt["metric"].startswith("dflash"):
-        dcfg = None                                    # AR points: plan without the drafter's memory
-    hw = get_hardware(pt["hardware"])
-    conc = pt["concurrency"]
-    p = planner.plan(tcfg, dcfg, hw, target_name=name, quant=pt["quant"], kv_cache=pt["kv_cache"],
-                     gpus_per_node=pt["gpus"], tp=pt["tp"], ep=pt["ep"],
-                     max_batch_size=pt.get("max_batch_size", conc if isinstance(conc, int) else 1024),
-                     kv_fraction=pt.get("kv_fraction", planner.FREE_GPU_MEMORY_FRACTION),
-                     max_seq_len=min(32768, tcfg.get("max_position_embeddings", 32768)))
-    lay = p.layouts[0]
-    if not lay.fits:
-        raise DFlashError(f"published point {pt['id']}: the layout does not fit ({lay.reason})")
-    # the published run's max_batch_size, not the lower one the planner gives a layout whose DFlash draft context
-    # would exceed TensorRT-LLM's budget (a check of an open PR): the point is a measurement of that config
-    lay = replace(lay, max_batch_size=p.max_batch_size)
-    target = planner.target_shape(tcfg, name)
-    drafter = planner.drafter_shape(dcfg) if dcfg else None
-    tau = pt.get("tau") or (PUBLISHED_TAU[name][0] if name in PUBLISHED_TAU else None)
-    ctx, adp, metric = pt["context_tokens"], pt["attention_dp"], pt["metric"]
-    out = {}
-    for e_name, eff in EFFICIENCY.items():
-        if conc == "curve":   # the most tokens/s per GPU each mode gives with every user at >= X tokens/s
-            x, most = pt["min_tokens_per_s_per_user"], layout_speed(p, lay, target, drafter, hw, tau, ctx).max_concurrency
-            df = user_speed(target, drafter, p, hw, lay.tp, ctx, eff, tau=tau, attention_dp=adp)
-            ar = user_speed(target, None, p, hw, lay.tp, ctx, eff, attention_dp=adp)
-            c_df, c_ar = largest_concurrency(df, x, most), largest_concurrency(ar, x, most)
-            out[e_name] = c_df * df(c_df) / (c_ar * ar(c_ar)) if c_ar and c_df else math.inf
-            continue
-        c = layout_speed(p, lay, target, drafter, hw, tau, ctx, attention_dp=adp).max_concurrency \
-            if conc == "max" else conc
-        cost = StepCost(p, target, drafter, hw, lay.tp, ctx, eff, attention_dp=adp)
-        ar = cost.ar(c)
-        if metric == "ar_tokens_per_s_per_user":
-            out[e_name] = 1 / ar.time_s
-        elif metric == "ar_tokens_per_s_per_gpu":
-            out[e_name] = c / ar.time_s / lay.tp
-        elif metric == "dflash_over_ar_per_user":
-            out[e_name] = tau / cost.dflash_seconds(c) * ar.time_s
-        else:
-            raise DFlashError(f"published point {pt['id']}: unknown metric {metric!r}")
-    return out
-
-
-def _one_set(ls: LayoutSpeed, eff_name: str) -> list[SpeedPoint]:
-    """The curve's points with one efficiency set's figures in the central fields."""
-    if eff_name == "central":
-        return ls.points
-    i = 0 if eff_name == "low" else 1
-    out = []
-    for p in ls.points:
-        q = replace(p, ar_tokens_per_s_per_user=p.ar_tokens_per_s_per_user_range[i],
-                    ar_tokens_per_s_per_gpu=p.ar_tokens_per_s_per_gpu_range[i])
-        if p.dflash_tokens_per_s_per_user_range:
-            q = replace(q, dflash_tokens_per_s_per_user=p.dflash_tokens_per_s_per_user_range[i],
-                        dflash_tokens_per_s_per_gpu=p.dflash_tokens_per_s_per_gpu_range[i])
-        out.append(q)
-    return out
-
-
-def point_figure(pt: dict):
-    """How a published point's value and the model's are written: ratios as 2.00x, the rest as counts."""
-    if "over" in pt["metric"]:
-        return lambda x: "AR never reaches it" if math.isinf(x) else f"{x:,.2f}x"
-    return lambda x: f"{x:,.0f}"
-
-
-def verdict(pt: dict, pr: dict[str, float]) -> str:
-    """The model against one published point (pr: predict_point's figures)."""
-    v, c = pt["value"], pr["central"]
-    if pt["compare"] == ">=" and math.isinf(c):
-        return "AR never gets there (central); " + ("high set above the claim" if pr["high"] >= v
-                                                    else "high set below the claim")
-    if pt["compare"] == ">=":
-        return "consistent (above the claim)" if c >= v else f"{c / v - 1:+.0%} below the claim"
-    return f"{c / v - 1:+.0%}" + (" (fitted)" if pt.get("fit") else "")
-
-
-METRIC_TEXT = {
-    "ar_tokens_per_s_per_user": "AR tokens/s per user",
-    "ar_tokens_per_s_per_gpu": "AR tokens/s per GPU",
-    "dflash_over_ar_per_user": "DFlash / AR tokens/s per user",
-    "dflash_over_ar_per_gpu_at_user":
-        "DFlash / AR tokens/s per GPU, every user at >= {min_tokens_per_s_per_user} tokens/s",
-}
-
-
-def describe_point(pt: dict) -> str:
-    """A published point for a reader: what was measured, by whom, at which concurrency."""
-    what = METRIC_TEXT.get(pt["metric"], pt["metric"]).format(**pt)
-    conc = pt["concurrency"]
-    at = f" at concurrency {conc}" if isinstance(conc, int) else (" at the most concurrency" if conc == "max" else "")
-    return f"{what}{at} {pt['compare']} {pt['value']:,} ({pt['engine']}; tp {pt['tp']} ep {pt['ep']})"
-
-
-def check_table() -> str:
-    """docs/speed-model.md's table: every published point beside the model's figure."""
-    rows = ["| point | setup | published | predicted (central [low-high]) | error |", "|---|---|---|---|---|"]
-    for pt in published_points():
-        pr = predict_point(pt)
-        v, c, fmt = pt["value"], pr["central"], point_figure(pt)
-        setup = (f"{pt['target']}, {pt['hardware']} × {pt['gpus']}, tp {pt['tp']} ep {pt['ep']}"
-                 f"{' attention-DP' if pt['attention_dp'] else ''}, {pt['quant']}/{pt['kv_cache']} KV, "
-                 f"concurrency {pt['concurrency']}, context {pt['context_tokens']}"
-                 + (f", tau {pt['tau']}" if pt.get("tau") else ""))
-        rows.append(f"| {pt['id']} | {setup} | {pt['metric']} {pt['compare']} {v:,} | "
-                    f"{fmt(c)} [{fmt(pr['low'])}-{fmt(pr['high'])}] | {verdict(pt, pr)} |")
-    return "\n".join(rows)
-
-
-if __name__ == "__main__":   # python -m dflash_trt.plan.speed --check: the table of docs/speed-model.md
-    if sys.argv[1:] != ["--check"]:
-        sys.exit("usage: python -m dflash_trt.plan.speed --check")
-    print(check_table())

@@ -11,12 +11,10 @@ from pathlib import Path
 
 from dflash_trt.errors import DFlashError
 from dflash_trt.io.atomic import atomic_write_bytes
-from dflash_trt.plan.speed import (
+from dflash_trt.plan.speed import LayoutSpeed, SpeedReport, distinct_layouts
+from dflash_trt.plan.speed_check import (
     METRIC_TEXT,
-    LayoutSpeed,
-    SpeedReport,
     describe_point,
-    distinct_layouts,
     matching_points,
     point_figure,
     predict_point,

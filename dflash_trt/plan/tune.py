@@ -34,6 +34,7 @@ from dflash_trt.errors import DFlashError
 from dflash_trt.io.prometheus import parse_prometheus, sum_series
 from dflash_trt.plan import draft_schedule as ds
 from dflash_trt.plan import speed
+from dflash_trt.plan.schedule_cost import ScheduleCost, schedule_cost
 from dflash_trt.stacks.vllm.launch import VLLM_DRAFT_SCHEDULE_FIELD
 
 # ---------------------------------------------------------------------------------------------
@@ -289,7 +290,7 @@ def survival_from_window(w: Window, max_k: int, served=None, *,
 
 # ---------------------------------------------------------------------------------------------
 # 3. the cost model and the re-plan
-def step_cost_table(path: str | Path) -> speed.ScheduleCost:
+def step_cost_table(path: str | Path) -> ScheduleCost:
     """A measured step cost (e.g. bench/bench_tune.py on a CPU), one step of c sequences drafting K costing
     t(c (K + 1)) tokens' pass: {"linear": {"fixed_s": a, "per_token_s": b}} (t(n) = a + b n, a fit that keeps
     K falling with concurrency whatever the jitter of single measurements), or {"step_seconds": {"n": s}}
@@ -313,11 +314,11 @@ def step_cost_table(path: str | Path) -> speed.ScheduleCost:
     if not pts:
         if not (a > 0 and b >= 0 and math.isfinite(a) and math.isfinite(b)):
             raise DFlashError(f"--step-cost {path}: linear needs fixed_s > 0 and per_token_s >= 0")
-        return speed.ScheduleCost(lambda c, k: a + b * c * (k + 1), grid, source, "measured")
+        return ScheduleCost(lambda c, k: a + b * c * (k + 1), grid, source, "measured")
     if min(pts) < 1 or any(not (s > 0 and math.isfinite(s)) for s in pts.values()):
         raise DFlashError(f"--step-cost {path}: step_seconds needs token counts >= 1 with positive seconds")
     t, _ = cost_curve(pts)
-    return speed.ScheduleCost(lambda c, k: t(c * (k + 1)), grid, source, "measured")
+    return ScheduleCost(lambda c, k: t(c * (k + 1)), grid, source, "measured")
 
 
 def cost_curve(points: dict[int, float]):
@@ -340,13 +341,13 @@ def cost_curve(points: dict[int, float]):
     return t, dict(zip(xs, ys))
 
 
-def bundle_step_cost(m: dict, drafter_config: dict) -> speed.ScheduleCost:
+def bundle_step_cost(m: dict, drafter_config: dict) -> ScheduleCost:
     """The bundle's own cost model: the speed model for its GPU node and layout (as build planned it)."""
     prof = m.get("serving_profile") or {}
     if not m.get("gpu"):
         raise DFlashError("tune: the bundle has no GPU (a CPU bundle): pass --step-cost FILE.json (measured step "
                           "times) for its cost model")
-    cost = speed.schedule_cost(
+    cost = schedule_cost(
         target_name=m["target"]["name"], target_config=m["target"]["config"], drafter_config=drafter_config,
         gpu=m["gpu"], quant=m["quant"]["target"], kv_cache=m["quant"]["kv_cache"],
         drafter_quant=m["quant"].get("drafter", "none"), tp=m["parallel"]["tp"], ep=m["parallel"]["ep"],
@@ -397,7 +398,7 @@ def _full_block(max_k: int, last: int) -> ds.DraftSchedule:
                             assumptions=["no schedule: num_speculative_tokens at every batch size"])
 
 
-def replan(before: ds.DraftSchedule | None, window: Window, acceptance: Acceptance, cost: speed.ScheduleCost,
+def replan(before: ds.DraftSchedule | None, window: Window, acceptance: Acceptance, cost: ScheduleCost,
            max_k: int, stack: str = "vllm", min_gain: float = 0.0) -> Retune:
     """The schedule from the measured acceptance and the cost model, and what changed against `before`.
     min_gain: keep the served K at a concurrency where the re-planned one is predicted to gain less than this
@@ -430,7 +431,7 @@ def replan(before: ds.DraftSchedule | None, window: Window, acceptance: Acceptan
                   changes=changes, at_served=at, recommendations=recs)
 
 
-def keep_unless_gain(after: ds.DraftSchedule, old: ds.DraftSchedule, lengths: list[float], cost: speed.ScheduleCost,
+def keep_unless_gain(after: ds.DraftSchedule, old: ds.DraftSchedule, lengths: list[float], cost: ScheduleCost,
                      min_gain: float) -> ds.DraftSchedule:
     """`after` with the served K kept at every concurrency where `after`'s K gains less than min_gain."""
     def rate(c: int, k: int) -> float:

