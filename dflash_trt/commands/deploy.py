@@ -60,11 +60,15 @@ HARDWARE = click.Choice(sorted(catalog()))
               "and how many decode for --isl / --osl, from the speed model plus a compute-bound prefill pass.")
 @click.option("--isl", type=int, help="--disaggregated: prompt tokens per request (default 4096).")
 @click.option("--osl", type=int, help="--disaggregated: output tokens per request (default 1024).")
+@click.option("--refresh", is_flag=True, help="--bundle: re-plan the bundle with this planner and these --hardware / "
+              "--nodes / --gpus-per-node / --max-seq-len / limits, into a revision (--out) with its own plan.json (what "
+              "deploy reads; without it, the plan `build` recorded).")
+@click.option("--out", type=click.Path(file_okay=False), help="--refresh: the revision's folder.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON only (with --speed: under \"speed\"; "
               "with --disaggregated: under \"disaggregated\").")
 def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, drafter_quant, max_seq_len, nodes, gpus_per_node,
              max_batch_size, max_attention_window, objective, profile, speed, tau, context_tokens, acceptance,
-             plot_file, disaggregated, isl, osl, as_json):
+             plot_file, disaggregated, isl, osl, refresh, out, as_json):
     """How many GPUs, which TP / EP, how many concurrent sequences fit — from config.json alone.
 
     \b
@@ -88,6 +92,7 @@ def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, drafter_quant, 
       dflash-trt plan --target gpt-oss-120b --hardware dgx-b300 --profile throughput
       dflash-trt plan --target ./my-model --drafter ./my-drafter --hardware dgx-b200 --nodes 2
       dflash-trt plan --bundle engines/gpt-oss-120b
+      dflash-trt plan --bundle engines/gpt-oss-120b --refresh --nodes 3 --out engines/gpt-oss-120b-r2
       dflash-trt plan --target gpt-oss-120b --hardware dgx-b300 --speed --plot gptoss-b300.png
       dflash-trt plan --target qwen3-8b --hardware hgx-h200 --quant fp8 --speed --tau 6.5 --json
       dflash-trt plan --target qwen3-8b --hardware dgx-b200 --speed --acceptance bench.json
@@ -100,7 +105,8 @@ def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, drafter_quant, 
     speed = speed or plot_file is not None
     _check_speed_flags(speed, tau, context_tokens, acceptance, disaggregated, isl, osl)
     layout = dict(nodes=nodes, gpus_per_node=gpus_per_node, max_seq_len=max_seq_len, objective=objective,
-                  max_batch_size=max_batch_size, max_attention_window=max_attention_window)
+                  max_batch_size=max_batch_size, max_attention_window=max_attention_window,
+                  refresh_out=_refresh_out(bundle, refresh, out))
     if bundle:
         p, tcfg, dcfg = _bundle_plan(bundle, hardware, quant, kv_cache, drafter_quant, target, drafter, profile, layout)
     else:
@@ -131,6 +137,14 @@ def _check_speed_flags(speed, tau, context_tokens, acceptance, disaggregated, is
         raise DFlashError("--isl / --osl size a disaggregated layout: add --disaggregated")
 
 
+def _refresh_out(bundle, refresh: bool, out) -> str | None:
+    from dflash_trt.errors import DFlashError
+
+    if bool(refresh) != bool(out) or (refresh and not bundle):
+        raise DFlashError("--refresh re-plans a bundle into a revision: pass --bundle B --refresh --out NEW together")
+    return out
+
+
 def _layout_overrides(layout: dict) -> dict:
     """The serving limits given on the command line (the rest: the plan's, or the bundle's, defaults)."""
     from dflash_trt.plan import planner
@@ -159,6 +173,15 @@ def _bundle_plan(bundle, hardware, quant, kv_cache, drafter_quant, target, draft
         raise DFlashError("--bundle plans the bundle's own serving config (its profile); drop --profile")
     deploy.require_intact(bundle)   # a bundle `verify` refuses is planned no more than deployed
     m = Manifest.read(bundle)
+    if layout["refresh_out"]:   # the one layout search after build: into a revision with its own plan.json
+        from dflash_trt.plan import record
+
+        hw = deploy.bundle_hardware(m, gpu)
+        case = record.PlanCase(hw.name, layout["nodes"], layout["gpus_per_node"] or hw.gpus_per_node,
+                               layout["max_seq_len"] or m.max_seq_len, _layout_overrides(layout)) if hw else None
+        record.refresh(bundle, layout["refresh_out"], [(hw, case)] if hw else [])
+        bundle = layout["refresh_out"]
+        m = Manifest.read(bundle)
     p = deploy.plan_for_bundle(bundle, nodes=layout["nodes"], gpus_per_node=layout["gpus_per_node"], gpu=gpu,
                                max_seq_len=layout["max_seq_len"], objective=layout["objective"], manifest=m,
                                **_layout_overrides(layout))

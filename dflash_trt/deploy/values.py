@@ -52,13 +52,13 @@ import yaml
 
 from dflash_trt import engines, stacks
 from dflash_trt.errors import DFlashError
-from dflash_trt.hardware import Hardware, get_hardware, gpus, hardware_for_gpu
+from dflash_trt.hardware import gpus
 from dflash_trt.io.atomic import dir_mode
-from dflash_trt.io.jsonio import read_json
 from dflash_trt.io.manifest import Manifest, sha256_file
 from dflash_trt.io.manifest import verify as verify_bundle
 from dflash_trt.paths import deploy_path
 from dflash_trt.plan import planner
+from dflash_trt.plan.record import bundle_hardware, drafter_config, read_plan
 
 GIB = 2**30
 REFERENCE_MODEL = stacks.tritonserver.REFERENCE_MODEL   # CPU-capable Triton model of the bundle
@@ -89,40 +89,6 @@ def default_out(bundle: str | Path) -> Path:
     return b.with_name(b.name + "-deploy")
 
 
-def _drafter_config(bundle: Path, m: Manifest) -> tuple[str | None, dict | None]:
-    """The drafter's config.json: drafter.config in the manifest, else <bundle>/<drafter.bundle_path>
-    or drafter.path, else the preset's drafter shapes for target.name; None if none is known."""
-    d = m.drafter
-    if isinstance(d.config, dict):
-        return "drafter", d.config
-    for rel in (d.bundle_path, d.path):
-        if rel:
-            p = Path(rel)
-            p = p if p.is_absolute() else bundle / p
-            if (p / "config.json").is_file():
-                return p.name, read_json(p / "config.json")
-    name = m.target.name
-    try:
-        _, _, dcfg = planner.target_configs(name) if name else (None, None, None)
-    except DFlashError:
-        dcfg = None
-    if dcfg is not None:
-        return f"{name} drafter (preset shapes)", dcfg
-    return None, None
-
-
-def bundle_hardware(m: Manifest, gpu: str | None = None) -> Hardware | None:
-    """The catalog node type of the bundle's GPU (its recorded node), or of `gpu` when given;
-    None = CPU-only."""
-    gpu = gpu or m.gpu
-    if gpu in (None, "none", ""):
-        return None
-    hw = get_hardware(m.node) if m.node and gpu == m.gpu else hardware_for_gpu(gpu)
-    if m.arch and m.arch != hw.arch:
-        raise DFlashError(f"manifest.json: bundle built for arch {m.arch}, but {gpu} is {hw.arch}")
-    return hw
-
-
 def reference_weights(bundle: Path, m: Manifest) -> tuple[int, int, str]:
     """(bytes, parameters, dtype) of the weights the CPU pod's dflash_reference model holds: the
     target's and the drafter's parameters (the planner's count, from the manifest's configs: the
@@ -137,7 +103,7 @@ def reference_weights(bundle: Path, m: Manifest) -> tuple[int, int, str]:
     if dtype not in REFERENCE_DTYPE_BYTES:
         raise DFlashError(f"{y}: dtype {dtype!r}: expected one of {', '.join(REFERENCE_DTYPE_BYTES)}")
     params = planner.target_shape(m.target.config, m.target.name or "target").total_params
-    dcfg = _drafter_config(bundle, m)[1]
+    dcfg = drafter_config(bundle, m)[1]
     params += planner.drafter_shape(dcfg).total_params if dcfg else 0
     return params * REFERENCE_DTYPE_BYTES[dtype], params, dtype
 
@@ -168,42 +134,25 @@ def require_intact(bundle: str | Path) -> None:
 
 def plan_for_bundle(bundle: str | Path, *, nodes: int = 1, gpus_per_node: int | None = None,
                     gpu: str | None = None, max_seq_len: int | None = None,
-                    objective: str = "latency", manifest: Manifest | None = None, **overrides) -> planner.Plan | None:
-    """The planner run for a bundle: its target, drafter, formats and GPU; TP / EP fixed to the
-    bundle's when it records them (its Triton model was written for them). None for a bundle
-    without a GPU (CPU-only deployment). `manifest`: the bundle's, when the caller has read it."""
+                    objective: str = "latency", manifest: Manifest | None = None, **limits) -> planner.Plan | None:
+    """The plan `build` recorded for the bundle (plan.json; plan/record.py) on `nodes` nodes of its GPU's node type
+    (or `gpu`'s): no layout search here. None for a bundle without a GPU (CPU-only deployment). `limits`:
+    serving limits over the bundle's own (max_batch_size, max_attention_window); `manifest`: the bundle's,
+    when the caller has read it."""
     bundle = Path(bundle)
     m = manifest or Manifest.read(bundle)
     hw = bundle_hardware(m, gpu)
     if hw is None:
         return None
-    dname, dcfg = _drafter_config(bundle, m)
-    if m.parallel.pp != 1:
-        raise DFlashError("manifest.json: parallel.pp > 1 is not planned; set the chart's parallel.pp by hand")
-    q = m.quant
-    llm = {**served_settings(bundle, m), **overrides}   # max_batch_size / max_attention_window
-    return planner.plan(m.target.config, dcfg, hw, target_name=m.target.name or "target",
-                        drafter_name=dname, quant=q.target or "auto", kv_cache=q.kv_cache or "auto",
-                        drafter_quant=q.drafter, max_seq_len=max_seq_len or m.max_seq_len, nodes=nodes,
-                        gpus_per_node=gpus_per_node, objective=objective, tp=m.parallel.tp, ep=m.parallel.ep, **llm,
-                        # the bundle's serving config fixes max_batch_size; a layout cannot lower it
-                        batch_pinned="max_batch_size" in llm and "max_batch_size" not in overrides)
+    return read_plan(bundle).plan_for(bundle, hw, nodes=nodes, gpus_per_node=gpus_per_node,
+                                      max_seq_len=max_seq_len or m.max_seq_len, objective=objective, limits=limits)
 
 
 def bundle_model_configs(bundle: str | Path, manifest: Manifest | None = None) -> tuple[dict, dict | None]:
     """(target config.json, drafter config.json or None) of a bundle: what its plan was made of."""
     bundle = Path(bundle)
     m = manifest or Manifest.read(bundle)
-    return m.target.config, _drafter_config(bundle, m)[1]
-
-
-def served_settings(bundle: Path, m: Manifest) -> dict:
-    """What the served stacks' own config files fix for the planner (KV fraction, per-layer
-    windows, batch and token limits: what the server will really use), stack by stack."""
-    out: dict = {}
-    for st in stacks.served(m.served_stacks):
-        out |= st.planner_settings(bundle, m)
-    return out
+    return m.target.config, drafter_config(bundle, m)[1]
 
 
 def parse_image(ref: str, option: str) -> dict:

@@ -320,6 +320,12 @@ class Plan:
         d["chosen"] = asdict(self.chosen) if self.chosen else None
         return d
 
+    @classmethod
+    def from_dict(cls, d: dict) -> Plan:
+        """A plan from its to_dict() (plan/record.py: the plan a bundle carries)."""
+        fields = {k: v for k, v in d.items() if k not in ("chosen", "layouts")}
+        return cls(**fields, layouts=[Layout(**lay) for lay in d["layouts"]])
+
 
 # Layout order per objective, fitting layouts first (plan()'s docstring gives the reasons).
 RANKING = {
