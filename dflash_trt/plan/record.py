@@ -25,6 +25,7 @@ from dflash_trt.io.clone import clone_tree
 from dflash_trt.io.jsonio import read_json
 from dflash_trt.io.manifest import ArtifactRecord, Manifest, sha256_file
 from dflash_trt.plan import planner
+from dflash_trt.plan.layouts import RANKING
 from dflash_trt.plan.monitoring_figures import planned_figures
 
 PLAN_FILE = "plan.json"
@@ -83,7 +84,7 @@ class PlanRecord:
             raise DFlashError(case.refused)
         p = planner.Plan.from_dict(case.plan)
         return p if objective == p.objective else replace(p, objective=objective,
-                                                          layouts=sorted(p.layouts, key=planner.RANKING[objective]))
+                                                          layouts=sorted(p.layouts, key=RANKING[objective]))
 
 
 def _describe(c: PlanCase, cases: list[PlanCase]) -> str:
