@@ -126,3 +126,22 @@ def test_a_missing_or_old_record_is_one_line(bundle, tmp_path, version):
         assert (f"{b}/{PLAN_FILE}: {state}: rebuild the bundle, or `dflash-trt plan --bundle {b} --refresh --out NEW`"
                 in err)
     assert not (tmp_path / "d").exists()
+
+
+def test_tunes_cost_model_reads_the_record_and_matches_a_fresh_search(bundle):
+    """`tune` prices a step with the layout plan.json records; the same figures as the layout search build ran."""
+    from dflash_trt.deploy.values import plan_for_bundle
+    from dflash_trt.io.manifest import Manifest
+    from dflash_trt.plan import tune
+
+    m = Manifest.read(bundle).to_dict()
+    prof = cProfile.Profile()
+    prof.enable()
+    recorded = tune.bundle_step_cost(m, m["drafter"]["config"], plan_for_bundle(bundle))
+    prof.disable()
+    assert not [k for k in pstats.Stats(prof).stats if k[2] in SEARCH and "dflash_trt/plan/" in k[0]]
+    searched = tune.bundle_step_cost(m, m["drafter"]["config"], None)
+    assert recorded.concurrencies == searched.concurrencies and recorded.source == searched.source
+    for c in (1, 8, 64):
+        for k in (0, 3, 9):
+            assert recorded.step_seconds(c, k) == pytest.approx(searched.step_seconds(c, k), rel=1e-12)

@@ -338,7 +338,7 @@ def deploy_cmd(bundle, nodes, gpus_per_node, replicas, server, dynamo_engine, di
     rollout.delivery_values(values, bundle, sub_path=sub_path,
                             loader_image=deploy.parse_image(loader_image, "--loader-image") if loader_image else None)
     target_speed = _speed_target(bundle, m, p, values, min_tokens_per_user, tau)
-    planned = _monitoring_values(bundle, values, min_tokens_per_user) if monitoring else None
+    planned = _monitoring_values(m, values, min_tokens_per_user) if monitoring else None
     rendered = _render_checked(values, chart, release, namespace, monitoring)
     manifests = rendered if render else None
     out = Path(out) if out else deploy.default_out(bundle)
@@ -393,13 +393,12 @@ def _speed_target(bundle, m, p, values: dict, min_tokens_per_user, tau) -> dict 
             "autoscaling_target": int(values["autoscaling"]["targetAverageValue"])}
 
 
-def _monitoring_values(bundle, values: dict, min_tokens_per_user):
+def _monitoring_values(m, values: dict, min_tokens_per_user):
     """deploy --monitoring: the chart's monitoring values from the bundle's planned figures (returned)."""
     from dflash_trt.deploy import monitoring as mon
-    from dflash_trt.io.manifest import read_manifest
     from dflash_trt.plan.monitoring_figures import bundle_figures
 
-    planned = bundle_figures(read_manifest(bundle), min_tokens_per_user=min_tokens_per_user)
+    planned = bundle_figures(m, min_tokens_per_user=min_tokens_per_user)
     values["monitoring"] = mon.monitoring_values(values["server"]["stack"], planned)
     return planned
 
