@@ -1,40 +1,11 @@
 """Helm values (and, on request, rendered manifests) for a bundle: `dflash-trt deploy`.
 
-The bundle manifest (`<bundle>/manifest.json`, written by `dflash-trt build`) keys this module
-relies on:
-
-    tool_version                 str
-    target.name                  str: preset name or folder name
-    target.config                dict: the target's Hugging Face config.json
-    drafter.config               dict: the drafter's config.json (else drafter.bundle_path or
-                                 drafter.path, a folder with config.json, relative to the bundle or
-                                 absolute; else the preset's drafter shapes)
-    quant.drafter                "fp8" | "int8" | "none" (default none)
-    max_seq_len                  int: the planner's sequence length (default min(model max, 32768))
-    <triton_model_repository>/tensorrt_llm/1/model.yaml and configs/trtllm-serve.yaml (optional
-                                 files, the latter wins): kv_cache_config.free_gpu_memory_fraction
-                                 and .max_attention_window (per-layer windows), max_batch_size,
-                                 max_num_tokens
-    arch                         "blackwell" | "hopper"
-    gpu                          "b300" | "b200" | "gb200" | "h200" | "h100" | null (build --gpu none:
-                                 a CPU-only deployment of the reference-runtime model)
-    node                         hardware.json node type of the GPU (build: --gpu's, or the arch's
-                                 default node); absent in older bundles: the GPU's first node
-    quant.target                 "nvfp4" | "fp8" | "mxfp4" | "none"
-    quant.kv_cache               "fp8" | "bf16"
-    parallel.tp, parallel.ep     int: the layout search is restricted to them (the bundle's Triton
-                                 model was written for them); the planner picks the replicas
-    parallel.pp                  int: 1 (pipeline parallel bundles are not planned)
-    triton_model_repository      str: the model repository folder, relative to the bundle
-    triton_models                [str]: its models; "dflash_reference" is the CPU-capable one
-    serving_stacks.served        [str]: the stacks it holds configs for (the chart's bundle.stacks)
-    engines.<stack>.servers.<server>.image / .engine_version
-                                 the image deploy writes for a server (engines.json at build time)
-
-The layout written by default is the planner's chosen layout for the bundle (`plan_for_bundle`),
-so `dflash-trt plan --bundle DIR` shows exactly what `deploy` will do. Nothing is compiled at pod
-start: the serving path loads the bundle's Hugging Face checkpoints (a deferred compile stage is
-an opt-in engine build that no serving file loads).
+The values follow the plan the bundle carries (`plan.json`, plan/record.py: the layout `build` chose for
+its TP / EP, formats, GPU node and serving limits; `plan_for_bundle` reads it, searching nothing), so
+`dflash-trt plan --bundle DIR` shows exactly what `deploy` will do; the rest comes from the typed manifest
+(io/manifest.py: gpu / node / arch, the Triton repository and models, the served stacks, each server's
+image in `engines`). Nothing is compiled at pod start: the serving path loads the bundle's Hugging Face
+checkpoints (a deferred compile stage is an opt-in engine build that no serving file loads).
 """
 from __future__ import annotations
 
@@ -148,6 +119,13 @@ def plan_for_bundle(bundle: str | Path, *, nodes: int = 1, gpus_per_node: int | 
                                       max_seq_len=max_seq_len or m.max_seq_len, objective=objective, limits=limits)
 
 
+def chosen_layout(p: planner.Plan, nodes: int) -> planner.Layout:
+    """The plan's chosen layout, or one line why nothing fits `nodes` nodes."""
+    if p.chosen is None:
+        raise DFlashError(f"the bundle does not fit {nodes} × {p.hardware}: tp {p.layouts[0].tp}: {p.layouts[0].reason}")
+    return p.chosen
+
+
 def bundle_model_configs(bundle: str | Path, manifest: Manifest | None = None) -> tuple[dict, dict | None]:
     """(target config.json, drafter config.json or None) of a bundle: what its plan was made of."""
     bundle = Path(bundle)
@@ -225,10 +203,7 @@ def deploy_values(bundle: str | Path, *, nodes: int = 1, gpus_per_node: int | No
         values["bundle"]["pvc"] = _pvc(pvc, 10, rwx=False)
         return values, None
 
-    chosen = p.chosen
-    if chosen is None:
-        rejected = p.layouts[0].reason if p.layouts else "no layout"
-        raise DFlashError(f"the bundle does not fit {nodes} × {p.hardware}: tp {p.layouts[0].tp}: {rejected}")
+    chosen = chosen_layout(p, nodes)
     hw = bundle_hardware(m, gpu)
     gpn = p.gpus_per_node
     pod_gpus = min(chosen.tp, gpn)

@@ -142,20 +142,8 @@ def format_schedule(s: DraftSchedule) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Reading one back: `build --draft-schedule FILE.json` (a DraftSchedule.to_dict(), e.g. measured on a
-# CPU) and `plan --acceptance FILE` (a `dflash-trt bench --json` report)
-
-
-def load_schedule(path: str, block_size: int) -> DraftSchedule:
-    """`build --draft-schedule FILE.json`: a DraftSchedule.to_dict() JSON, checked (from_dict)."""
-    p = Path(path)
-    if not p.is_file():
-        raise DFlashError(f"--draft-schedule {path}: no such file (expected auto, off or a schedule JSON)")
-    try:
-        d = json.loads(p.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DFlashError(f"--draft-schedule {path}: not JSON ({e})") from None
-    return from_dict(d, block_size, f"--draft-schedule {path}")
+# Reading one back: `plan --acceptance FILE` (a `dflash-trt bench --json` report; `build --draft-schedule
+# FILE.json` is speed.schedule_file)
 
 
 def survival_from_bench(path: str, block_size: int) -> tuple[list[float], float]:

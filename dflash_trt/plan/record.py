@@ -53,8 +53,6 @@ class PlanCase:
 class PlanRecord:
     version: int
     planner_version: str                  # the dflash-trt that planned it
-    target: str
-    drafter: str | None
     quant: dict                           # resolved formats: target, drafter, kv_cache
     parallel: dict                        # tp / ep the bundle's model files were written for (the search keeps them)
     serving: dict                         # what the served stacks' config files fix (kv_fraction, windows, batch)
@@ -189,11 +187,8 @@ def plan_bundle(bundle: str | Path, m: Manifest, extra: list[tuple[Hardware, Pla
         serving = served_settings(bundle, m)
     except DFlashError:
         serving = {}    # the cases say why (refused)
-    first = next((c.plan for c in cases if c.plan), None) or {}
-    return PlanRecord(version=PLAN_RECORD_VERSION, planner_version=__version__, target=m.target.name or "target",
-                      drafter=first.get("drafter"),
-                      quant=first.get("quant") or {"target": m.quant.target, "drafter": m.quant.drafter,
-                                                   "kv_cache": m.quant.kv_cache},
+    first = next((c.plan for c in cases if c.plan), None) or {"quant": asdict(m.quant)}
+    return PlanRecord(version=PLAN_RECORD_VERSION, planner_version=__version__, quant=first["quant"],
                       parallel={"tp": m.parallel.tp, "ep": m.parallel.ep, "pp": m.parallel.pp}, serving=serving,
                       cases=cases, schedule=schedule_basis(m))
 
@@ -212,11 +207,11 @@ def schedule_basis(m: Manifest) -> dict | None:
          "break_even_acceptance_length": f.break_even_acceptance_length} for f in figures.by_concurrency]}
 
 
-def write_plan(folder: str | Path, m: Manifest) -> PlanRecord:
-    """Plan the bundle assembled in `folder` (its manifest `m`) and write <folder>/plan.json (build, before hashing)."""
-    rec = plan_bundle(folder, m)
-    (Path(folder) / PLAN_FILE).write_text(json.dumps(rec.to_dict(), indent=1) + "\n")
-    return rec
+def write_plan(folder: str | Path, m: Manifest, rec: PlanRecord | None = None) -> Path:
+    """<folder>/plan.json: `rec`, else the bundle assembled in `folder` (its manifest `m`) planned (build)."""
+    path = Path(folder) / PLAN_FILE
+    path.write_text(json.dumps((rec or plan_bundle(folder, m)).to_dict(), indent=1) + "\n")
+    return path
 
 
 def refresh(bundle: str | Path, out: str | Path, extra: list[tuple[Hardware, PlanCase]]) -> PlanRecord:
@@ -228,8 +223,8 @@ def refresh(bundle: str | Path, out: str | Path, extra: list[tuple[Hardware, Pla
     with atomic_output_dir(out) as work:
         for f in bundle.iterdir():
             clone_tree(f, work / f.name)
-        (work / PLAN_FILE).write_text(json.dumps(rec.to_dict(), indent=1) + "\n")
-        art = ArtifactRecord(path=PLAN_FILE, bytes=(work / PLAN_FILE).stat().st_size, sha256=sha256_file(work / PLAN_FILE))
+        path = write_plan(work, m, rec)
+        art = ArtifactRecord(path=PLAN_FILE, bytes=path.stat().st_size, sha256=sha256_file(path))
         replace(m, artifacts=sorted([a for a in m.artifacts if a.path != PLAN_FILE] + [art],
                                     key=lambda a: a.path)).write(work)
     return rec
