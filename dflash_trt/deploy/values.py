@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import shutil
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,7 +21,7 @@ import yaml
 from dflash_trt import engines, stacks
 from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import gpus
-from dflash_trt.io.atomic import dir_mode
+from dflash_trt.io.atomic import MARKER, atomic_output_dir
 from dflash_trt.io.manifest import Manifest, sha256_file
 from dflash_trt.io.manifest import verify as verify_bundle
 from dflash_trt.paths import deploy_path
@@ -362,37 +359,22 @@ DEPLOY_RECORD = ".dflash-trt-deploy.json"   # {file: sha256} of what deploy wrot
 
 @contextmanager
 def deploy_folder(out: str | Path, marker: str, force: bool | None = None) -> Iterator[Path]:
-    """A folder `deploy` writes: filled in a temp folder beside `out`, then swapped in, so nothing is
-    half-written. An `out` that exists must be an earlier one (holding `marker`), else it is refused;
-    with force False, one whose files were edited since deploy wrote them (DEPLOY_RECORD) is refused
-    too, naming the file (force True replaces it; None: no such check). Folders and files get the
-    umask's modes (mkdtemp's 0700 is only for the temp name)."""
+    """A folder `deploy` writes, published whole (io/atomic.py atomic_output_dir). An `out` that exists must be
+    an earlier one (holding `marker`), else it is refused; with force False, one whose files were edited since
+    deploy wrote them (DEPLOY_RECORD) is refused too, naming the file (force True replaces it; None: no such
+    check)."""
     out = Path(out)
-    if out.exists() and force is False:
-        edited = edited_files(out)
-        if edited:
-            raise DFlashError(f"{out / edited[0]}: edited since deploy wrote it ({len(edited)} file(s) edited); "
-                              "pass --force to replace the folder, or --out elsewhere to keep the edits")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        os.chmod(tmp, dir_mode())
+    if out.is_dir() and not (out / marker).is_file():
+        raise DFlashError(f"{out}: exists and is not a deploy folder (no {marker}); choose another --out")
+    edited = edited_files(out) if out.is_dir() and force is False else []
+    if edited:
+        raise DFlashError(f"{out / edited[0]}: edited since deploy wrote it ({len(edited)} file(s) edited); "
+                          "pass --force to replace the folder, or --out elsewhere to keep the edits")
+    with atomic_output_dir(out) as tmp:
         yield tmp
-        record = {f.relative_to(tmp).as_posix(): sha256_file(f) for f in sorted(tmp.rglob("*")) if f.is_file()}
+        record = {f.relative_to(tmp).as_posix(): sha256_file(f) for f in sorted(tmp.rglob("*"))
+                  if f.is_file() and f.name != MARKER}
         (tmp / DEPLOY_RECORD).write_text(json.dumps(record, indent=2) + "\n")
-        if out.exists():
-            if not (out / marker).is_file():
-                raise DFlashError(f"{out}: exists and is not a deploy folder (no {marker}); choose another --out")
-            old = out.with_name(f".{out.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def edited_files(out: Path) -> list[str]:
