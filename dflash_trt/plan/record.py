@@ -218,6 +218,8 @@ def refresh(bundle: str | Path, out: str | Path, extra: list[tuple[Hardware, Pla
     """`plan --bundle B --refresh --out NEW`: a copy of the bundle (reflinks where the filesystem has them) whose
     plan.json is the current planner's, for the bundle's own cases and `extra`, and whose manifest lists its hash."""
     bundle = Path(bundle)
+    if Path(out).exists() and (not Path(out).is_dir() or any(Path(out).iterdir())):
+        raise DFlashError(f"--out {out}: exists and is not an empty folder; the revision goes into a new one")
     m = Manifest.read(bundle)
     rec = plan_bundle(bundle, m, extra)
     with atomic_output_dir(out) as work:
