@@ -163,14 +163,12 @@ def _bundle_plan(bundle, hardware, quant, kv_cache, drafter_quant, target, draft
     from dflash_trt.errors import DFlashError
     from dflash_trt.io.manifest import Manifest
 
-    if quant != "auto" or kv_cache != "auto" or drafter_quant != "none":
-        raise DFlashError("--bundle plans the bundle's own formats (manifest quant); drop --quant / --kv-cache / "
-                          "--drafter-quant")
-    if target or drafter:
-        raise DFlashError("--bundle plans the bundle's own target and drafter; drop --target / --drafter")
+    given = {"--quant": quant != "auto", "--kv-cache": kv_cache != "auto", "--drafter-quant": drafter_quant != "none",
+             "--target": target, "--drafter": drafter, "--profile": profile}
+    if any(given.values()):
+        raise DFlashError(f"--bundle plans the bundle's own target, drafter, formats and serving config; drop "
+                          f"{' / '.join(k for k, v in given.items() if v)}")
     gpu = catalog()[hardware].gpu if hardware else None
-    if profile:
-        raise DFlashError("--bundle plans the bundle's own serving config (its profile); drop --profile")
     deploy.require_intact(bundle)   # a bundle `verify` refuses is planned no more than deployed
     m = Manifest.read(bundle)
     if layout["refresh_out"]:   # the one layout search after build: into a revision with its own plan.json

@@ -72,7 +72,8 @@ class PlanRecord:
     def plan_for(self, bundle: Path, hw: Hardware, *, nodes: int, gpus_per_node: int | None, max_seq_len: int | None,
                  objective: str = "latency", limits: dict | None = None) -> planner.Plan:
         """The recorded plan of this case; one line naming `plan --refresh` where the record has none."""
-        want = PlanCase(hw.name, nodes, gpus_per_node or hw.gpus_per_node, max_seq_len, dict(limits or {}))
+        limits = {k: v for k, v in (limits or {}).items() if self.serving.get(k) != v}   # the bundle's own: no limit
+        want = PlanCase(hw.name, nodes, gpus_per_node or hw.gpus_per_node, max_seq_len, limits)
         case = next((c for c in self.cases if c.key() == want.key()), None)
         if case is None:
             have = "; ".join(dict.fromkeys(_describe(c, self.cases) for c in self.cases)) or "no GPU"
@@ -181,12 +182,14 @@ def plan_bundle(bundle: str | Path, m: Manifest, extra: list[tuple[Hardware, Pla
     bundle = Path(bundle)
     hw = bundle_hardware(m)
     todo = [(hw, PlanCase(hw.name, n, hw.gpus_per_node, m.max_seq_len)) for n in BUILD_NODE_COUNTS] if hw else []
-    todo += [(h, c) for h, c in extra if c.key() not in {t.key() for _, t in todo}]
-    cases = [_plan_case(bundle, m, c, h) for h, c in todo]
     try:
         serving = served_settings(bundle, m)
     except DFlashError:
         serving = {}    # the cases say why (refused)
+    for h, c in extra:   # a limit the bundle's own config already sets is none (PlanRecord.plan_for)
+        c = replace(c, limits={k: v for k, v in c.limits.items() if serving.get(k) != v})
+        todo += [(h, c)] if c.key() not in {t.key() for _, t in todo} else []
+    cases = [_plan_case(bundle, m, c, h) for h, c in todo]
     first = next((c.plan for c in cases if c.plan), None) or {"quant": asdict(m.quant)}
     return PlanRecord(version=PLAN_RECORD_VERSION, planner_version=__version__, quant=first["quant"],
                       parallel={"tp": m.parallel.tp, "ep": m.parallel.ep, "pp": m.parallel.pp}, serving=serving,
