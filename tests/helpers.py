@@ -45,6 +45,20 @@ def generate_json(target, drafter, prompt: str, max_new_tokens: int) -> dict:
     return json.loads(out.stdout)
 
 
+def add_plan(bundle: Path) -> None:
+    """plan.json of a bundle written by hand (its manifest.json), as `build` writes it (plan/record.py write_plan),
+    listed with its sha256 in the manifest: deploy and `plan --bundle` read it and verify the bundle first."""
+    from dflash_trt.io.manifest import Manifest, sha256_file
+    from dflash_trt.plan.record import PLAN_FILE, write_plan
+
+    write_plan(bundle, Manifest.read(bundle))
+    m = json.loads((bundle / "manifest.json").read_text())
+    f = bundle / PLAN_FILE
+    m["artifacts"] = [a for a in m["artifacts"] if a["path"] != PLAN_FILE] + [
+        {"path": PLAN_FILE, "bytes": f.stat().st_size, "sha256": sha256_file(f)}]
+    (bundle / "manifest.json").write_text(json.dumps(m))
+
+
 # ------------------------------------------------------------------ training data
 def tiny_target_with_answers(root: Path) -> Path:
     """A tiny Llama target (root/target) and root/data.jsonl: its own greedy answers (transformers,

@@ -20,7 +20,7 @@ from dflash_trt.errors import DFlashError
 from dflash_trt.io.manifest import validate as validate_manifest
 from dflash_trt.plan import cost, planner
 
-from helpers import objects, run_cli, validate_all
+from helpers import add_plan, objects, run_cli, validate_all
 
 helm = pytest.importorskip("helm_python")
 pytest.importorskip("kubernetes_validate")   # for validate_all
@@ -55,6 +55,7 @@ def write_bundle(root: Path, target="gpt-oss-120b", gpu="b300", arch="blackwell"
         m["drafter"]["config"] = dcfg
     validate_manifest(m)           # the shape `dflash-trt build` writes
     (bundle / "manifest.json").write_text(json.dumps(m))
+    add_plan(bundle)               # plan.json, as build writes it: what deploy reads
     return bundle
 
 
@@ -223,7 +224,7 @@ def test_default_layout_is_the_planners_choice(tmp_path):
     assert (v["parallel"]["tp"], v["replicas"], v["gpu"]["count"]) == (1, 8, 1)
     assert d["layout"] == chosen
     assert Path(d["values"]).parent == b.with_name(b.name + "-deploy")   # beside the bundle, not in it
-    assert sorted(p.name for p in b.iterdir()) == ["manifest.json"]
+    assert sorted(p.name for p in b.iterdir()) == ["manifest.json", "plan.json"]
     # Same with two nodes: 16 replicas.
     code, out, _ = run_cli("deploy", "--bundle", str(b), "--nodes", "2", "--json", "--out", str(tmp_path / "two"))
     assert json.loads(out)["values_content"]["replicas"] == 16
@@ -476,6 +477,7 @@ def test_trtllm_serve_windows_and_batch_size_reach_the_plan(tmp_path):
     (b / "configs").mkdir()
     (b / "configs" / "trtllm-serve.yaml").write_text(yaml.safe_dump(
         {"max_batch_size": 64, "kv_cache_config": {"free_gpu_memory_fraction": 0.85, "max_attention_window": [128, 32768]}}))
+    add_plan(b)    # planned, as build plans, with the config it wrote
     p = deploy.plan_for_bundle(b)
     assert p.max_attention_window == [128, 32768] and p.max_batch_size == 64 and p.kv_fraction == 0.85
     assert "target_sliding_window" in p.kv_bytes_per_token and "target_sliding_window" not in plain.kv_bytes_per_token
@@ -483,6 +485,7 @@ def test_trtllm_serve_windows_and_batch_size_reach_the_plan(tmp_path):
     values, _ = deploy.deploy_values(b)
     assert values["autoscaling"] == {"targetAverageValue": str(int(0.8 * 64))}
     (b / "configs" / "trtllm-serve.yaml").write_text("kv_cache_config: {max_attention_window: 128}\n")
+    add_plan(b)    # the planner's refusal is recorded, and deploy reads it
     with pytest.raises(DFlashError, match="max_attention_window must be a list"):
         deploy.plan_for_bundle(b)
 

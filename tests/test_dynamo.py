@@ -28,7 +28,7 @@ from dflash_trt.stacks import trtllm as trtllm_stack
 from dflash_trt.stacks.sglang import sglang_launch
 from dflash_trt.stacks.vllm.launch import vllm_launch
 
-from helpers import run_cli, wheel_source
+from helpers import add_plan, run_cli, wheel_source
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -75,6 +75,7 @@ def write_bundle(root: Path, *, target="gpt-oss-120b", gpu="b300", arch="blackwe
     m["artifacts"] = [dataclasses.asdict(a) for a in list_artifacts(bundle)]   # deploy verifies a bundle first, as `verify` does
     validate_manifest(m)
     (bundle / "manifest.json").write_text(json.dumps(m))
+    add_plan(bundle)               # plan.json, as build writes it: what deploy reads
     return bundle
 
 

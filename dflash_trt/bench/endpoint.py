@@ -294,7 +294,8 @@ def format_report(report: dict) -> str:
 # The plan's prediction (read-only use of deploy/values.py and plan/speed.py)
 
 def bundle_plan(bundle: str | Path):
-    """(plan, target config, drafter config) of a bundle, or None and one line why there is none."""
+    """(the plan the bundle carries (plan.json: no layout search), target config, drafter config), or None and
+    one line why there is none."""
     p = values.plan_for_bundle(bundle)
     if p is None:
         return None, f"--plan-bundle {bundle}: the bundle pins no GPU (a CPU-only deployment): no plan to overlay"

@@ -56,6 +56,7 @@ from dflash_trt.models.check import NONFINITE_NOTE, check_pair
 from dflash_trt.models.config import load_drafter_config, require_target_config
 from dflash_trt.models.families import family
 from dflash_trt.paths import package_path
+from dflash_trt.plan.record import write_plan
 from dflash_trt.presets.catalog import PRESETS, missing_pair, resolve_config_pair, resolve_drafter, resolve_target
 from dflash_trt.presets.hub import HubMissing, snapshot_revision
 from dflash_trt.quant.calibrate import load_calib_samples
@@ -546,6 +547,7 @@ class Builder:
                 if st.reads_manifest and self.manifest is None:
                     self._start_manifest()
                 self._run_stage(st)
+            write_plan(work, self.manifest)   # plan.json, hashed with the rest: what deploy and plan --bundle read
             self.manifest = self._finish_manifest()
             self.manifest.write(work)
             deploy_plan = self.o.deployable(work) if self.o.deployable is not None else None

@@ -60,11 +60,15 @@ HARDWARE = click.Choice(sorted(catalog()))
               "and how many decode for --isl / --osl, from the speed model plus a compute-bound prefill pass.")
 @click.option("--isl", type=int, help="--disaggregated: prompt tokens per request (default 4096).")
 @click.option("--osl", type=int, help="--disaggregated: output tokens per request (default 1024).")
+@click.option("--refresh", is_flag=True, help="--bundle: re-plan the bundle with this planner and these --hardware / "
+              "--nodes / --gpus-per-node / --max-seq-len / limits, into a revision (--out) with its own plan.json (what "
+              "deploy reads; without it, the plan `build` recorded).")
+@click.option("--out", type=click.Path(file_okay=False), help="--refresh: the revision's folder.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON only (with --speed: under \"speed\"; "
               "with --disaggregated: under \"disaggregated\").")
 def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, drafter_quant, max_seq_len, nodes, gpus_per_node,
              max_batch_size, max_attention_window, objective, profile, speed, tau, context_tokens, acceptance,
-             plot_file, disaggregated, isl, osl, as_json):
+             plot_file, disaggregated, isl, osl, refresh, out, as_json):
     """How many GPUs, which TP / EP, how many concurrent sequences fit — from config.json alone.
 
     \b
@@ -88,6 +92,7 @@ def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, drafter_quant, 
       dflash-trt plan --target gpt-oss-120b --hardware dgx-b300 --profile throughput
       dflash-trt plan --target ./my-model --drafter ./my-drafter --hardware dgx-b200 --nodes 2
       dflash-trt plan --bundle engines/gpt-oss-120b
+      dflash-trt plan --bundle engines/gpt-oss-120b --refresh --nodes 3 --out engines/gpt-oss-120b-r2
       dflash-trt plan --target gpt-oss-120b --hardware dgx-b300 --speed --plot gptoss-b300.png
       dflash-trt plan --target qwen3-8b --hardware hgx-h200 --quant fp8 --speed --tau 6.5 --json
       dflash-trt plan --target qwen3-8b --hardware dgx-b200 --speed --acceptance bench.json
@@ -100,7 +105,8 @@ def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, drafter_quant, 
     speed = speed or plot_file is not None
     _check_speed_flags(speed, tau, context_tokens, acceptance, disaggregated, isl, osl)
     layout = dict(nodes=nodes, gpus_per_node=gpus_per_node, max_seq_len=max_seq_len, objective=objective,
-                  max_batch_size=max_batch_size, max_attention_window=max_attention_window)
+                  max_batch_size=max_batch_size, max_attention_window=max_attention_window,
+                  refresh_out=_refresh_out(bundle, refresh, out))
     if bundle:
         p, tcfg, dcfg = _bundle_plan(bundle, hardware, quant, kv_cache, drafter_quant, target, drafter, profile, layout)
     else:
@@ -131,6 +137,14 @@ def _check_speed_flags(speed, tau, context_tokens, acceptance, disaggregated, is
         raise DFlashError("--isl / --osl size a disaggregated layout: add --disaggregated")
 
 
+def _refresh_out(bundle, refresh: bool, out) -> str | None:
+    from dflash_trt.errors import DFlashError
+
+    if bool(refresh) != bool(out) or (refresh and not bundle):
+        raise DFlashError("--refresh re-plans a bundle into a revision: pass --bundle B --refresh --out NEW together")
+    return out
+
+
 def _layout_overrides(layout: dict) -> dict:
     """The serving limits given on the command line (the rest: the plan's, or the bundle's, defaults)."""
     from dflash_trt.plan import planner
@@ -149,16 +163,23 @@ def _bundle_plan(bundle, hardware, quant, kv_cache, drafter_quant, target, draft
     from dflash_trt.errors import DFlashError
     from dflash_trt.io.manifest import Manifest
 
-    if quant != "auto" or kv_cache != "auto" or drafter_quant != "none":
-        raise DFlashError("--bundle plans the bundle's own formats (manifest quant); drop --quant / --kv-cache / "
-                          "--drafter-quant")
-    if target or drafter:
-        raise DFlashError("--bundle plans the bundle's own target and drafter; drop --target / --drafter")
+    given = {"--quant": quant != "auto", "--kv-cache": kv_cache != "auto", "--drafter-quant": drafter_quant != "none",
+             "--target": target, "--drafter": drafter, "--profile": profile}
+    if any(given.values()):
+        raise DFlashError(f"--bundle plans the bundle's own target, drafter, formats and serving config; drop "
+                          f"{' / '.join(k for k, v in given.items() if v)}")
     gpu = catalog()[hardware].gpu if hardware else None
-    if profile:
-        raise DFlashError("--bundle plans the bundle's own serving config (its profile); drop --profile")
     deploy.require_intact(bundle)   # a bundle `verify` refuses is planned no more than deployed
     m = Manifest.read(bundle)
+    if layout["refresh_out"]:   # the one layout search after build: into a revision with its own plan.json
+        from dflash_trt.plan import record
+
+        hw = deploy.bundle_hardware(m, gpu)
+        case = record.PlanCase(hw.name, layout["nodes"], layout["gpus_per_node"] or hw.gpus_per_node,
+                               layout["max_seq_len"] or m.max_seq_len, _layout_overrides(layout)) if hw else None
+        record.refresh(bundle, layout["refresh_out"], [(hw, case)] if hw else [])
+        bundle = layout["refresh_out"]
+        m = Manifest.read(bundle)
     p = deploy.plan_for_bundle(bundle, nodes=layout["nodes"], gpus_per_node=layout["gpus_per_node"], gpu=gpu,
                                max_seq_len=layout["max_seq_len"], objective=layout["objective"], manifest=m,
                                **_layout_overrides(layout))
@@ -315,7 +336,7 @@ def deploy_cmd(bundle, nodes, gpus_per_node, replicas, server, dynamo_engine, di
     rollout.delivery_values(values, bundle, sub_path=sub_path,
                             loader_image=deploy.parse_image(loader_image, "--loader-image") if loader_image else None)
     target_speed = _speed_target(bundle, m, p, values, min_tokens_per_user, tau)
-    planned = _monitoring_values(bundle, values, min_tokens_per_user) if monitoring else None
+    planned = _monitoring_values(m, values, min_tokens_per_user) if monitoring else None
     rendered = _render_checked(values, chart, release, namespace, monitoring)
     manifests = rendered if render else None
     out = Path(out) if out else deploy.default_out(bundle)
@@ -370,13 +391,12 @@ def _speed_target(bundle, m, p, values: dict, min_tokens_per_user, tau) -> dict 
             "autoscaling_target": int(values["autoscaling"]["targetAverageValue"])}
 
 
-def _monitoring_values(bundle, values: dict, min_tokens_per_user):
+def _monitoring_values(m, values: dict, min_tokens_per_user):
     """deploy --monitoring: the chart's monitoring values from the bundle's planned figures (returned)."""
     from dflash_trt.deploy import monitoring as mon
-    from dflash_trt.io.manifest import read_manifest
     from dflash_trt.plan.monitoring_figures import bundle_figures
 
-    planned = bundle_figures(read_manifest(bundle), min_tokens_per_user=min_tokens_per_user)
+    planned = bundle_figures(m, min_tokens_per_user=min_tokens_per_user)
     values["monitoring"] = mon.monitoring_values(values["server"]["stack"], planned)
     return planned
 

@@ -61,7 +61,7 @@ def tune_cmd(bundle_dir, endpoint, prometheus, selector, window, min_drafts, ste
     Then: copy OUT onto the bundle volume and
       helm upgrade RELEASE deploy/helm/dflash-trt --reuse-values -f OUT.helm-upgrade-values.yaml
     """
-    from dflash_trt.deploy import revision
+    from dflash_trt.deploy import revision, values
     from dflash_trt.errors import DFlashError
     from dflash_trt.io.manifest import read_manifest
     from dflash_trt.models.config import load_drafter_config
@@ -75,7 +75,7 @@ def tune_cmd(bundle_dir, endpoint, prometheus, selector, window, min_drafts, ste
         raise DFlashError(f"--out {out}: exists and is not empty")
     max_k = int(m["drafter"]["block_size"]) - 1   # the drafted tokens of a block
     cost = tune.step_cost_table(step_cost) if step_cost else \
-        tune.bundle_step_cost(m, load_drafter_config(bundle / "drafter").raw)
+        tune.bundle_step_cost(m, load_drafter_config(bundle / "drafter").raw, values.plan_for_bundle(bundle))
     seconds = tune.parse_window(window)
     log = (lambda line: click.echo(f"  {line}", err=True)) if not as_json else None
     if endpoint:

@@ -244,10 +244,7 @@ def render_dgd(bundle: str | Path, *, name: str, nodes: int = 1, gpus_per_node: 
     if p is None:
         raise DFlashError("deploy --server dynamo: the bundle pins no GPU (CPU-only); Dynamo's workers serve on GPUs "
                           "here: pass --gpu")
-    chosen = p.chosen
-    if chosen is None:
-        raise DFlashError(f"the bundle does not fit {nodes} × {p.hardware}: tp {p.layouts[0].tp}: "
-                          f"{p.layouts[0].reason if p.layouts else 'no layout'}")
+    chosen = chart_values.chosen_layout(p, nodes)
     if chosen.tp > p.gpus_per_node:
         raise DFlashError(f"deploy --server dynamo: an instance of tp {chosen.tp} spans nodes of {p.gpus_per_node} GPUs; "
                           "multi-node Dynamo workers (the DGD's multinode) are not rendered: use a layout within one "

@@ -1,49 +1,17 @@
 """Helm values (and, on request, rendered manifests) for a bundle: `dflash-trt deploy`.
 
-The bundle manifest (`<bundle>/manifest.json`, written by `dflash-trt build`) keys this module
-relies on:
-
-    tool_version                 str
-    target.name                  str: preset name or folder name
-    target.config                dict: the target's Hugging Face config.json
-    drafter.config               dict: the drafter's config.json (else drafter.bundle_path or
-                                 drafter.path, a folder with config.json, relative to the bundle or
-                                 absolute; else the preset's drafter shapes)
-    quant.drafter                "fp8" | "int8" | "none" (default none)
-    max_seq_len                  int: the planner's sequence length (default min(model max, 32768))
-    <triton_model_repository>/tensorrt_llm/1/model.yaml and configs/trtllm-serve.yaml (optional
-                                 files, the latter wins): kv_cache_config.free_gpu_memory_fraction
-                                 and .max_attention_window (per-layer windows), max_batch_size,
-                                 max_num_tokens
-    arch                         "blackwell" | "hopper"
-    gpu                          "b300" | "b200" | "gb200" | "h200" | "h100" | null (build --gpu none:
-                                 a CPU-only deployment of the reference-runtime model)
-    node                         hardware.json node type of the GPU (build: --gpu's, or the arch's
-                                 default node); absent in older bundles: the GPU's first node
-    quant.target                 "nvfp4" | "fp8" | "mxfp4" | "none"
-    quant.kv_cache               "fp8" | "bf16"
-    parallel.tp, parallel.ep     int: the layout search is restricted to them (the bundle's Triton
-                                 model was written for them); the planner picks the replicas
-    parallel.pp                  int: 1 (pipeline parallel bundles are not planned)
-    triton_model_repository      str: the model repository folder, relative to the bundle
-    triton_models                [str]: its models; "dflash_reference" is the CPU-capable one
-    serving_stacks.served        [str]: the stacks it holds configs for (the chart's bundle.stacks)
-    engines.<stack>.servers.<server>.image / .engine_version
-                                 the image deploy writes for a server (engines.json at build time)
-
-The layout written by default is the planner's chosen layout for the bundle (`plan_for_bundle`),
-so `dflash-trt plan --bundle DIR` shows exactly what `deploy` will do. Nothing is compiled at pod
-start: the serving path loads the bundle's Hugging Face checkpoints (a deferred compile stage is
-an opt-in engine build that no serving file loads).
+The values follow the plan the bundle carries (`plan.json`, plan/record.py: the layout `build` chose for
+its TP / EP, formats, GPU node and serving limits; `plan_for_bundle` reads it, searching nothing), so
+`dflash-trt plan --bundle DIR` shows exactly what `deploy` will do; the rest comes from the typed manifest
+(io/manifest.py: gpu / node / arch, the Triton repository and models, the served stacks, each server's
+image in `engines`). Nothing is compiled at pod start: the serving path loads the bundle's Hugging Face
+checkpoints (a deferred compile stage is an opt-in engine build that no serving file loads).
 """
 from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import shutil
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -52,13 +20,13 @@ import yaml
 
 from dflash_trt import engines, stacks
 from dflash_trt.errors import DFlashError
-from dflash_trt.hardware import Hardware, get_hardware, gpus, hardware_for_gpu
-from dflash_trt.io.atomic import dir_mode
-from dflash_trt.io.jsonio import read_json
+from dflash_trt.hardware import gpus
+from dflash_trt.io.atomic import MARKER, atomic_output_dir
 from dflash_trt.io.manifest import Manifest, sha256_file
 from dflash_trt.io.manifest import verify as verify_bundle
 from dflash_trt.paths import deploy_path
 from dflash_trt.plan import planner
+from dflash_trt.plan.record import bundle_hardware, drafter_config, read_plan
 
 GIB = 2**30
 REFERENCE_MODEL = stacks.tritonserver.REFERENCE_MODEL   # CPU-capable Triton model of the bundle
@@ -89,40 +57,6 @@ def default_out(bundle: str | Path) -> Path:
     return b.with_name(b.name + "-deploy")
 
 
-def _drafter_config(bundle: Path, m: Manifest) -> tuple[str | None, dict | None]:
-    """The drafter's config.json: drafter.config in the manifest, else <bundle>/<drafter.bundle_path>
-    or drafter.path, else the preset's drafter shapes for target.name; None if none is known."""
-    d = m.drafter
-    if isinstance(d.config, dict):
-        return "drafter", d.config
-    for rel in (d.bundle_path, d.path):
-        if rel:
-            p = Path(rel)
-            p = p if p.is_absolute() else bundle / p
-            if (p / "config.json").is_file():
-                return p.name, read_json(p / "config.json")
-    name = m.target.name
-    try:
-        _, _, dcfg = planner.target_configs(name) if name else (None, None, None)
-    except DFlashError:
-        dcfg = None
-    if dcfg is not None:
-        return f"{name} drafter (preset shapes)", dcfg
-    return None, None
-
-
-def bundle_hardware(m: Manifest, gpu: str | None = None) -> Hardware | None:
-    """The catalog node type of the bundle's GPU (its recorded node), or of `gpu` when given;
-    None = CPU-only."""
-    gpu = gpu or m.gpu
-    if gpu in (None, "none", ""):
-        return None
-    hw = get_hardware(m.node) if m.node and gpu == m.gpu else hardware_for_gpu(gpu)
-    if m.arch and m.arch != hw.arch:
-        raise DFlashError(f"manifest.json: bundle built for arch {m.arch}, but {gpu} is {hw.arch}")
-    return hw
-
-
 def reference_weights(bundle: Path, m: Manifest) -> tuple[int, int, str]:
     """(bytes, parameters, dtype) of the weights the CPU pod's dflash_reference model holds: the
     target's and the drafter's parameters (the planner's count, from the manifest's configs: the
@@ -137,7 +71,7 @@ def reference_weights(bundle: Path, m: Manifest) -> tuple[int, int, str]:
     if dtype not in REFERENCE_DTYPE_BYTES:
         raise DFlashError(f"{y}: dtype {dtype!r}: expected one of {', '.join(REFERENCE_DTYPE_BYTES)}")
     params = planner.target_shape(m.target.config, m.target.name or "target").total_params
-    dcfg = _drafter_config(bundle, m)[1]
+    dcfg = drafter_config(bundle, m)[1]
     params += planner.drafter_shape(dcfg).total_params if dcfg else 0
     return params * REFERENCE_DTYPE_BYTES[dtype], params, dtype
 
@@ -168,42 +102,32 @@ def require_intact(bundle: str | Path) -> None:
 
 def plan_for_bundle(bundle: str | Path, *, nodes: int = 1, gpus_per_node: int | None = None,
                     gpu: str | None = None, max_seq_len: int | None = None,
-                    objective: str = "latency", manifest: Manifest | None = None, **overrides) -> planner.Plan | None:
-    """The planner run for a bundle: its target, drafter, formats and GPU; TP / EP fixed to the
-    bundle's when it records them (its Triton model was written for them). None for a bundle
-    without a GPU (CPU-only deployment). `manifest`: the bundle's, when the caller has read it."""
+                    objective: str = "latency", manifest: Manifest | None = None, **limits) -> planner.Plan | None:
+    """The plan `build` recorded for the bundle (plan.json; plan/record.py) on `nodes` nodes of its GPU's node type
+    (or `gpu`'s): no layout search here. None for a bundle without a GPU (CPU-only deployment). `limits`:
+    serving limits over the bundle's own (max_batch_size, max_attention_window); `manifest`: the bundle's,
+    when the caller has read it."""
     bundle = Path(bundle)
     m = manifest or Manifest.read(bundle)
     hw = bundle_hardware(m, gpu)
     if hw is None:
         return None
-    dname, dcfg = _drafter_config(bundle, m)
-    if m.parallel.pp != 1:
-        raise DFlashError("manifest.json: parallel.pp > 1 is not planned; set the chart's parallel.pp by hand")
-    q = m.quant
-    llm = {**served_settings(bundle, m), **overrides}   # max_batch_size / max_attention_window
-    return planner.plan(m.target.config, dcfg, hw, target_name=m.target.name or "target",
-                        drafter_name=dname, quant=q.target or "auto", kv_cache=q.kv_cache or "auto",
-                        drafter_quant=q.drafter, max_seq_len=max_seq_len or m.max_seq_len, nodes=nodes,
-                        gpus_per_node=gpus_per_node, objective=objective, tp=m.parallel.tp, ep=m.parallel.ep, **llm,
-                        # the bundle's serving config fixes max_batch_size; a layout cannot lower it
-                        batch_pinned="max_batch_size" in llm and "max_batch_size" not in overrides)
+    return read_plan(bundle).plan_for(bundle, hw, nodes=nodes, gpus_per_node=gpus_per_node,
+                                      max_seq_len=max_seq_len or m.max_seq_len, objective=objective, limits=limits)
+
+
+def chosen_layout(p: planner.Plan, nodes: int) -> planner.Layout:
+    """The plan's chosen layout, or one line why nothing fits `nodes` nodes."""
+    if p.chosen is None:
+        raise DFlashError(f"the bundle does not fit {nodes} × {p.hardware}: tp {p.layouts[0].tp}: {p.layouts[0].reason}")
+    return p.chosen
 
 
 def bundle_model_configs(bundle: str | Path, manifest: Manifest | None = None) -> tuple[dict, dict | None]:
     """(target config.json, drafter config.json or None) of a bundle: what its plan was made of."""
     bundle = Path(bundle)
     m = manifest or Manifest.read(bundle)
-    return m.target.config, _drafter_config(bundle, m)[1]
-
-
-def served_settings(bundle: Path, m: Manifest) -> dict:
-    """What the served stacks' own config files fix for the planner (KV fraction, per-layer
-    windows, batch and token limits: what the server will really use), stack by stack."""
-    out: dict = {}
-    for st in stacks.served(m.served_stacks):
-        out |= st.planner_settings(bundle, m)
-    return out
+    return m.target.config, drafter_config(bundle, m)[1]
 
 
 def parse_image(ref: str, option: str) -> dict:
@@ -276,10 +200,7 @@ def deploy_values(bundle: str | Path, *, nodes: int = 1, gpus_per_node: int | No
         values["bundle"]["pvc"] = _pvc(pvc, 10, rwx=False)
         return values, None
 
-    chosen = p.chosen
-    if chosen is None:
-        rejected = p.layouts[0].reason if p.layouts else "no layout"
-        raise DFlashError(f"the bundle does not fit {nodes} × {p.hardware}: tp {p.layouts[0].tp}: {rejected}")
+    chosen = chosen_layout(p, nodes)
     hw = bundle_hardware(m, gpu)
     gpn = p.gpus_per_node
     pod_gpus = min(chosen.tp, gpn)
@@ -438,37 +359,22 @@ DEPLOY_RECORD = ".dflash-trt-deploy.json"   # {file: sha256} of what deploy wrot
 
 @contextmanager
 def deploy_folder(out: str | Path, marker: str, force: bool | None = None) -> Iterator[Path]:
-    """A folder `deploy` writes: filled in a temp folder beside `out`, then swapped in, so nothing is
-    half-written. An `out` that exists must be an earlier one (holding `marker`), else it is refused;
-    with force False, one whose files were edited since deploy wrote them (DEPLOY_RECORD) is refused
-    too, naming the file (force True replaces it; None: no such check). Folders and files get the
-    umask's modes (mkdtemp's 0700 is only for the temp name)."""
+    """A folder `deploy` writes, published whole (io/atomic.py atomic_output_dir). An `out` that exists must be
+    an earlier one (holding `marker`), else it is refused; with force False, one whose files were edited since
+    deploy wrote them (DEPLOY_RECORD) is refused too, naming the file (force True replaces it; None: no such
+    check)."""
     out = Path(out)
-    if out.exists() and force is False:
-        edited = edited_files(out)
-        if edited:
-            raise DFlashError(f"{out / edited[0]}: edited since deploy wrote it ({len(edited)} file(s) edited); "
-                              "pass --force to replace the folder, or --out elsewhere to keep the edits")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        os.chmod(tmp, dir_mode())
+    if out.is_dir() and not (out / marker).is_file():
+        raise DFlashError(f"{out}: exists and is not a deploy folder (no {marker}); choose another --out")
+    edited = edited_files(out) if out.is_dir() and force is False else []
+    if edited:
+        raise DFlashError(f"{out / edited[0]}: edited since deploy wrote it ({len(edited)} file(s) edited); "
+                          "pass --force to replace the folder, or --out elsewhere to keep the edits")
+    with atomic_output_dir(out) as tmp:
         yield tmp
-        record = {f.relative_to(tmp).as_posix(): sha256_file(f) for f in sorted(tmp.rglob("*")) if f.is_file()}
+        record = {f.relative_to(tmp).as_posix(): sha256_file(f) for f in sorted(tmp.rglob("*"))
+                  if f.is_file() and f.name != MARKER}
         (tmp / DEPLOY_RECORD).write_text(json.dumps(record, indent=2) + "\n")
-        if out.exists():
-            if not (out / marker).is_file():
-                raise DFlashError(f"{out}: exists and is not a deploy folder (no {marker}); choose another --out")
-            old = out.with_name(f".{out.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def edited_files(out: Path) -> list[str]:

@@ -5,13 +5,14 @@ model's, or a measured table, plan/tune.py). The curves and the per-layout sched
 plan/speed.py's; choosing K per concurrency is plan/draft_schedule.py's."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dflash_trt.errors import DFlashError
-from dflash_trt.hardware import hardware_for_gpu
+from dflash_trt.hardware import get_hardware, hardware_for_gpu
 from dflash_trt.plan import draft_schedule as ds
 from dflash_trt.plan import planner
 from dflash_trt.plan.cost import EFFICIENCY, StepCost
+from dflash_trt.plan.planner import Plan
 from dflash_trt.plan.speed import (
     DEFAULT_CONTEXT_TOKENS,
     SCHEDULE_COST,
@@ -70,14 +71,16 @@ class ScheduleCost:
 def schedule_cost(*, target_name: str, target_config: dict, drafter_config: dict, gpu: str, quant: str,
                   kv_cache: str, drafter_quant: str, tp: int, ep: int, block_size: int, max_batch_size: int,
                   max_seq_len: int, attention_dp: bool = False,
-                  context_tokens: int = DEFAULT_CONTEXT_TOKENS) -> ScheduleCost | str:
+                  context_tokens: int = DEFAULT_CONTEXT_TOKENS, plan: Plan | None = None) -> ScheduleCost | str:
     """The speed model's step cost of a bundle's layout on its GPU node (build --draft-schedule auto, and
-    `tune` re-planning from served acceptance), or why there is none (a str)."""
-    hw = hardware_for_gpu(gpu)
+    `tune` re-planning from served acceptance), or why there is none (a str). `plan`: the bundle's recorded
+    plan (plan.json, what `tune` passes): its layout, at the served block, instead of a layout search."""
+    hw = get_hardware(plan.hardware) if plan else hardware_for_gpu(gpu)
     dcfg = {**drafter_config, "block_size": block_size}
-    p = planner.plan(target_config, dcfg, hw, target_name=target_name, drafter_name=f"{target_name} drafter",
-                     quant=quant, kv_cache=kv_cache, drafter_quant=drafter_quant, max_seq_len=max_seq_len, tp=tp,
-                     ep=ep, max_batch_size=max_batch_size, attention_dp=attention_dp, batch_pinned=True)
+    p = replace(plan, block_size=block_size) if plan else planner.plan(
+        target_config, dcfg, hw, target_name=target_name, drafter_name=f"{target_name} drafter", quant=quant,
+        kv_cache=kv_cache, drafter_quant=drafter_quant, max_seq_len=max_seq_len, tp=tp, ep=ep,
+        max_batch_size=max_batch_size, attention_dp=attention_dp, batch_pinned=True)
     lay = p.chosen
     if lay is None:
         why = p.layouts[0].reason if p.layouts else "no layout"

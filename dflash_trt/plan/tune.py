@@ -341,8 +341,9 @@ def cost_curve(points: dict[int, float]):
     return t, dict(zip(xs, ys))
 
 
-def bundle_step_cost(m: dict, drafter_config: dict) -> ScheduleCost:
-    """The bundle's own cost model: the speed model for its GPU node and layout (as build planned it)."""
+def bundle_step_cost(m: dict, drafter_config: dict, recorded) -> ScheduleCost:
+    """The bundle's own cost model: the speed model for the layout its plan.json records (`recorded`, a
+    planner.Plan; deploy/values.plan_for_bundle: no layout search) on its GPU node."""
     prof = m.get("serving_profile") or {}
     if not m.get("gpu"):
         raise DFlashError("tune: the bundle has no GPU (a CPU bundle): pass --step-cost FILE.json (measured step "
@@ -353,7 +354,7 @@ def bundle_step_cost(m: dict, drafter_config: dict) -> ScheduleCost:
         drafter_quant=m["quant"].get("drafter", "none"), tp=m["parallel"]["tp"], ep=m["parallel"]["ep"],
         block_size=int(m["drafter"]["block_size"]), max_batch_size=int(prof.get("max_batch_size", 64)),
         max_seq_len=min(int(m.get("max_seq_len") or 8192), 32768),
-        attention_dp=bool(prof.get("enable_attention_dp", False)))
+        attention_dp=bool(prof.get("enable_attention_dp", False)), plan=recorded)
     if isinstance(cost, str):
         raise DFlashError(f"tune: no cost model for the bundle: {cost}")
     return cost
