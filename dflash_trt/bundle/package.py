@@ -3,16 +3,14 @@ and writes its manifest.json, inside a temporary folder renamed into place at th
 
     build (bundle/build.py): the stages write target/, drafter/, ... into the work folder;
         serving_files() writes configs/, the Triton repository, engines/README.txt and the reference pair,
-        write_manifest() hashes every file and writes the manifest;
+        write_manifest() writes the manifest with every file's sha256 (io/manifest.py list_artifacts);
     a revision (write_revision: `tune`, `adapt`): the parent's files copied, the serving files written anew
         from the revised manifest, which keeps every field of the parent's and gains a `revision` record.
 """
 from __future__ import annotations
 
-import os
 import shutil
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -29,7 +27,7 @@ from dflash_trt.io.manifest import (
     Manifest,
     RevisionParent,
     RevisionRecord,
-    bundle_files,
+    list_artifacts,
     sha256_file,
 )
 from dflash_trt.models.config import load_drafter_config
@@ -85,16 +83,6 @@ def serving_files(ctx: stacks.BundleContext) -> Manifest:
     return ctx.manifest
 
 
-def artifacts(work: Path, known: Callable[[str, os.stat_result], str | None]) -> list[ArtifactRecord]:
-    """Every file of the bundle but manifest.json, with its size and sha256: `known(rel, stat)` where the
-    caller knows it (a copy of a hashed source, a file reused unchanged), else read."""
-    out = []
-    for rel in bundle_files(work):
-        st = (work / rel).stat()
-        out.append(ArtifactRecord(path=rel, bytes=st.st_size, sha256=known(rel, st) or sha256_file(work / rel)))
-    return out
-
-
 def write_manifest(work: Path, m: Manifest, arts: list[ArtifactRecord]) -> Manifest:
     """The manifest with its artifacts and their stats (the next build's reuse check: a rename keeps
     mtimes), validated and written atomically."""
@@ -148,7 +136,7 @@ def write_revision(parent: Path, out: Path, change: RevisionChange) -> Manifest:
             new = replace(new, draft_schedule=draft_schedule_record(change.draft_schedule, change.schedule_source,
                                                                     stacks.served(m.served_stacks)))
         new = serving_files(_context(work, new, m))
-        arts = artifacts(work, lambda rel, st: cache.linked(work / rel))
+        arts = list_artifacts(work, lambda rel, st: cache.linked(work / rel))
         before = {a.path: a.sha256 for a in m.artifacts}
         after = {a.path: a.sha256 for a in arts}
         rev = RevisionRecord(kind=change.kind, summary=change.summary,

@@ -40,25 +40,23 @@ def values_diff(old: Path, new: Path, path: Path) -> list[str]:
         "dflash-trt/draft-schedule": ",".join(f"{x}-{y}:{k}" for x, y, k in sched["ranges"]),
         "dflash-trt/bundle-manifest-sha256": sha256_file(new / MANIFEST_NAME)[:16]})
 
-    def flat(d, prefix=""):
-        out = {}
-        for k, v in d.items():
-            key = f"{prefix}{k}"
-            out |= flat(v, key + ".") if isinstance(v, dict) else {key: v}
-        return out
-    fa, fb = flat(a), flat(b)
-    keys = sorted(k for k in fa.keys() | fb.keys() if fa.get(k) != fb.get(k))
-    upgrade: dict = {}
-    for k in keys:
-        node = upgrade
-        *parents, leaf = k.split(".")
-        src = b
-        for p in parents:
-            node = node.setdefault(p, {})
-            src = src.get(p, {})
-        node[leaf] = src.get(leaf)
+    upgrade, keys = _differ(a, b)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("# helm upgrade RELEASE deploy/helm/dflash-trt --reuse-values -f " + path.name + "\n"
                     "# written by dflash-trt tune: the values that differ from the previous revision's\n"
                     + yaml.safe_dump(upgrade, sort_keys=True))
-    return keys
+    return sorted(keys)
+
+
+def _differ(a: dict, b: dict, prefix: str = "") -> tuple[dict, list[str]]:
+    """(b's values where they differ from a's, nested as in b; their dotted keys): a leaf a alone has gets None."""
+    out, keys = {}, []
+    for k in sorted(a.keys() | b.keys()):
+        va, vb = a.get(k), b.get(k)
+        if isinstance(va, dict) and isinstance(vb, dict | None) or isinstance(vb, dict) and va is None:
+            sub, subkeys = _differ(va or {}, vb or {}, f"{prefix}{k}.")
+            out, keys = (out | {k: sub}, keys + subkeys) if sub else (out, keys)
+        elif va != vb:
+            out[k] = vb
+            keys.append(f"{prefix}{k}")
+    return out, keys

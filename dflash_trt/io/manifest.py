@@ -15,7 +15,6 @@ import json
 import re
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import ClassVar
 
 from pydantic import TypeAdapter, ValidationError
 
@@ -34,8 +33,12 @@ STAGE_STATUSES = ("done", "skipped", "deferred", "failed", "not-needed")
 # node (hardware.json arch_default_nodes), or --gpu none (a CPU-only bundle: gpu and node null).
 GPU_SOURCES = ("option", "detected", "arch_default", "none")
 
-_ids = {"type": "array", "items": {"type": "integer", "minimum": 0}}
+def _enum(values) -> dict:
+    return {"enum": list(values)}
 
+
+# The values' rules (enums, bounds, required fields), checked with jsonschema when it is installed; the shape
+# (every field's name and type) is the records' (Manifest.from_dict).
 MANIFEST_SCHEMA: dict = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
     "title": "dflash-trt bundle manifest",
@@ -43,89 +46,37 @@ MANIFEST_SCHEMA: dict = {
     "required": ["schema_version", "tool_version", "target", "drafter", "arch", "gpu", "quant", "parallel",
                  "backend", "stages", "triton_model_repository", "triton_models", "artifacts"],
     "properties": {
-        "schema_version": {"const": SCHEMA_VERSION},
-        "tool_version": {"type": "string"},
-        "created": {"type": "string"},
-        "target": {
-            "type": "object", "required": ["name", "path", "config"],
-            "properties": {"name": {"type": "string"}, "path": {"type": "string"},
-                           "config": {"type": "object"}, "hf_id": {"type": ["string", "null"]},
-                           "revision": {"type": ["string", "null"]},  # the hub commit (a cache snapshot)
-                           "bundle_path": {"type": "string"}},
-        },
-        "drafter": {
-            "type": "object", "required": ["path", "block_size", "mask_token_id", "target_layer_ids"],
-            "properties": {
-                "path": {"type": "string"}, "bundle_path": {"type": "string"},
-                "revision": {"type": ["string", "null"]},
-                "block_size": {"type": "integer", "minimum": 2},
-                "mask_token_id": {"type": "integer", "minimum": 0},
-                "target_layer_ids": {"type": "object", "required": ["zlab", "speculators", "vllm", "sglang"],
-                                     "properties": {k: _ids for k in ("zlab", "trtllm", "speculators", "vllm",
-                                                                      "sglang")}},
-            },
-        },
-        "arch": {"enum": list(arch_sms())},
-        "gpu": {"enum": [*gpus(), None]},
-        "node": {"enum": [*catalog(), None]},          # the hardware.json node type deploy plans for
-        "gpu_source": {"enum": list(GPU_SOURCES)},
-        "sm": {"type": "array", "items": {"type": "integer"}},
-        "quant": {
-            "type": "object", "required": ["target", "kv_cache"],
-            "properties": {"target": {"enum": ["nvfp4", "fp8", "none", "mxfp4"]},
-                           "drafter": {"enum": ["nvfp4", "fp8", "int8", "none"]},
-                           "kv_cache": {"enum": ["fp8", "bf16"]}},
-        },
-        "parallel": {
-            "type": "object", "required": ["tp", "ep", "pp"],
-            "properties": {k: {"type": "integer", "minimum": 1} for k in ("tp", "ep", "pp")},
-        },
-        "backend": {"enum": ["pytorch", "engine"]},
-        "stages": {
-            "type": "object",
-            "additionalProperties": {
-                "type": "object", "required": ["status", "inputs_sha256", "outputs"],
-                "properties": {"status": {"enum": list(STAGE_STATUSES)},
-                               "skipped": {"type": "boolean"},
-                               "inputs_sha256": {"type": "string"},
-                               "outputs": {"type": "array", "items": {"type": "string"}},
-                               "commands": {"type": "array", "items": {"type": "string"}},
-                               "reason": {"type": "string"}},
-            },
-        },
-        "triton_model_repository": {"type": "string"},
-        "triton_models": {"type": "array", "items": {"type": "string"}},
-        "serving_configs": {"type": "object"},
+        "schema_version": _enum(READ_VERSIONS),
+        "target": {"required": ["name", "path", "config"]},
+        "drafter": {"required": ["path", "block_size", "mask_token_id", "target_layer_ids"],
+                    "properties": {"block_size": {"minimum": 2}, "mask_token_id": {"minimum": 0},
+                                   "target_layer_ids": {"required": ["zlab", "speculators", "vllm", "sglang"],
+                                                        "additionalProperties": {"items": {"minimum": 0}}}}},
+        "arch": _enum(arch_sms()),
+        "gpu": _enum([*gpus(), None]),
+        "node": _enum([*catalog(), None]),          # the hardware.json node type deploy plans for
+        "gpu_source": _enum(GPU_SOURCES),
+        "quant": {"required": ["target", "kv_cache"],
+                  "properties": {"target": _enum(["nvfp4", "fp8", "none", "mxfp4"]),
+                                 "drafter": _enum(["nvfp4", "fp8", "int8", "none"]), "kv_cache": _enum(["fp8", "bf16"])}},
+        "parallel": {"required": ["tp", "ep", "pp"], "additionalProperties": {"minimum": 1}},
+        "backend": _enum(["pytorch", "engine"]),
+        "stages": {"additionalProperties": {"required": ["status", "inputs_sha256", "outputs"],
+                                            "properties": {"status": _enum(STAGE_STATUSES)}}},
         # which stacks got a config; a skipped stack maps to the upstream rule the layout breaks
-        "serving_stacks": {
-            "type": "object", "required": ["served", "skipped"],
-            "properties": {"served": {"type": "array", "items": {"enum": list(engines.facts()["stacks"])}},
-                           "skipped": {"type": "object", "additionalProperties": {"type": "string"}}},
-        },
+        "serving_stacks": {"required": ["served", "skipped"],
+                           "properties": {"served": {"items": _enum(engines.facts()["stacks"])}}},
         # each served stack's engine facts and its servers' images (engines.json, dflash_trt/engines.py)
-        "engines": {"type": "object", "additionalProperties": {
-            "type": "object", "required": ["engine", "dflash_since", "contract", "servers"],
-            "properties": {"servers": {"type": "object", "additionalProperties": {
-                "type": "object", "required": ["image", "engine_version"]}}}}},
-        # build --profile: the TensorRT-LLM settings written, their source, the drafter attention backend
-        "serving_profile": {"type": "object", "required": ["profile"],
-                            "properties": {"profile": {"enum": ["latency", "throughput"]}}},
-        # build --draft-schedule: the draft length per concurrency (or why none), and per served stack the
-        # fields written into its own control or why nothing was written (stacks/*: draft_schedule_problem)
-        "draft_schedule": {
-            "type": "object", "required": ["source", "schedule", "stacks"],
-            "properties": {"source": {"type": "string"}, "schedule": {"type": ["object", "null"]},
-                           "stacks": {"type": "object", "additionalProperties": {
-                               "type": "object", "minProperties": 1, "maxProperties": 1,
-                               "properties": {"fields": {"type": "object"}, "skipped": {"type": "string"}},
-                               "additionalProperties": False}}}},
-        "trt_drafter_engine": {"type": "boolean"},  # build --trt-drafter-engine: plugins/, onnx/, drafter.plan
-        "artifacts": {
-            "type": "array",
-            "items": {"type": "object", "required": ["path", "bytes", "sha256"],
-                      "properties": {"path": {"type": "string"}, "bytes": {"type": "integer", "minimum": 0},
-                                     "sha256": {"type": "string", "pattern": "^[0-9a-f]{64}$"}}},
-        },
+        "engines": {"additionalProperties": {
+            "required": ["engine", "dflash_since", "contract", "servers"],
+            "properties": {"servers": {"additionalProperties": {"required": ["image", "engine_version"]}}}}},
+        "serving_profile": {"required": ["profile"], "properties": {"profile": _enum(["latency", "throughput"])}},
+        # per served stack: the fields written into its own control, or why nothing was written
+        "draft_schedule": {"required": ["source", "schedule", "stacks"],
+                           "properties": {"stacks": {"additionalProperties": {"minProperties": 1,
+                                                                              "maxProperties": 1}}}},
+        "artifacts": {"items": {"required": ["path", "bytes", "sha256"],
+                                "properties": {"bytes": {"minimum": 0}, "sha256": {"pattern": "^[0-9a-f]{64}$"}}}},
     },
 }
 
@@ -228,12 +179,14 @@ def bundle_files(bundle: str | Path) -> list[str]:
             and "__pycache__" not in p.parts]
 
 
-def list_artifacts(bundle: str | Path, cache: HashCache | None = None) -> list[ArtifactRecord]:
-    """Every file of the bundle except the manifest itself: path (relative), bytes, sha256."""
-    bundle = Path(bundle)
-    cache = cache or HashCache()
-    return [ArtifactRecord(path=rel, bytes=(bundle / rel).stat().st_size, sha256=cache.sha256(bundle / rel))
-            for rel in bundle_files(bundle)]
+def list_artifacts(bundle: str | Path, known=None) -> list[ArtifactRecord]:
+    """Every file of the bundle but manifest.json, with its size and sha256: `known(rel, stat)` where the caller
+    knows it (a copy of a hashed source, a file reused unchanged), else read."""
+    bundle, out = Path(bundle), []
+    for rel in bundle_files(bundle):
+        st = (bundle / rel).stat()
+        out.append(ArtifactRecord(rel, st.st_size, (known and known(rel, st)) or sha256_file(bundle / rel)))
+    return out
 
 
 # ------------------------------------------------------------------ the manifest, typed
@@ -261,12 +214,14 @@ def _dump(value):
     return value
 
 
-def record(cls):
+def record(cls=None, *, kw_only: bool = False):
     """A manifest record: a frozen dataclass whose JSON is read strictly (Manifest.from_dict): a field it does
     not have, or a value of another type, is refused naming the field (pydantic's extra="forbid")."""
-    cls = dataclass(frozen=True)(cls)
-    cls.__pydantic_config__ = {"extra": "forbid", "strict": True}
-    return cls
+    def make(cls):
+        cls = dataclass(frozen=True, kw_only=kw_only)(cls)
+        cls.__pydantic_config__ = {"extra": "forbid", "strict": True}
+        return cls
+    return make(cls) if cls is not None else make
 
 
 def _upgraded(m: dict, source: str) -> dict:
@@ -460,31 +415,31 @@ REVISION_KINDS = {"tune": RevisionKind(TuneRecord, ("draft_schedule",))}
 REVISION_REWRITES = ("tool_version", "created", "serving_configs", "artifacts", "artifact_stats", "revision")
 
 
-@record
+@record(kw_only=True)
 class Manifest:
     """manifest.json as one typed object, both ways: `build` makes one (bundle/build.py Builder) and writes
     it (Manifest.write), every other command reads it (Manifest.read). Its fields are in the order the
-    JSON has them; optional ones are left out when None. Stages, artifacts and the hash caches stay JSON
-    objects of their own shapes (MANIFEST_SCHEMA)."""
+    JSON has them; optional ones are left out when None. The hash caches stay JSON objects of their own
+    shapes."""
     schema_version: int
     tool_version: str
+    created: str | None = _optional()
     target: TargetRecord
     drafter: DrafterRecord
     arch: str
     gpu: str | None
-    quant: QuantRecord
-    parallel: ParallelRecord
-    backend: str
-    triton_model_repository: str
-    triton_models: list[str]
-    serving_stacks: ServingStacksRecord
-    engines: dict = field(default_factory=dict)   # stack -> engine facts and its servers' images (engines.json)
-    created: str | None = _optional()
     node: str | None = None             # hardware.json node type (bundles before it: the GPU's first node)
     gpu_source: str | None = _optional()   # GPU_SOURCES; None for bundles before it
     sm: list[int] = field(default_factory=list)
+    quant: QuantRecord
+    parallel: ParallelRecord
+    backend: str
     max_seq_len: int | None = _optional()
+    triton_model_repository: str
+    triton_models: list[str]
+    serving_stacks: ServingStacksRecord
     trt_drafter_engine: bool = False
+    engines: dict = field(default_factory=dict)   # stack -> engine facts and its servers' images (engines.json)
     serving_profile: ServingProfileRecord | None = _optional()
     reference_runtime: ReferenceRuntimeRecord | None = _optional()
     draft_schedule: DraftScheduleRecord | None = _optional()
@@ -496,14 +451,6 @@ class Manifest:
     artifacts: list[ArtifactRecord] | None = _optional()   # every file but manifest.json
     serve: dict | None = _optional()             # how to serve the bundle, from its root
     artifact_stats: dict | None = _optional()    # path -> [bytes, mtime_ns]: the next build's reuse check
-
-    # the JSON's key order (the order build has always written them in)
-    JSON_ORDER: ClassVar[tuple[str, ...]] = (
-        "schema_version", "tool_version", "created", "target", "drafter", "arch", "gpu", "node", "gpu_source", "sm",
-        "quant", "parallel", "backend", "max_seq_len", "triton_model_repository", "triton_models", "serving_stacks",
-        "trt_drafter_engine", "engines", "serving_profile", "reference_runtime", "draft_schedule", "weights",
-        "revision", "serving_configs",
-        "stages", "input_files", "artifacts", "serve", "artifact_stats")
 
     @property
     def served_stacks(self) -> list[str]:
@@ -530,14 +477,8 @@ class Manifest:
             raise DFlashError(f"{source}: field {where}: {what}") from None
 
     def to_dict(self) -> dict:
-        """The JSON object manifest.json holds (keys in JSON_ORDER; optional fields left out when None)."""
-        d = {}
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if f.metadata.get("omit_none") and v is None:
-                continue
-            d[f.name] = _dump(v)
-        return {k: d[k] for k in self.JSON_ORDER if k in d}
+        """The JSON object manifest.json holds (keys in field order; optional fields left out when None)."""
+        return _dump(self)
 
     @classmethod
     def read(cls, bundle: str | Path) -> Manifest:
@@ -609,6 +550,8 @@ def revision_problems(m: Manifest) -> list[str]:
     rev = m.revision
     if rev is None:
         return []
+    if rev.kind not in REVISION_KINDS:
+        return [f"{MANIFEST_NAME}: field revision.kind: {rev.kind!r}, expected one of {', '.join(REVISION_KINDS)}"]
     parent = Path(rev.parent.path)
     if not is_bundle(parent) or sha256_file(parent / MANIFEST_NAME) != rev.parent.manifest_sha256:
         return []
