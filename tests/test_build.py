@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflash_trt.io.manifest import read_manifest, verify
+from dflash_trt.io.manifest import Manifest, verify
 
 from helpers import generate_json, load_model_module, make_pb_utils, run_cli, triton_args
 
@@ -43,13 +43,13 @@ def _drafter_for_other_target(target: Path, dst: Path, **changes) -> Path:
 
 # ------------------------------------------------------------------------------- the pipeline
 def test_declared_pipeline_is_the_manifests_stage_list():
-    from dflash_trt.bundle.build import PIPELINE, Builder, code_hash
+    from dflash_trt.bundle.stages import PIPELINE, code_hash
     from dflash_trt.io.manifest import STAGES as MANIFEST_STAGES
     from dflash_trt.paths import package_path
 
     assert [st.name for st in PIPELINE] == list(MANIFEST_STAGES) == STAGES
     for st in PIPELINE:
-        assert callable(getattr(Builder, st.method, None)), st.method
+        assert callable(st.run), st.name
         for rel in st.code:
             assert (package_path() / rel).exists(), f"{st.name}: {rel}"
         if st.code:
@@ -61,7 +61,7 @@ def test_declared_pipeline_is_the_manifests_stage_list():
 def test_code_hash_refuses_a_moved_source_file():
     """A stage naming a file that no longer exists must fail, not hash what is left (which would
     let a stale stage be reused after a move)."""
-    from dflash_trt.bundle.build import code_hash
+    from dflash_trt.bundle.stages import code_hash
 
     assert code_hash("io/formats.py") != code_hash("io/formats.py", "kernels/csrc")
     with pytest.raises(FileNotFoundError, match="formats.py"):
@@ -215,20 +215,20 @@ def _engine_files(bundle: Path):
 
 def test_build_completes_with_compile_deferred(hopper):
     bundle, res = hopper
-    m = read_manifest(bundle)  # schema-checked
-    status = {k: v["status"] for k, v in m["stages"].items()}
+    m = Manifest.read(bundle)  # schema-checked
+    status = {k: v.status for k, v in m.stages.items()}
     assert list(status) == STAGES
     assert status == {"check": "done", "quantize": "done", "convert": "not-needed", "plugin": "done",
                       "export-onnx": "done", "compile": "deferred", "package": "done"}
-    c = m["stages"]["compile"]
-    assert "no NVIDIA GPU" in c["reason"] and "TensorRT" in c["reason"]
-    assert c["commands"][0] == "dflash-trt compile --bundle <bundle>"
-    assert any("dflash_trt.stacks.trtllm.engine drafter --onnx onnx/drafter.onnx --plugins plugins" in x for x in c["commands"])
+    c = m.stages["compile"]
+    assert "no NVIDIA GPU" in c.reason and "TensorRT" in c.reason
+    assert c.commands[0] == "dflash-trt compile --bundle <bundle>"
+    assert any("dflash_trt.stacks.trtllm.engine drafter --onnx onnx/drafter.onnx --plugins plugins" in x for x in c.commands)
     assert _engine_files(bundle) == []  # never a faked engine
-    assert (m["arch"], m["gpu"], m["sm"], m["quant"]) == ("hopper", "h200", [90],
-                                                          {"target": "fp8", "drafter": "none", "kv_cache": "fp8"})
-    assert m["parallel"] == {"tp": 1, "ep": 1, "pp": 1} and m["backend"] == "pytorch"
-    assert m["triton_model_repository"] == "triton" and m["triton_models"] == ["tensorrt_llm", "dflash_reference"]
+    assert (m.arch, m.gpu, m.sm, m.quant.target, m.quant.drafter, m.quant.kv_cache) == \
+        ("hopper", "h200", [90], "fp8", "none", "fp8")
+    assert (m.parallel.tp, m.parallel.ep, m.parallel.pp) == (1, 1, 1) and m.backend == "pytorch"
+    assert m.triton_model_repository == "triton" and m.triton_models == ["tensorrt_llm", "dflash_reference"]
     assert not (bundle / "drafter/hf_quant_config.json").exists()  # bf16: what every stack's DFlash loader takes
     for rel in ("target/hf_quant_config.json", "plugins/plugin.json",
                 "onnx/drafter.onnx", "configs/trtllm-serve.yaml", "configs/vllm.json", "configs/sglang.json",
@@ -238,7 +238,7 @@ def test_build_completes_with_compile_deferred(hopper):
     assert json.loads((bundle / "target/hf_quant_config.json").read_text())["quantization"]["quant_algo"] == "FP8"
     assert json.loads((bundle / "plugins/plugin.json").read_text())["sms"] == [90]
     assert verify(bundle) == []
-    listed = {a["path"] for a in m["artifacts"]}
+    listed = {a.path for a in m.artifacts}
     assert listed == {p.relative_to(bundle).as_posix() for p in bundle.rglob("*")
                       if p.is_file() and p.name != "manifest.json"}
     assert res["bundle"] == str(bundle) and [s["name"] for s in res["stages"]] == STAGES
@@ -248,16 +248,16 @@ def test_no_schedule_is_written_without_acceptance_and_the_manifest_says_why(hop
     """auto with a GPU but no acceptance figure for the drafter (a non-preset pair): no stack's control
     gets a schedule, and the manifest and the summary say why; the stacks' configs carry none."""
     bundle, res = hopper
-    m = read_manifest(bundle)
-    rec = m["draft_schedule"]
-    assert rec["schedule"] is None and "no acceptance figure for llama's drafter" in rec["source"]
-    assert set(rec["stacks"]) == set(m["serving_stacks"]["served"])
-    assert all(set(v) == {"skipped"} for v in rec["stacks"].values())
-    assert rec["stacks"]["trtllm"] == {"skipped": f"no draft schedule: {rec['source']}"}
-    assert rec["stacks"]["sglang"]["skipped"].startswith("SGLang 0.5.23 adapts the draft length")
+    m = Manifest.read(bundle)
+    rec = m.draft_schedule
+    assert rec.schedule is None and "no acceptance figure for llama's drafter" in rec.source
+    assert set(rec.stacks) == set(m.served_stacks)
+    assert all(v.fields is None and v.skipped for v in rec.stacks.values())
+    assert rec.stacks["trtllm"].skipped == f"no draft schedule: {rec.source}" and rec.stacks["trtllm"].fields is None
+    assert rec.stacks["sglang"].skipped.startswith("SGLang 0.5.23 adapts the draft length")
     serve = yaml.safe_load((bundle / "configs/trtllm-serve.yaml").read_text())["speculative_config"]
     assert "draft_len_schedule" not in serve and "max_concurrency" not in serve
-    assert res["draft_schedule"] == rec
+    assert res["draft_schedule"] == m.to_dict()["draft_schedule"]
 
 
 def test_a_cpu_bundle_plans_no_schedule():
@@ -305,9 +305,9 @@ def test_serving_files_hold_the_drafters_real_settings(tiny, hopper):
     assert json.loads((bundle / "configs/vllm-speculative-config.json").read_text()) == v["speculative_config"]
     g = json.loads((bundle / "configs/sglang.json").read_text())
     assert g["dflash_config"]["target_layer_ids"] == ids and g["capture_before_layer"] == [i + 1 for i in ids]
-    m = read_manifest(bundle)
-    assert m["drafter"]["block_size"] == B and m["drafter"]["mask_token_id"] == mask
-    assert m["drafter"]["target_layer_ids"] == {"zlab": ids, "trtllm": ids, "speculators": [i + 1 for i in ids],
+    m = Manifest.read(bundle)
+    assert m.drafter.block_size == B and m.drafter.mask_token_id == mask
+    assert m.drafter.target_layer_ids == {"zlab": ids, "trtllm": ids, "speculators": [i + 1 for i in ids],
                                                 "vllm": [i + 1 for i in ids], "sglang": ids}
 
 
@@ -328,15 +328,14 @@ def test_second_run_skips_every_stage_and_force_redoes_them(tiny, hopper):
             "--gpu", "h200", "--trt-drafter-engine", "--out", str(bundle)]
     code, out, err = run_cli("build", *args)
     assert code == 0, err
-    m = read_manifest(bundle)
-    assert all(e["skipped"] for e in m["stages"].values())
+    m = Manifest.read(bundle)
+    assert all(e.skipped for e in m.stages.values())
     # status keeps each stage's outcome (a skipped stage stays deferred, so `compile` still runs it)
-    assert m["stages"]["compile"]["status"] == "deferred" and m["stages"]["quantize"]["status"] == "done"
+    assert m.stages["compile"].status == "deferred" and m.stages["quantize"].status == "done"
     assert "skipped (unchanged)" in out and "skipped (unchanged, deferred)" in out
     assert err.count("skipped (inputs unchanged") == len(STAGES)
     assert verify(bundle) == []
-    assert {a["path"]: a["sha256"] for a in m["artifacts"]} == \
-        {a["path"]: a["sha256"] for a in first_artifacts(first)}
+    assert {a.path: a.sha256 for a in m.artifacts} == {a["path"]: a["sha256"] for a in first_artifacts(first)}
 
     assert [s["status"] for s in json.loads(run_cli("build", *args, "--json")[1])["stages"]] == ["skipped"] * 7
     forced = build_json(*args, "--force")
@@ -401,12 +400,12 @@ def test_default_bundle_holds_only_what_its_serving_files_load(tiny, tmp_path):
                      "--out", str(bundle))
     assert [s["status"] for s in res["stages"]] == ["done", "done", "not-needed", "not-needed", "not-needed",
                                                     "not-needed", "done"]
-    m = read_manifest(bundle)
-    assert m["quant"]["drafter"] == "none" and m["trt_drafter_engine"] is False
-    assert "--trt-drafter-engine" in m["stages"]["plugin"]["reason"]
+    m = Manifest.read(bundle)
+    assert m.quant.drafter == "none" and m.trt_drafter_engine is False
+    assert "--trt-drafter-engine" in m.stages["plugin"].reason
     for gone in ("plugins", "onnx", "trtllm_ckpt", "drafter/hf_quant_config.json"):
         assert not (bundle / gone).exists(), gone
-    assert m["serving_stacks"] == {"served": ["trtllm", "vllm", "sglang"], "skipped": {}}
+    assert m.served_stacks == ["trtllm", "vllm", "sglang"] and m.skipped_stacks == {}
     code, _, err = run_cli("compile", "--bundle", str(bundle))
     assert code == 1 and "nothing to compile" in err
 
@@ -431,11 +430,11 @@ def test_stack_whose_rules_the_layout_breaks_is_skipped_with_the_reason(tiny, tm
     code, out, err = run_cli("build", "--target", str(tiny / "llama"), "--drafter", str(tiny / "llama-drafter"),
                              "--arch", "hopper", "--quant", "none", "--pp", "2", "--out", str(bundle))
     assert code == 0, err
-    m = read_manifest(bundle)
-    assert m["serving_stacks"]["served"] == ["trtllm", "vllm"]
-    assert "pp_size == 1" in m["serving_stacks"]["skipped"]["sglang"]
+    m = Manifest.read(bundle)
+    assert m.served_stacks == ["trtllm", "vllm"]
+    assert "pp_size == 1" in m.skipped_stacks["sglang"]
     assert "no SGLang config: --pp 2" in out
-    assert not (bundle / "configs/sglang.json").exists() and "sglang" not in m["serving_configs"]
+    assert not (bundle / "configs/sglang.json").exists() and "sglang" not in m.serving_configs
     assert (bundle / "configs/trtllm-serve.yaml").is_file()
 
 
@@ -446,10 +445,10 @@ def test_fp8_drafter_for_vllm_alone(tiny, tmp_path):
     calib.write_text('{"input_ids": [5, 17, 99, 3, 250, 42]}\n')
     build_json("--target", str(tiny / "llama"), "--drafter", str(tiny / "llama-drafter"), "--arch", "hopper",
                "--drafter-quant", "fp8", "--stacks", "vllm", "--calib", str(calib), "--out", str(bundle))
-    m = read_manifest(bundle)
-    assert m["quant"]["drafter"] == "fp8" and m["serving_stacks"]["served"] == ["vllm"]
+    m = Manifest.read(bundle)
+    assert m.quant.drafter == "fp8" and m.served_stacks == ["vllm"]
     assert sorted(p.name for p in (bundle / "configs").iterdir()) == ["vllm-speculative-config.json", "vllm.json"]
-    assert m["triton_models"] == ["dflash_reference"] and not (bundle / "triton/tensorrt_llm").exists()
+    assert m.triton_models == ["dflash_reference"] and not (bundle / "triton/tensorrt_llm").exists()
     assert (bundle / "drafter/hf_quant_config.json").is_file()
 
 
@@ -465,9 +464,9 @@ def test_int8_drafter_only_for_vllm_and_our_runtime_reads_it(tiny, tmp_path):
     bundle = tmp_path / "v"
     build_json("--target", str(tiny / "llama"), "--drafter", str(tiny / "llama-drafter"), "--arch", "hopper",
                "--drafter-quant", "int8", "--stacks", "vllm", "--out", str(bundle))
-    m = read_manifest(bundle)
-    assert m["quant"]["drafter"] == "int8" and m["serving_stacks"]["served"] == ["vllm"]
-    assert m["reference_runtime"]["layout"] == "copy"   # the reference model runs the float drafter
+    m = Manifest.read(bundle)
+    assert m.quant.drafter == "int8" and m.served_stacks == ["vllm"]
+    assert m.reference_runtime.layout == "copy"   # the reference model runs the float drafter
     cfg = json.loads((bundle / "drafter/config.json").read_text())
     assert cfg["quantization_config"]["format"] == "int-quantized"
     q = load_file(str(bundle / "drafter/model.safetensors"))
@@ -489,10 +488,10 @@ def test_gpt_oss_builds_with_pytorch_backend_keeping_mxfp4(tiny, tmp_path):
     bundle = tmp_path / "gptoss"
     build_json("--target", str(tiny / "gptoss"), "--drafter", str(tiny / "gptoss-drafter"), "--arch", "blackwell",
                "--tp", "2", "--ep", "2", "--out", str(bundle))
-    m = read_manifest(bundle)
-    assert m["quant"] == {"target": "mxfp4", "drafter": "none", "kv_cache": "fp8"}
-    assert m["parallel"] == {"tp": 2, "ep": 2, "pp": 1} and m["sm"] == [100, 103]
-    assert m["stages"]["compile"]["status"] == "not-needed" and _engine_files(bundle) == []
+    m = Manifest.read(bundle)
+    assert (m.quant.target, m.quant.drafter, m.quant.kv_cache) == ("mxfp4", "none", "fp8")
+    assert (m.parallel.tp, m.parallel.ep, m.parallel.pp) == (2, 2, 1) and m.sm == [100, 103]
+    assert m.stages["compile"].status == "not-needed" and _engine_files(bundle) == []
     assert not (bundle / "plugins").exists() and not (bundle / "onnx").exists()
     # the experts are the shipped MXFP4 bytes, unchanged
     with safe_open(bundle / "target" / "model.safetensors", "pt") as f:
@@ -513,14 +512,14 @@ def test_engine_backend_converts_and_defers_trtllm_build(tiny, tmp_path):
     bundle = tmp_path / "eng"
     build_json("--target", str(tiny / "llama"), "--drafter", str(tiny / "llama-drafter"), "--arch", "hopper",
                "--quant", "none", "--backend", "engine", "--tp", "2", "--out", str(bundle))
-    m = read_manifest(bundle)
-    assert m["stages"]["convert"]["status"] == "done" and m["quant"]["target"] == "none"
+    m = Manifest.read(bundle)
+    assert m.stages["convert"].status == "done" and m.quant.target == "none"
     cfg = json.loads((bundle / "trtllm_ckpt/config.json").read_text())
     assert cfg["mapping"]["tp_size"] == 2
     assert (bundle / "trtllm_ckpt/rank0.safetensors").is_file() and (bundle / "trtllm_ckpt/rank1.safetensors").is_file()
-    c = m["stages"]["compile"]
-    assert c["status"] == "deferred" and any(x.startswith("trtllm-build --checkpoint_dir trtllm_ckpt") for x in c["commands"])
-    assert "trtllm-build" in c["reason"]
+    c = m.stages["compile"]
+    assert c.status == "deferred" and any(x.startswith("trtllm-build --checkpoint_dir trtllm_ckpt") for x in c.commands)
+    assert "trtllm-build" in c.reason
     assert _engine_files(bundle) == []
 
 
@@ -576,8 +575,8 @@ def test_embedded_pair_builds_with_compile_deferred(tmp_path_factory, arch, quan
     bundle = tmp_path_factory.mktemp("emb") / f"smollm2-{arch}"
     args = (["--target", target] if target else []) + ["--drafter", str(drafter), "--arch", arch, "--out", str(bundle)]
     res = build_json(*args)
-    m = read_manifest(bundle)
-    assert m["target"]["name"] == "smollm2-135m" and m["quant"]["target"] == quant and m["quant"]["drafter"] == "none"
+    m = Manifest.read(bundle)
+    assert m.target.name == "smollm2-135m" and m.quant.target == quant and m.quant.drafter == "none"
     # nothing to compile: the serving files load target/ and drafter/ as they are
     assert [s["status"] for s in res["stages"]] == ["done", "done", "not-needed", "not-needed", "not-needed",
                                                     "not-needed", "done"]
@@ -605,23 +604,23 @@ def test_arch_auto_reads_the_gpu_from_nvidia_smi(tiny, tmp_path, monkeypatch):
     bundle = tmp_path / "auto"
     build_json("--target", str(tiny / "llama"), "--drafter", str(tiny / "llama-drafter"), "--quant", "none",
                "--trt-drafter-engine", "--out", str(bundle))
-    m = read_manifest(bundle)
-    assert (m["arch"], m["gpu"], m["sm"]) == ("blackwell", "b300", [103])
-    c = m["stages"]["compile"]
-    assert c["status"] == "deferred" and "TensorRT" in c["reason"] and "no NVIDIA GPU" not in c["reason"]
+    m = Manifest.read(bundle)
+    assert (m.arch, m.gpu, m.sm) == ("blackwell", "b300", [103])
+    c = m.stages["compile"]
+    assert c.status == "deferred" and "TensorRT" in c.reason and "no NVIDIA GPU" not in c.reason
 
 
 def test_failed_rebuild_leaves_the_previous_bundle_intact(tiny, hopper, tmp_path):
     bundle, _ = hopper
     copy = tmp_path / "b"
     shutil.copytree(bundle, copy)
-    before = read_manifest(copy)
+    before = Manifest.read(copy)
     # engine backend + FP8 needs calibration prompts: the convert stage fails after check and
     # quantize have already written into the temporary folder
     code, _, err = run_cli("build", "--target", str(tiny / "llama"), "--drafter", str(tiny / "llama-drafter"),
                            "--arch", "hopper", "--gpu", "h200", "--backend", "engine", "--out", str(copy))
     assert code == 1 and "--calib" in err
-    assert read_manifest(copy) == before and verify(copy) == []
+    assert Manifest.read(copy) == before and verify(copy) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]  # no temporary folder left beside it
 
 
@@ -641,16 +640,16 @@ def test_preset_found_in_the_local_hub_cache_is_used(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     res = build_json("--target", "qwen3-8b", "--arch", "hopper", "--quant", "none")
     assert res["bundle"] == "engines/qwen3-8b-hopper-none"  # default --out under engines/
-    m = read_manifest(tmp_path / res["bundle"])
-    assert m["target"]["name"] == "qwen3-8b" and m["target"]["hf_id"] == "Qwen/Qwen3-8B"
-    assert m["target"]["path"] == str(t.resolve()) and m["drafter"]["path"] == str(d.resolve())
+    m = Manifest.read(tmp_path / res["bundle"])
+    assert m.target.name == "qwen3-8b" and m.target.hf_id == "Qwen/Qwen3-8B"
+    assert m.target.path == str(t.resolve()) and m.drafter.path == str(d.resolve())
 
 
 def test_rebuild_remakes_a_stage_whose_output_was_edited(hopper, tiny, tmp_path):
     bundle, _ = hopper
     copy = tmp_path / "b"
     shutil.copytree(bundle, copy)
-    before = read_manifest(copy)
+    before = Manifest.read(copy)
     sg = copy / "configs" / "sglang.json"
     sg.write_text(sg.read_text().replace("DFLASH", "EAGLE3"))  # same stage inputs, edited output
     res = build_json("--target", str(tiny / "llama"), "--drafter", str(tiny / "llama-drafter"), "--arch", "hopper",
@@ -658,8 +657,8 @@ def test_rebuild_remakes_a_stage_whose_output_was_edited(hopper, tiny, tmp_path)
     status = {s["name"]: s["status"] for s in res["stages"]}
     assert status["package"] == "done" and status["quantize"] == "skipped"
     assert "DFLASH" in sg.read_text() and verify(copy) == []
-    sha = {a["path"]: a["sha256"] for a in read_manifest(copy)["artifacts"]}
-    assert sha == {a["path"]: a["sha256"] for a in before["artifacts"]}
+    sha = {a.path: a.sha256 for a in Manifest.read(copy).artifacts}
+    assert sha == {a.path: a.sha256 for a in before.artifacts}
 
 
 def test_hash_cache_knows_hard_links_of_what_it_hashed(tmp_path):

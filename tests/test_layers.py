@@ -1,7 +1,8 @@
 """The package's layers: a folder is a layer, and a layer imports only the layers below it.
 
     base (errors, paths, hardware, engines) < kernels < io < presets, models < runtime, quant < stacks
-    < train, bundle < plan < deploy < bench < the command line (cli, commands/, main_job, bench_all)
+    < train, plan < bundle (build writes the plan it built from) < deploy < bench < the command line
+    (cli, commands/, main_job, bench_all)
 
 No module imports one of ours through importlib (a registry is a dict of imported modules), but
 for the command line's lazy commands and the corpus of standard-library texts (train/).
@@ -34,7 +35,7 @@ ALLOWED: dict[str, set[str]] = {
     "quant": BASE | {"kernels", "io", "models", "quant"},
     "stacks": BASE | {"kernels", "io", "presets", "models", "runtime", "quant", "stacks"},
     "train": BASE | {"kernels", "io", "presets", "models", "runtime", "stacks", "train"},
-    "bundle": BASE | {"kernels", "io", "presets", "models", "runtime", "quant", "stacks", "bundle"},
+    "bundle": BASE | {"kernels", "io", "presets", "models", "runtime", "quant", "stacks", "plan", "bundle"},
     "plan": BASE | {"io", "presets", "models", "stacks", "plan"},
     "deploy": BASE | {"io", "presets", "models", "stacks", "bundle", "plan", "deploy"},
     # bench/runtime.py measures our runtime, bench/endpoint.py a served bundle against its plan

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from dflash_trt.io.manifest import verify
 from dflash_trt.plan import planner
 from dflash_trt.plan.record import PLAN_FILE, PLAN_RECORD_VERSION, read_plan
 
@@ -134,13 +133,13 @@ def test_tunes_cost_model_reads_the_record_and_matches_a_fresh_search(bundle):
     from dflash_trt.io.manifest import Manifest
     from dflash_trt.plan import tune
 
-    m = Manifest.read(bundle).to_dict()
+    m = Manifest.read(bundle)
     prof = cProfile.Profile()
     prof.enable()
-    recorded = tune.bundle_step_cost(m, m["drafter"]["config"], plan_for_bundle(bundle))
+    recorded = tune.bundle_step_cost(m, load_drafter_config(bundle / "drafter").raw, plan_for_bundle(bundle))
     prof.disable()
     assert not [k for k in pstats.Stats(prof).stats if k[2] in SEARCH and "dflash_trt/plan/" in k[0]]
-    searched = tune.bundle_step_cost(m, m["drafter"]["config"], None)
+    searched = tune.bundle_step_cost(m, load_drafter_config(bundle / "drafter").raw, None)
     assert recorded.concurrencies == searched.concurrencies and recorded.source == searched.source
     for c in (1, 8, 64):
         for k in (0, 3, 9):

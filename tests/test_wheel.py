@@ -38,7 +38,7 @@ assert (embedded_drafter_path() / "model.safetensors").is_file()
 from dflash_trt.stacks.tritonserver.repo import MODELS
 from dflash_trt.paths import package_path
 assert all(package_path("assets", "triton_templates", m, "config.pbtxt").is_file() for m in MODELS)
-from dflash_trt.bundle.build import PIPELINE, code_hash
+from dflash_trt.bundle.stages import PIPELINE, code_hash
 for stage in PIPELINE:
     code_hash(*stage.code)
 from dflash_trt.hardware import catalog

@@ -101,7 +101,9 @@ def build_cmd(target, drafter, arch, gpu, quant, kv_cache, drafter_quant, stacks
       dflash-trt build --target my/target --drafter my/drafter --arch hopper --out engines/mine
       dflash-trt build --target openai/gpt-oss-20b --drafter z-lab/gpt-oss-20b-DFlash --arch hopper
     """
-    from dflash_trt.bundle.build import BuildOptions, build, format_summary
+    from dflash_trt.bundle.build import build
+    from dflash_trt.bundle.options import BuildOptions
+    from dflash_trt.bundle.summary import format_summary
 
     opts = BuildOptions(target=target, drafter=drafter, arch=arch, gpu=gpu, quant=quant, kv_cache=kv_cache, tp=tp,
                         ep=ep, pp=pp, block_size=block_size, backend=backend, out=out, force=force,
@@ -251,6 +253,9 @@ def verify_cmd(bundle, as_json):
             click.echo(f"problem: {p}", err=True)
     else:
         click.echo(f"ok: {n} artifacts match the manifest")
+        if m.revision is not None:
+            rev = m.revision
+            click.echo(f"{rev.kind} revision of {rev.parent.path}: {len(rev.changed)} file(s) changed ({rev.summary})")
     if not as_json and not weights["present"]:
         click.echo(f"configs only: target/ and drafter/ hold no weights (configs, Triton repository, plan and "
                    f"draft schedule are complete); download, then build into {bundle} again:")

@@ -23,7 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from dflash_trt.errors import DFlashError
-from dflash_trt.io.manifest import HashCache, Manifest, list_artifacts, verify
+from dflash_trt.io.manifest import Manifest, list_artifacts, verify
 from dflash_trt.kernels import kv_inject_trt
 
 
@@ -158,7 +158,7 @@ def compile_bundle(bundle: str | Path) -> dict:
     entry = replace(m.stages["compile"], status="done", skipped=False,
                     outputs=sorted(set(m.stages["compile"].outputs) | set(res["outputs"])), commands=res["commands"],
                     engine_key=res["engine_key"], toolchain=toolchain_fingerprint(tc), reason=None)
-    replace(m, stages={**m.stages, "compile": entry}, artifacts=list_artifacts(bundle, HashCache())).write(bundle)
+    replace(m, stages={**m.stages, "compile": entry}, artifacts=list_artifacts(bundle)).write(bundle)
     return {"bundle": str(bundle), "engine_key": res["engine_key"], "outputs": res["outputs"]}
 
 
