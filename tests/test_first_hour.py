@@ -59,11 +59,11 @@ def test_help_examples_keep_their_line_breaks(name):
             assert not re.search(r"\S {3,}-", line), (name, line)
 
 
-def test_summary_says_the_missing_schedule_once_and_lists_every_triton_model(tmp_path):
+def test_summary_says_the_schedules_source_once_and_lists_every_triton_model(tmp_path):
+    """The embedded drafter's measured acceptance (its preset's acceptance.json) plans the schedule: said once."""
     code, out, err = run_cli("build", "--arch", "blackwell", "--out", str(tmp_path / "b"))
     assert code == 0, err
-    reason = "no acceptance figure for smollm2-135m's drafter"
-    assert out.count(reason) == 1, out
+    assert "  draft schedule: 1-" in out and out.count("smollm2-135m-dflash/acceptance.json") == 1, out
     line = next(x for x in out.splitlines() if x.strip().startswith("configs/"))
     models = sorted(p.name for p in (tmp_path / "b" / "triton").iterdir() if p.is_dir())
     assert "vllm" in models and line.endswith("triton/ " + ", ".join(models))

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from dflash_trt.io.manifest import verify
+from dflash_trt.models.config import load_drafter_config
 from dflash_trt.plan import planner
 from dflash_trt.plan.record import PLAN_FILE, PLAN_RECORD_VERSION, read_plan
 
@@ -82,6 +84,8 @@ def test_a_case_the_record_lacks_is_one_line_and_refresh_plans_it(bundle, tmp_pa
     code, counts = search_calls("plan", "--bundle", str(bundle), "--refresh", "--nodes", "3", "--out", str(new))
     assert code == 0 and counts["_evaluate"] >= 5      # the refresh is the search: the build's 4 cases and this one
     assert verify(new) == []
+    rev = json.loads((new / "manifest.json").read_text())["revision"]
+    assert rev["kind"] == "plan" and rev["changed"] == [PLAN_FILE] and rev["parent"]["path"] == str(bundle.resolve())
     code, counts = search_calls("deploy", "--bundle", str(new), "--nodes", "3", "--out", str(tmp_path / "d3"))
     assert code == 0 and counts == dict.fromkeys(SEARCH, 0)
     direct = planner.plan(*_configs(bundle), "dgx-b300", target_name="gpt-oss-120b", quant="mxfp4", nodes=3, tp=1,

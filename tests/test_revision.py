@@ -17,7 +17,8 @@ from dflash_trt.bundle.package import RevisionChange, write_revision
 from dflash_trt.deploy.revision import tune_change
 from dflash_trt.errors import DFlashError
 from dflash_trt.io.manifest import Manifest
-from dflash_trt.plan import speed, tune
+from dflash_trt.plan import tune
+from dflash_trt.plan.schedule_cost import ScheduleCost
 
 from helpers import run_cli
 
@@ -43,7 +44,7 @@ def _retune(bundle: Path, tau: float = 2.0) -> tune.Retune:
     w = tune.Window(source="test counts", stack="vllm", start=0.0, seconds=60.0, drafts=1000.0,
                     draft_tokens=1000.0 * max_k, accepted=sum(per_pos), accepted_per_pos=per_pos,
                     mean_concurrency=4.0, max_concurrency=6.0)
-    cost = speed.ScheduleCost(lambda c, k: 1.0 + 0.01 * c * (k + 1), [1, 2, 4, 8, 16, 32, 64], "linear test cost")
+    cost = ScheduleCost(lambda c, k: 1.0 + 0.01 * c * (k + 1), [1, 2, 4, 8, 16, 32, 64], "linear test cost")
     return tune.replan(None, w, tune.survival_from_window(w, max_k), cost, max_k)
 
 

@@ -31,6 +31,7 @@ from dflash_trt.io.manifest import (
     sha256_file,
 )
 from dflash_trt.models.config import load_drafter_config
+from dflash_trt.plan.record import PLAN_FILE, PlanRecord, write_plan
 from dflash_trt.stacks.base import draft_schedule_record
 
 ENGINES_README = (
@@ -101,6 +102,7 @@ class RevisionChange:
     drafter: Path | None = None       # a new drafter folder (adapt); None: the parent's, copied
     draft_schedule: DraftSchedule | None = None   # a new schedule: configs/ and the Triton repo rewritten
     schedule_source: str | None = None
+    plan: PlanRecord | None = None    # a new plan.json (plan --refresh); None: the parent's, copied
 
 
 def write_revision(parent: Path, out: Path, change: RevisionChange) -> Manifest:
@@ -125,7 +127,7 @@ def write_revision(parent: Path, out: Path, change: RevisionChange) -> Manifest:
         if a is not None and a.bytes == dst.stat().st_size:
             cache.remember(dst, a.sha256)
 
-    skip = {*SERVING_FILES, MANIFEST_NAME, *(["drafter"] if change.drafter else [])}
+    skip = {*SERVING_FILES, MANIFEST_NAME, *(["drafter"] if change.drafter else []), *([PLAN_FILE] if change.plan else [])}
     with atomic_output_dir(out) as work:
         for entry in sorted(parent.iterdir()):
             if entry.name not in skip and not entry.name.startswith("."):
@@ -136,6 +138,8 @@ def write_revision(parent: Path, out: Path, change: RevisionChange) -> Manifest:
             new = replace(new, draft_schedule=draft_schedule_record(change.draft_schedule, change.schedule_source,
                                                                     stacks.served(m.served_stacks)))
         new = serving_files(_context(work, new, m))
+        if change.plan is not None:
+            write_plan(work, new, change.plan)
         arts = list_artifacts(work, lambda rel, st: cache.linked(work / rel))
         before = {a.path: a.sha256 for a in m.artifacts}
         after = {a.path: a.sha256 for a in arts}

@@ -137,6 +137,18 @@ def _check_speed_flags(speed, tau, context_tokens, acceptance, disaggregated, is
         raise DFlashError("--isl / --osl size a disaggregated layout: add --disaggregated")
 
 
+def _refresh(bundle, out, rec) -> None:
+    """plan --refresh: the bundle with plan.json planned anew by this planner, a revision written by the one
+    packager (bundle/package.py), its parent and the cases recorded."""
+    from dflash_trt.bundle.package import RevisionChange, write_revision
+    from dflash_trt.io.manifest import PlanRefreshRecord
+
+    cases = [f"{c.nodes} x {c.hardware} ({c.gpus_per_node} GPUs), max_seq_len {c.max_seq_len}" for c in rec.cases]
+    write_revision(bundle, Path(out), RevisionChange(
+        kind="plan", summary=f"plan.json re-planned by dflash-trt {rec.planner_version} ({len(cases)} cases)",
+        record=PlanRefreshRecord(planner_version=rec.planner_version, cases=cases), plan=rec))
+
+
 def _refresh_out(bundle, refresh: bool, out) -> str | None:
     from dflash_trt.errors import DFlashError
 
@@ -177,7 +189,7 @@ def _bundle_plan(bundle, hardware, quant, kv_cache, drafter_quant, target, draft
         hw = deploy.bundle_hardware(m, gpu)
         case = record.PlanCase(hw.name, layout["nodes"], layout["gpus_per_node"] or hw.gpus_per_node,
                                layout["max_seq_len"] or m.max_seq_len, _layout_overrides(layout)) if hw else None
-        record.refresh(bundle, layout["refresh_out"], [(hw, case)] if hw else [])
+        _refresh(bundle, layout["refresh_out"], record.plan_bundle(bundle, m, [(hw, case)] if hw else []))
         bundle = layout["refresh_out"]
         m = Manifest.read(bundle)
     p = deploy.plan_for_bundle(bundle, nodes=layout["nodes"], gpus_per_node=layout["gpus_per_node"], gpu=gpu,

@@ -384,6 +384,14 @@ class TuneRecord:
 
 
 @record
+class PlanRefreshRecord:
+    """A revision written by `dflash-trt plan --bundle B --refresh`: plan.json planned anew (by this planner
+    version, for these cases); the bundle's files and manifest fields are the parent's."""
+    planner_version: str
+    cases: list[str]                    # "<nodes> x <hardware> (<gpus_per_node> GPUs), max_seq_len N" per case
+
+
+@record
 class RevisionParent:
     path: str                           # the parent bundle's folder (absolute)
     manifest_sha256: str                # of its manifest.json: which build (or revision) of that folder
@@ -399,6 +407,7 @@ class RevisionRecord:
     parent: RevisionParent
     changed: list[str]
     tune: TuneRecord | None = _optional()
+    plan: PlanRefreshRecord | None = _optional()
 
     @property
     def record(self):
@@ -412,7 +421,7 @@ class RevisionKind:
 
 
 # A row per kind of revision; every revision also writes REVISION_REWRITES anew.
-REVISION_KINDS = {"tune": RevisionKind(TuneRecord, ("draft_schedule",))}
+REVISION_KINDS = {"tune": RevisionKind(TuneRecord, ("draft_schedule",)), "plan": RevisionKind(PlanRefreshRecord, ())}
 REVISION_REWRITES = ("tool_version", "created", "serving_configs", "artifacts", "artifact_stats", "revision")
 
 

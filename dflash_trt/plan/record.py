@@ -20,10 +20,8 @@ from pathlib import Path
 from dflash_trt import __version__, stacks
 from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import Hardware, get_hardware, hardware_for_gpu
-from dflash_trt.io.atomic import atomic_output_dir
-from dflash_trt.io.clone import clone_tree
 from dflash_trt.io.jsonio import read_json
-from dflash_trt.io.manifest import ArtifactRecord, Manifest, sha256_file
+from dflash_trt.io.manifest import Manifest
 from dflash_trt.plan import planner
 from dflash_trt.plan.layouts import RANKING
 from dflash_trt.plan.monitoring_figures import planned_figures
@@ -200,8 +198,8 @@ def schedule_basis(m: Manifest) -> dict | None:
     """What the draft schedule was planned from, per concurrency: the AR step and the DFlash step of its K (seconds
     per user step) and the acceptance length at which drafting K just pays (monitoring_figures' break-even)."""
     rec = m.draft_schedule
-    if rec is None or not rec.schedule:
-        return None
+    if rec is None or not rec.schedule or not rec.schedule.get("levels"):
+        return None       # none, or one given as ranges only (build --draft-schedule FILE): no speed figures
     figures = planned_figures(rec.schedule, where="manifest.json draft_schedule.schedule")
     ar = {int(lv["concurrency"]): 1 / float(lv["ar_tokens_per_s_per_user"]) for lv in rec.schedule["levels"]}
     return {"source": rec.source, "by_concurrency": [
@@ -215,21 +213,3 @@ def write_plan(folder: str | Path, m: Manifest, rec: PlanRecord | None = None) -
     path = Path(folder) / PLAN_FILE
     path.write_text(json.dumps((rec or plan_bundle(folder, m)).to_dict(), indent=1) + "\n")
     return path
-
-
-def refresh(bundle: str | Path, out: str | Path, extra: list[tuple[Hardware, PlanCase]]) -> PlanRecord:
-    """`plan --bundle B --refresh --out NEW`: a copy of the bundle (reflinks where the filesystem has them) whose
-    plan.json is the current planner's, for the bundle's own cases and `extra`, and whose manifest lists its hash."""
-    bundle = Path(bundle)
-    if Path(out).exists() and (not Path(out).is_dir() or any(Path(out).iterdir())):
-        raise DFlashError(f"--out {out}: exists and is not an empty folder; the revision goes into a new one")
-    m = Manifest.read(bundle)
-    rec = plan_bundle(bundle, m, extra)
-    with atomic_output_dir(out) as work:
-        for f in bundle.iterdir():
-            clone_tree(f, work / f.name)
-        path = write_plan(work, m, rec)
-        art = ArtifactRecord(path=PLAN_FILE, bytes=path.stat().st_size, sha256=sha256_file(path))
-        replace(m, artifacts=sorted([a for a in m.artifacts if a.path != PLAN_FILE] + [art],
-                                    key=lambda a: a.path)).write(work)
-    return rec
