@@ -39,7 +39,7 @@ from importlib import resources
 from pathlib import Path
 
 from dflash_trt.errors import DFlashError
-from dflash_trt.io.prometheus import parse_prometheus, sum_series
+from dflash_trt.io.prometheus import parse_prometheus
 from dflash_trt.paths import VLLM_ENV_READY, vllm_env_dir
 from dflash_trt.stacks.base import Metric, StackMetrics
 from dflash_trt.stacks.tritonserver.server import STUB_NUMPY, ServerProcess, base_python, free_port
@@ -220,23 +220,6 @@ METRICS = StackMetrics(
     notes=(("vllm:inter_token_latency_seconds observes the time between a request's steps, and a DFlash step emits "
             "several tokens: the per-token latency is vllm:request_time_per_output_token_seconds (tpot)"),),
 )
-SPEC_DECODE_METRICS = METRICS.bench_view()
-ACCEPTED_PER_POSITION = METRICS.metrics["accepted_per_position"].name.removesuffix("_total")   # label position
-
-
-def parse_spec_decode_counters(text: str) -> dict:
-    """The vllm:spec_decode_* counters of a /metrics page (SPEC_DECODE_METRICS' names), summed over
-    their series; accepted_per_pos: the accepted tokens at each draft position."""
-    samples = parse_prometheus(text)
-    out = {k: sum_series(samples, SPEC_DECODE_METRICS[k]) or 0.0 for k in ("drafts", "draft_tokens", "accepted")}
-    per_pos: dict[int, float] = {}
-    for name, labels, value in samples:
-        if name in (ACCEPTED_PER_POSITION, ACCEPTED_PER_POSITION + "_total"):
-            per_pos[int(labels["position"])] = per_pos.get(int(labels["position"]), 0.0) + value
-    out["accepted_per_pos"] = [per_pos[k] for k in sorted(per_pos)]
-    return out
-
-
 class VllmServer(ServerProcess):
     """`vllm serve` of a bundle, on loopback (or `host`), as configs/vllm.json writes it.
 
@@ -327,7 +310,11 @@ class VllmServer(ServerProcess):
             return r.read().decode()
 
     def spec_decode_counters(self) -> dict:
-        """vLLM's speculative-decoding counters from /metrics: drafts, draft_tokens, accepted and
-        accepted_per_pos (list). Mean acceptance length = 1 + accepted / drafts (vLLM's own)."""
-        return parse_spec_decode_counters(self.metrics())
+        """vLLM's speculative-decoding counters from /metrics (its Stack.tune_reader's): drafts, draft_tokens,
+        accepted (0 where absent), running and accepted_per_pos (list). Mean acceptance length = 1 + accepted /
+        drafts (vLLM's own)."""
+        from dflash_trt.stacks.vllm import STACK
+
+        counts = STACK.tune_reader.counts(parse_prometheus(self.metrics()))
+        return {**counts, **{k: counts[k] or 0.0 for k in ("drafts", "draft_tokens", "accepted")}}
 
