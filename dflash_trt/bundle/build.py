@@ -54,7 +54,7 @@ from dflash_trt.io.manifest import (
 )
 from dflash_trt.models.check import NONFINITE_NOTE, check_pair
 from dflash_trt.models.config import load_drafter_config, require_target_config
-from dflash_trt.models.families import family
+from dflash_trt.models.families import ships_mxfp4
 from dflash_trt.paths import package_path
 from dflash_trt.presets.catalog import PRESETS, missing_pair, resolve_config_pair, resolve_drafter, resolve_target
 from dflash_trt.presets.hub import HubMissing, snapshot_revision
@@ -182,11 +182,6 @@ def detect_arch() -> tuple[str, str | None]:
     return arch, next((g for g in ids if g in name), None)
 
 
-def is_mxfp4(cfg: dict) -> bool:
-    return (cfg.get("quantization_config") or {}).get("quant_method") == "mxfp4" or \
-        family(cfg.get("model_type")).mxfp4_experts
-
-
 def num_experts(cfg: dict) -> int:
     return int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
 
@@ -232,7 +227,7 @@ def resolve_settings(o: BuildOptions, cfg: dict, name: str) -> dict:
     arch = hw["arch"]
     if o.quant not in QUANTS:
         raise DFlashError(f"--quant {o.quant!r}: expected one of {', '.join(QUANTS)}")
-    if is_mxfp4(cfg):
+    if ships_mxfp4(cfg):
         if o.quant in ("fp8", "nvfp4"):
             raise DFlashError(f"--quant {o.quant}: {name} ships MXFP4 experts and TensorRT-LLM serves gpt-oss only as "
                               "MXFP4 weights (with an FP8 KV cache); its experts are kept as they are: use --quant auto")

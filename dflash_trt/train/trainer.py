@@ -46,7 +46,7 @@ from dflash_trt.errors import DFlashError
 from dflash_trt.io.atomic import atomic_output_dir
 from dflash_trt.io.checkpoint import CheckpointReader
 from dflash_trt.io.jsonio import read_json
-from dflash_trt.models.config import DrafterConfig, default_target_layer_ids
+from dflash_trt.models.config import DrafterConfig, default_target_layer_ids, drafter_identity
 from dflash_trt.models.draft_vocab import FILE as DRAFT_VOCAB_FILE
 from dflash_trt.models.draft_vocab import read_draft_vocab
 from dflash_trt.models.drafter import DFlashDrafter, load_drafter, save_drafter
@@ -117,7 +117,7 @@ def drafter_config_for(target_cfg: dict, tc: TrainConfig, mask_token_id: int):
     heads = target_cfg["num_attention_heads"]
     rope = target_cfg.get("rope_parameters") or {}
     d = {
-        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "attention_bias": False, "attention_dropout": 0.0,
+        **drafter_identity(), "attention_bias": False, "attention_dropout": 0.0,
         "hidden_size": H, "intermediate_size": tc.intermediate_size or target_cfg["intermediate_size"],
         "num_hidden_layers": tc.layers, "num_attention_heads": heads,
         "num_key_value_heads": target_cfg.get("num_key_value_heads", heads),
