@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from dflash_trt.io.jsonio import read_json
 from dflash_trt.train.data import Sequences, load_sequences
 from dflash_trt.train.features import label_sequences
-from dflash_trt.train.prompts import HELDOUT_MODULES, build_prompts
+from dflash_trt.train.initial import TrainConfig
 from dflash_trt.train.objective import FrozenTarget, block_loss, make_batch, sample_picks
-from dflash_trt.train.settings import TrainConfig
+from dflash_trt.train.prompts import HELDOUT_MODULES, build_prompts
 
 from helpers import run_cli
 
@@ -340,8 +340,8 @@ def test_init_from_takes_the_drafters_own_config_unless_a_flag_gives_it(tiny):
                            "--block-size", "4")
     assert code == 0, err
     said = next(line for line in err.splitlines() if line.startswith("--init-from"))
-    assert said == (f"--init-from {D}: layers 2, intermediate size 96, target layers 1,2, mask token 5, draft "
-                    f"vocabulary {(D / 'draft_vocab.json').resolve()} (from its config); --block-size 4 (flag)")
+    assert said == (f"--init-from {D}: layers 2, intermediate size 96, target layers 1,2, mask token id 5, draft "
+                    f"vocab {(D / 'draft_vocab.json').resolve()} (from its config); --block-size 4 (flag)")
     written = read_json(tiny / "tuned" / "drafter" / "config.json")
     assert (written["num_hidden_layers"], written["intermediate_size"], written["block_size"]) == (2, 96, 4)
     assert written["dflash_config"]["target_layer_ids"] == [1, 2]

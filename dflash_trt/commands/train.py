@@ -151,7 +151,7 @@ def train_drafter_cmd(target, data, prompts, out, layers, intermediate_size, tar
     """
     from dflash_trt.presets.catalog import resolve_target
     from dflash_trt.train.distributed import close_world, init_world
-    from dflash_trt.train.settings import TrainConfig, settle
+    from dflash_trt.train.initial import TrainConfig, settle
     from dflash_trt.train.trainer import train_drafter
 
     if (data is None) == (prompts is None):

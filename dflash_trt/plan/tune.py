@@ -98,11 +98,6 @@ def _http(url: str, timeout: float = 30.0) -> str:
         raise DFlashError(f"{url}: cannot reach it ({getattr(e, 'reason', e)})") from None
 
 
-def page_counts(text: str, r: TuneReader) -> dict:
-    """The counters tune reads on one /metrics page, summed over their series (accepted_per_pos: a list)."""
-    return r.counts(parse_prometheus(text))
-
-
 def metrics_url(endpoint: str) -> str:
     base = endpoint.rstrip("/")
     return base if base.endswith("/metrics") else base + "/metrics"
@@ -112,11 +107,11 @@ def read_endpoint(endpoint: str, window_s: float, *, stack: str, every_s: float 
                   progress=None) -> Window:
     """Two scrapes of the server's /metrics `window_s` apart (the counters' deltas), the running-requests
     gauge read every `every_s` between them (its mean and max: the concurrency the replica ran at)."""
-    r = reader(stack)
-    url = metrics_url(endpoint)
+    r, url = reader(stack), metrics_url(endpoint)
+    scrape = lambda: r.counts(parse_prometheus(_http(url)))   # noqa: E731
     every = every_s or max(0.5, min(5.0, window_s / 20))
     t0 = time.time()
-    first = page_counts(_http(url), r)
+    first = scrape()
     if first["drafts"] is None:
         raise DFlashError(f"{url}: no {r.drafts} counter (is this {stack} serving with a speculative config?)")
     running = [first["running"] or 0.0]
@@ -126,12 +121,12 @@ def read_endpoint(endpoint: str, window_s: float, *, stack: str, every_s: float 
         if left <= 0:
             break
         time.sleep(min(every, left))
-        page = page_counts(_http(url), r)
+        page = scrape()
         running.append(page["running"] or 0.0)
         if progress:
             progress(f"{window_s - max(0.0, end - time.monotonic()):.0f}/{window_s:.0f} s: drafts "
                      f"{page['drafts'] - first['drafts']:.0f}, running {running[-1]:.0f}")
-    last = page if len(running) > 1 else page_counts(_http(url), r)
+    last = page if len(running) > 1 else scrape()
     n = max(len(first["accepted_per_pos"]), len(last["accepted_per_pos"]))
     pad = lambda xs: xs + [0.0] * (n - len(xs))   # noqa: E731
     return Window(source=f"endpoint {url}", stack=stack, start=t0, seconds=round(time.time() - t0, 3),

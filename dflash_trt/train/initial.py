@@ -1,7 +1,10 @@
-"""The drafter a run starts from: its config (the target's shapes and the run's settings) and its first
-weights: a trained drafter's (--init-from, grown when deeper), the target's last layers, or random."""
+"""A run's settings and the drafter it starts from: TrainConfig (train-drafter's flags; --resume takes
+RUN_SETTINGS from the run, `--init-from D` what no flag gives from D), the drafter's config (the target's
+shapes and those settings) and its first weights: a trained drafter's (--init-from, grown when deeper), the
+target's last layers, or random."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -9,11 +12,76 @@ import torch
 from dflash_trt.errors import DFlashError
 from dflash_trt.io.checkpoint import CheckpointReader
 from dflash_trt.io.jsonio import read_json
-from dflash_trt.models.config import DrafterConfig, default_target_layer_ids, drafter_identity
+from dflash_trt.models.config import DrafterConfig, default_target_layer_ids, drafter_identity, load_drafter_config
 from dflash_trt.models.draft_vocab import FILE as DRAFT_VOCAB_FILE
 from dflash_trt.models.draft_vocab import read_draft_vocab
 from dflash_trt.models.drafter import load_drafter
-from dflash_trt.train.settings import TrainConfig
+
+
+@dataclass
+class TrainConfig:
+    # None: unset (settle() fills it: from --init-from's drafter, else DEFAULTS / the comment's default)
+    layers: int | None = None
+    block_size: int | None = None
+    intermediate_size: int | None = None      # default: the target's
+    target_layer_ids: list[int] | None = None  # default: up to 5 layers evenly spaced in [1, L-3]
+    mask_token_id: int | None = None
+    steps: int = 2000
+    lr: float = 6e-4
+    warmup: int = 50
+    weight_decay: float = 0.0
+    blocks_per_step: int = 32
+    anchors_per_seq: int = 8
+    gamma: float | None = None
+    save_every: int = 200
+    eval_every: int = 100
+    log_every: int = 10                        # log.jsonl line interval (steps)
+    train_dtype: str = "bfloat16"              # the drafter's matmuls: bf16 autocast, or float32 throughout
+    eval_max_new_tokens: int = 128
+    eval_max_seqs: int = 64                    # held-out sequences per τ estimate (16 proved too noisy: ±0.05)
+    seed: int = 0
+    init_from_target: bool = True
+    init_from: str | None = None               # start from an existing drafter checkpoint (fine-tune)
+    labels: str = "data"                       # "data" | "teacher-forced" (train/objective.py)
+    distill_k: int = 0                         # > 0: KL to the target's top-k distribution beside the CE
+    draft_vocab: str | None = None             # a draft_vocab.json: logits (and labels) over its tokens only
+
+
+# Settings that make a run what it is: --resume takes them from the run's state, not the command line.
+RUN_SETTINGS = ("layers", "block_size", "intermediate_size", "target_layer_ids", "mask_token_id",
+                "blocks_per_step", "anchors_per_seq", "gamma", "seed", "init_from_target", "labels", "distill_k",
+                "draft_vocab")
+
+# the settings --init-from D gives a run where no flag does: TrainConfig field -> its flag
+FROM_DRAFTER = {"layers": "--layers", "block_size": "--block-size", "intermediate_size": "--intermediate-size",
+                "target_layer_ids": "--target-layers", "mask_token_id": "--mask-token-id", "draft_vocab": "--draft-vocab"}
+DEFAULTS = {"layers": 1, "block_size": 16}   # without --init-from, for the flags left unset
+
+
+def settle(tc: TrainConfig) -> str | None:
+    """Fill what the flags left unset (None): from --init-from D (its config's layers, block size, intermediate
+    size, target layer ids and mask token, its draft_vocab.json), else DEFAULTS. With --init-from, returns the
+    line that says which setting came from D and which from a flag."""
+    took, flagged = [], []
+    if tc.init_from:
+        d, vocab = load_drafter_config(tc.init_from), Path(tc.init_from) / DRAFT_VOCAB_FILE
+        theirs = {"layers": d.num_hidden_layers, "block_size": d.block_size, "intermediate_size": d.intermediate_size,
+                  "target_layer_ids": list(d.target_layer_ids), "mask_token_id": d.mask_token_id,
+                  "draft_vocab": str(vocab.resolve()) if vocab.is_file() else None}
+        for k, flag in FROM_DRAFTER.items():
+            if getattr(tc, k) is not None:
+                flagged.append(f"{flag} {_shown(getattr(tc, k))}")
+            elif theirs[k] is not None:
+                setattr(tc, k, theirs[k])
+                took.append(f"{flag.removeprefix('--').replace('-', ' ')} {_shown(theirs[k])}")
+    for k, v in DEFAULTS.items():
+        setattr(tc, k, v if getattr(tc, k) is None else getattr(tc, k))
+    return (f"--init-from {tc.init_from}: {', '.join(took) or 'nothing'} (from its config)"
+            + (f"; {', '.join(flagged)} (flag)" if flagged else "")) if tc.init_from else None
+
+
+def _shown(v) -> str:
+    return ",".join(map(str, v)) if isinstance(v, list) else str(v)
 
 
 def choose_mask_token(tokenizer, used: torch.Tensor) -> int:

@@ -4,16 +4,11 @@ the offline τ estimate.
 
 A block = [anchor token, MASK × (B-1)] at positions anchor..anchor+B-1 sees the context strictly
 before its anchor and its own block (bidirectionally), never other blocks; slot k predicts the
-token at anchor+k, weighted exp(-(k-1)/γ), as z-lab and SpecForge train it.
-
-Labels (--labels): "data" takes each slot's label from the sequence itself, right when the data is
-the target's own greedy answers; "teacher-forced" takes it from the target's top-1 prediction at
-that position (train/data.py), so any text (train/corpus.py) is training data. A slot k >= 2 is
-labelled only while the text between the anchor and it equals the target's greedy predictions:
-then the label is exactly the token greedy decoding would emit there, and beyond that point the
-target's prediction is conditioned on tokens the decode loop never sees. --distill topk:K adds
-the KL divergence from the target's top-K distribution (renormalised) to the drafter's, beside the
-CE on its argmax, both under the same slot decay.
+token at anchor+k, weighted exp(-(k-1)/γ), as z-lab and SpecForge train it. Its label (--labels) is
+the data's next token ("data": the data is the target's own greedy answers) or the target's top-1
+("teacher-forced": any text), a slot k >= 2 labelled only while the text between the anchor and it is
+the target's greedy path; --distill topk:K adds the KL to the target's top-K distribution
+(docs/decode-loop.md, "Training recipe", says why each).
 """
 from __future__ import annotations
 
@@ -171,6 +166,14 @@ class FrozenTarget:
 
     def token(self, column: torch.Tensor) -> torch.Tensor:
         return column if self.vocab is None else self.vocab[column]
+
+
+def default_gamma(block_size: int) -> float:
+    """Loss decay γ of the DFlash recipe: 7 for B=16, 5 for B=10, 4 for B=8 (linear in between)."""
+    table = {8: 4.0, 10: 5.0, 16: 7.0}
+    if block_size in table:
+        return table[block_size]
+    return max(1.0, 4.0 + (block_size - 8) * 3.0 / 8.0)
 
 
 def block_loss(drafter, frozen: FrozenTarget, batch: Batch, gamma: float) -> torch.Tensor:

@@ -3,11 +3,10 @@
     prompts ──target generates──▶ responses (JSONL) ──target forward──▶ feature shards on disk (bf16)
             ──▶ random anchors, masked blocks, per-anchor attention, decayed CE ──▶ z-lab drafter
 
-By stage: the run's settings (train/settings.py), the data, the target's own greedy answers
-(train/data.py), its features (train/features.py), the drafter's config and first weights
-(train/initial.py), the batches, loss and τ estimate (train/objective.py); this module runs them: the
-setup, the steps and the resumable state, in one process or on every rank of a torchrun job
-(train/distributed.py: each rank trains on its share of the global batch).
+By stage: the data, the target's own greedy answers (train/data.py), its features (train/features.py), the
+run's settings and the drafter's config and first weights (train/initial.py), the batches, loss and τ
+estimate (train/objective.py); this module runs them (the setup, the steps, the resumable state) in one
+process or on every rank of a torchrun job (train/distributed.py: each rank trains its share of the batch).
 
 Run folder (--out DIR): DIR/drafter (the z-lab checkpoint, bfloat16, rewritten at every save),
 DIR/state (fp32 weights + AdamW moments as safetensors, step and RNG as JSON: what --resume
@@ -18,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import random
 import sys
 import time
@@ -36,9 +36,10 @@ from dflash_trt.runtime.pair import resolve_dtype
 from dflash_trt.train.data import Sequences, is_prompt_only, load_sequences, prepare_data
 from dflash_trt.train.distributed import World, close_world, init_world
 from dflash_trt.train.features import label_sequences
-from dflash_trt.train.initial import choose_mask_token, draft_vocabulary, drafter_config_for, initial_weights
-from dflash_trt.train.objective import FrozenTarget, block_loss_terms, estimate_tau, make_batch, sample_picks, split_picks
-from dflash_trt.train.settings import RUN_SETTINGS, TrainConfig, default_gamma, learning_rate, settle
+from dflash_trt.train.initial import RUN_SETTINGS, TrainConfig, choose_mask_token, drafter_config_for
+from dflash_trt.train.initial import draft_vocabulary, initial_weights, settle
+from dflash_trt.train.objective import FrozenTarget, block_loss_terms, default_gamma, estimate_tau, make_batch
+from dflash_trt.train.objective import sample_picks, split_picks
 
 CACHED_TOPK = 8
 
@@ -114,6 +115,15 @@ class Run:
 
     def seconds(self) -> float:
         return self.elapsed_before + time.perf_counter() - self.t_start
+
+
+def learning_rate(tc: TrainConfig, step: int) -> float:
+    """Linear warm-up, then cosine down to 10% of tc.lr at tc.steps."""
+    if step < tc.warmup:
+        return tc.lr * (step + 1) / tc.warmup
+    frac = min(1.0, (step - tc.warmup) / max(1, tc.steps - tc.warmup))
+    return tc.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
 
 
 def _check_out_dir(out_dir: Path, resume: bool) -> None:
@@ -284,30 +294,23 @@ def train_drafter(target_dir: str | Path, data_path: str | Path, out_dir: str | 
     own_world = world is None
     world = world or init_world()
     try:
-        return _train(Path(target_dir), data_path, Path(out_dir), tc, world, eval_path=eval_path, resume=resume,
-                      progress=progress, max_new_tokens=max_new_tokens, time_limit_s=time_limit_s,
-                      stop_after=stop_after, feature_cache=feature_cache, dtype=dtype, engine=answer_engine)
+        run = _setup(Path(target_dir), data_path, Path(out_dir), tc, eval_path=eval_path, resume=resume,
+                     progress=progress, max_new_tokens=max_new_tokens, feature_cache=feature_cache, dtype=dtype,
+                     world=world, engine=answer_engine)
+        run.t_start = time.perf_counter()
+        bar = tqdm(total=tc.steps, initial=run.step, unit="step", disable=not (progress and world.main),
+                   desc="train-drafter" + (f" ({world.size} ranks)" if world.distributed else ""), file=sys.stderr,
+                   dynamic_ncols=True)
+        run.drafter.train()
+        try:
+            stopped_early = _loop(run, bar, time_limit_s, stop_after)
+        finally:
+            bar.close()   # an error line then starts on a line of its own
+        _save(run)
+        return _summary(run, stopped_early)
     finally:
         if own_world:
             close_world(world)
-
-
-def _train(target_dir: Path, data_path, out_dir: Path, tc: TrainConfig, world: World, *, eval_path, resume: bool,
-           progress: bool, max_new_tokens: int, time_limit_s, stop_after, feature_cache, dtype: str, engine: str
-           ) -> dict:
-    run = _setup(target_dir, data_path, out_dir, tc, eval_path=eval_path, resume=resume, progress=progress,
-                 max_new_tokens=max_new_tokens, feature_cache=feature_cache, dtype=dtype, world=world, engine=engine)
-    run.t_start = time.perf_counter()
-    bar = tqdm(total=tc.steps, initial=run.step, desc="train-drafter" + (f" ({world.size} ranks)" if world.distributed
-                                                                          else ""),
-               unit="step", disable=not (progress and world.main), file=sys.stderr, dynamic_ncols=True)
-    run.drafter.train()
-    try:
-        stopped_early = _loop(run, bar, time_limit_s, stop_after)
-    finally:
-        bar.close()   # an error line then starts on a line of its own
-    _save(run)
-    return _summary(run, stopped_early)
 
 
 def _loop(run: Run, bar, time_limit_s, stop_after) -> bool:
