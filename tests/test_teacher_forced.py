@@ -18,10 +18,10 @@ from dflash_trt.io.jsonio import read_json
 from dflash_trt.train.data import Sequences, load_sequences
 from dflash_trt.train.features import label_sequences
 from dflash_trt.train.initial import TrainConfig
-from dflash_trt.train.objective import FrozenTarget, block_loss, make_batch, sample_picks
+from dflash_trt.train.objective import FrozenTarget, make_batch, sample_picks
 from dflash_trt.train.prompts import HELDOUT_MODULES, build_prompts
 
-from helpers import run_cli
+from helpers import block_loss, run_cli
 
 
 @pytest.fixture(scope="module")

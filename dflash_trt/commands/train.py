@@ -65,11 +65,9 @@ def _layer_list(ctx, param, value):
 @click.option("--out", "out", type=click.Path(file_okay=False), required=True,
               help="Run folder: OUT/drafter (z-lab checkpoint), OUT/state (resume), OUT/log.jsonl.")
 @click.option("--layers", type=click.IntRange(1, 16), help="Drafter decoder layers (default: 1, or --init-from's).")
-@click.option("--intermediate-size", type=click.IntRange(16, MAX_INTERMEDIATE),
-              help="Drafter MLP width (default: the target's, or --init-from's).")
+@click.option("--intermediate-size", type=click.IntRange(16, MAX_INTERMEDIATE), help="Drafter MLP width (default: the target's, or --init-from's).")
 @click.option("--target-layers", callback=_layer_list,
-              help="Target layers whose outputs feed the drafter, e.g. 1,8,14,20,27 (default: 5 evenly spaced, or "
-                   "--init-from's).")
+              help="Target layers whose outputs feed the drafter, e.g. 1,8,14,20,27 (default: 5 evenly spaced, or --init-from's).")
 @click.option("--block-size", type=click.IntRange(2, 64), help="Draft block size (default: 16, or --init-from's).")
 @click.option("--steps", type=click.IntRange(1), default=2000, show_default=True, help="Total optimizer steps.")
 @click.option("--lr", type=FiniteFloatRange(0, 1, min_open=True), default=6e-4, show_default=True,
@@ -87,8 +85,7 @@ def _layer_list(ctx, param, value):
               help="Response length when the target answers --prompts.")
 @click.option("--init-from", type=click.Path(exists=True, file_okay=False),
               help="Start from this drafter (fine-tune): its weights, and its layers, block size, intermediate size, "
-                   "target layers, mask token and draft vocabulary where no flag gives them (e.g. --block-size "
-                   "retrains it at another one).")
+                   "target layers, mask token and draft vocabulary where no flag gives them.")
 @click.option("--feature-cache", type=click.Path(file_okay=False),
               help="Where to cache target features (default OUT/features); share it between runs.")
 @click.option("--resume", is_flag=True, help="Continue the run in OUT from its last checkpoint.")

@@ -176,16 +176,10 @@ def default_gamma(block_size: int) -> float:
     return max(1.0, 4.0 + (block_size - 8) * 3.0 / 8.0)
 
 
-def block_loss(drafter, frozen: FrozenTarget, batch: Batch, gamma: float) -> torch.Tensor:
-    """Decayed CE on the labels (+ the KL to the target's top-K distribution when the batch has it);
-    labels outside the draft vocabulary are dropped (the drafter can never propose them)."""
-    total, weight = block_loss_terms(drafter, frozen, batch, gamma)
-    return total / weight if weight > 0 else total
-
-
 def block_loss_terms(drafter, frozen: FrozenTarget, batch: Batch, gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """block_loss as (weighted sum, sum of weights): ranks add both up, so the loss of a batch split
-    over ranks is the loss of the whole batch."""
+    """Decayed CE on the labels (+ the KL to the target's top-K distribution when the batch has it; labels
+    outside the draft vocabulary dropped: the drafter can never propose them) as (weighted sum, sum of weights):
+    ranks add both up, so the loss of a batch split over ranks is the loss of the whole batch."""
     dev = frozen.embed.device
     sel = batch.labels >= 0
     cols = frozen.column[batch.labels.clamp(min=0)]

@@ -45,7 +45,6 @@ TRAITS = {
                           "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                            "original_max_position_embeddings": 64, "truncate": False}}),
 }
-MODEL_TYPES = tuple(TRAITS)
 
 
 class Attention(CachedAttention):

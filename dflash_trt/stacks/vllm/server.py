@@ -53,11 +53,6 @@ BREAK_IMPORT = ("torchvision", "torchaudio", "torchcodec")
 PLUGIN = "dflash_trt_vllm_cpu_fix"
 PLUGIN_VERSION = "2"   # bumped with each fix: an env made with an older one gets the new file
 
-# vllm_env.CPU_ENV (the host/CPU settings `VllmServer` adds to the bundle's argv), for vLLM inside
-# Triton's Python-backend stub (triton/vllm): the engine core runs in the stub process (the stub is no Python a spawned process could start); the C locale of the stub is
-# handled in the model (assets/triton_vllm_backend/model.py).
-TRITON_VLLM_ENV = {**CPU_ENV, "LC_ALL": "C.UTF-8", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-
 
 def _pip(env: Path, *args: str) -> None:
     subprocess.run([str(vllm_python(env)), "-m", "pip", "--disable-pip-version-check", *args], check=True,
