@@ -60,6 +60,14 @@ def add_plan(bundle: Path) -> None:
 
 
 # ------------------------------------------------------------------ training data
+def block_loss(drafter, frozen, batch, gamma: float):
+    """The trainer's loss of one batch (train/objective.block_loss_terms, normalised by its weights)."""
+    from dflash_trt.train.objective import block_loss_terms
+
+    total, weight = block_loss_terms(drafter, frozen, batch, gamma)
+    return total / weight if weight > 0 else total
+
+
 def tiny_target_with_answers(root: Path) -> Path:
     """A tiny Llama target (root/target) and root/data.jsonl: its own greedy answers (transformers,
     40 new tokens) to 12 training prompts, the trainer tests' data set. Returns root."""

@@ -78,15 +78,8 @@ def test_a_split_batch_sums_to_the_whole_batch(tiny):
     from dflash_trt.io.jsonio import read_json
     from dflash_trt.models.drafter import DFlashDrafter
     from dflash_trt.train.features import label_sequences
-    from dflash_trt.train.trainer import (
-        FrozenTarget,
-        TrainConfig,
-        block_loss_terms,
-        drafter_config_for,
-        make_batch,
-        sample_picks,
-        split_picks,
-    )
+    from dflash_trt.train.initial import TrainConfig, drafter_config_for
+    from dflash_trt.train.objective import FrozenTarget, block_loss_terms, make_batch, sample_picks, split_picks
 
     cfg = read_json(tiny / "target" / "config.json")
     data, _ = load_sequences(tiny / "data.jsonl")

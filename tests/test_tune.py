@@ -156,7 +156,7 @@ def test_k0_in_vllm_is_a_recommendation_not_plain_decoding():
 
 
 def test_prometheus_queries_name_vllm_counters():
-    q = tune.prometheus_queries(600, 'namespace="llm"')
+    q = tune.prometheus_queries(600, 'namespace="llm"', "vllm")
     assert q["accepted_per_pos"] == ('sum by (position) (increase(vllm:spec_decode_num_accepted_tokens_per_pos_total'
                                      '{namespace="llm"}[600s]))')
     assert q["mean_concurrency"] == 'avg(avg_over_time(vllm:num_requests_running{namespace="llm"}[600s]))'

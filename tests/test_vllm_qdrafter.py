@@ -12,7 +12,7 @@ quantized drafter for vLLM's acceptance length (/metrics counters).
 - weights_only: the int8 weights times their float32 scales, the activations in float32 (what
   `bench` on the bundle's drafter/ runs: models/drafter.py load_drafter);
 - w8a8: the same weights, and each quantized layer's input rounded to W8A8's per-token int8 grid
-  as vLLM's kernel does (models/drafter.py emulate_int8_activations, unfused context K/V). The
+  as vLLM's kernel does (emulate_int8_activations below, unfused context K/V). The
   probe shows this equals vLLM's kernel output to float32 rounding (1e-5 relative) where the
   weights-only product is ~1% off per layer.
 One vLLM server at a time, `--enforce-eager` (tests/test_vllm.py says why).
@@ -133,10 +133,29 @@ def _prompts(tokenizer) -> list[list[int]]:
     return [encode_prompt(tokenizer, p) for p in rows[:N_PROMPTS]]
 
 
+def emulate_int8_activations(drafter):
+    """Round the input of each Linear an INT8 W8A8 drafter quantizes (io/compressed_tensors.py
+    QUANTIZED_LINEAR: the layers' attention and MLP projections; fc stays float) to W8A8's
+    per-token int8 grid, as vLLM's int8 kernel does before its int32 GEMM. With the weights of
+    dequantized_state_dict (its int8 row) this is the scheme's arithmetic up to float32 summation order.
+    The fused context-K/V path folds hidden_norm's weight into k_proj / v_proj, which moves the
+    rounding: decode such a drafter with fused_inject=False."""
+    from torch import nn
+
+    from dflash_trt.io import compressed_tensors
+
+    def round_input(module, args):
+        return (compressed_tensors.quantize_activations_per_token(args[0]), *args[1:])
+
+    for name, module in drafter.named_modules():
+        if isinstance(module, nn.Linear) and compressed_tensors.is_quantized_linear(f"{name}.weight"):
+            module.register_forward_pre_hook(round_input)
+    return drafter
+
+
 @pytest.fixture(scope="module")
 def ours(bundle):
     """Our runtime on the bundle's pair with the int8 drafter, float32 (vLLM's dtype here), both ways."""
-    from dflash_trt.models.drafter import emulate_int8_activations
     from dflash_trt.runtime.pair import generate, load_pair
 
     pair = load_pair(bundle / "target", bundle / "drafter", dtype="float32")

@@ -21,13 +21,19 @@ import numpy as np
 import pytest
 
 from dflash_trt.stacks.tritonserver.server import TritonServer
-from dflash_trt.stacks.vllm.server import TRITON_VLLM_ENV, VllmServer, make_vllm_stub_env
+from dflash_trt.stacks.vllm.env import CPU_ENV
+from dflash_trt.stacks.vllm.server import VllmServer, make_vllm_stub_env
 
 from helpers import grpc_stream, infer_inputs, tritonserver_missing
 
 pytest.importorskip("tritonclient.grpc")  # the client of helpers.grpc_stream
 pytestmark = pytest.mark.slow
 PROMPT, MAX_TOKENS = "def fibonacci(n):", 32
+
+# vllm_env.CPU_ENV (the host/CPU settings `VllmServer` adds to the bundle's argv), for vLLM inside
+# Triton's Python-backend stub (triton/vllm): the engine core runs in the stub process (the stub is no Python a spawned process could start); the C locale of the stub is
+# handled in the model (assets/triton_vllm_backend/model.py).
+TRITON_VLLM_ENV = {**CPU_ENV, "LC_ALL": "C.UTF-8", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def _stream(grpc_url: str, model: str, prompt: str, params: dict, timeout=900) -> tuple[list[str], object]:

@@ -190,13 +190,13 @@ class EndpointBench:
             self.connect()
         syn, start = None, None
         if self.synthetic:
-            if self.engine not in tune.TUNE_READERS:
+            reader = tune.reader(self.engine)
+            if reader is None:
                 raise DFlashError(f"--synthetic-acceptance: the engine at {self.base} is {self.engine or 'unknown'}; "
                                   "synthetic acceptance is vLLM's (rejection_sample_method synthetic)")
-            reader = tune.TUNE_READERS[self.engine]
-            start = tune.counts_from_samples(scrape(self.metrics_url), reader)
+            start = reader.counts(scrape(self.metrics_url))
             if not start["accepted_per_pos"]:
-                raise DFlashError(f"{self.metrics_url}: no {reader['accepted_per_pos']} series: the server does not "
+                raise DFlashError(f"{self.metrics_url}: no {reader.accepted_per_pos} series: the server does not "
                                   "run speculative decoding")
             syn = parse_synthetic(self.synthetic, len(start["accepted_per_pos"]))
         if self.warmup:
@@ -226,7 +226,7 @@ class EndpointBench:
                   "max_new_tokens": self.max_new_tokens, "prompts": len(rows), "levels": levels,
                   "per_request_acceptance_source": PER_REQUEST_SPEC["source"]}
         if syn is not None:
-            end = tune.counts_from_samples(scrape(self.metrics_url), tune.TUNE_READERS[self.engine])
+            end = tune.reader(self.engine).counts(scrape(self.metrics_url))
             report["synthetic_acceptance"] = {
                 "label": SYNTHETIC_LABEL, "assumed_rates": syn.rates, "assumed_tau": syn.tau,
                 "server_speculative_config_fields": syn.server_fields(),

@@ -63,19 +63,13 @@ from dflash_trt.io.manifest import (
     sha256_json,
 )
 from dflash_trt.models.config import load_drafter_config, require_target_config
-from dflash_trt.models.families import family
+from dflash_trt.models.families import ships_mxfp4
 from dflash_trt.plan.record import write_plan
 from dflash_trt.presets.hub import snapshot_revision
 from dflash_trt.stacks.base import draft_schedule_record
 from dflash_trt.stacks.layer_ids import layer_ids_by_stack
 from dflash_trt.stacks.trtllm.engine import detect_toolchain, toolchain_fingerprint
 from dflash_trt.stacks.trtllm.profiles import DRAFTER_ATTENTION_BACKEND, drafter_attention_backend, profile_settings
-
-
-# ------------------------------------------------------------ quantization and parallelism, against the target
-def is_mxfp4(cfg: dict) -> bool:
-    return (cfg.get("quantization_config") or {}).get("quant_method") == "mxfp4" or \
-        family(cfg.get("model_type")).mxfp4_experts
 
 
 def num_experts(cfg: dict) -> int:
@@ -90,7 +84,7 @@ def resolve_settings(o: BuildOptions, cfg: dict, name: str) -> dict:
     arch = hw["arch"]
     if o.quant not in QUANTS:
         raise DFlashError(f"--quant {o.quant!r}: expected one of {', '.join(QUANTS)}")
-    if is_mxfp4(cfg):
+    if ships_mxfp4(cfg):
         if o.quant in ("fp8", "nvfp4"):
             raise DFlashError(f"--quant {o.quant}: {name} ships MXFP4 experts and TensorRT-LLM serves gpt-oss only as "
                               "MXFP4 weights (with an FP8 KV cache); its experts are kept as they are: use --quant auto")

@@ -64,11 +64,11 @@ def _layer_list(ctx, param, value):
               help="Prompt JSONL ({\"prompt\": ...} lines): the target answers them first (resumable).")
 @click.option("--out", "out", type=click.Path(file_okay=False), required=True,
               help="Run folder: OUT/drafter (z-lab checkpoint), OUT/state (resume), OUT/log.jsonl.")
-@click.option("--layers", type=click.IntRange(1, 16), default=1, show_default=True, help="Drafter decoder layers.")
-@click.option("--intermediate-size", type=click.IntRange(16, MAX_INTERMEDIATE), help="Drafter MLP width (default: the target's).")
+@click.option("--layers", type=click.IntRange(1, 16), help="Drafter decoder layers (default: 1, or --init-from's).")
+@click.option("--intermediate-size", type=click.IntRange(16, MAX_INTERMEDIATE), help="Drafter MLP width (default: the target's, or --init-from's).")
 @click.option("--target-layers", callback=_layer_list,
-              help="Target layers whose outputs feed the drafter, e.g. 1,8,14,20,27 (default: 5 evenly spaced).")
-@click.option("--block-size", type=click.IntRange(2, 64), default=16, show_default=True)
+              help="Target layers whose outputs feed the drafter, e.g. 1,8,14,20,27 (default: 5 evenly spaced, or --init-from's).")
+@click.option("--block-size", type=click.IntRange(2, 64), help="Draft block size (default: 16, or --init-from's).")
 @click.option("--steps", type=click.IntRange(1), default=2000, show_default=True, help="Total optimizer steps.")
 @click.option("--lr", type=FiniteFloatRange(0, 1, min_open=True), default=6e-4, show_default=True,
               help="Peak learning rate (warm-up, cosine to 10%).")
@@ -83,8 +83,9 @@ def _layer_list(ctx, param, value):
               help="Held-out prompts (or data) JSONL for the τ estimate in the progress bar.")
 @click.option("--max-new-tokens", type=click.IntRange(2, MAX_CONTEXT), default=192, show_default=True,
               help="Response length when the target answers --prompts.")
-@click.option("--init-from", type=click.Path(file_okay=False),
-              help="Start from this drafter's weights (fine-tune; e.g. retrain at another --block-size).")
+@click.option("--init-from", type=click.Path(exists=True, file_okay=False),
+              help="Start from this drafter (fine-tune): its weights, and its layers, block size, intermediate size, "
+                   "target layers, mask token and draft vocabulary where no flag gives them.")
 @click.option("--feature-cache", type=click.Path(file_okay=False),
               help="Where to cache target features (default OUT/features); share it between runs.")
 @click.option("--resume", is_flag=True, help="Continue the run in OUT from its last checkpoint.")
@@ -147,7 +148,8 @@ def train_drafter_cmd(target, data, prompts, out, layers, intermediate_size, tar
     """
     from dflash_trt.presets.catalog import resolve_target
     from dflash_trt.train.distributed import close_world, init_world
-    from dflash_trt.train.trainer import TrainConfig, train_drafter
+    from dflash_trt.train.initial import TrainConfig, settle
+    from dflash_trt.train.trainer import train_drafter
 
     if (data is None) == (prompts is None):
         raise DFlashError("give exactly one of --data FILE.jsonl or --prompts FILE.jsonl")
@@ -164,6 +166,9 @@ def train_drafter_cmd(target, data, prompts, out, layers, intermediate_size, tar
                      init_from=init_from, labels=labels, distill_k=distill, anchors_per_seq=anchors_per_seq,
                      gamma=gamma, draft_vocab=str(Path(draft_vocab).resolve()) if draft_vocab else None)
     world = init_world(timeout_s=dist_timeout * 60)
+    taken = None if resume else settle(tc)   # a resumed run keeps its own settings (its state)
+    if taken and world.main:
+        click.echo(taken, err=True)
     try:
         with no_new_empty_dirs(out, feature_cache):   # a failed run leaves no empty --out behind
             summary = train_drafter(tdir, data or prompts, out, tc, eval_path=eval_prompts, resume=resume,

@@ -83,7 +83,7 @@ def tune_cmd(bundle_dir, endpoint, prometheus, selector, window, min_drafts, ste
         w = tune.read_prometheus(prometheus, seconds, selector=selector, stack=stack)
     before = tune.served_schedule(m, max_k + 1)
     acc = tune.survival_from_window(w, max_k, tune.served_ranges(bundle, before, stack), min_drafts=min_drafts)
-    r = tune.replan(before, w, acc, cost, max_k, stack, min_gain=min_gain)
+    r = tune.replan(before, w, acc, cost, max_k, min_gain=min_gain)
     new_m = write_revision(bundle, Path(out), revision.tune_change(r))
     values_path = Path(values_out) if values_out else Path(str(Path(out)) + ".helm-upgrade-values.yaml")
     diff = revision.values_diff(bundle, Path(out), values_path)
@@ -112,12 +112,12 @@ def _check_sources(endpoint, prometheus, selector, every, out) -> None:
 
 
 def _tuned_stack(m) -> str:
-    """The bundle's served stack whose per-position acceptance tune reads (plan/tune.py TUNE_READERS)."""
+    """The bundle's served stack whose per-position acceptance tune reads (its Stack.tune_reader)."""
     from dflash_trt.errors import DFlashError
     from dflash_trt.plan import tune
 
     served = m.served_stacks
-    stack = next((s for s in served if s in tune.TUNE_READERS), None)
+    stack = next((s for s in served if tune.reader(s)), None)
     if stack is None:
         raise DFlashError(f"tune: the bundle serves {', '.join(served)}; tune reads per-position acceptance from vLLM "
                           "only (the one engine exporting it) - build the bundle with --stacks vllm")

@@ -1,29 +1,18 @@
-"""Prometheus text exposition format: the samples of a /metrics page, and the sum of one metric's
-series. Written here rather than taken from prometheus_client, whose parser is not part of our
-dependencies (vLLM's env has it, ours does not); the format is line-based and small."""
+"""Prometheus text exposition format: the samples of a /metrics page (prometheus_client's parser), and the
+sum of one metric's series."""
 from __future__ import annotations
 
-import re
-
-SAMPLE = re.compile(r'^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\S+)?$')
-LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+from prometheus_client.parser import text_string_to_metric_families
 
 
 def parse_prometheus(text: str) -> list[tuple[str, dict, float]]:
-    """(name, labels, value) of every sample line of a Prometheus text page."""
-    out = []
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = SAMPLE.match(line.strip())
-        if not m:
-            continue
-        try:
-            value = float(m.group(3))
-        except ValueError:
-            continue
-        out.append((m.group(1), dict(LABEL.findall(m.group(2) or "")), value))
-    return out
+    """(name, labels, value) of every sample of a Prometheus text page; none of a page that is not one
+    (trtllm-serve's /metrics is JSON: prometheus_client refuses its first line)."""
+    try:
+        return [(s.name, dict(s.labels), float(s.value)) for family in text_string_to_metric_families(text)
+                for s in family.samples]
+    except ValueError:
+        return []
 
 
 def sum_series(samples: list[tuple[str, dict, float]], spec: dict) -> float | None:

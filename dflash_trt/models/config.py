@@ -94,6 +94,14 @@ DRAFTER_FIELDS = COMMON_FIELDS + (
         ("input_embedding_scale", 1e-6, 1e6), ("output_multiplier", 1e-6, 1e6), ("final_logit_softcapping", 0.0, 1e6))],
 )
 DRAFTER_ARCHITECTURES = {"DFlashDraftModel": "dflash", "DFlash2DraftModel": "dflash2"}
+# A DFlash drafter's decoder layers are Qwen3's: the model_type of its config.json (z-lab's; the engines load it so)
+DRAFTER_MODEL_TYPE = "qwen3"
+
+
+def drafter_identity(kind: str = "dflash") -> dict:
+    """The config.json fields that say a drafter of this kind is one: its architecture and model_type."""
+    return {"architectures": [next(a for a, k in DRAFTER_ARCHITECTURES.items() if k == kind)],
+            "model_type": DRAFTER_MODEL_TYPE}
 # dflash_config keys upstream reads that change what the drafter computes and that the CPU
 # runtime does not implement: refused by name rather than silently dropped.
 UNSUPPORTED_DRAFTER_KEYS = {
@@ -447,8 +455,8 @@ class DrafterConfig:
     def to_dict(self) -> dict:
         """The z-lab config.json: `raw` with our (possibly edited) fields written over it."""
         d = dict(self.raw)
-        d.setdefault("architectures", ["DFlash2DraftModel" if self.kind == "dflash2" else "DFlashDraftModel"])
-        d.setdefault("model_type", "qwen3")
+        for k, v in drafter_identity(self.kind).items():
+            d.setdefault(k, v)
         for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
                   "intermediate_size", "vocab_size", "rms_norm_eps", "rope_theta", "rope_scaling",
                   "max_position_embeddings", "attention_bias", "hidden_act", "block_size"):
@@ -477,7 +485,7 @@ def zlab_config_from_speculators(d: dict, source: str = "config.json") -> dict:
         raise DFlashError(f"{source}: aux_hidden_state_layer_ids = {_short(aux)}: must be a list of integers")
     out = {k: v for k, v in layer.items() if k not in ("architectures", "model_type")}
     out.update({
-        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": d["block_size"],
+        **drafter_identity(), "block_size": d["block_size"],
         "dflash_config": {"mask_token_id": d["mask_token_id"],
                           "target_layer_ids": [i - 1 for i in aux]},
     })

@@ -265,19 +265,3 @@ def save_drafter(model: DFlashDrafter, folder: str | Path, dtype: torch.dtype | 
         for name, body in (extra_files or {}).items():
             (tmp / name).write_bytes(body)
     return Path(folder)
-
-
-def emulate_int8_activations(drafter: DFlashDrafter) -> DFlashDrafter:
-    """Round the input of each Linear an INT8 W8A8 drafter quantizes (io/compressed_tensors.py
-    QUANTIZED_LINEAR: the layers' attention and MLP projections; fc stays float) to W8A8's
-    per-token int8 grid, as vLLM's int8 kernel does before its int32 GEMM. With the weights of
-    dequantized_state_dict (its int8 row) this is the scheme's arithmetic up to float32 summation order.
-    The fused context-K/V path folds hidden_norm's weight into k_proj / v_proj, which moves the
-    rounding: decode such a drafter with fused_inject=False."""
-    def round_input(module, args):
-        return (compressed_tensors.quantize_activations_per_token(args[0]), *args[1:])
-
-    for name, module in drafter.named_modules():
-        if isinstance(module, nn.Linear) and compressed_tensors.is_quantized_linear(f"{name}.weight"):
-            module.register_forward_pre_hook(round_input)
-    return drafter

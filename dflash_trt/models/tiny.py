@@ -1,6 +1,6 @@
-"""`make-tiny`: a tiny random target of a real family (Llama, Qwen3, gpt-oss) with a working
-tokenizer, and a matching random DFlash drafter. For smoke tests of deployments, tests and
-benchmarks: real config fields and tensor names, a few layers, seconds to build."""
+"""`make-tiny`: a tiny random target of a real family (each family whose row has a `tiny` recipe: Llama,
+Qwen3, gpt-oss) with a working tokenizer, and a matching random DFlash drafter. For smoke tests of
+deployments, tests and benchmarks: real config fields and tensor names, a few layers, seconds to build."""
 from __future__ import annotations
 
 import json
@@ -17,10 +17,12 @@ from dflash_trt.errors import DFlashError
 from dflash_trt.io.atomic import atomic_output_dir
 from dflash_trt.io.formats import mxfp4_encode
 from dflash_trt.io.jsonio import read_json
-from dflash_trt.models.config import DrafterConfig, default_target_layer_ids
+from dflash_trt.models.config import DrafterConfig, default_target_layer_ids, drafter_identity
 from dflash_trt.models.drafter import DFlashDrafter, save_drafter
+from dflash_trt.models.families import TRAITS, Family
 
-ARCHS = ("llama", "qwen3", "gpt-oss")
+# make-tiny's --arch (the model_type, dashed) -> model_type: the families whose row has a `tiny` recipe
+ARCHS = {mt.replace("_", "-"): mt for mt, f in TRAITS.items() if f.tiny}
 MASK_TOKEN = "<|mask|>"
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", MASK_TOKEN]
 CHAT_TEMPLATE = (
@@ -51,27 +53,21 @@ def build_tokenizer(vocab_size: int = 512):
 
 
 def tiny_target_config(arch: str, vocab_size: int, eos_id: int, bos_id: int):
-    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
-                  rms_norm_eps=1e-6, eos_token_id=eos_id, bos_token_id=bos_id, pad_token_id=bos_id,
-                  initializer_range=0.1, tie_word_embeddings=False)
-    if arch == "llama":
-        from transformers import LlamaConfig
-        return LlamaConfig(**common, rope_theta=10000.0,
-                           rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 256})
-    if arch == "qwen3":
-        from transformers import Qwen3Config
-        return Qwen3Config(**common, rope_theta=1000000.0)
-    if arch == "gpt-oss":
-        from transformers import GptOssConfig
-        common.update(intermediate_size=64, num_hidden_layers=4, num_local_experts=4, num_experts_per_tok=2,
-                      attention_bias=True, sliding_window=8, rope_theta=150000.0,
-                      layer_types=["sliding_attention", "full_attention"] * 2,
-                      rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                                    "original_max_position_embeddings": 64, "truncate": False})
-        return GptOssConfig(**common)
-    raise DFlashError(f"--arch {arch!r}: expected one of {', '.join(ARCHS)}")
+    """The family's transformers config at the shared small sizes, with what its row's `tiny` sets."""
+    import transformers
+
+    fields = dict(_family(arch).tiny)
+    return getattr(transformers, fields.pop("config"))(**{
+        "vocab_size": vocab_size, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6, "eos_token_id": eos_id, "bos_token_id": bos_id, "pad_token_id": bos_id,
+        "initializer_range": 0.1, "tie_word_embeddings": False, **fields})
+
+
+def _family(arch: str) -> Family:
+    if arch not in ARCHS:
+        raise DFlashError(f"--arch {arch!r}: expected one of {', '.join(ARCHS)}")
+    return TRAITS[ARCHS[arch]]
 
 
 DRAFTER_KINDS = ("dflash", "dflash2", "dflash-swa")
@@ -89,7 +85,7 @@ def tiny_drafter_config(target_cfg: dict, mask_token_id: int, block_size: int = 
     L = target_cfg["num_hidden_layers"]
     ids = default_target_layer_ids(L, layers) if L > 4 else list(range(min(layers, L)))
     d = {
-        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "attention_bias": False,
+        **drafter_identity("dflash2" if kind == "dflash2" else "dflash"), "attention_bias": False,
         "hidden_size": target_cfg["hidden_size"], "intermediate_size": 2 * target_cfg["hidden_size"],
         "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
         "vocab_size": target_cfg["vocab_size"], "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
@@ -99,7 +95,7 @@ def tiny_drafter_config(target_cfg: dict, mask_token_id: int, block_size: int = 
         "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": ids},
     }
     if kind == "dflash2":
-        d.update(architectures=["DFlash2DraftModel"], is_causal=False, use_sliding_window=True, sliding_window=8,
+        d.update(is_causal=False, use_sliding_window=True, sliding_window=8,
                  layer_types=["sliding_attention"] * layers)
         d["dflash_config"].update(block_size=block_size, conv_group_size=16, conv_kernel_size=2,
                                   final_logit_softcapping=20.0, output_multiplier=0.5, selector_rank=16,
@@ -129,14 +125,12 @@ def make_tiny(arch: str, target_out: str | Path, drafter_out: str | Path | None 
     unless mxfp4=False. Returns a summary dict."""
     from transformers import AutoModelForCausalLM
 
-
-    if arch not in ARCHS:
-        raise DFlashError(f"--arch {arch!r}: expected one of {', '.join(ARCHS)}")
+    fam = _family(arch)
     tok = build_tokenizer()
     cfg = tiny_target_config(arch, len(tok), tok.convert_tokens_to_ids("<|im_end|>"), tok.bos_token_id)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg).eval()
-    if arch == "gpt-oss":
+    if fam.attention_sinks or fam.expert_biases:
         with torch.no_grad():  # HF leaves sinks / expert biases at zero; give them values so tests see them
             for n, p in model.named_parameters():
                 if n.endswith(("sinks", "_bias", "router.bias")):
@@ -146,7 +140,7 @@ def make_tiny(arch: str, target_out: str | Path, drafter_out: str | Path | None 
     with atomic_output_dir(target_out) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
-        if arch == "gpt-oss" and mxfp4:
+        if fam.mxfp4_experts and mxfp4:
             _store_experts_mxfp4(tmp)
     summary = {"arch": arch, "target": str(target_out), "vocab_size": len(tok),
                "num_hidden_layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size}

