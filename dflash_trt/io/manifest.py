@@ -418,6 +418,18 @@ class TuneRecord:
 
 
 @dataclass(frozen=True)
+class AdaptRecord:
+    """A revision written by `dflash-trt adapt`: the drafter fine-tuned on served traffic, and the gate on
+    held-out traffic it passed (train/adapt.py)."""
+    parent: dict                        # {bundle, manifest_sha256} of the revision it came from
+    traffic: list[dict]                 # {path, sha256, rows} per file, in reading order
+    rows: dict                          # {read, train, held_out, held_out_fraction, duplicates, skipped, ...}
+    training: dict                      # {steps, labels, distill_k, lr, seconds, first_loss, last_loss, ...}
+    gate: dict                          # {min_gain, gain, before: figures, after: figures}
+    adapted: str | None = None          # when (UTC)
+
+
+@dataclass(frozen=True)
 class Manifest:
     """manifest.json as one typed object, both ways: `build` makes one (bundle/build.py Builder) and writes
     it (Manifest.write), every other command reads it (Manifest.read). Its fields are in the order the
