@@ -149,3 +149,27 @@ def test_gate_refuses_an_untrained_drafter_with_figures_and_writes_nothing(tiny_
 def test_help_teaches():
     code, out, _ = run_cli("adapt", "--help")
     assert code == 0 and "Examples:" in out and "--min-gain" in out and "torchrun" in out
+
+
+def test_deploy_train_adapt_renders_a_job_running_adapt(tmp_path):
+    """The Job's command line parses as `dflash-trt adapt` (click's own parser is the oracle)."""
+    import shlex
+
+    import click
+    import yaml
+
+    from dflash_trt.commands.adapt import adapt_cmd
+
+    code, _, err = run_cli("deploy-train", "--out", str(tmp_path / "d"), "--nodes", "1", "--gpus-per-node", "8",
+                           "--adapt-bundle", "/data/b", "--traffic", "/data/logs", "--run-dir", "/data/adapt-run",
+                           "--train-arg=--steps", "--train-arg=600")
+    assert code == 0, err
+    job = yaml.safe_load((tmp_path / "d" / "manifests" / "job.yaml").read_text())
+    line = job["spec"]["template"]["spec"]["containers"][0]["args"][0]
+    argv = shlex.split(line.split("-m dflash_trt.cli ", 1)[1])
+    assert argv[0] == "adapt" and line.startswith("exec torchrun")
+    opts, rest, _ = adapt_cmd.make_parser(click.Context(adapt_cmd)).parse_args(argv[1:])
+    assert not rest and (opts["bundle_dir"], opts["traffic"], opts["out"], opts["run_dir"], opts["steps"]) == \
+        ("/data/b", ["/data/logs"], "/data/b-adapted", "/data/adapt-run", "600")
+    code, _, err = run_cli("deploy-train", "--out", str(tmp_path / "e"), "--adapt-bundle", "/elsewhere/b")
+    assert code == 1 and "adapt.bundle" in err and "outside storage.mountPath" in err
