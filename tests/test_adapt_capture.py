@@ -1,0 +1,110 @@
+"""The opt-in capture middleware (dflash_trt/assets/vllm_plugin/dflash_trt_capture.py) around a real ASGI app
+driven by the ASGI protocol itself: what it keeps, what it never keeps, file modes, rotation, and
+`adapt`'s reader taking its files."""
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import stat
+
+import pytest
+from transformers import AutoTokenizer
+
+from dflash_trt.train.traffic import read_traffic
+
+PLUGIN = "dflash_trt/assets/vllm_plugin/dflash_trt_capture.py"
+TOKEN = "sk-secret-token-9f8e"
+
+
+def _middleware(monkeypatch, folder, fraction, **env):
+    monkeypatch.setenv("DFLASH_TRT_CAPTURE_DIR", str(folder))
+    monkeypatch.setenv("DFLASH_TRT_CAPTURE_FRACTION", str(fraction))
+    for k, v in env.items():
+        monkeypatch.setenv(f"DFLASH_TRT_CAPTURE_{k.upper()}", str(v))
+    spec = importlib.util.spec_from_file_location("dflash_trt_capture", PLUGIN)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+async def _echo_app(scope, receive, send):
+    """An OpenAI-shaped server in miniature: reads the whole body, answers with its length."""
+    body = b""
+    while True:
+        m = await receive()
+        body += m.get("body", b"")
+        if not m.get("more_body"):
+            break
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": json.dumps({"read": len(body)}).encode()})
+
+
+def _post(app, path: str, body: bytes, method: str = "POST") -> dict:
+    """One request through `app` in two body chunks, with an Authorization header; the response body."""
+    chunks = [body[: len(body) // 2], body[len(body) // 2:]]
+    inbox = [{"type": "http.request", "body": c, "more_body": i == 0} for i, c in enumerate(chunks)]
+    sent = []
+
+    async def receive():
+        return inbox.pop(0)
+
+    async def send(m):
+        sent.append(m)
+    scope = {"type": "http", "method": method, "path": path, "root_path": "",
+             "headers": [(b"authorization", f"Bearer {TOKEN}".encode()), (b"content-type", b"application/json")]}
+    asyncio.run(app(scope, receive, send))
+    return json.loads(sent[-1]["body"])
+
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "Write a Python function that reverses a list."}]}
+COMPLETION = {"model": "m", "prompt": "def fibonacci(n):", "max_tokens": 32}
+
+
+def test_captures_sampled_bodies_only_readable_by_the_server_and_adapt_reads_them(monkeypatch, tmp_path, tiny_pairs):
+    folder = tmp_path / "capture"
+    mod = _middleware(monkeypatch, folder, 1.0)
+    app = mod.CaptureMiddleware(_echo_app)
+    for body in (CHAT, COMPLETION):
+        raw = json.dumps(body).encode()
+        assert _post(app, "/v1/" + ("chat/completions" if "messages" in body else "completions"), raw) == \
+            {"read": len(raw)}                                 # the app still reads the whole body
+    _post(app, "/v1/models", b"{}")                            # not a generation request
+    _post(app, "/v1/completions", b"{}", method="GET")
+    _post(app, "/v1/completions", b"not json")
+    files = list(folder.iterdir())
+    assert len(files) == 1 and stat.S_IMODE(files[0].stat().st_mode) == 0o600
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    text = files[0].read_text()
+    assert [json.loads(x) for x in text.splitlines()] == [CHAT, COMPLETION]
+    assert TOKEN not in text and "uthorization" not in text
+    tok = AutoTokenizer.from_pretrained(str(tiny_pairs["llama"][0]))
+    t = read_traffic([folder], tok, max_prompt_tokens=1000, held_out_fraction=0.5)
+    assert not t.skipped and len(t.train) + len(t.held_out) == 2
+    assert {r.kind for r in t.train + t.held_out} == {"chat", "completion"}
+
+
+def test_off_by_default_and_at_fraction_zero(monkeypatch, tmp_path):
+    mod = _middleware(monkeypatch, tmp_path / "c", 0)        # a folder, but fraction 0
+    assert _post(mod.CaptureMiddleware(_echo_app), "/v1/completions", json.dumps(COMPLETION).encode())["read"] > 0
+    monkeypatch.delenv("DFLASH_TRT_CAPTURE_DIR")
+    monkeypatch.delenv("DFLASH_TRT_CAPTURE_FRACTION")          # nothing set: the default
+    assert _post(mod.CaptureMiddleware(_echo_app), "/v1/completions", json.dumps(COMPLETION).encode())["read"] > 0
+    assert not (tmp_path / "c").exists()
+
+
+def test_sampling_and_rotation(monkeypatch, tmp_path):
+    folder = tmp_path / "c"
+    mod = _middleware(monkeypatch, folder, 0.5, max_bytes=300, keep=3)
+    app = mod.CaptureMiddleware(_echo_app)
+    mod.random.seed(0)
+    expected = sum(mod.random.random() < 0.5 for _ in range(60))
+    mod.random.seed(0)
+    for i in range(60):
+        _post(app, "/v1/completions", json.dumps({"prompt": f"request {i:03d} " + "x" * 80}).encode())
+    files = sorted(folder.iterdir())
+    rows = [json.loads(x) for f in files for x in f.read_text().splitlines()]
+    assert len(files) == 3 and all(f.stat().st_size <= 300 for f in files)
+    assert 0 < len(rows) < expected                      # older files were rotated away
+    assert len({r["prompt"] for r in rows}) == len(rows)
+    assert expected == pytest.approx(30, abs=10)
