@@ -7,7 +7,7 @@ requests are written for this project: the 20 of data/general_code_prompts.jsonl
 each in several wordings (none is a public benchmark's, none is the standard library's code the
 embedded drafter was trained on). The refused run is "too little": the same traffic, 2 steps.
 
-    python bench/bench_adapt.py [--requests 240] [--steps 300] [--keep DIR] > adapt.json
+    python bench/bench_adapt.py [--requests 200] [--steps 300] [--keep DIR] > adapt.json
 """
 from __future__ import annotations
 
@@ -96,7 +96,7 @@ def _figures(g: dict) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--requests", type=int, default=240)
+    ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--bundle", help="an embedded-pair bundle (default: built here, --gpu none)")
     ap.add_argument("--keep", help="keep the traffic, the run and the revision in this folder")
