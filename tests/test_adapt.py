@@ -144,6 +144,14 @@ def test_gate_refuses_an_untrained_drafter_with_figures_and_writes_nothing(tiny_
         assert len(f["acceptance"]) == 7 and f["acceptance"] == sorted(f["acceptance"], reverse=True)
         assert f["tau"] == pytest.approx(1 + sum(f["acceptance"]), rel=1e-9)   # tau = 1 + sum of survival
     assert json.loads((tmp_path / "new.run" / "gate.json").read_text())["passed"] is False
+    # the same command again continues the run: nothing answered, trained or decoded twice
+    code, again, err = run_cli("adapt", "--bundle", str(tiny_bundle), "--traffic", str(path), "--out", str(out),
+                               "--steps", "0", "--max-new-tokens", "16", "--answer-engine", "hf", "--json",
+                               "--min-gain", "5")
+    again = json.loads(again)
+    assert code == 1 and "gate: the figures of" in err and "resuming" in err and not out.exists()
+    assert (again["gate"]["before"], again["gate"]["after"], again["gate"]["min_gain"]) == \
+        (g["before"], g["after"], 5.0)
 
 
 def test_help_teaches():

@@ -7,13 +7,15 @@ import asyncio
 import importlib.util
 import json
 import stat
+from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
 
 from dflash_trt.train.traffic import read_traffic
 
-PLUGIN = "dflash_trt/assets/vllm_plugin/dflash_trt_capture.py"
+ROOT = Path(__file__).resolve().parent.parent
+PLUGIN = ROOT / "dflash_trt" / "assets" / "vllm_plugin" / "dflash_trt_capture.py"   # a link to the chart's file
 TOKEN = "sk-secret-token-9f8e"
 
 
@@ -147,3 +149,46 @@ def test_serve_vllm_capture_keeps_real_requests(vllm_bundle, tmp_path, tiny_pair
     tok = AutoTokenizer.from_pretrained(str(vllm_bundle / "target"))
     t = read_traffic([folder], tok, max_prompt_tokens=1000, held_out_fraction=0.5)
     assert not t.skipped and len(t.train) + len(t.held_out) == 2
+
+
+def _render(values: dict) -> list[dict]:
+    import helm_python as helm
+    from helpers import objects
+
+    from dflash_trt.deploy.values import default_chart_dir
+
+    with helm.Chart.load(str(default_chart_dir())) as chart:
+        return objects(chart.render(values, name="rel", namespace="serving", is_install=True))
+
+
+VLLM_CPU = {"server": {"stack": "vllm"}, "bundle": {"stacks": ["vllm"]}, "gpu": {"count": 0, "product": ""},
+            "parallel": {"tp": 1, "pp": 1, "ep": 1}}
+
+
+def test_chart_capture_value_serves_the_middleware_from_the_plugin_file(tmp_path):
+    """capture.enabled: vllm serve gets --middleware, the pod the plugin's own source (the chart's file is a link
+    to the chart's), its settings and the PVC; off by default, and refused where it cannot run."""
+    import helm_python as helm
+    from helpers import validate_all
+
+    from dflash_trt.paths import deploy_path
+
+    off = _render(VLLM_CPU)
+    assert "dflash_trt_capture" not in json.dumps(off) and "DFLASH_TRT_CAPTURE" not in json.dumps(off)
+    objs = _render({**VLLM_CPU, "capture": {"enabled": True, "existingClaim": "team-traffic", "fraction": 0.1}})
+    validate_all(objs)
+    cm = next(o for o in objs if o["kind"] == "ConfigMap" and "serve.sh" in o["data"])["data"]
+    assert "--middleware dflash_trt_capture.CaptureMiddleware" in cm["serve.sh"]
+    assert cm["dflash_trt_capture.py"].rstrip() == open(PLUGIN).read().rstrip()
+    (dep,) = [o for o in objs if o["kind"] in ("Deployment", "StatefulSet")]
+    spec = dep["spec"]["template"]["spec"]
+    env = {e["name"]: e["value"] for e in spec["containers"][0]["env"] if "value" in e}
+    assert env["DFLASH_TRT_CAPTURE_DIR"] == "/capture" and env["DFLASH_TRT_CAPTURE_FRACTION"] == "0.1"
+    assert env["PYTHONPATH"] == "/opt/dflash-trt"
+    assert {"name": "capture", "persistentVolumeClaim": {"claimName": "team-traffic"}} in spec["volumes"]
+    assert {"name": "capture", "mountPath": "/capture"} in spec["containers"][0]["volumeMounts"]
+    assert PLUGIN.resolve() == (deploy_path("helm", "dflash-trt") / "files" / "dflash_trt_capture.py").resolve()
+    for values, words in (({"capture": {"enabled": True, "existingClaim": "x"}}, "runs in vLLM's server"),
+                          ({**VLLM_CPU, "capture": {"enabled": True}}, "names no PVC")):
+        with pytest.raises(helm.HelmRenderError, match=words):
+            _render(values)

@@ -188,6 +188,26 @@ def measure(target: Path, drafter: Path, prompts: list[list[int]], s: AdaptSetti
                    tau_per_prompt=[p["tau"] or 1.0 for p in r["per_prompt"]])
 
 
+def gated(target: Path, drafter: Path, run: Path, traffic: Traffic, s: AdaptSettings, progress: bool, log) -> Gate:
+    """The gate's figures: measured, or read back from the run folder when they were measured on these very
+    drafters, target and held-out prompts (greedy decoding gives the same tau again; only --min-gain is
+    applied afresh), so re-running a refused run with another --min-gain costs no decoding."""
+    from dflash_trt.io.manifest import HashCache
+
+    new, hashes = run / "train" / "drafter", HashCache()
+    key = {"target": hashes.tree(target), "old": hashes.tree(drafter), "new": hashes.tree(new),
+           "held_out": [r.key for r in traffic.held_out], "max_new_tokens": s.max_new_tokens, "dtype": s.dtype}
+    saved = read_json(run / "gate.json") if (run / "gate.json").is_file() else {}
+    if saved.get("measured_on") == key:
+        log(f"gate: the figures of {run / 'gate.json'} (measured on these drafters and held-out prompts)")
+        return Gate(Figures(**saved["before"]), Figures(**saved["after"]), s.min_gain)
+    log(f"gate: old and new drafter on {len(traffic.held_out)} held-out prompts with the served target {target}")
+    prompts = [r.ids for r in traffic.held_out]
+    gate = Gate(measure(target, drafter, prompts, s, progress), measure(target, new, prompts, s, progress), s.min_gain)
+    atomic_write_text(run / "gate.json", json.dumps(gate.to_dict() | {"measured_on": key}, indent=2) + "\n")
+    return gate
+
+
 def replanned_schedule(m: Manifest, drafter: Path, acceptance: list[float]):
     """The draft schedule from the acceptance the gate measured and the bundle's own cost model (its GPU
     node); None for a CPU bundle (no cost model: the parent's schedule, if any, stays)."""
@@ -261,11 +281,7 @@ def adapt(bundle: str | Path, traffic_paths: list[str | Path], out: str | Path, 
         close_world(world)
     if not world.main:
         return None
-    new = run / "train" / "drafter"
-    log(f"gate: old and new drafter on {len(traffic.held_out)} held-out prompts with the served target {target}")
-    gate = Gate(measure(target, drafter, [r.ids for r in traffic.held_out], s, progress),
-                measure(target, new, [r.ids for r in traffic.held_out], s, progress), s.min_gain)
-    atomic_write_text(run / "gate.json", json.dumps(gate.to_dict(), indent=2) + "\n")
+    gate = gated(target, drafter, run, traffic, s, progress, log)
     training = {k: training[k] for k in ("step", "first_loss", "last_loss", "train_seconds", "n_sequences",
                                          "n_tokens", "world_size")} | {"labels": s.labels, "distill_k": s.distill_k,
                                                                         "lr": s.lr, "init_from": str(drafter)}
