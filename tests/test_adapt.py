@@ -181,3 +181,43 @@ def test_deploy_train_adapt_renders_a_job_running_adapt(tmp_path):
         ("/data/b", ["/data/logs"], "/data/b-adapted", "/data/adapt-run", "600")
     code, _, err = run_cli("deploy-train", "--out", str(tmp_path / "e"), "--adapt-bundle", "/elsewhere/b")
     assert code == 1 and "adapt.bundle" in err and "outside storage.mountPath" in err
+
+
+def test_a_passing_run_writes_a_revision_verify_accepts(tiny_bundle, tmp_path):
+    """Real fine-tuning (300 steps) on the tiny pair: the gate passes, the revision carries the new drafter with
+    the parent's shape, its adaptation record, and `verify` and `bench --bundle` (lossless) take it."""
+    import hashlib
+
+    from dflash_trt.io.manifest import Manifest
+
+    path = tmp_path / "t.jsonl"
+    _jsonl(path, _code_rows(40))
+    out = tmp_path / "new"
+    code, stdout, err = run_cli("adapt", "--bundle", str(tiny_bundle), "--traffic", str(path), "--out", str(out),
+                                "--steps", "300", "--lr", "3e-3", "--max-new-tokens", "24", "--answer-engine", "hf",
+                                "--held-out", "0.3", "--min-gain", "0.01", "--json")
+    r = json.loads(stdout)
+    assert code == 0, err + json.dumps(r["gate"])[:2000]
+    g = r["gate"]
+    assert r["passed"] and r["revision"] == str(out)
+    assert g["after"]["tau"] >= g["before"]["tau"] * 1.01 and g["after"]["lossless"]
+    assert run_cli("verify", "--bundle", str(out))[0] == 0
+    m = Manifest.read(out)
+    rev = m.revision
+    assert rev.kind == "adapt" and rev.parent.path == str(tiny_bundle.resolve())
+    assert rev.parent.manifest_sha256 == hashlib.sha256((tiny_bundle / "manifest.json").read_bytes()).hexdigest()
+    assert "drafter/model.safetensors" in rev.changed and "target/model.safetensors" not in rev.changed
+    a = rev.adapt
+    assert a.traffic == [{"path": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "rows": 40}]
+    assert a.rows["train"] + a.rows["held_out"] == 40 and a.rows["skipped"] == 0
+    assert a.training["step"] == 300 and a.gate["after"] == g["after"] and a.gate["before"] == g["before"]
+    old, new = (json.loads((b / "drafter" / "config.json").read_text()) for b in (tiny_bundle, out))
+    for k in ("num_hidden_layers", "block_size", "intermediate_size", "dflash_config", "hidden_size"):
+        assert old[k] == new[k], k
+    assert (out / "drafter" / "model.safetensors").read_bytes() == \
+        (tmp_path / "new.run" / "train" / "drafter" / "model.safetensors").read_bytes()
+    prompts = tmp_path / "p.jsonl"
+    _jsonl(prompts, [r for r in _code_rows(6) if "prompt" in r])
+    code, bench, err = run_cli("bench", "--bundle", str(out), "--prompts", str(prompts),
+                               "--max-new-tokens", "16", "--json")
+    assert code == 0 and json.loads(bench)["lossless"] is True, err

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflash_trt.io.manifest import read_manifest, verify
+from dflash_trt.io.manifest import Manifest, verify
 
 from helpers import generate_json, load_model_module, make_pb_utils, run_cli, triton_args
 
@@ -215,7 +215,7 @@ def _engine_files(bundle: Path):
 
 def test_build_completes_with_compile_deferred(hopper):
     bundle, res = hopper
-    m = read_manifest(bundle)  # schema-checked
+    m = Manifest.read(bundle).to_dict()  # schema-checked
     status = {k: v["status"] for k, v in m["stages"].items()}
     assert list(status) == STAGES
     assert status == {"check": "done", "quantize": "done", "convert": "not-needed", "plugin": "done",
@@ -248,7 +248,7 @@ def test_no_schedule_is_written_without_acceptance_and_the_manifest_says_why(hop
     """auto with a GPU but no acceptance figure for the drafter (a non-preset pair): no stack's control
     gets a schedule, and the manifest and the summary say why; the stacks' configs carry none."""
     bundle, res = hopper
-    m = read_manifest(bundle)
+    m = Manifest.read(bundle).to_dict()
     rec = m["draft_schedule"]
     assert rec["schedule"] is None and "no acceptance figure for llama's drafter" in rec["source"]
     assert set(rec["stacks"]) == set(m["serving_stacks"]["served"])
@@ -305,7 +305,7 @@ def test_serving_files_hold_the_drafters_real_settings(tiny, hopper):
     assert json.loads((bundle / "configs/vllm-speculative-config.json").read_text()) == v["speculative_config"]
     g = json.loads((bundle / "configs/sglang.json").read_text())
     assert g["dflash_config"]["target_layer_ids"] == ids and g["capture_before_layer"] == [i + 1 for i in ids]
-    m = read_manifest(bundle)
+    m = Manifest.read(bundle).to_dict()
     assert m["drafter"]["block_size"] == B and m["drafter"]["mask_token_id"] == mask
     assert m["drafter"]["target_layer_ids"] == {"zlab": ids, "trtllm": ids, "speculators": [i + 1 for i in ids],
                                                 "vllm": [i + 1 for i in ids], "sglang": ids}
@@ -328,7 +328,7 @@ def test_second_run_skips_every_stage_and_force_redoes_them(tiny, hopper):
             "--gpu", "h200", "--trt-drafter-engine", "--out", str(bundle)]
     code, out, err = run_cli("build", *args)
     assert code == 0, err
-    m = read_manifest(bundle)
+    m = Manifest.read(bundle).to_dict()
     assert all(e["skipped"] for e in m["stages"].values())
     # status keeps each stage's outcome (a skipped stage stays deferred, so `compile` still runs it)
     assert m["stages"]["compile"]["status"] == "deferred" and m["stages"]["quantize"]["status"] == "done"
@@ -401,7 +401,7 @@ def test_default_bundle_holds_only_what_its_serving_files_load(tiny, tmp_path):
                      "--out", str(bundle))
     assert [s["status"] for s in res["stages"]] == ["done", "done", "not-needed", "not-needed", "not-needed",
                                                     "not-needed", "done"]
-    m = read_manifest(bundle)
+    m = Manifest.read(bundle).to_dict()
     assert m["quant"]["drafter"] == "none" and m["trt_drafter_engine"] is False
     assert "--trt-drafter-engine" in m["stages"]["plugin"]["reason"]
     for gone in ("plugins", "onnx", "trtllm_ckpt", "drafter/hf_quant_config.json"):
@@ -431,7 +431,7 @@ def test_stack_whose_rules_the_layout_breaks_is_skipped_with_the_reason(tiny, tm
     code, out, err = run_cli("build", "--target", str(tiny / "llama"), "--drafter", str(tiny / "llama-drafter"),
                              "--arch", "hopper", "--quant", "none", "--pp", "2", "--out", str(bundle))
     assert code == 0, err
-    m = read_manifest(bundle)
+    m = Manifest.read(bundle).to_dict()
     assert m["serving_stacks"]["served"] == ["trtllm", "vllm"]
     assert "pp_size == 1" in m["serving_stacks"]["skipped"]["sglang"]
     assert "no SGLang config: --pp 2" in out
@@ -446,7 +446,7 @@ def test_fp8_drafter_for_vllm_alone(tiny, tmp_path):
     calib.write_text('{"input_ids": [5, 17, 99, 3, 250, 42]}\n')
     build_json("--target", str(tiny / "llama"), "--drafter", str(tiny / "llama-drafter"), "--arch", "hopper",
                "--drafter-quant", "fp8", "--stacks", "vllm", "--calib", str(calib), "--out", str(bundle))
-    m = read_manifest(bundle)
+    m = Manifest.read(bundle).to_dict()
     assert m["quant"]["drafter"] == "fp8" and m["serving_stacks"]["served"] == ["vllm"]
     assert sorted(p.name for p in (bundle / "configs").iterdir()) == ["vllm-speculative-config.json", "vllm.json"]
     assert m["triton_models"] == ["dflash_reference"] and not (bundle / "triton/tensorrt_llm").exists()
@@ -465,7 +465,7 @@ def test_int8_drafter_only_for_vllm_and_our_runtime_reads_it(tiny, tmp_path):
     bundle = tmp_path / "v"
     build_json("--target", str(tiny / "llama"), "--drafter", str(tiny / "llama-drafter"), "--arch", "hopper",
                "--drafter-quant", "int8", "--stacks", "vllm", "--out", str(bundle))
-    m = read_manifest(bundle)
+    m = Manifest.read(bundle).to_dict()
     assert m["quant"]["drafter"] == "int8" and m["serving_stacks"]["served"] == ["vllm"]
     assert m["reference_runtime"]["layout"] == "copy"   # the reference model runs the float drafter
     cfg = json.loads((bundle / "drafter/config.json").read_text())
@@ -489,7 +489,7 @@ def test_gpt_oss_builds_with_pytorch_backend_keeping_mxfp4(tiny, tmp_path):
     bundle = tmp_path / "gptoss"
     build_json("--target", str(tiny / "gptoss"), "--drafter", str(tiny / "gptoss-drafter"), "--arch", "blackwell",
                "--tp", "2", "--ep", "2", "--out", str(bundle))
-    m = read_manifest(bundle)
+    m = Manifest.read(bundle).to_dict()
     assert m["quant"] == {"target": "mxfp4", "drafter": "none", "kv_cache": "fp8"}
     assert m["parallel"] == {"tp": 2, "ep": 2, "pp": 1} and m["sm"] == [100, 103]
     assert m["stages"]["compile"]["status"] == "not-needed" and _engine_files(bundle) == []
@@ -513,7 +513,7 @@ def test_engine_backend_converts_and_defers_trtllm_build(tiny, tmp_path):
     bundle = tmp_path / "eng"
     build_json("--target", str(tiny / "llama"), "--drafter", str(tiny / "llama-drafter"), "--arch", "hopper",
                "--quant", "none", "--backend", "engine", "--tp", "2", "--out", str(bundle))
-    m = read_manifest(bundle)
+    m = Manifest.read(bundle).to_dict()
     assert m["stages"]["convert"]["status"] == "done" and m["quant"]["target"] == "none"
     cfg = json.loads((bundle / "trtllm_ckpt/config.json").read_text())
     assert cfg["mapping"]["tp_size"] == 2
@@ -576,7 +576,7 @@ def test_embedded_pair_builds_with_compile_deferred(tmp_path_factory, arch, quan
     bundle = tmp_path_factory.mktemp("emb") / f"smollm2-{arch}"
     args = (["--target", target] if target else []) + ["--drafter", str(drafter), "--arch", arch, "--out", str(bundle)]
     res = build_json(*args)
-    m = read_manifest(bundle)
+    m = Manifest.read(bundle).to_dict()
     assert m["target"]["name"] == "smollm2-135m" and m["quant"]["target"] == quant and m["quant"]["drafter"] == "none"
     # nothing to compile: the serving files load target/ and drafter/ as they are
     assert [s["status"] for s in res["stages"]] == ["done", "done", "not-needed", "not-needed", "not-needed",
@@ -605,7 +605,7 @@ def test_arch_auto_reads_the_gpu_from_nvidia_smi(tiny, tmp_path, monkeypatch):
     bundle = tmp_path / "auto"
     build_json("--target", str(tiny / "llama"), "--drafter", str(tiny / "llama-drafter"), "--quant", "none",
                "--trt-drafter-engine", "--out", str(bundle))
-    m = read_manifest(bundle)
+    m = Manifest.read(bundle).to_dict()
     assert (m["arch"], m["gpu"], m["sm"]) == ("blackwell", "b300", [103])
     c = m["stages"]["compile"]
     assert c["status"] == "deferred" and "TensorRT" in c["reason"] and "no NVIDIA GPU" not in c["reason"]
@@ -615,13 +615,13 @@ def test_failed_rebuild_leaves_the_previous_bundle_intact(tiny, hopper, tmp_path
     bundle, _ = hopper
     copy = tmp_path / "b"
     shutil.copytree(bundle, copy)
-    before = read_manifest(copy)
+    before = Manifest.read(copy).to_dict()
     # engine backend + FP8 needs calibration prompts: the convert stage fails after check and
     # quantize have already written into the temporary folder
     code, _, err = run_cli("build", "--target", str(tiny / "llama"), "--drafter", str(tiny / "llama-drafter"),
                            "--arch", "hopper", "--gpu", "h200", "--backend", "engine", "--out", str(copy))
     assert code == 1 and "--calib" in err
-    assert read_manifest(copy) == before and verify(copy) == []
+    assert Manifest.read(copy).to_dict() == before and verify(copy) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]  # no temporary folder left beside it
 
 
@@ -641,7 +641,7 @@ def test_preset_found_in_the_local_hub_cache_is_used(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     res = build_json("--target", "qwen3-8b", "--arch", "hopper", "--quant", "none")
     assert res["bundle"] == "engines/qwen3-8b-hopper-none"  # default --out under engines/
-    m = read_manifest(tmp_path / res["bundle"])
+    m = Manifest.read(tmp_path / res["bundle"]).to_dict()
     assert m["target"]["name"] == "qwen3-8b" and m["target"]["hf_id"] == "Qwen/Qwen3-8B"
     assert m["target"]["path"] == str(t.resolve()) and m["drafter"]["path"] == str(d.resolve())
 
@@ -650,7 +650,7 @@ def test_rebuild_remakes_a_stage_whose_output_was_edited(hopper, tiny, tmp_path)
     bundle, _ = hopper
     copy = tmp_path / "b"
     shutil.copytree(bundle, copy)
-    before = read_manifest(copy)
+    before = Manifest.read(copy).to_dict()
     sg = copy / "configs" / "sglang.json"
     sg.write_text(sg.read_text().replace("DFLASH", "EAGLE3"))  # same stage inputs, edited output
     res = build_json("--target", str(tiny / "llama"), "--drafter", str(tiny / "llama-drafter"), "--arch", "hopper",
@@ -658,7 +658,7 @@ def test_rebuild_remakes_a_stage_whose_output_was_edited(hopper, tiny, tmp_path)
     status = {s["name"]: s["status"] for s in res["stages"]}
     assert status["package"] == "done" and status["quantize"] == "skipped"
     assert "DFLASH" in sg.read_text() and verify(copy) == []
-    sha = {a["path"]: a["sha256"] for a in read_manifest(copy)["artifacts"]}
+    sha = {a["path"]: a["sha256"] for a in Manifest.read(copy).to_dict()["artifacts"]}
     assert sha == {a["path"]: a["sha256"] for a in before["artifacts"]}
 
 

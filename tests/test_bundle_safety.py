@@ -17,7 +17,7 @@ import yaml
 
 from dflash_trt.io.atomic import atomic_output_dir, atomic_write_text
 from dflash_trt.io.clone import clone_file
-from dflash_trt.io.manifest import read_manifest, verify
+from dflash_trt.io.manifest import Manifest, verify
 from dflash_trt.presets.catalog import PRESETS
 
 from helpers import run_cli
@@ -168,7 +168,7 @@ def test_configs_only_from_folders_then_filled_in(tiny, tmp_path):
     assert code == 0, err
     res = json.loads(o)
     assert res["weights"]["present"] is False
-    m = read_manifest(out)
+    m = Manifest.read(out).to_dict()
     assert m["stages"]["check"]["status"] == m["stages"]["quantize"]["status"] == "deferred"
     assert not list(out.rglob("*.safetensors"))
     assert (out / "configs" / "trtllm-serve.yaml").is_file() and (out / "configs" / "vllm.json").is_file()
@@ -183,7 +183,7 @@ def test_configs_only_from_folders_then_filled_in(tiny, tmp_path):
     code, _, err = run_cli("build", "--target", str(tiny / "llama"), "--drafter", str(tiny / "llama-drafter"),
                            "--arch", "hopper", "--out", str(out))
     assert code == 0, err
-    m = read_manifest(out)
+    m = Manifest.read(out).to_dict()
     assert "weights" not in m and m["stages"]["quantize"]["status"] == "done"
     assert (out / "target" / "model.safetensors").is_file() and verify(out) == []
 
@@ -194,7 +194,7 @@ def test_configs_only_preset_with_the_hub_off(tmp_path):
     out = tmp_path / "g"
     r = cli("build", "--target", "gpt-oss-120b", "--arch", "blackwell", "--configs-only", "--out", out, env=env)
     assert r.returncode == 0, r.stderr
-    m = read_manifest(out)
+    m = Manifest.read(out).to_dict()
     p = PRESETS["gpt-oss-120b"]
     dl = {d["role"]: d for d in m["weights"]["downloads"]}
     assert dl["target"]["hf_id"] == p.hf_id and dl["target"]["revision"] == p.revision

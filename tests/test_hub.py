@@ -18,7 +18,7 @@ from huggingface_hub import scan_cache_dir
 from safetensors.torch import load_file, save_file
 
 from dflash_trt.errors import DFlashError
-from dflash_trt.io.manifest import read_manifest, sha256_file, verify
+from dflash_trt.io.manifest import Manifest, sha256_file, verify
 from dflash_trt.presets.catalog import PRESETS
 from dflash_trt.presets.hub import check_disk, download_command, resolve_hub_id
 
@@ -111,7 +111,7 @@ def test_preset_from_the_cache_is_checked_and_built_with_its_revision(cached_qwe
     assert code == 0, err
     code, out, err = run_cli("build", "--target", "qwen3-8b", "--arch", "hopper", "--quant", "none", "--json")
     assert code == 0, err
-    m = read_manifest(Path(json.loads(out)["bundle"]))
+    m = Manifest.read(Path(json.loads(out)["bundle"])).to_dict()
     assert m["target"]["hf_id"] == "Qwen/Qwen3-8B" and m["target"]["revision"] == QWEN_REV
     assert m["target"]["path"] == str(t) and m["drafter"]["path"] == str(d)
     assert m["drafter"]["revision"] == DRAFTER_REV
@@ -125,7 +125,7 @@ def test_any_hub_id_resolves_through_refs(env, qwen_pair):
     code, out, err = run_cli("build", "--target", "someone/tiny-qwen", "--drafter", "someone/tiny-drafter",
                              "--arch", "hopper", "--quant", "none", "--json")
     assert code == 0, err
-    m = read_manifest(Path(json.loads(out)["bundle"]))
+    m = Manifest.read(Path(json.loads(out)["bundle"])).to_dict()
     assert m["target"]["hf_id"] == "someone/tiny-qwen" and m["target"]["revision"] == "a" * 40
     assert json.loads(out)["bundle"] == "engines/someone-tiny-qwen-hopper-none"
     assert resolve_hub_id("someone/tiny-drafter", "v1").name == "b" * 40   # a tag: refs/v1
@@ -215,7 +215,7 @@ def test_cache_blobs_are_hashed_by_their_names_and_verify_rereads_them(cached_qw
     assert code == 0, err
     bundle = Path(json.loads(out)["bundle"])
     shard = "target/model-00001-of-00002.safetensors"
-    arts = {a["path"]: a["sha256"] for a in read_manifest(bundle)["artifacts"]}
+    arts = {a["path"]: a["sha256"] for a in Manifest.read(bundle).to_dict()["artifacts"]}
     assert arts[shard] == sha256_file(bundle / shard) == (t / shard.split("/")[1]).resolve().name
     assert verify(bundle) == []
     # a blob whose name is not its content's hash: the build believes the name, verify does not

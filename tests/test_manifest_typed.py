@@ -69,7 +69,7 @@ def test_each_stack_writes_the_fields_recorded_for_it(scheduled):
 
 
 def test_only_io_manifest_parses_manifest_json():
-    """A module reading manifest.json goes through Manifest.read / read_manifest (io/manifest.py)."""
+    """A module reading manifest.json goes through Manifest.read (io/manifest.py)."""
     reads = re.compile(r"json\.loads?\(|read_json\(|read_text\(|open\(")
     root = package_path()
     offenders = []
@@ -82,27 +82,54 @@ def test_only_io_manifest_parses_manifest_json():
     assert offenders == []
 
 
+EARLY = {"schema_version": 1, "tool_version": "0.1.0",
+         "target": {"name": "t", "path": "/m/t", "config": {"model_type": "llama"}, "hf_id": None,
+                    "revision": None, "bundle_path": "target", "sha256": "0" * 64},
+         "drafter": {"path": "/m/d", "revision": None, "block_size": 8, "mask_token_id": 3,
+                     "target_layer_ids": {"zlab": [1], "speculators": [1], "vllm": [1], "sglang": [1]}},
+         "arch": "hopper", "gpu": "h200", "quant": {"target": "fp8", "kv_cache": "fp8"},
+         "parallel": {"tp": 1, "ep": 1, "pp": 1}, "backend": "pytorch",
+         "stages": {"compile": {"status": "deferred", "inputs_sha256": "x", "outputs": [], "reason": "no GPU"}},
+         "triton_model_repository": "triton", "triton_models": ["tensorrt_llm"],
+         "artifacts": [{"path": "a", "bytes": 1, "sha256": "1" * 64}]}
+
+
 def test_a_manifest_of_an_early_bundle_writes_back_what_was_read():
     """Keys an early bundle lacks (created, node, serving_profile, draft_schedule, the drafter's config ...) are
-    not added when its manifest is written back (`dflash-trt compile` updates one), and it stays valid."""
-    from dflash_trt.io.manifest import validate
+    not added when its manifest is written back (`dflash-trt compile` updates one), and it stays valid; it is
+    written back as the current schema version."""
+    from dflash_trt.io.manifest import SCHEMA_VERSION, validate
 
-    early = {"schema_version": 1, "tool_version": "0.1.0",
-             "target": {"name": "t", "path": "/m/t", "config": {"model_type": "llama"}, "hf_id": None,
-                        "revision": None, "bundle_path": "target", "sha256": "0" * 64},
-             "drafter": {"path": "/m/d", "revision": None, "block_size": 8, "mask_token_id": 3,
-                         "target_layer_ids": {"zlab": [1], "speculators": [1], "vllm": [1], "sglang": [1]}},
-             "arch": "hopper", "gpu": "h200", "quant": {"target": "fp8", "kv_cache": "fp8"},
-             "parallel": {"tp": 1, "ep": 1, "pp": 1}, "backend": "pytorch",
-             "stages": {"compile": {"status": "deferred", "inputs_sha256": "x", "outputs": [], "reason": "no GPU"}},
-             "triton_model_repository": "triton", "triton_models": ["tensorrt_llm"],
-             "artifacts": [{"path": "a", "bytes": 1, "sha256": "1" * 64}]}
-    validate(early)
-    back = Manifest.from_dict(early).to_dict()
+    back = Manifest.from_dict(EARLY).to_dict()
     validate(back)
     # what a reader fills in for an early bundle: the stack of its Triton model, a bf16 drafter, no GPU source
-    added = {k: back[k] for k in back.keys() - early.keys()}
+    added = {k: back[k] for k in back.keys() - EARLY.keys()}
     assert added == {"node": None, "sm": [], "serving_stacks": {"served": ["trtllm"], "skipped": {}},
                      "trt_drafter_engine": False, "engines": {}}
-    assert {k: back[k] for k in early if k != "quant"} == {k: v for k, v in early.items() if k != "quant"}
-    assert back["quant"] == {**early["quant"], "drafter": "none"}
+    same = [k for k in EARLY if k not in ("quant", "schema_version")]
+    assert {k: back[k] for k in same} == {k: EARLY[k] for k in same}
+    assert back["quant"] == {**EARLY["quant"], "drafter": "none"} and back["schema_version"] == SCHEMA_VERSION == 2
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda m: m.update(colour="blue"), "field colour: unknown field"),
+    (lambda m: m["drafter"].update(block_sise=8), "field drafter.block_sise: unknown field"),
+    (lambda m: m["stages"]["compile"].update(extra=1), "field stages.compile.extra: unknown field"),
+    (lambda m: m["parallel"].update(tp="1"), "field parallel.tp"),
+    (lambda m: m["drafter"].update(block_size=8.0), "field drafter.block_size"),
+    (lambda m: m["artifacts"][0].update(bytes="1"), "field artifacts.0.bytes"),
+    (lambda m: m["triton_models"].append(3), "field triton_models.1"),
+    (lambda m: m.update(schema_version=3), "manifest schema version 3; this dflash-trt"),
+    (lambda m: m.pop("schema_version"), "manifest schema version None"),
+])
+def test_an_unknown_or_wrong_typed_field_is_refused_by_name(tmp_path, edit, words):
+    """Read strictly, like pydantic's extra="forbid": the field named in one line; a later schema version by its
+    number."""
+    from dflash_trt.errors import DFlashError
+
+    m = json.loads(json.dumps(EARLY))
+    edit(m)
+    (tmp_path / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(DFlashError) as e:
+        Manifest.read(tmp_path)
+    assert words in str(e.value) and str(tmp_path / "manifest.json") in str(e.value) and "\n" not in str(e.value)

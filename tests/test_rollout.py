@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from dflash_trt.deploy.rollout import version_sub_path
-from dflash_trt.io.manifest import read_manifest, verify
+from dflash_trt.io.manifest import Manifest, verify
 
 from helpers import run_cli, validate_all
 
@@ -117,7 +117,7 @@ def test_the_loader_job_copies_checks_and_writes_the_manifest_last(versions, tmp
     r = subprocess.run(["/bin/sh", str(script)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     dst = pvc / version_sub_path(b)
-    assert verify(dst) == [] and read_manifest(dst) == read_manifest(b)
+    assert verify(dst) == [] and Manifest.read(dst).to_dict() == Manifest.read(b).to_dict()
     r = subprocess.run(["/bin/sh", str(script)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "already holds this bundle" in r.stdout
     # a source that does not match the manifest: the copy is refused and no manifest.json appears

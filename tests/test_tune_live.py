@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_trt.io.manifest import read_manifest, sha256_file
+from dflash_trt.io.manifest import Manifest, sha256_file
 from dflash_trt.stacks.vllm.launch import VLLM_DRAFT_SCHEDULE_FIELD
 
 from helpers import run_cli
@@ -96,7 +96,7 @@ def test_tune_on_a_live_endpoint_writes_a_revision(server, vllm_bundle, tmp_path
     assert after_tree.keys() == before_tree.keys()
     changed = sorted(p for p in after_tree if after_tree[p] != before_tree[p])
     schedule_files = {"configs/vllm.json", "configs/vllm-speculative-config.json", "triton/vllm/1/model.json"}
-    m = read_manifest(out)
+    m = Manifest.read(out).to_dict()
     sched = m["draft_schedule"]["schedule"]
     if any(k != 7 for _, _, k in sched["ranges"]):
         assert set(changed) == schedule_files | {"manifest.json"}, changed
@@ -108,9 +108,9 @@ def test_tune_on_a_live_endpoint_writes_a_revision(server, vllm_bundle, tmp_path
         assert set(changed) <= schedule_files | {"manifest.json"}, changed
     assert rep["changed_files"] == sorted(set(changed) - {"manifest.json"})
     # the manifest records the window, the drafts counted and the acceptance measured; the revision verifies
-    t = m["tune"]
+    t = m["revision"]["tune"]
     assert t["drafts"] == w["drafts"] and t["acceptance"]["survival"] == rep["acceptance"]["survival"]
-    assert t["window"]["seconds"] == w["seconds"] and t["from_revision"]["manifest_sha256"] == \
+    assert t["window"]["seconds"] == w["seconds"] and m["revision"]["parent"]["manifest_sha256"] == \
         sha256_file(vllm_bundle / "manifest.json")
     code, vout, verr = run_cli("verify", "--bundle", str(out))
     assert code == 0, verr + vout
@@ -216,4 +216,4 @@ def test_tune_from_a_real_prometheus(server, vllm_bundle, tmp_path):
     assert rep["acceptance"]["survival"][0] == pytest.approx(
         (last["accepted_per_pos"][0] - first["accepted_per_pos"][0]) / drafts, abs=0.03)
     assert 0 < w["mean_concurrency"] <= 2 and w["max_concurrency"] == 2
-    assert read_manifest(tmp_path / "r2")["tune"]["window"]["source"] == f"prometheus {url}"
+    assert Manifest.read(tmp_path / "r2").revision.tune.window["source"] == f"prometheus {url}"

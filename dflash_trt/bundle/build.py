@@ -27,15 +27,23 @@ from pathlib import Path
 
 from dflash_trt import __version__, engines, stacks
 from dflash_trt.bundle.onnx_export import export_onnx
+from dflash_trt.bundle.package import (
+    SERVING_FILES,
+    artifacts,
+    configs_index,
+    link_tree,
+    reference_pair,
+    serving_files,
+    write_manifest,
+)
 from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import arch_default_node, arch_has_fp4, arch_sms, gpus, hardware_for_gpu, sm_number
 from dflash_trt.io.atomic import atomic_output_dir, refuse_inside
 from dflash_trt.io.checkpoint import load_config
-from dflash_trt.io.clone import carry_tree, clone_file, clone_tree
+from dflash_trt.io.clone import carry_tree, clone_file
 from dflash_trt.io.draft_schedule import DraftSchedule, SchedulePlanner, ScheduleRequest, no_schedule
 from dflash_trt.io.manifest import (
     SCHEMA_VERSION,
-    ArtifactRecord,
     DrafterRecord,
     HashCache,
     Manifest,
@@ -47,7 +55,6 @@ from dflash_trt.io.manifest import (
     StageRecord,
     TargetRecord,
     WeightsRecord,
-    bundle_files,
     is_bundle,
     sha256_file,
     sha256_json,
@@ -126,13 +133,6 @@ def _dir_bytes(p: Path) -> int:
     if p.is_file():
         return p.stat().st_size
     return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
-
-
-def link_tree(src: Path, dst: Path, on_file=None) -> None:
-    """The bundle's own copy of a source file or folder (io/clone.py: a reflink where the filesystem
-    has them, else a copy): never a hard link, so writing a bundle file never writes the source.
-    on_file(src, dst) after each file (the build hands the copy its source's known sha256)."""
-    clone_tree(src, dst, on_file)
 
 
 def code_hash(*relpaths: str) -> str:
@@ -440,7 +440,6 @@ class Stage:
 
 
 COMMON = ("tool_version", "target", "drafter")
-PACKAGE_OUTPUTS = ("configs", stacks.TRITON.repository, "engines/README.txt")  # + reference/ when the pair is copied
 PIPELINE = (
     Stage("check", "_check", (*COMMON, "allow_nonfinite"), code=("models/check.py", "models/config.py", "models/target.py",
                                                                 "models/shapes.py", "models/families",
@@ -469,7 +468,7 @@ PIPELINE = (
           needs="compile"),
     Stage("package", "_package", (*COMMON, "manifest"),
           code=("stacks", "assets/triton_templates"),
-          outputs=PACKAGE_OUTPUTS, reads_manifest=True),
+          outputs=SERVING_FILES, reads_manifest=True),
 )
 
 
@@ -546,8 +545,8 @@ class Builder:
                 if st.reads_manifest and self.manifest is None:
                     self._start_manifest()
                 self._run_stage(st)
-            self.manifest = self._finish_manifest()
-            self.manifest.write(work)
+            self.manifest = write_manifest(work, self._finish_manifest(),
+                                           artifacts(work, self._known_sha256))
             deploy_plan = self.o.deployable(work) if self.o.deployable is not None else None
         return {"bundle": str(self.dest), "manifest": self.manifest, "stages": [asdict(r) for r in self.reports],
                 "deploy_plan": deploy_plan}
@@ -683,11 +682,11 @@ class Builder:
         m = self.manifest
         configs = m.serving_configs
         if configs is None:  # package was reused
-            configs = self.stages["package"].get("serving_configs") or _configs_index(m)
+            configs = self.stages["package"].get("serving_configs") or configs_index(m)
         self.stages["package"]["serving_configs"] = configs
         return replace(m, serving_configs=configs,
                        stages={st.name: StageRecord(**self.stages[st.name]) for st in PIPELINE},
-                       input_files=self.cache.entries, artifacts=self._artifacts(self.work),
+                       input_files=self.cache.entries,
                        serve=serve_commands(m))
 
     # ---------------------------------------------------------------- the stages (PIPELINE's methods)
@@ -791,41 +790,27 @@ class Builder:
         return {k: v for k, v in res.items() if k in ("status", "outputs", "commands", "reason", "engine_key")}
 
     def _package(self) -> dict:
-        """Serving configs, the Triton repository and engines/README.txt."""
-        m, work = self.manifest, self.work
-        layout = m.reference_runtime.layout
-        ctx = stacks.BundleContext(work=work, manifest=m, target_config=self.tcfg, block_size=self.block_size,
-                                   target_dir=self.tdir, drafter_dir=self.ddir,
-                                   drafter=load_drafter_config(work / "drafter"), serving_profile=self.profile)
-        self.manifest = replace(m, serving_configs=write_configs(ctx))
-        ctx.reference = reference_pair(work, layout, self.tdir, self.ddir, self._copied)
-        stacks.TRITON.write_repository(ctx, stacks.served(m.served_stacks))
-        (work / "engines").mkdir(exist_ok=True)
-        (work / "engines" / "README.txt").write_text(
-            "TensorRT engines of this bundle, written by `dflash-trt compile --bundle <bundle>` on the GPU\n"
-            "node into engines/<gpu>-trt<version>/ (see manifest.json, stages.compile), only for bundles built\n"
-            "with --trt-drafter-engine or --backend engine. The serving configs load no engine: every stack\n"
-            "runs the Hugging Face checkpoints in target/ and drafter/ as they are.\n")
+        """Serving configs, the Triton repository and engines/README.txt (bundle/package.py)."""
+        layout = self.manifest.reference_runtime.layout
+        ctx = stacks.BundleContext(work=self.work, manifest=self.manifest, target_config=self.tcfg,
+                                   block_size=self.block_size, target_dir=self.tdir, drafter_dir=self.ddir,
+                                   drafter=load_drafter_config(self.work / "drafter"), serving_profile=self.profile)
+        ctx.reference = reference_pair(self.work, layout, self.tdir, self.ddir, self._copied)
+        self.manifest = serving_files(ctx)
         # the reference model's copy of the pair, when it has one
-        return {"outputs": [*PACKAGE_OUTPUTS, "reference"]} if layout == "copy" else {}
+        return {"outputs": [*SERVING_FILES, "reference"]} if layout == "copy" else {}
 
-    def _artifacts(self, work: Path) -> list[ArtifactRecord]:
-        """Artifact list. A file linked unchanged from the previous bundle keeps its recorded
-        sha256 when its size and mtime are those recorded (a hard link or copy2 keeps both), so a
-        re-run does not re-read multi-GB checkpoints; `verify` always re-hashes everything."""
-        old = {a["path"]: a for a in (self.prev_manifest or {}).get("artifacts", [])}
+    def _known_sha256(self, rel: str, st) -> str | None:
+        """A file's sha256 known without reading it: one reused unchanged from the previous bundle keeps its
+        recorded sha256 when its size and mtime are those recorded (a hard link or copy keeps both), so a
+        re-run does not re-read multi-GB checkpoints (`verify` always re-hashes everything); an input's copy
+        (link_tree, _copied), or what export-onnx hashed as it wrote, is known already."""
+        prev = {a["path"]: a for a in (self.prev_manifest or {}).get("artifacts", [])}.get(rel)
         stats = (self.prev_manifest or {}).get("artifact_stats", {})
-        out = []
-        for rel in bundle_files(work):
-            st = (work / rel).stat()
-            prev = old.get(rel)
-            reused = any(rel == r or rel.startswith(r + "/") for r in self.reused)
-            if reused and prev and prev["bytes"] == st.st_size and stats.get(rel) == [st.st_size, st.st_mtime_ns]:
-                digest = prev["sha256"]
-            else:  # an input's copy (link_tree, _copied), or what export-onnx hashed as it wrote: known already
-                digest = self.cache.linked(work / rel) or sha256_file(work / rel)
-            out.append(ArtifactRecord(path=rel, bytes=st.st_size, sha256=digest))
-        return out
+        reused = any(rel == r or rel.startswith(r + "/") for r in self.reused)
+        if reused and prev and prev["bytes"] == st.st_size and stats.get(rel) == [st.st_size, st.st_mtime_ns]:
+            return prev["sha256"]
+        return self.cache.linked(self.work / rel)
 
 
 def reference_layout(s: dict, tdir: Path, ddir: Path, configs_only: bool = False) -> str:
@@ -840,29 +825,6 @@ def reference_layout(s: dict, tdir: Path, ddir: Path, configs_only: bool = False
     return "copy" if _dir_bytes(tdir) + _dir_bytes(ddir) <= REFERENCE_COPY_MAX_BYTES else "source"
 
 
-def reference_pair(work: Path, layout: str, tdir: Path, ddir: Path, on_file=None) -> dict:
-    if layout == "bundle":
-        return {"target": "target", "drafter": "drafter"}
-    if layout == "copy":
-        link_tree(tdir, work / "reference" / "target", on_file)
-        link_tree(ddir, work / "reference" / "drafter", on_file)
-        return {"target": "reference/target", "drafter": "reference/drafter"}
-    return {"target": str(tdir), "drafter": str(ddir)}
-
-
-def write_configs(ctx: stacks.BundleContext) -> dict:
-    """configs/: each served stack's files (manifest serving_stacks), and their index (manifest
-    serving_configs). Paths are bundle-relative: run the commands from the bundle root."""
-    (ctx.work / "configs").mkdir(exist_ok=True)
-    for st in stacks.served(ctx.manifest.served_stacks):
-        st.write_configs(ctx)
-    return _configs_index(ctx.manifest)
-
-
-def _configs_index(m: Manifest) -> dict:
-    return {k: v for st in stacks.served(m.served_stacks) for k, v in st.config_files.items()}
-
-
 def serve_commands(m: Manifest) -> dict:
     """How to serve the bundle, from its root: every stack's commands (Triton's CPU model first)."""
     served = m.served_stacks
@@ -873,18 +835,7 @@ def serve_commands(m: Manifest) -> dict:
 
 
 def build(o: BuildOptions, progress: bool = True) -> dict:
-    b = Builder(o, progress)
-    res = b.run()
-    # the manifest inside the bundle was written before the rename; record artifact stats for
-    # the next run's reuse check (mtimes survive the rename)
-
-    bundle = Path(res["bundle"])
-    m = Manifest.read(bundle)
-    m = replace(m, artifact_stats={a.path: [(bundle / a.path).stat().st_size, (bundle / a.path).stat().st_mtime_ns]
-                                   for a in m.artifacts})
-    m.write(bundle)
-    res["manifest"] = m
-    return res
+    return Builder(o, progress).run()
 
 
 def format_summary(res: dict) -> str:

@@ -85,6 +85,6 @@ def _summary(r) -> str:
                       f"training: {r.training['step']} steps, loss {r.training['first_loss'] or 0:.3f} -> "
                       f"{r.training['last_loss'] or 0:.3f}, {r.training['train_seconds']:.0f} s",
                       *(f"{a}: {b}" for a, b in rows),
-                      f"gate: {g.why()} (paired standard error {g.paired_se:.1%})",
+                      f"gate: {g.why()}" + (f" (paired standard error {g.paired_se:.1%})" if g.paired_se else ""),
                       f"revision: {r.revision}" if r.revision else "revision: not written",
                       f"took {r.seconds:.0f} s; run folder {r.run_dir}"])

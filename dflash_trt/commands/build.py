@@ -250,6 +250,9 @@ def verify_cmd(bundle, as_json):
             click.echo(f"problem: {p}", err=True)
     else:
         click.echo(f"ok: {n} artifacts match the manifest")
+        if m.revision is not None:
+            rev = m.revision
+            click.echo(f"{rev.kind} revision of {rev.parent.path}: {len(rev.changed)} file(s) changed ({rev.summary})")
     if not as_json and not weights["present"]:
         click.echo(f"configs only: target/ and drafter/ hold no weights (configs, Triton repository, plan and "
                    f"draft schedule are complete); download, then build into {bundle} again:")

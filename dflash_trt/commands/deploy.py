@@ -373,10 +373,10 @@ def _speed_target(bundle, m, p, values: dict, min_tokens_per_user, tau) -> dict 
 def _monitoring_values(bundle, values: dict, min_tokens_per_user):
     """deploy --monitoring: the chart's monitoring values from the bundle's planned figures (returned)."""
     from dflash_trt.deploy import monitoring as mon
-    from dflash_trt.io.manifest import read_manifest
+    from dflash_trt.io.manifest import Manifest
     from dflash_trt.plan.monitoring_figures import bundle_figures
 
-    planned = bundle_figures(read_manifest(bundle), min_tokens_per_user=min_tokens_per_user)
+    planned = bundle_figures(Manifest.read(bundle), min_tokens_per_user=min_tokens_per_user)
     values["monitoring"] = mon.monitoring_values(values["server"]["stack"], planned)
     return planned
 

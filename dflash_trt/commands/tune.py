@@ -61,19 +61,17 @@ def tune_cmd(bundle_dir, endpoint, prometheus, selector, window, min_drafts, ste
     Then: copy OUT onto the bundle volume and
       helm upgrade RELEASE deploy/helm/dflash-trt --reuse-values -f OUT.helm-upgrade-values.yaml
     """
+    from dflash_trt.bundle.package import write_revision
     from dflash_trt.deploy import revision
-    from dflash_trt.errors import DFlashError
-    from dflash_trt.io.manifest import read_manifest
+    from dflash_trt.io.manifest import Manifest
     from dflash_trt.models.config import load_drafter_config
     from dflash_trt.plan import tune
 
-    _check_sources(endpoint, prometheus, selector, every)
+    _check_sources(endpoint, prometheus, selector, every, out)
     bundle = Path(bundle_dir)
-    m = read_manifest(bundle)
+    m = Manifest.read(bundle)
     stack = _tuned_stack(m)
-    if Path(out).exists() and any(Path(out).iterdir()):
-        raise DFlashError(f"--out {out}: exists and is not empty")
-    max_k = int(m["drafter"]["block_size"]) - 1   # the drafted tokens of a block
+    max_k = m.drafter.block_size - 1   # the drafted tokens of a block
     cost = tune.step_cost_table(step_cost) if step_cost else \
         tune.bundle_step_cost(m, load_drafter_config(bundle / "drafter").raw)
     seconds = tune.parse_window(window)
@@ -86,21 +84,21 @@ def tune_cmd(bundle_dir, endpoint, prometheus, selector, window, min_drafts, ste
     before = tune.served_schedule(m, max_k + 1)
     acc = tune.survival_from_window(w, max_k, tune.served_ranges(bundle, before, stack), min_drafts=min_drafts)
     r = tune.replan(before, w, acc, cost, max_k, stack, min_gain=min_gain)
-    new_m = revision.write_revision(bundle, Path(out), r)
+    new_m = write_revision(bundle, Path(out), revision.tune_change(r))
     values_path = Path(values_out) if values_out else Path(str(Path(out)) + ".helm-upgrade-values.yaml")
     diff = revision.values_diff(bundle, Path(out), values_path)
-    changed = revision.changed_files(bundle, Path(out))
+    changed = new_m.revision.changed
     if as_json:
-        click.echo(json.dumps(r.to_dict() | {"revision": str(out), "changed_files": changed, "values_diff": diff,
-                                             "values_file": str(values_path), "tune_record": new_m["tune"]}, indent=2))
-        return
+        return click.echo(json.dumps(r.to_dict() | {"revision": str(out), "changed_files": changed, "values_diff": diff,
+                                                    "values_file": str(values_path),
+                                                    "revision_record": new_m.to_dict()["revision"]}, indent=2))
     click.echo(tune.format_retune(r))
     click.echo(f"revision: {out} ({len(changed)} files changed: "
                f"{', '.join(changed[:6])}{', ...' if len(changed) > 6 else ''})")
     click.echo(f"helm upgrade values: {values_path} ({', '.join(diff) or 'no value changes'})")
 
 
-def _check_sources(endpoint, prometheus, selector, every) -> None:
+def _check_sources(endpoint, prometheus, selector, every, out) -> None:
     from dflash_trt.errors import DFlashError
 
     if bool(endpoint) == bool(prometheus):
@@ -109,14 +107,16 @@ def _check_sources(endpoint, prometheus, selector, every) -> None:
         raise DFlashError("--selector applies to --prometheus only")
     if every and not endpoint:
         raise DFlashError("--every applies to --endpoint only")
+    if Path(out).exists() and any(Path(out).iterdir()):   # before watching the window
+        raise DFlashError(f"--out {out}: exists and is not empty")
 
 
-def _tuned_stack(m: dict) -> str:
+def _tuned_stack(m) -> str:
     """The bundle's served stack whose per-position acceptance tune reads (plan/tune.py TUNE_READERS)."""
     from dflash_trt.errors import DFlashError
     from dflash_trt.plan import tune
 
-    served = m["serving_stacks"]["served"]
+    served = m.served_stacks
     stack = next((s for s in served if s in tune.TUNE_READERS), None)
     if stack is None:
         raise DFlashError(f"tune: the bundle serves {', '.join(served)}; tune reads per-position acceptance from vLLM "

@@ -21,7 +21,7 @@ from pathlib import Path
 from dflash_trt.errors import DFlashError
 from dflash_trt.io.atomic import atomic_output_dir, refuse_inside
 from dflash_trt.io.clone import clone_tree
-from dflash_trt.io.manifest import MANIFEST_NAME, read_manifest
+from dflash_trt.io.manifest import MANIFEST_NAME, Manifest
 from dflash_trt.io.manifest import verify as verify_bundle
 
 BUNDLES_DIR = "bundles"
@@ -40,7 +40,7 @@ def version_sub_path(bundle: str | Path) -> str:
 
 def sha256sums(bundle: str | Path) -> str:
     """`sha256sum -c` lines of every artifact (manifest.json is checked on its own, copied last)."""
-    return "".join(f"{a['sha256']}  {a['path']}\n" for a in read_manifest(bundle)["artifacts"])
+    return "".join(f"{a.sha256}  {a.path}\n" for a in Manifest.read(bundle).artifacts)
 
 
 def delivery_values(values: dict, bundle: str | Path, *, sub_path: str | None = None,

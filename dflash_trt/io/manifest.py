@@ -17,14 +17,17 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from dflash_trt import engines
+from pydantic import TypeAdapter, ValidationError
+
+from dflash_trt import __version__, engines
 from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import arch_sms, catalog, gpus
 from dflash_trt.io.atomic import MARKER, atomic_write_text
 from dflash_trt.io.jsonio import read_json
 
 MANIFEST_NAME = "manifest.json"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READ_VERSIONS = (1, 2)   # version 2: a revision's `revision` record (version 1: `tune`)
 STAGES = ("check", "quantize", "convert", "plugin", "export-onnx", "compile", "package")
 STAGE_STATUSES = ("done", "skipped", "deferred", "failed", "not-needed")
 # How build chose the bundle's GPU: --gpu named it, nvidia-smi showed it, the architecture's default
@@ -233,20 +236,6 @@ def list_artifacts(bundle: str | Path, cache: HashCache | None = None) -> list[A
             for rel in bundle_files(bundle)]
 
 
-def read_manifest(bundle: str | Path) -> dict:
-    """manifest.json of a bundle, checked against MANIFEST_SCHEMA."""
-    path = Path(bundle) / MANIFEST_NAME
-    if not Path(bundle).is_dir():
-        raise DFlashError(f"{bundle}: not a folder")
-    if not path.is_file():
-        raise DFlashError(f"{path}: missing; {bundle} is not a dflash-trt bundle")
-    m = read_json(path)
-    validate(m, str(path))
-    if not isinstance(m["target"].get("config"), dict):  # the schema's check, without jsonschema installed
-        raise DFlashError(f"{path}: target.config must be the target's config.json object")
-    return m
-
-
 # ------------------------------------------------------------------ the manifest, typed
 # Bundles written before `serving_stacks` existed served the stack of their Triton GPU model.
 LEGACY_STACK_OF_TRITON_MODEL = {"tensorrt_llm": "trtllm"}
@@ -272,15 +261,44 @@ def _dump(value):
     return value
 
 
-def _record(cls, d: dict | None):
-    """A record from its JSON object: the keys it knows (a later version's extra keys are left)."""
-    if d is None:
-        return None
-    names = cls.__dataclass_fields__
-    return cls(**{k: v for k, v in d.items() if k in names})
+def record(cls):
+    """A manifest record: a frozen dataclass whose JSON is read strictly (Manifest.from_dict): a field it does
+    not have, or a value of another type, is refused naming the field (pydantic's extra="forbid")."""
+    cls = dataclass(frozen=True)(cls)
+    cls.__pydantic_config__ = {"extra": "forbid", "strict": True}
+    return cls
 
 
-@dataclass(frozen=True)
+def _upgraded(m: dict, source: str) -> dict:
+    """A manifest of a schema version this dflash-trt reads (READ_VERSIONS) as the current one; any other
+    version refused in one line. Version 1 bundles may lack what later builds record (serving_stacks: the
+    stack of their Triton GPU model; the drafter's quantization: none); a version 1 `tune` revision's record
+    becomes its `revision` record."""
+    v = m.get("schema_version")
+    if v not in READ_VERSIONS:
+        raise DFlashError(f"{source}: manifest schema version {v!r}; this dflash-trt ({__version__}) reads versions "
+                          f"{', '.join(map(str, READ_VERSIONS))}: rebuild the bundle with it, or use the dflash-trt "
+                          "that wrote the bundle")
+    if v == SCHEMA_VERSION:
+        return m
+    m = {**m, "schema_version": SCHEMA_VERSION}
+    if "serving_stacks" not in m:
+        m["serving_stacks"] = {"served": [LEGACY_STACK_OF_TRITON_MODEL[x] for x in m.get("triton_models", [])
+                                          if x in LEGACY_STACK_OF_TRITON_MODEL], "skipped": {}}
+    if isinstance(m.get("quant"), dict):
+        m["quant"] = {"drafter": "none", **m["quant"]}
+    if "tune" in m:
+        tune = dict(m.pop("tune"))
+        parent = tune.pop("from_revision")
+        rewritten = ("configs/", "triton/")   # what a version 1 tune wrote anew
+        m["revision"] = {"kind": "tune", "summary": (m.get("draft_schedule") or {}).get("source", "tune"),
+                         "parent": {"path": parent["bundle"], "manifest_sha256": parent["manifest_sha256"]},
+                         "changed": [a["path"] for a in m.get("artifacts", []) if a["path"].startswith(rewritten)],
+                         "tune": tune}
+    return m
+
+
+@record
 class TargetRecord:
     name: str
     hf_id: str | None = None
@@ -291,7 +309,7 @@ class TargetRecord:
     config: dict = field(default_factory=dict)   # the target's config.json
 
 
-@dataclass(frozen=True)
+@record
 class DrafterRecord:
     path: str
     bundle_path: str | None = _optional()   # absent in early bundles, as are sha256, trained_block_size, config
@@ -304,27 +322,27 @@ class DrafterRecord:
     config: dict | None = _optional()   # the drafter's config.json
 
 
-@dataclass(frozen=True)
+@record
 class QuantRecord:
     target: str                         # nvfp4 | fp8 | mxfp4 | none
     drafter: str = "none"               # nvfp4 | fp8 | int8 | none
     kv_cache: str = "bf16"              # fp8 | bf16
 
 
-@dataclass(frozen=True)
+@record
 class ParallelRecord:
     tp: int = 1
     ep: int = 1
     pp: int = 1
 
 
-@dataclass(frozen=True)
+@record
 class ServingStacksRecord:
     served: list[str]                   # the stacks with a config in the bundle
     skipped: dict[str, str] = field(default_factory=dict)   # stack -> the upstream rule its layout breaks
 
 
-@dataclass(frozen=True)
+@record
 class ServingProfileRecord:
     """build --profile: the TensorRT-LLM settings written (stacks/trtllm/profiles.py), their source, and
     the drafter attention backend."""
@@ -337,20 +355,20 @@ class ServingProfileRecord:
     drafter_attention_backend_source: str | None = _optional()
 
 
-@dataclass(frozen=True)
+@record
 class ReferenceRuntimeRecord:
     """Where the dflash_reference model finds its unquantized pair: bundle | copy | source (bundle/build.py)."""
     layout: str
 
 
-@dataclass(frozen=True)
+@record
 class StackScheduleRecord:
     """One served stack's draft schedule: the fields written into its own control, or why none."""
     fields: dict | None = _optional()
     skipped: str | None = _optional()
 
 
-@dataclass(frozen=True)
+@record
 class DraftScheduleRecord:
     """build --draft-schedule: the schedule (DraftSchedule.to_dict(), or None) and where it comes from or
     why there is none, and per served stack what its writer writes (stacks/base.draft_schedule_record)."""
@@ -363,15 +381,8 @@ class DraftScheduleRecord:
         rec = self.stacks.get(stack)
         return dict(rec.fields) if rec is not None and rec.fields is not None else {}
 
-    @classmethod
-    def from_dict(cls, d: dict | None) -> DraftScheduleRecord | None:
-        if d is None:
-            return None
-        return cls(source=d["source"], schedule=d.get("schedule"),
-                   stacks={k: _record(StackScheduleRecord, v) for k, v in (d.get("stacks") or {}).items()})
 
-
-@dataclass(frozen=True)
+@record
 class StageRecord:
     """One pipeline stage's entry (STAGES): its outcome, the hash of its inputs, what it wrote."""
     status: str                             # STAGE_STATUSES
@@ -386,7 +397,7 @@ class StageRecord:
     toolchain: dict | None = _optional()       # compile, run by `dflash-trt compile`: the GPU toolchain
 
 
-@dataclass(frozen=True)
+@record
 class ArtifactRecord:
     """One file of the bundle (every file but manifest.json)."""
     path: str                               # bundle-relative
@@ -394,17 +405,16 @@ class ArtifactRecord:
     sha256: str
 
 
-@dataclass(frozen=True)
+@record
 class WeightsRecord:
     """A configs-only bundle's weights (build --configs-only): absent, and how to get them."""
     present: bool
     downloads: list[dict] = field(default_factory=list)   # {role, hf_id, revision, command} per download
 
 
-@dataclass(frozen=True)
+@record
 class TuneRecord:
     """A revision written by `dflash-trt tune`: the served acceptance its draft schedule was re-planned from."""
-    from_revision: dict                 # {bundle, manifest_sha256} of the revision it came from
     window: dict                        # {source, start, seconds, mean_concurrency, max_concurrency}
     drafts: float
     draft_tokens: float
@@ -417,19 +427,53 @@ class TuneRecord:
     tuned: str | None = None            # when (UTC)
 
 
-@dataclass(frozen=True)
+@record
 class AdaptRecord:
-    """A revision written by `dflash-trt adapt`: the drafter fine-tuned on served traffic, and the gate on
-    held-out traffic it passed (train/adapt.py)."""
-    parent: dict                        # {bundle, manifest_sha256} of the revision it came from
+    """A revision written by `dflash-trt adapt` (train/adapt.py): the traffic its drafter was fine-tuned on, the
+    training, and the gate on held-out traffic it passed (the parent is the revision record's)."""
     traffic: list[dict]                 # {path, sha256, rows} per file, in reading order
-    rows: dict                          # {read, train, held_out, held_out_fraction, duplicates, skipped, ...}
-    training: dict                      # {steps, labels, distill_k, lr, seconds, first_loss, last_loss, ...}
-    gate: dict                          # {min_gain, gain, before: figures, after: figures}
+    rows: dict                          # {rows, train, held_out, held_out_fraction, duplicates, skipped, ...}
+    training: dict                      # {step, labels, distill_k, lr, train_seconds, first_loss, last_loss, ...}
+    gate: dict                          # {min_gain, gain, paired_se, passed, before: figures, after: figures}
     adapted: str | None = None          # when (UTC)
 
 
-@dataclass(frozen=True)
+@record
+class RevisionParent:
+    path: str                           # the parent bundle's folder (absolute)
+    manifest_sha256: str                # of its manifest.json: which build (or revision) of that folder
+
+
+@record
+class RevisionRecord:
+    """A bundle written from another by bundle/package.py write_revision: which kind of revision, why, its
+    immediate parent, the bundle-relative paths whose sha256 differs from the parent's, and the kind's record
+    (the field named like the kind)."""
+    kind: str                           # a REVISION_KINDS key
+    summary: str
+    parent: RevisionParent
+    changed: list[str]
+    tune: TuneRecord | None = _optional()
+    adapt: AdaptRecord | None = _optional()
+
+    @property
+    def record(self):
+        return getattr(self, self.kind)
+
+
+@record
+class RevisionKind:
+    record: type                        # the kind's record (RevisionRecord's field of the kind's name)
+    revises: tuple[str, ...]            # the manifest fields such a revision writes anew; it keeps every other
+
+
+# A row per kind of revision; every revision also writes REVISION_REWRITES anew.
+REVISION_KINDS = {"tune": RevisionKind(TuneRecord, ("draft_schedule",)),
+                  "adapt": RevisionKind(AdaptRecord, ("drafter", "draft_schedule"))}
+REVISION_REWRITES = ("tool_version", "created", "serving_configs", "artifacts", "artifact_stats", "revision")
+
+
+@record
 class Manifest:
     """manifest.json as one typed object, both ways: `build` makes one (bundle/build.py Builder) and writes
     it (Manifest.write), every other command reads it (Manifest.read). Its fields are in the order the
@@ -458,7 +502,7 @@ class Manifest:
     reference_runtime: ReferenceRuntimeRecord | None = _optional()
     draft_schedule: DraftScheduleRecord | None = _optional()
     weights: WeightsRecord | None = _optional()   # None: the weights are in the bundle
-    tune: TuneRecord | None = _optional()         # a revision `tune` wrote
+    revision: RevisionRecord | None = _optional()   # a bundle written from another (tune, adapt)
     serving_configs: dict | None = _optional()   # key -> bundle path of each served stack's config
     stages: dict[str, StageRecord] | None = _optional()   # stage name -> its entry, in STAGES order
     input_files: dict | None = _optional()       # HashCache entries: the inputs' sha256 by (size, mtime)
@@ -471,7 +515,7 @@ class Manifest:
         "schema_version", "tool_version", "created", "target", "drafter", "arch", "gpu", "node", "gpu_source", "sm",
         "quant", "parallel", "backend", "max_seq_len", "triton_model_repository", "triton_models", "serving_stacks",
         "trt_drafter_engine", "engines", "serving_profile", "reference_runtime", "draft_schedule", "weights",
-        "tune", "serving_configs",
+        "revision", "serving_configs",
         "stages", "input_files", "artifacts", "serve", "artifact_stats")
 
     @property
@@ -483,33 +527,20 @@ class Manifest:
         return dict(self.serving_stacks.skipped)
 
     @classmethod
-    def from_dict(cls, m: dict) -> Manifest:
-        """A validated manifest dict (read_manifest) as the typed object; defaults for keys that
-        bundles of earlier versions lack."""
-        ss = m.get("serving_stacks") or {}
-        served = list(ss.get("served") or [LEGACY_STACK_OF_TRITON_MODEL[x] for x in m["triton_models"]
-                                           if x in LEGACY_STACK_OF_TRITON_MODEL])
-        return cls(schema_version=m["schema_version"], tool_version=m["tool_version"], created=m.get("created"),
-                   target=_record(TargetRecord, m["target"]), drafter=_record(DrafterRecord, m["drafter"]),
-                   arch=m["arch"], gpu=m["gpu"], node=m.get("node"), gpu_source=m.get("gpu_source"),
-                   sm=list(m.get("sm") or []),
-                   quant=_record(QuantRecord, {**m["quant"], "drafter": m["quant"].get("drafter") or "none"}),
-                   parallel=_record(ParallelRecord, m["parallel"]), backend=m["backend"],
-                   max_seq_len=m.get("max_seq_len"), triton_model_repository=m["triton_model_repository"],
-                   triton_models=list(m["triton_models"]),
-                   serving_stacks=ServingStacksRecord(served=served, skipped=dict(ss.get("skipped") or {})),
-                   trt_drafter_engine=bool(m.get("trt_drafter_engine")), engines=m.get("engines") or {},
-                   serving_profile=_record(ServingProfileRecord, m.get("serving_profile")),
-                   reference_runtime=_record(ReferenceRuntimeRecord, m.get("reference_runtime")),
-                   draft_schedule=DraftScheduleRecord.from_dict(m.get("draft_schedule")),
-                   weights=_record(WeightsRecord, m.get("weights")),
-                   tune=_record(TuneRecord, m.get("tune")),
-                   serving_configs=m.get("serving_configs"),
-                   stages={k: _record(StageRecord, v) for k, v in m["stages"].items()} if "stages" in m else None,
-                   input_files=m.get("input_files"),
-                   artifacts=[_record(ArtifactRecord, a) for a in m["artifacts"]] if "artifacts" in m else None,
-                   serve=m.get("serve"),
-                   artifact_stats=m.get("artifact_stats"))
+    def from_dict(cls, m: dict, source: str = MANIFEST_NAME) -> Manifest:
+        """A manifest.json object as the typed object: a known earlier schema version upgraded (_upgraded), its
+        values checked (MANIFEST_SCHEMA), its shape read strictly (record): an unknown field or a value of
+        another type is refused naming the field."""
+        m = _upgraded(m, source)
+        validate(m, source)
+        try:
+            return TypeAdapter(cls).validate_json(json.dumps(m))
+        except ValidationError as e:
+            err = e.errors()[0]
+            where = ".".join(str(x) for x in err["loc"]) or "(top level)"
+            what = {"unexpected_keyword_argument": f"unknown field (manifest schema version {SCHEMA_VERSION})",
+                    "missing_argument": "missing"}.get(err["type"], err["msg"])
+            raise DFlashError(f"{source}: field {where}: {what}") from None
 
     def to_dict(self) -> dict:
         """The JSON object manifest.json holds (keys in JSON_ORDER; optional fields left out when None)."""
@@ -523,7 +554,13 @@ class Manifest:
 
     @classmethod
     def read(cls, bundle: str | Path) -> Manifest:
-        return cls.from_dict(read_manifest(bundle))
+        """manifest.json of a bundle (from_dict)."""
+        path = Path(bundle) / MANIFEST_NAME
+        if not Path(bundle).is_dir():
+            raise DFlashError(f"{bundle}: not a folder")
+        if not path.is_file():
+            raise DFlashError(f"{path}: missing; {bundle} is not a dflash-trt bundle")
+        return cls.from_dict(read_json(path), str(path))
 
     def write(self, bundle: str | Path) -> Path:
         """Validate, then write manifest.json atomically."""
@@ -556,28 +593,43 @@ def is_bundle(folder: str | Path) -> bool:
 
 
 def verify(bundle: str | Path) -> list[str]:
-    """Problems found when re-hashing every artifact the manifest lists (empty list: intact).
-    Also reports files in the bundle that the manifest does not list."""
+    """Problems found when re-hashing every artifact the manifest lists (empty list: intact), files in the
+    bundle that the manifest does not list, and, for a revision whose parent is here, what it changed
+    without saying so (revision_problems)."""
     bundle = Path(bundle)
-    m = read_manifest(bundle)
+    m = Manifest.read(bundle)
     problems = []
-    listed = set()
-    for a in m["artifacts"]:
-        rel = a["path"]
-        listed.add(rel)
-        p = bundle / rel
-        if ".." in Path(rel).parts or Path(rel).is_absolute():
-            problems.append(f"{rel}: artifact path leaves the bundle")
-            continue
-        if not p.is_file():
-            problems.append(f"{rel}: missing")
-            continue
-        size = p.stat().st_size
-        if size != a["bytes"]:
-            problems.append(f"{rel}: size {size} bytes, manifest says {a['bytes']}")
-            continue
-        digest = sha256_file(p)
-        if digest != a["sha256"]:
-            problems.append(f"{rel}: sha256 {digest[:16]}… does not match the manifest's {a['sha256'][:16]}…")
+    for a in m.artifacts:
+        p = bundle / a.path
+        if ".." in Path(a.path).parts or Path(a.path).is_absolute():
+            problems.append(f"{a.path}: artifact path leaves the bundle")
+        elif not p.is_file():
+            problems.append(f"{a.path}: missing")
+        elif p.stat().st_size != a.bytes:
+            problems.append(f"{a.path}: size {p.stat().st_size} bytes, manifest says {a.bytes}")
+        elif (digest := sha256_file(p)) != a.sha256:
+            problems.append(f"{a.path}: sha256 {digest[:16]}… does not match the manifest's {a.sha256[:16]}…")
+    listed = {a.path for a in m.artifacts}
     problems += [f"{rel}: not listed in the manifest" for rel in bundle_files(bundle) if rel not in listed]
-    return problems
+    return problems + revision_problems(m)
+
+
+def revision_problems(m: Manifest) -> list[str]:
+    """A revision against its parent, when the parent is still where it was and as it was (its manifest's
+    sha256): a manifest field the revision's kind keeps (REVISION_KINDS) that differs from the parent's, and a
+    file that differs from the parent's but is not in revision.changed. A revision copied away from its parent
+    stands on its own hashes."""
+    rev = m.revision
+    if rev is None:
+        return []
+    parent = Path(rev.parent.path)
+    if not is_bundle(parent) or sha256_file(parent / MANIFEST_NAME) != rev.parent.manifest_sha256:
+        return []
+    before, now = Manifest.read(parent).to_dict(), m.to_dict()
+    kept = [k for k in before if k not in (*REVISION_REWRITES, *REVISION_KINDS[rev.kind].revises)]
+    problems = [f"{MANIFEST_NAME}: field {k} differs from its parent's ({parent}), which a {rev.kind} revision keeps"
+                for k in kept if before[k] != now.get(k)]
+    a = {x["path"]: x["sha256"] for x in before["artifacts"]}
+    b = {x.path: x.sha256 for x in m.artifacts}
+    return problems + [f"{p}: differs from its parent's ({parent}) but the revision does not list it as changed"
+                       for p in sorted(a.keys() | b.keys()) if a.get(p) != b.get(p) and p not in rev.changed]

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dflash_trt.errors import DFlashError
+from dflash_trt.io.manifest import Manifest
 
 
 @dataclass(frozen=True)
@@ -77,8 +78,8 @@ def planned_figures(schedule: dict | None, *, min_tokens_per_user: float | None 
     return PlannedFigures(by_concurrency=tuple(rows), time_per_output_token_s=tpot, source=src)
 
 
-def bundle_figures(manifest_dict: dict, *, min_tokens_per_user: float | None = None) -> PlannedFigures:
+def bundle_figures(m: Manifest, *, min_tokens_per_user: float | None = None) -> PlannedFigures:
     """The figures of a bundle: its manifest's draft schedule (manifest.json `draft_schedule.schedule`)."""
-    sched = (manifest_dict.get("draft_schedule") or {}).get("schedule")
+    sched = m.draft_schedule and m.draft_schedule.schedule
     return planned_figures(sched, min_tokens_per_user=min_tokens_per_user,
                            where="manifest.json draft_schedule.schedule")

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from dflash_trt import stacks
 from dflash_trt.errors import DFlashError
+from dflash_trt.io.manifest import Manifest
 from dflash_trt.io.prometheus import parse_prometheus, sum_series
 from dflash_trt.plan import draft_schedule as ds
 from dflash_trt.plan import speed
@@ -340,19 +341,18 @@ def cost_curve(points: dict[int, float]):
     return t, dict(zip(xs, ys))
 
 
-def bundle_step_cost(m: dict, drafter_config: dict) -> speed.ScheduleCost:
+def bundle_step_cost(m: Manifest, drafter_config: dict) -> speed.ScheduleCost:
     """The bundle's own cost model: the speed model for its GPU node and layout (as build planned it)."""
-    prof = m.get("serving_profile") or {}
-    if not m.get("gpu"):
+    prof = m.serving_profile
+    if not m.gpu:
         raise DFlashError("tune: the bundle has no GPU (a CPU bundle): pass --step-cost FILE.json (measured step "
                           "times) for its cost model")
     cost = speed.schedule_cost(
-        target_name=m["target"]["name"], target_config=m["target"]["config"], drafter_config=drafter_config,
-        gpu=m["gpu"], quant=m["quant"]["target"], kv_cache=m["quant"]["kv_cache"],
-        drafter_quant=m["quant"].get("drafter", "none"), tp=m["parallel"]["tp"], ep=m["parallel"]["ep"],
-        block_size=int(m["drafter"]["block_size"]), max_batch_size=int(prof.get("max_batch_size", 64)),
-        max_seq_len=min(int(m.get("max_seq_len") or 8192), 32768),
-        attention_dp=bool(prof.get("enable_attention_dp", False)))
+        target_name=m.target.name, target_config=m.target.config, drafter_config=drafter_config,
+        gpu=m.gpu, quant=m.quant.target, kv_cache=m.quant.kv_cache, drafter_quant=m.quant.drafter,
+        tp=m.parallel.tp, ep=m.parallel.ep, block_size=m.drafter.block_size,
+        max_batch_size=(prof and prof.max_batch_size) or 64, max_seq_len=min(m.max_seq_len or 8192, 32768),
+        attention_dp=bool(prof and prof.enable_attention_dp))
     if isinstance(cost, str):
         raise DFlashError(f"tune: no cost model for the bundle: {cost}")
     return cost
@@ -480,6 +480,6 @@ def _ranges(ranges) -> str:
     return ", ".join(f"{a}-{b}: K {k}" if a != b else f"{a}: K {k}" for a, b, k in ranges)
 
 
-def served_schedule(m: dict, block_size: int) -> ds.DraftSchedule | None:
-    rec = (m.get("draft_schedule") or {}).get("schedule")
+def served_schedule(m: Manifest, block_size: int) -> ds.DraftSchedule | None:
+    rec = m.draft_schedule and m.draft_schedule.schedule
     return ds.from_dict(rec, block_size, "manifest.json draft_schedule") if rec else None

@@ -79,10 +79,10 @@ class Gate:
         return self.after.lossless and self.after.tau >= self.before.tau * (1 + self.min_gain)
 
     @property
-    def paired_se(self) -> float:
+    def paired_se(self) -> float | None:
         """Standard error of the relative gain over prompts (paired): the noise the margin must clear."""
         d = [a - b for a, b in zip(self.after.tau_per_prompt, self.before.tau_per_prompt)]
-        return statistics.stdev(d) / len(d) ** 0.5 / self.before.tau if len(d) > 1 else float("nan")
+        return statistics.stdev(d) / len(d) ** 0.5 / self.before.tau if len(d) > 1 else None
 
     def why(self) -> str:
         if not self.after.lossless:
@@ -216,15 +216,14 @@ def replanned_schedule(m: Manifest, drafter: Path, acceptance: list[float]):
 
     if not m.gpu:
         return None
-    cost = tune.bundle_step_cost(m.to_dict(), load_drafter_config(drafter).raw)
+    cost = tune.bundle_step_cost(m, load_drafter_config(drafter).raw)
     return ds.choose(acceptance, cost.step_seconds, cost.concurrencies, max_k=len(acceptance), assumptions=[
         "acceptance per position measured by `dflash-trt adapt` on held-out served traffic with the bundle's "
         "served target", cost.source])
 
 
-def adapt_record(bundle: Path, traffic: Traffic, training: dict, gate: Gate) -> AdaptRecord:
-    return AdaptRecord(parent={"bundle": str(bundle), "manifest_sha256": sha256_file(bundle / MANIFEST_NAME)},
-                       traffic=traffic.files, rows={k: v for k, v in traffic.to_dict().items() if k != "files"},
+def adapt_record(traffic: Traffic, training: dict, gate: Gate) -> AdaptRecord:
+    return AdaptRecord(traffic=traffic.files, rows={k: v for k, v in traffic.to_dict().items() if k != "files"},
                        training=training, gate=gate.to_dict(),
                        adapted=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
 
@@ -286,7 +285,7 @@ def adapt(bundle: str | Path, traffic_paths: list[str | Path], out: str | Path, 
                                          "n_tokens", "world_size")} | {"labels": s.labels, "distill_k": s.distill_k,
                                                                         "lr": s.lr, "init_from": str(drafter)}
     if gate.passed:
-        write_adapted(bundle, out, m, adapt_record(bundle, traffic, training, gate), new, gate)
+        write_adapted(bundle, out, m, adapt_record(traffic, training, gate), run / "train" / "drafter", gate)
     return AdaptResult(traffic, training, gate, str(run), str(out) if gate.passed else None,
                        time.perf_counter() - t0)
 
