@@ -147,8 +147,10 @@ def test_serve_vllm_capture_keeps_real_requests(vllm_bundle, tmp_path, tiny_pair
     assert len(text.splitlines()) == 2 and TOKEN not in text
     assert all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in files)
     tok = AutoTokenizer.from_pretrained(str(vllm_bundle / "target"))
-    t = read_traffic([folder], tok, max_prompt_tokens=1000, held_out_fraction=0.5)
-    assert not t.skipped and len(t.train) + len(t.held_out) == 2
+    more = tmp_path / "more.jsonl"   # enough other prompts that both sides of the split hold some
+    more.write_text("".join(json.dumps({"prompt": f"def f{i}(x):"}) + "\n" for i in range(20)))
+    t = read_traffic([folder, more], tok, max_prompt_tokens=1000, held_out_fraction=0.5)
+    assert not t.skipped and len(t.train) + len(t.held_out) == 22 and t.files[0]["rows"] == 2
 
 
 def _render(values: dict) -> list[dict]:
