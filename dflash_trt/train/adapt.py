@@ -257,15 +257,16 @@ def adapt(bundle: str | Path, traffic_paths: list[str | Path], out: str | Path, 
     target, drafter, train_target = bundle_pair(bundle, m)
     tc = train_config(drafter, s)
     context = int(read_json(target / "config.json").get("max_position_embeddings") or 4096)
-    traffic = read_traffic(traffic_paths, AutoTokenizer.from_pretrained(str(target)),
-                           max_prompt_tokens=context - s.max_new_tokens - tc.block_size,
-                           held_out_fraction=s.held_out, max_bad_rows=s.max_bad_rows, verbose=s.verbose, log=log)
-    log(f"{traffic.rows} rows in {len(traffic.files)} files: {len(traffic.train)} train, {len(traffic.held_out)} "
-        f"held out ({s.held_out:.0%} by prompt hash), {traffic.duplicates} duplicates, {len(traffic.skipped)} "
-        f"skipped ({traffic.skipped_summary()})")
     run = Path(run_dir) if run_dir else Path(str(out) + ".run")
     world = init_world()
+    log = log if world.main else (lambda line: None)   # every rank reads the traffic; rank 0 speaks
     try:
+        traffic = read_traffic(traffic_paths, AutoTokenizer.from_pretrained(str(target)),
+                               max_prompt_tokens=context - s.max_new_tokens - tc.block_size,
+                               held_out_fraction=s.held_out, max_bad_rows=s.max_bad_rows, verbose=s.verbose, log=log)
+        log(f"{traffic.rows} rows in {len(traffic.files)} files: {len(traffic.train)} train, {len(traffic.held_out)} "
+            f"held out ({s.held_out:.0%} by prompt hash), {traffic.duplicates} duplicates, {len(traffic.skipped)} "
+            f"skipped ({traffic.skipped_summary()})")
         if world.main:
             claim_run_dir(run, traffic, bundle)
             answer(train_target, traffic, run, s, progress)
