@@ -7,7 +7,7 @@ import click
 
 from dflash_trt.commands import SEED, THREADS, FiniteFloatRange
 
-DEFAULT_MIN_GAIN = 0.03   # train/adapt.py DEFAULT_MIN_GAIN (kept here so --help does not import torch)
+DEFAULT_MIN_GAIN = 0.10   # train/adapt.py DEFAULT_MIN_GAIN (kept here so --help does not import torch)
 
 
 @click.command("adapt")
@@ -82,8 +82,8 @@ def _summary(r) -> str:
              + " ".join(f"{a:.2f}" for a in f.acceptance)) for what, f in (("old", g.before), ("new", g.after))]
     return "\n".join([f"traffic: {r.traffic.rows} rows, {len(r.traffic.train)} train, {len(r.traffic.held_out)} "
                       f"held out, {len(r.traffic.skipped)} skipped",
-                      f"training: {r.training['step']} steps, loss {r.training['first_loss'] or 0:.3f} -> "
-                      f"{r.training['last_loss'] or 0:.3f}, {r.training['train_seconds']:.0f} s",
+                      f"training: {r.training['step']} steps, logged loss {r.training['logged_loss_first'] or 0:.3f} "
+                      f"-> {r.training['logged_loss_last'] or 0:.3f}, {r.training['train_seconds']:.0f} s",
                       *(f"{a}: {b}" for a, b in rows),
                       f"gate: {g.why()}" + (f" (paired standard error {g.paired_se:.1%})" if g.paired_se else ""),
                       f"revision: {r.revision}" if r.revision else "revision: not written",
