@@ -5,7 +5,8 @@ The traffic is a team's coding assistant as its request log would hold it: OpenA
 (`messages`, with a system prompt) and completions (`prompt`) rows mixed, some requests repeated. The
 requests are written for this project: the 20 of data/general_code_prompts.jsonl and 30 more tasks,
 each in several wordings (none is a public benchmark's, none is the standard library's code the
-embedded drafter was trained on). The refused run is "too little": the same traffic, 2 steps.
+embedded drafter was trained on). The refused run is "too little": the same traffic, 2 steps. Where the vLLM
+env exists, vLLM-CPU serves the bundle and the revision on the held-out requests: its own acceptance length.
 
     python bench/bench_adapt.py [--requests 200] [--steps 300] [--keep DIR] > adapt.json
 """
@@ -94,6 +95,27 @@ def _figures(g: dict) -> dict:
     return {k: g[k] for k in ("tau", "acceptance", "speedup", "lossless", "prompts", "blocks")}
 
 
+def vllm_acceptance(bundles: list[Path], traffic: Path, work: Path) -> dict:
+    """vLLM-CPU's own mean acceptance length (its spec-decode counters) serving each bundle on the held-out
+    requests of the adapt run (greedy, eager, 128 tokens), and whether the bundles' outputs are identical."""
+    from transformers import AutoTokenizer
+
+    from dflash_trt.stacks.vllm.server import VllmServer
+    from dflash_trt.train.traffic import read_traffic
+
+    tok = AutoTokenizer.from_pretrained(str(bundles[0] / "target"))
+    held_out = read_traffic([traffic], tok, max_prompt_tokens=1900, held_out_fraction=0.2).held_out
+    out, tokens = {}, []
+    for b in bundles:
+        with VllmServer(b, work=work / f"vllm-{b.name}", extra_args=["--enforce-eager"]) as srv:
+            before = srv.spec_decode_counters()
+            tokens.append([srv.complete_ids(r.ids, 128) for r in held_out])
+            after = srv.spec_decode_counters()
+        drafts, accepted = after["drafts"] - before["drafts"], after["accepted"] - before["accepted"]
+        out[b.name] = {"drafts": drafts, "acceptance_length": 1 + accepted / drafts}
+    return {**out, "prompts": len(held_out), "token_identical": tokens[0] == tokens[-1]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=200)
@@ -124,6 +146,12 @@ def main() -> int:
             "refused_run": {"steps": 2, "exit_code": refused_code, "passed": refused.get("passed"),
                             "reason": refused.get("reason"), "written": (work / "refused").exists()},
         }
+        from dflash_trt.paths import vllm_env_dir
+        from dflash_trt.stacks.vllm.server import vllm_env_problem
+
+        problem = vllm_env_problem(vllm_env_dir())
+        report["vllm"] = {"skipped": problem} if problem or code else \
+            vllm_acceptance([bundle, work / "adapted"], traffic, work)
     print(json.dumps(report, indent=2))
     return 0
 
