@@ -25,6 +25,9 @@
   the full block and no speculation, at the drafter's own acceptance (token identity to vLLM's AR checked)
   and at two synthetic acceptance profiles (tau 4.4 and 2.5) (bench/bench_tune.py; one repeat with --quick).
   Skipped, with the reason, where the vLLM env is missing;
+- adapt.json: `dflash-trt adapt` on the embedded pair with ~200 logged code requests (chat and completions
+  rows): held-out tau, acceptance per position and speed-up of the old and the adapted drafter, losslessness,
+  the time adapt took, and a refused run (too little training) (bench/bench_adapt.py);
 - kv_inject.json: fused KV injection against the reference (bench/bench_kv_inject.py);
 - omp_wait.json: `dflash-trt bench` (2 prompts x 32 tokens) beside one busy process, with the CLI's
   default OMP_WAIT_POLICY=PASSIVE and with libgomp's own default (bench/bench_omp_wait.py);
@@ -150,6 +153,10 @@ def main() -> int:
                                              "tuned_over_best_other", "tuned_ge_best_within_noise")}
                        | {m: r[m]["tokens_per_s_median"] for m in ("build", "tuned", "always", "never") if m in r}
                        for r in tn["levels"]]}
+    adapted = _script("bench_adapt.py", [], out / "adapt.json")
+    if adapted is not None:
+        summary["adapt"] = {k: adapted[k] for k in ("requests", "steps", "adapt_seconds", "passed", "gain", "paired_se",
+                                                    "before", "after", "refused_run")}
     kv = _script("bench_kv_inject.py", [], out / "kv_inject.json")
     if kv is not None:
         summary["kv_inject"] = kv

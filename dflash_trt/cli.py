@@ -38,6 +38,7 @@ COMMANDS: dict[str, str] = {
     "deploy": "dflash_trt.commands.deploy:deploy_cmd",
     "push": "dflash_trt.commands.deploy:push_cmd",
     "tune": "dflash_trt.commands.tune:tune_cmd",
+    "adapt": "dflash_trt.commands.adapt:adapt_cmd",
 }
 
 

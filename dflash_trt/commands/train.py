@@ -237,11 +237,17 @@ def corpus_cmd(out, max_rows, seed, as_json):
 @click.option("--data", default="/data/data.jsonl", show_default=True, help="--data on the volume.")
 @click.option("--run-dir", default="/data/run", show_default=True, help="train-drafter --out on the volume.")
 @click.option("--train-arg", "train_args", multiple=True, help="A further train-drafter argument (repeat), e.g. --steps.")
+@click.option("--adapt-bundle", default="", metavar="PATH",
+              help="Run `dflash-trt adapt` on this bundle (on the volume) instead of train-drafter; --run-dir is its "
+                   "run folder, --train-arg its further options.")
+@click.option("--traffic", default="/data/traffic", show_default=True, help="--adapt-bundle: the request log.")
+@click.option("--revision-out", default="", metavar="PATH", help="--adapt-bundle: the revision to write (default: "
+              "BUNDLE-adapted).")
 @click.option("--release", default="dflash-trt", show_default=True)
 @click.option("--namespace", default="default", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
 def deploy_train_cmd(out, nodes, gpus_per_node, cpu_ranks, gpu_product, image, existing_claim, size, storage_class,
-                     target, data, run_dir, train_args, release, namespace, as_json):
+                     target, data, run_dir, train_args, adapt_bundle, traffic, revision_out, release, namespace, as_json):
     """Render the training chart (deploy/helm/dflash-trt-train): an Indexed Job of --nodes pods
     running train-drafter under torchrun (c10d rendezvous at pod 0, a headless Service), GPUs per pod,
     one shared volume; a restarted pod resumes from the run's last checkpoint. Helm's own engine
@@ -253,6 +259,8 @@ def deploy_train_cmd(out, nodes, gpus_per_node, cpu_ranks, gpu_product, image, e
       dflash-trt deploy-train --out deploy/train --nodes 4 --gpus-per-node 8 --gpu-product NVIDIA-H200 \\
           --image registry.example.com/dflash-trt-train:0.1.0 --existing-claim drafter-data \\
           --train-arg=--steps --train-arg=20000
+      dflash-trt deploy-train --out deploy/adapt --nodes 1 --gpus-per-node 8 --adapt-bundle /data/bundle \\
+          --traffic /data/logs --revision-out /data/bundle-r2 --run-dir /data/adapt-run   # `adapt` as the Job
     """
     from dflash_trt.deploy.values import parse_image, render, write_deployment
     from dflash_trt.paths import deploy_path
@@ -260,6 +268,9 @@ def deploy_train_cmd(out, nodes, gpus_per_node, cpu_ranks, gpu_product, image, e
     values = {"nodes": nodes, "gpu": {"count": gpus_per_node, "product": gpu_product}, "cpuRanksPerPod": cpu_ranks,
               "storage": {"existingClaim": existing_claim, "size": size, "storageClassName": storage_class},
               "train": {"target": target, "data": data, "out": run_dir, "extraArgs": list(train_args)}}
+    if adapt_bundle:   # the same Job, rendezvous and volume; only the command differs (docs/adapt.md)
+        values["adapt"] = {"bundle": adapt_bundle, "traffic": traffic,
+                           "out": revision_out or adapt_bundle.rstrip("/") + "-adapted"}
     if image:
         values["image"] = parse_image(image, "--image")
     chart = deploy_path("helm", "dflash-trt-train")

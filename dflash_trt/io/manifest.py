@@ -392,6 +392,17 @@ class PlanRefreshRecord:
 
 
 @record
+class AdaptRecord:
+    """A revision written by `dflash-trt adapt` (adapt.py): the traffic its drafter was fine-tuned on, the
+    training, and the gate on held-out traffic it passed (the parent is the revision record's)."""
+    traffic: list[dict]                 # {path, sha256, rows} per file, in reading order
+    rows: dict                          # {rows, train, held_out, held_out_fraction, duplicates, skipped, ...}
+    training: dict                      # {step, labels, distill_k, lr, train_seconds, first_loss, last_loss, ...}
+    gate: dict                          # {min_gain, gain, paired_se, passed, before: figures, after: figures}
+    adapted: str | None = None          # when (UTC)
+
+
+@record
 class RevisionParent:
     path: str                           # the parent bundle's folder (absolute)
     manifest_sha256: str                # of its manifest.json: which build (or revision) of that folder
@@ -408,6 +419,7 @@ class RevisionRecord:
     changed: list[str]
     tune: TuneRecord | None = _optional()
     plan: PlanRefreshRecord | None = _optional()
+    adapt: AdaptRecord | None = _optional()
 
     @property
     def record(self):
@@ -421,7 +433,9 @@ class RevisionKind:
 
 
 # A row per kind of revision; every revision also writes REVISION_REWRITES anew.
-REVISION_KINDS = {"tune": RevisionKind(TuneRecord, ("draft_schedule",)), "plan": RevisionKind(PlanRefreshRecord, ())}
+REVISION_KINDS = {"tune": RevisionKind(TuneRecord, ("draft_schedule",)),
+                  "adapt": RevisionKind(AdaptRecord, ("drafter", "draft_schedule")),
+                  "plan": RevisionKind(PlanRefreshRecord, ())}
 REVISION_REWRITES = ("tool_version", "created", "serving_configs", "artifacts", "artifact_stats", "revision")
 
 

@@ -38,7 +38,8 @@ VLLM_ENV = "DFLASH_TRT_VLLM_ENV"   # a virtual environment with vLLM installed (
 
 def generate_responses(target_dir: str | Path, prompts: list[str], out_path: str | Path, *,
                        max_new_tokens: int = 192, batch_size: int = 16, progress: bool = True,
-                       threads: int | None = None, dtype: str = "auto", engine: str = "auto") -> Path:
+                       threads: int | None = None, dtype: str = "auto", engine: str = "auto",
+                       prompt_ids: dict[str, list[int]] | None = None) -> Path:
     """Answer each prompt with the target (greedy, chat template) and append rows
     `{"prompt", "prompt_ids", "output_ids"}` to out_path. Resumable: prompts already in the file
     are skipped. Uses transformers' batched generate (left padding): this is data, not the product.
@@ -46,7 +47,9 @@ def generate_responses(target_dir: str | Path, prompts: list[str], out_path: str
     are then the ones the deployed target gives, and batched bf16 generate ran 2x faster than
     float32 here (0.98 vs 0.50 prompts/s per core at batch 48).
     engine: "vllm" (vLLM's batched generation in its own environment, vllm_env.vllm_python()), "hf"
-    (transformers), "auto" (vLLM where its environment exists)."""
+    (transformers), "auto" (vLLM where its environment exists).
+    prompt_ids: prompts already rendered as token ids (a logged chat, train/traffic.py), by prompt; the
+    rest are encoded with the chat template."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if threads:
@@ -64,12 +67,13 @@ def generate_responses(target_dir: str | Path, prompts: list[str], out_path: str
     if engine == "vllm" and py is None:
         raise DFlashError(f"answers from vLLM: no vLLM environment (set ${VLLM_ENV} to a venv with vllm installed, "
                           f"or create {Path(sys.prefix) / 'vllm'})")
+    encoded = [(p, (prompt_ids or {}).get(p) or encode_prompt(tok, p)) for p in todo]
     if py is not None:
-        return _vllm_responses(py, target_dir, tok, todo, out_path, max_new_tokens, dtype, threads)
+        return _vllm_responses(py, target_dir, encoded, out_path, max_new_tokens, dtype, threads)
     model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=resolve_dtype(dtype)).eval()
     eos = model.generation_config.eos_token_id
     pad = tok.pad_token_id if tok.pad_token_id is not None else (eos[0] if isinstance(eos, list) else eos)
-    encoded = sorted(((p, encode_prompt(tok, p)) for p in todo), key=lambda x: len(x[1]))  # less padding
+    encoded.sort(key=lambda x: len(x[1]))  # less padding
     batches = [encoded[i:i + batch_size] for i in range(0, len(encoded), batch_size)]
     random.Random(0).shuffle(batches)  # a mix of lengths early, so the progress rate is honest
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -91,12 +95,11 @@ def generate_responses(target_dir: str | Path, prompts: list[str], out_path: str
     return out_path
 
 
-def _vllm_responses(py: Path, target_dir, tok, todo: list[str], out_path: Path, max_new_tokens: int, dtype: str,
-                    threads: int | None) -> Path:
+def _vllm_responses(py: Path, target_dir, encoded: list[tuple[str, list[int]]], out_path: Path, max_new_tokens: int,
+                    dtype: str, threads: int | None) -> Path:
     """The answers of vllm_answers.py run by the vLLM environment's Python, appended like generate's.
     The prompt ids are ours (encode_prompt), so both engines answer the very same tokens."""
     eos = stop_token_ids(target_dir)
-    encoded = [(p, encode_prompt(tok, p)) for p in todo]
     vdtype = str(resolve_dtype(dtype)).removeprefix("torch.")   # the dtype our runtime would answer in
     with tempfile.TemporaryDirectory(prefix="dflash-trt-vllm-") as tmp:
         req, ans, summary = Path(tmp) / "requests.jsonl", Path(tmp) / "answers.jsonl", Path(tmp) / "summary.json"

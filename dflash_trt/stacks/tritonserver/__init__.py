@@ -53,6 +53,8 @@ class Triton(Stack):
         """(server, endpoints, announcement) of tritonserver on the bundle's repository."""
         if not bundle:
             raise DFlashError("serve: --bundle DIR is required (or --make-stub-env)")
+        if opts.get("capture"):
+            raise DFlashError("serve --capture: the capture middleware runs in vLLM's server (--engine vllm)")
         repo = Path(bundle) / REPOSITORY
         if not repo.is_dir():
             raise DFlashError(f"{bundle}: no {REPOSITORY}/ model repository (is it a dflash-trt bundle?)")

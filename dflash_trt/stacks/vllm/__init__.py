@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import tempfile
 from dataclasses import replace
+from importlib import resources
 from pathlib import Path
 from typing import ClassVar
 
@@ -116,9 +117,14 @@ class VLLM(Stack):
         if not bundle:
             raise DFlashError("serve --engine vllm: --bundle DIR is required")
         work = Path(tempfile.mkdtemp(prefix="dflash-trt-vllm-"))
+        args, env = list(opts.get("vllm_args") or []), {}
+        if opts.get("capture"):   # the opt-in capture middleware (assets/vllm_plugin/dflash_trt_capture.py)
+            args += ["--middleware", "dflash_trt_capture.CaptureMiddleware"]
+            env = {"PYTHONPATH": str(resources.files("dflash_trt").joinpath("assets", "vllm_plugin")),
+                   "DFLASH_TRT_CAPTURE_DIR": str(Path(opts["capture"]).resolve()),
+                   "DFLASH_TRT_CAPTURE_FRACTION": str(opts["capture_fraction"])}
         server = VllmServer(Path(bundle), work=work, host=opts["host"], port=opts["http_port"],
-                            env_dir=Path(opts["vllm_env"]) if opts.get("vllm_env") else None,
-                            extra_args=list(opts.get("vllm_args") or []))
+                            env_dir=Path(opts["vllm_env"]) if opts.get("vllm_env") else None, extra_args=args, env=env)
         info = {"http": server.url, "metrics": server.metrics_url, "engine": "vllm", "log": str(server.log_path),
                 "argv": server.command()}  # command(): a missing env is one line, before anything starts
         line = (f"vllm serve {bundle}: OpenAI API {info['http']}/v1, metrics {info['metrics']} "

@@ -41,7 +41,14 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- fail (printf "train.%s %q lies outside storage.mountPath %s: a restarted pod would not find it" $k $p $mount) }}
 {{- end -}}
 {{- end -}}
-{{- if and (not $v.train.data) (not $v.train.prompts) -}}
+{{- if $v.adapt.bundle -}}
+{{- range $k := list "bundle" "traffic" "out" -}}
+{{- $p := index $v.adapt $k -}}
+{{- if not (hasPrefix (printf "%s/" $mount) $p) -}}
+{{- fail (printf "adapt.%s %q lies outside storage.mountPath %s: the pods would not find it" $k $p $mount) }}
+{{- end -}}
+{{- end -}}
+{{- else if and (not $v.train.data) (not $v.train.prompts) -}}
 {{- fail "train.data and train.prompts are both empty: give train-drafter its data" }}
 {{- end -}}
 {{- if and $v.train.data $v.train.prompts -}}

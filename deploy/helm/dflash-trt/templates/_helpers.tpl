@@ -148,6 +148,12 @@ app.kubernetes.io/component: inference
 {{/* Checks the schema cannot express; each fails the render with the value to change. */}}
 {{- define "dflash-trt.validate" -}}
 {{- $v := .Values }}
+{{- if and $v.capture.enabled (ne $v.server.stack "vllm") -}}
+{{- fail (printf "capture.enabled: the capture middleware runs in vLLM's server (server.stack vllm), not %s" $v.server.stack) }}
+{{- end -}}
+{{- if and $v.capture.enabled (not $v.capture.existingClaim) -}}
+{{- fail "capture.enabled: capture.existingClaim names no PVC: the captured requests need a volume that outlives the pod" }}
+{{- end -}}
 {{- $world := int (include "dflash-trt.worldSize" .) }}
 {{- $gpus := int $v.gpu.count }}
 {{- $kind := include "dflash-trt.kind" . }}
@@ -276,7 +282,7 @@ exec {{ .prefix }}tritonserver {{ include "dflash-trt.tritonArgs" .root }}
 {{- else if eq $v.server.stack "trtllm-serve" -}}
 cd "$BUNDLE_DIR" && exec {{ .prefix }}trtllm-serve target --config configs/trtllm-serve.yaml --host 0.0.0.0 --port 8000{{ $extra }}
 {{- else if eq $v.server.stack "vllm" -}}
-cd "$BUNDLE_DIR" && exec python3 -c {{ squote $launch }} configs/vllm.json --host 0.0.0.0 --port 8000{{ $extra }}
+cd "$BUNDLE_DIR" && exec python3 -c {{ squote $launch }} configs/vllm.json --host 0.0.0.0 --port 8000{{ if $v.capture.enabled }} --middleware dflash_trt_capture.CaptureMiddleware{{ end }}{{ $extra }}
 {{- else -}}
 cd "$BUNDLE_DIR" && exec python3 -c {{ squote $launch }} configs/sglang.json --host 0.0.0.0 --port 8000 --enable-metrics{{ $extra }}
 {{- end }}
@@ -322,6 +328,14 @@ cd "$BUNDLE_DIR" && exec python3 -c {{ squote $launch }} configs/sglang.json --h
 {{- end }}
 {{- range $v.triton.env }}
 {{- $env = append $env (dict "name" .name "value" .value) }}
+{{- end }}
+{{- if $v.capture.enabled }}
+{{- /* the capture middleware (files/dflash_trt_capture.py, in the scripts ConfigMap) and its settings */}}
+{{- $env = concat $env (list (dict "name" "PYTHONPATH" "value" "/opt/dflash-trt")
+  (dict "name" "DFLASH_TRT_CAPTURE_DIR" "value" $v.capture.mountPath)
+  (dict "name" "DFLASH_TRT_CAPTURE_FRACTION" "value" (toString $v.capture.fraction))
+  (dict "name" "DFLASH_TRT_CAPTURE_MAX_BYTES" "value" (toString (int64 $v.capture.maxBytes)))
+  (dict "name" "DFLASH_TRT_CAPTURE_KEEP" "value" (toString (int $v.capture.keep)))) }}
 {{- end }}
 {{- toJson $env }}
 {{- end }}
@@ -534,6 +548,11 @@ volumes:
     configMap:
       name: {{ $fullname }}-scripts
       defaultMode: 365  # 0555
+  {{- if $v.capture.enabled }}
+  - name: capture
+    persistentVolumeClaim:
+      claimName: {{ $v.capture.existingClaim }}
+  {{- end }}
   {{- if $multi }}
   - name: ssh
     secret:
@@ -562,6 +581,10 @@ volumes:
 - name: scripts
   mountPath: /opt/dflash-trt
   readOnly: true
+{{- if $v.capture.enabled }}
+- name: capture
+  mountPath: {{ $v.capture.mountPath }}
+{{- end }}
 {{- if ne .role "single" }}
 - name: ssh
   mountPath: /etc/dflash-trt/ssh

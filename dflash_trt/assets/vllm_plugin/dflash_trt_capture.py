@@ -1,0 +1,1 @@
+../../../deploy/helm/dflash-trt/files/dflash_trt_capture.py
