@@ -54,6 +54,14 @@ def _digest(src: str, qualname: str) -> str:
     return hashlib.sha256(ast.get_source_segment(src, fn).encode()).hexdigest()[:16]
 
 
+@pytest.fixture(scope="module")
+def env(vllm_env):
+    """The vLLM env with this checkout's plugin (as tests/test_vllm_qdrafter.py: no reinstall of vLLM)."""
+    from dflash_trt.stacks.vllm.server import make_vllm_env
+
+    return make_vllm_env(vllm_env, progress=False)
+
+
 def _vllm_run(vllm_env, code: str) -> subprocess.CompletedProcess:
     from dflash_trt.stacks.vllm.env import CPU_ENV, clean_env, vllm_python
 
@@ -66,12 +74,12 @@ def _installed_root(vllm_env) -> Path:
     return Path(r.stdout.strip()).parents[1]
 
 
-def test_plugin_is_written_for_exactly_the_pinned_sources(vllm_env):
+def test_plugin_is_written_for_exactly_the_pinned_sources(env):
     tree = ast.parse(PLUGIN.read_text())
     written = next(ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
                    and getattr(n.targets[0], "id", None) == "WRITTEN_FOR")
     assert set(written) == set(WRITTEN_FOR)
-    root = _installed_root(vllm_env)
+    root = _installed_root(env)
     sources = {"0.32.0": lambda path: (root / path).read_text(), "0.33.0": lambda path: wheel_source("vllm==0.33.0", path)}
     for version, rows in WRITTEN_FOR.items():
         moved = [f"{path} {qual}" for (path, qual), digest in rows.items() if _digest(sources[version](path), qual) != digest]
@@ -90,8 +98,8 @@ print("UPSTREAM" if DFlashProposer.propose is SpecDecodeBaseProposer.propose els
 
 
 @pytest.mark.parametrize("version, applied", [("0.99.0", False), ("0.32.0", True)])
-def test_an_unknown_vllm_version_is_one_line_and_vllms_own_behaviour(vllm_env, version, applied):
-    r = _vllm_run(vllm_env, GUARD.format(version=version))
+def test_an_unknown_vllm_version_is_one_line_and_vllms_own_behaviour(env, version, applied):
+    r = _vllm_run(env, GUARD.format(version=version))
     assert r.returncode == 0, r.stderr[-2000:]
     said = [line for line in (r.stdout + r.stderr).splitlines() if "dflash-trt" in line]
     print(said)
@@ -108,7 +116,7 @@ RANGES = [(1, 1, K_ALONE), (2, 64, 0)]
 
 
 @pytest.fixture(scope="module")
-def served(vllm_bundle, tmp_path_factory):
+def served(env, vllm_bundle, tmp_path_factory):
     from dflash_trt.plan import draft_schedule as ds
     from dflash_trt.stacks.vllm import bundle_with_draft_schedule
     from dflash_trt.stacks.vllm.server import VllmServer
@@ -117,7 +125,7 @@ def served(vllm_bundle, tmp_path_factory):
     bundle = bundle_with_draft_schedule(vllm_bundle, tmp_path_factory.mktemp("k0") / "bundle", schedule)
     args = ["--enforce-eager", "--per-request-spec-decode-metrics", "detailed", "--enable-prefix-caching",
             "--block-size", "32"]   # 32: prefix-cache blocks short prompts fill (the CPU default is 128)
-    with VllmServer(bundle, work=tmp_path_factory.mktemp("vllm-k0"), extra_args=args,
+    with VllmServer(bundle, work=tmp_path_factory.mktemp("vllm-k0"), env_dir=env, extra_args=args,
                     env={"VLLM_CPU_KVCACHE_SPACE": "1"}) as srv:
         yield srv
 
