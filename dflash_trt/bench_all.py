@@ -28,6 +28,9 @@
 - adapt.json: `dflash-trt adapt` on the embedded pair with ~200 logged code requests (chat and completions
   rows): held-out tau, acceptance per position and speed-up of the old and the adapted drafter, losslessness,
   the time adapt took, and a refused run (too little training) (bench/bench_adapt.py);
+- kzero.json: what K = 0 costs on vLLM-CPU at concurrency 1 and 4: always-K, never, K = 0 from 2 requests
+  with our plugin's K = 0 (the drafter's context K/V only) and with vLLM's own (bench/bench_kzero.py; one
+  repeat with --quick). Skipped, with the reason, where the vLLM env is missing;
 - kv_inject.json: fused KV injection against the reference (bench/bench_kv_inject.py);
 - omp_wait.json: `dflash-trt bench` (2 prompts x 32 tokens) beside one busy process, with the CLI's
   default OMP_WAIT_POLICY=PASSIVE and with libgomp's own default (bench/bench_omp_wait.py);
@@ -157,6 +160,11 @@ def main() -> int:
     if adapted is not None:
         summary["adapt"] = {k: adapted[k] for k in ("requests", "steps", "adapt_seconds", "passed", "gain", "paired_se",
                                                     "before", "after", "refused_run")}
+    k0 = {"skipped": problem} if problem else _script(
+        "bench_kzero.py", ["--json", *(["--repeats", "1"] if a.quick else [])], out / "kzero.json")
+    if k0 is not None:
+        summary["kzero"] = k0 if problem else {k: k0[k] for k in ("cpu", "load_average_1min",
+                                                                  "token_identical_to_vllm_ar", "levels")}
     kv = _script("bench_kv_inject.py", [], out / "kv_inject.json")
     if kv is not None:
         summary["kv_inject"] = kv

