@@ -76,11 +76,12 @@ def num_experts(cfg: dict) -> int:
     return int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
 
 
-def resolve_settings(o: BuildOptions, cfg: dict, name: str) -> dict:
-    """Arch, GPU, quantization, KV cache and parallelism, checked against the target's config."""
+def resolve_settings(o: BuildOptions, cfg: dict, name: str, tc: dict) -> dict:
+    """Arch, GPU, quantization, KV cache and parallelism, checked against the target's config (`tc`: the
+    toolchain detect_toolchain found, for --arch auto)."""
     if o.backend not in BACKENDS:
         raise DFlashError(f"--backend {o.backend!r}: expected one of {', '.join(BACKENDS)}")
-    hw = resolve_gpu(o)
+    hw = resolve_gpu(o, tc)
     arch = hw["arch"]
     if o.quant not in QUANTS:
         raise DFlashError(f"--quant {o.quant!r}: expected one of {', '.join(QUANTS)}")
@@ -227,7 +228,8 @@ class Builder:
         else:
             (self.tdir, self.ddir, self.name, self.hf_id), self.downloads = resolve_pair(o), []
         self.tcfg = require_target_config(load_config(self.tdir), str(self.tdir / "config.json"))
-        self.settings = resolve_settings(o, self.tcfg, self.name)
+        self.toolchain = detect_toolchain()   # once: the GPU --arch auto finds and the stages' inputs hash
+        self.settings = resolve_settings(o, self.tcfg, self.name, self.toolchain)
         self.dcfg = load_drafter_config(self.ddir)
         self.block_size = B = o.block_size or self.dcfg.block_size
         if not 2 <= B <= self.dcfg.block_size:
@@ -277,7 +279,6 @@ class Builder:
         d_hash = self.cache.tree(self.ddir)
         if o.calib is not None and not Path(o.calib).is_file():
             raise DFlashError(f"--calib {o.calib}: no such file")
-        self.toolchain = detect_toolchain()
         self.facts = {
             "tool_version": __version__, "target": t_hash, "drafter": d_hash,
             "calib": self.cache.sha256(Path(o.calib)) if o.calib else None,

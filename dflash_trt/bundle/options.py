@@ -16,7 +16,6 @@ from dflash_trt.io.draft_schedule import SchedulePlanner, no_schedule
 from dflash_trt.io.manifest import Manifest
 from dflash_trt.presets.catalog import PRESETS, missing_pair, resolve_config_pair, resolve_drafter, resolve_target
 from dflash_trt.presets.hub import HubMissing
-from dflash_trt.stacks.trtllm.engine import detect_toolchain
 
 QUANTS = ("auto", "none", "fp8", "nvfp4")
 KV_CACHES = ("auto", "fp8", "bf16")
@@ -72,10 +71,9 @@ def dflash_command(*args) -> str:
     return "dflash-trt " + shlex.join(str(a) for a in args)
 
 
-def detect_arch() -> tuple[str, str | None]:
-    """This machine's first GPU: its architecture, from the compute capability, and its bundle
-    GPU id when the name shows one."""
-    tc = detect_toolchain()
+def detect_arch(tc: dict) -> tuple[str, str | None]:
+    """This machine's first GPU (`tc`: detect_toolchain's): its architecture, from the compute capability,
+    and its bundle GPU id when the name shows one."""
     sms_of = arch_sms()
     if not tc["gpus"]:
         raise DFlashError("--arch auto: no NVIDIA GPU found on this machine (nvidia-smi); "
@@ -97,7 +95,7 @@ def detect_arch() -> tuple[str, str | None]:
 NO_GPU = "none"   # --gpu none: a CPU-only bundle (manifest gpu_source "none")
 
 
-def resolve_gpu(o: BuildOptions) -> dict:
+def resolve_gpu(o: BuildOptions, tc: dict) -> dict:
     """{arch, gpu, node, gpu_source, sm} from --arch / --gpu or this machine. Without --gpu the bundle
     is for the architecture's default node (its GPU recorded for deploy, its memory for the build's
     checks); only --gpu none gives a CPU-only bundle (gpu and node null). The kernels cover one SM
@@ -111,7 +109,7 @@ def resolve_gpu(o: BuildOptions) -> dict:
         if gpu and gpu != NO_GPU:
             arch = by_id[gpu].arch
         else:
-            arch, detected = detect_arch()
+            arch, detected = detect_arch(tc)
             if gpu is None and detected:
                 gpu, source = detected, "detected"
     if arch not in sms_of:
