@@ -25,6 +25,8 @@
   the full block and no speculation, at the drafter's own acceptance (token identity to vLLM's AR checked)
   and at two synthetic acceptance profiles (tau 4.4 and 2.5) (bench/bench_tune.py; one repeat with --quick).
   Skipped, with the reason, where the vLLM env is missing;
+- profile.json: where a decode step of the embedded pair goes (GEMMs, attention, KV writes, sampler,
+  Python), AR and DFlash, op shares and calls per token, with the host's CPU flags (bench/bench_profile.py);
 - kv_inject.json: fused KV injection against the reference (bench/bench_kv_inject.py);
 - omp_wait.json: `dflash-trt bench` (2 prompts x 32 tokens) beside one busy process, with the CLI's
   default OMP_WAIT_POLICY=PASSIVE and with libgomp's own default (bench/bench_omp_wait.py);
@@ -150,6 +152,10 @@ def main() -> int:
                                              "tuned_over_best_other", "tuned_ge_best_within_noise")}
                        | {m: r[m]["tokens_per_s_median"] for m in ("build", "tuned", "always", "never") if m in r}
                        for r in tn["levels"]]}
+    prof = _script("bench_profile.py", [], out / "profile.json")
+    if prof is not None:
+        summary["profile"] = {m: {k: d[k] for k in ("buckets", "aten_ops_per_token", "python_calls_per_token")}
+                              for m, d in prof["modes"].items()}
     kv = _script("bench_kv_inject.py", [], out / "kv_inject.json")
     if kv is not None:
         summary["kv_inject"] = kv
