@@ -23,8 +23,7 @@ def pad_to_chunks(n: int) -> int:
 
 
 def padded_masks(mask: torch.Tensor, extra: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mask [T, n] with `extra` masked columns appended, its inverse): made once per forward pass and
-    kept on the mask, which every layer of the pass shares (3 aten ops per layer less: bench_profile.py)."""
+    """(mask [T, n] with `extra` masked columns appended, its inverse), made once per pass and kept on the mask."""
     memo = getattr(mask, "_dflash_padded", None)
     if memo is None or memo[0] != extra:
         padded = F.pad(mask, (0, extra), value=False) if extra else mask
@@ -66,26 +65,21 @@ class CachedAttention(nn.Module):
         if self.window is not None:
             mask = mask & (torch.arange(n)[None, :] > torch.arange(start, start + T)[:, None] - self.window)
             blocked = ~mask
-        if invariant or self.has_sinks:
-            o = self._attend_eager(q, k, v, blocked)
-        else:
+        if not (invariant or self.has_sinks):
             o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask,
                                                enable_gqa=self.nh != self.nkv)[0]
-        return o.transpose(0, 1).reshape(T, self.nh * self.hd)
-
-    def _attend_eager(self, q, k, v, blocked):
-        if q.dtype == torch.float32 and q.shape[1] <= gemm.MAX_ROWS:
+        elif q.dtype == torch.float32 and decode_sized:
             # (without a C compiler) oneDNN's bf16 bmm is row-invariant at these shapes, MKL's float32
             # bmm is not (measured): one query row per call, each the very call an AR step makes
-            return torch.cat([self._attend_rows(q[:, t:t + 1], k, v, blocked[t:t + 1]) for t in range(q.shape[1])], 1)
-        return self._attend_rows(q, k, v, blocked)
+            o = torch.cat([self._attend_rows(q[:, t:t + 1], k, v, blocked[t:t + 1]) for t in range(T)], 1)
+        else:
+            o = self._attend_rows(q, k, v, blocked)
+        return o.transpose(0, 1).reshape(T, self.nh * self.hd)
 
     def _attend_rows(self, q, k, v, blocked):
-        """q [nh, T, hd] against k, v [nkv, n, hd]; blocked [T, n]: the keys a row must not see. The
-        rep = nh / nkv query heads of a KV group go through one bmm as rep*T rows (no repeat_interleave
-        copy of the cache per layer and step: bench/bench_profile.py)."""
-        nh, T, hd = q.shape
-        rep = nh // self.nkv
+        """q [nh, T, hd] against k, v [nkv, n, hd] (blocked [T, n]: keys a row must not see). A KV group's
+        nh/nkv query heads are one bmm of rep*T rows: no repeat_interleave copy of K/V per layer and step."""
+        (nh, T, hd), rep = q.shape, self.nh // self.nkv
         s = (q.reshape(self.nkv, rep * T, hd) @ k.transpose(1, 2)).view(self.nkv, rep, T, -1) * hd ** -0.5
         if not self.has_sinks:
             p = torch.softmax(s.float().masked_fill(blocked, float("-inf")), dim=-1)
