@@ -18,7 +18,8 @@ and the host: CPU model, flags, threads, torch version, dtype, GEMM path, 1-minu
 
     PYTHONPATH=. python bench/bench_profile.py [--tokens 64] [--prompts 2] [--threads 2] > profile.json
 
---ab N instead times plain and DFlash decoding with the runtime's attention against the previous one
+--ab N instead times one attention layer (100 N alternations), then plain and DFlash decoding, with
+the runtime's attention against the previous one
 (a repeat_interleave copy of K/V per layer, the mask padded and inverted per layer), alternating
 the two N times in this one process so that the load of a shared machine falls on both alike:
 the median of the per-pair time ratios (previous / now) and their spread.
@@ -175,6 +176,36 @@ def ab(run, repeats: int) -> dict:
     return out
 
 
+def ab_layer(repeats: int, kv_len: int = 512, start: int = 300) -> dict:
+    """The same A/B on one attention layer alone (9 heads over 3 KV heads of 64, SmolLM2's; bf16), 30 calls
+    sharing one mask as the layers of a pass do: far less noise than whole decodes on a loaded host."""
+    cls, mod = target_attention.CachedAttention, target_attention
+    now = (cls._attend_rows, mod.padded_masks)
+    variants = {"previous": (_previous_attend_rows, _previous_padded_masks), "now": now}
+    a = cls(9, 3, 64)
+    a.k_cache, a.v_cache = torch.randn(2, 3, kv_len, 64, dtype=torch.bfloat16)
+    out = {}
+    for T in (1, 8):
+        q, pos = torch.randn(9, T, 64, dtype=torch.bfloat16), torch.arange(start, start + T)
+        secs, outs = {name: [] for name in variants}, {}
+        for i in range(repeats + 1):
+            for name, (rows, masks) in variants.items():
+                cls._attend_rows, mod.padded_masks = rows, masks
+                mask = torch.arange(start + T)[None, :] <= pos[:, None]   # fresh per pass, as the shell makes it
+                t0 = time.perf_counter()
+                for _ in range(30):
+                    outs[name] = a.attend_cached(q, start, mask)
+                if i:
+                    secs[name].append((time.perf_counter() - t0) / 30)
+        cls._attend_rows, mod.padded_masks = now
+        r = sorted(p / n for p, n in zip(secs["previous"], secs["now"]))
+        out[f"rows_{T}"] = {"us_per_layer": {k: round(1e6 * statistics.median(v), 1) for k, v in secs.items()},
+                            "previous_over_now_median": round(statistics.median(r), 3),
+                            "previous_over_now_p10_p90": [round(r[len(r) // 10], 3), round(r[9 * len(r) // 10], 3)],
+                            "bitwise_equal": bool(torch.equal(outs["previous"], outs["now"]))}
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=64, help="new tokens per prompt")
@@ -198,6 +229,7 @@ def main() -> int:
               "dtype": str(pair.target.dtype).removeprefix("torch."), "gemm_path": gemm.path(pair.target.dtype),
               "tokens_per_prompt": a.tokens, "prompts": len(prompts), "modes": {}}
     if a.ab:
+        report["ab_attention_layer"] = ab_layer(100 * a.ab)
         report["ab_attention"] = ab(run, a.ab)
         report["host"]["load_average_1min_end"] = os.getloadavg()[0]
         print(json.dumps(report, indent=2))
