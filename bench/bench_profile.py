@@ -35,7 +35,7 @@ import pstats
 import statistics
 import sys
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
