@@ -31,6 +31,8 @@
 - kzero.json: what K = 0 costs on vLLM-CPU at concurrency 1 and 4: always-K, never, K = 0 from 2 requests
   with our plugin's K = 0 (the drafter's context K/V only) and with vLLM's own (bench/bench_kzero.py; one
   repeat with --quick). Skipped, with the reason, where the vLLM env is missing;
+- profile.json: where a decode step of the embedded pair goes (GEMMs, attention, KV writes, sampler,
+  Python), AR and DFlash, op shares and calls per token, with the host's CPU flags (bench/bench_profile.py);
 - kv_inject.json: fused KV injection against the reference (bench/bench_kv_inject.py);
 - omp_wait.json: `dflash-trt bench` (2 prompts x 32 tokens) beside one busy process, with the CLI's
   default OMP_WAIT_POLICY=PASSIVE and with libgomp's own default (bench/bench_omp_wait.py);
@@ -165,6 +167,8 @@ def main() -> int:
     if k0 is not None:
         summary["kzero"] = k0 if problem else {k: k0[k] for k in ("cpu", "load_average_1min",
                                                                   "token_identical_to_vllm_ar", "levels")}
+    prof = _script("bench_profile.py", [], out / "profile.json")
+    summary["profile"] = prof and {m: d["buckets"] for m, d in prof["modes"].items()}
     kv = _script("bench_kv_inject.py", [], out / "kv_inject.json")
     if kv is not None:
         summary["kv_inject"] = kv

@@ -22,6 +22,15 @@ def pad_to_chunks(n: int) -> int:
     return -(-n // KV_PAD) * KV_PAD
 
 
+def padded_masks(mask: torch.Tensor, extra: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mask [T, n] with `extra` masked columns appended, its inverse), made once per pass and kept on the mask."""
+    memo = getattr(mask, "_dflash_padded", None)
+    if memo is None or memo[0] != extra:
+        padded = F.pad(mask, (0, extra), value=False) if extra else mask
+        memo = mask._dflash_padded = (extra, padded, ~padded)
+    return memo[1], memo[2]
+
+
 class CachedAttention(nn.Module):
     """Attention of queries against a layer's static K/V cache: nh heads, nkv KV heads of head_dim
     hd, a sliding `window` or None; has_sinks (gpt-oss): the subclass adds a `sinks` parameter [nh].
@@ -51,34 +60,33 @@ class CachedAttention(nn.Module):
             # P·V reduction runs over whole KV_PAD chunks (the K-loop tail otherwise changes the
             # summation order with the length; masked rows add exact zeros).
             n = min(pad_to_chunks(n), self.k_cache.shape[1])
-            mask = F.pad(mask, (0, n - start - T), value=False)
+        mask, blocked = padded_masks(mask, n - start - T)
         k, v = self.k_cache[:, :n], self.v_cache[:, :n]
         if self.window is not None:
             mask = mask & (torch.arange(n)[None, :] > torch.arange(start, start + T)[:, None] - self.window)
-        if invariant or self.has_sinks:
-            o = self._attend_eager(q, k, v, mask)
-        else:
+            blocked = ~mask
+        if not (invariant or self.has_sinks):
             o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask,
                                                enable_gqa=self.nh != self.nkv)[0]
-        return o.transpose(0, 1).reshape(T, self.nh * self.hd)
-
-    def _attend_eager(self, q, k, v, mask):
-        rep = self.nh // self.nkv
-        k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
-        if q.dtype == torch.float32 and q.shape[1] <= gemm.MAX_ROWS:
+        elif q.dtype == torch.float32 and decode_sized:
             # (without a C compiler) oneDNN's bf16 bmm is row-invariant at these shapes, MKL's float32
             # bmm is not (measured): one query row per call, each the very call an AR step makes
-            return torch.cat([self._attend_rows(q[:, t:t + 1], k, v, mask[t:t + 1]) for t in range(q.shape[1])], 1)
-        return self._attend_rows(q, k, v, mask)
+            o = torch.cat([self._attend_rows(q[:, t:t + 1], k, v, blocked[t:t + 1]) for t in range(T)], 1)
+        else:
+            o = self._attend_rows(q, k, v, blocked)
+        return o.transpose(0, 1).reshape(T, self.nh * self.hd)
 
-    def _attend_rows(self, q, k, v, mask):
-        s = (q @ k.transpose(1, 2)) * self.hd ** -0.5
+    def _attend_rows(self, q, k, v, blocked):
+        """q [nh, T, hd] against k, v [nkv, n, hd] (blocked [T, n]: keys a row must not see). A KV group's
+        nh/nkv query heads are one bmm of rep*T rows: no repeat_interleave copy of K/V per layer and step."""
+        (nh, T, hd), rep = q.shape, self.nh // self.nkv
+        s = (q.reshape(self.nkv, rep * T, hd) @ k.transpose(1, 2)).view(self.nkv, rep, T, -1) * hd ** -0.5
         if not self.has_sinks:
-            p = torch.softmax(s.float().masked_fill(~mask, float("-inf")), dim=-1)
-            return p.to(v.dtype) @ v
-        # gpt-oss: a learned per-head logit joins the softmax denominator and is then dropped. It goes
-        # first, so a row's entries keep their places whatever the row's length (batch invariance).
-        s = s.masked_fill(~mask, float("-inf"))
-        s = torch.cat([self.sinks.to(s.dtype).view(-1, 1, 1).expand(-1, s.shape[1], 1), s], dim=-1)
-        p = torch.softmax(s - s.max(-1, keepdim=True).values, dim=-1)[..., 1:]
-        return p.to(v.dtype) @ v
+            p = torch.softmax(s.float().masked_fill(blocked, float("-inf")), dim=-1)
+        else:
+            # gpt-oss: a learned per-head logit joins the softmax denominator and is then dropped. It goes
+            # first, so a row's entries keep their places whatever the row's length (batch invariance).
+            s = s.masked_fill(blocked, float("-inf"))
+            s = torch.cat([self.sinks.to(s.dtype).view(self.nkv, rep, 1, 1).expand(-1, -1, T, 1), s], dim=-1)
+            p = torch.softmax(s - s.max(-1, keepdim=True).values, dim=-1)[..., 1:]
+        return (p.to(v.dtype).view(self.nkv, rep * T, -1) @ v).view(nh, T, hd)

@@ -17,7 +17,7 @@ import torch
 from dflash_trt.models.drafter import DFlashDrafter
 from dflash_trt.models.layers import linear
 from dflash_trt.models.target import TargetModel
-from dflash_trt.runtime.kv_inject import fused_injector
+from dflash_trt.runtime.kv_inject import fused_injector, reference_inject_contiguous
 from dflash_trt.runtime.sampling import (
     SamplingParams,
     probs_from_logits,
@@ -61,22 +61,12 @@ class DrafterCache:
     def inject(self, features, start: int) -> None:
         """Write the K/V of the tokens at positions start.. from their target features; the
         cache then ends after them (a shorter write crops it: rejected drafts are never stored)."""
-        if self.fused is None:
-            inject_reference(self.drafter, features, start, self)
-            return
         T = features.shape[0]
-        self.fused.inject_contiguous(features, torch.arange(start, start + T), self.k, self.v, start)
+        if self.fused is None:   # the per-layer reference
+            reference_inject_contiguous(self.drafter, features, torch.arange(start, start + T), self.k, self.v, start)
+        else:
+            self.fused.inject_contiguous(features, torch.arange(start, start + T), self.k, self.v, start)
         self.length = start + T
-
-
-def inject_reference(drafter: DFlashDrafter, features, start: int, cache: DrafterCache) -> None:
-    """Append the accepted tokens' target features to the drafter cache (reference path)."""
-    T = features.shape[0]
-    pos = torch.arange(start, start + T)
-    for i, (k, v) in enumerate(drafter.context_kv(drafter.project_context(features), pos)):
-        cache.k[i, :, start:start + T] = k
-        cache.v[i, :, start:start + T] = v
-    cache.length = start + T
 
 
 @contextmanager

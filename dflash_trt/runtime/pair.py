@@ -49,11 +49,9 @@ def resolve_dtype(dtype: str | torch.dtype, quantized: bool = False) -> torch.dt
 
 
 def _transposed_linear_weights(model: torch.nn.Module) -> None:
-    """float32 on CPU: keep each Linear's weight in memory as its transpose (the parameter stays
-    [out, in], a strided view), so that F.linear's x @ W.T is MKL's NN GEMM. For the verify pass's
-    ~9 rows that is 1.5-5.6x faster than the NT GEMM on a row-major weight (SmolLM2's 576x576:
-    446 -> 80 us, 2 threads), and one-row steps are as fast or faster. (bfloat16 keeps the
-    layout whose batch invariance tests/test_runtime_lossless.py pins.)"""
+    """float32 on CPU: each Linear's weight held as its transpose (the parameter a strided [out, in] view), so
+    F.linear is MKL's NN GEMM: 1.5-5.6x faster for ~9-row verify passes than NT on a row-major weight (576x576:
+    446 -> 80 us, 2 threads). (bfloat16 keeps the layout whose invariance tests/test_runtime_lossless.py pins.)"""
     for m in model.modules():
         if isinstance(m, torch.nn.Linear) and m.weight.dtype == torch.float32:
             m.weight.data = m.weight.data.t().contiguous().t()
