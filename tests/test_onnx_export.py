@@ -3,6 +3,9 @@ runs in onnxruntime on CPU, the node implemented through onnxruntime-extensions,
 PyTorch drafter module + the target's embedding / lm_head (loaded by the runtime's own loader)."""
 from __future__ import annotations
 
+import functools
+from pathlib import Path
+
 import numpy as np
 import onnx
 import pytest
@@ -11,6 +14,53 @@ import torch
 from dflash_trt.errors import DFlashError
 
 from helpers import run_cli
+
+
+@functools.cache    # once: onnxruntime refuses a second kernel for the same op
+def register_kv_inject() -> None:
+    """The KVInject node for onnxruntime, through onnxruntime-extensions' Python ops (domain
+    "ai.onnx.contrib"), computed by dflash_trt.runtime.kv_inject path (2)."""
+    from onnxruntime_extensions import PyCustomOpDef, onnx_op
+
+    from dflash_trt.kernels import kv_inject_trt as trt_mod
+    from dflash_trt.runtime.kv_inject import fused_kv_from_ctx, scatter_paged
+
+    f, i32 = PyCustomOpDef.dt_float, PyCustomOpDef.dt_int32
+
+    @onnx_op(op_type=trt_mod.PLUGIN_NAME, inputs=[f, f, f, f, f, f, i32, i32, f, f, f], outputs=[f, f],
+             attrs={"num_layers": PyCustomOpDef.dt_int64, "num_kv_heads": PyCustomOpDef.dt_int64,
+                    "head_dim": PyCustomOpDef.dt_int64, "page_size": PyCustomOpDef.dt_int64,
+                    "plugin_namespace": PyCustomOpDef.dt_string, "aot": PyCustomOpDef.dt_int64})
+    def _kv_inject(ctx_raw, w_kv, b_kv, k_norm_w, cos, sin, positions, slots, scalars, k_cache, v_cache, **attrs):
+        L, nkv, page = int(attrs["num_layers"]), int(attrs["num_kv_heads"]), int(attrs["page_size"])
+        trt_mod.infer_shapes({n: a.shape for n, a in zip(trt_mod.INPUT_NAMES, (
+            ctx_raw, w_kv, b_kv, k_norm_w, cos, sin, positions, slots, scalars, k_cache, v_cache))},
+            L, nkv, int(attrs["head_dim"]), page)
+        t = torch.from_numpy
+        k, v = fused_kv_from_ctx(t(ctx_raw), t(w_kv).T, t(b_kv), t(k_norm_w), t(cos), t(sin),
+                                 t(positions).long(), float(scalars[0]), L, nkv)
+        k_out, v_out = t(k_cache.copy()), t(v_cache.copy())
+        scatter_paged(k, v, t(slots), k_out, v_out, page)
+        return k_out.numpy(), v_out.numpy()
+
+
+def onnxruntime_session(model_or_path):
+    """An onnxruntime CPU session for the exported drafter, its dflash custom node moved to the
+    Python-op domain register_kv_inject implements."""
+    import onnxruntime as ort
+    from onnxruntime_extensions import get_library_path
+
+    from dflash_trt.bundle.onnx_export import CUSTOM_DOMAIN
+
+    register_kv_inject()
+    m = onnx.load(str(model_or_path)) if isinstance(model_or_path, (str, Path)) else model_or_path
+    m = onnx.ModelProto.FromString(m.SerializeToString())
+    for item in [*m.graph.node, *m.opset_import]:
+        if item.domain == CUSTOM_DOMAIN:
+            item.domain = "ai.onnx.contrib"
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(get_library_path())
+    return ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +92,6 @@ def test_graph_shape(exported):
 
 
 def test_onnxruntime_matches_pytorch(pair, exported):
-    from dflash_trt.bundle.onnx_export import onnxruntime_session
     from dflash_trt.models.drafter import load_drafter
     from dflash_trt.models.target import load_target
     from dflash_trt.runtime.kv_inject import reference_inject_paged
@@ -135,7 +184,7 @@ def test_external_data_export_is_the_same_model(pair, exported, tmp_path, monkey
     assert got.keys() == want.keys()
     for k, w in want.items():
         np.testing.assert_array_equal(got[k], w)
-    onnx_export.onnxruntime_session(out)
+    onnxruntime_session(out)
 
 
 def test_external_data_offsets_survive_odd_sizes(tmp_path):

@@ -103,7 +103,6 @@ def test_vllm_int8_kernel_needs_the_plugin_and_then_applies_our_weights(bundle, 
     import torch
     from safetensors.torch import load_file, save_file
 
-    from dflash_trt.io.compressed_tensors import quantize_activations_per_token
     from dflash_trt.models.weights import WEIGHT_FORMATS
 
     q = load_file(str(bundle / "drafter" / "model.safetensors"))
@@ -133,6 +132,18 @@ def _prompts(tokenizer) -> list[list[int]]:
     return [encode_prompt(tokenizer, p) for p in rows[:N_PROMPTS]]
 
 
+def quantize_activations_per_token(x):
+    """x rounded to W8A8's per-token int8 grid and back (dynamic, symmetric: scale amax(|row|) /
+    127, as vLLM-CPU's dynamic int8 quant does; an all-zero row stays zero). What the int8 GEMM
+    multiplies, for our runtime's emulation of the scheme."""
+    import torch
+
+    xf = x.to(torch.float32)
+    scale = xf.abs().amax(dim=-1, keepdim=True) / 127
+    q = torch.clamp(torch.round(xf / torch.where(scale == 0, 1.0, scale)), -128, 127)
+    return (q * scale).to(x.dtype)
+
+
 def emulate_int8_activations(drafter):
     """Round the input of each Linear an INT8 W8A8 drafter quantizes (io/compressed_tensors.py
     QUANTIZED_LINEAR: the layers' attention and MLP projections; fc stays float) to W8A8's
@@ -145,7 +156,7 @@ def emulate_int8_activations(drafter):
     from dflash_trt.io import compressed_tensors
 
     def round_input(module, args):
-        return (compressed_tensors.quantize_activations_per_token(args[0]), *args[1:])
+        return (quantize_activations_per_token(args[0]), *args[1:])
 
     for name, module in drafter.named_modules():
         if isinstance(module, nn.Linear) and compressed_tensors.is_quantized_linear(f"{name}.weight"):

@@ -19,9 +19,8 @@ The drafter has no embedding and no lm_head: they are read from the target folde
 tensors are loaded, so this works for a 120B target on a small machine). Attention is
 non-causal, as in the drafter (docs/decode-loop.md).
 
-onnxruntime runs the custom node through onnxruntime-extensions (`register_onnxruntime_kvinject`),
-whose Python ops live in the domain "ai.onnx.contrib": `for_onnxruntime(model)` returns a copy
-with the node moved there. The node's computation there is path (2) of dflash_trt.runtime.kv_inject.
+tests/test_onnx_export.py runs the graph in onnxruntime, the custom node moved to
+onnxruntime-extensions' Python-op domain, computed by path (2) of dflash_trt.runtime.kv_inject.
 """
 from __future__ import annotations
 
@@ -44,11 +43,10 @@ from dflash_trt.kernels import kv_inject_trt
 from dflash_trt.models.config import load_drafter_config
 from dflash_trt.models.drafter import DFlashDrafter, _hf_rope_config, load_drafter
 from dflash_trt.models.layers import RopeTable
-from dflash_trt.runtime.kv_inject import FusedKVInjector, check_page_size, fused_kv_from_ctx, scatter_paged
+from dflash_trt.runtime.kv_inject import FusedKVInjector, check_page_size
 
 OPSET = 18
 CUSTOM_DOMAIN = "dflash"
-ORT_CONTRIB_DOMAIN = "ai.onnx.contrib"
 EXTERNAL_DATA_ABOVE = 1 << 30  # protobuf stops at 2 GiB: big drafters keep weights in a side file
 
 
@@ -438,67 +436,3 @@ def export_onnx(drafter_dir, target_dir, out_file, page_size: int = 16, hashes=N
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return out_file
-
-
-# ---------------------------------------------------------------------------- onnxruntime support
-def for_onnxruntime(model):
-    """Copy of `model` with the dflash custom node(s) in onnxruntime-extensions' Python-op domain."""
-    import onnx
-
-    m = onnx.ModelProto()
-    m.CopyFrom(model)
-    for node in m.graph.node:
-        if node.domain == CUSTOM_DOMAIN:
-            node.domain = ORT_CONTRIB_DOMAIN
-    for imp in m.opset_import:
-        if imp.domain == CUSTOM_DOMAIN:
-            imp.domain = ORT_CONTRIB_DOMAIN
-    return m
-
-
-_ORT_REGISTERED = False
-
-
-def register_onnxruntime_kvinject() -> None:
-    """Implement the KVInject node for onnxruntime through onnxruntime-extensions' Python ops
-    (computation: dflash_trt.runtime.kv_inject path (2)); call once before creating the session with
-    `onnxruntime_extensions.get_library_path()` registered."""
-    global _ORT_REGISTERED
-    if _ORT_REGISTERED:
-        return
-    from onnxruntime_extensions import PyCustomOpDef, onnx_op
-
-
-    trt_mod = kv_inject_trt
-    f, i32 = PyCustomOpDef.dt_float, PyCustomOpDef.dt_int32
-
-    @onnx_op(op_type=trt_mod.PLUGIN_NAME, inputs=[f, f, f, f, f, f, i32, i32, f, f, f], outputs=[f, f],
-             attrs={"num_layers": PyCustomOpDef.dt_int64, "num_kv_heads": PyCustomOpDef.dt_int64,
-                    "head_dim": PyCustomOpDef.dt_int64, "page_size": PyCustomOpDef.dt_int64,
-                    "plugin_namespace": PyCustomOpDef.dt_string, "aot": PyCustomOpDef.dt_int64})
-    def _kv_inject(ctx_raw, w_kv, b_kv, k_norm_w, cos, sin, positions, slots, scalars, k_cache, v_cache, **attrs):
-        L, nkv, page = int(attrs["num_layers"]), int(attrs["num_kv_heads"]), int(attrs["page_size"])
-        trt_mod.infer_shapes({n: a.shape for n, a in zip(trt_mod.INPUT_NAMES, (
-            ctx_raw, w_kv, b_kv, k_norm_w, cos, sin, positions, slots, scalars, k_cache, v_cache))},
-            L, nkv, int(attrs["head_dim"]), page)
-        t = torch.from_numpy
-        k, v = fused_kv_from_ctx(t(ctx_raw), t(w_kv).T, t(b_kv), t(k_norm_w), t(cos), t(sin),
-                                 t(positions).long(), float(scalars[0]), L, nkv)
-        k_out, v_out = t(k_cache.copy()), t(v_cache.copy())
-        scatter_paged(k, v, t(slots), k_out, v_out, page)
-        return k_out.numpy(), v_out.numpy()
-
-    _ORT_REGISTERED = True
-
-
-def onnxruntime_session(model_or_path):
-    """An onnxruntime CPU session for the exported drafter (custom node through onnxruntime-extensions)."""
-    import onnx
-    import onnxruntime as ort
-    from onnxruntime_extensions import get_library_path
-
-    register_onnxruntime_kvinject()
-    model = onnx.load(str(model_or_path)) if isinstance(model_or_path, (str, Path)) else model_or_path
-    so = ort.SessionOptions()
-    so.register_custom_ops_library(get_library_path())
-    return ort.InferenceSession(for_onnxruntime(model).SerializeToString(), so, providers=["CPUExecutionProvider"])

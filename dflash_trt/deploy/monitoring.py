@@ -26,6 +26,7 @@ import yaml
 
 from dflash_trt import engines, stacks
 from dflash_trt.deploy.dynamo import LOADER, _closed
+from dflash_trt.deploy.values import rendered_objects
 from dflash_trt.errors import DFlashError
 from dflash_trt.paths import deploy_path
 from dflash_trt.plan.monitoring_figures import PlannedFigures
@@ -249,5 +250,4 @@ def check_objects(objs: list[dict]) -> list[str]:
 
 def check_rendered(manifests: dict[str, str]) -> list[str]:
     """check_objects over a chart's rendered files {path: YAML text}."""
-    return check_objects([o for path, text in manifests.items() if not path.endswith("NOTES.txt")
-                          for o in yaml.safe_load_all(text) if isinstance(o, dict)])
+    return check_objects([obj for _, obj in rendered_objects(manifests)])

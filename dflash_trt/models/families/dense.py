@@ -130,6 +130,4 @@ class DenseTarget(TargetShell):
                     dtype, max_len)
 
 
-def build(cfg: dict, dtype: torch.dtype = torch.float32, max_len: int = 4096) -> DenseTarget:
-    """models/families' entry point for llama, qwen3 and gpt_oss."""
-    return DenseTarget(cfg, dtype=dtype, max_len=max_len)
+build = DenseTarget   # models/families' entry point for llama, qwen3 and gpt_oss

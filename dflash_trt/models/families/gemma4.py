@@ -328,6 +328,4 @@ class Gemma4Target(TargetShell):
             yield x
 
 
-def build(cfg: dict, dtype: torch.dtype = torch.float32, max_len: int = 4096) -> Gemma4Target:
-    """models/families' entry point for gemma4_text and gemma4 (its text decoder)."""
-    return Gemma4Target(cfg, dtype=dtype, max_len=max_len)
+build = Gemma4Target   # models/families' entry point for gemma4_text and gemma4 (its text decoder)

@@ -115,6 +115,4 @@ class MiniMaxM2Target(TargetShell):
         return PartialRope(self.hf, max_len, dtype)
 
 
-def build(cfg: dict, dtype: torch.dtype = torch.float32, max_len: int = 4096) -> MiniMaxM2Target:
-    """models/families' entry point for minimax_m2."""
-    return MiniMaxM2Target(cfg, dtype=dtype, max_len=max_len)
+build = MiniMaxM2Target   # models/families' entry point for minimax_m2

@@ -290,6 +290,4 @@ class MLAModel(TargetShell):
             yield x
 
 
-def build(cfg: dict, dtype: torch.dtype = torch.float32, max_len: int = 4096) -> MLAModel:
-    """models/families' entry point for deepseek_v3, kimi_k25 and glm_moe_dsa."""
-    return MLAModel(cfg, dtype=dtype, max_len=max_len)
+build = MLAModel   # models/families' entry point for deepseek_v3, kimi_k25 and glm_moe_dsa

@@ -312,6 +312,4 @@ class HybridTarget(TargetShell):
         self.last_pass = (start, tokens.shape[0])
 
 
-def build(cfg: dict, dtype: torch.dtype = torch.float32, max_len: int = 4096) -> HybridTarget:
-    """models/families' entry point for qwen3_next, qwen3_5(_text) and qwen3_5_moe(_text)."""
-    return HybridTarget(cfg, dtype=dtype, max_len=max_len)
+build = HybridTarget   # models/families' entry point for qwen3_next, qwen3_5(_text) and qwen3_5_moe(_text)
