@@ -72,6 +72,7 @@ class ScheduleRequest:
     max_batch_size: int
     max_seq_len: int
     attention_dp: bool = False
+    plan_case: dict | None = None   # the bundle's one-node case of plan.json (plan/record.py PlanCase, as a dict)
 
     def keywords(self) -> dict:
         """The request as keyword arguments (plan/schedule_cost.build_schedule's)."""

@@ -132,7 +132,7 @@ def drafter_config(bundle: Path, m: Manifest) -> tuple[str | None, dict | None]:
     d = m.drafter
     if isinstance(d.config, dict):
         return "drafter", d.config
-    for rel in (d.bundle_path, d.path):
+    for rel in (d.bundle_path, d.path) if bundle else ():
         if rel:
             p = Path(rel)
             p = p if p.is_absolute() else bundle / p
@@ -148,16 +148,17 @@ def drafter_config(bundle: Path, m: Manifest) -> tuple[str | None, dict | None]:
     return None, None
 
 
-def served_settings(bundle: Path, m: Manifest) -> dict:
+def served_settings(bundle: Path | None, m: Manifest) -> dict:
     """What the served stacks' own config files fix for the planner (KV fraction, per-layer
-    windows, batch and token limits: what the server will really use), stack by stack."""
+    windows, batch and token limits: what the server will really use), stack by stack; `bundle` None (build,
+    before it writes them): what their writers will write for `m`."""
     out: dict = {}
     for st in stacks.served(m.served_stacks):
         out |= st.planner_settings(bundle, m)
     return out
 
 
-def _plan_case(bundle: Path, m: Manifest, case: PlanCase, hw: Hardware) -> PlanCase:
+def _plan_case(bundle: Path | None, m: Manifest, case: PlanCase, hw: Hardware) -> PlanCase:
     """The planner's layout search of one case, TP / EP fixed to the bundle's (its model files are written for them)."""
     try:
         if m.parallel.pp != 1:
@@ -175,9 +176,10 @@ def _plan_case(bundle: Path, m: Manifest, case: PlanCase, hw: Hardware) -> PlanC
         return replace(case, refused=str(e))
 
 
-def plan_bundle(bundle: str | Path, m: Manifest, extra: list[tuple[Hardware, PlanCase]] = ()) -> PlanRecord:
-    """The bundle planned for BUILD_NODE_COUNTS nodes of its own node (none for a CPU-only bundle), and `extra`."""
-    bundle = Path(bundle)
+def plan_bundle(bundle: str | Path | None, m: Manifest, extra: list[tuple[Hardware, PlanCase]] = ()) -> PlanRecord:
+    """The bundle planned for BUILD_NODE_COUNTS nodes of its own node (none for a CPU-only bundle), and `extra`;
+    `bundle` None: the one build is about to write (`m`, the manifest's first part: served_settings)."""
+    bundle = Path(bundle) if bundle else None
     hw = bundle_hardware(m)
     todo = [(hw, PlanCase(hw.name, n, hw.gpus_per_node, m.max_seq_len)) for n in BUILD_NODE_COUNTS] if hw else []
     try:
