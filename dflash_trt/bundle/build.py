@@ -43,7 +43,7 @@ from dflash_trt.hardware import arch_has_fp4
 from dflash_trt.io.atomic import atomic_output_dir, refuse_inside
 from dflash_trt.io.checkpoint import load_config
 from dflash_trt.io.clone import carry_tree
-from dflash_trt.io.draft_schedule import DraftSchedule, ScheduleRequest
+from dflash_trt.io.draft_schedule import DraftSchedule
 from dflash_trt.io.manifest import (
     SCHEMA_VERSION,
     DrafterRecord,
@@ -64,7 +64,9 @@ from dflash_trt.io.manifest import (
 )
 from dflash_trt.models.config import load_drafter_config, require_target_config
 from dflash_trt.models.families import ships_mxfp4
-from dflash_trt.plan.record import PlanCase, plan_bundle, schedule_basis, write_plan
+from dflash_trt.plan import planner
+from dflash_trt.plan.record import plan_bundle, schedule_basis, write_plan
+from dflash_trt.plan.schedule_cost import build_schedule
 from dflash_trt.presets.hub import snapshot_revision
 from dflash_trt.stacks.base import draft_schedule_record
 from dflash_trt.stacks.layer_ids import layer_ids_by_stack
@@ -248,16 +250,16 @@ class Builder:
             raise DFlashError(f"--out {dest}: folder exists, is not empty and is not a dflash-trt bundle "
                               "(no manifest.json); choose another --out or pass --force to replace it")
 
-    def _draft_schedule(self, case: PlanCase | None) -> tuple[DraftSchedule | None, str]:
-        """(the draft schedule, its source or why there is none), before anything is written; `case`: the
-        bundle's one-node plan as plan.json records it, whose layout the schedule is priced on."""
-        o, s = self.o, self.settings
-        return o.draft_schedule(ScheduleRequest(
-            target_name=self.name, target_config=self.tcfg, drafter_config=self.dcfg.raw, gpu=s["gpu"],
-            quant=s["quant"], kv_cache=s["kv_cache"], drafter_quant=s["drafter_quant"], tp=o.tp, ep=o.ep,
-            block_size=self.block_size, max_batch_size=int(self.profile["max_batch_size"]),
-            max_seq_len=min(int(self.tcfg.get("max_position_embeddings", 8192)), 32768),
-            attention_dp=bool(self.profile.get("enable_attention_dp", False)), plan_case=case and asdict(case)))
+    def _draft_schedule(self, m: Manifest) -> tuple[DraftSchedule | None, str]:
+        """(the draft schedule, its source or why there is none), priced on the bundle's one-node plan as
+        plan.json records it (`self.plan`: no layout search of its own), or the planner's refusal of it."""
+        o, s, case = self.o, self.settings, next(iter(self.plan.cases), None)
+        return build_schedule(
+            o.draft_schedule, target_name=self.name, target_config=self.tcfg, drafter_config=self.dcfg.raw,
+            gpu=s["gpu"], quant=s["quant"], kv_cache=s["kv_cache"], drafter_quant=s["drafter_quant"], tp=o.tp,
+            ep=o.ep, block_size=self.block_size, max_batch_size=int(self.profile["max_batch_size"]),
+            max_seq_len=m.max_seq_len, attention_dp=bool(self.profile.get("enable_attention_dp", False)),
+            plan=case and (case.refused or planner.Plan.from_dict(case.plan)))
 
     def _read_previous(self) -> None:
         """The bundle already at the destination, whose unchanged stages are reused (`self.prev`)."""
@@ -327,7 +329,7 @@ class Builder:
                                         target=replace(m.target, revision=revision["target"]),
                                         drafter=replace(m.drafter, revision=revision["drafter"]))
         self.plan = plan_bundle(None, m)
-        schedule, source = self._draft_schedule(next(iter(self.plan.cases), None))
+        schedule, source = self._draft_schedule(m)
         self.manifest = m = replace(m, draft_schedule=draft_schedule_record(schedule, source, served))
         self.plan = replace(self.plan, schedule=schedule_basis(m))
         self.facts["manifest"] = {k: v for k, v in m.to_dict().items() if k != "created"}

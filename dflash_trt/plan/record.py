@@ -1,9 +1,9 @@
 """The bundle's plan: plan.json at the bundle root, the layout search `build` ran, read by everything after it.
 
-`build` plans the finished bundle once (its target, drafter, resolved formats, TP / EP, GPU node and the limits
-its served stacks' own config files fix) for 1, 2, 4 and 8 nodes of its node type (BUILD_NODE_COUNTS: the
-planner is arithmetic, so `deploy --nodes N` of these reads the record), and writes the result here before the
-manifest hashes the bundle, so plan.json is an artifact like any other (`verify` refuses it edited). `deploy`,
+`build` plans the bundle once, before its stages (its target, drafter, resolved formats, TP / EP, GPU node and the
+limits its served stacks' config files will fix: served_settings) for 1, 2, 4 and 8 nodes of its node type
+(BUILD_NODE_COUNTS: the planner is arithmetic, so `deploy --nodes N` of these reads the record), prices its draft
+schedule on the one-node case, and writes the result here before the manifest hashes the bundle, so plan.json is an artifact like any other (`verify` refuses it edited). `deploy`,
 `plan --bundle`, Dynamo rendering, `bench --plan-bundle` and build's own deployable check read it and run no
 layout search: a later planner cannot silently deploy another layout than the one verified. A case the record
 does not hold (another GPU, GPUs per node, sequence length or serving limit) is one line naming
