@@ -1,6 +1,7 @@
 """`dflash-trt build`: from a (target, drafter) pair to one deployable, self-describing bundle.
 
-    resolve the options (bundle/options.py, resolve_settings here) -> run PIPELINE (bundle/stages.py)
+    resolve the options (bundle/options.py, resolve_settings here) -> the manifest's first part, the plan
+    (plan/record.py) and the draft schedule priced on it -> run PIPELINE (bundle/stages.py) -> plan.json
     -> hash every file and write the manifest (bundle/package.py) -> the summary (bundle/summary.py)
 
 Each stage's manifest entry holds the sha256 of its inputs (content hashes of the checkpoints, the options that
