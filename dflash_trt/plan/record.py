@@ -6,8 +6,9 @@ limits its served stacks' config files will fix: served_settings) for 1, 2, 4 an
 schedule on the one-node case, and writes the result here before the manifest hashes the bundle, so plan.json is
 an artifact like any other (`verify` refuses it edited). `deploy`, `plan --bundle`, Dynamo rendering, `bench
 --plan-bundle` and build's own deployable check read it and run no layout search: a later planner cannot silently
-deploy another layout than the one verified. A case the record does not hold (another GPU, GPUs per node, sequence length or serving limit) is one line naming
-`plan --bundle B --refresh ... --out NEW`, which re-plans the bundle into a revision with its own plan.json.
+deploy another layout than the one verified. A case the record does not hold (another GPU, GPUs per node, sequence
+length or serving limit) is one line naming `plan --bundle B --refresh ... --out NEW`, which re-plans the bundle into
+a revision with its own plan.json.
 The draft schedule stays in manifest.json (`draft_schedule`); the record keeps the speed figures it was planned
 from (per concurrency: AR and DFlash step seconds, the break-even acceptance length).
 """
