@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from dflash_trt.io.manifest import verify
+from dflash_trt.io.manifest import Manifest, verify
 from dflash_trt.models.config import load_drafter_config
 from dflash_trt.plan import planner
-from dflash_trt.plan.record import PLAN_FILE, PLAN_RECORD_VERSION, read_plan
+from dflash_trt.plan.record import BUILD_NODE_COUNTS, PLAN_FILE, PLAN_RECORD_VERSION, plan_bundle, read_plan
 
 from helpers import run_cli
 
@@ -65,6 +65,20 @@ def test_build_writes_the_plan_and_the_manifest_hashes_it(bundle, tmp_path):
     assert any(p.startswith(f"{PLAN_FILE}: ") for p in verify(tampered))
     code, _, err = run_cli("deploy", "--bundle", str(tampered), "--out", str(tmp_path / "dep"))
     assert code == 1 and f"{PLAN_FILE}: " in err and "does not match its manifest.json" in err
+
+
+def test_build_plans_once_and_records_what_its_written_configs_imply(tmp_path):
+    """build searches once per recorded case (the draft schedule is priced on the one-node case, no search of its
+    own), before its stacks write their configs; the record equals the bundle planned again from those files."""
+    out = tmp_path / "b"
+    code, counts = search_calls("build", "--target", "gpt-oss-120b", "--gpu", "b300", "--configs-only",
+                                "--out", str(out))
+    assert code == 0 and counts == dict.fromkeys(SEARCH, len(BUILD_NODE_COUNTS)), counts
+    rec = json.loads((out / PLAN_FILE).read_text())
+    from_files = plan_bundle(out, Manifest.read(out))     # served_settings read from configs/ and the Triton repo
+    assert from_files.serving["max_attention_window"] and from_files.serving["kv_fraction"]
+    assert json.loads(json.dumps(from_files.to_dict())) == rec
+    assert json.loads((out / "manifest.json").read_text())["draft_schedule"]["schedule"]["levels"]
 
 
 @pytest.mark.parametrize("argv", [("deploy", "--out", "{tmp}/d", "--json"), ("plan", "--json"),
@@ -134,7 +148,6 @@ def test_a_missing_or_old_record_is_one_line(bundle, tmp_path, version):
 def test_tunes_cost_model_reads_the_record_and_matches_a_fresh_search(bundle):
     """`tune` prices a step with the layout plan.json records; the same figures as the layout search build ran."""
     from dflash_trt.deploy.values import plan_for_bundle
-    from dflash_trt.io.manifest import Manifest
     from dflash_trt.plan import tune
 
     m = Manifest.read(bundle)

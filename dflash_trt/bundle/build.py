@@ -1,6 +1,7 @@
 """`dflash-trt build`: from a (target, drafter) pair to one deployable, self-describing bundle.
 
-    resolve the options (bundle/options.py, resolve_settings here) -> run PIPELINE (bundle/stages.py)
+    resolve the options (bundle/options.py, resolve_settings here) -> the manifest's first part, the plan
+    (plan/record.py) and the draft schedule priced on it -> run PIPELINE (bundle/stages.py) -> plan.json
     -> hash every file and write the manifest (bundle/package.py) -> the summary (bundle/summary.py)
 
 Each stage's manifest entry holds the sha256 of its inputs (content hashes of the checkpoints, the options that
@@ -43,7 +44,7 @@ from dflash_trt.hardware import arch_has_fp4
 from dflash_trt.io.atomic import atomic_output_dir, refuse_inside
 from dflash_trt.io.checkpoint import load_config
 from dflash_trt.io.clone import carry_tree
-from dflash_trt.io.draft_schedule import DraftSchedule, ScheduleRequest
+from dflash_trt.io.draft_schedule import DraftSchedule
 from dflash_trt.io.manifest import (
     SCHEMA_VERSION,
     DrafterRecord,
@@ -64,7 +65,9 @@ from dflash_trt.io.manifest import (
 )
 from dflash_trt.models.config import load_drafter_config, require_target_config
 from dflash_trt.models.families import ships_mxfp4
-from dflash_trt.plan.record import write_plan
+from dflash_trt.plan import planner
+from dflash_trt.plan.record import plan_bundle, schedule_basis, write_plan
+from dflash_trt.plan.schedule_cost import build_schedule
 from dflash_trt.presets.hub import snapshot_revision
 from dflash_trt.stacks.base import draft_schedule_record
 from dflash_trt.stacks.layer_ids import layer_ids_by_stack
@@ -207,14 +210,12 @@ class Builder:
         self._read_previous()
         refuse_other_hardware(self.prev, self.settings, self.dest)
         self._hash_inputs()
+        self._start_manifest()
         with atomic_output_dir(self.dest) as work:
             self.work = work
-            self.manifest = None
             for st in PIPELINE:
-                if st.reads_manifest and self.manifest is None:
-                    self._start_manifest()
                 self._run_stage(st)
-            write_plan(work, self.manifest)   # plan.json, hashed with the rest: what deploy and plan --bundle read
+            write_plan(work, self.manifest, self.plan)   # hashed with the rest: what deploy and plan --bundle read
             self.manifest = write_manifest(work, self._finish_manifest(), list_artifacts(work, self._known_sha256))
             deploy_plan = self.o.deployable(work) if self.o.deployable is not None else None
         return {"bundle": str(self.dest), "manifest": self.manifest, "stages": self.reports,
@@ -238,7 +239,6 @@ class Builder:
         self.stacks, self.skipped_stacks = resolve_stacks(o, self.settings, B, self.dcfg)
         self.drafter_exclude = drafter_exclusions(self.stacks, self.settings["drafter_quant"], o.calib is not None)
         self.profile = profile_settings(o.profile, self.tcfg, B, o.max_batch_size)
-        self.schedule, self.schedule_source = self._draft_schedule()
         for st in stacks.served(self.stacks):   # what each stack would refuse at start (TensorRT-LLM's budget)
             st.check_build(target_config=self.tcfg, drafter_config=self.dcfg.raw, target_dir=self.tdir,
                            gpu=self.settings["gpu"], quant=self.settings["quant"], tp=o.tp, profile_name=o.profile,
@@ -251,15 +251,16 @@ class Builder:
             raise DFlashError(f"--out {dest}: folder exists, is not empty and is not a dflash-trt bundle "
                               "(no manifest.json); choose another --out or pass --force to replace it")
 
-    def _draft_schedule(self) -> tuple[DraftSchedule | None, str]:
-        """(the draft schedule, its source or why there is none), before anything is written."""
-        o, s = self.o, self.settings
-        return o.draft_schedule(ScheduleRequest(
-            target_name=self.name, target_config=self.tcfg, drafter_config=self.dcfg.raw, gpu=s["gpu"],
-            quant=s["quant"], kv_cache=s["kv_cache"], drafter_quant=s["drafter_quant"], tp=o.tp, ep=o.ep,
-            block_size=self.block_size, max_batch_size=int(self.profile["max_batch_size"]),
-            max_seq_len=min(int(self.tcfg.get("max_position_embeddings", 8192)), 32768),
-            attention_dp=bool(self.profile.get("enable_attention_dp", False))))
+    def _draft_schedule(self, m: Manifest) -> tuple[DraftSchedule | None, str]:
+        """(the draft schedule, its source or why there is none), priced on the bundle's one-node plan as
+        plan.json records it (`self.plan`: no layout search of its own), or the planner's refusal of it."""
+        o, s, case = self.o, self.settings, next(iter(self.plan.cases), None)
+        return build_schedule(
+            o.draft_schedule, target_name=self.name, target_config=self.tcfg, drafter_config=self.dcfg.raw,
+            gpu=s["gpu"], quant=s["quant"], kv_cache=s["kv_cache"], drafter_quant=s["drafter_quant"], tp=o.tp,
+            ep=o.ep, block_size=self.block_size, max_batch_size=int(self.profile["max_batch_size"]),
+            max_seq_len=m.max_seq_len, attention_dp=bool(self.profile.get("enable_attention_dp", False)),
+            plan=case and (case.refused or planner.Plan.from_dict(case.plan)))
 
     def _read_previous(self) -> None:
         """The bundle already at the destination, whose unchanged stages are reused (`self.prev`)."""
@@ -289,8 +290,9 @@ class Builder:
             "allow_nonfinite": o.allow_nonfinite}
 
     def _start_manifest(self) -> None:
-        """The manifest's first part, which compile and package read (and package hashes). Made
-        after check: the layer ids below raise for a bad pair, which check explains better."""
+        """The manifest's first part, which compile and package read (and package hashes), the bundle's plan
+        (plan.json, `self.plan`: planned once, from it and what its stacks will write) and the draft schedule
+        priced on that plan's one-node case, before anything is written."""
         o, s, tcfg, dcfg = self.o, self.settings, self.tcfg, self.dcfg
         ids = layer_ids_by_stack(dcfg.target_layer_ids, int(tcfg["num_hidden_layers"]))
         served = stacks.served(self.stacks)
@@ -320,14 +322,17 @@ class Builder:
                 drafter_attention_backend=drafter_attention_backend(s["arch"]),
                 drafter_attention_backend_source=DRAFTER_ATTENTION_BACKEND.get(
                     s["arch"], ("", "DFlashDecodingConfig default"))[1]),
-            reference_runtime=ReferenceRuntimeRecord(layout=reference_layout(s, self.tdir, self.ddir, o.configs_only)),
-            draft_schedule=draft_schedule_record(self.schedule, self.schedule_source, served))
+            reference_runtime=ReferenceRuntimeRecord(layout=reference_layout(s, self.tdir, self.ddir, o.configs_only)))
         if o.configs_only:
             revision = {role: getattr(m, role).revision or next(
                 (d["revision"] for d in self.downloads if d["role"] == role), None) for role in ("target", "drafter")}
             self.manifest = m = replace(m, weights=WeightsRecord(present=False, downloads=self.downloads),
                                         target=replace(m.target, revision=revision["target"]),
                                         drafter=replace(m.drafter, revision=revision["drafter"]))
+        self.plan = plan_bundle(None, m)
+        schedule, source = self._draft_schedule(m)
+        self.manifest = m = replace(m, draft_schedule=draft_schedule_record(schedule, source, served))
+        self.plan = replace(self.plan, schedule=schedule_basis(m))
         self.facts["manifest"] = {k: v for k, v in m.to_dict().items() if k != "created"}
 
     def _needed(self, st: Stage) -> bool:

@@ -12,7 +12,6 @@ from pathlib import Path
 from dflash_trt import engines, stacks
 from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import arch_default_node, arch_sms, gpus, hardware_for_gpu, sm_number
-from dflash_trt.io.draft_schedule import SchedulePlanner, no_schedule
 from dflash_trt.io.manifest import Manifest
 from dflash_trt.presets.catalog import PRESETS, missing_pair, resolve_config_pair, resolve_drafter, resolve_target
 from dflash_trt.presets.hub import HubMissing
@@ -48,9 +47,8 @@ class BuildOptions:
     allow_nonfinite: bool = False      # build from weights holding NaN / Inf (check refuses them otherwise)
     profile: str = "latency"           # TensorRT-LLM settings from NVIDIA's curated configs (serving_profiles.py)
     max_batch_size: int | None = None  # default: the profile's
-    # the draft length per concurrency each stack's control gets, planned for the resolved build; the command
-    # line passes the planner's (build --draft-schedule); the default plans none
-    draft_schedule: SchedulePlanner = no_schedule
+    # the draft length per concurrency each stack's control gets: auto|off|FILE.json (plan/schedule_cost.py)
+    draft_schedule: str = "auto"
     # refuses (DFlashError) a finished bundle folder, before it is published, that `deploy` would refuse, and
     # returns deploy's plan of it (the command line passes deploy's own check: the planner's layout rules and
     # the chart's; build's result carries it as deploy_plan); None: no check

@@ -182,7 +182,6 @@ class Stage:
     # when it runs: "" always; "engine" with --backend engine; "trt_drafter" with --trt-drafter-engine;
     # "compile" with either. Otherwise not-needed: no outputs, code not hashed
     needs: str = ""
-    reads_manifest: bool = False             # needs the manifest's first part (Builder._start_manifest)
 
 
 COMMON = ("tool_version", "target", "drafter")
@@ -210,9 +209,9 @@ PIPELINE = (
           outputs=("onnx",), needs="trt_drafter"),
     Stage("compile", compile_stage, (*COMMON, "backend", "arch", "gpu", "quant", "tp", "pp", "block_size", "toolchain",
                                   "trt_drafter"),
-          after=(("onnx", "export-onnx"), ("plugin", "plugin"), ("convert", "convert")), reads_manifest=True,
+          after=(("onnx", "export-onnx"), ("plugin", "plugin"), ("convert", "convert")),
           needs="compile"),
     Stage("package", package_stage, (*COMMON, "manifest"),
           code=("stacks", "assets/triton_templates", "bundle/package.py"),
-          outputs=SERVING_FILES, reads_manifest=True),
+          outputs=SERVING_FILES),
 )

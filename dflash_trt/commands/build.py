@@ -109,7 +109,7 @@ def build_cmd(target, drafter, arch, gpu, quant, kv_cache, drafter_quant, stacks
                         ep=ep, pp=pp, block_size=block_size, backend=backend, out=out, force=force,
                         drafter_quant=drafter_quant, calib=calib, trt_drafter=trt_drafter_engine,
                         allow_nonfinite=allow_nonfinite, profile=profile, max_batch_size=max_batch_size,
-                        draft_schedule=_schedule_planner(draft_schedule), deployable=check_deployable,
+                        draft_schedule=draft_schedule, deployable=check_deployable,
                         configs_only=configs_only,
                         stacks=tuple(x.strip() for x in stacks.split(",") if x.strip()) if stacks is not None else None)
     res = build(opts, progress=True)
@@ -125,13 +125,6 @@ def build_cmd(target, drafter, arch, gpu, quant, kv_cache, drafter_quant, stacks
                                "manifest": f"{res['bundle']}/manifest.json"}, indent=2))
     else:
         click.echo(format_summary(res) + (f"\n  {plan_line}" if plan_line else ""))
-
-
-def _schedule_planner(mode: str):
-    """build --draft-schedule auto|off|FILE.json as build's SchedulePlanner (plan/schedule_cost.build_schedule)."""
-    from dflash_trt.plan.schedule_cost import build_schedule
-
-    return lambda request: build_schedule(mode, **request.keywords())
 
 
 def check_deployable(bundle):

@@ -7,8 +7,7 @@ that each of them can type it.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
-from typing import Protocol
+from dataclasses import asdict, dataclass
 
 from dflash_trt.errors import DFlashError
 
@@ -54,40 +53,6 @@ class DraftSchedule:
                 "levels": [asdict(l) for l in self.levels], "ranges": [list(r) for r in self.ranges],
                 "stop_concurrency": self.stop_concurrency, "assumptions": self.assumptions}
 
-
-
-@dataclass(frozen=True)
-class ScheduleRequest:
-    """The resolved build a draft schedule is planned for (what build knows before anything is written)."""
-    target_name: str
-    target_config: dict
-    drafter_config: dict
-    gpu: str | None
-    quant: str
-    kv_cache: str
-    drafter_quant: str
-    tp: int
-    ep: int
-    block_size: int
-    max_batch_size: int
-    max_seq_len: int
-    attention_dp: bool = False
-
-    def keywords(self) -> dict:
-        """The request as keyword arguments (plan/schedule_cost.build_schedule's)."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-
-class SchedulePlanner(Protocol):
-    """What build asks for a draft schedule: (the schedule or None, where it comes from or why there is none).
-    The command line passes the planner's (plan/schedule_cost.build_schedule for --draft-schedule auto|off|FILE)."""
-
-    def __call__(self, request: ScheduleRequest) -> tuple[DraftSchedule | None, str]: ...
-
-
-def no_schedule(request: ScheduleRequest) -> tuple[DraftSchedule | None, str]:
-    """The do-nothing planner: build without a draft-schedule planner writes no schedule."""
-    return None, "not planned (no draft-schedule planner given to the build)"
 
 
 def from_dict(d: object, block_size: int, where: str) -> DraftSchedule:

@@ -1,13 +1,14 @@
 """The bundle's plan: plan.json at the bundle root, the layout search `build` ran, read by everything after it.
 
-`build` plans the finished bundle once (its target, drafter, resolved formats, TP / EP, GPU node and the limits
-its served stacks' own config files fix) for 1, 2, 4 and 8 nodes of its node type (BUILD_NODE_COUNTS: the
-planner is arithmetic, so `deploy --nodes N` of these reads the record), and writes the result here before the
-manifest hashes the bundle, so plan.json is an artifact like any other (`verify` refuses it edited). `deploy`,
-`plan --bundle`, Dynamo rendering, `bench --plan-bundle` and build's own deployable check read it and run no
-layout search: a later planner cannot silently deploy another layout than the one verified. A case the record
-does not hold (another GPU, GPUs per node, sequence length or serving limit) is one line naming
-`plan --bundle B --refresh ... --out NEW`, which re-plans the bundle into a revision with its own plan.json.
+`build` plans the bundle once, before its stages (its target, drafter, resolved formats, TP / EP, GPU node and the
+limits its served stacks' config files will fix: served_settings) for 1, 2, 4 and 8 nodes of its node type
+(BUILD_NODE_COUNTS: the planner is arithmetic, so `deploy --nodes N` of these reads the record), prices its draft
+schedule on the one-node case, and writes the result here before the manifest hashes the bundle, so plan.json is
+an artifact like any other (`verify` refuses it edited). `deploy`, `plan --bundle`, Dynamo rendering, `bench
+--plan-bundle` and build's own deployable check read it and run no layout search: a later planner cannot silently
+deploy another layout than the one verified. A case the record does not hold (another GPU, GPUs per node, sequence
+length or serving limit) is one line naming `plan --bundle B --refresh ... --out NEW`, which re-plans the bundle into
+a revision with its own plan.json.
 The draft schedule stays in manifest.json (`draft_schedule`); the record keeps the speed figures it was planned
 from (per concurrency: AR and DFlash step seconds, the break-even acceptance length).
 """
@@ -132,7 +133,7 @@ def drafter_config(bundle: Path, m: Manifest) -> tuple[str | None, dict | None]:
     d = m.drafter
     if isinstance(d.config, dict):
         return "drafter", d.config
-    for rel in (d.bundle_path, d.path):
+    for rel in (d.bundle_path, d.path) if bundle else ():
         if rel:
             p = Path(rel)
             p = p if p.is_absolute() else bundle / p
@@ -148,16 +149,17 @@ def drafter_config(bundle: Path, m: Manifest) -> tuple[str | None, dict | None]:
     return None, None
 
 
-def served_settings(bundle: Path, m: Manifest) -> dict:
+def served_settings(bundle: Path | None, m: Manifest) -> dict:
     """What the served stacks' own config files fix for the planner (KV fraction, per-layer
-    windows, batch and token limits: what the server will really use), stack by stack."""
+    windows, batch and token limits: what the server will really use), stack by stack; `bundle` None (build,
+    before it writes them): what their writers will write for `m`."""
     out: dict = {}
     for st in stacks.served(m.served_stacks):
         out |= st.planner_settings(bundle, m)
     return out
 
 
-def _plan_case(bundle: Path, m: Manifest, case: PlanCase, hw: Hardware) -> PlanCase:
+def _plan_case(bundle: Path | None, m: Manifest, case: PlanCase, hw: Hardware) -> PlanCase:
     """The planner's layout search of one case, TP / EP fixed to the bundle's (its model files are written for them)."""
     try:
         if m.parallel.pp != 1:
@@ -175,9 +177,10 @@ def _plan_case(bundle: Path, m: Manifest, case: PlanCase, hw: Hardware) -> PlanC
         return replace(case, refused=str(e))
 
 
-def plan_bundle(bundle: str | Path, m: Manifest, extra: list[tuple[Hardware, PlanCase]] = ()) -> PlanRecord:
-    """The bundle planned for BUILD_NODE_COUNTS nodes of its own node (none for a CPU-only bundle), and `extra`."""
-    bundle = Path(bundle)
+def plan_bundle(bundle: str | Path | None, m: Manifest, extra: list[tuple[Hardware, PlanCase]] = ()) -> PlanRecord:
+    """The bundle planned for BUILD_NODE_COUNTS nodes of its own node (none for a CPU-only bundle), and `extra`;
+    `bundle` None: the one build is about to write (`m`, the manifest's first part: served_settings)."""
+    bundle = Path(bundle) if bundle else None
     hw = bundle_hardware(m)
     todo = [(hw, PlanCase(hw.name, n, hw.gpus_per_node, m.max_seq_len)) for n in BUILD_NODE_COUNTS] if hw else []
     try:

@@ -26,11 +26,14 @@ from dflash_trt.presets.catalog import PRESETS
 def build_schedule(mode: str, *, target_name: str, target_config: dict, drafter_config: dict, gpu: str | None,
                    quant: str, kv_cache: str, drafter_quant: str, tp: int, ep: int, block_size: int,
                    max_batch_size: int, max_seq_len: int, attention_dp: bool = False,
-                   context_tokens: int = DEFAULT_CONTEXT_TOKENS) -> tuple[ds.DraftSchedule | None, str]:
+                   context_tokens: int = DEFAULT_CONTEXT_TOKENS,
+                   plan: Plan | str | None = None) -> tuple[ds.DraftSchedule | None, str]:
     """`build --draft-schedule auto|off|FILE.json`: (the schedule the bundle's stacks get, or None, and where it
     comes from or why there is none). auto plans it as `plan --speed` does, for the bundle's GPU node, layout,
     formats and max_batch_size (the concurrencies 1..max_batch_size), from the preset drafter's acceptance
-    (published tau, or measured: speed.resolve_acceptance); without a GPU (a CPU bundle) or either there is none."""
+    (published tau, or measured: speed.resolve_acceptance); without a GPU (a CPU bundle) or either there is none.
+    `plan`: the bundle's one-node plan as plan.json records it (build plans once), or the planner's refusal of it
+    (a str): its layout is priced, no layout search of its own; None: the planner's search for the layout."""
     if mode == "off":
         return None, "--draft-schedule off"
     if mode != "auto":
@@ -46,10 +49,13 @@ def build_schedule(mode: str, *, target_name: str, target_config: dict, drafter_
                       f"`dflash-trt plan --target {pair} --hardware {hardware_for_gpu(gpu).name} --quant {quant} "
                       "--speed --acceptance bench.json --json > plan.json`; `dflash-trt build ... --draft-schedule "
                       "plan.json` (the layout of this build's --tp / --ep is taken from it)")
+    if isinstance(plan, str):
+        return None, f"the planner refuses tp {tp} ep {ep} on the bundle's node: {plan}"
     cost = schedule_cost(target_name=target_name, target_config=target_config, drafter_config=drafter_config,
                          gpu=gpu, quant=quant, kv_cache=kv_cache, drafter_quant=drafter_quant, tp=tp, ep=ep,
                          block_size=block_size, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                         attention_dp=attention_dp, context_tokens=context_tokens)
+                         attention_dp=attention_dp, context_tokens=context_tokens,
+                         plan=plan)
     if isinstance(cost, str):
         return None, cost
     t, src, survival, acc_src = resolve_acceptance(target_name, None, block_size, True)

@@ -289,7 +289,8 @@ class Stack:
     # -------------------------------------------------------------- deploy and plan
     def planner_settings(self, bundle: Path, manifest) -> dict:
         """Serving settings the planner must take from the bundle's own config files (what the
-        server will really run with): kv_fraction, max_batch_size, ... ; empty when none."""
+        server will really run with): kv_fraction, max_batch_size, ... ; empty when none. `bundle` None:
+        what the stack will write for `manifest` (build plans before the files exist)."""
         return {}
 
     def image_engine_version(self, image: dict) -> tuple[str, str] | None:

@@ -141,20 +141,27 @@ def read_llm_api_settings(bundle: Path, repository: str) -> dict:
             raise DFlashError(f"{path}: invalid YAML ({e})") from None
         if not isinstance(y, dict):
             raise DFlashError(f"{path}: expected a mapping of TensorRT-LLM settings")
-        kv = y.get("kv_cache_config") or {}
-        if kv.get("free_gpu_memory_fraction") is not None:
-            out["kv_fraction"] = float(kv["free_gpu_memory_fraction"])
-        if kv.get("max_attention_window") is not None:
-            maw = kv["max_attention_window"]
-            if not (isinstance(maw, list) and maw and all(isinstance(w, int) and w > 0 for w in maw)):
-                raise DFlashError(f"{path}: kv_cache_config.max_attention_window must be a list of positive "
-                                  f"integers (one window per layer, repeated), got {maw!r}")
-            out["max_attention_window"] = maw
-        for key in ("max_batch_size", "max_num_tokens"):
-            if y.get(key):
-                out[key] = int(y[key])
-        if "enable_attention_dp" in y:
-            out["attention_dp"] = bool(y["enable_attention_dp"])
+        out |= llm_api_settings(y, path)
+    return out
+
+
+def llm_api_settings(y: dict, where: Path | str) -> dict:
+    """What the planner takes from one mapping of TensorRT-LLM settings (a config file's, or serve_config's)."""
+    out: dict = {}
+    kv = y.get("kv_cache_config") or {}
+    if kv.get("free_gpu_memory_fraction") is not None:
+        out["kv_fraction"] = float(kv["free_gpu_memory_fraction"])
+    if kv.get("max_attention_window") is not None:
+        maw = kv["max_attention_window"]
+        if not (isinstance(maw, list) and maw and all(isinstance(w, int) and w > 0 for w in maw)):
+            raise DFlashError(f"{where}: kv_cache_config.max_attention_window must be a list of positive "
+                              f"integers (one window per layer, repeated), got {maw!r}")
+        out["max_attention_window"] = maw
+    for key in ("max_batch_size", "max_num_tokens"):
+        if y.get(key):
+            out[key] = int(y[key])
+    if "enable_attention_dp" in y:
+        out["attention_dp"] = bool(y["enable_attention_dp"])
     return out
 
 
@@ -218,6 +225,9 @@ class TensorRTLLM(Stack):
                        ep=int(cfg.get("moe_expert_parallel_size", 1)), pp=int(cfg.get("pipeline_parallel_size", 1)))
 
     def planner_settings(self, bundle, manifest):
+        if bundle is None:    # build, before writing: the settings of the serve_config its writers write
+            return llm_api_settings(serve_config(manifest, manifest.target.config, manifest.drafter.block_size),
+                                    SERVE_CONFIG)
         return read_llm_api_settings(Path(bundle), manifest.triton_model_repository)
 
     def image_engine_version(self, image):
