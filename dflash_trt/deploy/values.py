@@ -391,13 +391,10 @@ def edited_files(out: Path) -> list[str]:
 
 
 def write_deployment(out: str | Path, values: dict, manifests: dict[str, str] | None, header: str = "",
-                     force: bool | None = None, extra: dict[str, str] | None = None) -> Path:
-    """values.yaml (+ manifests/*.yaml, + `extra` {relative path: text}) into `out`, written to a
-    temp folder and renamed (deploy_folder, `force` as there)."""
+                     force: bool | None = None) -> Path:
+    """values.yaml (+ manifests/*.yaml) into `out`, written to a temp folder and renamed (deploy_folder,
+    `force` as there)."""
     with deploy_folder(out, "values.yaml", force) as tmp:
-        for rel, text in (extra or {}).items():
-            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-            (tmp / rel).write_text(text)
         (tmp / "values.yaml").write_text(header + yaml.safe_dump(values, sort_keys=False))
         if manifests is not None:
             (tmp / "manifests").mkdir()
