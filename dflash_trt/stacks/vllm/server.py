@@ -158,16 +158,10 @@ def make_vllm_stub_env(dest: Path, vllm_env: Path | None = None) -> Path:
     torch, transformers and numba imports and runs with numpy 1.26.4 (it pins no numpy)."""
     dest, vllm_env = Path(dest), Path(vllm_env) if vllm_env else vllm_env_dir()
     check_vllm_env(vllm_env)
-    py = dest / "bin" / "python3"
-    if not py.exists():
+    if not vllm_python(dest).exists():
         subprocess.run([str(base_python()), "-m", "venv", str(dest)], check=True)
-    subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", STUB_NUMPY], check=True,
-                   env=clean_env())
-    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          capture_output=True, text=True, check=True).stdout.strip()
-    theirs = subprocess.run([str(vllm_python(vllm_env)), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                            capture_output=True, text=True, check=True, env=clean_env()).stdout.strip()
-    (Path(site) / "zz-dflash-trt-vllm-env.pth").write_text(f"import site; site.addsitedir({theirs!r})\n")
+    _pip(dest, "install", "-q", STUB_NUMPY)
+    (_site(dest) / "zz-dflash-trt-vllm-env.pth").write_text(f"import site; site.addsitedir({str(_site(vllm_env))!r})\n")
     return dest
 
 
