@@ -43,7 +43,7 @@ def kernel_signature(arg_names, act: str, cache: str) -> dict:
     return {n: types.get(n, "constexpr" if n in CONSTEXPRS else "i32") for n in arg_names}
 
 
-def build_plugin(arch: str, out_dir: str | Path, variants=None, progress: bool = False) -> dict:
+def build_plugin(arch: str, out_dir: str | Path, progress: bool = False) -> dict:
     """Compile the kernel for `arch` into out_dir (replaced atomically); returns the manifest."""
     sms_of = arch_sms()
     if arch not in sms_of:
@@ -58,9 +58,8 @@ def build_plugin(arch: str, out_dir: str | Path, variants=None, progress: bool =
 
     tmod = kv_inject_trt
     fn = kv_inject_triton.kv_inject_kernel
-    variants = list(variants or VARIANTS)
     kernels = []
-    jobs = [(sm, v) for sm in sms_of[arch] for v in variants]
+    jobs = [(sm, v) for sm in sms_of[arch] for v in VARIANTS]
     with atomic_output_dir(out_dir) as tmp:
         for sm, (hd, act, cache) in tqdm(jobs, desc=f"plugin {arch}", disable=not progress, unit="kernel"):
             cfg = tmod.kernel_config(hd)
