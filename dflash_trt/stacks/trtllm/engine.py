@@ -113,10 +113,9 @@ def missing_prerequisites(tc: dict, backend: str) -> list[str]:
     return why
 
 
-def run_compile(bundle: Path, manifest: Manifest, tc: dict | None = None) -> dict:
-    """Run the compile stage in `bundle` (a folder being built, or a published bundle).
-    Returns the stage entry fields: status, outputs, commands, reason, engine_key."""
-    tc = tc or detect_toolchain()
+def run_compile(bundle: Path, manifest: Manifest, tc: dict) -> dict:
+    """Run the compile stage in `bundle` (a folder being built, or a published bundle) with the toolchain
+    `tc` (detect_toolchain). Returns the stage entry fields: status, outputs, commands, reason, engine_key."""
     why = missing_prerequisites(tc, manifest.backend)
     if why:
         return {"status": "deferred", "outputs": [], "commands": ["dflash-trt compile --bundle <bundle>"]
