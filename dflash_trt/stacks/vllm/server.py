@@ -41,6 +41,7 @@ from importlib import resources
 from pathlib import Path
 
 from dflash_trt.errors import DFlashError
+from dflash_trt.io.jsonio import read_json
 from dflash_trt.io.prometheus import parse_prometheus
 from dflash_trt.paths import VLLM_ENV_READY, vllm_env_dir
 from dflash_trt.stacks.base import Metric, StackMetrics, TuneReader
@@ -169,11 +170,8 @@ def read_vllm_launch(bundle: Path) -> dict:
     path = Path(bundle) / "configs" / "vllm.json"
     if not path.is_file():
         raise DFlashError(f"{bundle}: no configs/vllm.json (build the bundle with --stacks vllm)")
-    try:
-        launch = json.loads(path.read_text())
-        argv = launch["argv"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise DFlashError(f"{path}: not a vLLM launch file (needs an \"argv\" list): {e}") from None
+    launch = read_json(path)
+    argv = launch.get("argv")
     if not (isinstance(argv, list) and argv[:2] == ["vllm", "serve"] and all(isinstance(a, str) for a in argv)):
         raise DFlashError(f"{path}: argv must be a list of strings starting with \"vllm\", \"serve\"")
     return launch
