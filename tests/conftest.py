@@ -59,7 +59,8 @@ def dynamo_env():
     """The Dynamo env (ai-dynamo with vLLM's CPU build, stacks/dynamo_local.py), or a skip naming why
     there is none. `make test` builds it first (`make dynamo`); a failed build is recorded and named here."""
     from dflash_trt.paths import dynamo_env_dir
-    from dflash_trt.stacks.dynamo_local import dynamo_env_problem
+
+    from helpers import dynamo_env_problem
 
     env = dynamo_env_dir()
     problem = dynamo_env_problem(env)

@@ -397,3 +397,11 @@ def wheel_source(spec: str, path: str) -> str:
     """One source file of an upstream wheel (pypi_wheel), as text."""
     with zipfile.ZipFile(pypi_wheel(spec)) as z:
         return z.read(path).decode()
+
+
+def dynamo_env_problem(env: Path) -> str | None:
+    """None when the Dynamo env (stacks/dynamo_local.py) is ready, else why not, in one line."""
+    from dflash_trt.paths import DYNAMO_ENV_READY
+    from dflash_trt.stacks.vllm.env import side_env_problem, vllm_python
+
+    return side_env_problem(env, DYNAMO_ENV_READY, vllm_python(env), "Dynamo", "dynamo", "DFLASH_TRT_DYNAMO_ENV")

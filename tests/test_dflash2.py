@@ -18,7 +18,7 @@ from dflash_trt.models.drafter import DFlashDrafter, attention_mask
 from dflash_trt.runtime.decode import generate
 from dflash_trt.runtime.pair import load_pair
 from dflash_trt.runtime.sampling import SamplingParams
-from dflash_trt.stacks import drafter_problems as drafter_stack_problems
+from dflash_trt.stacks import get as get_stack
 from dflash_trt.stacks.sglang import sglang_drafter_args
 from dflash_trt.stacks.trtllm.serve_config import trtllm_drafter_options
 from dflash_trt.stacks.vllm.launch import vllm_drafter_env
@@ -213,7 +213,7 @@ def test_stack_rules_for_the_zlab_fixture():
     DFlashDecodingConfig(max_draft_len=15, speculative_model="drafter", **opts)
     assert sglang_drafter_args(c) == ["--speculative-draft-attention-backend", "flashinfer"]
     assert vllm_drafter_env(c) == {"VLLM_USE_V2_MODEL_RUNNER": "1"}   # V1 has no candidate head
-    assert all(drafter_stack_problems(s, c) == [] for s in ("trtllm", "vllm", "sglang"))
+    assert all(get_stack(s).drafter_problems(c) == [] for s in ("trtllm", "vllm", "sglang"))
 
 
 def test_stack_rules_for_variants():
@@ -221,11 +221,11 @@ def test_stack_rules_for_variants():
     assert vllm_drafter_env(mixed) == {"VLLM_USE_V2_MODEL_RUNNER": "1"}
     assert trtllm_drafter_options(mixed) == {}          # its sliding layers are causal
     mimo = DrafterConfig.from_dict(VARIANTS["use_swa without layer_types (MiMo)"][0])
-    assert "dflash_config.use_swa" in drafter_stack_problems("sglang", mimo)[0]
+    assert "dflash_config.use_swa" in get_stack("sglang").drafter_problems(mimo)[0]
     top = {**FIXTURE, **{k: FIXTURE["dflash_config"][k] for k in ("conv_kernel_size", "conv_group_size",
                                                                   "selector_rank", "selector_top_k")}}
     top["dflash_config"] = {k: v for k, v in FIXTURE["dflash_config"].items() if not k.startswith(("conv", "sel"))}
-    assert "from dflash_config only" in drafter_stack_problems("vllm", DrafterConfig.from_dict(top))[0]
+    assert "from dflash_config only" in get_stack("vllm").drafter_problems(DrafterConfig.from_dict(top))[0]
 
 
 def test_build_writes_each_stacks_dflash2_settings(pairs, tmp_path):

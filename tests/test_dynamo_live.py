@@ -31,10 +31,11 @@ import pytest
 from dflash_trt.errors import DFlashError
 from dflash_trt.io.prometheus import parse_prometheus
 from dflash_trt.paths import dynamo_env_dir
-from dflash_trt.stacks.dynamo_local import dynamo_env_problem
 from dflash_trt.stacks.tritonserver.server import ServerProcess, free_port
 from dflash_trt.stacks.vllm.env import CPU_ENV, clean_env, vllm_python
 from dflash_trt.stacks.vllm.server import VllmServer, read_vllm_launch
+
+from helpers import dynamo_env_problem
 
 pytestmark = pytest.mark.slow
 EAGER = ["--enforce-eager"]

@@ -107,15 +107,14 @@ def test_sglang_launch_holds_zero_based_ids_and_capture_points():
 
 def test_each_stacks_dflash_rules():
     from dflash_trt.stacks import CONFIG_STACKS as STACKS
-    from dflash_trt.stacks import fp8_drafter_problem
-    from dflash_trt.stacks import layout_problems as stack_layout_problems
+    from dflash_trt.stacks import get
 
-    assert [s for s in STACKS if stack_layout_problems(s, tp=8, pp=1, block_size=16)] == []
-    assert [s for s in STACKS if stack_layout_problems(s, tp=1, pp=2, block_size=16)] == ["sglang"]
-    assert "pp_size == 1" in stack_layout_problems("sglang", tp=1, pp=2, block_size=16)[0]
+    assert [s for s in STACKS if get(s).layout_problems(tp=8, pp=1, block_size=16)] == []
+    assert [s for s in STACKS if get(s).layout_problems(tp=1, pp=2, block_size=16)] == ["sglang"]
+    assert "pp_size == 1" in get("sglang").layout_problems(tp=1, pp=2, block_size=16)[0]
     # each pinned engine's DFlash loader takes an FP8 drafter in its own layout (engines.json drafter_quant;
     # tests/test_drafter_quant.py checks the layouts and the refusals)
-    assert [s for s in STACKS if fp8_drafter_problem(s)] == []
+    assert [s for s in STACKS if get(s).drafter_quant_problem("fp8")] == []
 
 
 def test_kv_cache_dtype_names_per_stack():

@@ -35,9 +35,9 @@ from dflash_trt.presets.catalog import PRESETS
 assert all(p.config()["model_type"] for p in PRESETS.values())
 from dflash_trt.presets.embedded import embedded_drafter_path
 assert (embedded_drafter_path() / "model.safetensors").is_file()
-from dflash_trt.stacks.tritonserver.repo import MODELS
 from dflash_trt.paths import package_path
-assert all(package_path("assets", "triton_templates", m, "config.pbtxt").is_file() for m in MODELS)
+assert all(package_path("assets", "triton_templates", m, "config.pbtxt").is_file()
+           for m in ("tensorrt_llm", "dflash_reference", "vllm"))
 from dflash_trt.bundle.stages import PIPELINE, code_hash
 for stage in PIPELINE:
     code_hash(*stage.code)

@@ -423,7 +423,7 @@ def _render_checked(values: dict, chart, release, namespace, monitoring: bool) -
     if monitoring:
         from dflash_trt.deploy import monitoring as mon
 
-        mon.check_rendered(rendered)
+        mon.check_objects([obj for _, obj in deploy.rendered_objects(rendered)])
     return rendered
 
 

@@ -73,11 +73,6 @@ def facts() -> dict:
     return engines.facts()["dynamo"]
 
 
-def runnable_stacks() -> tuple[str, ...]:
-    """The engines whose workers Dynamo runs, in engines.json's order (the default pick's order)."""
-    return tuple(facts()["workers"])
-
-
 # ------------------------------------------------------------------ the CRD schema, unknown fields refused
 @lru_cache(maxsize=1)
 def crd_schema() -> dict:
@@ -233,13 +228,13 @@ def render_dgd(bundle: str | Path, *, name: str, nodes: int = 1, gpus_per_node: 
                replicas: int | None = None, disaggregated: bool = False, isl: int | None = None,
                osl: int | None = None, engine: str | None = None, image: str | None = None,
                engine_version: str | None = None, pvc: str | None = None, gpu: str | None = None,
-               tau: float | None = None, manifest: Manifest | None = None) -> tuple[dict, dict]:
+               tau: float | None = None) -> tuple[dict, dict]:
     """(the DGD, a summary) for a bundle: checked against the CRD before it is returned."""
     chart_values.check_counts(nodes=nodes, gpus_per_node=gpus_per_node, replicas=replicas)
     if not disaggregated and (isl is not None or osl is not None):
         raise DFlashError("--isl / --osl size a disaggregated layout: add --disaggregated (or drop them)")
     bundle = Path(bundle)
-    m = manifest or Manifest.read(bundle)
+    m = Manifest.read(bundle)
     p = chart_values.plan_for_bundle(bundle, nodes=nodes, gpus_per_node=gpus_per_node, gpu=gpu, manifest=m)
     if p is None:
         raise DFlashError("deploy --server dynamo: the bundle pins no GPU (CPU-only); Dynamo's workers serve on GPUs "
@@ -253,7 +248,6 @@ def render_dgd(bundle: str | Path, *, name: str, nodes: int = 1, gpus_per_node: 
     f, w = facts(), facts()["workers"][stack]
     hw = hardware_for_gpu(gpu or m.gpu)
     served_name = str(m.target.name or "target")
-    ns = name
     n = chosen.replicas if replicas is None else replicas
     claim = pvc or f"{name}-bundle"
     annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(f["worker_system"]["port"]),
@@ -261,7 +255,7 @@ def render_dgd(bundle: str | Path, *, name: str, nodes: int = 1, gpus_per_node: 
     fe = f["frontend"]
     fe_port = fe["ports"]["http"]
     services = {"Frontend": {
-        "componentType": "frontend", "dynamoNamespace": ns, "replicas": 1,
+        "componentType": "frontend", "dynamoNamespace": name, "replicas": 1,
         "livenessProbe": _probe(fe["live"], fe_port, 5, 3),
         "readinessProbe": _probe(fe["ready"], fe_port, 10, 60),
         "extraPodMetadata": {"annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(fe_port),
@@ -269,7 +263,7 @@ def render_dgd(bundle: str | Path, *, name: str, nodes: int = 1, gpus_per_node: 
         "extraPodSpec": {"mainContainer": {"image": engines.image_ref(fe["image"]),
                                            "command": ["python3", "-m", fe["module"]], "args": list(fe["args"])}},
     }}
-    common = {"stack": stack, "image": engines.image_ref(image_block), "namespace": ns, "gpus": chosen.tp,
+    common = {"stack": stack, "image": engines.image_ref(image_block), "namespace": name, "gpus": chosen.tp,
               "gpu_product": hw.gpu_product, "pvc": claim, "metrics_annotations": annotations}
     split = None
     title = w["component"]
@@ -312,5 +306,5 @@ def write_dgd(out: str | Path, dgd: dict, header: str, render: bool) -> Path:
     return Path(out)
 
 
-__all__ = ["DGD_FILE", "SERVER", "check_dgd", "crd_schema", "facts", "pick_engine", "render_dgd", "runnable_stacks",
-           "worker_args", "worker_argv", "write_dgd"]
+__all__ = ["DGD_FILE", "SERVER", "check_dgd", "crd_schema", "facts", "pick_engine", "render_dgd", "worker_args",
+           "worker_argv", "write_dgd"]

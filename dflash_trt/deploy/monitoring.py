@@ -26,7 +26,6 @@ import yaml
 
 from dflash_trt import engines, stacks
 from dflash_trt.deploy.dynamo import LOADER, _closed
-from dflash_trt.deploy.values import rendered_objects
 from dflash_trt.errors import DFlashError
 from dflash_trt.paths import deploy_path
 from dflash_trt.plan.monitoring_figures import PlannedFigures
@@ -246,8 +245,3 @@ def check_objects(objs: list[dict]) -> list[str]:
                               f"(Prometheus Operator CRD, deploy/schemas/{CRDS[o['kind']]})")
         kinds.append(o["kind"])
     return kinds
-
-
-def check_rendered(manifests: dict[str, str]) -> list[str]:
-    """check_objects over a chart's rendered files {path: YAML text}."""
-    return check_objects([obj for _, obj in rendered_objects(manifests)])

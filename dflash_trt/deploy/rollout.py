@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+from dflash_trt.deploy.values import require_intact
 from dflash_trt.errors import DFlashError
 from dflash_trt.io.atomic import atomic_output_dir, refuse_inside
 from dflash_trt.io.clone import clone_tree
@@ -68,10 +69,7 @@ def push(bundle: str | Path, claim_root: str | Path, sub_path: str | None = None
     copied False when that folder already holds this very bundle. The copy is re-hashed against the
     manifest before it is renamed into place: nothing half-copied is ever under the version's name."""
     bundle, root = Path(bundle), Path(claim_root)
-    problems = verify_bundle(bundle)
-    if problems:
-        raise DFlashError(f"{bundle}: the bundle does not match its manifest.json ({len(problems)} problem(s)): "
-                          f"{problems[0]}; rebuild it before pushing")
+    require_intact(bundle)
     if not root.is_dir():
         raise DFlashError(f"--to {root}: no such folder (the claim, mounted here)")
     dest = root / (version_sub_path(bundle) if sub_path is None else sub_path.strip("/"))

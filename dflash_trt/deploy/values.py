@@ -150,16 +150,15 @@ def check_counts(*, nodes: int, gpus_per_node: int | None, replicas: int | None)
 
 def deploy_values(bundle: str | Path, *, nodes: int = 1, gpus_per_node: int | None = None,
                   replicas: int | None = None, gpu: str | None = None, pvc: str | None = None,
-                  ssh_secret: str = DEFAULT_SSH_SECRET, max_seq_len: int | None = None,
-                  image: str | None = None, multinode_image: str | None = None, server: str | None = None,
-                  engine_version: str | None = None, manifest: Manifest | None = None,
+                  ssh_secret: str = DEFAULT_SSH_SECRET, image: str | None = None, multinode_image: str | None = None,
+                  server: str | None = None, engine_version: str | None = None, manifest: Manifest | None = None,
                   plan: planner.Plan | None = None) -> tuple[dict, planner.Plan | None]:
     """Chart values for a bundle, and the plan they follow (None for CPU-only). `server`: the
     chart's server.stack (default: trtllm-serve when the bundle holds a TensorRT-LLM config, else
     its first stack; Triton's dflash_reference for CPU-only); `image` / `engine_version`: an image
     of your own and the engine version it carries (default: the server's image the manifest
-    records, engines.json); `plan`: plan_for_bundle's, when the caller has made it (nodes, GPU and
-    max_seq_len as here)."""
+    records, engines.json); `plan`: plan_for_bundle's, when the caller has made it (nodes and GPU as
+    here)."""
     check_counts(nodes=nodes, gpus_per_node=gpus_per_node, replicas=replicas)
     bundle = Path(bundle)
     m = manifest or Manifest.read(bundle)
@@ -170,8 +169,7 @@ def deploy_values(bundle: str | Path, *, nodes: int = 1, gpus_per_node: int | No
         "podAnnotations": {"dflash-trt/target": str(m.target.name or ""),
                            "dflash-trt/tool-version": str(m.tool_version or "")},
     }
-    p = plan or plan_for_bundle(bundle, nodes=nodes, gpus_per_node=gpus_per_node, gpu=gpu, max_seq_len=max_seq_len,
-                                manifest=m)
+    p = plan or plan_for_bundle(bundle, nodes=nodes, gpus_per_node=gpus_per_node, gpu=gpu, manifest=m)
     server = server or (stacks.cpu_server().name if p is None else default_server(served))
     srv = stacks.server(server)
     values["server"] = {"stack": server}
@@ -391,13 +389,10 @@ def edited_files(out: Path) -> list[str]:
 
 
 def write_deployment(out: str | Path, values: dict, manifests: dict[str, str] | None, header: str = "",
-                     force: bool | None = None, extra: dict[str, str] | None = None) -> Path:
-    """values.yaml (+ manifests/*.yaml, + `extra` {relative path: text}) into `out`, written to a
-    temp folder and renamed (deploy_folder, `force` as there)."""
+                     force: bool | None = None) -> Path:
+    """values.yaml (+ manifests/*.yaml) into `out`, written to a temp folder and renamed (deploy_folder,
+    `force` as there)."""
     with deploy_folder(out, "values.yaml", force) as tmp:
-        for rel, text in (extra or {}).items():
-            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-            (tmp / rel).write_text(text)
         (tmp / "values.yaml").write_text(header + yaml.safe_dump(values, sort_keys=False))
         if manifests is not None:
             (tmp / "manifests").mkdir()

@@ -68,19 +68,6 @@ def cpu_server() -> Server:
     return next(s for s in servers().values() if s.cpu_reference)
 
 
-# ------------------------------------------------------------- one call per question, any stack
-def layout_problems(name: str, *, tp: int, pp: int, block_size: int) -> list[str]:
-    return get(name).layout_problems(tp=tp, pp=pp, block_size=block_size)
-
-
-def drafter_problems(name: str, dcfg) -> list[str]:
-    return get(name).drafter_problems(dcfg)
-
-
-def fp8_drafter_problem(name: str) -> str | None:
-    return get(name).drafter_quant_problem("fp8")
-
-
 __all__ = [
     "CONFIG_STACKS",
     "REGISTRY",
@@ -90,11 +77,8 @@ __all__ = [
     "Server",
     "Stack",
     "cpu_server",
-    "drafter_problems",
     "engine_stack",
-    "fp8_drafter_problem",
     "get",
-    "layout_problems",
     "local_stacks",
     "served",
     "server",

@@ -18,7 +18,7 @@ A method a stack does not need keeps the default here (nothing to refuse, nothin
 from __future__ import annotations
 
 import shlex
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
@@ -68,9 +68,6 @@ class LaunchArgs:
     def command(self) -> str:
         """argv as one shell line, its environment first."""
         return " ".join([*(f"{k}={v}" for k, v in self.env), shlex.join(self.argv())])
-
-    def with_flags(self, *flags: str) -> LaunchArgs:
-        return replace(self, flags=(*self.flags, *flags))
 
     def record(self) -> dict:
         """As the stack's config file keeps it (its `launch` key)."""

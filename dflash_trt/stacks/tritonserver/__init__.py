@@ -15,7 +15,7 @@ from pathlib import Path
 from dflash_trt.errors import DFlashError
 from dflash_trt.stacks.base import BundleContext, Server, Stack
 from dflash_trt.stacks.tritonserver.repo import write_triton_repo
-from dflash_trt.stacks.tritonserver.server import TritonServer, default_stub_env
+from dflash_trt.stacks.tritonserver.server import TritonServer
 
 REFERENCE_MODEL = "dflash_reference"     # CPU-capable Triton model of every bundle
 REPOSITORY = "triton"                    # the model repository's folder in the bundle
@@ -59,10 +59,9 @@ class Triton(Stack):
         if not repo.is_dir():
             raise DFlashError(f"{bundle}: no {REPOSITORY}/ model repository (is it a dflash-trt bundle?)")
         models = list(opts.get("models") or [REFERENCE_MODEL])
-        env = Path(opts["stub_env"]) if opts.get("stub_env") else default_stub_env()
         work = Path(tempfile.mkdtemp(prefix="dflash-trt-serve-"))
         server = TritonServer(repo, models, work=work, host=opts["host"], http_port=opts["http_port"],
-                              grpc_port=opts["grpc_port"], metrics_port=opts["metrics_port"], stub_env=env)
+                              grpc_port=opts["grpc_port"], metrics_port=opts["metrics_port"], stub_env=opts["stub_env"])
         info = {"http": server.http_url, "grpc": server.grpc_url, "metrics": server.metrics_url, "models": models,
                 "log": str(server.log_path)}
         line = (f"serving {', '.join(models)} from {repo}: HTTP {info['http']}, gRPC {info['grpc']}, "

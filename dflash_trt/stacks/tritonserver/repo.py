@@ -25,16 +25,10 @@ import yaml
 
 from dflash_trt.errors import DFlashError
 
-MODELS = ("tensorrt_llm", "dflash_reference", "vllm")
 
-
-def _template(model: str, name: str) -> str:
-    return resources.files("dflash_trt").joinpath("assets", "triton_templates", model, name).read_text()
-
-
-def _shared(name: str) -> str:
-    """A file both models carry in their 1/ folder."""
-    return resources.files("dflash_trt").joinpath("assets", "triton_templates", name).read_text()
+def _template(*parts: str) -> str:
+    """assets/triton_templates/<model>/<name>, or <name> alone: a file every model carries in its 1/ folder."""
+    return resources.files("dflash_trt").joinpath("assets", "triton_templates", *parts).read_text()
 
 
 def parse_model_config(text: str, source: str = "config.pbtxt"):
@@ -54,10 +48,8 @@ def parse_model_config(text: str, source: str = "config.pbtxt"):
 def llmapi_model_yaml(serve_cfg: dict, target_path: str, *, decoupled: bool = True, max_batch_size: int = 0) -> dict:
     """1/model.yaml of the tensorrt_llm model: the trtllm-serve LLM arguments plus the target
     path and `triton_config` (TensorRT-LLM's llmapi model reads both)."""
-    out = {"model": target_path}
-    out.update(serve_cfg)
-    out["triton_config"] = {"max_batch_size": max_batch_size, "decoupled": decoupled}
-    return out
+    return {"model": target_path, **serve_cfg,
+            "triton_config": {"max_batch_size": max_batch_size, "decoupled": decoupled}}
 
 
 def _yaml(header: str, data: dict) -> str:
@@ -78,7 +70,7 @@ def write_triton_repo(dest: str | Path, *, llm_yaml: dict | None, reference: dic
             "tensorrt_llm/config.pbtxt": Template(_template("tensorrt_llm", "config.pbtxt")).substitute(
                 max_batch_size=int(tc["max_batch_size"]), decoupled="true" if tc["decoupled"] else "false"),
             "tensorrt_llm/1/model.py": _template("tensorrt_llm", "model.py"),
-            "tensorrt_llm/1/dflash_metrics.py": _shared("dflash_metrics.py"),
+            "tensorrt_llm/1/dflash_metrics.py": _template("dflash_metrics.py"),
             "tensorrt_llm/1/model.yaml": _yaml(
                 "# TensorRT-LLM LLM API arguments (tensorrt_llm.LLM), written by dflash-trt build.\n"
                 "# Relative paths are relative to the bundle root. triton_config mirrors config.pbtxt.\n", llm_yaml),
@@ -87,7 +79,7 @@ def write_triton_repo(dest: str | Path, *, llm_yaml: dict | None, reference: dic
         "dflash_reference/config.pbtxt": Template(_template("dflash_reference", "config.pbtxt")).substitute(
             decoupled="true"),
         "dflash_reference/1/model.py": _template("dflash_reference", "model.py"),
-        "dflash_reference/1/dflash_metrics.py": _shared("dflash_metrics.py"),
+        "dflash_reference/1/dflash_metrics.py": _template("dflash_metrics.py"),
         "dflash_reference/1/model.yaml": _yaml(
             "# dflash-trt reference runtime settings, written by dflash-trt build.\n"
             "# Relative paths are relative to the bundle root.\n", reference),

@@ -67,14 +67,13 @@ def base_python() -> Path:
     return Path(getattr(sys, "_base_executable", sys.executable)).resolve()
 
 
-def make_stub_env(dest: Path, progress: bool = True) -> Path:
+def make_stub_env(dest: Path) -> Path:
     """Create the stub env: `python -m venv` of the base interpreter, `pip install numpy<2`, and a
     .pth that adds this environment's site-packages after its own."""
     dest = Path(dest)
     py = dest / "bin" / "python3"
     if not py.exists():
-        if progress:
-            print(f"dflash-trt serve: creating the Python-backend stub env {dest} (numpy<2)", file=sys.stderr)
+        print(f"dflash-trt serve: creating the Python-backend stub env {dest} (numpy<2)", file=sys.stderr)
         subprocess.run([str(base_python()), "-m", "venv", str(dest)], check=True)
     # idempotent (and offline) once numpy<2 is there; completes an env a failed run left half-made
     subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", STUB_NUMPY], check=True)
@@ -347,7 +346,7 @@ class TritonServer(ServerProcess):
 
     def __init__(self, repo: Path, models: list[str], *, work: Path, host: str = "127.0.0.1",
                  http_port: int | None = None, grpc_port: int | None = None, metrics_port: int | None = None,
-                 stub_env: Path | None = None, env: dict | None = None, log_verbose: int = 0,
+                 stub_env: Path | None = None, env: dict | None = None,
                  backends: dict | None = None, stub_imports: tuple[str, ...] = ("dflash_trt",)):
         self.repo, self.models, self.work, self.host = Path(repo), list(models), Path(work), host
         self.http_port = http_port or free_port()
@@ -355,7 +354,6 @@ class TritonServer(ServerProcess):
         self.metrics_port = metrics_port or free_port()
         self.stub_env = Path(stub_env) if stub_env else default_stub_env()
         self.extra_env = env or {}
-        self.log_verbose = log_verbose
         self.backends = dict(backends or {})  # Python-based backends: {name: folder with model.py}
         self.stub_imports = stub_imports
         self.log_path = self.work / "tritonserver.log"
@@ -378,7 +376,7 @@ class TritonServer(ServerProcess):
 
     def command(self) -> list[str]:
         dist = pytriton_dist()
-        argv = [str(dist / "bin" / "tritonserver"), "--model-repository", str(self.repo.resolve()),
+        return [str(dist / "bin" / "tritonserver"), "--model-repository", str(self.repo.resolve()),
                 "--model-control-mode", "explicit", *[f"--load-model={m}" for m in self.models],
                 "--backend-directory", str(_backend_dir(self.work, dist, self.backends)),
                 "--cache-directory", str(dist / "caches"),
@@ -386,8 +384,7 @@ class TritonServer(ServerProcess):
                 "--grpc-address", self.host, "--grpc-port", str(self.grpc_port),
                 "--metrics-address", self.host, "--metrics-port", str(self.metrics_port),
                 "--allow-metrics", "true", "--allow-gpu-metrics", "false", "--allow-cpu-metrics", "false",
-                "--log-verbose", str(self.log_verbose), "--exit-timeout-secs", str(EXIT_TIMEOUT_S)]
-        return argv
+                "--log-verbose", "0", "--exit-timeout-secs", str(EXIT_TIMEOUT_S)]
 
     def environment(self) -> dict:
         return server_environment(self.stub_env, self.extra_env)

@@ -18,7 +18,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -114,19 +113,16 @@ def missing_prerequisites(tc: dict, backend: str) -> list[str]:
     return why
 
 
-def run_compile(bundle: Path, manifest: Manifest, tc: dict | None = None) -> dict:
-    """Run the compile stage in `bundle` (a folder being built, or a published bundle).
-    Returns the stage entry fields: status, outputs, commands, reason, engine_key."""
-    tc = tc or detect_toolchain()
+def run_compile(bundle: Path, manifest: Manifest, tc: dict) -> dict:
+    """Run the compile stage in `bundle` (a folder being built, or a published bundle) with the toolchain
+    `tc` (detect_toolchain). Returns the stage entry fields: status, outputs, commands, reason, engine_key."""
     why = missing_prerequisites(tc, manifest.backend)
     if why:
         return {"status": "deferred", "outputs": [], "commands": ["dflash-trt compile --bundle <bundle>"]
                 + commands_text(compile_jobs(manifest)), "reason": "; ".join(why)}
     key = engine_key(tc)
     jobs = compile_jobs(manifest, key)
-    outputs = []
     for job in jobs:
-        t0 = time.perf_counter()
         proc = subprocess.run(job["argv"], cwd=bundle, capture_output=True, text=True)
         if proc.returncode != 0:
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(no output)"]
@@ -134,8 +130,6 @@ def run_compile(bundle: Path, manifest: Manifest, tc: dict | None = None) -> dic
         for o in job["outputs"]:
             if not (bundle / o).exists():
                 raise DFlashError(f"compile: `{shlex.join(job['argv'])}` exited 0 but wrote no {o}")
-        outputs += job["outputs"]
-        job["seconds"] = round(time.perf_counter() - t0, 1)
     return {"status": "done", "outputs": [f"engines/{key}"], "commands": commands_text(jobs),
             "engine_key": key, "reason": ""}
 
@@ -167,7 +161,6 @@ def build_drafter_engine(onnx_path: str, plugins_dir: str, out: str, max_tokens:
     """ONNX drafter + KV-injection plugin -> serialized TensorRT engine, with TensorRT's Python
     API. Runs only where TensorRT and a GPU are present (never on the CPU build machine)."""
     import tensorrt as trt
-
 
     # registers dflash::KVInject with tensorrt.plugin; its AOT implementation hands TensorRT the
     # bundle's precompiled kernel for this GPU

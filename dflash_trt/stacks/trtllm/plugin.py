@@ -13,7 +13,6 @@ engine builder; the cubins serve runtimes that load kernels directly (cuModuleLo
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -23,6 +22,7 @@ from tqdm import tqdm
 from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import arch_sms
 from dflash_trt.io.atomic import atomic_output_dir
+from dflash_trt.io.manifest import sha256_file
 from dflash_trt.kernels import kv_inject_trt
 
 MANIFEST_FORMAT = "dflash-trt-plugin/1"
@@ -30,10 +30,6 @@ MANIFEST_FORMAT = "dflash-trt-plugin/1"
 VARIANTS = [(hd, "bf16", cache) for hd in (64, 128) for cache in ("bf16", "fp8e4m3")]
 CONSTEXPRS = ("HEAD_DIM", "BLOCK_T", "BLOCK_K", "FP8")
 _CACHE_PTR = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32", "fp8e4m3": "*u8"}
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def kernel_signature(arg_names, act: str, cache: str) -> dict:
@@ -47,7 +43,7 @@ def kernel_signature(arg_names, act: str, cache: str) -> dict:
     return {n: types.get(n, "constexpr" if n in CONSTEXPRS else "i32") for n in arg_names}
 
 
-def build_plugin(arch: str, out_dir: str | Path, variants=None, progress: bool = False) -> dict:
+def build_plugin(arch: str, out_dir: str | Path, progress: bool = False) -> dict:
     """Compile the kernel for `arch` into out_dir (replaced atomically); returns the manifest."""
     sms_of = arch_sms()
     if arch not in sms_of:
@@ -60,17 +56,11 @@ def build_plugin(arch: str, out_dir: str | Path, variants=None, progress: bool =
 
     from dflash_trt.kernels import kv_inject_triton  # imports triton (the `plugin` extra)
 
-
-    kmod = kv_inject_triton
     tmod = kv_inject_trt
-    fn = kmod.kv_inject_kernel
-    variants = list(variants or VARIANTS)
-
-
+    fn = kv_inject_triton.kv_inject_kernel
     kernels = []
-    jobs = [(sm, v) for sm in sms_of[arch] for v in variants]
+    jobs = [(sm, v) for sm in sms_of[arch] for v in VARIANTS]
     with atomic_output_dir(out_dir) as tmp:
-
         for sm, (hd, act, cache) in tqdm(jobs, desc=f"plugin {arch}", disable=not progress, unit="kernel"):
             cfg = tmod.kernel_config(hd)
             constexprs = {"HEAD_DIM": hd, "BLOCK_T": cfg["BLOCK_T"], "BLOCK_K": cfg["BLOCK_K"],
@@ -90,7 +80,7 @@ def build_plugin(arch: str, out_dir: str | Path, variants=None, progress: bool =
                 "profile_scratch_size": getattr(md, "profile_scratch_size", 0),
                 "signature": {n: t for n, t in sig.items() if t != "constexpr"},
                 "cubin": f"{stem}.cubin", "ptx": f"{stem}.ptx",
-                "cubin_sha256": _sha256(tmp / f"{stem}.cubin"), "ptx_sha256": _sha256(tmp / f"{stem}.ptx"),
+                "cubin_sha256": sha256_file(tmp / f"{stem}.cubin"), "ptx_sha256": sha256_file(tmp / f"{stem}.ptx"),
             })
         manifest = {
             "format": MANIFEST_FORMAT, "plugin_id": tmod.PLUGIN_ID, "arch": arch, "sms": list(sms_of[arch]),
@@ -103,9 +93,9 @@ def build_plugin(arch: str, out_dir: str | Path, variants=None, progress: bool =
             "inputs": list(tmod.INPUT_NAMES), "outputs": list(tmod.OUTPUT_NAMES),
             "scalar_args": list(tmod.SCALAR_NAMES),
             "source": {"kernel": {"file": "dflash_trt/kernels/kv_inject_triton.py",
-                                  "sha256": _sha256(Path(kv_inject_triton.__file__))},
+                                  "sha256": sha256_file(Path(kv_inject_triton.__file__))},
                        "plugin": {"file": "dflash_trt/kernels/kv_inject_trt.py",
-                                  "sha256": _sha256(Path(kv_inject_trt.__file__))}},
+                                  "sha256": sha256_file(Path(kv_inject_trt.__file__))}},
             "kernels": kernels,
         }
         (tmp / "plugin.json").write_text(json.dumps(manifest, indent=2) + "\n")

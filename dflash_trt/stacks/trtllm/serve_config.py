@@ -29,10 +29,6 @@ def max_attention_window(target_cfg: dict, max_seq_len: int) -> list[int] | None
     return [min(int(window), max_seq_len) if t == "sliding_attention" else max_seq_len for t in types]
 
 
-def _is_moe(cfg: dict) -> bool:
-    return bool(cfg.get("num_local_experts") or cfg.get("num_experts"))
-
-
 def trtllm_serve_config(*, target_cfg: dict, drafter_path: str, block_size: int, mask_token_id: int,
                         zlab_ids: list[int], tp: int, ep: int, pp: int, kv_cache: str, arch: str,
                         max_batch_size: int = 64, max_seq_len: int | None = None, profile: dict | None = None,
@@ -78,7 +74,7 @@ def trtllm_serve_config(*, target_cfg: dict, drafter_path: str, block_size: int,
     for key in ("stream_interval", "num_postprocess_workers", "attention_dp_config"):
         if key in profile:
             cfg[key] = profile[key]
-    if _is_moe(target_cfg):
+    if target_cfg.get("num_local_experts") or target_cfg.get("num_experts"):
         # TensorRT-LLM's curated gpt-oss configs: TRTLLM MoE kernels on Blackwell, Triton's on Hopper.
         cfg["moe_config"] = {"backend": "TRTLLM" if arch == "blackwell" else "TRITON"}
     return cfg

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from dataclasses import replace
 
 from dflash_trt.errors import DFlashError
 from dflash_trt.stacks.base import LaunchArgs
@@ -151,7 +152,7 @@ def vllm_launch(*, target_path: str, drafter_path: str, block_size: int, zlab_id
 
 def with_speculative_config(launch: LaunchArgs, spec: dict) -> LaunchArgs:
     """The launch with `--speculative-config` last, as `vllm serve` takes it (compact JSON)."""
-    return launch.with_flags("--speculative-config", json.dumps(spec, separators=(",", ":")))
+    return replace(launch, flags=(*launch.flags, "--speculative-config", json.dumps(spec, separators=(",", ":"))))
 
 
 def vllm_drafter_problems(dcfg) -> list[str]:

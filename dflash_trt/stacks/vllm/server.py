@@ -41,6 +41,7 @@ from importlib import resources
 from pathlib import Path
 
 from dflash_trt.errors import DFlashError
+from dflash_trt.io.jsonio import read_json
 from dflash_trt.io.prometheus import parse_prometheus
 from dflash_trt.paths import VLLM_ENV_READY, vllm_env_dir
 from dflash_trt.stacks.base import Metric, StackMetrics, TuneReader
@@ -158,16 +159,10 @@ def make_vllm_stub_env(dest: Path, vllm_env: Path | None = None) -> Path:
     torch, transformers and numba imports and runs with numpy 1.26.4 (it pins no numpy)."""
     dest, vllm_env = Path(dest), Path(vllm_env) if vllm_env else vllm_env_dir()
     check_vllm_env(vllm_env)
-    py = dest / "bin" / "python3"
-    if not py.exists():
+    if not vllm_python(dest).exists():
         subprocess.run([str(base_python()), "-m", "venv", str(dest)], check=True)
-    subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", STUB_NUMPY], check=True,
-                   env=clean_env())
-    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          capture_output=True, text=True, check=True).stdout.strip()
-    theirs = subprocess.run([str(vllm_python(vllm_env)), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                            capture_output=True, text=True, check=True, env=clean_env()).stdout.strip()
-    (Path(site) / "zz-dflash-trt-vllm-env.pth").write_text(f"import site; site.addsitedir({theirs!r})\n")
+    _pip(dest, "install", "-q", STUB_NUMPY)
+    (_site(dest) / "zz-dflash-trt-vllm-env.pth").write_text(f"import site; site.addsitedir({str(_site(vllm_env))!r})\n")
     return dest
 
 
@@ -175,11 +170,8 @@ def read_vllm_launch(bundle: Path) -> dict:
     path = Path(bundle) / "configs" / "vllm.json"
     if not path.is_file():
         raise DFlashError(f"{bundle}: no configs/vllm.json (build the bundle with --stacks vllm)")
-    try:
-        launch = json.loads(path.read_text())
-        argv = launch["argv"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise DFlashError(f"{path}: not a vLLM launch file (needs an \"argv\" list): {e}") from None
+    launch = read_json(path)
+    argv = launch.get("argv")
     if not (isinstance(argv, list) and argv[:2] == ["vllm", "serve"] and all(isinstance(a, str) for a in argv)):
         raise DFlashError(f"{path}: argv must be a list of strings starting with \"vllm\", \"serve\"")
     return launch
