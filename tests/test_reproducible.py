@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_trt.io.manifest import MANIFEST_NAME, without_run_facts
+from dflash_trt.io.manifest import MANIFEST_NAME, RUN_FACTS, STAGE_RUN_FACTS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,6 +22,14 @@ def _build(out: Path, seed: str, *args: str) -> None:
     proc = subprocess.run([sys.executable, "-m", "dflash_trt.cli", "build", *args, "--out", str(out)], env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def without_run_facts(manifest: dict) -> dict:
+    """A manifest dict without its run facts (RUN_FACTS, each stage's STAGE_RUN_FACTS)."""
+    out = {k: v for k, v in manifest.items() if k not in RUN_FACTS}
+    if "stages" in out:
+        out["stages"] = {n: {k: v for k, v in e.items() if k not in STAGE_RUN_FACTS} for n, e in out["stages"].items()}
+    return out
 
 
 def _files(bundle: Path) -> dict[str, bytes]:

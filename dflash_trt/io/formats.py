@@ -134,9 +134,8 @@ def nvfp4_block_scales(w: torch.Tensor, global_scale: torch.Tensor) -> torch.Ten
     return out
 
 
-def nvfp4_quantize(w: torch.Tensor, block_scales: torch.Tensor | None = None,
-                   global_scale: torch.Tensor | None = None,
-                   out: torch.Tensor | None = None, block_amax: torch.Tensor | None = None,
+def nvfp4_quantize(w: torch.Tensor, global_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                   block_amax: torch.Tensor | None = None,
                    scales_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """NVFP4-encode w [..., in] -> (packed uint8 [..., in/2], weight_scale fp8 [..., in/16],
     weight_scale_2 fp32 scalar). Pass `global_scale` to share one across a fused group, `out`
@@ -158,7 +157,7 @@ def nvfp4_quantize(w: torch.Tensor, block_scales: torch.Tensor | None = None,
             raise ValueError(f"scales_out must be contiguous uint8 with {w.numel() // NVFP4_BLOCK} elements")
         scales_out = scales_out.view(torch.float8_e4m3fn).view(*w.shape[:-1], nb)
     kernel = c_kernels() if w.dtype in C_KERNEL_DTYPES and w.is_contiguous() and n % NVFP4_BLOCK == 0 else None
-    if block_scales is None and kernel is not None:  # block scales and codes in one pass over w
+    if kernel is not None:  # block scales and codes in one pass over w
         block_scales = torch.empty((*w.shape[:-1], nb), dtype=torch.float8_e4m3fn) if scales_out is None else scales_out
         if block_amax is not None and (block_amax.dtype != torch.float32 or not block_amax.is_contiguous()
                                        or block_amax.numel() != w.numel() // NVFP4_BLOCK):
@@ -167,8 +166,7 @@ def nvfp4_quantize(w: torch.Tensor, block_scales: torch.Tensor | None = None,
             w.data_ptr(), w.numel() // NVFP4_BLOCK, ctypes.c_float(float(global_scale)),
             None if block_amax is None else block_amax.data_ptr(), block_scales.data_ptr(), packed.data_ptr())
         return packed, block_scales, global_scale
-    if block_scales is None:
-        block_scales = nvfp4_block_scales(w, global_scale)
+    block_scales = nvfp4_block_scales(w, global_scale)
     flat_w, flat_s, flat_p = w.reshape(-1, n), block_scales.reshape(-1, nb), packed.view(-1, n // 2)
     kernel = c_kernels() if w.dtype in C_KERNEL_DTYPES and w.is_contiguous() else None
     for rows in _row_chunks(flat_w.shape[0], n):

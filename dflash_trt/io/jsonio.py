@@ -25,16 +25,12 @@ def _reading(path: Path) -> Iterator[None]:
         raise DFlashError(f"{path}: cannot read ({e.strerror})") from None
 
 
-def _read_text(path: Path) -> str:
-    with _reading(path):
-        return path.read_text(encoding="utf-8")
-
-
 def read_json(path: str | Path) -> dict:
     """A file holding one JSON object."""
     path = Path(path)
     try:
-        obj = json.loads(_read_text(path))
+        with _reading(path):
+            obj = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise DFlashError(f"{path}: invalid JSON ({e.msg} at line {e.lineno})") from None
     if not isinstance(obj, dict):

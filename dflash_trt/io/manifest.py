@@ -530,14 +530,6 @@ RUN_FACTS = ("created", "artifact_stats")
 STAGE_RUN_FACTS = ("seconds",)
 
 
-def without_run_facts(manifest: dict) -> dict:
-    """A manifest dict without its run facts (RUN_FACTS, each stage's STAGE_RUN_FACTS)."""
-    out = {k: v for k, v in manifest.items() if k not in RUN_FACTS}
-    if "stages" in out:
-        out["stages"] = {n: {k: v for k, v in e.items() if k not in STAGE_RUN_FACTS} for n, e in out["stages"].items()}
-    return out
-
-
 def write_manifest(bundle: str | Path, manifest: dict) -> Path:
     """Validate, then write manifest.json atomically (temp file + rename)."""
     bundle = Path(bundle)

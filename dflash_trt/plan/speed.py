@@ -533,7 +533,8 @@ def format_speed(r: SpeedReport, layouts: int = 1) -> str:
                       f"({pm.dflash_tokens_per_s_per_user:,.0f})")
             lines.append(s)
             if l.draft_schedule:
-                lines.append("      draft K: " + _ranges_text(l.draft_schedule["ranges"])
+                lines.append("      draft K: " + ", ".join(f"{a}-{b}: {k}" if a != b else f"{a}: {k}"
+                                                       for a, b, k in l.draft_schedule["ranges"])
                              + (f"; speculation stops paying at {l.draft_schedule['stop_concurrency']}"
                                 if l.draft_schedule["stop_concurrency"] else ""))
                 lines += ["      " + x for x in l.draft_schedule_why]
@@ -541,10 +542,6 @@ def format_speed(r: SpeedReport, layouts: int = 1) -> str:
         if l.reason and l.reason != "does not fit":
             lines.append(f"  tp {l.tp}, ep {l.ep}: no speed figures ({l.reason})")
     return "\n".join(lines)
-
-
-def _ranges_text(ranges) -> str:
-    return ", ".join(f"{a}-{b}: {k}" if a != b else f"{a}: {k}" for a, b, k in ranges)
 
 
 def _rng(v: float, r: list[float]) -> str:

@@ -45,13 +45,9 @@ def embedded_drafter_path() -> Path:
     return path
 
 
-def embedded_target_dir() -> Path:
-    return dflash_home() / "targets" / TARGET_DIRNAME
-
-
 def ensure_embedded_target(progress: bool = True) -> Path:
     """The converted SmolLM2-135M-Instruct folder; fetched and converted on first call only."""
-    dest = embedded_target_dir()
+    dest = dflash_home() / "targets" / TARGET_DIRNAME
     if (dest / "config.json").is_file() and (dest / "model.safetensors").is_file():
         return dest
     gguf = ensure_embedded_gguf(progress=progress)
