@@ -245,11 +245,6 @@ class FusedKVInjector:
         self._fingerprint = _weights_fingerprint(drafter)
 
     @functools.cached_property
-    def fc_w(self) -> torch.Tensor:
-        """fc weight [H, n_feat*H] (nn.Linear layout)."""
-        return self.fc_w_t.T.contiguous()
-
-    @functools.cached_property
     def w_kv(self) -> torch.Tensor:
         """[L*2*nkv*hd, H] row-major: the Triton kernel's and the plugin's layout."""
         return self.w_kv_t.T.contiguous()
