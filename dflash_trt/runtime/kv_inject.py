@@ -331,6 +331,8 @@ class FusedKVInjector:
     @torch.no_grad()
     def inject_contiguous(self, features, positions, k_cache, v_cache, start: int, k_scale=None, v_scale=None,
                           backend: str = "torch") -> None:
+        """Write K, V of the T feature rows into rows start..start+T-1 of every layer of a contiguous
+        cache [L, nkv, max_len, hd] (the CPU runtime's)."""
         c = self.config
         _check_contiguous_cache(c, "k_cache", k_cache)
         _check_contiguous_cache(c, "v_cache", v_cache)
@@ -376,13 +378,6 @@ def fused_injector(drafter) -> FusedKVInjector:
         inj = FusedKVInjector(drafter)
         drafter.__dict__["_fused_kv_injector"] = inj
     return inj
-
-
-def inject_contiguous(drafter, features, positions, k_cache, v_cache, start: int, k_scale=None, v_scale=None,
-                      backend: str = "torch") -> None:
-    """Write K, V of the T feature rows into rows start..start+T-1 of every layer of a contiguous
-    cache [L, nkv, max_len, hd] (the CPU runtime's), fused path."""
-    fused_injector(drafter).inject_contiguous(features, positions, k_cache, v_cache, start, k_scale, v_scale, backend)
 
 
 def inject_paged(drafter, features, positions, slots, k_cache, v_cache, page_size: int, k_scale=None, v_scale=None,
