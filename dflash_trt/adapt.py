@@ -222,16 +222,14 @@ def replanned_schedule(m: Manifest, drafter: Path, acceptance: list[float]):
         "served target", cost.source])
 
 
-def adapt_record(traffic: Traffic, training: dict, gate: Gate) -> AdaptRecord:
-    return AdaptRecord(traffic=traffic.files, rows={k: v for k, v in traffic.to_dict().items() if k != "files"},
-                       training=training, gate=gate.to_dict(),
-                       adapted=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-
-
-def write_adapted(bundle: Path, out: Path, m: Manifest, record: AdaptRecord, drafter: Path, gate: Gate) -> None:
+def write_adapted(bundle: Path, out: Path, m: Manifest, traffic: Traffic, training: dict, drafter: Path,
+                  gate: Gate) -> None:
     """The revision, through the one packager: the new drafter, and the schedule re-planned from the gate."""
     from dflash_trt.bundle.package import RevisionChange, write_revision
 
+    record = AdaptRecord(traffic=traffic.files, rows={k: v for k, v in traffic.to_dict().items() if k != "files"},
+                         training=training, gate=gate.to_dict(),
+                         adapted=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     schedule = replanned_schedule(m, drafter, gate.after.acceptance)
     write_revision(bundle, out, RevisionChange(
         kind="adapt", summary=f"drafter fine-tuned on {record.rows['train']} served prompts: {gate.why()}",
@@ -288,7 +286,7 @@ def adapt(bundle: str | Path, traffic_paths: list[str | Path], out: str | Path, 
         "logged_loss_first": losses[0] if losses else None, "logged_loss_last": losses[-1] if losses else None,
         "labels": s.labels, "distill_k": s.distill_k, "lr": s.lr, "init_from": str(drafter)}
     if gate.passed:
-        write_adapted(bundle, out, m, adapt_record(traffic, training, gate), run / "train" / "drafter", gate)
+        write_adapted(bundle, out, m, traffic, training, run / "train" / "drafter", gate)
     return AdaptResult(traffic, training, gate, str(run), str(out) if gate.passed else None,
                        time.perf_counter() - t0)
 

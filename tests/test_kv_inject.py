@@ -171,7 +171,7 @@ def test_padding_slot_untouched_and_pages_written():
 
 @pytest.mark.parametrize("fp8", [False, True])
 def test_contiguous_equals_reference(fp8, c_or_torch):
-    from dflash_trt.runtime.kv_inject import inject_contiguous, reference_inject_contiguous
+    from dflash_trt.runtime.kv_inject import fused_injector, reference_inject_contiguous
 
     c = dict(CASES[1], fp8=fp8)
     d, feats, pos, *_ = make_case(c)
@@ -181,7 +181,7 @@ def test_contiguous_equals_reference(fp8, c_or_torch):
     reference_inject_contiguous(d, feats, pos, kr, vr, start=5)
     kf, vf = torch.zeros(shape, dtype=dt), torch.zeros(shape, dtype=dt)
     scales = (K_SCALE, V_SCALE) if fp8 else (None, None)
-    inject_contiguous(d, feats, pos, kf, vf, 5, *scales)
+    fused_injector(d).inject_contiguous(feats, pos, kf, vf, 5, *scales)
     _check(c, compare(c, kf, vf, kr, vr))
     assert kf[:, :, :5].float().abs().sum() == 0 and kf[:, :, 5 + c["T"]:].float().abs().sum() == 0
 
@@ -189,7 +189,7 @@ def test_contiguous_equals_reference(fp8, c_or_torch):
 def test_bfloat16_as_close_to_float32_as_the_reference(c_or_torch):
     """bfloat16 (the CPU runtime's dtype on bf16-capable CPUs): the fused path's error against a
     float32 computation with the same bf16 weights is no worse than the bf16 reference's own."""
-    from dflash_trt.runtime.kv_inject import inject_contiguous, reference_inject_contiguous
+    from dflash_trt.runtime.kv_inject import fused_injector, reference_inject_contiguous
 
     c = dict(CASES[6], fp8=False)
     d, feats, pos, *_ = make_case(c)
@@ -203,7 +203,7 @@ def test_bfloat16_as_close_to_float32_as_the_reference(c_or_torch):
     ref = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(2)]
     reference_inject_contiguous(d, feats, pos, *ref, start=5)
     got = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(2)]
-    inject_contiguous(d, feats, pos, *got, 5)
+    fused_injector(d).inject_contiguous(feats, pos, *got, 5)
     for e, r, g in zip(exact, ref, got):
         err_ref, err_got = float((r.float() - e).abs().max()), float((g.float() - e).abs().max())
         assert 0 < err_got <= 1.5 * err_ref, (err_got, err_ref)
@@ -245,7 +245,7 @@ def _main():
     """Child process (TRITON_INTERPRET=1): run (3) on every case, print JSON results on the last line."""
     import triton
 
-    from dflash_trt.runtime.kv_inject import inject_contiguous, reference_inject_contiguous
+    from dflash_trt.runtime.kv_inject import fused_injector, reference_inject_contiguous
 
     interpreted = bool(triton.knobs.runtime.interpret)
     out = {"paged": []}
@@ -261,14 +261,15 @@ def _main():
         reference_inject_contiguous(d, feats, pos, kr, vr, start=3)
         dt = torch.float8_e4m3fn if fp8 else torch.float32
         kf, vf = torch.zeros(shape, dtype=dt), torch.zeros(shape, dtype=dt)
-        inject_contiguous(d, feats, pos, kf, vf, 3, *((K_SCALE, V_SCALE) if fp8 else (None, None)), backend="triton")
+        fused_injector(d).inject_contiguous(feats, pos, kf, vf, 3, *((K_SCALE, V_SCALE) if fp8 else (None, None)),
+                                            backend="triton")
         out["contiguous_fp8" if fp8 else "contiguous"] = compare(c, kf, vf, kr, vr)
     print(json.dumps(out))
 
 
 # ------------------------------------------------------------------------------------- bad input
 def test_bad_inputs_one_line_errors():
-    from dflash_trt.runtime.kv_inject import inject_contiguous, inject_paged, slots_from_block_table
+    from dflash_trt.runtime.kv_inject import fused_injector, inject_paged, slots_from_block_table
 
     c = CASES[1]
     d, feats, pos, slots, k0, v0 = make_case(c)
@@ -282,8 +283,9 @@ def test_bad_inputs_one_line_errors():
         (lambda: inject_paged(d, feats, pos, slots, k0.to(torch.float8_e4m3fn), v0.to(torch.float8_e4m3fn),
                               c["page"]), "FP8 KV cache needs both per-tensor scales"),
         (lambda: inject_paged(d, feats, pos, slots, k0, v0, c["page"], backend="cuda"), "backend"),
-        (lambda: inject_contiguous(d, feats, pos, torch.zeros(c["L"], c["nkv"], 8, c["hd"]),
-                                   torch.zeros(c["L"], c["nkv"], 8, c["hd"]), 4), "do not fit max_len 8"),
+        (lambda: fused_injector(d).inject_contiguous(feats, pos, torch.zeros(c["L"], c["nkv"], 8, c["hd"]),
+                                                     torch.zeros(c["L"], c["nkv"], 8, c["hd"]), 4),
+         "do not fit max_len 8"),
         (lambda: slots_from_block_table(torch.tensor([3, 1]), torch.arange(9), 4), "block_table: 2 pages"),
         (lambda: inject_paged(d, feats, pos, slots, k0, v0, c["page"], backend="triton"),
          "tensors are on the CPU"),

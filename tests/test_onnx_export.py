@@ -32,10 +32,12 @@ def register_kv_inject() -> None:
                     "head_dim": PyCustomOpDef.dt_int64, "page_size": PyCustomOpDef.dt_int64,
                     "plugin_namespace": PyCustomOpDef.dt_string, "aot": PyCustomOpDef.dt_int64})
     def _kv_inject(ctx_raw, w_kv, b_kv, k_norm_w, cos, sin, positions, slots, scalars, k_cache, v_cache, **attrs):
-        L, nkv, page = int(attrs["num_layers"]), int(attrs["num_kv_heads"]), int(attrs["page_size"])
-        trt_mod.infer_shapes({n: a.shape for n, a in zip(trt_mod.INPUT_NAMES, (
-            ctx_raw, w_kv, b_kv, k_norm_w, cos, sin, positions, slots, scalars, k_cache, v_cache))},
-            L, nkv, int(attrs["head_dim"]), page)
+        L, nkv, page, hd = (int(attrs[k]) for k in ("num_layers", "num_kv_heads", "page_size", "head_dim"))
+        T, H = ctx_raw.shape   # the plugin's I/O shapes (kernels/kv_inject_trt.py docstring)
+        n = L * 2 * nkv * hd
+        assert (w_kv.shape, b_kv.shape, k_norm_w.shape, positions.shape, slots.shape, scalars.shape) == (
+            (n, H), (n,), (L, hd), (T,), (T,), (3,))
+        assert cos.shape[1] == sin.shape[1] == hd and k_cache.shape[1:] == v_cache.shape[1:] == (L, nkv, page, hd)
         t = torch.from_numpy
         k, v = fused_kv_from_ctx(t(ctx_raw), t(w_kv).T, t(b_kv), t(k_norm_w), t(cos), t(sin),
                                  t(positions).long(), float(scalars[0]), L, nkv)

@@ -56,10 +56,6 @@ def disabled():
         _disabled = before
 
 
-def _cache_dir() -> str:
-    return str(dflash_home() / "kernels")
-
-
 def _cpu_signature() -> str:
     """-march=native code is only valid on CPUs with the same features: part of the cache key."""
     try:
@@ -103,7 +99,7 @@ def _build(name: str, src: Path, cc: str, openmp: bool, cflags: list[str]) -> tu
         return None, f"{src}: cannot read the C source: {e}"
     build = [os.path.realpath(cc), repr(openmp), *cflags, _cpu_signature()]
     digest = hashlib.sha256(b"\0".join(code + [s.encode() for s in build])).hexdigest()[:20]
-    cached = os.path.join(_cache_dir(), f"{name}-{digest}.so")
+    cached = os.path.join(dflash_home() / "kernels", f"{name}-{digest}.so")
     lib = _dlopen(cached) if os.path.exists(cached) else None
     return (lib, "") if lib is not None else _compile(cc, src, openmp, cflags, cached)
 

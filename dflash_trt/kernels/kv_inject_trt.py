@@ -2,7 +2,7 @@
 
 Registered through TensorRT's Python plugin API (`tensorrt.plugin`: register / aot_impl). TensorRT
 is imported only inside `register_plugin()`, so everything else here -- the kernel configuration,
-launch grid, scalar-argument order, shape and dtype inference -- is plain Python, used by the AOT
+launch grid, scalar-argument order, kernel selection -- is plain Python, used by the AOT
 build (dflash_trt.stacks.trtllm.plugin) and tested on machines without TensorRT. The same arithmetic is
 applied to TensorRT's symbolic shape expressions inside aot_impl (only +, * and // are used).
 
@@ -54,14 +54,6 @@ def grid(T, num_layers, num_kv_heads, block_t):
     return ((T + block_t - 1) // block_t, num_layers * 2 * num_kv_heads, 1)
 
 
-def launch_params(kernel_entry: dict, T: int, num_layers: int, num_kv_heads: int) -> dict:
-    """grid / block / shared memory for one compiled kernel (a manifest `kernels[]` entry)."""
-    cfg = kernel_config(kernel_entry["head_dim"])
-    return {"grid": list(grid(T, num_layers, num_kv_heads, cfg["BLOCK_T"])),
-            "block": [cfg["num_warps"] * 32, 1, 1],
-            "shared_mem": int(kernel_entry["shared_mem"])}
-
-
 def scalar_args(*, T, H, n_kv, page_shift, stride_ctx, stride_page, stride_layer, stride_head, stride_tok):
     """The int32 kernel arguments between the input and the output pointers, in kernel order."""
     vals = dict(T=T, H=H, n_kv=n_kv, page_shift=page_shift, stride_ctx=stride_ctx, stride_page=stride_page,
@@ -81,28 +73,6 @@ def paged_cache_scalars(T, H, num_layers, num_kv_heads, head_dim, page_size):
     return scalar_args(T=T, H=H, n_kv=num_kv_heads, page_shift=page_size.bit_length() - 1, stride_ctx=H,
                        stride_page=stride_page, stride_layer=stride_layer, stride_head=stride_head,
                        stride_tok=stride_tok)
-
-
-def infer_shapes(shapes: dict, num_layers: int, num_kv_heads: int, head_dim: int, page_size: int) -> list:
-    """Validate input shapes (name -> tuple of ints) and return the output shapes. Plain-Python
-    twin of the register() shape function below."""
-    T, H = shapes["ctx_raw"]
-    n = num_layers * 2 * num_kv_heads * head_dim
-    want = {
-        "w_kv": (n, H), "b_kv": (n,), "k_norm_w": (num_layers, head_dim), "positions": (T,), "slots": (T,),
-        "scalars": (3,),
-    }
-    for name, shape in want.items():
-        if tuple(shapes[name]) != shape:
-            raise ValueError(f"{name}: shape {tuple(shapes[name])}, expected {shape}")
-    for name in ("cos", "sin"):
-        if len(shapes[name]) != 2 or shapes[name][1] != head_dim:
-            raise ValueError(f"{name}: shape {tuple(shapes[name])}, expected [max_positions, {head_dim}]")
-    for name in ("k_cache", "v_cache"):
-        s = tuple(shapes[name])
-        if len(s) != 5 or s[1:] != (num_layers, num_kv_heads, page_size, head_dim):
-            raise ValueError(f"{name}: shape {s}, expected [num_pages, {num_layers}, {num_kv_heads}, {page_size}, {head_dim}]")
-    return [tuple(shapes["k_cache"]), tuple(shapes["v_cache"])]
 
 
 def select_kernel(manifest: dict, sm: int, head_dim: int, act_dtype: str, cache_dtype: str) -> dict:

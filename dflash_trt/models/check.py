@@ -28,18 +28,10 @@ from dflash_trt.models.weights import format_problems, quantized_weights, scale_
 NONFINITE_NOTE = "non-finite weights"  # marks the scan's problems (build/generate --allow-nonfinite)
 
 
-def _folder_problem(folder: Path, what: str) -> str | None:
-    if not folder.exists():
-        return f"{folder}: the {what} folder does not exist"
-    if not folder.is_dir():
-        return f"{folder}: the {what} is a file; expected a checkpoint folder (config.json + *.safetensors)"
-    return None
-
-
 def _read_config(folder: Path, what: str, problems: list[str]) -> dict | None:
-    bad = _folder_problem(folder, what)
-    if bad:
-        problems.append(bad)
+    if not folder.is_dir():
+        problems.append(f"{folder}: the {what} is a file; expected a checkpoint folder (config.json + *.safetensors)"
+                        if folder.exists() else f"{folder}: the {what} folder does not exist")
         return None
     try:
         return read_json(folder / "config.json")

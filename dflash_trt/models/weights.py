@@ -35,11 +35,6 @@ class WeightFormat:
     decoded_shape: Callable[[tuple[int, ...]], tuple[int, ...]] = tuple   # stored_shape's inverse
 
 
-def _fp8_per_tensor(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """ModelOpt FP8 (quant_algo FP8): w = e4m3 * weight_scale, one fp32 scale per tensor."""
-    return formats.fp8_dequantize(q, scale, dtype)
-
-
 def _nvfp4(packed: torch.Tensor, block_scales: torch.Tensor, global_scale: torch.Tensor,
            dtype: torch.dtype) -> torch.Tensor:
     """ModelOpt NVFP4: w = (e2m1 * weight_scale (E4M3, per 16 inputs)) * weight_scale_2 (fp32), in that
@@ -64,7 +59,8 @@ WEIGHT_FORMATS: tuple[WeightFormat, ...] = (
                  lambda shape: (*shape[:-1], shape[-1] // 2),   # two E2M1 codes a byte
                  lambda shape: ((*shape[:-1], shape[-1] // formats.NVFP4_BLOCK), ()),
                  lambda shape: (*shape[:-1], shape[-1] * 2)),
-    WeightFormat("fp8", torch.float8_e4m3fn, ("weight_scale",), _fp8_per_tensor),
+    # ModelOpt FP8 (quant_algo FP8): w = e4m3 * weight_scale, one fp32 scale per tensor
+    WeightFormat("fp8", torch.float8_e4m3fn, ("weight_scale",), formats.fp8_dequantize),
     WeightFormat("int8", torch.int8, ("weight_scale",), _int8_per_channel,
                  scale_shapes=lambda shape: ((*shape[:-1], 1),)),
 )

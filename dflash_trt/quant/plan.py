@@ -107,11 +107,6 @@ def keep_in_fp32_patterns(cfg: dict) -> list[str]:
     return list(getattr(cls, "_keep_in_fp32_modules_strict", None) or [])
 
 
-def _keeps_fp32(name: str, patterns: list[str]) -> bool:
-    # transformers' own match (modeling_utils: a pattern is a dotted run of whole name components)
-    return bool(patterns) and re.search(rf"(^|\.)({'|'.join(map(re.escape, patterns))})($|\.)", name) is not None
-
-
 def check_format_for_model(fmt: str, cfg: dict) -> None:
     if family_of_config(cfg).mxfp4_experts:
         if fmt == "nvfp4":
@@ -174,7 +169,9 @@ def plan_quantization(reader: CheckpointReader, cfg: dict, fmt: str, kv_cache: s
                               + (f" (and {len(unmeasured) - 1} more)" if len(unmeasured) > 1 else ""))
         calibrated_modules = {lin.module for lin in linears.values()}
     hf_quant = hf_quant_config(fmt, kv_cache, excluded)
-    fp32 = [n for n in reader.keys() if n not in linears and _keeps_fp32(n, keep_in_fp32_patterns(cfg))
+    # transformers' own match (modeling_utils: a pattern is a dotted run of whole name components)
+    patterns = "|".join(map(re.escape, keep_in_fp32_patterns(cfg)))
+    fp32 = [n for n in reader.keys() if n not in linears and patterns and re.search(rf"(^|\.)({patterns})($|\.)", n)
             and reader.meta(n)[0].is_floating_point]
     return QuantizePlan(fmt, kv_cache, linears, groups, excluded, calibrated_modules, attn_modules, kv_names,
                         specs=_output_specs(reader, linears, fmt, calibrated_modules, kv_names, set(fp32)),

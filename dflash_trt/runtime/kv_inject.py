@@ -245,11 +245,6 @@ class FusedKVInjector:
         self._fingerprint = _weights_fingerprint(drafter)
 
     @functools.cached_property
-    def fc_w(self) -> torch.Tensor:
-        """fc weight [H, n_feat*H] (nn.Linear layout)."""
-        return self.fc_w_t.T.contiguous()
-
-    @functools.cached_property
     def w_kv(self) -> torch.Tensor:
         """[L*2*nkv*hd, H] row-major: the Triton kernel's and the plugin's layout."""
         return self.w_kv_t.T.contiguous()
@@ -336,6 +331,8 @@ class FusedKVInjector:
     @torch.no_grad()
     def inject_contiguous(self, features, positions, k_cache, v_cache, start: int, k_scale=None, v_scale=None,
                           backend: str = "torch") -> None:
+        """Write K, V of the T feature rows into rows start..start+T-1 of every layer of a contiguous
+        cache [L, nkv, max_len, hd] (the CPU runtime's)."""
         c = self.config
         _check_contiguous_cache(c, "k_cache", k_cache)
         _check_contiguous_cache(c, "v_cache", v_cache)
@@ -381,13 +378,6 @@ def fused_injector(drafter) -> FusedKVInjector:
         inj = FusedKVInjector(drafter)
         drafter.__dict__["_fused_kv_injector"] = inj
     return inj
-
-
-def inject_contiguous(drafter, features, positions, k_cache, v_cache, start: int, k_scale=None, v_scale=None,
-                      backend: str = "torch") -> None:
-    """Write K, V of the T feature rows into rows start..start+T-1 of every layer of a contiguous
-    cache [L, nkv, max_len, hd] (the CPU runtime's), fused path."""
-    fused_injector(drafter).inject_contiguous(features, positions, k_cache, v_cache, start, k_scale, v_scale, backend)
 
 
 def inject_paged(drafter, features, positions, slots, k_cache, v_cache, page_size: int, k_scale=None, v_scale=None,

@@ -50,10 +50,6 @@ SHARD_TOKENS = 1 << 17      # tokens per shard: ~0.75 GB of SmolLM2-135M feature
 LOGIT_ROWS = 512            # lm_head rows per chunk: a [rows, vocab] float32 block at a time
 
 
-def sequence_key(tokens: torch.Tensor) -> str:
-    return hashlib.sha256(tokens.numpy().tobytes()).hexdigest()[:24]
-
-
 class SequenceRows:
     """One tensor (features, top_ids or top_logp) of every sequence of a data set, read from the
     shards on demand. Indexed like the flat [N_tok, ...] tensor it stands for, by a slice that lies
@@ -153,7 +149,7 @@ def label_sequences(target_dir: str | Path, data, layer_ids: list[int], cache_di
     if world.main:
         _remove_stale_temps(folder)
     world.barrier("the feature cache check")
-    keys = [sequence_key(data.tokens[data.seq(i)]) for i in range(len(data))]
+    keys = [hashlib.sha256(data.tokens[data.seq(i)].numpy().tobytes()).hexdigest()[:24] for i in range(len(data))]
     known = scan_shards(folder)
     todo = {}
     for i, k in enumerate(keys):

@@ -125,7 +125,6 @@ def learning_rate(tc: TrainConfig, step: int) -> float:
     return tc.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
-
 def _check_out_dir(out_dir: Path, resume: bool) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     if resume and not (out_dir / "state" / "state.json").is_file():

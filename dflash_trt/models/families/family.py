@@ -12,29 +12,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
-def _same_dims(c: dict, layer: int, hd: int | None, nkv: int | None) -> tuple[int | None, int | None]:
-    return hd, nkv
-
-
-def _same_width(c: dict, layer: int, inter: int) -> int:
-    return inter
-
-
-def _no_expert_tensors(*, H: int, nh: int, E: int, inter: int) -> dict[str, tuple[int, ...]]:
-    return {}
-
-
 @dataclass(frozen=True)
 class Family:
     # ---- config.json -> checkpoint tensor shapes (models/shapes.py)
     # (head_dim, num_key_value_heads) of one layer, given the config's: Gemma 4's full-attention layers differ
-    layer_attention_dims: Callable[[dict, int, int | None, int | None], tuple[int | None, int | None]] = _same_dims
+    layer_attention_dims: Callable[[dict, int, int | None, int | None], tuple[int | None, int | None]] = \
+        lambda c, layer, hd, nkv: (hd, nkv)
     # one layer's MLP width, given the config's: Gemma 4's KV-sharing layers are double-wide
-    layer_intermediate_size: Callable[[dict, int, int], int] = _same_width
+    layer_intermediate_size: Callable[[dict, int, int], int] = lambda c, layer, inter: inter
     q_proj_with_gate: bool = False        # q_proj also emits the attention-output gate (2 x heads x head_dim)
     qk_norm_over_all_heads: bool = False  # q_norm / k_norm span all heads' features, not one head's
     # a MoE checkpoint's own tensors per layer {name under the layer: shape} (gpt-oss: MXFP4 blocks, biases, sinks)
-    expert_tensor_shapes: Callable[..., dict[str, tuple[int, ...]]] = _no_expert_tensors
+    expert_tensor_shapes: Callable[..., dict[str, tuple[int, ...]]] = lambda *, H, nh, E, inter: {}
     # ---- weight formats (quant/quantize.py, bundle/build.py, plan/planner.resolve_quant)
     # its experts ship as MXFP4 (gpt-oss): kept as they are, only attention is quantized, TensorRT-LLM serves
     # the MXFP4 experts only (no FP8 / NVFP4 re-quantization)

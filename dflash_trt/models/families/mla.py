@@ -33,16 +33,12 @@ PLACEHOLDERS = ("image_token_id", "video_token_id")
 TRAITS = {"deepseek_v3": Family(), "kimi_k25": Family(), "glm_moe_dsa": Family()}
 
 
-def yarn_mscale(scale: float, mscale: float) -> float:
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-
 def softmax_scale(c) -> float:
     """qk_head_dim^-0.5, times yarn's mscale(factor, mscale_all_dim)^2 when the RoPE is scaled."""
     scale = (c.qk_nope_head_dim + c.qk_rope_head_dim) ** -0.5
     p = c.rope_parameters or {}
-    if p.get("rope_type", "default") != "default" and p.get("mscale_all_dim", 0):
-        scale *= yarn_mscale(p["factor"], p["mscale_all_dim"]) ** 2
+    if p.get("rope_type", "default") != "default" and p.get("mscale_all_dim", 0) and p["factor"] > 1:
+        scale *= (0.1 * p["mscale_all_dim"] * math.log(p["factor"]) + 1.0) ** 2   # yarn's mscale
     return scale
 
 
