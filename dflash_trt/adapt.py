@@ -208,15 +208,17 @@ def gated(target: Path, drafter: Path, run: Path, traffic: Traffic, s: AdaptSett
     return gate
 
 
-def replanned_schedule(m: Manifest, drafter: Path, acceptance: list[float]):
+def replanned_schedule(bundle: Path, m: Manifest, drafter: Path, acceptance: list[float]):
     """The draft schedule from the acceptance the gate measured and the bundle's own cost model (its GPU
-    node); None for a CPU bundle (no cost model: the parent's schedule, if any, stays)."""
+    node, the layout its plan.json records); None for a CPU bundle (no cost model: the parent's schedule, if
+    any, stays)."""
+    from dflash_trt.deploy.values import plan_for_bundle
     from dflash_trt.plan import draft_schedule as ds
     from dflash_trt.plan import tune
 
     if not m.gpu:
         return None
-    cost = tune.bundle_step_cost(m, load_drafter_config(drafter).raw)
+    cost = tune.bundle_step_cost(m, load_drafter_config(drafter).raw, plan_for_bundle(bundle, manifest=m))
     return ds.choose(acceptance, cost.step_seconds, cost.concurrencies, max_k=len(acceptance), assumptions=[
         "acceptance per position measured by `dflash-trt adapt` on held-out served traffic with the bundle's "
         "served target", cost.source])
@@ -230,7 +232,7 @@ def write_adapted(bundle: Path, out: Path, m: Manifest, traffic: Traffic, traini
     record = AdaptRecord(traffic=traffic.files, rows={k: v for k, v in traffic.to_dict().items() if k != "files"},
                          training=training, gate=gate.to_dict(),
                          adapted=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-    schedule = replanned_schedule(m, drafter, gate.after.acceptance)
+    schedule = replanned_schedule(bundle, m, drafter, gate.after.acceptance)
     write_revision(bundle, out, RevisionChange(
         kind="adapt", summary=f"drafter fine-tuned on {record.rows['train']} served prompts: {gate.why()}",
         record=record, drafter=drafter, draft_schedule=schedule,

@@ -221,3 +221,23 @@ def test_a_passing_run_writes_a_revision_verify_accepts(tiny_bundle, tmp_path):
     code, bench, err = run_cli("bench", "--bundle", str(out), "--prompts", str(prompts),
                                "--max-new-tokens", "16", "--json")
     assert code == 0 and json.loads(bench)["lossless"] is True, err
+
+
+def test_a_gpu_bundles_schedule_is_replanned_from_the_measured_acceptance(tiny_pairs, tmp_path):
+    """A bundle with a GPU node: the revision's schedule comes from the gate's acceptance and the bundle's own cost
+    model on the layout its plan.json records (the CPU bundles above keep their parent's, none)."""
+    from dflash_trt.adapt import replanned_schedule
+    from dflash_trt.io.manifest import Manifest
+
+    t, d = tiny_pairs["llama"]
+    b = tmp_path / "gpu"
+    code, _, err = run_cli("build", "--target", str(t), "--drafter", str(d), "--arch", "hopper", "--gpu", "h200",
+                           "--quant", "none", "--out", str(b))
+    assert code == 0, err
+    m = Manifest.read(b)
+    high = [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3][: m.drafter.block_size - 1]
+    low = [0.05] + [0.0] * (len(high) - 1)
+    sched_high = replanned_schedule(b, m, b / "drafter", high)
+    sched_low = replanned_schedule(b, m, b / "drafter", low)
+    assert sched_high.max_k == len(high) and sched_high.ranges[0][0] == 1
+    assert sched_high.ranges[0][2] > sched_low.ranges[0][2]    # more accepted: more drafted at concurrency 1
