@@ -171,21 +171,26 @@ def answer(train_target: Path, traffic: Traffic, run_dir: Path, s: AdaptSettings
                               engine=s.answer_engine, prompt_ids={r.key: r.ids for r in traffic.train})
 
 
-def measure(target: Path, drafter: Path, prompts: list[list[int]], s: AdaptSettings, progress: bool) -> Figures:
-    """One drafter with the served target on the held-out prompts: tau, acceptance per position, speed-up
-    and token identity to plain decoding (bench's interleaved AR / DFlash runs)."""
+def measure(target: Path, old: Path, new: Path, prompts: list[list[int]], s: AdaptSettings,
+            progress: bool) -> tuple[Figures, Figures]:
+    """Old and new drafter with the served target on the held-out prompts: tau, acceptance per position,
+    speed-up and token identity to plain decoding (bench's interleaved runs; one AR run per prompt serves both)."""
     from dflash_trt.bench.runtime import run_bench
     from dflash_trt.plan.draft_schedule import survival_from_histogram
     from dflash_trt.runtime.pair import load_pair
 
-    pair = load_pair(target, drafter, s.dtype)
-    r = run_bench(pair, prompts, max_new_tokens=s.max_new_tokens, progress=progress)
-    if not r["blocks"]:
-        raise DFlashError(f"{drafter}: no draft block decoded on the held-out prompts (every answer ends at once)")
-    return Figures(tau=r["tau"], acceptance=survival_from_histogram(r["acceptance_histogram"], r["block_size"]),
-                   speedup=r["speedup"], lossless=bool(r["lossless"]), match_rate=r["match_rate"],
-                   prompts=r["n_prompts"], blocks=r["blocks"],
-                   tau_per_prompt=[p["tau"] or 1.0 for p in r["per_prompt"]])
+    r = run_bench(load_pair(target, old, s.dtype), prompts, max_new_tokens=s.max_new_tokens, progress=progress,
+                  also={"new": load_pair(target, new, s.dtype).drafter})
+
+    def figures(r: dict, drafter: Path) -> Figures:
+        if not r["blocks"]:
+            raise DFlashError(f"{drafter}: no draft block decoded on the held-out prompts (every answer ends at once)")
+        return Figures(tau=r["tau"], acceptance=survival_from_histogram(r["acceptance_histogram"], r["block_size"]),
+                       speedup=r["speedup"], lossless=bool(r["lossless"]), match_rate=r["match_rate"],
+                       prompts=r["n_prompts"], blocks=r["blocks"],
+                       tau_per_prompt=[p["tau"] or 1.0 for p in r["per_prompt"]])
+
+    return figures(r, old), figures(r["also"]["new"], new)
 
 
 def gated(target: Path, drafter: Path, run: Path, traffic: Traffic, s: AdaptSettings, progress: bool, log) -> Gate:
@@ -203,7 +208,7 @@ def gated(target: Path, drafter: Path, run: Path, traffic: Traffic, s: AdaptSett
         return Gate(Figures(**saved["before"]), Figures(**saved["after"]), s.min_gain)
     log(f"gate: old and new drafter on {len(traffic.held_out)} held-out prompts with the served target {target}")
     prompts = [r.ids for r in traffic.held_out]
-    gate = Gate(measure(target, drafter, prompts, s, progress), measure(target, new, prompts, s, progress), s.min_gain)
+    gate = Gate(*measure(target, drafter, new, prompts, s, progress), s.min_gain)
     atomic_write_text(run / "gate.json", json.dumps(gate.to_dict() | {"measured_on": key}, indent=2) + "\n")
     return gate
 

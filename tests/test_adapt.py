@@ -241,3 +241,21 @@ def test_a_gpu_bundles_schedule_is_replanned_from_the_measured_acceptance(tiny_p
     sched_low = replanned_schedule(b, m, b / "drafter", low)
     assert sched_high.max_k == len(high) and sched_high.ranges[0][0] == 1
     assert sched_high.ranges[0][2] > sched_low.ranges[0][2]    # more accepted: more drafted at concurrency 1
+
+
+def test_the_gates_shared_ar_pass_gives_each_drafter_its_own_figures(tiny_pairs):
+    """run_bench's `also` (the gate: old and new drafter against one AR run per prompt) reports each drafter as
+    a run of its own would: the same drafter under two names gives its own run's tau, acceptance and identity."""
+    from dflash_trt.bench.runtime import run_bench
+    from dflash_trt.runtime.pair import load_pair
+
+    t, d = tiny_pairs["llama"]
+    pair = load_pair(t, d, "float32")
+    prompts = [[5, 9, 14, 3], [7, 7, 21, 30, 2, 11]]
+    alone = run_bench(pair, prompts, max_new_tokens=24, progress=False)
+    shared = run_bench(pair, prompts, max_new_tokens=24, progress=False, also={"twin": pair.drafter})
+    for r in (shared, shared["also"]["twin"]):
+        for k in ("tau", "acceptance_histogram", "blocks", "lossless", "match_rate", "n_prompts"):
+            assert r[k] == alone[k], k
+    assert shared["wall_seconds"]["ar"] == shared["also"]["twin"]["wall_seconds"]["ar"]   # one AR run, shared
+    assert "also" not in alone

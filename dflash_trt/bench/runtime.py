@@ -43,7 +43,11 @@ def explain(tau: float, ratios: dict) -> str:
 
 
 def run_bench(pair, prompts: list[str | list[int]], *, max_new_tokens: int = 128, block_size: int | None = None,
-              temperature: float = 0.0, seed: int = 0, fused_inject: bool = True, progress: bool = True) -> dict:
+              temperature: float = 0.0, seed: int = 0, fused_inject: bool = True, progress: bool = True,
+              also: dict | None = None) -> dict:
+    """The report of the pair's drafter against AR. `also` (name -> drafter model): more drafters decoded on
+    the same prompts against the same AR runs (adapt's gate: old and new drafter, one AR pass for both, which
+    is a third of its time saved); each one's report under r["also"][name], with the same keys."""
     sp = SamplingParams(temperature)
     B = block_size or pair.drafter.config.block_size
     encoded = [encode_prompt(pair.tokenizer, p) if isinstance(p, str) else list(p) for p in prompts]  # or token ids
@@ -52,67 +56,75 @@ def run_bench(pair, prompts: list[str | list[int]], *, max_new_tokens: int = 128
             check_request(pair, len(ids), max(max_new_tokens, 8), B)
         except DFlashError as e:
             raise DFlashError(f"prompt {i}: {e}") from None
+    drafters = {"dflash": pair.drafter, **(also or {})}
+
+    def run(arm: str, ids: list[int], n: int, i: int = 0):
+        return generate(pair.target, drafters.get(arm), ids, max_new_tokens=n, mode="ar" if arm == "ar" else "dflash",
+                        block_size=B, sampling=sp, seed=seed + i, stop_ids=pair.stop_ids, fused_inject=fused_inject)
+
     # Warm-up: first calls pay allocator and kernel-selection costs that are not the method's.
-    for mode in ("ar", "dflash"):
-        generate(pair.target, pair.drafter if mode == "dflash" else None, encoded[0], max_new_tokens=8,
-                 mode=mode, block_size=B, sampling=sp, stop_ids=pair.stop_ids, fused_inject=fused_inject)
-    walls = {"ar": 0.0, "dflash": 0.0}
+    for arm in ("ar", *drafters):
+        run(arm, encoded[0], 8)
+    arms = ("ar", *drafters)
+    walls, tokens = dict.fromkeys(arms, 0.0), dict.fromkeys(arms, 0)
     ar_steps, ar_verify = 0, 0.0
-    tokens = {"ar": 0, "dflash": 0}
-    hist: collections.Counter = collections.Counter()
-    split = collections.Counter()
-    per_prompt = []
+    hist = {d: collections.Counter() for d in drafters}
+    split = {d: collections.Counter() for d in drafters}
+    per_prompt: dict[str, list] = {d: [] for d in drafters}
     bar = tqdm(total=len(encoded), desc="bench", unit="prompt", disable=not progress, file=sys.stderr)
     for i, ids in enumerate(encoded):
         results = {}
-        for mode in (("ar", "dflash") if i % 2 == 0 else ("dflash", "ar")):
-            r = generate(pair.target, pair.drafter if mode == "dflash" else None, ids, max_new_tokens=max_new_tokens,
-                         mode=mode, block_size=B, sampling=sp, seed=seed + i, stop_ids=pair.stop_ids,
-                         fused_inject=fused_inject)
-            results[mode] = r
-            walls[mode] += r.seconds
-            tokens[mode] += len(r.token_ids)
-        d, a = results["dflash"], results["ar"]
+        for arm in arms[i % len(arms):] + arms[:i % len(arms)]:   # interleaved: each arm runs first in turn
+            results[arm] = r = run(arm, ids, max_new_tokens, i)
+            walls[arm] += r.seconds
+            tokens[arm] += len(r.token_ids)
+        a = results["ar"]
         ar_steps, ar_verify = ar_steps + len(a.token_ids) - 1, ar_verify + a.timings["verify"]
-        hist.update(d.accepted_per_block)
-        split.update(d.timings)
-        per_prompt.append({"prompt_tokens": len(ids), "new_tokens": len(d.token_ids), "tau": d.tau,
-                           "match": d.token_ids == results["ar"].token_ids,
-                           "ar_seconds": results["ar"].seconds, "dflash_seconds": d.seconds})
+        for d in drafters:
+            r = results[d]
+            hist[d].update(r.accepted_per_block)
+            split[d].update(r.timings)
+            per_prompt[d].append({"prompt_tokens": len(ids), "new_tokens": len(r.token_ids), "tau": r.tau,
+                                  "match": r.token_ids == a.token_ids, "ar_seconds": a.seconds,
+                                  "dflash_seconds": r.seconds})
         bar.update(1)
-        n_blocks = sum(hist.values())
-        bar.set_postfix(tau=f"{sum(k * v for k, v in hist.items()) / max(n_blocks, 1):.2f}",
+        n_blocks = sum(hist["dflash"].values())
+        bar.set_postfix(tau=f"{sum(k * v for k, v in hist['dflash'].items()) / max(n_blocks, 1):.2f}",
                         speedup=f"{walls['ar'] / max(walls['dflash'], 1e-9):.2f}x")
     bar.close()
-    n_blocks = sum(hist.values())
-    matches = sum(p["match"] for p in per_prompt)
-    decode = sum(split[k] for k in ("draft", "verify", "inject", "bookkeeping"))
-    tau = sum(k * v for k, v in hist.items()) / n_blocks if n_blocks else None
-    ratios = cost_ratios(ar_verify, ar_steps, split, n_blocks)
-    return {
-        "tau": tau,
-        "speedup": walls["ar"] / walls["dflash"] if walls["dflash"] else None,
-        "tokens_per_s_dflash": tokens["dflash"] / walls["dflash"] if walls["dflash"] else None,
-        "tokens_per_s_ar": tokens["ar"] / walls["ar"] if walls["ar"] else None,
-        "lossless": (matches == len(per_prompt)) if sp.greedy else None,
-        "match_rate": matches / len(per_prompt),
-        "n_prompts": len(per_prompt),
-        "block_size": B,
-        "max_new_tokens": max_new_tokens,
-        "temperature": temperature,
-        "acceptance_histogram": {str(k): hist[k] for k in sorted(hist)},
-        "blocks": n_blocks,
-        "wall_seconds": {"ar": walls["ar"], "dflash": walls["dflash"]},
-        # Per-block cost split of the decode loop (prefill excluded), as fractions of decode time.
-        "block_cost_split": {k: split[k] / decode for k in ("draft", "verify", "inject", "bookkeeping")} if decode else {},
-        "ms_per_block": {k: 1000 * split[k] / n_blocks for k in ("draft", "verify", "inject", "bookkeeping")}
-        if n_blocks else {},
-        # What a block costs in AR steps (same run): speed-up ~= tau / block_over_ar.
-        **ratios,
-        "cpu": cpu(),
-        "gemm_path": gemm.path(pair.target.dtype),
-        "per_prompt": per_prompt,
-    }
+
+    def report(d: str) -> dict:
+        h, sp_d, pp, wall = hist[d], split[d], per_prompt[d], walls[d]
+        n_blocks = sum(h.values())
+        matches = sum(p["match"] for p in pp)
+        decode = sum(sp_d[k] for k in ("draft", "verify", "inject", "bookkeeping"))
+        return {
+            "tau": sum(k * v for k, v in h.items()) / n_blocks if n_blocks else None,
+            "speedup": walls["ar"] / wall if wall else None,
+            "tokens_per_s_dflash": tokens[d] / wall if wall else None,
+            "tokens_per_s_ar": tokens["ar"] / walls["ar"] if walls["ar"] else None,
+            "lossless": (matches == len(pp)) if sp.greedy else None,
+            "match_rate": matches / len(pp),
+            "n_prompts": len(pp),
+            "block_size": B,
+            "max_new_tokens": max_new_tokens,
+            "temperature": temperature,
+            "acceptance_histogram": {str(k): h[k] for k in sorted(h)},
+            "blocks": n_blocks,
+            "wall_seconds": {"ar": walls["ar"], "dflash": wall},
+            # Per-block cost split of the decode loop (prefill excluded), as fractions of decode time.
+            "block_cost_split": {k: sp_d[k] / decode for k in ("draft", "verify", "inject", "bookkeeping")}
+            if decode else {},
+            "ms_per_block": {k: 1000 * sp_d[k] / n_blocks for k in ("draft", "verify", "inject", "bookkeeping")}
+            if n_blocks else {},
+            # What a block costs in AR steps (same run): speed-up ~= tau / block_over_ar.
+            **cost_ratios(ar_verify, ar_steps, sp_d, n_blocks),
+            "cpu": cpu(),
+            "gemm_path": gemm.path(pair.target.dtype),
+            "per_prompt": pp,
+        }
+
+    return report("dflash") | ({"also": {d: report(d) for d in also}} if also else {})
 
 
 def format_table(r: dict) -> str:
