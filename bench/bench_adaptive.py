@@ -92,12 +92,12 @@ def measure_pass_seconds(bundle: Path, sizes: list[int], context: int, threads: 
     from dflash_trt.runtime.sampling import SamplingParams
 
     torch.set_num_threads(threads)
-    pair = load_pair(bundle / "target", bundle / "drafter", dtype="float32")
+    max_len = context + max(sizes) + 2
+    pair = load_pair(bundle / "target", bundle / "drafter", dtype="float32", max_len=max_len)
     target, drafter = pair.target, pair.drafter
     capture = drafter.config.target_layer_ids
     gen = torch.Generator().manual_seed(0)
     vocab = int(target.vocab_size)
-    max_len = context + max(sizes) + 2
     with torch.no_grad():
         target.setup_cache(max_len)
         _, feats = target(torch.randint(0, vocab, (context,), generator=gen), 0, capture)

@@ -20,17 +20,15 @@
   bundle's num_speculative_tokens_per_batch_size, against always-K and never speculating, modes
   interleaved, the server's spec-decode counters per level, token identity to vLLM's AR
   (bench/bench_adaptive.py; one repeat with --quick). Skipped, with the reason, where the vLLM env is missing;
-- tune.json: `dflash-trt tune` on the real engine: tokens/s at concurrency 1, 4, 16 with the build-time
-  schedule, the schedule tune re-plans from the counters vLLM exported while serving code prompts, always
-  the full block and no speculation, at the drafter's own acceptance (token identity to vLLM's AR checked)
+- tune.json: speculation under load on the real engine: tokens/s at concurrency 1, 4, 16, 64 with the
+  build-time schedule, the schedule tune re-plans from the counters vLLM exported while serving code prompts,
+  always the full block, no speculation, and K = 0 from 2 requests on (our plugin's K = 0: the drafter's
+  context K/V only; and vLLM's own), at the drafter's own acceptance (token identity to vLLM's AR checked)
   and at two synthetic acceptance profiles (tau 4.4 and 2.5) (bench/bench_tune.py; one repeat with --quick).
   Skipped, with the reason, where the vLLM env is missing;
 - adapt.json: `dflash-trt adapt` on the embedded pair with ~200 logged code requests (chat and completions
   rows): held-out tau, acceptance per position and speed-up of the old and the adapted drafter, losslessness,
   the time adapt took, and a refused run (too little training) (bench/bench_adapt.py);
-- kzero.json: what K = 0 costs on vLLM-CPU at concurrency 1 and 4: always-K, never, K = 0 from 2 requests
-  with our plugin's K = 0 (the drafter's context K/V only) and with vLLM's own (bench/bench_kzero.py; one
-  repeat with --quick). Skipped, with the reason, where the vLLM env is missing;
 - profile.json: where a decode step of the embedded pair goes (GEMMs, attention, KV writes, sampler,
   Python), AR and DFlash, op shares and calls per token, with the host's CPU flags (bench/bench_profile.py);
 - kv_inject.json: fused KV injection against the reference (bench/bench_kv_inject.py);
@@ -155,18 +153,15 @@ def main() -> int:
             "token_identical_to_vllm_ar": tn["token_identical_to_vllm_ar"],
             "load_average_1min": tn["load_average_1min"],
             "levels": [{k: r.get(k) for k in ("profile", "concurrency", "k_build", "k_tuned", "best_other",
-                                             "tuned_over_best_other", "tuned_ge_best_within_noise")}
-                       | {m: r[m]["tokens_per_s_median"] for m in ("build", "tuned", "always", "never") if m in r}
+                                             "tuned_over_best_other", "tuned_ge_best_within_noise", "over_never",
+                                             "over_best_static")}
+                       | {m: r[m]["tokens_per_s_median"] for m in ("build", "tuned", "always", "never", "k0",
+                                                                   "k0-upstream") if m in r}
                        for r in tn["levels"]]}
     adapted = _script("bench_adapt.py", [], out / "adapt.json")
     if adapted is not None:
         summary["adapt"] = {k: adapted[k] for k in ("requests", "steps", "adapt_seconds", "passed", "gain", "paired_se",
                                                     "before", "after", "refused_run")}
-    k0 = {"skipped": problem} if problem else _script(
-        "bench_kzero.py", ["--json", *(["--repeats", "1"] if a.quick else [])], out / "kzero.json")
-    if k0 is not None:
-        summary["kzero"] = k0 if problem else {k: k0[k] for k in ("cpu", "load_average_1min",
-                                                                  "token_identical_to_vllm_ar", "levels")}
     prof = _script("bench_profile.py", [], out / "profile.json")
     summary["profile"] = prof and {m: d["buckets"] for m, d in prof["modes"].items()}
     kv = _script("bench_kv_inject.py", [], out / "kv_inject.json")

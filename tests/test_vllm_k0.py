@@ -10,7 +10,7 @@
   >= 0.9x what the same request accepts drafted throughout; the plugin's own counter in the
   engine's log shows the K = 0 phase ran no drafter forward; a request whose prefix blocks were
   computed during that phase (prefix-cache hit) accepts >= 0.9x the same request computed afresh
-  (another cache_salt). Speed is bench/bench_kzero.py's, not a test's.
+  (another cache_salt). Speed is bench/bench_tune.py's (its k0 modes), not a test's.
 """
 from __future__ import annotations
 

@@ -80,7 +80,7 @@ def register() -> None:
         logger.warning("dflash-trt vLLM plugin: written for vLLM %s, this is %s: not applied, vLLM's own behaviour "
                        "stands", " / ".join(WRITTEN_FOR), vllm.__version__)
         return
-    if os.environ.get("DFLASH_TRT_VLLM_K0") != "upstream":   # vLLM's own K = 0, for comparing (bench/bench_kzero.py)
+    if os.environ.get("DFLASH_TRT_VLLM_K0") != "upstream":   # vLLM's own K = 0, for comparing (bench/bench_tune.py)
         _k0_context_only(logger)
     if current_platform.is_cpu():
         _cpu_fixes()
