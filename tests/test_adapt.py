@@ -157,6 +157,10 @@ def test_gate_refuses_an_untrained_drafter_with_figures_and_writes_nothing(tiny_
 def test_help_teaches():
     code, out, _ = run_cli("adapt", "--help")
     assert code == 0 and "Examples:" in out and "--min-gain" in out and "torchrun" in out
+    from dflash_trt.adapt import AdaptSettings   # the CLI's own copies of the measured defaults (no torch for --help)
+
+    for default in (f"default: {AdaptSettings.steps};", f"default: {AdaptSettings.lr}", f"default: {AdaptSettings.min_gain}"):
+        assert default in " ".join(out.split()), default
 
 
 def test_deploy_train_adapt_renders_a_job_running_adapt(tmp_path):

@@ -21,8 +21,9 @@ DEFAULT_MIN_GAIN = 0.10   # adapt.py DEFAULT_MIN_GAIN (kept here so --help does 
               help="Answers, training and gate figures; the same command again continues it (default: OUT.run).")
 @click.option("--held-out", type=FiniteFloatRange(0.01, 0.9), default=0.2, show_default=True,
               help="Share of the distinct prompts held out for the gate, chosen by a hash of each prompt (stable).")
-@click.option("--steps", type=click.IntRange(0), default=300, show_default=True, help="Fine-tuning steps.")
-@click.option("--lr", type=FiniteFloatRange(0, 1, min_open=True), default=3e-4, show_default=True)
+@click.option("--steps", type=click.IntRange(0), default=600, show_default=True,
+              help="Fine-tuning steps (defaults: adapt.py AdaptSettings, measured there).")
+@click.option("--lr", type=FiniteFloatRange(0, 1, min_open=True), default=6e-4, show_default=True)
 @click.option("--blocks-per-step", type=click.IntRange(1, 4096), default=32, show_default=True)
 @click.option("--labels", type=click.Choice(["teacher-forced", "data"]), default="teacher-forced", show_default=True,
               help="As train-drafter's: the target's prediction at each position, or the answer's next token.")
@@ -51,7 +52,7 @@ def adapt_cmd(bundle_dir, traffic, out, run_dir, held_out, steps, lr, blocks_per
     \b
     Examples:
       dflash-trt adapt --bundle engines/b --traffic logs/requests.jsonl.gz --out engines/b-adapted
-      dflash-trt adapt --bundle engines/b --traffic logs/ --out engines/b-r2 --steps 600 --json
+      dflash-trt adapt --bundle engines/b --traffic logs/ --out engines/b-r2 --min-gain 0.05 --json
       dflash-trt adapt --bundle engines/b --traffic logs/ --out engines/b-r2 --steps 900   # continues OUT.run
       torchrun --nproc-per-node 8 -m dflash_trt.cli adapt --bundle /data/b --traffic /data/logs --out /data/b-r2
       dflash-trt deploy-train --adapt-bundle /data/b --traffic /data/logs --out deploy/adapt ...  # a Job
