@@ -136,14 +136,14 @@ def main() -> int:
         (work / "refused.run").mkdir(exist_ok=True)   # the same answers: only the training differs
         for name in ("adapt-run.json", "answers.jsonl"):
             shutil.copy(work / "adapted.run" / name, work / "refused.run" / name)
-        refused_code, refused, _ = _adapt(bundle, traffic, work / "refused", ["--steps", "2", "--run-dir",
-                                                                               str(work / "refused.run")])
+        refused_code, refused, _ = _adapt(bundle, traffic, work / "refused", [   # its gate at 64 tokens: half the time
+            "--steps", "2", "--max-new-tokens", "64", "--run-dir", str(work / "refused.run")])
         report = {
             "requests": a.requests, "steps": a.steps, "exit_code": code, "adapt_seconds": seconds,
             "traffic": r.get("traffic"), "passed": r.get("passed"), "reason": r.get("reason"),
             "before": _figures(r["gate"]["before"]), "after": _figures(r["gate"]["after"]),
             "gain": r["gate"]["gain"], "paired_se": r["gate"]["paired_se"], "training": r.get("training"),
-            "refused_run": {"steps": 2, "exit_code": refused_code, "passed": refused.get("passed"),
+            "refused_run": {"steps": 2, "gate_tokens": 64, "exit_code": refused_code, "passed": refused.get("passed"),
                             "reason": refused.get("reason"), "written": (work / "refused").exists()},
         }
         from dflash_trt.paths import vllm_env_dir
