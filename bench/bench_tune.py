@@ -302,7 +302,8 @@ def main() -> int:
                 real = prof == "real" or mode == "never"
                 env = K0_ENV.get(mode, {}) if PROFILES.get(prof) is None else {"PYTHONPATH": str(SYNTHETIC_SHIM)}
                 run = serve_and_sweep(bundles[key], mode, tmp / f"{mode}-{prof}-{r}", prompts, levels,
-                                      a.max_new_tokens, identity_ids if real else [], a.threads, env, a.kv_cache_gib)
+                                      a.max_new_tokens, identity_ids if real and r == 0 else [], a.threads, env,
+                                      a.kv_cache_gib)
                 runs[key].append(run)
                 if mode == "always" and ("tuned", p) not in bundles:
                     rt = tuned_revision(bundle, tmp / f"tuned-{p}", build_sched, run["window"], cost, max_k,
@@ -336,7 +337,7 @@ def summarize(a, runs, levels, profiles, build_sched, retunes, accept, loads, co
     for p in profiles:
         done = [m for m in profile_modes(p, a.modes) if runs[(m, p)]]
         if p == "real" and ref_ids is not None:
-            identity = {m: {"token_ids_batch_1": all(x["token_ids"] == ref_ids for x in runs[(m, p)]),
+            identity = {m: {"token_ids_batch_1": all(x["token_ids"] == ref_ids for x in runs[(m, p)] if x["token_ids"]),
                             "texts_every_level": all(x["texts"][c] == ref_texts[c] for x in runs[(m, p)]
                                                      for c in levels),
                             "requests_compared": sum(len(x["texts"][c]) for x in runs[(m, p)] for c in levels)
