@@ -151,7 +151,8 @@ def test_k0_in_vllm_is_a_recommendation_not_plain_decoding():
         lambda c, k: 1.0 + 0.01 * c * (k + 1), [1, 2, 4, 8, 16, 32, 64], "linear"), MAX_K)
     stop = r.after.stop_concurrency
     assert stop is not None and stop <= 40
-    assert any("llm_base_proposer.py:620" in x and f"concurrency {stop}" in x for x in r.recommendations)
+    assert any("not plain decoding" in x and "rejection sampler" in x and f"concurrency {stop}" in x
+               for x in r.recommendations)
     assert any("mean concurrency of 40.0" in x for x in r.recommendations)
 
 

@@ -49,7 +49,7 @@ def tune_cmd(bundle_dir, endpoint, prometheus, selector, window, min_drafts, ste
     vllm:spec_decode_num_accepted_tokens_per_pos{position} and vllm:num_requests_running. Too few
     drafts in the window (--min-drafts) is a refusal, with the count. The summary says which K
     changed at which concurrency, the predicted tokens/s per user, and (vLLM) where speculation
-    should be off altogether: a K of 0 in vLLM still runs the drafter every step.
+    should be off altogether: a K of 0 in vLLM is not plain decoding (the speculative path stays on).
 
     \b
     Examples:

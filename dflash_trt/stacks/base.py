@@ -153,23 +153,23 @@ class StackMetrics:
 @dataclass(frozen=True)
 class TuneReader:
     """What `dflash-trt tune` reads of a stack (plan/tune.py): its server's counters as a /metrics page names
-    them (a counter without _total), where its bundle config keeps the served draft schedule, and where a
-    scheduled K of 0 still runs its drafter ("": there it is plain decoding)."""
+    them (a counter without _total), where its bundle config keeps the served draft schedule, and what a
+    scheduled K of 0 still costs over plain decoding ("": nothing, there it is plain decoding)."""
     drafts: str
     draft_tokens: str
     accepted: str
     accepted_per_pos: str           # label `position`, 0-based
     running: str                    # requests in the running batch (a gauge)
     schedule_in: tuple[str, str]    # (bundle path of the engine config, its schedule field)
-    k0_still_drafts: str = ""
+    k0_cost: str = ""
 
     @classmethod
-    def of(cls, metrics: StackMetrics, schedule_in: tuple[str, str], k0_still_drafts: str = "") -> TuneReader:
+    def of(cls, metrics: StackMetrics, schedule_in: tuple[str, str], k0_cost: str = "") -> TuneReader:
         """From the metrics' roles drafts, draft_tokens, accepted, accepted_per_position and running."""
         m = metrics.metrics
         return cls(*(m[r].name.removesuffix("_total") for r in ("drafts", "draft_tokens", "accepted",
                                                                 "accepted_per_position", "running")),
-                   schedule_in, k0_still_drafts)
+                   schedule_in, k0_cost)
 
     def counts(self, samples: list[tuple[str, dict, float]]) -> dict:
         """Its counters on one /metrics page (io/prometheus.parse_prometheus), summed over their series (None:
