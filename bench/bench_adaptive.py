@@ -142,7 +142,8 @@ def plan(bundle: Path, accept: dict, concurrencies: list[int], context: int, thr
         f"step cost of c sequences drafting K: our runtime's target verify + drafter pass over n = c(K+1) tokens "
         f"at context {context}, float32, {threads} threads, measured on this CPU at n = {', '.join(map(str, used))} "
         f"(fastest of {repeats} each), linear between them",
-        "K 0: vLLM's DFlash still runs its drafter over the bonus token (counted in the cost)"])
+        "K 0: priced with the drafter's pass over the bonus token, as vLLM's own K 0 runs it (our plugin's K 0 runs "
+        "no drafter layer: K 0 is overpriced here)"])
     return schedule, survival, {"step_ms_used": {str(n): round(v * 1e3, 2) for n, v in used.items()},
                                 "passes": {str(n): {"target_s": t, "drafter_s": d} for n, (t, d) in passes.items()}}
 

@@ -181,8 +181,10 @@ def measure(target: Path, old: Path, new: Path, prompts: list[list[int]], s: Ada
     from dflash_trt.plan.draft_schedule import survival_from_histogram
     from dflash_trt.runtime.pair import load_pair
 
+    # the new drafter's pair goes at once (its target with it): one target in memory while both drafters decode
+    new_drafter = load_pair(target, new, s.dtype).drafter
     r = run_bench(load_pair(target, old, s.dtype), prompts, max_new_tokens=s.max_new_tokens, progress=progress,
-                  also={"new": load_pair(target, new, s.dtype).drafter})
+                  also={"new": new_drafter})
 
     def figures(r: dict, drafter: Path) -> Figures:
         if not r["blocks"]:

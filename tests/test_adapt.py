@@ -159,7 +159,8 @@ def test_help_teaches():
     assert code == 0 and "Examples:" in out and "--min-gain" in out and "torchrun" in out
     from dflash_trt.adapt import AdaptSettings   # the CLI's own copies of the measured defaults (no torch for --help)
 
-    for default in (f"default: {AdaptSettings.steps};", f"default: {AdaptSettings.lr}", f"default: {AdaptSettings.min_gain}"):
+    for default in (f"default: {AdaptSettings.steps};", f"default: {AdaptSettings.lr}",
+                    f"default: {AdaptSettings.min_gain}"):
         assert default in " ".join(out.split()), default
 
 

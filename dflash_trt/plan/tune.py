@@ -394,7 +394,8 @@ def replan(before: ds.DraftSchedule | None, window: Window, acceptance: Acceptan
     stop, r = after.stop_concurrency, reader(window.stack)
     if stop is not None and r and r.k0_cost:
         recs.append(f"from concurrency {stop} on the plan drafts nothing, but a K of 0 in {window.stack} is not plain "
-                    f"decoding ({r.k0_cost}), so no value of its schedule is: serve load of {stop} and more per replica from a pool without --speculative-config "
+                    f"decoding ({r.k0_cost}), so no value of its schedule is: serve load of {stop} and more per "
+                    "replica from a pool without --speculative-config "
                     "(two pools, routed by load), or drop --speculative-config if the replica stays there")
         if window.mean_concurrency and window.mean_concurrency >= stop:
             recs.append(f"this replica ran at a mean concurrency of {window.mean_concurrency:.1f} (max "
