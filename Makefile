@@ -4,8 +4,6 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
-# OpenMP threads that busy-wait stall badly when anything else shares the 2 cores.
-export OMP_WAIT_POLICY ?= PASSIVE
 
 .PHONY: run test bench setup vllm dynamo clean lock test-latest
 

@@ -49,7 +49,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-import dflash_trt  # noqa: E402,F401  (before torch: sets OMP_WAIT_POLICY=PASSIVE, 10x here beside other jobs)
+import dflash_trt  # noqa: E402,F401  (before torch: its OpenMP wait settings, 10x here beside other jobs)
 
 MODES = ("always", "never", "scheduled")
 

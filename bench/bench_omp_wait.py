@@ -5,8 +5,8 @@ greedy; what issue 33 ran) in a fresh process per setting, while one `while True
 holds a core, and prints JSON: wall seconds, AR and DFlash tokens/s per setting.
 
 Settings:
-- default: OMP_WAIT_POLICY not in the environment: dflash_trt/__init__.py sets PASSIVE (the CLI's
-  default since issue 33);
+- default: neither OMP_WAIT_POLICY nor GOMP_SPINCOUNT in the environment: dflash_trt/__init__.py
+  `openmp_wait` chooses, PASSIVE beside the busy process (a short spin only on an otherwise idle host);
 - libgomp_default: OMP_WAIT_POLICY="" (empty): kept by our setdefault, rejected by libgomp (it warns
   "Invalid value") which then runs its own default (spin, then sleep): what every command did
   before issue 33 with the variable unset;
@@ -30,7 +30,7 @@ SETTINGS = {"default": None, "libgomp_default": "", "active": "ACTIVE"}
 
 
 def run(value: str | None, timeout: float) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     if value is not None:
         env["OMP_WAIT_POLICY"] = value
     t0 = time.perf_counter()

@@ -58,7 +58,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 import bench_adaptive as ba  # noqa: E402
 
-import dflash_trt  # noqa: E402,F401  (before torch: OMP_WAIT_POLICY=PASSIVE)
+import dflash_trt  # noqa: E402,F401  (before torch: its OpenMP wait settings)
 
 MODES = ("always", "build", "tuned")          # per profile; "never" is shared (no speculation, no profile)
 # the real profile also serves speculation switched off from 2 requests on: [[1, 1, K], [2, top, 0]], with our

@@ -8,14 +8,41 @@ import os
 
 __version__ = "0.1.0"
 
-# Shared CPUs: OpenMP threads that spin while they wait for a busy core make every torch op 10-20x
-# slower (issue 33: `dflash-trt bench`, 2 prompts x 32 tokens beside one busy process, 391 s without
-# this and 42 s with it; bench/bench_omp_wait.py measures it); passive waiting costs nothing when the
-# machine is idle. OpenMP reads the variable once, when torch loads its runtime, so it is set here:
-# every `dflash-trt` command (cli.py imports this package first), the facade below and any
-# `dflash_trt.<module>` import run this before torch can be imported through us. A user's own
-# value wins (setdefault); only torch imported before dflash_trt is out of reach.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# How OpenMP threads wait between parallel regions, chosen once, before torch loads its OpenMP runtime
+# (it reads the variables then): every `dflash-trt` command (cli.py imports this package first), the facade
+# below and any `dflash_trt.<module>` import run this first; only torch imported before dflash_trt is out of
+# reach. A user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT wins. Measured on a 2-core Sapphire Rapids, the
+# embedded pair in float32 (docs/decode-loop.md): idle, a short spin (GOMP_SPINCOUNT=10000) decodes at
+# 24.2 (AR) / 26.8 (DFlash) tok/s against PASSIVE's 14.4 / 19.3 (a futex wake per op); beside one busy
+# process, PASSIVE keeps 12.9 / 15.0 and the short spin drops to 7.8 / 9.8 (libgomp's own 300,000-spin
+# default: 10x slower there, issue 33). So: spin briefly when no other task is running, else PASSIVE.
+def openmp_wait(loadavg: list[str], cpus: int) -> dict[str, str]:
+    """The OpenMP wait settings for a host whose /proc/loadavg read `loadavg` (a few readings: its 4th field
+    counts the runnable tasks, this one among them; the fewest counts, so that a process starting beside
+    this one, as `| jq` does, is not taken for a busy neighbour)."""
+    try:
+        others = min(int(text.split()[3].split("/")[0]) for text in loadavg) - 1
+    except (IndexError, ValueError):
+        others = cpus   # unknown: assume a shared machine
+    return {"GOMP_SPINCOUNT": "10000"} if 2 * others < cpus else {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def _read_loadavg(readings: int = 5, interval_s: float = 0.003) -> list[str]:
+    import time
+
+    out = []
+    try:
+        for i in range(readings):
+            with open("/proc/loadavg") as f:
+                out.append(f.read())
+            time.sleep(interval_s if i < readings - 1 else 0)
+    except OSError:
+        return [""]
+    return out
+
+
+if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+    os.environ.update(openmp_wait(_read_loadavg(), os.cpu_count() or 1))
 
 
 def __getattr__(name):  # lazy: `import dflash_trt` must not pull in torch

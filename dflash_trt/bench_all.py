@@ -27,14 +27,15 @@
   context K/V only; and vLLM's own), at the drafter's own acceptance (token identity to vLLM's AR checked)
   and at two synthetic acceptance profiles (tau 4.4 and 2.5) (bench/bench_tune.py; one repeat with --quick).
   Skipped, with the reason, where the vLLM env is missing;
-- adapt.json: `dflash-trt adapt` on the embedded pair with ~200 logged code requests (chat and completions
+- adapt.json: `dflash-trt adapt` on the embedded pair with 300 logged code requests (chat and completions
   rows): held-out tau, acceptance per position and speed-up of the old and the adapted drafter, losslessness,
   the time adapt took, and a refused run (too little training) (bench/bench_adapt.py);
 - profile.json: where a decode step of the embedded pair goes (GEMMs, attention, KV writes, sampler,
   Python), AR and DFlash, op shares and calls per token, with the host's CPU flags (bench/bench_profile.py);
 - kv_inject.json: fused KV injection against the reference (bench/bench_kv_inject.py);
 - omp_wait.json: `dflash-trt bench` (2 prompts x 32 tokens) beside one busy process, with the CLI's
-  default OMP_WAIT_POLICY=PASSIVE and with libgomp's own default (bench/bench_omp_wait.py);
+  default (there PASSIVE: dflash_trt/__init__.py `openmp_wait`) and with libgomp's own default
+  (bench/bench_omp_wait.py);
 - quantize.json: streaming NVFP4 quantization of multi-GB synthetic checkpoints against
   `cat` and ModelOpt (bench/bench_quantize.py). Skipped with --quick.
 - build_real_size.json: `dflash-trt build` end to end on a gpt-oss-20b-sized pair (13.8 GB),

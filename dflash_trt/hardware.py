@@ -122,7 +122,8 @@ _CPU_FEATURES = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"
 
 
 def cpu() -> dict:
-    """{"model", "features" (the ones that decide the GEMM paths), "cores"} of this machine."""
+    """{"model", "features" (the ones that decide the GEMM paths), "cores", "openmp_wait"} of this machine
+    (the OpenMP wait settings this process runs with: dflash_trt/__init__.py `openmp_wait`)."""
     model, flags = "", set()
     try:
         with open("/proc/cpuinfo") as f:
@@ -135,4 +136,5 @@ def cpu() -> dict:
     except OSError:
         pass
     return {"model": model or "unknown", "features": [f for f in _CPU_FEATURES if f in flags],
-            "cores": os.cpu_count()}
+            "cores": os.cpu_count(), "openmp_wait": {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+                                                     if k in os.environ}}
