@@ -5,6 +5,7 @@
     print(generate(pair, "Write a haiku", max_new_tokens=64).text)
 """
 import os
+import time
 
 __version__ = "0.1.0"
 
@@ -28,8 +29,6 @@ def openmp_wait(loadavg: list[str], cpus: int) -> dict[str, str]:
 
 
 def _read_loadavg(readings: int = 5, interval_s: float = 0.003) -> list[str]:
-    import time
-
     out = []
     try:
         for i in range(readings):
