@@ -17,6 +17,9 @@ __version__ = "0.1.0"
 # 24.2 (AR) / 26.8 (DFlash) tok/s against PASSIVE's 14.4 / 19.3 (a futex wake per op); beside one busy
 # process, PASSIVE keeps 12.9 / 15.0 and the short spin drops to 7.8 / 9.8 (libgomp's own 300,000-spin
 # default: 10x slower there, issue 33). So: spin briefly when no other task is running, else PASSIVE.
+OPENMP_WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+
 def openmp_wait(loadavg: list[str], cpus: int) -> dict[str, str]:
     """The OpenMP wait settings for a host whose /proc/loadavg read `loadavg` (a few readings: its 4th field
     counts the runnable tasks, this one among them; the fewest counts, so that a process starting beside
@@ -28,20 +31,25 @@ def openmp_wait(loadavg: list[str], cpus: int) -> dict[str, str]:
     return {"GOMP_SPINCOUNT": "10000"} if 2 * others < cpus else {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
-def _read_loadavg(readings: int = 5, interval_s: float = 0.003) -> list[str]:
+def _read_loadavg(cpus: int, readings: int = 5, interval_s: float = 0.003) -> list[str]:
+    """Up to `readings` /proc/loadavg texts 3 ms apart, stopping at the first that already shows a spare core
+    (the fewest count decides, so later readings could not change the choice: no sleep on an idle host)."""
     out = []
     try:
-        for i in range(readings):
+        for _ in range(readings):
             with open("/proc/loadavg") as f:
                 out.append(f.read())
-            time.sleep(interval_s if i < readings - 1 else 0)
+            if "GOMP_SPINCOUNT" in openmp_wait(out[-1:], cpus):
+                break
+            time.sleep(interval_s)
     except OSError:
         return [""]
     return out
 
 
-if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
-    os.environ.update(openmp_wait(_read_loadavg(), os.cpu_count() or 1))
+if not any(name in os.environ for name in OPENMP_WAIT_VARIABLES):
+    _cpus = os.cpu_count() or 1
+    os.environ.update(openmp_wait(_read_loadavg(_cpus), _cpus))
 
 
 def __getattr__(name):  # lazy: `import dflash_trt` must not pull in torch

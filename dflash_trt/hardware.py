@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
 
+from dflash_trt import OPENMP_WAIT_VARIABLES
 from dflash_trt.errors import DFlashError
 
 
@@ -136,5 +137,5 @@ def cpu() -> dict:
     except OSError:
         pass
     return {"model": model or "unknown", "features": [f for f in _CPU_FEATURES if f in flags],
-            "cores": os.cpu_count(), "openmp_wait": {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
-                                                     if k in os.environ}}
+            "cores": os.cpu_count(),
+            "openmp_wait": {k: os.environ[k] for k in OPENMP_WAIT_VARIABLES if k in os.environ}}

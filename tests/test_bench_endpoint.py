@@ -23,7 +23,7 @@ import pytest
 
 from dflash_trt.bench import client
 from dflash_trt.bench import endpoint as eb
-from dflash_trt.io.prometheus import parse_prometheus
+from dflash_trt.io.prometheus import parse_prometheus, sum_series
 
 from helpers import run_cli, tritonserver_missing
 
@@ -249,6 +249,30 @@ def test_plan_bundle_without_gpu_says_so(vllm, tmp_path):
     assert code == 0, err
     assert "pins no GPU (a CPU-only deployment): no plan to overlay" in err
     assert json.loads(outp)["plan"] is None
+
+
+@pytest.mark.slow
+def test_context_buckets_as_the_server_counts_them(vllm):
+    """`--context-buckets` (issue 50): each bucket's prompts hold the bucket's tokens as the server counts them
+    (usage.prompt_tokens), its own prompt-token counter agrees, and each bucket has an acceptance length."""
+    def prompt_tokens() -> float:
+        return sum_series(parse_prometheus(vllm.metrics()), {"name": "vllm:prompt_tokens"}) or 0.0
+
+    before = prompt_tokens()
+    code, out, err = run_cli("bench", "--endpoint", vllm.url, "--limit", "2", "--max-new-tokens", "8",
+                             "--concurrency", "1", "--no-warmup", "--context-buckets", "100,600", "--json")
+    assert code == 0, err
+    buckets = json.loads(out)["context_buckets"]
+    assert [b["context_tokens_requested"] for b in buckets] == [100, 600]
+    for b in buckets:
+        (level,) = b["levels"]
+        assert b["context_tokens_requested"] - 8 <= b["context_tokens"] <= b["context_tokens_requested"] and level["requests"] == 2
+        assert level["acceptance_length"] > 1
+    # the server's counter: every request it served (the sizing requests too) counted its prompt; the levels'
+    # requests are 2 per bucket of 2 x context_tokens tokens, the rest the sizing requests (one token each)
+    served = prompt_tokens() - before
+    levels = sum(2 * b["context_tokens"] for b in buckets)
+    assert levels < served < levels + 2 * 9 * 2 * 600, (served, levels)
 
 
 # ------------------------------------------------------------------ the real tritonserver

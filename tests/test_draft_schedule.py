@@ -76,3 +76,31 @@ def test_acceptance_from_a_bench_report(tmp_path):
     report.write_text(json.dumps({"block_size": 4}))
     with pytest.raises(DFlashError, match="no acceptance_histogram"):
         ds.survival_from_bench(str(report), 4)
+
+
+def test_k_by_context_chooses_per_bucket_and_covers_every_context(tmp_path):
+    """Two buckets, each its own acceptance and step cost: every (concurrency, context) gets what `choose` gives
+    at the nearer bucket; the ranges are the shorter bucket's; the entries survive the dict and a bench report
+    with buckets gives the buckets' acceptance."""
+    short, long = ds.survival_from_tau(4.4, 8), ds.survival_from_tau(1.1, 8)   # acceptance collapses when long
+
+    def cost_at(ctx):
+        return lambda c, k: 1 + c * (k + 1) * 0.01 * (1 + ctx / 4096) + (0.3 if k else 0.0)
+    s = ds.choose_by_context([(8192, long), (512, short)], cost_at, [1, 4, 16, 64])
+    want = {ctx: ds.choose(surv, cost_at(ctx), [1, 4, 16, 64]) for ctx, surv in ((512, short), (8192, long))}
+    assert s.ranges == want[512].ranges and s.k_at(1) > 0
+    for c in (1, 3, 4, 16, 40, 64):
+        for ctx in (0, 512, 4352, 4353, 8192, 10 ** 6):
+            (k,) = [e[4] for e in s.by_context if e[0] <= c <= e[1] and e[2] <= ctx <= e[3]]
+            assert k == want[512 if ctx <= 4352 else 8192].k_at(c), (c, ctx)
+    assert all(k == 0 for *_, lo, _, k in s.by_context if lo > 4352)        # speculation off when long
+    back = ds.from_dict(json.loads(json.dumps(s.to_dict())), 8, "s.json")
+    assert back.by_context == s.by_context and back.adaptive
+    with pytest.raises(DFlashError, match=r"by_context\[0\] must be \[first, last concurrency, first, last context"):
+        ds.from_dict({"ranges": [[1, 8, 7]], "by_context": [[1, 8, 0, 100]]}, 8, "s.json")
+    report = tmp_path / "buckets.json"
+    report.write_text(json.dumps({"context_buckets": [
+        {"context_tokens": 505.5, "block_size": 4, "acceptance_histogram": {"1": 10, "2": 5, "3": 5}},
+        {"context_tokens": 8000, "block_size": 4, "acceptance_histogram": {"1": 20}}]}))
+    assert ds.survival_by_context(str(report), 4, "r") == [(506, [0.5, 0.25, 0.0]), (8000, [0.0, 0.0, 0.0])]
+    assert ds.survival_from_bench(str(report), 4)[0] == [0.5, 0.25, 0.0]      # a plain reader: the shortest

@@ -17,6 +17,9 @@ from helpers import run_cli
 # K 7 everywhere: nothing to write for any stack (the config's own behaviour); and one that adapts
 FLAT = {"max_k": 7, "ranges": [[1, 64, 7]]}
 ADAPTIVE = {"max_k": 7, "ranges": [[1, 8, 7], [9, 32, 3], [33, 64, 0]]}
+# and K by context too: none past 4095 tokens of context (plan/draft_schedule.choose_by_context writes these)
+BY_CONTEXT = {**ADAPTIVE, "by_context": [[1, 8, 0, 4095, 7], [9, 32, 0, 4095, 3], [33, 64, 0, 4095, 0],
+                                         [1, 64, 4096, 2147483647, 0]]}
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +27,7 @@ def scheduled(tmp_path_factory, tiny_pairs):
     root = tmp_path_factory.mktemp("typed")
     t, d = tiny_pairs["llama"]
     out = {}
-    for name, sched in (("flat", FLAT), ("adaptive", ADAPTIVE)):
+    for name, sched in (("flat", FLAT), ("adaptive", ADAPTIVE), ("by_context", BY_CONTEXT)):
         (root / f"{name}.json").write_text(json.dumps(sched))
         code, _, err = run_cli("build", "--target", str(t), "--drafter", str(d), "--arch", "hopper", "--quant", "none",
                                "--draft-schedule", str(root / f"{name}.json"), "--out", str(root / name))
@@ -66,6 +69,24 @@ def test_each_stack_writes_the_fields_recorded_for_it(scheduled):
     assert json.loads((bundle / "configs/vllm-speculative-config.json").read_text()) == spec
     serve = yaml.safe_load((bundle / "configs/trtllm-serve.yaml").read_text())["speculative_config"]
     assert json.loads(json.dumps({k: serve[k] for k in rec["trtllm"]["fields"]})) == rec["trtllm"]["fields"]
+
+
+def test_the_context_axis_goes_to_vllms_plugin_and_the_others_say_why_not(scheduled):
+    """vLLM: the entries in configs/vllm.json's env (and its command) under the variable the plugin reads, next to
+    vLLM's own batch-size field; TensorRT-LLM: its batch-size fields, and the manifest says it has no context axis."""
+    from dflash_trt.stacks.vllm.launch import VLLM_BY_CONTEXT_ENV
+
+    bundle = scheduled["by_context"]
+    rec = json.loads((bundle / "manifest.json").read_text())["draft_schedule"]["stacks"]
+    v = json.loads((bundle / "configs/vllm.json").read_text())
+    assert rec["vllm"]["fields"][VLLM_BY_CONTEXT_ENV] == BY_CONTEXT["by_context"] and "context" not in rec["vllm"]
+    assert json.loads(v["env"][VLLM_BY_CONTEXT_ENV]) == BY_CONTEXT["by_context"]
+    assert f"{VLLM_BY_CONTEXT_ENV}='[[1,8,0,4095,7]," in v["command"]
+    assert v["speculative_config"]["num_speculative_tokens_per_batch_size"] == ADAPTIVE["ranges"]
+    assert f'BY_CONTEXT = "{VLLM_BY_CONTEXT_ENV}"' in package_path("assets", "vllm_plugin",
+                                                                   "dflash_trt_vllm_cpu_fix.py").read_text()
+    assert rec["trtllm"]["context"].startswith("TensorRT-LLM's draft-length control is keyed by batch size only")
+    assert "draft_len_schedule" in rec["trtllm"]["fields"]
 
 
 def test_only_io_manifest_parses_manifest_json():

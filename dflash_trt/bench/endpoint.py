@@ -169,6 +169,14 @@ class EndpointBench:
         self.metrics_url, self.engine = find_metrics(self.base, self.metrics_url)
         return self
 
+    def count_tokens(self, text: str) -> int:
+        """The server's own count of a prompt's tokens (a request for one token: its usage.prompt_tokens)."""
+        r = stream_completion(self.base, self.model, text, 1, timeout=self.timeout)
+        if r.error or r.prompt_tokens is None:
+            raise DFlashError(f"{self.base}/v1/completions: no usage.prompt_tokens to size a context bucket with "
+                              f"({r.error or 'the usage chunk has none'})")
+        return int(r.prompt_tokens)
+
     def _extra(self) -> dict:
         return {"ignore_eos": True} if self.ignore_eos else {}
 

@@ -143,3 +143,12 @@ def format_table(r: dict) -> str:
     ]
     w = max(len(a) for a, _ in rows)
     return "\n".join(f"{a:<{w}}  {b}" for a, b in rows)
+
+
+def format_buckets(reports: list[dict]) -> str:
+    """`bench --context-buckets` on our runtime: a row per context length."""
+    lines = [f"{'context':>8} {'tau':>5} {'speed-up':>8} {'AR tok/s':>9} {'DFlash tok/s':>12}  lossless"]
+    for r in reports:
+        lines.append(f"{r['context_tokens']:>8.0f} {r['tau']:>5.2f} {r['speedup']:>7.2f}x {r['tokens_per_s_ar']:>9.1f} "
+                     f"{r['tokens_per_s_dflash']:>12.1f}  {r['lossless']}")
+    return "\n".join(lines)

@@ -5,6 +5,7 @@ import json
 
 import click
 
+from dflash_trt.bench.context import pad_to, parse_buckets
 from dflash_trt.commands import THREADS, FiniteFloatRange, pair_options
 
 
@@ -24,6 +25,10 @@ from dflash_trt.commands import THREADS, FiniteFloatRange, pair_options
 @click.option("--full-draft-vocab", is_flag=True,
               help="Draft from the whole vocabulary even if the drafter has a draft_vocab.json.")
 @click.option("--json", "as_json", is_flag=True, help="Print the full JSON report on stdout.")
+@click.option("--context-buckets", metavar="N1,N2,...",
+              help="Measure at each context length: every prompt padded with real text (Python's argparse source, "
+                   "code) to N tokens as the target counts them, up to its window less --max-new-tokens; one report "
+                   "per bucket (tau and speed by context). Our runtime and --endpoint alike.")
 @click.option("--endpoint", metavar="URL",
               help="Measure a served OpenAI-compatible endpoint (trtllm-serve, vllm serve, SGLang, Triton's OpenAI "
                    "frontend) instead of our CPU runtime: streaming /v1/completions, the server's own spec-decode "
@@ -49,8 +54,8 @@ from dflash_trt.commands import THREADS, FiniteFloatRange, pair_options
                    "--speculative-config fields to serve it with).")
 @click.pass_context
 def bench_cmd(ctx, target, drafter, bundle, prompts_file, max_new_tokens, block_size, temperature, limit, dtype, threads,
-              fused, full_draft_vocab, as_json, endpoint, concurrency, model_name, metrics_url, ignore_eos, warmup, gpus,
-              plot_file, plan_bundle, synthetic):
+              fused, full_draft_vocab, as_json, context_buckets, endpoint, concurrency, model_name, metrics_url,
+              ignore_eos, warmup, gpus, plot_file, plan_bundle, synthetic):
     """Run DFlash and plain AR decoding on the same prompts in one process, interleaved, and
     report tau (mean tokens per target pass, bonus included), the wall-clock speed-up, tokens/s,
     losslessness (greedy: every output token-identical to AR), the acceptance histogram and the
@@ -67,8 +72,10 @@ def bench_cmd(ctx, target, drafter, bundle, prompts_file, max_new_tokens, block_
       dflash-trt bench --limit 5
       dflash-trt bench --target DIR --drafter DIR --prompts my.jsonl --max-new-tokens 256 --json
       dflash-trt bench --bundle engines/smollm2-135m-blackwell-nvfp4 --json   # what the engines load
+      dflash-trt bench --limit 4 --context-buckets 512,2048,8192           # tau and speed by context
       dflash-trt bench --endpoint http://localhost:8000 --concurrency 1,2,4,8 --plot speed.png --json
       dflash-trt bench --endpoint http://localhost:8000 --synthetic-acceptance 4.4 --concurrency 1,8,64
+      dflash-trt bench --endpoint http://localhost:8000 --context-buckets 512,8192 --concurrency 1,4 --limit 4
     """
     from dflash_trt.errors import DFlashError
 
@@ -81,32 +88,42 @@ def bench_cmd(ctx, target, drafter, bundle, prompts_file, max_new_tokens, block_
         opt = "--" + given[0].removesuffix("_name").removesuffix("_file").replace("_", "-")
         raise DFlashError(f"{opt} measures our CPU runtime; it does not apply to --endpoint" if endpoint
                           else f"{opt} applies to --endpoint URL only")
+    buckets = parse_buckets(context_buckets) if context_buckets else None
     if endpoint:
         return _bench_endpoint(endpoint, prompts_file, limit, max_new_tokens, concurrency, model_name, metrics_url,
-                               ignore_eos, warmup, gpus, plot_file, plan_bundle, as_json, synthetic)
+                               ignore_eos, warmup, gpus, plot_file, plan_bundle, as_json, synthetic, buckets)
     _bench_runtime(target, drafter, bundle, prompts_file, max_new_tokens, block_size, temperature, limit, dtype,
-                   threads, fused, full_draft_vocab, as_json)
+                   threads, fused, full_draft_vocab, as_json, buckets)
 
 
 def _bench_runtime(target, drafter, bundle, prompts_file, max_new_tokens, block_size, temperature, limit, dtype,
-                   threads, fused, full_draft_vocab, as_json) -> None:
-    """bench on our CPU runtime: DFlash and AR interleaved on the same prompts."""
+                   threads, fused, full_draft_vocab, as_json, buckets) -> None:
+    """bench on our CPU runtime: DFlash and AR interleaved on the same prompts (at each context bucket)."""
     import torch
 
     from dflash_trt.bench.endpoint import read_prompts
-    from dflash_trt.bench.runtime import format_table, run_bench
+    from dflash_trt.bench.runtime import format_buckets, format_table, run_bench
     from dflash_trt.bundle.served import pair_folders
     from dflash_trt.models.weights import holds_quantized_weights
     from dflash_trt.presets.catalog import resolve_drafter, resolve_target
-    from dflash_trt.runtime.pair import load_pair
+    from dflash_trt.runtime.pair import MAX_BLOCK, MAX_CONTEXT, context_limit, encode_prompt, load_pair
 
     if threads:
         torch.set_num_threads(threads)
     prompts = [row["prompt"] for row in read_prompts(prompts_file)][:limit]
     target, drafter = pair_folders(bundle, target, drafter)
-    pair = load_pair(resolve_target(target), resolve_drafter(drafter, target), dtype, draft_vocab=not full_draft_vocab)
-    report = run_bench(pair, prompts, max_new_tokens=max_new_tokens, block_size=block_size, temperature=temperature,
-                       fused_inject=fused, progress=True)
+    # the runtime's positions (4096 by default) grown to the longest bucket; the target's window still bounds it
+    max_len = min(MAX_CONTEXT, max(4096, max(buckets or [0]) + max_new_tokens + (block_size or MAX_BLOCK) + 1))
+    pair = load_pair(resolve_target(target), resolve_drafter(drafter, target), dtype, max_len=max_len,
+                     draft_vocab=not full_draft_vocab)
+    room = context_limit(pair)[0] - (block_size or pair.drafter.config.block_size) - 1 - max_new_tokens
+    sets = [(None, prompts)] if buckets is None else [
+        (b, _padded(prompts, b, room, lambda text: len(encode_prompt(pair.tokenizer, text)))) for b in buckets]
+    reports = [{**({} if b is None else {"context_tokens_requested": b, "context_tokens": _mean_tokens(rows)}),
+                **run_bench(pair, [t for t, _ in rows] if b else rows, max_new_tokens=max_new_tokens,
+                            block_size=block_size, temperature=temperature, fused_inject=fused, progress=True)}
+               for b, rows in sets]
+    report = reports[0] if buckets is None else {"context_buckets": reports, "cpu": reports[0]["cpu"]}
     report["threads"] = torch.get_num_threads()
     report["dtype"] = str(pair.target.dtype).removeprefix("torch.")
     report["target"], report["drafter"] = str(pair.target_dir), str(pair.drafter_dir)
@@ -115,12 +132,27 @@ def _bench_runtime(target, drafter, bundle, prompts_file, max_new_tokens, block_
     report["draft_vocab_size"] = len(vocab) if vocab is not None else pair.target.vocab_size
     if as_json:
         click.echo(json.dumps(report, indent=2))
-    else:
+    elif buckets is None:
         click.echo(format_table(report))
+    else:
+        click.echo(format_buckets(report["context_buckets"]))
+
+
+def _padded(prompts: list[str], bucket: int, room: int, count_tokens) -> list[tuple[str, int]]:
+    """The prompts padded to a bucket, or to the room the window leaves (said once on stderr)."""
+    if bucket > room:
+        click.echo(f"context bucket {bucket}: the window leaves {room} tokens for a prompt (less --max-new-tokens "
+                   f"and a block); measured at {room}", err=True)
+    click.echo(f"context bucket {bucket}: padding {len(prompts)} prompts", err=True)
+    return [pad_to(p, min(bucket, room), count_tokens) for p in prompts]
+
+
+def _mean_tokens(rows: list[tuple[str, int]]) -> float:
+    return sum(n for _, n in rows) / len(rows)
 
 
 def _bench_endpoint(endpoint, prompts_file, limit, max_new_tokens, concurrency, model_name, metrics_url, ignore_eos,
-                    warmup, gpus, plot_file, plan_bundle, as_json, synthetic=None):
+                    warmup, gpus, plot_file, plan_bundle, as_json, synthetic=None, buckets=None):
     from dflash_trt.bench import endpoint as eb
     from dflash_trt.errors import DFlashError
 
@@ -137,6 +169,19 @@ def _bench_endpoint(endpoint, prompts_file, limit, max_new_tokens, concurrency, 
         click.echo(f"note: {note}", err=True)
     click.echo(f"bench --endpoint {bench.base}: model {bench.model}, engine {bench.engine or 'unknown'}, "
                f"{len(rows)} prompts x {max_new_tokens} tokens, concurrency {','.join(map(str, levels))}", err=True)
+    if buckets:
+        if plot_file or plan_bundle or synthetic:
+            raise DFlashError("--context-buckets: measures the drafter by context; --plot, --plan-bundle and "
+                              "--synthetic-acceptance are for a sweep without it")
+        reports = []
+        for b in buckets:    # a bucket past the server's window: its own one-line HTTP 400 from count_tokens
+            padded = _padded([r["prompt"] for r in rows], b, b, bench.count_tokens)
+            reports.append({"context_tokens_requested": b, "context_tokens": _mean_tokens(padded), **bench.run(
+                levels, [{**row, "prompt": text} for (text, _), row in zip(padded, rows, strict=True)])})
+        click.echo(json.dumps({"context_buckets": reports}, indent=2) if as_json else "\n".join(
+            f"context {r['context_tokens']:.0f} tokens (bucket {r['context_tokens_requested']}):\n"
+            + eb.format_report(r) for r in reports))
+        return
     report = bench.run(levels, rows)
     report["gpus"] = gpus
     speed_report = None

@@ -7,7 +7,7 @@ that each of them can type it.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from dflash_trt.errors import DFlashError
 
@@ -29,6 +29,9 @@ class DraftSchedule:
     levels: list[Level]               # one per concurrency evaluated
     ranges: list[tuple[int, int, int]]  # (first, last concurrency, k), inclusive, covering 1..max concurrency
     assumptions: list[str]
+    # K by concurrency and context: (first, last concurrency, first, last context token, k), inclusive, as vLLM
+    # PR #48944 proposes them; empty: the ranges hold at every context (plan/draft_schedule.choose_by_context)
+    by_context: list[tuple[int, int, int, int, int]] = field(default_factory=list)
 
     def k_at(self, concurrency: int) -> int:
         """The draft length at a concurrency (past the last range: the last range's)."""
@@ -46,12 +49,13 @@ class DraftSchedule:
     @property
     def adaptive(self) -> bool:
         """Whether the schedule drafts anything other than max_k somewhere."""
-        return any(k != self.max_k for _, _, k in self.ranges)
+        return any(r[-1] != self.max_k for r in (*self.ranges, *self.by_context))
 
     def to_dict(self) -> dict:
         return {"max_k": self.max_k, "acceptance_lengths": self.acceptance_lengths,
                 "levels": [asdict(l) for l in self.levels], "ranges": [list(r) for r in self.ranges],
-                "stop_concurrency": self.stop_concurrency, "assumptions": self.assumptions}
+                "stop_concurrency": self.stop_concurrency, "assumptions": self.assumptions,
+                **({"by_context": [list(r) for r in self.by_context]} if self.by_context else {})}
 
 
 
@@ -87,5 +91,13 @@ def from_dict(d: object, block_size: int, where: str) -> DraftSchedule:
             levels.append(Level(**lv))
         except TypeError as e:
             raise DFlashError(f"{where}: levels: {e}") from None
+    by_context = []
+    for i, r in enumerate(d.get("by_context") or []):
+        if not (isinstance(r, list) and len(r) == 5 and all(isinstance(x, int) and not isinstance(x, bool) for x in r)
+                and 1 <= r[0] <= r[1] and 0 <= r[2] <= r[3] and 0 <= r[4] <= max_k):
+            raise DFlashError(f"{where}: by_context[{i}] must be [first, last concurrency, first, last context token, "
+                              f"k] integers (1 <= first <= last, 0 <= k <= max_k {max_k}), got {r!r}")
+        by_context.append(tuple(r))
     return DraftSchedule(max_k=max_k, acceptance_lengths=[float(x) for x in lengths], levels=levels, ranges=ranges,
-                         assumptions=[*[str(a) for a in d.get("assumptions") or []], f"schedule read from {where}"])
+                         assumptions=[*[str(a) for a in d.get("assumptions") or []], f"schedule read from {where}"],
+                         by_context=by_context)

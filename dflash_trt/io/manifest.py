@@ -72,10 +72,11 @@ MANIFEST_SCHEMA: dict = {
             "required": ["engine", "dflash_since", "contract", "servers"],
             "properties": {"servers": {"additionalProperties": {"required": ["image", "engine_version"]}}}}},
         "serving_profile": {"required": ["profile"], "properties": {"profile": _enum(["latency", "throughput"])}},
-        # per served stack: the fields written into its own control, or why nothing was written
+        # per served stack: the fields written into its own control (and why not the context axis), or why nothing
         "draft_schedule": {"required": ["source", "schedule", "stacks"],
-                           "properties": {"stacks": {"additionalProperties": {"minProperties": 1,
-                                                                              "maxProperties": 1}}}},
+                           "properties": {"stacks": {"additionalProperties": {"minProperties": 1, "maxProperties": 2,
+                                                                              "not": {"required": ["skipped",
+                                                                                                   "fields"]}}}}},
         "artifacts": {"items": {"required": ["path", "bytes", "sha256"],
                                 "properties": {"bytes": {"minimum": 0}, "sha256": {"pattern": "^[0-9a-f]{64}$"}}}},
     },
@@ -322,6 +323,7 @@ class StackScheduleRecord:
     """One served stack's draft schedule: the fields written into its own control, or why none."""
     fields: dict | None = _optional()
     skipped: str | None = _optional()
+    context: str | None = _optional()      # a schedule with a context axis: why this stack's fields have none
 
 
 @record

@@ -127,6 +127,28 @@ def choose(survival: Sequence[float], step_seconds: Callable[[int, int], float],
                          ranges=[tuple(r) for r in ranges], assumptions=notes)
 
 
+CONTEXT_END = (1 << 31) - 1   # the last bucket's entries cover every longer context
+
+
+def choose_by_context(buckets: Sequence[tuple[int, Sequence[float]]],
+                      step_seconds_at: Callable[[int], Callable[[int, int], float]], concurrencies: Sequence[int], *,
+                      max_k: int | None = None, assumptions: Sequence[str] = ()) -> DraftSchedule:
+    """K by concurrency and context: `choose` at each measured context bucket (context tokens, its survival),
+    with the step cost at that context (step_seconds_at(context)); a bucket's entries cover the contexts nearer
+    to it than to its neighbours. The ranges (for an engine with no context control) are the shortest bucket's."""
+    buckets = sorted(buckets)
+    per = [choose(surv, step_seconds_at(ctx), concurrencies, max_k=max_k, assumptions=assumptions)
+           for ctx, surv in buckets]
+    edges = [0, *[(a + b) // 2 + 1 for (a, _), (b, _) in zip(buckets, buckets[1:])], CONTEXT_END + 1]
+    entries = [(a, b, lo, hi - 1, k) for (lo, hi), sched in zip(zip(edges, edges[1:]), per) for a, b, k in sched.ranges]
+    notes = [f"context {lo}-{hi - 1 if hi <= CONTEXT_END else 'on'} (bucket {ctx}): " + ", ".join(
+        f"{a}-{b}: K {k}" for a, b, k in sched.ranges) for (lo, hi), (ctx, _), sched in zip(zip(edges, edges[1:]),
+                                                                                            buckets, per)]
+    first = per[0]
+    return DraftSchedule(max_k=first.max_k, acceptance_lengths=first.acceptance_lengths, levels=first.levels,
+                         ranges=first.ranges, assumptions=[*first.assumptions, *notes], by_context=entries)
+
+
 def format_schedule(s: DraftSchedule) -> str:
     """The schedule for people: the ranges, then the per-concurrency choice against always-K and AR."""
     lines = ["draft length by concurrency: " + ", ".join(
@@ -156,11 +178,32 @@ def read_json_file(path: str, where: str) -> object:
         raise DFlashError(f"{where}: not JSON ({e})") from None
 
 
+def survival_by_context(path: str, block_size: int, where: str) -> list[tuple[int, list[float]]] | None:
+    """[(context tokens, survival)] of a `dflash-trt bench --context-buckets --json` report; None for a report
+    without buckets."""
+    r = read_json_file(path, where)
+    if not isinstance(r, dict) or not isinstance(r.get("context_buckets"), list):
+        return None
+    out = []
+    for i, b in enumerate(r["context_buckets"]):
+        if not isinstance(b, dict) or not isinstance(b.get("context_tokens"), int | float) or b["context_tokens"] < 1:
+            raise DFlashError(f"{where}: context_buckets[{i}] has no context_tokens (a `bench --context-buckets` row)")
+        out.append((round(b["context_tokens"]), survival_from_report(b, block_size, f"{where} context_buckets[{i}]")))
+    return out or None
+
+
 def survival_from_bench(path: str, block_size: int, where: str | None = None) -> tuple[list[float], float]:
     """(survival, tau) from a `dflash-trt bench --json` report's acceptance_histogram, whose block_size
-    must be the drafter's served block."""
+    must be the drafter's served block (a --context-buckets report: its shortest bucket's)."""
     where = where or f"--acceptance {path}"
     r = read_json_file(path, where)
+    if isinstance(r, dict) and isinstance(r.get("context_buckets"), list) and r["context_buckets"]:
+        r, where = r["context_buckets"][0], f"{where} context_buckets[0]"
+    surv = survival_from_report(r, block_size, where)
+    return surv, acceptance_lengths(surv)[-1]
+
+
+def survival_from_report(r: object, block_size: int, where: str) -> list[float]:
     if not isinstance(r, dict) or not isinstance(r.get("acceptance_histogram"), dict):
         raise DFlashError(f"{where}: no acceptance_histogram (expected a `dflash-trt bench --json` report)")
     if r.get("block_size") != block_size:
@@ -172,4 +215,4 @@ def survival_from_bench(path: str, block_size: int, where: str | None = None) ->
         raise DFlashError(f"{where}: acceptance_histogram: {e}") from None
     except DFlashError as e:
         raise DFlashError(f"{where}: {e}") from None
-    return surv, acceptance_lengths(surv)[-1]
+    return surv

@@ -273,14 +273,20 @@ def speed(plan: Plan, target: ModelShape, drafter: ModelShape | None, hw: Hardwa
     if not hw.dense_flops_per_s or "bf16" not in hw.dense_flops_per_s:
         raise DFlashError(f"hardware.json: {hw.name} has no dense_flops_per_s; the speed model needs it")
     t, src, survival, acc_src = resolve_acceptance(plan.target, tau, plan.block_size, drafter is not None, acceptance)
+    # a `bench --context-buckets` report: K by concurrency and context, each bucket with its own acceptance
+    by_context = ds.survival_by_context(acceptance, plan.block_size, f"--acceptance {acceptance}") \
+        if acceptance and drafter is not None else None
     layouts = [layout_speed(plan, l, target, drafter, hw, t, context_tokens) for l in plan.layouts]
     for l in layouts:
         if l.points and drafter is not None and survival:   # K per concurrency at the layout's own concurrencies
-            cost = StepCost(plan, target, drafter, hw, l.tp, context_tokens, EFFICIENCY["central"],
-                            attention_dp=l.attention_dp)
-            sched = ds.choose(survival, cost.step_seconds, [p.concurrency for p in l.points],
-                              assumptions=[f"acceptance per position: {acc_src}", SCHEDULE_COST])
-            l.draft_schedule, l.draft_schedule_why = sched.to_dict(), explain_schedule(sched, cost)
+            def cost_at(ctx: int, l=l) -> StepCost:
+                return StepCost(plan, target, drafter, hw, l.tp, min(ctx, plan.max_seq_len), EFFICIENCY["central"],
+                                attention_dp=l.attention_dp)
+            levels, notes = [p.concurrency for p in l.points], [f"acceptance per position: {acc_src}", SCHEDULE_COST]
+            sched = ds.choose_by_context(by_context, lambda ctx: cost_at(ctx).step_seconds, levels,
+                                         assumptions=notes) if by_context else \
+                ds.choose(survival, cost_at(context_tokens).step_seconds, levels, assumptions=notes)
+            l.draft_schedule, l.draft_schedule_why = sched.to_dict(), explain_schedule(sched, cost_at(context_tokens))
     c = EFFICIENCY["central"]
     assumptions = [
         f"decode only, every sequence holding {context_tokens} tokens of context (--context-tokens); prefill not counted",

@@ -133,6 +133,14 @@ def load_pair(target_dir, drafter_dir=None, dtype: str | torch.dtype = "auto", m
                 Path(drafter_dir) if drafter_dir is not None else None, max_len)
 
 
+def context_limit(pair: Pair, dflash: bool = True) -> tuple[int, str]:
+    """(positions a request may use, what sets that number): the target's context, or the runtime's max_len."""
+    ctx = decoder_config(pair.target.cfg).get("max_position_embeddings") or MAX_CONTEXT   # (a wrapper: text_config)
+    if dflash and pair.max_len < ctx:
+        return pair.max_len, f"the runtime's max_len of {pair.max_len} positions"
+    return ctx, f"the target's context of {ctx} tokens (max_position_embeddings)"
+
+
 def check_request(pair: Pair, n_prompt: int, max_new_tokens: int, block_size: int | None, mode: str = "dflash") -> int:
     """Bound a request before anything is allocated for it: the prompt and max_new_tokens against
     the target's context (max_position_embeddings) and the drafter's RoPE table, the block size
@@ -143,10 +151,7 @@ def check_request(pair: Pair, n_prompt: int, max_new_tokens: int, block_size: in
         raise DFlashError(f"--block-size {B}: must be between 2 and {MAX_BLOCK}")
     if max_new_tokens < 1:
         raise DFlashError(f"--max-new-tokens {max_new_tokens}: must be at least 1")
-    ctx = decoder_config(pair.target.cfg).get("max_position_embeddings") or MAX_CONTEXT   # (a wrapper: text_config)
-    limit, why = ctx, f"the target's context of {ctx} tokens (max_position_embeddings)"
-    if dflash and pair.max_len < ctx:
-        limit, why = pair.max_len, f"the runtime's max_len of {pair.max_len} positions"
+    limit, why = context_limit(pair, dflash)
     slack = B + 1 if dflash else 1      # positions drafted / verified past the last new token
     room = limit - n_prompt - slack
     if room < 1:

