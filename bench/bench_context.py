@@ -42,8 +42,11 @@ def cli(*argv: str) -> str:
     return res.stdout
 
 
-def step_cost(never: dict, always: dict, max_k: int):
-    """step_seconds_at(context) for choose_by_context, from the two sweeps' levels at each bucket."""
+def step_cost(never: dict, always: dict):
+    """step_seconds_at(context) for choose_by_context, from the two sweeps' levels at each bucket: K = 0 never's
+    step, any K >= 1 always's (vLLM's DFlash drafter runs its whole block whatever K, and verifying K + 1 tokens
+    of a few sequences costs what verifying 8 does: a first run that priced K linearly between the two chose
+    K 2 at 512 tokens and lost 19-21 % to the better static mode), linear in c between measured levels."""
     def at(ctx: int):
         bucket = min(never, key=lambda b: abs(b - ctx))
         points = sorted(never[bucket])
@@ -51,10 +54,10 @@ def step_cost(never: dict, always: dict, max_k: int):
         def t(c: int, k: int) -> float:
             lo = max([p for p in points if p <= c], default=points[0])
             hi = min([p for p in points if p >= c], default=points[-1])
+
             def at_c(p):
-                t0 = 1 / never[bucket][p]["tokens_per_s_per_user"]
-                tk = always[bucket][p]["acceptance_length"] / always[bucket][p]["tokens_per_s_per_user"]
-                return t0 + (tk - t0) * k / max_k
+                lv = always[bucket][p] if k else never[bucket][p]
+                return (lv["acceptance_length"] if k else 1) / lv["tokens_per_s_per_user"]
             return at_c(lo) if hi == lo else at_c(lo) + (at_c(hi) - at_c(lo)) * (c - lo) / (hi - lo)
         return t
     return at
@@ -87,7 +90,9 @@ def main() -> int:
     work = a.keep or Path(tempfile.mkdtemp(prefix="bench-context-"))
     work.mkdir(parents=True, exist_ok=True)
     common = ["--limit", str(a.limit), "--max-new-tokens", str(a.max_new_tokens), "--context-buckets", a.buckets]
-    runtime = json.loads(cli("bench", *common, "--dtype", "float32", "--json"))
+    saved = work / "runtime.json"       # --keep DIR of an earlier run: its runtime and static sweeps are reused
+    runtime = json.loads(saved.read_text() if saved.is_file() else cli("bench", *common, "--dtype", "float32", "--json"))
+    saved.write_text(json.dumps(runtime))
     bundle = work / "bundle"
     if not (bundle / "manifest.json").is_file():
         cli("build", "--arch", "hopper", "--gpu", "h200", "--quant", "none", "--stacks", "vllm", "--out", str(bundle))
@@ -97,21 +102,25 @@ def main() -> int:
                 for b in parse_buckets(a.buckets)}
 
     def serve(name: str, served: Path, speculative: bool = True) -> dict:
+        if name != "scheduled" and (work / f"{name}.run.json").is_file():
+            run = json.loads((work / f"{name}.run.json").read_text())
+            return {**run, "ids": {int(b): ids for b, ids in (run["ids"] or {}).items()}}
         srv = VllmServer(served, work=work / f"vllm-{name}", extra_args=["--enforce-eager"], speculative=speculative,
                          env={"VLLM_CPU_KVCACHE_SPACE": "4"})
         with srv:
             ids = {b: srv.complete_ids(p, a.max_new_tokens, ignore_eos=True) for b, p in identity.items()}
             report = json.loads(cli("bench", "--endpoint", srv.url, *common, "--concurrency", a.concurrency,
                                     "--ignore-eos", "--json"))
-        (work / f"{name}.json").write_text(json.dumps(report, indent=2))
-        return {"report": report, "ids": ids, "startup_s": round(srv.startup_s, 1)}
+        run = {"report": report, "ids": ids, "startup_s": round(srv.startup_s, 1)}
+        (work / f"{name}.run.json").write_text(json.dumps(run))
+        return run
 
     never = serve("never", bundle, speculative=False)
     always = serve("always", bundle)
     block = runtime["context_buckets"][0]["block_size"]
     buckets = [(round(b["context_tokens"]), ds.survival_from_histogram(b["acceptance_histogram"], block))
                for b in runtime["context_buckets"]]
-    cost = step_cost(levels_by_bucket(never["report"]), levels_by_bucket(always["report"]), block - 1)
+    cost = step_cost(levels_by_bucket(never["report"]), levels_by_bucket(always["report"]))
     # the runtime's buckets hold what each was padded to; the endpoint's are keyed by the bucket asked for
     asked = dict(zip((c for c, _ in buckets), parse_buckets(a.buckets)))
     schedule = ds.choose_by_context(buckets, lambda ctx: cost(asked[ctx]), [int(c) for c in a.concurrency.split(",")],
@@ -138,7 +147,8 @@ def main() -> int:
                                                                "lossless", "acceptance_histogram")}
                                               for r in runtime["context_buckets"]],
            "schedule": schedule.to_dict(), "table": table,
-           "identical_ids": {b: always["ids"][b] == never["ids"][b] == scheduled["ids"][b] for b in identity},
+           "identical_ids": {b: all(run["ids"][b] == never["ids"][b] for run in (always, scheduled) if run["ids"])
+                             for b in identity},
            "startup_s": {n: r["startup_s"] for n, r in (("never", never), ("always", always),
                                                         ("scheduled", scheduled))}}
     print(json.dumps(out, indent=2) if a.json else json.dumps(table, indent=2))

@@ -27,6 +27,10 @@
   context K/V only; and vLLM's own), at the drafter's own acceptance (token identity to vLLM's AR checked)
   and at two synthetic acceptance profiles (tau 4.4 and 2.5) (bench/bench_tune.py; one repeat with --quick).
   Skipped, with the reason, where the vLLM env is missing;
+- context.json: speculation by context length: `bench --context-buckets 512,8000` on our runtime and on
+  vLLM-CPU (never, always), the K(concurrency, context) schedule planned from those (choose_by_context),
+  served through our plugin's context entries, per cell against the better static mode, token identity
+  (bench/bench_context.py). Skipped, with the reason, where the vLLM env is missing;
 - adapt.json: `dflash-trt adapt` on the embedded pair with 300 logged code requests (chat and completions
   rows): held-out tau, acceptance per position and speed-up of the old and the adapted drafter, losslessness,
   the time adapt took, and a refused run (too little training) (bench/bench_adapt.py);
@@ -160,6 +164,10 @@ def main() -> int:
                        | {m: r[m]["tokens_per_s_median"] for m in ("build", "tuned", "always", "never", "k0",
                                                                    "k0-upstream") if m in r}
                        for r in tn["levels"]]}
+    ctx = {"skipped": problem} if problem else _script("bench_context.py", ["--json"], out / "context.json")
+    if ctx is not None:
+        summary["context"] = ctx if problem else {k: ctx[k] for k in ("runtime", "table", "identical_ids")} | {
+            "by_context": ctx["schedule"].get("by_context")}
     adapted = _script("bench_adapt.py", [], out / "adapt.json")
     if adapted is not None:
         summary["adapt"] = {k: adapted[k] for k in ("requests", "steps", "adapt_seconds", "passed", "gain", "paired_se",

