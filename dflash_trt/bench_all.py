@@ -166,8 +166,7 @@ def main() -> int:
                        for r in tn["levels"]]}
     ctx = {"skipped": problem} if problem else _script("bench_context.py", ["--json"], out / "context.json")
     if ctx is not None:
-        summary["context"] = ctx if problem else {k: ctx[k] for k in ("runtime", "table", "identical_ids")} | {
-            "by_context": ctx["schedule"].get("by_context")}
+        summary["context"] = ctx if problem else {k: ctx[k] for k in ("runtime", "table", "identical_ids", "schedule")}
     adapted = _script("bench_adapt.py", [], out / "adapt.json")
     if adapted is not None:
         summary["adapt"] = {k: adapted[k] for k in ("requests", "steps", "adapt_seconds", "passed", "gain", "paired_se",

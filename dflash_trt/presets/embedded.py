@@ -10,6 +10,7 @@ its chat template, generation_config.json) under `$DFLASH_TRT_HOME` (default
 from __future__ import annotations
 
 import base64
+import copy
 import hashlib
 import json
 import os
@@ -144,8 +145,6 @@ def convert_gguf(gguf: Path, dest: Path, loaded=None) -> Path:
     The loaded model carries GGUF quantization bookkeeping in its config; copying its state dict
     into a fresh model built from the cleaned config gives a plain checkpoint any loader reads.
     loaded: load_gguf_model(gguf) when the caller holds it already (a minute of dequantizing saved)."""
-    import copy
-
     import torch
     from transformers import AutoModelForCausalLM
 
