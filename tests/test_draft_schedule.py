@@ -6,6 +6,8 @@ import pytest
 from dflash_trt.errors import DFlashError
 from dflash_trt.plan import draft_schedule as ds
 
+from helpers import run_cli
+
 
 def test_survival_from_histogram():
     # tokens per block incl. bonus: 10 blocks of 1, 5 of 2, 5 of 3 -> >=1 draft 10/20, >=2 drafts 5/20, >=3 0
@@ -96,6 +98,10 @@ def test_k_by_context_chooses_per_bucket_and_covers_every_context(tmp_path):
     assert all(k == 0 for *_, lo, _, k in s.by_context if lo > 4352)        # speculation off when long
     back = ds.from_dict(json.loads(json.dumps(s.to_dict())), 8, "s.json")
     assert back.by_context == s.by_context and back.adaptive
+    assert back.contexts == s.contexts and [(c.first, c.last) for c in s.contexts] == [(0, 4352), (4353, ds.CONTEXT_END)]
+    assert s.contexts[1].levels == want[8192].levels and s.contexts[1].acceptance_lengths == want[8192].acceptance_lengths
+    with pytest.raises(DFlashError, match=r"s.json: contexts\[0\] must be \{first, last, acceptance_lengths, levels\}"):
+        ds.from_dict({"ranges": [[1, 8, 7]], "contexts": [{"first": 0, "last": 9}]}, 8, "s.json")
     with pytest.raises(DFlashError, match=r"by_context\[0\] must be \[first, last concurrency, first, last context"):
         ds.from_dict({"ranges": [[1, 8, 7]], "by_context": [[1, 8, 0, 100]]}, 8, "s.json")
     report = tmp_path / "buckets.json"
@@ -104,3 +110,36 @@ def test_k_by_context_chooses_per_bucket_and_covers_every_context(tmp_path):
         {"context_tokens": 8000, "block_size": 4, "acceptance_histogram": {"1": 20}}]}))
     assert ds.survival_by_context(str(report), 4, "r") == [(506, [0.5, 0.25, 0.0]), (8000, [0.0, 0.0, 0.0])]
     assert ds.survival_from_bench(str(report), 4)[0] == [0.5, 0.25, 0.0]      # a plain reader: the shortest
+
+
+def test_plan_plots_k_by_context_a_line_per_bucket(tmp_path):
+    """`plan --speed --acceptance` with a bench report by context bucket plans K(c, ctx) and `--plot` draws K
+    against concurrency once per bucket (matplotlib's own legend of the K axes is the oracle)."""
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg", force=True)
+    from types import SimpleNamespace
+
+    from matplotlib.figure import Figure
+
+    from dflash_trt.plan.speed_plot import draw_schedule
+
+    report = tmp_path / "buckets.json"
+    report.write_text(json.dumps({"context_buckets": [
+        {"context_tokens": 512, "block_size": 10, "acceptance_histogram": {"1": 10, "4": 30, "10": 60}},
+        {"context_tokens": 16000, "block_size": 10, "acceptance_histogram": {"1": 90, "2": 10}}]}))
+    png = tmp_path / "k.png"
+    code, out, err = run_cli("plan", "--target", "gpt-oss-120b", "--hardware", "dgx-b300", "--speed", "--acceptance",
+                             str(report), "--plot", str(png), "--json")
+    assert code == 0, err
+    d = json.loads(out)["speed"]["layouts"][0]["draft_schedule"]
+    assert {(c["first"], c["last"]) for c in d["contexts"]} == {(0, 8256), (8257, ds.CONTEXT_END)}
+    assert png.stat().st_size > 10_000
+    fig = Figure()
+    ax, kax = fig.add_subplot(211), fig.add_subplot(212)
+    draw_schedule(ax, kax, "tp8", SimpleNamespace(draft_schedule=d, gpus_per_replica=8), "C0")
+    labels = [line.get_label() for line in kax.get_lines()]
+    assert labels[:2] == ["tp8: K drafted per step at context 0-8256", "tp8: K drafted per step at context 8257-on"]
+    # each line is its bucket's entries: K at concurrency 1 as the schedule says
+    for line, lo in zip(kax.get_lines()[:2], (0, 8257)):
+        (k,) = [e[4] for e in d["by_context"] if e[0] == 1 and e[2] == lo]
+        assert line.get_ydata()[0] == k

@@ -289,6 +289,47 @@ def test_promtool_unit_tests_each_alert(figures, tmp_path):
     assert r.returncode != 0 and "DFlashAcceptanceBelowPlan" in r.stdout + r.stderr
 
 
+@needs_promtool
+def test_alerts_by_context_pick_the_bucket_the_traffic_sits_in(tmp_path):
+    """A schedule by context (short prompts accept well; at 8,192 tokens drafting costs more and accepts less):
+    vLLM (our plugin drafts by context) gets each bucket's thresholds, chosen by dflash:context_tokens (the mean
+    prompt of vLLM's request_prompt_tokens histogram); the same acceptance fires the break-even alert at long
+    context and not at short. Oracle: promtool evaluating the rules on synthetic series, against the figures each
+    bucket's own `choose` gives. TensorRT-LLM (keyed by batch size only) gets the shortest bucket's, no context."""
+    def cost_at(ctx):
+        return lambda c, k: 1 + c * (k + 1) * 0.01 * (1 + ctx / 4096) + (0.1 * (1 + ctx / 2048) if k else 0.0)
+    sched = ds.choose_by_context([(512, ds.survival_from_tau(4.4, 8)), (8192, ds.survival_from_tau(2.0, 8))],
+                                 cost_at, [1, 4, 16])
+    f = planned_figures(sched.to_dict())
+    at4 = {r.context[0]: r for r in f.by_context if r.first == 4}
+    want = {ctx: planned_figures(ds.choose(surv, cost_at(ctx), [1, 4, 16]).to_dict()).by_concurrency[1]
+            for ctx, surv in ((512, ds.survival_from_tau(4.4, 8)), (8192, ds.survival_from_tau(2.0, 8)))}
+    assert at4[0].break_even_acceptance_length == pytest.approx(want[512].break_even_acceptance_length)
+    assert at4[4353].break_even_acceptance_length == pytest.approx(want[8192].break_even_acceptance_length)
+    short_be, long_be = at4[0].break_even_acceptance_length, at4[4353].break_even_acceptance_length
+    assert long_be - short_be > 0.05, (short_be, long_be)
+    accepted = round(100 * ((short_be + long_be) / 2 - 1))      # tau between the buckets' break-evens
+    tau = 1 + accepted / 100
+    rules = _rules_file(tmp_path, "vllm", f, strip_annotations=True)
+    names = ("DFlashAcceptanceBelowPlan", "DFlashSpeculationNotPaying")
+    tests = []
+    for prompt, row in ((512, at4[0]), (8000, at4[4353])):
+        series = _vllm_series(accepted_per_min=f"0+{accepted}x30", running=4) + [
+            {"series": f"vllm:request_prompt_tokens_sum{{{POD}}}", "values": f"0+{prompt * 10}x30"},
+            {"series": f"vllm:request_prompt_tokens_count{{{POD}}}", "values": "0+10x30"}]
+        fires = {"DFlashAcceptanceBelowPlan": tau < 0.9 * row.planned_acceptance_length,
+                 "DFlashSpeculationNotPaying": tau < row.break_even_acceptance_length}
+        tests.append({"interval": "1m", "input_series": series,
+                      "alert_rule_test": [_alert(n, fires[n]) for n in names]})
+    assert [t["alert_rule_test"][1]["exp_alerts"] != [] for t in tests] == [False, True]
+    spec = tmp_path / "alerts.test.yml"
+    spec.write_text(yaml.safe_dump({"rule_files": [rules.name], "evaluation_interval": "1m", "tests": tests}))
+    r = subprocess.run([PROMTOOL, "test", "rules", spec.name], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0 and "SUCCESS" in r.stdout, r.stdout + r.stderr
+    trt = json.dumps(mon.rule_groups("trtllm-serve", f))
+    assert "context_tokens" not in trt and f"< {f.by_concurrency[1].break_even_acceptance_length:.4g})" in trt
+
+
 # ------------------------------------------------------------------ deploy --monitoring
 @needs_sdk
 def test_deploy_monitoring_writes_checked_objects(embedded_vllm_bundle, tmp_path):

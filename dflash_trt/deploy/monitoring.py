@@ -11,14 +11,18 @@ series per pod (`BY`):
     dflash:concurrency                       requests in flight, averaged over the window
     dflash:generation_tokens_per_second      tokens/s of the pod
     dflash:tokens_per_second_per_user        tokens/s / concurrency
+    dflash:context_tokens                    mean prompt tokens of the requests finished over the window (where
+                                             the engine exports prompt lengths: vLLM's request_prompt_tokens)
     dflash:ttft_seconds{quantile}, dflash:itl_seconds{quantile}, dflash:time_per_output_token_seconds{quantile}
 
 Alerts (each only where the plan gives its figure): DFlashAcceptanceBelowPlan, DFlashSpeculationNotPaying,
-DFlashTokenLatencyOverTarget. The dashboard is built with grafana-foundation-sdk (Grafana's own typed
+DFlashTokenLatencyOverTarget. A schedule by context served by an engine that drafts by context (vLLM with our
+plugin) gets its thresholds per concurrency and context bucket, the bucket chosen by dflash:context_tokens. The dashboard is built with grafana-foundation-sdk (Grafana's own typed
 builders; an optional dependency, the `monitoring` extra) on the engine's metric names.
 """
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass
 
@@ -28,6 +32,7 @@ from dflash_trt import engines, stacks
 from dflash_trt.deploy.dynamo import LOADER, _closed
 from dflash_trt.errors import DFlashError
 from dflash_trt.paths import deploy_path
+from dflash_trt.plan.draft_schedule import CONTEXT_END
 from dflash_trt.plan.monitoring_figures import PlannedFigures
 from dflash_trt.stacks.base import StackMetrics
 
@@ -70,6 +75,10 @@ def recording_rules(m: StackMetrics, s: Settings = Settings(), by: tuple[str, ..
         {"record": "dflash:tokens_per_second_per_user",
          "expr": f"dflash:generation_tokens_per_second / on({b}) (dflash:concurrency > 0)"},
     ]
+    if m.histogram("prompt_tokens"):
+        p = m.metrics["prompt_tokens"].name
+        rules.append({"record": "dflash:context_tokens",
+                      "expr": f"sum by ({b}) (rate({p}_sum[{w}])) / sum by ({b}) (rate({p}_count[{w}]))"})
     for role, record in HISTOGRAMS.items():
         if m.histogram(role):
             rules += [{"record": record, "labels": {"quantile": q},
@@ -78,52 +87,64 @@ def recording_rules(m: StackMetrics, s: Settings = Settings(), by: tuple[str, ..
     return rules
 
 
-def _by_concurrency(metric: str, rows, value, b: str) -> str:
-    """`metric < value(row)` while the measured concurrency is in the row's range, for every row; neighbouring
-    rows with the same threshold (4 significant digits) are one range."""
-    spans: list[list] = []                       # [first, until, threshold text]
-    for r in rows:
-        v = f"{value(r):.4g}"
-        if spans and spans[-1][2] == v:
-            spans[-1][1] = r.until
-        else:
-            spans.append([r.first, r.until, v])
+def _where(r) -> str:
+    return f"c>={r.first}" + (f" context {r.context[0]}-{r.context[1]}" if r.context else "")
+
+
+def _by_level(metric: str, rows, value, b: str) -> str:
+    """`metric < value(row)` while the measured concurrency (and for a row of a context bucket, the measured
+    context) is in the row's range, for every row; neighbouring rows of a bucket with the same threshold (4
+    significant digits) are one range."""
     terms = []
-    for i, (first, until, v) in enumerate(spans):
-        lo = "> 0" if i == 0 else f">= {first}"   # below the first planned concurrency: its figure
-        hi = f" < {until}" if until is not None else ""
-        terms.append(f"(({metric} < {v}) and on({b}) (dflash:concurrency {lo}{hi}))")
+    for context, bucket in itertools.groupby(rows, key=lambda r: r.context):
+        spans: list[list] = []                   # [first, until, threshold text]
+        for r in bucket:
+            v = f"{value(r):.4g}"
+            if spans and spans[-1][2] == v:
+                spans[-1][1] = r.until
+            else:
+                spans.append([r.first, r.until, v])
+        # a bucket's contexts are whole tokens, the measured one a mean: each bucket up to the next one's first
+        at = "" if context is None else f" and on({b}) (dflash:context_tokens >= {context[0]}" + (
+            f" < {context[1] + 1})" if context[1] < CONTEXT_END else ")")
+        for i, (first, until, v) in enumerate(spans):
+            lo = "> 0" if i == 0 else f">= {first}"   # below the first planned concurrency: its figure
+            hi = f" < {until}" if until is not None else ""
+            terms.append(f"(({metric} < {v}) and on({b}) (dflash:concurrency {lo}{hi}){at})")
     return "\n or ".join(terms)
 
 
-def alert_rules(m: StackMetrics, figures: PlannedFigures, s: Settings = Settings(), by: tuple[str, ...] = BY) -> list[dict]:
+def alert_rules(m: StackMetrics, figures: PlannedFigures, s: Settings = Settings(), by: tuple[str, ...] = BY,
+                by_context: bool = False) -> list[dict]:
+    """The alerts; by_context: the engine drafts by context (its thresholds per bucket where the plan has them)."""
     b = ", ".join(by)
     out = []
-    rows = [r for r in figures.by_concurrency]
+    rows = figures.by_context if by_context and figures.by_context and m.histogram("prompt_tokens") \
+        else figures.by_concurrency
     if rows:
         keep = 1 - s.acceptance_tolerance
         out.append({
             "alert": "DFlashAcceptanceBelowPlan",
-            "expr": _by_concurrency("dflash:acceptance_length", rows, lambda r: r.planned_acceptance_length * keep, b),
+            "expr": _by_level("dflash:acceptance_length", rows, lambda r: r.planned_acceptance_length * keep, b),
             "for": s.alert_for, "labels": {"severity": "warning"},
             "annotations": {
                 "summary": "DFlash acceptance below what the rollout was planned for",
                 "description": ("{{ $labels.pod }}: acceptance length {{ $value | printf \"%.2f\" }} is more than "
                                 f"{s.acceptance_tolerance:.0%} below the planned one at its concurrency ("
-                                + ", ".join(f"c>={r.first}: {r.planned_acceptance_length:.2f}" for r in rows)
+                                + ", ".join(f"{_where(r)}: {r.planned_acceptance_length:.2f}" for r in rows)
                                 + f"; {figures.source}). Retune the draft length (dflash-trt tune) or check the "
                                 "prompt template and target checkpoint."),
             },
         })
         out.append({
             "alert": "DFlashSpeculationNotPaying",
-            "expr": _by_concurrency("dflash:acceptance_length", rows, lambda r: r.break_even_acceptance_length, b),
+            "expr": _by_level("dflash:acceptance_length", rows, lambda r: r.break_even_acceptance_length, b),
             "for": s.alert_for, "labels": {"severity": "warning"},
             "annotations": {
                 "summary": "Speculative decoding costs more than it gives at this concurrency",
                 "description": ("{{ $labels.pod }}: acceptance length {{ $value | printf \"%.2f\" }} is below the "
                                 "break-even of the planned draft length at its concurrency ("
-                                + ", ".join(f"c>={r.first} K={r.k}: {r.break_even_acceptance_length:.2f}" for r in rows)
+                                + ", ".join(f"{_where(r)} K={r.k}: {r.break_even_acceptance_length:.2f}" for r in rows)
                                 + "): plain decoding would be faster. Draft fewer tokens there (dflash-trt tune)."),
             },
         })
@@ -147,7 +168,8 @@ def alert_rules(m: StackMetrics, figures: PlannedFigures, s: Settings = Settings
 def rule_groups(server: str, figures: PlannedFigures, s: Settings = Settings(), by: tuple[str, ...] = BY) -> list[dict]:
     m = stack_metrics(server)
     groups = [{"name": "dflash-trt.recording", "rules": recording_rules(m, s, by)}]
-    alerts = alert_rules(m, figures, s, by)
+    drafts_by_context = stacks.get(engines.server_stack(server)).draft_schedule_context_problem() is None
+    alerts = alert_rules(m, figures, s, by, by_context=drafts_by_context)
     if alerts:
         groups.append({"name": "dflash-trt.alerts", "rules": alerts})
     return groups
@@ -172,6 +194,10 @@ def dashboard_queries(server: str, w: str = "$__rate_interval", by: tuple[str, .
         ("Generation tokens/s", "none", [(f"sum by ({b}) (rate({m.metrics['generation_tokens'].name}[{w}]))", legend)]),
         ("Requests in flight", "none", [(f"sum by ({b}) ({m.metrics['running'].name})", legend)]),
     ]
+    if m.histogram("prompt_tokens"):
+        p = m.metrics["prompt_tokens"].name
+        panels.append(("Prompt tokens, mean of finished requests (the schedule's context axis)", "none",
+                       [(f"sum by ({b}) (rate({p}_sum[{w}])) / sum by ({b}) (rate({p}_count[{w}]))", legend)]))
     titles = {"ttft": "Time to first token", "itl": "Inter-token latency (engine's, per step)",
               "tpot": "Time per output token"}
     for role, title in titles.items():

@@ -22,6 +22,16 @@ class Level:
     ar_tokens_per_s_per_user: float   # never speculating
 
 
+@dataclass(frozen=True)
+class ContextLevels:
+    """What the choice at one context bucket was made from: its contexts (first..last token, inclusive), the
+    acceptance length at each K there and the levels (monitoring's break-even per concurrency and context)."""
+    first: int
+    last: int
+    acceptance_lengths: list[float]
+    levels: list[Level]
+
+
 @dataclass
 class DraftSchedule:
     max_k: int                        # the most a step drafts (block size - 1, or less if asked)
@@ -32,6 +42,7 @@ class DraftSchedule:
     # K by concurrency and context: (first, last concurrency, first, last context token, k), inclusive, as vLLM
     # PR #48944 proposes them; empty: the ranges hold at every context (plan/draft_schedule.choose_by_context)
     by_context: list[tuple[int, int, int, int, int]] = field(default_factory=list)
+    contexts: list[ContextLevels] = field(default_factory=list)   # one per bucket where by_context was planned
 
     def k_at(self, concurrency: int) -> int:
         """The draft length at a concurrency (past the last range: the last range's)."""
@@ -55,7 +66,8 @@ class DraftSchedule:
         return {"max_k": self.max_k, "acceptance_lengths": self.acceptance_lengths,
                 "levels": [asdict(l) for l in self.levels], "ranges": [list(r) for r in self.ranges],
                 "stop_concurrency": self.stop_concurrency, "assumptions": self.assumptions,
-                **({"by_context": [list(r) for r in self.by_context]} if self.by_context else {})}
+                **({"by_context": [list(r) for r in self.by_context]} if self.by_context else {}),
+                **({"contexts": [asdict(c) for c in self.contexts]} if self.contexts else {})}
 
 
 
@@ -85,12 +97,7 @@ def from_dict(d: object, block_size: int, where: str) -> DraftSchedule:
         raise DFlashError(f"{where}: max_k {max_k!r} must be an integer from the largest k of the ranges to "
                           f"{block_size - 1} (block size - 1)")
     lengths = d.get("acceptance_lengths") or []
-    levels = []
-    for lv in d.get("levels") or []:
-        try:
-            levels.append(Level(**lv))
-        except TypeError as e:
-            raise DFlashError(f"{where}: levels: {e}") from None
+    levels = _levels(d.get("levels"), f"{where}: levels")
     by_context = []
     for i, r in enumerate(d.get("by_context") or []):
         if not (isinstance(r, list) and len(r) == 5 and all(isinstance(x, int) and not isinstance(x, bool) for x in r)
@@ -98,6 +105,21 @@ def from_dict(d: object, block_size: int, where: str) -> DraftSchedule:
             raise DFlashError(f"{where}: by_context[{i}] must be [first, last concurrency, first, last context token, "
                               f"k] integers (1 <= first <= last, 0 <= k <= max_k {max_k}), got {r!r}")
         by_context.append(tuple(r))
+    contexts = []
+    for i, c in enumerate(d.get("contexts") or []):
+        try:
+            contexts.append(ContextLevels(int(c["first"]), int(c["last"]), [float(x) for x in c["acceptance_lengths"]],
+                                          _levels(c["levels"], f"{where}: contexts[{i}].levels")))
+        except (KeyError, TypeError, ValueError) as e:
+            raise DFlashError(f"{where}: contexts[{i}] must be {{first, last, acceptance_lengths, levels}}: {e!r}") \
+                from None
     return DraftSchedule(max_k=max_k, acceptance_lengths=[float(x) for x in lengths], levels=levels, ranges=ranges,
                          assumptions=[*[str(a) for a in d.get("assumptions") or []], f"schedule read from {where}"],
-                         by_context=by_context)
+                         by_context=by_context, contexts=contexts)
+
+
+def _levels(rows: object, where: str) -> list[Level]:
+    try:
+        return [Level(**lv) for lv in rows or []]
+    except TypeError as e:
+        raise DFlashError(f"{where}: {e}") from None

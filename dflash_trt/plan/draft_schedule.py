@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from dflash_trt.errors import DFlashError
-from dflash_trt.io.draft_schedule import DraftSchedule, Level, from_dict
+from dflash_trt.io.draft_schedule import ContextLevels, DraftSchedule, Level, from_dict
 
 __all__ = ["DraftSchedule", "Level", "from_dict"]   # the plain type lives in io/ (the stacks type it)
 
@@ -146,7 +146,9 @@ def choose_by_context(buckets: Sequence[tuple[int, Sequence[float]]],
                                                                                             buckets, per)]
     first = per[0]
     return DraftSchedule(max_k=first.max_k, acceptance_lengths=first.acceptance_lengths, levels=first.levels,
-                         ranges=first.ranges, assumptions=[*first.assumptions, *notes], by_context=entries)
+                         ranges=first.ranges, assumptions=[*first.assumptions, *notes], by_context=entries,
+                         contexts=[ContextLevels(lo, hi - 1, s.acceptance_lengths, s.levels)
+                                   for (lo, hi), s in zip(zip(edges, edges[1:]), per)])
 
 
 def format_schedule(s: DraftSchedule) -> str:

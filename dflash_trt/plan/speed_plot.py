@@ -5,12 +5,14 @@ not at all (temp file and rename)."""
 from __future__ import annotations
 
 import io
+import itertools
 import math
 import textwrap
 from pathlib import Path
 
 from dflash_trt.errors import DFlashError
 from dflash_trt.io.atomic import atomic_write_bytes
+from dflash_trt.plan.draft_schedule import CONTEXT_END
 from dflash_trt.plan.speed import LayoutSpeed, SpeedReport, distinct_layouts
 from dflash_trt.plan.speed_check import (
     METRIC_TEXT,
@@ -175,16 +177,20 @@ def _draw_published(ax, notes, report: SpeedReport) -> None:
 
 def draw_schedule(ax, kax, name: str, layout: LayoutSpeed, color) -> None:
     """The chosen layout's draft schedule: its curve on the main axes (the best K at each concurrency, beside
-    always drafting the whole block and AR), and K against concurrency on its own axes with the concurrency
-    from which speculation stops paying."""
+    always drafting the whole block and AR), and K against concurrency on its own axes (a line per context
+    bucket for a schedule by context) with the concurrency from which speculation stops paying."""
     d, g = layout.draft_schedule, layout.gpus_per_replica
     lv = d["levels"]
     ax.plot([x["tokens_per_s_per_user"] for x in lv], [x["concurrency"] * x["tokens_per_s_per_user"] / g for x in lv],
             "-", color="black", linewidth=2.2, alpha=0.45,
             label=f"{name}: best K per concurrency (grey)")
-    xs = [c for a, b, _ in d["ranges"] for c in (a, b + 1)]
-    ys = [k for _, _, k in d["ranges"] for _ in (0, 1)]
-    kax.plot(xs, ys, "-", color=color, linewidth=1.5, label=f"{name}: K drafted per step")
+    # a schedule by context: one line per context bucket (its entries' contexts), else the ranges at every context
+    lines = {"": d["ranges"]} if not d.get("by_context") else {}
+    for a, b, lo, hi, k in d.get("by_context", []):
+        lines.setdefault(f" at context {lo}-{hi if hi < CONTEXT_END else 'on'}", []).append((a, b, k))
+    for style, (where, ranges) in zip(itertools.cycle(("-", "--", ":", "-.")), lines.items()):
+        kax.plot([c for a, b, _ in ranges for c in (a, b + 1)], [k for _, _, k in ranges for _ in (0, 1)], style,
+                 color=color, linewidth=1.5, label=f"{name}: K drafted per step{where}")
     kax.set_xscale("log")
     kax.set_ylim(-0.5, d["max_k"] + 0.5)
     kax.set_xlabel("concurrency (sequences per replica)", fontsize=7)

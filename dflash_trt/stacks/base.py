@@ -120,7 +120,8 @@ class StackMetrics:
     metrics_path: str             # its Prometheus page on the serving port
     enable: str                   # what turns the page on, as the bundle's config writes it
     metrics: dict[str, Metric]    # role -> metric; roles: drafts, draft_tokens, accepted, accepted_per_position,
-    # generation_tokens, running (requests in flight), ttft, itl, tpot (histograms), acceptance_length (gauge)
+    # generation_tokens, running (requests in flight), ttft, itl, tpot, prompt_tokens (histograms),
+    # acceptance_length (gauge)
     acceptance_length: str        # mean tokens per verify step, bonus token included (tau)
     per_position: str             # share of drafts whose position p was accepted, label position
     draft_efficiency: str         # accepted drafted tokens / drafted tokens

@@ -199,6 +199,7 @@ METRICS = StackMetrics(
         "ttft": Metric("vllm:time_to_first_token_seconds", "histogram", _ENGINE, f"{_LOG}:931"),
         "itl": Metric("vllm:inter_token_latency_seconds", "histogram", _ENGINE, f"{_LOG}:941"),
         "tpot": Metric("vllm:request_time_per_output_token_seconds", "histogram", _ENGINE, f"{_LOG}:951"),
+        "prompt_tokens": Metric("vllm:request_prompt_tokens", "histogram", _ENGINE, f"{_LOG}:865"),
     },
     # SpecDecodingProm's docstring (metrics.py:179-195) gives these forms
     acceptance_length="1 + sum by ({by}) (rate(vllm:spec_decode_num_accepted_tokens_total[{w}])) "
