@@ -17,8 +17,9 @@ series per pod (`BY`):
 
 Alerts (each only where the plan gives its figure): DFlashAcceptanceBelowPlan, DFlashSpeculationNotPaying,
 DFlashTokenLatencyOverTarget. A schedule by context served by an engine that drafts by context (vLLM with our
-plugin) gets its thresholds per concurrency and context bucket, the bucket chosen by dflash:context_tokens. The dashboard is built with grafana-foundation-sdk (Grafana's own typed
-builders; an optional dependency, the `monitoring` extra) on the engine's metric names.
+plugin) gets its thresholds per concurrency and context bucket, the bucket chosen by dflash:context_tokens.
+The dashboard is built with grafana-foundation-sdk (Grafana's own typed builders; an optional dependency, the
+`monitoring` extra) on the engine's metric names.
 """
 from __future__ import annotations
 
@@ -75,10 +76,8 @@ def recording_rules(m: StackMetrics, s: Settings = Settings(), by: tuple[str, ..
         {"record": "dflash:tokens_per_second_per_user",
          "expr": f"dflash:generation_tokens_per_second / on({b}) (dflash:concurrency > 0)"},
     ]
-    if m.histogram("prompt_tokens"):
-        p = m.metrics["prompt_tokens"].name
-        rules.append({"record": "dflash:context_tokens",
-                      "expr": f"sum by ({b}) (rate({p}_sum[{w}])) / sum by ({b}) (rate({p}_count[{w}]))"})
+    if m.context_tokens:
+        rules.append({"record": "dflash:context_tokens", "expr": m.promql("context_tokens", w, b)})
     for role, record in HISTOGRAMS.items():
         if m.histogram(role):
             rules += [{"record": record, "labels": {"quantile": q},
@@ -119,8 +118,7 @@ def alert_rules(m: StackMetrics, figures: PlannedFigures, s: Settings = Settings
     """The alerts; by_context: the engine drafts by context (its thresholds per bucket where the plan has them)."""
     b = ", ".join(by)
     out = []
-    rows = figures.by_context if by_context and figures.by_context and m.histogram("prompt_tokens") \
-        else figures.by_concurrency
+    rows = figures.by_context if by_context and figures.by_context and m.context_tokens else figures.by_concurrency
     if rows:
         keep = 1 - s.acceptance_tolerance
         out.append({
@@ -194,10 +192,9 @@ def dashboard_queries(server: str, w: str = "$__rate_interval", by: tuple[str, .
         ("Generation tokens/s", "none", [(f"sum by ({b}) (rate({m.metrics['generation_tokens'].name}[{w}]))", legend)]),
         ("Requests in flight", "none", [(f"sum by ({b}) ({m.metrics['running'].name})", legend)]),
     ]
-    if m.histogram("prompt_tokens"):
-        p = m.metrics["prompt_tokens"].name
+    if m.context_tokens:
         panels.append(("Prompt tokens, mean of finished requests (the schedule's context axis)", "none",
-                       [(f"sum by ({b}) (rate({p}_sum[{w}])) / sum by ({b}) (rate({p}_count[{w}]))", legend)]))
+                       [(m.promql("context_tokens", w, b), legend)]))
     titles = {"ttft": "Time to first token", "itl": "Inter-token latency (engine's, per step)",
               "tpot": "Time per output token"}
     for role, title in titles.items():

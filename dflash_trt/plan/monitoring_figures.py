@@ -12,8 +12,9 @@ acceptance length at each K. From those:
   planned tokens/s per user at the highest concurrency planned (the slowest the plan expects).
 
 Each figure holds from its evaluated concurrency up to the next one (the schedule's grid); a schedule by
-context (DraftSchedule.contexts) has them per context bucket too (`by_context`). A bundle without a schedule (a CPU bundle, a drafter
-without an acceptance figure) has no planned figures: the alerts that need them are not written.
+context (DraftSchedule.contexts) has them per context bucket too (`by_context`). A bundle without a schedule
+(a CPU bundle, a drafter without an acceptance figure) has no planned figures: the alerts that need them are not
+written.
 """
 from __future__ import annotations
 

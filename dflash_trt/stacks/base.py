@@ -126,6 +126,7 @@ class StackMetrics:
     per_position: str             # share of drafts whose position p was accepted, label position
     draft_efficiency: str         # accepted drafted tokens / drafted tokens
     source: str                   # the release read (each Metric's source is a file:line in it)
+    context_tokens: str = ""      # mean prompt tokens of the requests finished over the window (the context axis)
     kind: str = "counters"        # "counters": bench diffs counters around a run; "gauge": reads the last value
     notes: tuple[str, ...] = ()   # where an expression is not the engine's own figure, why
 

