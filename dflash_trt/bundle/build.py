@@ -371,7 +371,7 @@ class Builder:
         """A file's sha256 known without reading it: one reused unchanged from the previous bundle keeps its
         recorded sha256 when its size and mtime are those recorded (a hard link or copy keeps both), so a
         re-run does not re-read multi-GB checkpoints (`verify` always re-hashes everything); an input's copy
-        (link_tree, copied), or what export-onnx hashed as it wrote, is known already."""
+        (clone_tree, copied), or what export-onnx hashed as it wrote, is known already."""
         prev = {a.path: a for a in self.prev.artifacts}.get(rel) if self.prev else None
         stats = (self.prev and self.prev.artifact_stats) or {}
         reused = any(rel == r or rel.startswith(r + "/") for r in self.reused)

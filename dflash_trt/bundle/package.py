@@ -43,13 +43,6 @@ ENGINES_README = (
 SERVING_FILES = ("configs", stacks.TRITON.repository, "engines/README.txt")
 
 
-def link_tree(src: Path, dst: Path, on_file=None) -> None:
-    """The bundle's own copy of a source file or folder (io/clone.py: a reflink where the filesystem
-    has them, else a copy): never a hard link, so writing a bundle file never writes the source.
-    on_file(src, dst) after each file (the caller hands the copy its source's known sha256)."""
-    clone_tree(src, dst, on_file)
-
-
 def reference_pair(work: Path, layout: str, tdir: Path, ddir: Path, on_file=None, copy: bool = True) -> dict:
     """Where the dflash_reference model finds its unquantized pair (manifest reference_runtime.layout):
     the bundle's own target/ and drafter/, a copy under reference/ (copied here unless `copy` is False: a
@@ -58,8 +51,8 @@ def reference_pair(work: Path, layout: str, tdir: Path, ddir: Path, on_file=None
         return {"target": "target", "drafter": "drafter"}
     if layout == "copy":
         if copy:
-            link_tree(tdir, work / "reference" / "target", on_file)
-            link_tree(ddir, work / "reference" / "drafter", on_file)
+            clone_tree(tdir, work / "reference" / "target", on_file)
+            clone_tree(ddir, work / "reference" / "drafter", on_file)
         return {"target": "reference/target", "drafter": "reference/drafter"}
     return {"target": str(tdir), "drafter": str(ddir)}
 
@@ -131,7 +124,7 @@ def write_revision(parent: Path, out: Path, change: RevisionChange) -> Manifest:
     with atomic_output_dir(out) as work:
         for entry in sorted(parent.iterdir()):
             if entry.name not in skip and not entry.name.startswith("."):
-                link_tree(entry, work / entry.name, copied)
+                clone_tree(entry, work / entry.name, copied)
         new = replace(m, tool_version=__version__, created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                       drafter=_drafter(m, change, work, cache))
         if change.draft_schedule is not None:
@@ -159,7 +152,7 @@ def _drafter(m: Manifest, change: RevisionChange, work: Path, cache: HashCache):
     src = Path(change.drafter).resolve()
     for dst in (work / "drafter", *([work / "reference" / "drafter"] if (work / "reference").is_dir() else [])):
         shutil.rmtree(dst, ignore_errors=True)
-        link_tree(src, dst, lambda s, d: cache.remember(d, cache.sha256(s)))
+        clone_tree(src, dst, lambda s, d: cache.remember(d, cache.sha256(s)))
     cfg = load_drafter_config(work / "drafter")
     return replace(m.drafter, path=str(src), sha256=cache.tree(src), revision=None, config=cfg.raw)
 

@@ -21,9 +21,9 @@ from dflash_trt.bundle.options import (
     configs_only_fill_command,
     dflash_command,
 )
-from dflash_trt.bundle.package import SERVING_FILES, link_tree, reference_pair, serving_files
+from dflash_trt.bundle.package import SERVING_FILES, reference_pair, serving_files
 from dflash_trt.errors import DFlashError
-from dflash_trt.io.clone import clone_file
+from dflash_trt.io.clone import clone_file, clone_tree
 from dflash_trt.io.manifest import sha256_file, sha256_json
 from dflash_trt.models.check import NONFINITE_NOTE, check_pair
 from dflash_trt.models.config import load_drafter_config
@@ -79,7 +79,7 @@ def quantize_stage(b) -> dict:
                                   progress=b.progress)
         notes += list(getattr(rep, "not_calibrated", None) or [])
     else:
-        link_tree(tdir, work / "target", b.copied)
+        clone_tree(tdir, work / "target", b.copied)
         notes.append("target kept as is" + (" (MXFP4 experts)" if s["quant"] == "mxfp4" else ""))
     if s["drafter_quant"] == "int8":   # compressed-tensors W8A8, vLLM's (quant/int8_drafter.py)
         write_int8_drafter(ddir, work / "drafter")
@@ -94,7 +94,7 @@ def quantize_stage(b) -> dict:
         quantize_checkpoint(ddir, work / "drafter", dq, exclude=exclude, input_amax=amax, progress=b.progress)
         notes.append(f"drafter {dq.upper()}" + (f", {', '.join(exclude)} kept" if exclude else ""))
     else:
-        link_tree(ddir, work / "drafter", b.copied)
+        clone_tree(ddir, work / "drafter", b.copied)
         notes.append("drafter kept as is")
     return {"commands": cmds, "reason": "; ".join(notes)}
 

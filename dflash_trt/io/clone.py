@@ -47,7 +47,7 @@ def _reflink(fs, fd) -> str | None:
         fcntl.ioctl(fd.fileno(), FICLONE, fs.fileno())
         return "reflink"
     except OSError as e:
-        if e.errno in UNSUPPORTED or e.errno == errno.EXDEV:
+        if e.errno in UNSUPPORTED:
             return None
         raise
 

@@ -115,10 +115,8 @@ HUB_LFS_BLOB = re.compile(r"[0-9a-f]{64}")
 
 
 def hub_blob_sha256(resolved: Path) -> str | None:
-    """The sha256 of a Hugging Face cache blob of a large (LFS) file: its name
-    (models--org--name/blobs/<sha256>, the hub's LFS object id, which huggingface_hub names it
-    by), so a cached 65 GB checkpoint is not read to be hashed; `verify` re-reads a bundle's
-    files. Small files' blobs are named by their git sha1 (40 hex digits) and are hashed."""
+    """The sha256 of a Hugging Face cache blob of a large (LFS) file: its name (models--org--name/blobs/<sha256>),
+    so a cached 65 GB checkpoint is not read to be hashed. Small files' blobs are named by their git sha1."""
     p = Path(resolved)
     if p.parent.name == "blobs" and p.parent.parent.name.startswith("models--") and HUB_LFS_BLOB.fullmatch(p.name):
         return p.name
@@ -140,9 +138,7 @@ class HashCache:
         hit = self.entries.get(key)
         if hit and hit.get("bytes") == st.st_size and hit.get("mtime_ns") == st.st_mtime_ns:
             digest = hit["sha256"]
-        elif hub_blob_sha256(path):
-            digest = hub_blob_sha256(path)
-        else:
+        elif not (digest := hub_blob_sha256(path)):
             digest = sha256_file(path)
             self.entries[key] = {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}
         self._inodes[(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)] = digest
@@ -194,13 +190,12 @@ def list_artifacts(bundle: str | Path, known=None) -> list[ArtifactRecord]:
 # ------------------------------------------------------------------ the manifest, typed
 # Bundles written before `serving_stacks` existed served the stack of their Triton GPU model.
 LEGACY_STACK_OF_TRITON_MODEL = {"tensorrt_llm": "trtllm"}
-# A field that bundles of earlier versions (or builds that decide nothing there) lack: left out of the
-# JSON when None, so that what is written is what was read.
-_OPTIONAL = {"omit_none": True}
 
 
 def _optional(default=None):
-    return field(default=default, metadata=_OPTIONAL)
+    """A field that bundles of earlier versions (or builds that decide nothing there) lack: left out of the
+    JSON when None, so that what is written is what was read."""
+    return field(default=default, metadata={"omit_none": True})
 
 
 def _dump(value):
@@ -517,8 +512,10 @@ class Manifest:
         return cls.from_dict(read_json(path), str(path))
 
     def write(self, bundle: str | Path) -> Path:
-        """Validate, then write manifest.json atomically."""
-        return write_manifest(bundle, self.to_dict())
+        """Validate, then write manifest.json atomically (temp file + rename)."""
+        path, manifest = Path(bundle) / MANIFEST_NAME, self.to_dict()
+        validate(manifest, str(path))
+        return atomic_write_text(path, json.dumps(manifest, indent=2) + "\n")
 
 
 @functools.cache
@@ -530,13 +527,6 @@ def _reader() -> TypeAdapter:
 # (tests/test_reproducible.py compares everything else byte for byte).
 RUN_FACTS = ("created", "artifact_stats")
 STAGE_RUN_FACTS = ("seconds",)
-
-
-def write_manifest(bundle: str | Path, manifest: dict) -> Path:
-    """Validate, then write manifest.json atomically (temp file + rename)."""
-    bundle = Path(bundle)
-    validate(manifest, str(bundle / MANIFEST_NAME))
-    return atomic_write_text(bundle / MANIFEST_NAME, json.dumps(manifest, indent=2) + "\n")
 
 
 def is_bundle(folder: str | Path) -> bool:
