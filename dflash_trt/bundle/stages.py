@@ -2,11 +2,8 @@
 
     check -> quantize -> convert (engine backend) -> plugin -> export-onnx -> compile -> package
 
-Each stage is a function of the build `b` (bundle/build.py Builder: the resolved options, the pair, the work
-folder): it writes its outputs into the work folder and returns its manifest entry's fields, among them the
-equivalent `dflash-trt` command lines (bundle-relative outputs), so that a stage can be re-run by hand. A stage's inputs
-hash covers the facts it names, the stages it comes after and the package source files that make its output
-(code_hash)."""
+Each stage is a function of the build (bundle/build.py Builder) that writes its outputs into the work
+folder and returns its manifest entry's fields, with the equivalent `dflash-trt` command lines."""
 from __future__ import annotations
 
 import json
