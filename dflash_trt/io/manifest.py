@@ -1,12 +1,8 @@
 """The bundle manifest: `manifest.json` at the root of every `dflash-trt build` bundle.
 
-It makes a bundle self-describing: what went in (paths and content hashes), what was decided
-(arch, GPU, quantization, parallelism, drafter settings in every serving stack's layer-id
-convention), what each pipeline stage did, and every file that came out with its size and
-sha256 so that `dflash-trt verify --bundle DIR` can detect a changed or missing file.
-
-The schema is data (a JSON Schema, checked with the `jsonschema` library when it is installed)
-because two other tools read the manifest: `dflash-trt deploy` and `dflash-trt compile`.
+It makes a bundle self-describing: what went in (paths and content hashes), what was decided, what each
+pipeline stage did, and every file that came out with its size and sha256 (`dflash-trt verify`). The
+schema is data (a JSON Schema, checked with `jsonschema` when installed): deploy and compile read it too.
 """
 from __future__ import annotations
 
