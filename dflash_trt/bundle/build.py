@@ -1,15 +1,10 @@
 """`dflash-trt build`: from a (target, drafter) pair to one deployable, self-describing bundle.
 
-    resolve the options (bundle/options.py, resolve_settings here) -> the manifest's first part, the plan
-    (plan/record.py) and the draft schedule priced on it -> run PIPELINE (bundle/stages.py) -> plan.json
-    -> hash every file and write the manifest (bundle/package.py) -> the summary (bundle/summary.py)
-
-Each stage's manifest entry holds the sha256 of its inputs (content hashes of the checkpoints, the options that
-matter, the code that produces it). A re-run reuses (io/clone.carry_tree) the previous bundle's outputs of every
-stage whose inputs hash is unchanged and reports it `skipped`; `--force` redoes all.
-
-The bundle is assembled in a temporary folder beside the destination and renamed into place only when
-complete, so an interrupted or failed build leaves the previous bundle as it was.
+Resolve the options (bundle/options.py, resolve_settings here), then the manifest's first part, the plan
+and the draft schedule, run PIPELINE (bundle/stages.py), hash every file and write the manifest
+(bundle/package.py). A re-run reuses (io/clone.carry_tree) the previous bundle's outputs of every stage
+whose inputs hash is unchanged (`--force` redoes all). The bundle is assembled beside the destination and
+renamed into place only when complete.
 """
 from __future__ import annotations
 

@@ -99,10 +99,8 @@ class RevisionChange:
 
 
 def write_revision(parent: Path, out: Path, change: RevisionChange) -> Manifest:
-    """`out`: the bundle `parent` with `change`. Every file but the serving files is the parent's (copied,
-    its recorded sha256 kept), the drafter a new one if the change has one; the serving files are written
-    anew from the revised manifest, which keeps every field of the parent's but those the kind revises
-    (REVISION_KINDS) and records the revision (RevisionRecord: its parent, the paths whose sha256 differs)."""
+    """`out`: the bundle `parent` with `change`: the parent's files (their recorded sha256 kept), a new drafter
+    if the change has one, and the serving files written anew from the revised manifest (RevisionRecord)."""
     parent, out = Path(parent).resolve(), Path(out)
     kind = REVISION_KINDS.get(change.kind)
     if kind is None or not isinstance(change.record, kind.record):

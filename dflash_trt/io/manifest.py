@@ -218,10 +218,8 @@ def record(cls=None, *, kw_only: bool = False):
 
 
 def _upgraded(m: dict, source: str) -> dict:
-    """A manifest of a schema version this dflash-trt reads (READ_VERSIONS) as the current one; any other
-    version refused in one line. Version 1 bundles may lack what later builds record (serving_stacks: the
-    stack of their Triton GPU model; the drafter's quantization: none); a version 1 `tune` revision's record
-    becomes its `revision` record."""
+    """A manifest of a schema version this dflash-trt reads (READ_VERSIONS) as the current one (filling in what
+    version 1 lacks); any other version refused in one line."""
     v = m.get("schema_version")
     if v not in READ_VERSIONS:
         raise DFlashError(f"{source}: manifest schema version {v!r}; this dflash-trt ({__version__}) reads versions "
@@ -434,10 +432,8 @@ REVISION_REWRITES = ("tool_version", "created", "serving_configs", "artifacts", 
 
 @record(kw_only=True)
 class Manifest:
-    """manifest.json as one typed object, both ways: `build` makes one (bundle/build.py Builder) and writes
-    it (Manifest.write), every other command reads it (Manifest.read). Its fields are in the order the
-    JSON has them; optional ones are left out when None. The hash caches stay JSON objects of their own
-    shapes."""
+    """manifest.json as one typed object, both ways: `build` writes it (Manifest.write), every other command
+    reads it (Manifest.read). Fields in the JSON's order; optional ones left out when None."""
     schema_version: int
     tool_version: str
     created: str | None = _optional()
@@ -479,9 +475,8 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, m: dict, source: str = MANIFEST_NAME) -> Manifest:
-        """A manifest.json object as the typed object: a known earlier schema version upgraded (_upgraded), its
-        values checked (MANIFEST_SCHEMA), its shape read strictly (record): an unknown field or a value of
-        another type is refused naming the field."""
+        """A manifest.json object as the typed object: upgraded, its values checked (MANIFEST_SCHEMA), its shape
+        read strictly: an unknown field or a value of another type is refused naming the field."""
         m = _upgraded(m, source)
         validate(m, source)
         try:
@@ -552,10 +547,8 @@ def verify(bundle: str | Path) -> list[str]:
 
 
 def revision_problems(m: Manifest) -> list[str]:
-    """A revision against its parent, when the parent is still where it was and as it was (its manifest's
-    sha256): a manifest field the revision's kind keeps (REVISION_KINDS) that differs from the parent's, and a
-    file that differs from the parent's but is not in revision.changed. A revision copied away from its parent
-    stands on its own hashes."""
+    """A revision against its parent, when the parent is still there and as it was: a manifest field the kind
+    keeps (REVISION_KINDS) that differs, and a file that differs but is not in revision.changed."""
     rev = m.revision
     if rev is None:
         return []

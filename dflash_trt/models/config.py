@@ -1,13 +1,8 @@
-"""DFlash drafter configuration: the z-lab `config.json` format, and conversion from the
-vLLM speculators format (docs/formats.md); and the rules every config.json we read must meet.
-
-The config.json is kept as read (`raw`) and written back unchanged, so a load → save round trip
-is byte-compatible with the z-lab file apart from JSON whitespace.
-
-The rules are data (COMMON_FIELDS, TARGET_FIELDS, DRAFTER_FIELDS: type and range per field) plus
-the relations between fields (`_relations`), checked once by `target_config_problems` /
-`drafter_config_problems`. `check` reports every problem; everything that loads a model refuses the
-first one with the same message, before any allocation (docs/formats.md, "Validation").
+"""DFlash drafter configuration: the z-lab `config.json` format, and conversion from the vLLM
+speculators format (docs/formats.md); and the rules every config.json we read must meet, as data
+(COMMON_FIELDS, TARGET_FIELDS, DRAFTER_FIELDS) plus the relations between fields (`_relations`).
+`check` reports every problem; everything that loads a model refuses the first one, before any
+allocation. The config.json is kept as read (`raw`) and written back unchanged.
 """
 from __future__ import annotations
 
