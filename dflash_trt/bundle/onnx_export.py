@@ -231,8 +231,6 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.detach().to(torch.float32).cpu().numpy()
 
 
-
-
 def _graph_inputs(c, cache_shape) -> list:
     from onnx import TensorProto, helper
 

@@ -1,11 +1,6 @@
 """The one packager: the only code that lays out a bundle folder, copies weights into it, hashes its files
-and writes its manifest.json, inside a temporary folder renamed into place at the end (io/atomic.py).
-
-    build (bundle/build.py): the stages write target/, drafter/, ... into the work folder;
-        serving_files() writes configs/, the Triton repository, engines/README.txt and the reference pair,
-        write_manifest() writes the manifest with every file's sha256 (io/manifest.py list_artifacts);
-    a revision (write_revision: `tune`, `adapt`): the parent's files copied, the serving files written anew
-        from the revised manifest, which keeps every field of the parent's and gains a `revision` record.
+and writes its manifest.json, inside a temporary folder renamed into place at the end (io/atomic.py), for
+a build (serving_files, write_manifest) and for a revision (write_revision: `tune`, `adapt`).
 """
 from __future__ import annotations
 
