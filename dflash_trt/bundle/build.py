@@ -1,15 +1,10 @@
 """`dflash-trt build`: from a (target, drafter) pair to one deployable, self-describing bundle.
 
-    resolve the options (bundle/options.py, resolve_settings here) -> the manifest's first part, the plan
-    (plan/record.py) and the draft schedule priced on it -> run PIPELINE (bundle/stages.py) -> plan.json
-    -> hash every file and write the manifest (bundle/package.py) -> the summary (bundle/summary.py)
-
-Each stage's manifest entry holds the sha256 of its inputs (content hashes of the checkpoints, the options that
-matter, the code that produces it). A re-run reuses (io/clone.carry_tree) the previous bundle's outputs of every
-stage whose inputs hash is unchanged and reports it `skipped`; `--force` redoes all.
-
-The bundle is assembled in a temporary folder beside the destination and renamed into place only when
-complete, so an interrupted or failed build leaves the previous bundle as it was.
+Resolve the options (bundle/options.py, resolve_settings here), then the manifest's first part, the plan
+and the draft schedule, run PIPELINE (bundle/stages.py), hash every file and write the manifest
+(bundle/package.py). A re-run reuses (io/clone.carry_tree) the previous bundle's outputs of every stage
+whose inputs hash is unchanged (`--force` redoes all). The bundle is assembled beside the destination and
+renamed into place only when complete.
 """
 from __future__ import annotations
 
@@ -75,19 +70,16 @@ from dflash_trt.stacks.trtllm.engine import detect_toolchain, toolchain_fingerpr
 from dflash_trt.stacks.trtllm.profiles import DRAFTER_ATTENTION_BACKEND, drafter_attention_backend, profile_settings
 
 
-def num_experts(cfg: dict) -> int:
-    return int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
-
-
 def resolve_settings(o: BuildOptions, cfg: dict, name: str, tc: dict) -> dict:
     """Arch, GPU, quantization, KV cache and parallelism, checked against the target's config (`tc`: the
     toolchain detect_toolchain found, for --arch auto)."""
-    if o.backend not in BACKENDS:
-        raise DFlashError(f"--backend {o.backend!r}: expected one of {', '.join(BACKENDS)}")
+    for flag, value, allowed in (("--backend", o.backend, BACKENDS), ("--quant", o.quant, QUANTS),
+                                 ("--kv-cache", o.kv_cache, KV_CACHES),
+                                 ("--drafter-quant", o.drafter_quant, DRAFTER_QUANTS)):
+        if value not in allowed:
+            raise DFlashError(f"{flag} {value!r}: expected one of {', '.join(allowed)}")
     hw = resolve_gpu(o, tc)
     arch = hw["arch"]
-    if o.quant not in QUANTS:
-        raise DFlashError(f"--quant {o.quant!r}: expected one of {', '.join(QUANTS)}")
     if ships_mxfp4(cfg):
         if o.quant in ("fp8", "nvfp4"):
             raise DFlashError(f"--quant {o.quant}: {name} ships MXFP4 experts and TensorRT-LLM serves gpt-oss only as "
@@ -103,11 +95,7 @@ def resolve_settings(o: BuildOptions, cfg: dict, name: str, tc: dict) -> dict:
     if quant == "nvfp4" and not arch_has_fp4(arch):
         raise DFlashError(f"--quant nvfp4 with --arch {arch}: NVFP4 needs Blackwell FP4 tensor cores (sm_100 / sm_103); "
                           "Hopper (sm_90) runs FP8: use --quant fp8 or --quant auto")
-    if o.kv_cache not in KV_CACHES:
-        raise DFlashError(f"--kv-cache {o.kv_cache!r}: expected one of {', '.join(KV_CACHES)}")
     kv = o.kv_cache if o.kv_cache != "auto" else ("bf16" if quant == "none" else "fp8")
-    if o.drafter_quant not in DRAFTER_QUANTS:
-        raise DFlashError(f"--drafter-quant {o.drafter_quant!r}: expected one of {', '.join(DRAFTER_QUANTS)}")
     # auto = none: bf16 is what every stack's DFlash loader takes; a quantized drafter only where the
     # stacks' loaders take it (drafter_exclusions)
     dq = "none" if o.drafter_quant == "auto" else o.drafter_quant
@@ -130,7 +118,7 @@ def check_parallel(o: BuildOptions, cfg: dict, name: str) -> None:
     if kvh % o.tp and o.tp % kvh:
         raise DFlashError(f"--tp {o.tp}: the target's num_key_value_heads = {kvh} can be neither split nor "
                           "duplicated evenly across ranks")
-    experts = num_experts(cfg)
+    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
     if o.ep > 1:
         if not experts:
             raise DFlashError(f"--ep {o.ep}: {name} is not a mixture-of-experts model (no num_local_experts)")
@@ -371,7 +359,7 @@ class Builder:
         """A file's sha256 known without reading it: one reused unchanged from the previous bundle keeps its
         recorded sha256 when its size and mtime are those recorded (a hard link or copy keeps both), so a
         re-run does not re-read multi-GB checkpoints (`verify` always re-hashes everything); an input's copy
-        (link_tree, copied), or what export-onnx hashed as it wrote, is known already."""
+        (clone_tree, copied), or what export-onnx hashed as it wrote, is known already."""
         prev = {a.path: a for a in self.prev.artifacts}.get(rel) if self.prev else None
         stats = (self.prev and self.prev.artifact_stats) or {}
         reused = any(rel == r or rel.startswith(r + "/") for r in self.reused)

@@ -1,26 +1,11 @@
 """The DFlash drafter as an ONNX graph for TensorRT's ONNX parser (docs/decode-loop.md, docs/kernels.md).
 
-One draft step: inject the accepted tokens' features into the paged drafter cache, then draft a
-block over everything in the cache. The injection after fc is ONE custom node, op `KVInject` in
-domain "dflash" with attribute plugin_namespace="dflash" (and aot=1): TensorRT's ONNX parser
-maps it by name to the `dflash::KVInject` plugin (kernels/kv_inject_trt.py) whose AOT kernel is
-built by `dflash-trt plugin build`. Everything else is standard ONNX (opset 18).
-
-Graph inputs
-  features [T, n_feat*H] f32   accepted tokens' target features (concatenated layer outputs)
-  positions [T] i32, slots [T] i32      their absolute positions and paged-cache slots
-  k_cache, v_cache [num_pages, L, nkv, page_size, hd] f32
-  block_ids [B] i64, block_positions [B] i64   the block (last verified token, then mask ids)
-  ctx_slots [S] i64            cache slots of every context token the block attends to, in order
-Graph outputs
-  logits [B, vocab] f32 (the target's lm_head over the drafter's normed states), k_cache_out, v_cache_out
-
-The drafter has no embedding and no lm_head: they are read from the target folder (only those two
-tensors are loaded, so this works for a 120B target on a small machine). Attention is
-non-causal, as in the drafter (docs/decode-loop.md).
-
-tests/test_onnx_export.py runs the graph in onnxruntime, the custom node moved to
-onnxruntime-extensions' Python-op domain, computed by path (2) of dflash_trt.runtime.kv_inject.
+One draft step: inject the accepted tokens' features into the paged drafter cache (ONE custom node, op
+`KVInject` in domain "dflash", mapped by TensorRT's ONNX parser to the `dflash::KVInject` plugin,
+kernels/kv_inject_trt.py), then draft a block over everything in the cache; the rest is standard ONNX
+(opset 18). Graph inputs and outputs: _graph_inputs / _graph_outputs. The drafter has no embedding and no
+lm_head: only those two tensors are read from the target folder (so a 120B target exports on a small
+machine). tests/test_onnx_export.py runs the graph in onnxruntime.
 """
 from __future__ import annotations
 
@@ -244,8 +229,6 @@ class _Graph:
 
 def _np(t: torch.Tensor) -> np.ndarray:
     return t.detach().to(torch.float32).cpu().numpy()
-
-
 
 
 def _graph_inputs(c, cache_shape) -> list:

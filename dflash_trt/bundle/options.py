@@ -95,9 +95,7 @@ NO_GPU = "none"   # --gpu none: a CPU-only bundle (manifest gpu_source "none")
 
 def resolve_gpu(o: BuildOptions, tc: dict) -> dict:
     """{arch, gpu, node, gpu_source, sm} from --arch / --gpu or this machine. Without --gpu the bundle
-    is for the architecture's default node (its GPU recorded for deploy, its memory for the build's
-    checks); only --gpu none gives a CPU-only bundle (gpu and node null). The kernels cover one SM
-    when a GPU was named or detected, every SM of the architecture otherwise."""
+    is for the architecture's default node; only --gpu none gives a CPU-only bundle (gpu and node null)."""
     by_id, sms_of = gpus(), arch_sms()
     gpu = o.gpu.lower() if o.gpu else None
     if gpu is not None and gpu != NO_GPU and gpu not in by_id:
@@ -156,10 +154,8 @@ def resolve_stacks(o: BuildOptions, s: dict, block_size: int, dcfg=None) -> tupl
 
 
 def drafter_exclusions(served: list[str], drafter_quant: str, calibrated: bool) -> list[str]:
-    """The drafter modules a quantized drafter keeps unquantized (globs over its checkpoint names): every
-    served stack's DFlash loader's needs together (engines.json stacks.<name>.drafter_quant). Refused in
-    one line: a set one of the loaders cannot take (SGLang cannot leave a decoder-layer module
-    unquantized), and, for a loader whose quantized Linears read a static input_scale, no --calib."""
+    """The drafter modules a quantized drafter keeps unquantized (globs): every served stack's DFlash loader's
+    needs together. Refused: a set one of the loaders cannot take, and no --calib for static input scales."""
     if drafter_quant == "none":
         return []
     sts = stacks.served(served)
@@ -248,10 +244,8 @@ def default_out(name: str, s: dict, o: BuildOptions) -> Path:
 
 
 def reference_layout(s: dict, tdir: Path, ddir: Path, configs_only: bool = False) -> str:
-    """Where the dflash_reference model finds its pair. The reference runtime loads unquantized
-    checkpoints: "bundle" = the bundle's own target/ and drafter/ (not quantized); "copy" = a
-    copy of the source pair under reference/ (small models); "source" = the source
-    folders by absolute path (too big to carry; CPU smoke tests of such models are impractical)."""
+    """Where the dflash_reference model finds its unquantized pair: "bundle" (the bundle's own target/ and
+    drafter/), "copy" (under reference/: small models) or "source" (the source folders: too big to carry)."""
     if s["quant"] not in ("fp8", "nvfp4") and s["drafter_quant"] == "none":
         return "bundle"
     if configs_only:   # the size of the weights is not known here; the full build decides again

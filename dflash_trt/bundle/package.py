@@ -1,11 +1,6 @@
 """The one packager: the only code that lays out a bundle folder, copies weights into it, hashes its files
-and writes its manifest.json, inside a temporary folder renamed into place at the end (io/atomic.py).
-
-    build (bundle/build.py): the stages write target/, drafter/, ... into the work folder;
-        serving_files() writes configs/, the Triton repository, engines/README.txt and the reference pair,
-        write_manifest() writes the manifest with every file's sha256 (io/manifest.py list_artifacts);
-    a revision (write_revision: `tune`, `adapt`): the parent's files copied, the serving files written anew
-        from the revised manifest, which keeps every field of the parent's and gains a `revision` record.
+and writes its manifest.json, inside a temporary folder renamed into place at the end (io/atomic.py), for
+a build (serving_files, write_manifest) and for a revision (write_revision: `tune`, `adapt`).
 """
 from __future__ import annotations
 
@@ -43,13 +38,6 @@ ENGINES_README = (
 SERVING_FILES = ("configs", stacks.TRITON.repository, "engines/README.txt")
 
 
-def link_tree(src: Path, dst: Path, on_file=None) -> None:
-    """The bundle's own copy of a source file or folder (io/clone.py: a reflink where the filesystem
-    has them, else a copy): never a hard link, so writing a bundle file never writes the source.
-    on_file(src, dst) after each file (the caller hands the copy its source's known sha256)."""
-    clone_tree(src, dst, on_file)
-
-
 def reference_pair(work: Path, layout: str, tdir: Path, ddir: Path, on_file=None, copy: bool = True) -> dict:
     """Where the dflash_reference model finds its unquantized pair (manifest reference_runtime.layout):
     the bundle's own target/ and drafter/, a copy under reference/ (copied here unless `copy` is False: a
@@ -58,8 +46,8 @@ def reference_pair(work: Path, layout: str, tdir: Path, ddir: Path, on_file=None
         return {"target": "target", "drafter": "drafter"}
     if layout == "copy":
         if copy:
-            link_tree(tdir, work / "reference" / "target", on_file)
-            link_tree(ddir, work / "reference" / "drafter", on_file)
+            clone_tree(tdir, work / "reference" / "target", on_file)
+            clone_tree(ddir, work / "reference" / "drafter", on_file)
         return {"target": "reference/target", "drafter": "reference/drafter"}
     return {"target": str(tdir), "drafter": str(ddir)}
 
@@ -106,10 +94,8 @@ class RevisionChange:
 
 
 def write_revision(parent: Path, out: Path, change: RevisionChange) -> Manifest:
-    """`out`: the bundle `parent` with `change`. Every file but the serving files is the parent's (copied,
-    its recorded sha256 kept), the drafter a new one if the change has one; the serving files are written
-    anew from the revised manifest, which keeps every field of the parent's but those the kind revises
-    (REVISION_KINDS) and records the revision (RevisionRecord: its parent, the paths whose sha256 differs)."""
+    """`out`: the bundle `parent` with `change`: the parent's files (their recorded sha256 kept), a new drafter
+    if the change has one, and the serving files written anew from the revised manifest (RevisionRecord)."""
     parent, out = Path(parent).resolve(), Path(out)
     kind = REVISION_KINDS.get(change.kind)
     if kind is None or not isinstance(change.record, kind.record):
@@ -131,7 +117,7 @@ def write_revision(parent: Path, out: Path, change: RevisionChange) -> Manifest:
     with atomic_output_dir(out) as work:
         for entry in sorted(parent.iterdir()):
             if entry.name not in skip and not entry.name.startswith("."):
-                link_tree(entry, work / entry.name, copied)
+                clone_tree(entry, work / entry.name, copied)
         new = replace(m, tool_version=__version__, created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                       drafter=_drafter(m, change, work, cache))
         if change.draft_schedule is not None:
@@ -159,7 +145,7 @@ def _drafter(m: Manifest, change: RevisionChange, work: Path, cache: HashCache):
     src = Path(change.drafter).resolve()
     for dst in (work / "drafter", *([work / "reference" / "drafter"] if (work / "reference").is_dir() else [])):
         shutil.rmtree(dst, ignore_errors=True)
-        link_tree(src, dst, lambda s, d: cache.remember(d, cache.sha256(s)))
+        clone_tree(src, dst, lambda s, d: cache.remember(d, cache.sha256(s)))
     cfg = load_drafter_config(work / "drafter")
     return replace(m.drafter, path=str(src), sha256=cache.tree(src), revision=None, config=cfg.raw)
 

@@ -2,11 +2,8 @@
 
     check -> quantize -> convert (engine backend) -> plugin -> export-onnx -> compile -> package
 
-Each stage is a function of the build `b` (bundle/build.py Builder: the resolved options, the pair, the work
-folder): it writes its outputs into the work folder and returns its manifest entry's fields, among them the
-equivalent `dflash-trt` command lines (bundle-relative outputs), so that a stage can be re-run by hand. A stage's inputs
-hash covers the facts it names, the stages it comes after and the package source files that make its output
-(code_hash)."""
+Each stage is a function of the build (bundle/build.py Builder) that writes its outputs into the work
+folder and returns its manifest entry's fields, with the equivalent `dflash-trt` command lines."""
 from __future__ import annotations
 
 import json
@@ -21,9 +18,9 @@ from dflash_trt.bundle.options import (
     configs_only_fill_command,
     dflash_command,
 )
-from dflash_trt.bundle.package import SERVING_FILES, link_tree, reference_pair, serving_files
+from dflash_trt.bundle.package import SERVING_FILES, reference_pair, serving_files
 from dflash_trt.errors import DFlashError
-from dflash_trt.io.clone import clone_file
+from dflash_trt.io.clone import clone_file, clone_tree
 from dflash_trt.io.manifest import sha256_file, sha256_json
 from dflash_trt.models.check import NONFINITE_NOTE, check_pair
 from dflash_trt.models.config import load_drafter_config
@@ -79,7 +76,7 @@ def quantize_stage(b) -> dict:
                                   progress=b.progress)
         notes += list(getattr(rep, "not_calibrated", None) or [])
     else:
-        link_tree(tdir, work / "target", b.copied)
+        clone_tree(tdir, work / "target", b.copied)
         notes.append("target kept as is" + (" (MXFP4 experts)" if s["quant"] == "mxfp4" else ""))
     if s["drafter_quant"] == "int8":   # compressed-tensors W8A8, vLLM's (quant/int8_drafter.py)
         write_int8_drafter(ddir, work / "drafter")
@@ -94,7 +91,7 @@ def quantize_stage(b) -> dict:
         quantize_checkpoint(ddir, work / "drafter", dq, exclude=exclude, input_amax=amax, progress=b.progress)
         notes.append(f"drafter {dq.upper()}" + (f", {', '.join(exclude)} kept" if exclude else ""))
     else:
-        link_tree(ddir, work / "drafter", b.copied)
+        clone_tree(ddir, work / "drafter", b.copied)
         notes.append("drafter kept as is")
     return {"commands": cmds, "reason": "; ".join(notes)}
 

@@ -1,10 +1,7 @@
 """Output that is never half-written: folders published by one rename, disk errors as one line,
-and nothing left behind by a failed or killed run.
-
-A run writes into `.<name>.tmp-XXXX` beside its output, with a marker file inside (MARKER: the
-pid, host and start time of the process). A run killed with SIGKILL cannot clean up, so the next
-run writing the same output removes such folders: those named like ours AND holding our marker,
-from a process that started before the running one and is no longer alive (docs/pipeline.md).
+and nothing left behind by a failed or killed run. A run writes into `.<name>.tmp-XXXX` beside its
+output, marked (MARKER: pid, host, start time); the next run removes such folders of processes that
+started before it and are gone (a SIGKILL cannot clean up; docs/pipeline.md).
 """
 from __future__ import annotations
 

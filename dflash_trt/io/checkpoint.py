@@ -1,15 +1,9 @@
 """Reading checkpoints: Hugging Face safetensors checkpoints one tensor at a time, checked
 finite on the way (writing them is io/shards.py).
 
-Reading: every shard header is parsed and validated up front (truncation, header length,
-offsets, dtypes, index.json paths), so a bad checkpoint fails before any work is done, with one
-line naming the file and tensor. Tensor bytes are memory-mapped and copied out one tensor at a
-time; the mapped pages are dropped again right after the copy, so resident memory stays at
-about one tensor however large the checkpoint is.
-
-Format (safetensors): u64 little-endian header length N, N bytes of JSON
-`{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}`, then the
-data; offsets are relative to the start of the data.
+Every shard header is parsed and validated up front, so a bad checkpoint fails before any work is
+done, with one line naming the file and tensor. Tensor bytes are memory-mapped and dropped again right
+after use, so resident memory stays at about one tensor however large the checkpoint is.
 """
 from __future__ import annotations
 
@@ -191,18 +185,10 @@ def _populate(mm: mmap.mmap, start: int, length: int) -> None:
 
 
 class CheckpointReader:
-    """Memory-mapped, one-tensor-at-a-time reader for a Hugging Face checkpoint folder.
-
-    Accepts `model.safetensors`, sharded safetensors with `model.safetensors.index.json`, or
-    any other `*.safetensors` files in the folder. Pickle checkpoints (`*.bin`, `*.pt`) can run
-    code when loaded, so they are refused unless `allow_pickle=True`, and then loaded only with
-    `torch.load(weights_only=True)`.
-
-        with CheckpointReader("ckpt/") as r:
-            for name in r.keys():
-                dtype, shape = r.meta(name)
-                w = r.get(name)          # an owned CPU tensor; nothing else stays resident
-    """
+    """Memory-mapped, one-tensor-at-a-time reader for a Hugging Face checkpoint folder: `model.safetensors`,
+    sharded safetensors with `model.safetensors.index.json`, or any other `*.safetensors` files. Pickle
+    checkpoints (`*.bin`, `*.pt`) can run code when loaded, so they are refused unless `allow_pickle=True`,
+    and then loaded only with `torch.load(weights_only=True)`."""
 
     def __init__(self, folder: str | Path, allow_pickle: bool = False):
         self.folder = Path(folder)
@@ -248,6 +234,9 @@ class CheckpointReader:
                 raise DFlashError(f"{pickles[0]}: pickle checkpoint refused (loading pickles can run arbitrary code); "
                                   "convert it to safetensors, or pass --allow-pickle to load it with torch.load(weights_only=True)")
             self._load_pickles(pickles)
+        self._sort()
+
+    def _sort(self) -> None:
         # Stream in file order, then byte order: sequential reads, one shard mapped at a time.
         self._order = sorted(self._infos, key=lambda k: (str(self._infos[k].file), self._infos[k].begin))
 
@@ -296,9 +285,6 @@ class CheckpointReader:
     def total_bytes(self) -> int:
         return sum(i.nbytes for i in self._infos.values())
 
-    def files(self) -> list[Path]:
-        return sorted({i.file for i in self._infos.values()})
-
     def get(self, name: str) -> torch.Tensor:
         """The tensor as an owned CPU tensor (a copy). Streaming passes use `view` instead."""
         info = self.info(name)
@@ -320,12 +306,9 @@ class CheckpointReader:
         return out
 
     def view(self, name: str) -> torch.Tensor:
-        """The tensor as a zero-copy view of its shard's memory map: reads come straight from the
-        page cache, with no buffer to fill (streaming quantization measured ~2x faster than
-        pread into buffers). Its pages are mapped in one call. For streaming passes: call
-        `release(name)` when done with it, so that resident memory stays at the tensors in use.
-        The view stays valid after the reader is closed (it holds its map). Writes through the
-        view never reach the file (a private mapping)."""
+        """The tensor as a zero-copy view of its shard's memory map (streaming quantization measured ~2x
+        faster than pread into buffers): call `release(name)` when done with it. The view stays valid after
+        the reader is closed (it holds its map); writes through it never reach the file (a private mapping)."""
         info = self.info(name)
         if self._pickled is not None:
             return self._pickled[name]
@@ -385,7 +368,7 @@ class CheckpointReader:
         del self._infos[name]
         if self._pickled is not None:
             del self._pickled[name]
-        self._order = sorted(self._infos, key=lambda k: (str(self._infos[k].file), self._infos[k].begin))
+        self._sort()
 
     def get_rows(self, name: str, rows: torch.Tensor) -> torch.Tensor:
         """rows of a 2-D tensor (e.g. embeddings for some token ids) without reading the rest."""

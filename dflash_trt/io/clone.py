@@ -1,17 +1,10 @@
 """A bundle's own copy of a source file (weights, configs) that no write can carry back to the source.
 
 A hard link shares the inode: writing the bundle's `drafter/model.safetensors` in place rewrote the
-source drafter (and root ignores a read-only mode, so no link is safe). So each file is, in order:
-
-  1. a reflink (FICLONE, linux/fs.h): a copy-on-write clone on btrfs, XFS (reflink=1), bcachefs,
-     OCFS2; instant, no extra disk until one side is written;
-  2. else a kernel-side copy (copy_file_range(2): no round trip through user space; NFS 4.2 and
-     some filesystems turn it into a server-side or block copy);
-  3. else a plain read/write copy (shutil.copyfileobj).
-
-Measured in docs/pipeline.md ("The bundle's own copy of the weights"). The copy's mode follows the
-umask (never the source's: a 0600 cache file would make the bundle unreadable to a pod's other
-uid); its mtime is the source's, so a rebuild recognises it unchanged.
+source drafter (and root ignores a read-only mode, so no link is safe). So each file is a reflink
+(FICLONE) where the filesystem has them, else a kernel-side copy_file_range(2), else a read/write copy
+(docs/pipeline.md measures them). The copy's mode follows the umask (a 0600 cache file would make the
+bundle unreadable to a pod's other uid); its mtime is the source's, so a rebuild recognises it unchanged.
 """
 from __future__ import annotations
 
@@ -47,7 +40,7 @@ def _reflink(fs, fd) -> str | None:
         fcntl.ioctl(fd.fileno(), FICLONE, fs.fileno())
         return "reflink"
     except OSError as e:
-        if e.errno in UNSUPPORTED or e.errno == errno.EXDEV:
+        if e.errno in UNSUPPORTED:
             return None
         raise
 

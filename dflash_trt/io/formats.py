@@ -1,13 +1,9 @@
 """Low-precision number formats: FP8 (E4M3), NVFP4 (E2M1 + FP8 block scales + fp32 global
 scale) and MXFP4 (E2M1 + E8M0 block scales, gpt-oss). docs/formats.md.
 
-The FP8 and NVFP4 encoders reproduce NVIDIA ModelOpt's export arithmetic operation for
-operation (same dtypes at each step, same tie-breaking), because the output must be
-byte-identical to `export_hf_checkpoint`'s; tests/test_quantize.py pins that. Large tensors are
-processed in row chunks so temporaries stay small (streaming quantization of 100B+ models).
-
-Packing (NVFP4 and MXFP4): two E2M1 codes per byte, the LOW nibble holds the even element:
-byte = code[2j+1] << 4 | code[2j].
+The FP8 and NVFP4 encoders reproduce NVIDIA ModelOpt's export arithmetic operation for operation,
+because the output must be byte-identical to `export_hf_checkpoint`'s (tests/test_quantize.py). Large
+tensors go in row chunks so temporaries stay small. Packing: two E2M1 codes per byte, low nibble even.
 """
 from __future__ import annotations
 
@@ -47,11 +43,8 @@ def _row_chunks(n_rows: int, row_elems: int):
 # E2M1 codes and nibble packing
 
 def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
-    """Round float values (already scaled into [-6, 6]) to E2M1 codes (uint8, 0..15).
-
-    Magnitudes beyond 6 saturate to 6. The sign bit is set for x < 0, so a small negative
-    value that rounds to zero gives code 8 (-0), as ModelOpt does.
-    """
+    """Round float values (already scaled into [-6, 6]) to E2M1 codes (uint8, 0..15); beyond 6 saturates.
+    The sign bit is set for x < 0, so a small negative value that rounds to zero gives -0, as ModelOpt does."""
     x = x.float()
     a = x.abs()
     code = torch.zeros(a.shape, dtype=torch.uint8)
@@ -87,13 +80,8 @@ def fp8_scale_from_amax(amax: float | torch.Tensor) -> torch.Tensor:
 
 
 def fp8_quantize(w: torch.Tensor, scale: torch.Tensor, compute_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """E4M3 bytes of w / scale.
-
-    ModelOpt's two exporters differ here and we follow each: the HF export divides by a 0-dim
-    fp32 scale, so the division runs in w's dtype (bf16 stays bf16, rounded, then cast); the
-    TensorRT-LLM export divides by a [1]-shaped scale, so it runs in fp32. `compute_dtype=None`
-    is the first, `torch.float32` the second.
-    """
+    """E4M3 bytes of w / scale. ModelOpt's HF export divides in w's dtype (`compute_dtype=None`), its
+    TensorRT-LLM export in fp32 (`torch.float32`): a 0-dim vs a [1]-shaped scale."""
     out = torch.empty(w.shape, dtype=torch.float8_e4m3fn)
     scale = scale.reshape(())
     cast = (lambda t: t) if compute_dtype is None else (lambda t: t.to(compute_dtype))
@@ -211,12 +199,7 @@ def mxfp4_decode(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype 
 
 def mxfp4_encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """floats [..., K] (K a multiple of 32) -> (blocks uint8 [..., K/32, 16], scales uint8 [..., K/32]).
-
-    Block scale 2^e with e = ceil(log2(amax / 6)), the smallest power of two that puts the
-    block's largest magnitude within E2M1's range (no saturation); all-zero blocks get the
-    smallest scale. (The OCP spec's floor(log2(amax)) - 2 choice may saturate; both decode
-    the same way, and the decoder is what must match gpt-oss.)
-    """
+    Block scale 2^ceil(log2(amax / 6)): no saturation (the OCP spec's choice may saturate; both decode alike)."""
     if x.shape[-1] % MXFP4_BLOCK:
         raise DFlashError(f"MXFP4 needs the last dimension to be a multiple of {MXFP4_BLOCK}, got {x.shape[-1]}")
     g = x.shape[-1] // MXFP4_BLOCK

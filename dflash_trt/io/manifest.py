@@ -1,12 +1,8 @@
 """The bundle manifest: `manifest.json` at the root of every `dflash-trt build` bundle.
 
-It makes a bundle self-describing: what went in (paths and content hashes), what was decided
-(arch, GPU, quantization, parallelism, drafter settings in every serving stack's layer-id
-convention), what each pipeline stage did, and every file that came out with its size and
-sha256 so that `dflash-trt verify --bundle DIR` can detect a changed or missing file.
-
-The schema is data (a JSON Schema, checked with the `jsonschema` library when it is installed)
-because two other tools read the manifest: `dflash-trt deploy` and `dflash-trt compile`.
+It makes a bundle self-describing: what went in (paths and content hashes), what was decided, what each
+pipeline stage did, and every file that came out with its size and sha256 (`dflash-trt verify`). The
+schema is data (a JSON Schema, checked with `jsonschema` when installed): deploy and compile read it too.
 """
 from __future__ import annotations
 
@@ -115,10 +111,8 @@ HUB_LFS_BLOB = re.compile(r"[0-9a-f]{64}")
 
 
 def hub_blob_sha256(resolved: Path) -> str | None:
-    """The sha256 of a Hugging Face cache blob of a large (LFS) file: its name
-    (models--org--name/blobs/<sha256>, the hub's LFS object id, which huggingface_hub names it
-    by), so a cached 65 GB checkpoint is not read to be hashed; `verify` re-reads a bundle's
-    files. Small files' blobs are named by their git sha1 (40 hex digits) and are hashed."""
+    """The sha256 of a Hugging Face cache blob of a large (LFS) file: its name (models--org--name/blobs/<sha256>),
+    so a cached 65 GB checkpoint is not read to be hashed. Small files' blobs are named by their git sha1."""
     p = Path(resolved)
     if p.parent.name == "blobs" and p.parent.parent.name.startswith("models--") and HUB_LFS_BLOB.fullmatch(p.name):
         return p.name
@@ -140,9 +134,7 @@ class HashCache:
         hit = self.entries.get(key)
         if hit and hit.get("bytes") == st.st_size and hit.get("mtime_ns") == st.st_mtime_ns:
             digest = hit["sha256"]
-        elif hub_blob_sha256(path):
-            digest = hub_blob_sha256(path)
-        else:
+        elif not (digest := hub_blob_sha256(path)):
             digest = sha256_file(path)
             self.entries[key] = {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}
         self._inodes[(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)] = digest
@@ -194,13 +186,12 @@ def list_artifacts(bundle: str | Path, known=None) -> list[ArtifactRecord]:
 # ------------------------------------------------------------------ the manifest, typed
 # Bundles written before `serving_stacks` existed served the stack of their Triton GPU model.
 LEGACY_STACK_OF_TRITON_MODEL = {"tensorrt_llm": "trtllm"}
-# A field that bundles of earlier versions (or builds that decide nothing there) lack: left out of the
-# JSON when None, so that what is written is what was read.
-_OPTIONAL = {"omit_none": True}
 
 
 def _optional(default=None):
-    return field(default=default, metadata=_OPTIONAL)
+    """A field that bundles of earlier versions (or builds that decide nothing there) lack: left out of the
+    JSON when None, so that what is written is what was read."""
+    return field(default=default, metadata={"omit_none": True})
 
 
 def _dump(value):
@@ -227,10 +218,8 @@ def record(cls=None, *, kw_only: bool = False):
 
 
 def _upgraded(m: dict, source: str) -> dict:
-    """A manifest of a schema version this dflash-trt reads (READ_VERSIONS) as the current one; any other
-    version refused in one line. Version 1 bundles may lack what later builds record (serving_stacks: the
-    stack of their Triton GPU model; the drafter's quantization: none); a version 1 `tune` revision's record
-    becomes its `revision` record."""
+    """A manifest of a schema version this dflash-trt reads (READ_VERSIONS) as the current one (filling in what
+    version 1 lacks); any other version refused in one line."""
     v = m.get("schema_version")
     if v not in READ_VERSIONS:
         raise DFlashError(f"{source}: manifest schema version {v!r}; this dflash-trt ({__version__}) reads versions "
@@ -443,10 +432,8 @@ REVISION_REWRITES = ("tool_version", "created", "serving_configs", "artifacts", 
 
 @record(kw_only=True)
 class Manifest:
-    """manifest.json as one typed object, both ways: `build` makes one (bundle/build.py Builder) and writes
-    it (Manifest.write), every other command reads it (Manifest.read). Its fields are in the order the
-    JSON has them; optional ones are left out when None. The hash caches stay JSON objects of their own
-    shapes."""
+    """manifest.json as one typed object, both ways: `build` writes it (Manifest.write), every other command
+    reads it (Manifest.read). Fields in the JSON's order; optional ones left out when None."""
     schema_version: int
     tool_version: str
     created: str | None = _optional()
@@ -488,9 +475,8 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, m: dict, source: str = MANIFEST_NAME) -> Manifest:
-        """A manifest.json object as the typed object: a known earlier schema version upgraded (_upgraded), its
-        values checked (MANIFEST_SCHEMA), its shape read strictly (record): an unknown field or a value of
-        another type is refused naming the field."""
+        """A manifest.json object as the typed object: upgraded, its values checked (MANIFEST_SCHEMA), its shape
+        read strictly: an unknown field or a value of another type is refused naming the field."""
         m = _upgraded(m, source)
         validate(m, source)
         try:
@@ -517,8 +503,10 @@ class Manifest:
         return cls.from_dict(read_json(path), str(path))
 
     def write(self, bundle: str | Path) -> Path:
-        """Validate, then write manifest.json atomically."""
-        return write_manifest(bundle, self.to_dict())
+        """Validate, then write manifest.json atomically (temp file + rename)."""
+        path, manifest = Path(bundle) / MANIFEST_NAME, self.to_dict()
+        validate(manifest, str(path))
+        return atomic_write_text(path, json.dumps(manifest, indent=2) + "\n")
 
 
 @functools.cache
@@ -530,13 +518,6 @@ def _reader() -> TypeAdapter:
 # (tests/test_reproducible.py compares everything else byte for byte).
 RUN_FACTS = ("created", "artifact_stats")
 STAGE_RUN_FACTS = ("seconds",)
-
-
-def write_manifest(bundle: str | Path, manifest: dict) -> Path:
-    """Validate, then write manifest.json atomically (temp file + rename)."""
-    bundle = Path(bundle)
-    validate(manifest, str(bundle / MANIFEST_NAME))
-    return atomic_write_text(bundle / MANIFEST_NAME, json.dumps(manifest, indent=2) + "\n")
 
 
 def is_bundle(folder: str | Path) -> bool:
@@ -566,10 +547,8 @@ def verify(bundle: str | Path) -> list[str]:
 
 
 def revision_problems(m: Manifest) -> list[str]:
-    """A revision against its parent, when the parent is still where it was and as it was (its manifest's
-    sha256): a manifest field the revision's kind keeps (REVISION_KINDS) that differs from the parent's, and a
-    file that differs from the parent's but is not in revision.changed. A revision copied away from its parent
-    stands on its own hashes."""
+    """A revision against its parent, when the parent is still there and as it was: a manifest field the kind
+    keeps (REVISION_KINDS) that differs, and a file that differs but is not in revision.changed."""
     rev = m.revision
     if rev is None:
         return []

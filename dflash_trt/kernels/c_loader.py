@@ -1,13 +1,10 @@
 """Small C kernels for CPU hot loops (kernels/csrc/*.c), compiled on first use with the system's C compiler.
 
-Why hand-written C: at the sizes the CPU runtime and the quantizer hit, eager torch spends its time
-in per-op dispatch and extra passes over memory, not arithmetic; one C loop does the work in one
-call. Plain C (no torch headers), so it compiles in well under a second, once per machine (kept
-under $DFLASH_TRT_HOME/kernels). Without a compiler (or with DFLASH_TRT_NO_CKERNEL=1) `load` returns None
-and callers use their torch code, which tests compare the kernels against. A compiler that fails is
-not the same as no compiler: `load` still returns None, but warns once with the first error and
-keeps the compiler's output for `build_error`. No -ffast-math: results must stay IEEE so that bytes
-and tolerances are what the tests pin.
+Why: at the CPU runtime's and the quantizer's sizes, eager torch spends its time in per-op dispatch and
+extra passes over memory. Plain C (no torch headers), compiled once per machine under
+$DFLASH_TRT_HOME/kernels. Without a compiler (or with DFLASH_TRT_NO_CKERNEL=1) `load` returns None and
+callers use their torch code; a failing compiler also gives None, warning once (`build_error`). No
+-ffast-math: results must stay IEEE so that bytes and tolerances are what the tests pin.
 """
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
 """float32 linear layers for the CPU runtime's decode sizes: a prepacked weight and csrc/gemm.c.
 
-`linear(x, w, b)` is F.linear for every caller; in float32, at up to MAX_ROWS rows, without
-autograd, it runs the packed C kernel, which is faster at M = 1..17 than MKL (bench/bench_gemm.py)
-and batch-invariant by construction (csrc/gemm.c says why). The packed copy is made once per weight
-and kept on the tensor itself (so it lives and dies with it) and remade if the weight is modified in
-place. It costs a second copy of each float32 weight; bf16 weights never get one: there torch's
-oneDNN kernels are used (see `path`).
+`linear(x, w, b)` is F.linear; in float32, at up to MAX_ROWS rows, without autograd, it runs the packed
+C kernel (faster than MKL at M = 1..17, bench/bench_gemm.py, and batch-invariant). The packed copy is kept
+on the weight tensor itself and remade if the weight changes in place; bf16 weights use oneDNN (`path`).
 """
 from __future__ import annotations
 

@@ -1,27 +1,18 @@
 """The drafter KV-injection kernel (Triton): one launch writes K and V of every drafter layer.
 
-Input is the fc output `ctx_raw [T, H]` (fc stays a plain GEMM that TensorRT runs on its own
-tensor-core kernels). One program computes one head (hd columns) of one layer's K or V for a
-tile of BLOCK_T tokens:
+Input is the fc output `ctx_raw [T, H]` (fc stays a plain GEMM). One program computes one head of one
+layer's K or V for a tile of BLOCK_T tokens:
 
     acc      = ctx_raw[t] @ (W_kv ⊙ w_hidden_norm)[rows]ᵀ       one GEMM over all layers' K|V rows
-    x        = acc * rstd_hidden[t] (+ bias)                      hidden_norm folded: its weight into
-                                                                  W_kv, its 1/rms into this epilogue
+    x        = acc * rstd_hidden[t] (+ bias)                      hidden_norm folded in (rms taken as the
+                                                                  GEMM streams ctx_raw: no extra pass)
     K        = rope(k_norm(x)),  V = x                            per-head RMSNorm, rotate-half RoPE
     cache[slot[t]] = K | V   (optionally FP8 e4m3 with a per-tensor scale)
 
-The rms of ctx_raw rows is accumulated while the GEMM streams ctx_raw along H, so hidden_norm
-costs no extra pass. The head is kept as two halves (lo, hi) so rotate-half RoPE needs no
-permutation inside the tile.
-
-Argument order follows TensorRT's AOT plugin calling convention: input pointers, then the int32
-scalars (TensorRT's `extra_args`), then output pointers. The cache inputs are aliased to the
-outputs under TensorRT (in-place update); the kernel only writes through the output pointers.
-
-Cache addressing: slot -> (page = slot >> page_shift, offset = slot & (2^page_shift - 1)),
-element = page*stride_page + layer*stride_layer + head*stride_head + offset*stride_tok + d.
-A contiguous cache [L, nkv, max_len, hd] is one page (stride_page 0, page_shift 30).
-Slots < 0 are padding and are skipped (vLLM's convention).
+Arguments follow TensorRT's AOT plugin convention: input pointers, int32 scalars, output pointers (the
+caches are aliased in place; the kernel writes through the outputs only). Cache addressing: slot ->
+(page = slot >> page_shift, offset = slot & (2^page_shift - 1)); a contiguous cache is one page
+(stride_page 0, page_shift 30). Slots < 0 are padding and are skipped (vLLM's convention).
 """
 import triton
 import triton.language as tl

@@ -1,10 +1,8 @@
 """TensorRT plugin `dflash::KVInject` for the drafter KV-injection kernel (kv_inject_triton.py).
 
-Registered through TensorRT's Python plugin API (`tensorrt.plugin`: register / aot_impl). TensorRT
-is imported only inside `register_plugin()`, so everything else here -- the kernel configuration,
-launch grid, scalar-argument order, kernel selection -- is plain Python, used by the AOT
-build (dflash_trt.stacks.trtllm.plugin) and tested on machines without TensorRT. The same arithmetic is
-applied to TensorRT's symbolic shape expressions inside aot_impl (only +, * and // are used).
+Registered through `tensorrt.plugin` (register / aot_impl); TensorRT is imported only inside
+`register_plugin()`, so the kernel configuration, grid and argument order are plain Python, tested
+without TensorRT and applied to its symbolic shapes inside aot_impl (only +, * and //).
 
 Plugin I/O (one TensorRT node; the ONNX node `KVInject` with plugin_namespace "dflash"):
   inputs   ctx_raw [T, H] (fc output), w_kv [L*2*nkv*hd, H], b_kv [L*2*nkv*hd], k_norm_w [L, hd],

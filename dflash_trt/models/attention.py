@@ -1,10 +1,8 @@
 """The KV-cached attention every target family's softmax attention runs (models/families).
 
-Static KV cache: a layer owns k/v buffers [n_kv, max_len, head_dim] (TargetShell.setup_cache
-allocates them); a forward writes its tokens at [start, start+T) and attends to [0, start+T).
-Cropping after a rejected draft is just calling the next forward with a smaller `start` (O(1), no
-copy). A family's attention subclasses CachedAttention with its own projections, norms and RoPE,
-and calls attend_cached.
+Static KV cache: a layer owns k/v buffers [n_kv, max_len, head_dim]; a forward writes its tokens at
+[start, start+T) and attends to [0, start+T), so cropping a rejected draft is O(1): the next forward's
+smaller `start`.
 """
 from __future__ import annotations
 

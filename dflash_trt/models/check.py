@@ -17,6 +17,7 @@ from dflash_trt.models.config import (
     DrafterConfig,
     decoder_config,
     drafter_config_problems,
+    raise_first,
     target_config_problems,
 )
 from dflash_trt.models.draft_vocab import read_draft_vocab
@@ -241,15 +242,9 @@ def _scan(folder: Path) -> list[str]:
         return []   # unreadable or pickled: reported by the header checks, or scanned when loaded
 
 
-def _raise_first(problems: list[str]) -> None:
-    if problems:
-        more = f" (and {len(problems) - 1} more problem(s); `dflash-trt check` lists them)" if len(problems) > 1 else ""
-        raise DFlashError(problems[0] + more)
-
-
 def require_pair(target_dir: str | Path, drafter_dir: str | Path, allow_pickle: bool = False) -> None:
     """Refuse what `check` refuses (headers and configs only), with its first message."""
-    _raise_first(check_pair(target_dir, drafter_dir, allow_pickle=allow_pickle)["problems"])
+    raise_first(check_pair(target_dir, drafter_dir, allow_pickle=allow_pickle)["problems"])
 
 
 def require_checkpoint_config(folder: str | Path) -> dict:
@@ -263,7 +258,7 @@ def require_checkpoint_config(folder: str | Path) -> dict:
         drafter = "DFlashDraftModel" in (cfg.get("architectures") or []) if isinstance(cfg.get("architectures"),
                                                                                       list) else False
         problems += drafter_config_problems(cfg, path) if drafter else target_config_problems(cfg, path)
-    _raise_first(problems)
+    raise_first(problems)
     return cfg
 
 
@@ -280,4 +275,4 @@ def require_target(target_dir: str | Path, allow_pickle: bool = False) -> None:
                 stop_token_ids(target_dir)
             except DFlashError as e:
                 problems.append(str(e))
-    _raise_first(problems)
+    raise_first(problems)

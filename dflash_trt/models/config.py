@@ -1,13 +1,8 @@
-"""DFlash drafter configuration: the z-lab `config.json` format, and conversion from the
-vLLM speculators format (docs/formats.md); and the rules every config.json we read must meet.
-
-The config.json is kept as read (`raw`) and written back unchanged, so a load → save round trip
-is byte-compatible with the z-lab file apart from JSON whitespace.
-
-The rules are data (COMMON_FIELDS, TARGET_FIELDS, DRAFTER_FIELDS: type and range per field) plus
-the relations between fields (`_relations`), checked once by `target_config_problems` /
-`drafter_config_problems`. `check` reports every problem; everything that loads a model refuses the
-first one with the same message, before any allocation (docs/formats.md, "Validation").
+"""DFlash drafter configuration: the z-lab `config.json` format, and conversion from the vLLM
+speculators format (docs/formats.md); and the rules every config.json we read must meet, as data
+(COMMON_FIELDS, TARGET_FIELDS, DRAFTER_FIELDS) plus the relations between fields (`_relations`).
+`check` reports every problem; everything that loads a model refuses the first one, before any
+allocation. The config.json is kept as read (`raw`) and written back unchanged.
 """
 from __future__ import annotations
 
@@ -37,9 +32,8 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def target_layer_types() -> tuple[str, ...]:
-    """The layer types a target config may list: transformers' own ALLOWED_LAYER_TYPES
-    (configuration_utils; linear_attention for Qwen3.5/3.6 and Qwen3-Next, indexed_attention for
-    GLM-5, ...). A drafter's stay LAYER_TYPES: the only ones a DFlash drafter layer can be."""
+    """The layer types a target config may list: transformers' own ALLOWED_LAYER_TYPES (linear_attention,
+    indexed_attention, ...). A drafter's stay LAYER_TYPES: the only ones a DFlash drafter layer can be."""
     try:
         from transformers.configuration_utils import ALLOWED_LAYER_TYPES
     except ImportError:
@@ -246,28 +240,23 @@ def drafter_config_problems(d: dict, source: str = "config.json") -> list[str]:
 
 
 def draft_value(d: dict, name: str, default=None):
-    """A drafter field as z-lab reads it (dflash/model.py `_draft_value`): dflash_config first,
-    then the top level. (vLLM's DFlash2 reads conv_* / selector_* from dflash_config only:
-    bundle/serving_configs.py checks that for the vLLM config.)"""
+    """A drafter field as z-lab reads it (dflash/model.py `_draft_value`): dflash_config first, then the top
+    level. (vLLM's DFlash2 reads conv_* / selector_* from dflash_config only.)"""
     dc = d.get("dflash_config") if isinstance(d.get("dflash_config"), dict) else {}
     v = dc.get(name)
     return d.get(name, default) if v is None else v
 
 
 def drafter_kind(d: dict) -> str:
-    """"dflash" or "dflash2", by the architecture upstream dispatches on (vLLM
-    v1/worker/gpu/spec_decode/__init__.py picks DFlash2Speculator for "DFlash2DraftModel";
-    z-lab/dflash's loader class is DFlash2DraftModel)."""
+    """"dflash" or "dflash2", by the architecture upstream (vLLM, z-lab/dflash) dispatches on."""
     archs = d.get("architectures") if isinstance(d.get("architectures"), list) else []
     return "dflash2" if "DFlash2DraftModel" in archs else "dflash"
 
 
 def qwen3_window_and_types(d: dict) -> tuple[int | None, list[str] | None]:
-    """sliding_window and layer_types as transformers' Qwen3Config holds them, which is what z-lab
-    (DFlashDraftModel's config_class), vLLM and SGLang (hf_config of model_type qwen3) all read a
-    drafter through (transformers 5.24 and 5.19 models/qwen3/configuration_qwen3.py): sliding_window
-    is dropped unless use_sliding_window is true, and absent layer_types are derived (sliding for
-    layers >= max_window_layers when a window remains)."""
+    """sliding_window and layer_types as transformers' Qwen3Config holds them, which z-lab, vLLM and SGLang
+    all read a drafter through: sliding_window is dropped unless use_sliding_window is true, and absent
+    layer_types are derived (sliding for layers >= max_window_layers when a window remains)."""
     window = d.get("sliding_window") if d.get("use_sliding_window") else None
     types = d.get("layer_types") if isinstance(d.get("layer_types"), list) else None
     if types is None and _is_int(d.get("num_hidden_layers")):
@@ -287,11 +276,8 @@ def layer_attention(d: dict) -> list[tuple[int | None, bool]]:
       and no sliding layer listed, every layer is sliding iff `dflash_config.use_swa`;
     - window: `dflash_config.swa_window_size`, else the top-level `sliding_window`.
 
-    z-lab/dflash (dflash/model.py Qwen3DFlashAttention, @0a7587c0 fixture's reader) reads a subset:
-    is_causal, else layer_types[i] == "sliding_attention"; window = sliding_window for sliding
-    layers. Every config z-lab writes resolves the same both ways. A window of w lets a query at
-    position p see keys with |p - k| < w (causal: p - w < k <= p), as z-lab's `_attention_mask`
-    and vLLM's FlashAttention `_maybe_symmetrize_window` ((w-1, w-1) when non-causal) agree.
+    z-lab/dflash reads a subset, and every config it writes resolves the same both ways. A window of w lets
+    a query at position p see keys with |p - k| < w (causal: p - w < k <= p), as z-lab and vLLM agree.
     Raises DFlashError for a sliding layer without a window."""
     dc = d.get("dflash_config") if isinstance(d.get("dflash_config"), dict) else {}
     L = d["num_hidden_layers"]
@@ -309,12 +295,8 @@ def layer_attention(d: dict) -> list[tuple[int | None, bool]]:
                        "which every stack reads the drafter with, drops it)") if d.get("sliding_window") else ""
                 raise DFlashError(f"config.json: drafter layer {i} is sliding-window attention but neither "
                                   f"dflash_config.swa_window_size nor sliding_window is set{why}")
-        if d.get("is_causal") is not None:
-            causal = bool(d["is_causal"])
-        elif dc.get("causal") is not None:
-            causal = bool(dc["causal"])
-        else:
-            causal = bool(types) and types[i] == "sliding_attention"
+        causal = next((bool(v) for v in (d.get("is_causal"), dc.get("causal")) if v is not None),
+                      bool(types) and types[i] == "sliding_attention")
         out.append((int(window) if window is not None else None, causal))
     return out
 
@@ -351,7 +333,7 @@ def _dflash_problems(d: dict, source: str) -> list[str]:
     return p
 
 
-def _first(problems: list[str]) -> None:
+def raise_first(problems: list[str]) -> None:
     """Raise the first problem (what `check` would print first), counting the others."""
     if problems:
         more = f" (and {len(problems) - 1} more problem(s); `dflash-trt check` lists them)" if len(problems) > 1 else ""
@@ -359,7 +341,7 @@ def _first(problems: list[str]) -> None:
 
 
 def require_target_config(cfg: dict, source: str = "config.json") -> dict:
-    _first(target_config_problems(cfg, source))
+    raise_first(target_config_problems(cfg, source))
     return cfg
 
 
@@ -418,7 +400,7 @@ class DrafterConfig:
         """Validated (drafter_config_problems): the first broken rule is raised."""
         if d.get("speculators_model_type") == "dflash":
             d = zlab_config_from_speculators(d, source)
-        _first(drafter_config_problems(d, source))
+        raise_first(drafter_config_problems(d, source))
         dcfg = d.get("dflash_config") or {}
         block_size = d.get("block_size", dcfg.get("block_size"))
         mask = dcfg.get("mask_token_id", d.get("mask_token_id"))
@@ -441,12 +423,8 @@ class DrafterConfig:
             block_size=int(block_size), mask_token_id=int(mask), target_layer_ids=[int(i) for i in ids],
             num_target_layers=d.get("num_target_layers"), attention_bias=bool(d.get("attention_bias", False)),
             hidden_act=d.get("hidden_act") or "silu", kind=drafter_kind(d), layer_attention=layer_attention(d),
-            conv_kernel_size=int(draft_value(d, "conv_kernel_size", 0)),
-            conv_group_size=int(draft_value(d, "conv_group_size", 0)),
-            selector_rank=int(draft_value(d, "selector_rank", 0)),
-            selector_top_k=int(draft_value(d, "selector_top_k", 0)),
-            input_embedding_scale=float(draft_value(d, "input_embedding_scale", 1.0)),
-            output_multiplier=float(draft_value(d, "output_multiplier", 1.0)),
+            **{k: int(draft_value(d, k, 0)) for k in DFLASH2_FIELDS},
+            **{k: float(draft_value(d, k, 1.0)) for k in ("input_embedding_scale", "output_multiplier")},
             final_logit_softcapping=(float(draft_value(d, "final_logit_softcapping"))
                                      if draft_value(d, "final_logit_softcapping") else None),
             raw=d,

@@ -1,14 +1,10 @@
 """The draft vocabulary: the tokens a drafter proposes from, when a drafter folder has one.
 
-Why: on a CPU the draft step's largest cost is the target's lm_head over the B-1 drafted rows: B-1
-times vocab x hidden FMAs (SmolLM2: 7 x 49152 x 576, ~0.17 of an AR step, FMA-bound). Drafting from
-the few thousand tokens the target actually emits in the domain cuts that by the vocabulary ratio.
-Lossless either way: the target verifies over its full vocabulary, and a draft from a subset is a
-valid proposal for speculative sampling too (q is 0 outside it). Only tau can change, measured by
-`bench` (`--full-draft-vocab` to compare).
+Why: on a CPU the draft step's largest cost is the target's lm_head over the drafted rows; drafting
+from the few thousand tokens the target emits in the domain cuts it by the vocabulary ratio. Lossless:
+the target verifies over its full vocabulary (only tau can change: `bench --full-draft-vocab`).
 
-File `draft_vocab.json` beside the drafter's config.json; serving stacks ignore it (they read
-config.json and *.safetensors):
+File `draft_vocab.json` beside the drafter's config.json (serving stacks ignore it):
 
     {"format": "dflash-trt-draft-vocab", "version": 1, "vocab_size": 49152,
      "token_ids": [0, 1, 2, ...], "source": "how it was made"}

@@ -1,19 +1,12 @@
 """The DFlash block-diffusion drafter (z-lab `DFlashDraftModel` semantics, docs/decode-loop.md),
 and DFlash2 (z-lab `DFlash2DraftModel`).
 
-A stack of Qwen3 decoder blocks whose attention sees two key/value sources: the projected
-target context ("KV injection": K = rope(k_norm(k_proj(ctx))), V = v_proj(ctx), no input
-layernorm on ctx) and the block being drafted; Q comes from the block only. Attention is
-non-causal unless the config makes a layer causal and/or sliding-window (config.layer_attention).
-No embeddings, no lm_head: those are the target's.
-
-DFlash2 (z-lab/dflash dflash/model.py `GroupedDynamicCausalConv`, `CandidateSelector`; vLLM
-vllm/model_executor/models/qwen3_dflash2.py) adds, per layer, a grouped dynamic causal convolution
-over the block's positions around attention and around the MLP (`prepare` before, `finish` after,
-with taps whose coefficients are a base kernel plus a per-token, per-group delta), and drafts
-through a candidate selector: the top-k tokens of the target head's (scaled, soft-capped) logits
-at each position, rescored with a low-rank predecessor x successor bilinear term and walked left
-to right from the anchor (the last verified token).
+A stack of Qwen3 decoder blocks whose attention sees the projected target context ("KV injection":
+K = rope(k_norm(k_proj(ctx))), V = v_proj(ctx)) and the block being drafted; Q comes from the block
+only. Non-causal unless the config says otherwise (config.layer_attention). No embeddings, no lm_head:
+those are the target's. DFlash2 (also vLLM qwen3_dflash2.py) adds a grouped dynamic causal convolution
+around attention and the MLP, and drafts through a candidate selector (top-k of the target head's logits,
+rescored with a low-rank bilinear term, walked left to right from the anchor).
 """
 from __future__ import annotations
 

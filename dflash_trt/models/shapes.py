@@ -1,9 +1,6 @@
-"""The tensor shapes config.json implies for a Hugging Face decoder checkpoint (Llama / Qwen2 / Qwen3 /
-Mistral / gpt-oss naming, and the layouts of the families in models/families), checked against the
-safetensors headers before anything is read (check, quantize, convert).
-
-What a family changes (q/k norms over all heads, a gated q_proj, per-layer attention dims, its own
-expert tensors) is its row (models/families.family), never a branch on its name here.
+"""The tensor shapes config.json implies for a Hugging Face decoder checkpoint, checked against the
+safetensors headers before anything is read (check, quantize, convert). What a family changes is its row
+(models/families.family), never a branch on its name here.
 """
 from __future__ import annotations
 

@@ -1,16 +1,8 @@
 """The shell every runtime target model shares (models/families): what a family does not change.
 
-A family module builds its decoder (`Backbone`: embed_tokens, layers, norm, Hugging Face names) and
-subclasses TargetShell, which gives it the interface runtime/decode.py drives (see
-models/families/__init__.py):
-- the head: a tied or own lm_head, `logits` (soft-capped where the family caps them), `embed`;
-- setup_cache: whole KV_PAD chunks, the RoPE table regrown, each layer's cache allocated
-  (`allocate_cache`, by default a K/V buffer per `kv_layers()` attention);
-- forward: the KV-cache bound, positions and causal mask, a multimodal wrapper's placeholder ids
-  mapped (`placeholders`), then the family's `decode` generator (one output per decoder layer),
-  the captured layers' outputs, the final norm and the logits.
-Also the transformers config of a config.json (`hf_config`) and a multimodal wrapper's decoder
-fields (`text_config`).
+A family module builds its decoder (`Backbone`: Hugging Face names) and subclasses TargetShell, which
+gives it the interface runtime/decode.py drives (models/families/__init__.py): the head, the KV caches,
+and a forward that runs the family's `decode` generator. Also `hf_config` and `text_config`.
 """
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
 """Loading a target: config.json -> its family's runtime model (models/families) with the checkpoint's
-tensors in it. The families are the models; this module only looks one up and fills it.
-
-TargetModel is the interface every family's model has (models/shell.TargetShell), which
-runtime/decode.py drives; load_target returns one.
+tensors in it; TargetModel is the interface every family's model has (models/shell.TargetShell).
 """
 from __future__ import annotations
 

@@ -1,13 +1,9 @@
 """Activation and KV-cache calibration, one decoder layer at a time.
 
-ModelOpt's max calibration runs the whole model once over the prompts and records, for every
-quantized Linear, the largest |input| it saw, and for every attention the largest |K| and |V|
-(after RoPE, as they enter the cache). We compute the same amaxes with only one decoder
-layer's weights in memory: the hidden states of all calibration prompts are carried from layer
-to layer (prompts x tokens x hidden floats, small next to a layer's weights).
-
-The decoder layer itself is the reference runtime's (`dflash_trt.models.target.DecoderLayer`: Llama,
-Qwen3, gpt-oss), so calibration and the runtime share one implementation.
+The amaxes ModelOpt's max calibration records (every quantized Linear's largest |input|, every
+attention's largest |K| and |V| after RoPE) with only one decoder layer's weights in memory: the
+calibration prompts' hidden states are carried from layer to layer. The layers are the reference
+runtime's, so calibration and the runtime share one implementation.
 """
 from __future__ import annotations
 

@@ -1,12 +1,9 @@
 """`build --drafter-quant int8`: the drafter as a compressed-tensors INT8 W8A8 checkpoint (the
 format: io/compressed_tensors.py), the quantized scheme vLLM-CPU runs on any x86 CPU.
 
-Quantized: each decoder layer's q/k/v/o and gate/up/down projections (vLLM fuses them into
-qkv_proj and gate_up_proj, all of one scheme as vLLM requires). Kept as stored: fc (the context
-projection: vLLM builds it with the draft quant_config, vllm/model_executor/models/qwen3_dflash.py
-DFlashQwen3Model.__init__, so it is named in `ignore`), the norms, and everything the drafter
-shares with the target (it ships no embeddings or lm_head; vLLM's draft-vocabulary lm_head rows,
-stacks/vllm/drafter.py, are in `ignore`). Side files (draft_vocab.json, MODEL_CARD.md) are copied.
+Quantized: each decoder layer's q/k/v/o and gate/up/down projections. Kept as stored (and named in
+`ignore`): fc (vLLM builds it with the draft quant_config), the norms, vLLM's draft-vocabulary lm_head
+rows. Side files (draft_vocab.json, MODEL_CARD.md) are copied.
 """
 from __future__ import annotations
 

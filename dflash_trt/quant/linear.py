@@ -1,12 +1,7 @@
 """One quantized Linear's tensors, as NVIDIA ModelOpt's two exporters write them: the unified
-Hugging Face checkpoint (`quantize`) and the TensorRT-LLM checkpoint (`convert`).
-
-Both encode the same way (io/formats.py): FP8 is e4m3(w / s) with one per-tensor scale s;
-NVFP4 is E2M1 codes with E4M3 scales per 16 inputs and one fp32 global scale. A fused group
-(q/k/v, gate/up: one GEMM in the runtime) shares its per-tensor (FP8, TensorRT-LLM) or global
-(NVFP4) scale and its input scale, so callers compute the scale over the group and pass it in.
-The exporters differ only in names, in the shape of scalars and in the FP8 division's dtype;
-`LinearExport` holds those differences as data.
+Hugging Face checkpoint (`quantize`) and the TensorRT-LLM checkpoint (`convert`). Both encode the same
+way (io/formats.py), a fused group sharing its scales (callers compute them over the group); the
+exporters differ only in names, scalar shapes and the FP8 division's dtype: `LinearExport`'s data.
 """
 from __future__ import annotations
 

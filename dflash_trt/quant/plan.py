@@ -17,11 +17,8 @@ from dflash_trt.io.shards import TensorSpec
 from dflash_trt.models.families import family, family_of_config
 from dflash_trt.quant.linear import HF_EXPORT, MODELOPT_VERSION, linear_specs
 
-# Modules ModelOpt leaves unquantized by default (its *_DEFAULT_CFG), as module-name globs.
-# Hybrid / linear-attention families (Qwen3-Next, Qwen3.5/3.6 GatedDeltaNet) as nvidia-modelopt 0.47's
-# modelopt_recipes/configs/ptq/units/default_disabled_quantizers.yaml: the conv1d and the small a/b (ba)
-# projections stay bf16 (`*linear_attn.in_proj_b*` also covers Qwen3-Next's fused in_proj_ba), as do
-# Mamba mixers' conv1d and MTP heads.
+# Modules ModelOpt 0.47 leaves unquantized by default (its *_DEFAULT_CFG and default_disabled_quantizers.yaml),
+# as module-name globs (`*linear_attn.in_proj_b*` also covers Qwen3-Next's fused in_proj_ba).
 DEFAULT_EXCLUDE = ("*lm_head*", "*embed_tokens*", "*router*", "*mlp.gate", "*block_sparse_moe.gate",
                    "*shared_expert_gate", "*output_layer*", "*vision*", "*visual*", "*multi_modal_projector*",
                    "*linear_attn.conv1d*", "*self_attention.conv1d*", "*linear_attn.in_proj_a*",
@@ -29,16 +26,12 @@ DEFAULT_EXCLUDE = ("*lm_head*", "*embed_tokens*", "*router*", "*mlp.gate", "*blo
 # Fused groups: modules that share one input (and so one input_scale, and for NVFP4 one
 # weight_scale_2), because the runtime runs them as one GEMM.
 FUSED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
-# MoE experts: transformers >= 5 holds each MoE layer's experts as one fused gate_up tensor (and saves them
-# per expert), so ModelOpt 0.47's _QuantFusedExperts gives an expert's gate and up ONE weight quantizer:
-# for FP8 they share weight_scale too (measured against its export: tests/test_families.py). w1/w3 are
-# MiniMax / Mixtral's names for gate/up.
+# MoE experts: ModelOpt 0.47's _QuantFusedExperts gives an expert's gate and up ONE weight quantizer (transformers
+# >= 5 fuses them), so for FP8 they share weight_scale too (tests/test_families.py). w1/w3: MiniMax / Mixtral's.
 EXPERT_FUSED = {"gate_proj": "gate_up", "up_proj": "gate_up", "w1": "gate_up", "w3": "gate_up"}
-# Other Linears that read one input (ModelOpt's preprocess_linear_fusion finds them by their shared
-# input; here by name, per layer): MLA's down-projections of the hidden state (DeepSeek-V3, Kimi K2,
-# GLM-5, whose DSA indexer's wk / weights_proj read it too) and of the q LoRA (q_b_proj, the
-# indexer's wq_b); GatedDeltaNet's input projections (Qwen3.5/3.6: in_proj_qkv + in_proj_z).
-# Measured against ModelOpt 0.47's NVFP4 export: tests/test_families.py.
+# Other Linears that read one input (ModelOpt's preprocess_linear_fusion finds them by their shared input; here
+# by name, per layer): MLA's (and GLM-5's DSA indexer's) projections of the hidden state and of the q LoRA;
+# GatedDeltaNet's input projections. Measured against ModelOpt 0.47's NVFP4 export: tests/test_families.py.
 SHARED_INPUT = {
     "self_attn.q_a_proj": "self_attn.hidden_in", "self_attn.kv_a_proj_with_mqa": "self_attn.hidden_in",
     "self_attn.indexer.wk": "self_attn.hidden_in", "self_attn.indexer.weights_proj": "self_attn.hidden_in",
@@ -47,13 +40,9 @@ SHARED_INPUT = {
 }
 
 
-# Exclusions ModelOpt 0.47's export writes otherwise than the plain module list, where transformers'
-# module is not the nn.Linear / nn.Embedding the checkpoint stores (measured against its export:
-# tests/test_family_gemma4_minimax.py). A subclass of nn.Embedding gets no quantizer, so it is not
-# listed (Gemma 4's Gemma4TextScaledWordEmbedding); a Linear inside a router module is summarized as
-# the router's prefix wildcard (Gemma 4's Gemma4TextRouter.proj -> "model.layers.N.router*", by
-# quant_utils._prefix_wildcard_summarize_exclude_modules).
-# Which modules a family leaves unlisted is its row's unlisted_excluded (models/families: Gemma 4).
+# Exclusions ModelOpt 0.47's export lists otherwise than by module name (tests/test_family_gemma4_minimax.py):
+# a Linear inside a router module as the router's prefix wildcard (Gemma 4: "model.layers.N.router*"). What a
+# family leaves unlisted is its row's unlisted_excluded.
 LISTED_AS_PREFIX = {"*.router.proj": ".proj"}
 
 
@@ -68,10 +57,8 @@ def _listed_exclusion(module: str, model_type: str | None) -> str | None:
 
 
 def split_fused_experts(reader: CheckpointReader) -> None:
-    """Fused 3-D experts as transformers >= 5 saves a family it has no per-expert conversion for
-    (Gemma 4: experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I]) read as the per-expert
-    matrices ModelOpt 0.47's _QuantFusedExperts exports: experts.{e}.gate_proj / up_proj (the first
-    and last I rows of gate_up) / down_proj. Zero-copy (CheckpointReader.split)."""
+    """Fused 3-D experts (Gemma 4: experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I]) read as the
+    per-expert matrices ModelOpt 0.47 exports (experts.{e}.gate_proj / up_proj / down_proj), zero-copy."""
     for name in list(reader.keys()):
         if not name.endswith(".experts.gate_up_proj"):
             continue
@@ -93,10 +80,8 @@ def _shared_input_group(module: str) -> str | None:
 
 
 def keep_in_fp32_patterns(cfg: dict) -> list[str]:
-    """Module names transformers keeps in float32 for this family whatever the load dtype (the
-    causal-LM class's `_keep_in_fp32_modules_strict`; e.g. DeepSeek-V3 / GLM-5's router `gate.weight`
-    and `e_score_correction_bias`; the non-strict list applies to float16 loads only). ModelOpt's
-    export writes the model transformers loaded, so those tensors come out float32: ours do too."""
+    """Module names transformers keeps in float32 for this family whatever the load dtype (the causal-LM
+    class's `_keep_in_fp32_modules_strict`): ModelOpt's export writes them float32, so ours does too."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 

@@ -1,20 +1,12 @@
 """`dflash-trt quantize`: a Hugging Face checkpoint -> ModelOpt-style unified HF checkpoint
 (FP8 or NVFP4 weights, optional FP8 KV cache), streaming tensor by tensor. docs/formats.md.
 
-Pipeline: validate (headers, shapes vs config.json) -> plan every output tensor (name, dtype,
-shape; quant/plan.py) -> stream: read one tensor (or one fused group, when small), check it is finite,
-quantize, write it at its planned offset -> config files -> atomic rename. With --calib, decoder
-layers are taken in order instead: layer i is read once, run over the calibration prompts
-(its input scales depend only on layers < i), quantized with the scales just measured, written
-and dropped. Peak memory is about one tensor (or one small fused group) plus temporaries
-bounded by the codecs' row chunking, whatever the model size.
-
-The bytes are ModelOpt's (tests/test_quantize.py compares with `export_hf_checkpoint`):
-- FP8: weight = e4m3(w / s) with s = amax(w)/448 per tensor; input_scale = amax(x)/448, shared
-  (max) across a fused group (q/k/v; gate/up), as ModelOpt's `preprocess_linear_fusion` does.
-- NVFP4: weight_scale_2 = amax/(6*448) shared across the fused group; per-16 E4M3 block scales;
-  input_scale = amax(x)/(6*448) shared across the group.
-- KV cache FP8: k_scale / v_scale = amax(K or V after RoPE)/448.
+Pipeline: validate -> plan every output tensor (quant/plan.py) -> stream: read one tensor (or one small
+fused group), check it is finite, quantize, write it at its planned offset -> configs -> atomic rename.
+With --calib, layer i is read once, calibrated (its inputs depend only on layers < i), quantized and
+dropped. Peak memory is about one tensor plus bounded temporaries, whatever the model size. The bytes
+are ModelOpt's (tests/test_quantize.py compares with `export_hf_checkpoint`), scales shared across a
+fused group (q/k/v; gate/up) as its `preprocess_linear_fusion` does.
 """
 from __future__ import annotations
 

@@ -1,24 +1,18 @@
 """The target families the CPU reference runtime runs, looked up by config.json `model_type`.
 
-A family is one module with `TRAITS` (model_type -> family.Family: what the planner, the checkpoint
-shapes, the quantizer and build ask of it; docs/families.md) and `build(cfg: dict, dtype, max_len) ->
-nn.Module`, listed once in RUNTIME_MODULES below. The model it returns
-has TargetShell's interface (models/shell.py: the shell every family subclasses), which
-runtime/decode.py drives:
+A family is one module with `TRAITS` (model_type -> family.Family; docs/families.md) and
+`build(cfg: dict, dtype, max_len) -> nn.Module`, listed once in RUNTIME_MODULES below. The model it
+returns subclasses TargetShell (models/shell.py), which runtime/decode.py drives:
 
     forward(tokens [T], start, capture=(), all_logits=False) -> (logits, features)
         tokens at positions [start, start+T); features = the captured decoder layers' outputs
         (HF hidden_states[i + 1]) concatenated. A later call with a smaller `start` discards what
-        came after it (a rejected draft): O(1) for a KV cache; a family with a recurrent state
-        keeps what it needs to restore the state at any position of its last forward.
-    setup_cache(max_len), embed(tokens), logits(h), lm_head_weight(), cache_bytes_per_position()
-    attributes: cfg (the config.json dict), hf (its transformers config), dtype, vocab_size,
-        hidden_size, num_layers, max_len
+        came after it (a rejected draft).
     optional: state_name(checkpoint tensor name) -> the model's name, or None for a tensor it does
-        not load (load_target and check apply it: a multimodal wrapper's text decoder)
+        not load (a multimodal wrapper's text decoder)
 
-Parameter names are Hugging Face's, so checkpoints load as they are (models/weights.load_strict),
-and each family is tested against transformers in float64 (tests/test_family_*.py).
+Parameter names are Hugging Face's, so checkpoints load as they are, and each family is tested against
+transformers in float64 (tests/test_family_*.py).
 """
 from __future__ import annotations
 

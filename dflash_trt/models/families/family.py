@@ -1,10 +1,8 @@
 """What the pipeline asks of a model family (one config.json `model_type`), as one row of data.
 
-Each family module in models/families/ holds the rows of the model types it serves (`TRAITS`); the
-planner, the checkpoint shapes, the quantizer and build look a row up (models/families.family) and
+The planner, the checkpoint shapes, the quantizer and build look a row up (models/families.family) and
 never compare a model_type with a name (tests/test_name_branches.py). The defaults are a plain
-Llama-style decoder's answers, so a row sets only what its family changes. docs/families.md lists
-who reads each field.
+Llama-style decoder's answers; docs/families.md lists who reads each field.
 """
 from __future__ import annotations
 

@@ -1,32 +1,11 @@
 """Gemma 4 (12B, 31B, 26B-A4B; E2B/E4B's extras too): transformers 5.24 models/gemma4's text
-decoder (Gemma4TextModel / Gemma4ForCausalLM), for the CPU reference runtime.
-
-What it does, as modeling_gemma4.py does it:
-- layers are sliding_attention (a window of `sliding_window` keys, head_dim, num_key_value_heads,
-  default RoPE) or full_attention (their own head_dim / KV heads from per_layer_config, i.e.
-  config.json's global_head_dim / num_global_key_value_heads, and proportional partial RoPE whose
-  tables span the whole head); RoPE tables are transformers' own frequencies per layer type;
-- q, k and v RMSNorms per head (v's without a weight), attention scale 1 (the norms set it);
-  attention_k_eq_v: full layers have no v_proj, the key projection is also the value (before k's
-  norm and RoPE);
-- Gemma4RMSNorm: x * (mean(x^2) + eps)^-0.5 * weight, in float32 (float64 for the oracles), weights
-  stored as they apply (not 1 + w);
-- the embedding scaled by sqrt(hidden_size) (in the weights' dtype), sandwich norms around attention
-  and the MLP (GELU-tanh gated), each layer's output times its stored layer_scalar, and the final
-  logits soft-capped: cap * tanh(logits / cap);
-- enable_moe_block (26B-A4B): beside the dense MLP, routed experts read the layer's residual: a
-  scale-free RMSNorm, * router.scale / sqrt(hidden), softmax over router.proj, top-k renormalized,
-  times per_expert_scale; fused experts.gate_up_proj [E, 2I, H] / down_proj [E, H, I]; the two
-  branches' outputs each normed, summed, normed again;
-- per-layer inputs (hidden_size_per_layer_input > 0, E2B/E4B): a second embedding plus a projection
-  of the first, mixed into every layer through per_layer_input_gate / per_layer_projection;
-- KV sharing (num_kv_shared_layers): the last layers reuse the K/V of the last earlier layer of
-  their type (they own no k/v projections; here they read its cache), and use_double_wide_mlp
-  doubles their MLP.
-The multimodal wrapper (model_type gemma4: Gemma 4 as released) runs its text decoder: config.json's
-text_config, tensors model.language_model.* (the vision / audio towers are not loaded: text in); as
-its Gemma4Model does for text-only input, its image / video / audio placeholder ids are embedded as the
-decoder's pad_token_id.
+decoder (Gemma4TextModel / Gemma4ForCausalLM), for the CPU reference runtime, as modeling_gemma4.py
+computes it: sliding and full-attention layers (each with its own head_dim, KV heads and RoPE tables),
+per-head q/k/v RMSNorms (Gemma4RMSNorm: weights stored as they apply, not 1 + w), a scaled embedding,
+sandwich norms, per-layer scalars and soft-capped logits; the 26B-A4B's routed experts beside the dense
+MLP; E2B/E4B's per-layer inputs and KV sharing (the last layers read an earlier layer's cache).
+The multimodal wrapper (model_type gemma4) runs its text decoder (model.language_model.*; its image /
+video / audio placeholder ids are embedded as pad_token_id, as Gemma4Model does for text-only input).
 A bidirectional text config (use_bidirectional_attention "all") is refused: decoding is causal.
 """
 from __future__ import annotations

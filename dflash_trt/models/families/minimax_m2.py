@@ -1,15 +1,9 @@
 """MiniMax-M2 (M2.5, M2.7): transformers 5.24 models/minimax_m2, for the CPU reference runtime.
 
-A Llama-shaped decoder (pre-norm, GQA, static KV caches: models/attention.py) with
-- q/k RMSNorms over all heads' features at once (q_norm [heads * head_dim], k_norm [kv_heads *
-  head_dim]), before the heads are split;
-- partial RoPE: the first rotary_dim features of each head rotate (rope_parameters'
-  partial_rotary_factor, from config.json's `rotary_dim`), the rest pass through;
-- every layer's MLP a routed MoE (block_sparse_moe): sigmoid scores, top-k chosen on score +
-  e_score_correction_bias, weighted by the chosen sigmoid scores renormalized; SwiGLU experts
-  w1 (gate) / w3 (up) / w2 (down), stored per expert.
-The MTP modules of the released checkpoints (use_mtp) are not part of transformers' model, and
-not loaded here (text in, no MTP drafting).
+A Llama-shaped decoder with q/k RMSNorms over all heads' features at once, partial RoPE (config.json's
+`rotary_dim`), and a routed MoE in every layer (sigmoid scores, top-k on score + e_score_correction_bias,
+SwiGLU experts w1 / w3 / w2 stored per expert). The MTP modules (use_mtp) are not transformers' and are
+not loaded.
 """
 from __future__ import annotations
 

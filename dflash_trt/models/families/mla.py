@@ -1,14 +1,10 @@
 """Multi-head Latent Attention targets: DeepSeek-V3 (the layout Kimi K2.x ships), Kimi K2.5's text
-decoder (kimi_k25: a vision wrapper around a deepseek_v3 text model) and GLM-5 (glm_moe_dsa: MLA plus
-DeepSeek Sparse Attention's lightning indexer). Matches transformers 5.24's modeling_deepseek_v3.py /
-modeling_glm_moe_dsa.py / modeling_kimi_k25.py; Hugging Face parameter names.
+decoder (kimi_k25) and GLM-5 (glm_moe_dsa: MLA plus DeepSeek Sparse Attention's lightning indexer), as
+transformers 5.24 computes them; Hugging Face parameter names.
 
-Static cache, as the serving engines keep MLA: per layer the normed latent [max_len, kv_lora_rank]
-and the rotated shared key [max_len, qk_rope_head_dim] (GLM: plus the indexer's key
-[max_len, index_head_dim]), written at [start, start+T). Attention is computed in the latent space
-(kv_b_proj absorbed into the query and the output), so the per-head keys and values are never
-materialized; it equals transformers' expand-then-attend up to rounding. kimi_k25 embeds its
-image / video placeholder ids as token 0, as its Kimi_K25Model does for text-only input.
+Static cache, as the serving engines keep MLA: per layer the normed latent and the rotated shared key
+(GLM: plus the indexer's key). Attention is computed in the latent space (kv_b_proj absorbed), so the
+per-head keys and values are never materialized; it equals transformers' up to rounding.
 """
 from __future__ import annotations
 

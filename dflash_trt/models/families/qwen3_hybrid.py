@@ -1,29 +1,15 @@
 """Qwen3-Next, Qwen3.5 and Qwen3.5/3.6 MoE: the hybrid decoders of transformers 5.24
 models/qwen3_next, qwen3_5 and qwen3_5_moe, for the CPU reference runtime.
 
-Layers alternate (config `layer_types`) between
-- linear_attention: Gated DeltaNet. in_proj (Qwen3-Next: in_proj_qkvz / in_proj_ba, grouped per
-  key head; Qwen3.5: in_proj_qkv / _z / _b / _a), a causal depthwise conv1d over [q | k | v] with
-  SiLU, L2-normalized q/k, the gated delta rule recurrence over a [v_heads, k_dim, v_dim] state,
-  and an RMSNorm gated by SiLU(z) on its output;
-- full_attention: GQA whose q_proj also emits a sigmoid output gate, (1 + weight) RMSNorm on q/k
-  heads and partial RoPE (rope_parameters.partial_rotary_factor). Qwen3.5's M-RoPE gives text
-  tokens one position on all three axes, which is plain RoPE: the runtime feeds text only.
-The MLP is dense (Qwen3.5), or routed experts (softmax, top-k, renormalized) plus a shared expert
-scaled by a sigmoid gate (Qwen3-Next by decoder_sparse_step / mlp_only_layers; Qwen3.5 MoE always).
-Decoder norms are (1 + weight) RMSNorms.
+Layers alternate (config `layer_types`) between Gated DeltaNet linear attention and gated full attention
+(q_proj also emits a sigmoid output gate; partial RoPE: Qwen3.5's M-RoPE is plain RoPE for text only).
+The MLP is dense or routed experts plus a sigmoid-gated shared expert. The multimodal wrappers
+(qwen3_5 / qwen3_5_moe) run their text decoder (model.language_model.*; no vision, no MTP head).
 
-The multimodal wrappers (model_type qwen3_5 / qwen3_5_moe: Qwen3.5 and Qwen3.6 as released) run
-their text decoder: config.json's text_config, tensors model.language_model.* (model.visual.* and
-the MTP head mtp.* are not loaded: text in, no MTP drafting).
-
-State: full-attention layers own static KV caches (models/attention.py). A linear-attention
-layer's state after position p is a function of every token before it, so a rollback cannot just
-move a pointer: each layer keeps its last forward's inputs to the recurrence (the conv window
-before it, the per-token k / v / decay / beta, the state it started from and the one it ended
-with), and a later call starting inside that forward replays the recurrence up to its start
-(bitwise the states the forward itself computed: the same per-token step). A start before the
-last forward (other than 0) is refused.
+State: a linear-attention layer's state after position p depends on every token before it, so a
+rollback cannot just move a pointer: each layer keeps its last forward's inputs to the recurrence, and
+a later call starting inside that forward replays the recurrence up to its start (bitwise the states the
+forward computed). A start before the last forward (other than 0) is refused.
 """
 from __future__ import annotations
 
