@@ -18,15 +18,10 @@ plan/draft_schedule.py picks the K of most tokens/s at each concurrency from the
 position (resolve_acceptance: --acceptance, --tau, or the preset's measured or published figure); what a
 bundle's schedule is planned from at build is plan/schedule_cost.py's.
 
-Efficiency factors (cost.EFFICIENCY, a low / central / high set; every number printed is the central one with
-the low-high range beside it). LAYER_LATENCY's central value is fitted to one public point, TensorRT-LLM's
-420 tokens/s per user for gpt-oss-120b on 8 × B200 at batch 1 (its gpt-oss deployment blog): at that batch
-the weights read per GPU take about 0.1 ms, so nearly all of the 2.4 ms step is fixed per-layer cost. The
-other factors are stated assumptions, checked (not fitted) against the published points of
-docs/speed-model.md (plan/speed_check.py). Not modelled in the curves: prefill (they are decode only: a workload with long prompts
-delivers fewer output tokens per GPU; `disaggregated` below adds a compute-bound prefill pass to split
-instances into prefill and decode ones, an estimate), scheduler stalls, expert load imbalance, networks past one NVLink
-domain (layouts that cross it get no speed figures).
+Efficiency factors: cost.EFFICIENCY (every number printed is the central set, the low-high range beside it),
+fitted and checked against published points in docs/speed-model.md (plan/speed_check.py). Not modelled in the
+curves: prefill (`disaggregated` below estimates it to split prefill and decode instances), scheduler stalls,
+expert load imbalance, networks past one NVLink domain (layouts that cross it get no speed figures).
 """
 from __future__ import annotations
 
