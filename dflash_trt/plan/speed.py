@@ -343,8 +343,7 @@ def max_concurrency_at(report: SpeedReport, plan: Plan, target_cfg: dict, drafte
     still getting min_tokens_per_user tokens/s (central estimate; DFlash when the report has a tau,
     else AR; at most what its KV cache holds at the report's context, past max_batch_size: this picks
     the batch size to serve with), and the tokens/s per user there."""
-    lay = next((l for l in report.layouts if l.points), None)
-    chosen = plan.chosen
+    lay, chosen = report.chosen, plan.chosen
     if lay is None or chosen is None or (lay.tp, lay.ep) != (chosen.tp, chosen.ep):
         raise DFlashError(f"--min-tokens-per-user: the chosen layout of {plan.target} on {plan.hardware} has no "
                           "speed figures (it does not fit inside one NVLink domain)")
