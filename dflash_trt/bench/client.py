@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import collections
 import json
-import queue
 import re
-import threading
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from dflash_trt import stacks
@@ -224,23 +223,8 @@ def stream_completion(base: str, model: str, prompt: str, max_tokens: int, *, ti
 def run_batch(base: str, model: str, prompts: list[str], max_tokens: int, concurrency: int, *,
               timeout: float = DEFAULT_TIMEOUT_S, extra: dict | None = None) -> tuple[list[Result], float]:
     """Every prompt once, `concurrency` in flight at a time: (results in prompt order, wall seconds)."""
-    todo: queue.Queue = queue.Queue()
-    for i, p in enumerate(prompts):
-        todo.put((i, p))
-    results: list[Result | None] = [None] * len(prompts)
-
-    def worker():
-        while True:
-            try:
-                i, p = todo.get_nowait()
-            except queue.Empty:
-                return
-            results[i] = stream_completion(base, model, p, max_tokens, timeout=timeout, extra=extra)
-
     t0 = time.perf_counter()
-    threads = [threading.Thread(target=worker, daemon=True) for _ in range(min(concurrency, len(prompts)))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return [r for r in results if r is not None], time.perf_counter() - t0
+    with ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(prompts)))) as pool:
+        results = list(pool.map(lambda p: stream_completion(base, model, p, max_tokens, timeout=timeout, extra=extra),
+                                prompts))
+    return results, time.perf_counter() - t0

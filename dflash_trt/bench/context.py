@@ -67,3 +67,20 @@ def pad_to(prompt: str, tokens: int, count_tokens: Callable[[str], int]) -> tupl
             break
         chars = max(1, int(chars * (tokens - base - 2) / max(n - base, 1)))
     return best
+
+
+def measure_buckets(buckets: list[int], prompts: list[str], count_tokens: Callable[[str], int],
+                    measure: Callable[[list[str]], dict], say: Callable[[str], None], room: int | None = None
+                    ) -> list[dict]:
+    """One report per bucket: `measure` of the prompts padded to it (or to the `room` a window leaves, said
+    once), with the bucket asked for and the mean tokens the padded prompts have."""
+    reports = []
+    for bucket in buckets:
+        if room is not None and bucket > room:
+            say(f"context bucket {bucket}: the window leaves {room} tokens for a prompt (less --max-new-tokens "
+                f"and a block); measured at {room}")
+        say(f"context bucket {bucket}: padding {len(prompts)} prompts")
+        rows = [pad_to(p, bucket if room is None else min(bucket, room), count_tokens) for p in prompts]
+        reports.append({"context_tokens_requested": bucket, "context_tokens": sum(n for _, n in rows) / len(rows),
+                        **measure([text for text, _ in rows])})
+    return reports

@@ -152,13 +152,6 @@ def check_plugin_compile(node: Node) -> str:
     return f"{len(mine)} cubin(s) for sm_{sms[0]} ({arch}, triton {manifest['triton_version']})"
 
 
-def _libcuda():
-    try:
-        return ctypes.CDLL("libcuda.so.1")
-    except OSError as e:
-        raise NotRun(f"no CUDA driver library (libcuda.so.1: {e})") from None
-
-
 def check_plugin_load(node: Node) -> str:
     if not node.cuda_ok:
         raise NotRun("no usable CUDA GPU (see driver)")
@@ -167,7 +160,10 @@ def check_plugin_load(node: Node) -> str:
     import torch
 
     torch.zeros(1, device="cuda")   # the primary context, current on this thread
-    cuda = _libcuda()
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError as e:
+        raise NotRun(f"no CUDA driver library (libcuda.so.1: {e})") from None
     manifest = json.loads((node.plugin_dir / "plugin.json").read_text())
     loaded = []
     for k in (k for k in manifest["kernels"] if k["sm"] == node.sm):

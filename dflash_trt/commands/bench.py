@@ -5,7 +5,7 @@ import json
 
 import click
 
-from dflash_trt.bench.context import pad_to, parse_buckets
+from dflash_trt.bench.context import measure_buckets, parse_buckets
 from dflash_trt.commands import THREADS, FiniteFloatRange, pair_options
 
 
@@ -116,14 +116,16 @@ def _bench_runtime(target, drafter, bundle, prompts_file, max_new_tokens, block_
     max_len = min(MAX_CONTEXT, max(4096, max(buckets or [0]) + max_new_tokens + (block_size or MAX_BLOCK) + 1))
     pair = load_pair(resolve_target(target), resolve_drafter(drafter, target), dtype, max_len=max_len,
                      draft_vocab=not full_draft_vocab)
-    room = context_limit(pair)[0] - (block_size or pair.drafter.config.block_size) - 1 - max_new_tokens
-    sets = [(None, prompts)] if buckets is None else [
-        (b, _padded(prompts, b, room, lambda text: len(encode_prompt(pair.tokenizer, text)))) for b in buckets]
-    reports = [{**({} if b is None else {"context_tokens_requested": b, "context_tokens": _mean_tokens(rows)}),
-                **run_bench(pair, [t for t, _ in rows] if b else rows, max_new_tokens=max_new_tokens,
-                            block_size=block_size, temperature=temperature, fused_inject=fused, progress=True)}
-               for b, rows in sets]
-    report = reports[0] if buckets is None else {"context_buckets": reports, "cpu": reports[0]["cpu"]}
+    def measure(texts: list[str]) -> dict:
+        return run_bench(pair, texts, max_new_tokens=max_new_tokens, block_size=block_size, temperature=temperature,
+                         fused_inject=fused, progress=True)
+    if buckets is None:
+        report = measure(prompts)
+    else:
+        room = context_limit(pair)[0] - (block_size or pair.drafter.config.block_size) - 1 - max_new_tokens
+        reports = measure_buckets(buckets, prompts, lambda text: len(encode_prompt(pair.tokenizer, text)), measure,
+                                  _say, room)
+        report = {"context_buckets": reports, "cpu": reports[0]["cpu"]}
     report["threads"] = torch.get_num_threads()
     report["dtype"] = str(pair.target.dtype).removeprefix("torch.")
     report["target"], report["drafter"] = str(pair.target_dir), str(pair.drafter_dir)
@@ -138,17 +140,8 @@ def _bench_runtime(target, drafter, bundle, prompts_file, max_new_tokens, block_
         click.echo(format_buckets(report["context_buckets"]))
 
 
-def _padded(prompts: list[str], bucket: int, room: int, count_tokens) -> list[tuple[str, int]]:
-    """The prompts padded to a bucket, or to the room the window leaves (said once on stderr)."""
-    if bucket > room:
-        click.echo(f"context bucket {bucket}: the window leaves {room} tokens for a prompt (less --max-new-tokens "
-                   f"and a block); measured at {room}", err=True)
-    click.echo(f"context bucket {bucket}: padding {len(prompts)} prompts", err=True)
-    return [pad_to(p, min(bucket, room), count_tokens) for p in prompts]
-
-
-def _mean_tokens(rows: list[tuple[str, int]]) -> float:
-    return sum(n for _, n in rows) / len(rows)
+def _say(line: str) -> None:
+    click.echo(line, err=True)
 
 
 def _bench_endpoint(endpoint, prompts_file, limit, max_new_tokens, concurrency, model_name, metrics_url, ignore_eos,
@@ -161,7 +154,7 @@ def _bench_endpoint(endpoint, prompts_file, limit, max_new_tokens, concurrency, 
         raise DFlashError(f"--plot {plot_file}: the plot is written as PNG; name the file *.png")
     rows = eb.read_prompts(prompts_file)[:limit]
     bench = eb.EndpointBench(endpoint, model=model_name, metrics_url=metrics_url, max_new_tokens=max_new_tokens,
-                             ignore_eos=ignore_eos, warmup=warmup, progress=lambda line: click.echo(line, err=True),
+                             ignore_eos=ignore_eos, warmup=warmup, progress=_say,
                              synthetic=synthetic)
     bench.connect()
     planned, note = eb.bundle_plan(plan_bundle) if plan_bundle else (None, None)
@@ -173,11 +166,9 @@ def _bench_endpoint(endpoint, prompts_file, limit, max_new_tokens, concurrency, 
         if plot_file or plan_bundle or synthetic:
             raise DFlashError("--context-buckets: measures the drafter by context; --plot, --plan-bundle and "
                               "--synthetic-acceptance are for a sweep without it")
-        reports = []
-        for b in buckets:    # a bucket past the server's window: its own one-line HTTP 400 from count_tokens
-            padded = _padded([r["prompt"] for r in rows], b, b, bench.count_tokens)
-            reports.append({"context_tokens_requested": b, "context_tokens": _mean_tokens(padded), **bench.run(
-                levels, [{**row, "prompt": text} for (text, _), row in zip(padded, rows, strict=True)])})
+        # a bucket past the server's window: its own one-line HTTP 400 from count_tokens
+        reports = measure_buckets(buckets, [r["prompt"] for r in rows], bench.count_tokens, lambda texts: bench.run(
+            levels, [{**row, "prompt": text} for text, row in zip(texts, rows, strict=True)]), _say)
         click.echo(json.dumps({"context_buckets": reports}, indent=2) if as_json else "\n".join(
             f"context {r['context_tokens']:.0f} tokens (bucket {r['context_tokens_requested']}):\n"
             + eb.format_report(r) for r in reports))

@@ -3,36 +3,11 @@ held and in seconds per decode step. The planner asks it what a layout holds (we
 token, activations); the speed model and the draft schedule ask it what a step takes (StepCost).
 Both count a model's bytes the same way, one parameter group at a time (group_bytes).
 
-Bytes held, per GPU of a tp-way split (planner.py's docstring gives the formats and split rules):
-
-    weights = Σ over the groups  elements on this GPU × bytes per element of the format (+ per-tensor scales)
-    KV cache per token = 2 · KV heads on this GPU · head_dim · bytes (fp8 1, bf16 2), over the layers
-
-Time of one forward pass of a model over T tokens (T = concurrent sequences × tokens per sequence: 1 for an
-AR step, K + 1 for a verify of K drafted tokens, the block B for the drafter), on each GPU of a replica:
-
-    Σ over its stages  max(bytes read / (HBM bandwidth · HBM_EFF),  FLOPs / (dense peak of the format · TENSOR_EFF))
-    + collectives: TP all-reduce (2 per layer) or, with attention data parallel, EP all-to-all
-      (dispatch + combine per MoE layer): COLLECTIVE_LATENCY + bytes / (NVLink per direction · NVLINK_EFF)
-    + layers · LAYER_LATENCY + STEP_OVERHEAD          (the fixed cost of launching a layer's kernels)
-
-Stages (each a roofline of its own, they run as separate kernels):
-  dense linears  every weight outside the experts (attention projections, dense MLPs, lm_head, router), read
-                 once per pass in its format; FLOPs 2 · elements · tokens.
-  experts        of E experts with top-k routing, T tokens touch E·(1 − (1 − k/E)^T) on average (each
-                 token picks k distinct experts: an expert is missed by one token with probability
-                 1 − k/E); the bytes of those are read, FLOPs are 2 · k/E · expert elements per token.
-  attention      each sequence reads its KV cache once per pass whatever its query count (a verify of
-                 B tokens reads the context once): full layers the whole context, sliding-window layers
-                 at most the window; FLOPs 4 · heads · head_dim per query per context token.
-
-A GEMM runs at the dense peak of its math format: NVFP4 at FP4, FP8 at FP8, MXFP4 experts at FP8 on
-Blackwell (TensorRT-LLM's W4A8 MXFP4 x MXFP8 MoE; its gpt-oss deployment guide) and at BF16 on Hopper
-(weights dequantized in the kernel), everything else and attention at BF16.
-
-A decode step (StepCost.step_seconds): K = 0 an AR step; K >= 1 the target's verify over K + 1 tokens per
-sequence plus the drafter's pass over its whole block B (and the target's lm_head it borrows) whatever K.
-Efficiency factors (EFFICIENCY, a low / central / high set) and their sources: docs/speed-model.md.
+Bytes held per GPU of a tp-way split (formats and split rules: planner.py's docstring); the time of a
+pass: one roofline per stage (dense linears, the experts a step touches, attention), plus collectives and a
+fixed cost per layer. A decode step (StepCost.step_seconds): K = 0 an AR step; K >= 1 the target's verify over
+K + 1 tokens per sequence plus the drafter's pass over its whole block whatever K. The formulas, the math
+format of each GEMM and the efficiency factors (EFFICIENCY) with their sources: docs/speed-model.md.
 """
 from __future__ import annotations
 
@@ -125,16 +100,8 @@ class Efficiency:
     step_overhead_s: float        # per forward pass: graph launch, sampling, scheduler
 
 
-# low = pessimistic, high = optimistic. Sources and fits in docs/speed-model.md:
-# - hbm 0.8 (0.7-0.9): the share of peak bandwidth bandwidth-bound kernels are commonly measured at; with it
-#   Llama-3.3-70B FP8 on one H200 at batch 1 comes out at 47 tokens/s against NVIDIA's 51.14 (a check).
-# - tensor 0.6 (0.45-0.75): dense GEMMs over thousands of tokens; checked against TensorRT-LLM's max-throughput
-#   Llama-3.1-8B FP8 table (perf-overview), compute-bound at those batches.
-# - nvlink 0.7 (0.6-0.8), collective latency 8 us (12-5): NCCL / TensorRT-LLM custom all-reduce of small messages.
-# - layer latency 44.5 us central: fitted to TensorRT-LLM's 420 tokens/s per user for gpt-oss-120b on 8 x B200
-#   at batch 1 (speed.py's docstring); 60 us low, 25 us high (newer engines with fused kernels and programmatic
-#   dependent launch).
-# - step overhead 100 us (200-50): sampling and the host side of a step under CUDA graphs.
+# low = pessimistic, high = optimistic; each factor's source or fit (layer latency: fitted to TensorRT-LLM's
+# gpt-oss-120b on 8 x B200 at batch 1) in docs/speed-model.md
 EFFICIENCY = {
     "low": Efficiency(hbm=0.7, tensor=0.45, nvlink=0.6, layer_latency_s=60e-6, collective_latency_s=12e-6,
                       step_overhead_s=200e-6),
@@ -152,15 +119,11 @@ def experts_touched(experts: int, top_k: int, tokens: float) -> float:
 
 def math_format(group: Group, weight_format: str, hw: Hardware) -> str:
     """The tensor-core format a group's GEMMs run in (module docstring)."""
-    if not group.quantizable or weight_format == "none":
+    if not group.quantizable:
         return "bf16"
-    if weight_format == "fp8":
-        return "fp8"
-    if weight_format == "nvfp4":
-        return "fp4"
-    if weight_format == "mxfp4" and group.expert:
-        return "fp8" if hw.fp4 else "bf16"
-    return "bf16"
+    if weight_format == "mxfp4":
+        return "fp8" if group.expert and hw.fp4 else "bf16"
+    return {"fp8": "fp8", "nvfp4": "fp4"}.get(weight_format, "bf16")
 
 
 @dataclass

@@ -186,14 +186,8 @@ def native_format(cfg: dict) -> str:
     if ships_mxfp4(cfg):
         return "mxfp4"
     q = cfg.get("quantization_config") or {}
-    method = str(q.get("quant_method", "")).lower()
     algo = str(q.get("quant_algo") or (q.get("quantization") or {}).get("quant_algo") or "").upper()
-    if method == "modelopt" or algo:
-        if algo == "FP8":
-            return "fp8"
-        if algo == "NVFP4":
-            return "nvfp4"
-    return "none"
+    return {"FP8": "fp8", "NVFP4": "nvfp4"}.get(algo, "none")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,10 +200,7 @@ def resolve_quant(shape: ModelShape, hw: Hardware, quant: str) -> str:
     if quant not in QUANT_FORMATS:
         raise DFlashError(f"--quant {quant!r}: choose one of {', '.join(QUANT_FORMATS)}")
     if quant == "auto":
-        if shape.native_format != "none":
-            quant = shape.native_format
-        else:
-            quant = "nvfp4" if hw.fp4 else "fp8"
+        quant = shape.native_format if shape.native_format != "none" else "nvfp4" if hw.fp4 else "fp8"
     mxfp4_experts = shape.native_format == "mxfp4"
     if mxfp4_experts and quant in ("fp8", "nvfp4"):
         raise DFlashError(f"--quant {quant}: TensorRT-LLM serves gpt-oss with its MXFP4 experts only "

@@ -58,7 +58,7 @@ def build_schedule(mode: str, *, target_name: str, target_config: dict, drafter_
                          plan=plan)
     if isinstance(cost, str):
         return None, cost
-    t, src, survival, acc_src = resolve_acceptance(target_name, None, block_size, True)
+    t, src, survival, acc_src, _ = resolve_acceptance(target_name, None, block_size, True)
     sched = ds.choose(survival, cost.step_seconds, cost.concurrencies,
                       assumptions=[f"acceptance per position: {acc_src}", SCHEDULE_COST, cost.source])
     return sched, f"planned for {cost.hardware} (speed model, tau {t:g}: {src})"

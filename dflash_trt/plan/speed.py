@@ -18,15 +18,10 @@ plan/draft_schedule.py picks the K of most tokens/s at each concurrency from the
 position (resolve_acceptance: --acceptance, --tau, or the preset's measured or published figure); what a
 bundle's schedule is planned from at build is plan/schedule_cost.py's.
 
-Efficiency factors (cost.EFFICIENCY, a low / central / high set; every number printed is the central one with
-the low-high range beside it). LAYER_LATENCY's central value is fitted to one public point, TensorRT-LLM's
-420 tokens/s per user for gpt-oss-120b on 8 × B200 at batch 1 (its gpt-oss deployment blog): at that batch
-the weights read per GPU take about 0.1 ms, so nearly all of the 2.4 ms step is fixed per-layer cost. The
-other factors are stated assumptions, checked (not fitted) against the published points of
-docs/speed-model.md (plan/speed_check.py). Not modelled in the curves: prefill (they are decode only: a workload with long prompts
-delivers fewer output tokens per GPU; `disaggregated` below adds a compute-bound prefill pass to split
-instances into prefill and decode ones, an estimate), scheduler stalls, expert load imbalance, networks past one NVLink
-domain (layouts that cross it get no speed figures).
+Efficiency factors: cost.EFFICIENCY (every number printed is the central set, the low-high range beside it),
+fitted and checked against published points in docs/speed-model.md (plan/speed_check.py). Not modelled in the
+curves: prefill (`disaggregated` below estimates it to split prefill and decode instances), scheduler stalls,
+expert load imbalance, networks past one NVLink domain (layouts that cross it get no speed figures).
 """
 from __future__ import annotations
 
@@ -109,25 +104,28 @@ class SpeedReport:
 
 
 def resolve_acceptance(target_name: str, tau: float | None, block: int, has_drafter: bool,
-                       acceptance: str | None = None) -> tuple[float | None, str, list[float] | None, str]:
-    """(tau, its source, survival per draft position, its source), from the first of: --acceptance REPORT (a
-    `dflash-trt bench --json` report), --tau, the preset's acceptance measured by bench (presets/catalog.py
+                       acceptance: str | None = None) -> tuple[float | None, str, list[float] | None, str, list | None]:
+    """(tau, its source, survival per draft position, its source, survival by context bucket or None), from the
+    first of: --acceptance REPORT (a `dflash-trt bench --json` report; a `--context-buckets` one gives its buckets
+    and the shortest's survival), --tau, the preset's acceptance measured by bench (presets/catalog.py
     acceptance_file), the preset's published tau; checked against the drafter's block. Where only a tau is known,
     per position is the geometric shape through it (an assumption, said)."""
     given = "--acceptance" if acceptance is not None else "--tau" if tau is not None else None
     if not has_drafter:
         if given:
             raise DFlashError(f"{given}: there is no drafter to accept tokens from (pass --drafter or a preset with one)")
-        return None, "no drafter: AR only", None, ""
+        return None, "no drafter: AR only", None, "", None
     if acceptance is not None and tau is not None:
         raise DFlashError("--tau and --acceptance: the report's histogram gives tau; pass one of them")
     preset = PRESETS.get(target_name)
     if acceptance is not None or (tau is None and preset and preset.acceptance_file):
         where = f"--acceptance {acceptance}" if acceptance else f"dflash_trt/{preset.acceptance_file}"
-        surv, t = ds.survival_from_bench(acceptance or str(resources.files("dflash_trt") / preset.acceptance_file),
-                                         block, where)
+        path = acceptance or str(resources.files("dflash_trt") / preset.acceptance_file)
+        by_context = ds.survival_by_context(path, block, where)    # the report read once: its buckets, if any
+        surv = by_context[0][1] if by_context else ds.survival_from_bench(path, block, where)[0]
         src = where if acceptance else f"measured by `dflash-trt bench`: {where} (the {target_name} preset's)"
-        return t, src, surv, f"measured per position: {where} (bench's acceptance histogram)"
+        return (ds.acceptance_lengths(surv)[-1], src, surv, f"measured per position: {where} (bench's acceptance "
+                "histogram)", by_context)
     if tau is not None:
         if not (math.isfinite(tau) and 1 <= tau <= block):
             raise DFlashError(f"--tau {tau:g}: must be in [1, {block}] (1 = nothing accepted, {block} = the drafter's "
@@ -141,7 +139,7 @@ def resolve_acceptance(target_name: str, tau: float | None, block: int, has_draf
     return t, src, ds.survival_from_tau(t, block), (
         f"geometric through tau {t:g} ({src}): every drafted token accepted with the same probability given its "
         "predecessors were (an assumption: no per-position figure is published for this drafter; "
-        "`dflash-trt bench --json` measures one, plan --acceptance REPORT reads it)")
+        "`dflash-trt bench --json` measures one, plan --acceptance REPORT reads it)"), None
 
 
 def resolve_tau(target_name: str, tau: float | None, block: int, has_drafter: bool) -> tuple[float | None, str]:
@@ -272,10 +270,8 @@ def speed(plan: Plan, target: ModelShape, drafter: ModelShape | None, hw: Hardwa
         raise DFlashError(f"--context-tokens {context_tokens}: must be in [1, {plan.max_seq_len}] (max_seq_len)")
     if not hw.dense_flops_per_s or "bf16" not in hw.dense_flops_per_s:
         raise DFlashError(f"hardware.json: {hw.name} has no dense_flops_per_s; the speed model needs it")
-    t, src, survival, acc_src = resolve_acceptance(plan.target, tau, plan.block_size, drafter is not None, acceptance)
-    # a `bench --context-buckets` report: K by concurrency and context, each bucket with its own acceptance
-    by_context = ds.survival_by_context(acceptance, plan.block_size, f"--acceptance {acceptance}") \
-        if acceptance and drafter is not None else None
+    t, src, survival, acc_src, by_context = resolve_acceptance(plan.target, tau, plan.block_size,
+                                                               drafter is not None, acceptance)
     layouts = [layout_speed(plan, l, target, drafter, hw, t, context_tokens) for l in plan.layouts]
     for l in layouts:
         if l.points and drafter is not None and survival:   # K per concurrency at the layout's own concurrencies
@@ -283,10 +279,11 @@ def speed(plan: Plan, target: ModelShape, drafter: ModelShape | None, hw: Hardwa
                 return StepCost(plan, target, drafter, hw, l.tp, min(ctx, plan.max_seq_len), EFFICIENCY["central"],
                                 attention_dp=l.attention_dp)
             levels, notes = [p.concurrency for p in l.points], [f"acceptance per position: {acc_src}", SCHEDULE_COST]
+            cost = cost_at(context_tokens)
             sched = ds.choose_by_context(by_context, lambda ctx: cost_at(ctx).step_seconds, levels,
                                          assumptions=notes) if by_context else \
-                ds.choose(survival, cost_at(context_tokens).step_seconds, levels, assumptions=notes)
-            l.draft_schedule, l.draft_schedule_why = sched.to_dict(), explain_schedule(sched, cost_at(context_tokens))
+                ds.choose(survival, cost.step_seconds, levels, assumptions=notes)
+            l.draft_schedule, l.draft_schedule_why = sched.to_dict(), explain_schedule(sched, cost)
     c = EFFICIENCY["central"]
     assumptions = [
         f"decode only, every sequence holding {context_tokens} tokens of context (--context-tokens); prefill not counted",
@@ -346,8 +343,7 @@ def max_concurrency_at(report: SpeedReport, plan: Plan, target_cfg: dict, drafte
     still getting min_tokens_per_user tokens/s (central estimate; DFlash when the report has a tau,
     else AR; at most what its KV cache holds at the report's context, past max_batch_size: this picks
     the batch size to serve with), and the tokens/s per user there."""
-    lay = next((l for l in report.layouts if l.points), None)
-    chosen = plan.chosen
+    lay, chosen = report.chosen, plan.chosen
     if lay is None or chosen is None or (lay.tp, lay.ep) != (chosen.tp, chosen.ep):
         raise DFlashError(f"--min-tokens-per-user: the chosen layout of {plan.target} on {plan.hardware} has no "
                           "speed figures (it does not fit inside one NVLink domain)")

@@ -55,28 +55,29 @@ def check_page_size(page_size: int) -> int:
     return page_size.bit_length() - 1
 
 
-def _check_paged_cache(cfg, name: str, cache: torch.Tensor, page_size: int) -> None:
+def _check_caches(cfg, k_cache, v_cache, k_scale, v_scale, page_size: int | None = None) -> bool:
+    """Both caches against the drafter config (paged [pages, L, nkv, page_size, hd], or contiguous
+    [L, nkv, max_len, hd] without page_size), and an FP8 cache's scales; True for an FP8 cache."""
     L, nkv, hd = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
-    if cache.dim() != 5 or tuple(cache.shape[1:]) != (L, nkv, page_size, hd):
-        raise DFlashError(f"{name}: shape {tuple(cache.shape)}, the drafter config implies "
-                          f"[num_pages, {L}, {nkv}, {page_size}, {hd}] (pages, layers, kv heads, page_size, head_dim)")
-    if not cache.is_contiguous():
-        raise DFlashError(f"{name}: must be contiguous")
-
-
-def _check_contiguous_cache(cfg, name: str, cache: torch.Tensor) -> None:
-    L, nkv, hd = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
-    if cache.dim() != 4 or cache.shape[0] != L or cache.shape[1] != nkv or cache.shape[3] != hd:
-        raise DFlashError(f"{name}: shape {tuple(cache.shape)}, the drafter config implies [{L}, {nkv}, max_len, {hd}]")
-    if not cache.is_contiguous():
-        raise DFlashError(f"{name}: must be contiguous")
-
-
-def _check_scales(k_cache, k_scale, v_scale):
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if page_size is not None and (cache.dim() != 5 or tuple(cache.shape[1:]) != (L, nkv, page_size, hd)):
+            raise DFlashError(f"{name}: shape {tuple(cache.shape)}, the drafter config implies [num_pages, {L}, "
+                              f"{nkv}, {page_size}, {hd}] (pages, layers, kv heads, page_size, head_dim)")
+        if page_size is None and (cache.dim() != 4 or cache.shape[0] != L or cache.shape[1] != nkv
+                                  or cache.shape[3] != hd):
+            raise DFlashError(f"{name}: shape {tuple(cache.shape)}, the drafter config implies "
+                              f"[{L}, {nkv}, max_len, {hd}]")
+        if not cache.is_contiguous():
+            raise DFlashError(f"{name}: must be contiguous")
     fp8 = k_cache.dtype == FP8_DTYPE
     if fp8 and (k_scale is None or v_scale is None):
         raise DFlashError("k_scale/v_scale: an FP8 KV cache needs both per-tensor scales")
     return fp8
+
+
+def _check_rows(k_cache, start: int, T: int) -> None:
+    if start < 0 or start + T > k_cache.shape[2]:
+        raise DFlashError(f"k_cache: rows {start}..{start + T - 1} do not fit max_len {k_cache.shape[2]}")
 
 
 def slots_from_block_table(block_table: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -115,11 +116,8 @@ def _store(cache_rows: torch.Tensor, x: torch.Tensor, scale) -> None:
 @torch.no_grad()
 def reference_inject_paged(drafter, features, positions, slots, k_cache, v_cache, page_size: int,
                            k_scale=None, v_scale=None) -> None:
-    cfg = drafter.config
     check_page_size(page_size)
-    _check_paged_cache(cfg, "k_cache", k_cache, page_size)
-    _check_paged_cache(cfg, "v_cache", v_cache, page_size)
-    _check_scales(k_cache, k_scale, v_scale)
+    _check_caches(drafter.config, k_cache, v_cache, k_scale, v_scale, page_size)
     kv = reference_kv(drafter, features, positions)
     for t, slot in enumerate(slots.tolist()):
         if slot < 0:
@@ -133,14 +131,10 @@ def reference_inject_paged(drafter, features, positions, slots, k_cache, v_cache
 @torch.no_grad()
 def reference_inject_contiguous(drafter, features, positions, k_cache, v_cache, start: int,
                                 k_scale=None, v_scale=None) -> None:
-    cfg = drafter.config
-    _check_contiguous_cache(cfg, "k_cache", k_cache)
-    _check_contiguous_cache(cfg, "v_cache", v_cache)
-    _check_scales(k_cache, k_scale, v_scale)
+    _check_caches(drafter.config, k_cache, v_cache, k_scale, v_scale)
     kv = reference_kv(drafter, features, positions)
     T = features.shape[0]
-    if start < 0 or start + T > k_cache.shape[2]:
-        raise DFlashError(f"k_cache: rows {start}..{start + T - 1} do not fit max_len {k_cache.shape[2]}")
+    _check_rows(k_cache, start, T)
     for l, (k, v) in enumerate(kv):
         _store(k_cache[l, :, start:start + T], k, k_scale)
         _store(v_cache[l, :, start:start + T], v, v_scale)
@@ -308,12 +302,9 @@ class FusedKVInjector:
     @torch.no_grad()
     def inject_paged(self, features, positions, slots, k_cache, v_cache, page_size: int, k_scale=None, v_scale=None,
                      backend: str = "torch") -> None:
-        c = self.config
         shift = check_page_size(page_size)
-        _check_paged_cache(c, "k_cache", k_cache, page_size)
-        _check_paged_cache(c, "v_cache", v_cache, page_size)
-        _check_scales(k_cache, k_scale, v_scale)
-        T = _check_features(c, features, positions, self.cos.shape[0])
+        _check_caches(self.config, k_cache, v_cache, k_scale, v_scale, page_size)
+        T = _check_features(self.config, features, positions, self.cos.shape[0])
         if tuple(slots.shape) != (T,):
             raise DFlashError(f"slots: shape {tuple(slots.shape)}, expected [{T}] (one per feature row)")
         if T and int(slots.max()) >= k_cache.shape[0] * page_size:
@@ -333,13 +324,9 @@ class FusedKVInjector:
                           backend: str = "torch") -> None:
         """Write K, V of the T feature rows into rows start..start+T-1 of every layer of a contiguous
         cache [L, nkv, max_len, hd] (the CPU runtime's)."""
-        c = self.config
-        _check_contiguous_cache(c, "k_cache", k_cache)
-        _check_contiguous_cache(c, "v_cache", v_cache)
-        fp8 = _check_scales(k_cache, k_scale, v_scale)
-        T = _check_features(c, features, positions, self.cos.shape[0])
-        if start < 0 or start + T > k_cache.shape[2]:
-            raise DFlashError(f"k_cache: rows {start}..{start + T - 1} do not fit max_len {k_cache.shape[2]}")
+        fp8 = _check_caches(self.config, k_cache, v_cache, k_scale, v_scale)
+        T = _check_features(self.config, features, positions, self.cos.shape[0])
+        _check_rows(k_cache, start, T)
         if _check_backend(backend) == "triton":
             s = k_cache.stride()
             slots = torch.arange(start, start + T, dtype=torch.int32, device=features.device)

@@ -119,10 +119,7 @@ def _vllm_responses(py: Path, target_dir, encoded: list[tuple[str, list[int]]], 
         print(f"dflash-trt: vLLM {done['vllm']} answered {done['answers']} prompts in {done['generate_seconds']:.1f} s "
               f"({done['answers'] / done['generate_seconds']:.2f} answers/s; engine start {done['load_seconds']:.0f} s)",
               file=sys.stderr)
-        rows = {}
-        for line in ans.read_text().splitlines():
-            o = json.loads(line)
-            rows[o["i"]] = o["output_ids"]
+        rows = {o["i"]: o["output_ids"] for o in map(json.loads, ans.read_text().splitlines())}
         if len(rows) != len(encoded):
             raise DFlashError(f"answers from vLLM ({py}): {len(rows)} answers for {len(encoded)} prompts")
     out_path.parent.mkdir(parents=True, exist_ok=True)
