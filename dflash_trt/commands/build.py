@@ -6,6 +6,7 @@ import sys
 
 import click
 
+from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import arch_default_node, arch_sms, gpus
 from dflash_trt.io.manifest import Manifest
 
@@ -135,7 +136,6 @@ def check_deployable(bundle):
     to the chart's parallel.pp by hand. A layout that fits no single node is built all the same (deploy --nodes
     places it; the summary's plan line says why)."""
     from dflash_trt.deploy.values import deploy_values, plan_for_bundle, render
-    from dflash_trt.errors import DFlashError
 
     m = Manifest.read(bundle)
     if m.parallel.pp > 1:

@@ -132,18 +132,14 @@ def pick_engine(m: Manifest, engine: str | None, image: str | None, engine_versi
         else:
             block, version = dict(w["image"]), w["engine_version"]
             where = f"Dynamo {facts()['version']} image {engines.image_ref(block)} ({w['engine_version_source']})"
-        problem = engines.dflash_problem(_server_of(stack), version, where)
+        server = next(n for n, s in engines.facts()["servers"].items() if s["stack"] == stack)   # its facts
+        problem = engines.dflash_problem(server, version, where)
         if problem is None and disaggregated and not w.get("disaggregation"):
             problem = f"--disaggregated with {stack} workers: {w['disaggregation_refused']}"
         if problem is None:
             return stack, block, version
         problems.append(problem)
     raise DFlashError(problems[0] if len(problems) == 1 else "; ".join(problems))
-
-
-def _server_of(stack: str) -> str:
-    """A server of the stack in engines.json (dflash_problem reads the stack's facts through it)."""
-    return next(n for n, s in engines.facts()["servers"].items() if s["stack"] == stack)
 
 
 # ------------------------------------------------------------------ the DGD

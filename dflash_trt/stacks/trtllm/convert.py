@@ -49,7 +49,6 @@ from dflash_trt.quant.linear import (
     quantize_linear,
 )
 
-# TensorRT-LLM maps Qwen3ForCausalLM to its QWenForCausalLM; qwen_type "qwen3" turns on the q/k norms.
 # TensorRT-LLM's engine checkpoint layout per family it has one for (one row each): its architecture, the
 # `decoder` of its rank config, and keys ModelOpt 0.47 omits that we write (qwen_type: without it TensorRT-LLM
 # would build Qwen (v1), without the q/k norms).
@@ -212,12 +211,6 @@ def _split(w: torch.Tensor, tp: int, r: int, dim: int) -> torch.Tensor:
     return torch.chunk(w, tp, dim=dim)[r].contiguous()
 
 
-def _pad_vocab(w: torch.Tensor, g: Geometry) -> torch.Tensor:
-    if w.shape[0] == g.vocab_padded:
-        return w
-    return torch.cat([w, w.new_zeros(g.vocab_padded - w.shape[0], *w.shape[1:])])
-
-
 def trtllm_config(cfg: dict, g: Geometry, dtype: torch.dtype, quant: str, kv_cache: str | None, pp: int) -> dict:
     mt = cfg.get("model_type")
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
@@ -375,8 +368,10 @@ def _read(reader: CheckpointReader, name: str, row: Row, g: Geometry) -> tuple[t
 
 
 def _prepared(t: torch.Tensor, row: Row, g: Geometry) -> torch.Tensor:
-    """A source as its row slices it: the vocabulary padded to a multiple of tp for "vocab"."""
-    return _pad_vocab(t, g) if row.split == "vocab" else t
+    """A source as its row slices it: the vocabulary padded with zero rows to a multiple of tp for "vocab"."""
+    if row.split != "vocab" or t.shape[0] == g.vocab_padded:
+        return t
+    return torch.cat([t, t.new_zeros(g.vocab_padded - t.shape[0], *t.shape[1:])])
 
 
 def _write_row(reader: CheckpointReader, row: Row, g: Geometry, quant: str, calib: CalibrationResult | None,

@@ -1,11 +1,7 @@
 """TensorRT-LLM's DFlash serving config: the YAML of `trtllm-serve <target> --config` (LLM-API
 arguments; the same keys go into Triton's llmapi model.yaml), by TensorRT-LLM's own rules
-(tests/upstream_trtllm.py holds the contract; docs/layer-ids.md the layer numbering).
-
-The draft schedule (build --draft-schedule) goes into DFlashDecodingConfig.max_concurrency or
-draft_len_schedule, which DFlash honours: llm_args.py @ fcd3f31682808ae5 (DecodingBaseConfig fields and
-validators) and speculative/interface.py @ 00b6d5a25c30b438 (support_dynamic_draft_len includes
-is_dflash); see DRAFT_SCHEDULE_SOURCE and trtllm_draft_schedule below.
+(tests/upstream_trtllm.py holds the contract; docs/layer-ids.md the layer numbering), and the draft
+schedule in DFlashDecodingConfig's own controls (trtllm_draft_schedule, its sources cited above it).
 """
 from __future__ import annotations
 
