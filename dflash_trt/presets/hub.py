@@ -139,7 +139,7 @@ def check_complete(folder: Path, what: str, hint: str) -> Path:
 
 
 def resolve_hub_id(hf_id: str, revision: str | None = None, role: str = "target") -> Path:
-    """The local folder of hf_id at revision (None: main), found or downloaded (module docstring)."""
+    """The local folder of hf_id at revision (None: main), found or downloaded (module docstring, docs/pipeline.md)."""
     rev = revision or "main"
     what = f"{role} {hf_id}" + (f"@{rev}" if rev != "main" else "")
     cmd = download_command(hf_id, rev)

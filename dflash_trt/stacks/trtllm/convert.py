@@ -1,25 +1,13 @@
 """`dflash-trt convert`: a Hugging Face Llama / Qwen3 checkpoint -> TensorRT-LLM checkpoint
-(`config.json` + `rank{N}.safetensors`) for the TensorRT engine path (TensorRT-LLM <= 1.2).
-docs/formats.md. The layout is the one ModelOpt's `export_tensorrt_llm_checkpoint` writes
-(tests/test_convert.py compares tensors byte for byte).
+(`config.json` + `rank{N}.safetensors`) for the TensorRT engine path (TensorRT-LLM <= 1.2); the layout
+ModelOpt's `export_tensorrt_llm_checkpoint` writes (docs/formats.md has the tensor table; tests/test_convert.py
+compares tensors byte for byte).
 
-One pass over the input: every HF tensor is read once and its slice for each rank is written
-straight into that rank's file (all rank files are open at once, each a streaming writer), so
-memory stays at about one tensor (one fused q/k/v or gate/up group) whatever the model size.
-
-The layout is data: LAYER_LAYOUT (and MODEL_LAYOUT) map HF tensors to TensorRT-LLM ones, with
-how each rank's part is taken and whether it is a quantized Linear; planning and writing are
-loops over it. Per rank r of tp:
-- q/k/v -> attention.qkv = [q_r; k_r; v_r] (heads split on dim 0; when kv heads < tp each rank
-  gets a copy of kv head r*kv//tp); o_proj -> attention.dense (split on dim 1).
-- gate_proj -> mlp.fc, up_proj -> mlp.gate (dim 0); down_proj -> mlp.proj (dim 1).
-- embed_tokens -> transformer.vocab_embedding, lm_head -> lm_head: vocabulary padded with zero
-  rows to a multiple of tp, split on dim 0. Norms are replicated; Qwen3's q_norm / k_norm become
-  attention.q_layernorm / k_layernorm.
-- FP8: weights_scaling_factor per fused GEMM (max over q/k/v, and over gate/up, since both run
-  with one scale in the engine), activation_scaling_factor from calibration, KV-cache
-  k/v/kv_cache_scaling_factor = max(amax/448, 1) (ModelOpt's clamp for FP8 KV caches).
-- NVFP4: weights_scaling_factor_2 shared the same way, E4M3 block scales per rank slice.
+One pass over the input: every HF tensor is read once and its slice for each rank is written straight
+into that rank's file (all rank files open at once, each a streaming writer), so memory stays at about one
+tensor (one fused q/k/v or gate/up group) whatever the model size. The layout is data (MODEL_LAYOUT,
+LAYER_LAYOUT: HF tensors to TensorRT-LLM ones, how each rank's part is taken, which are quantized
+Linears); planning and writing are loops over it.
 """
 from __future__ import annotations
 
