@@ -50,13 +50,9 @@ def detect_toolchain() -> dict:
     trt = _version("tensorrt") or _version("tensorrt-cu12") or _version("tensorrt-cu13")
     if trt is None and importlib.util.find_spec("tensorrt") is not None:
         trt = "unknown"
-    return {
-        "nvidia_smi": smi,
-        "gpus": gpus,
-        "tensorrt": trt,
-        "tensorrt_llm": _version("tensorrt_llm") or _version("tensorrt-llm"),
-        "trtllm_build": shutil.which("trtllm-build"),
-    }
+    return {"nvidia_smi": smi, "gpus": gpus, "tensorrt": trt,
+            "tensorrt_llm": _version("tensorrt_llm") or _version("tensorrt-llm"),
+            "trtllm_build": shutil.which("trtllm-build")}
 
 
 def toolchain_fingerprint(tc: dict) -> dict:

