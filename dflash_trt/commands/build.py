@@ -110,8 +110,7 @@ def build_cmd(target, drafter, arch, gpu, quant, kv_cache, drafter_quant, stacks
                         ep=ep, pp=pp, block_size=block_size, backend=backend, out=out, force=force,
                         drafter_quant=drafter_quant, calib=calib, trt_drafter=trt_drafter_engine,
                         allow_nonfinite=allow_nonfinite, profile=profile, max_batch_size=max_batch_size,
-                        draft_schedule=draft_schedule, deployable=check_deployable,
-                        configs_only=configs_only,
+                        draft_schedule=draft_schedule, deployable=check_deployable, configs_only=configs_only,
                         stacks=tuple(x.strip() for x in stacks.split(",") if x.strip()) if stacks is not None else None)
     res = build(opts, progress=True)
     plan, plan_line = _deploy_plan(res["bundle"], res["deploy_plan"])

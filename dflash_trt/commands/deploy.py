@@ -158,9 +158,7 @@ def _layout_overrides(layout: dict) -> dict:
     """The serving limits given on the command line (the rest: the plan's, or the bundle's, defaults)."""
     from dflash_trt.plan import planner
 
-    out = {}
-    if layout["max_batch_size"] is not None:
-        out["max_batch_size"] = layout["max_batch_size"]
+    out = {} if layout["max_batch_size"] is None else {"max_batch_size": layout["max_batch_size"]}
     if layout["max_attention_window"] is not None:
         out["max_attention_window"] = planner.parse_windows(layout["max_attention_window"])
     return out

@@ -314,15 +314,12 @@ def draft_schedule_record(schedule: DraftSchedule | None, source: str, served: l
     out: dict[str, StackScheduleRecord] = {}
     for st in served:
         why = st.draft_schedule_problem()      # a stack whose DFlash has no such control says so first
-        if why:
-            pass
-        elif schedule is None:
+        if not why and schedule is None:
             why = f"no draft schedule: {source}"
-        elif not schedule.adaptive:
-            last = schedule.ranges[-1][1]
-            why = (f"nothing to write: the schedule drafts K = {schedule.max_k} at every concurrency 1-{last}, "
-                   "what the config does without one")
-        else:
+        elif not why and not schedule.adaptive:
+            why = (f"nothing to write: the schedule drafts K = {schedule.max_k} at every concurrency "
+                   f"1-{schedule.ranges[-1][1]}, what the config does without one")
+        elif not why:
             why = st.draft_schedule_problem(schedule)
         out[st.name] = StackScheduleRecord(skipped=why) if why else StackScheduleRecord(
             fields=st.draft_schedule_fields(schedule),
