@@ -53,11 +53,9 @@ def _data() -> dict:
 
 @lru_cache(maxsize=1)
 def catalog() -> dict[str, Hardware]:
-    out = {}
-    for name, d in _data()["hardware"].items():
-        d = dict(d, gpu_product_labels=tuple(d["gpu_product_labels"]), sources=tuple(d.get("sources", ())))
-        out[name] = Hardware(name=name, **d)
-    return out
+    return {name: Hardware(name=name, **dict(d, gpu_product_labels=tuple(d["gpu_product_labels"]),
+                                             sources=tuple(d.get("sources", ()))))
+            for name, d in _data()["hardware"].items()}
 
 
 def arch_default_node(arch: str) -> Hardware:

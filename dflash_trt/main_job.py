@@ -19,11 +19,7 @@ PROMPT = "Write a Python function `is_palindrome(s)` that checks whether a strin
 
 
 def main() -> int:
-    steps = [
-        ["check", "--json"],
-        ["build", "--arch", "blackwell"],
-    ]
-    for argv in steps:
+    for argv in (["check", "--json"], ["build", "--arch", "blackwell"]):
         print(f"\n$ dflash-trt {' '.join(argv)}", flush=True)
         try:
             cli(argv)

@@ -6,6 +6,7 @@ import json
 import click
 
 from dflash_trt.commands import SEED, THREADS, FiniteFloatRange
+from dflash_trt.errors import DFlashError
 
 DEFAULT_MIN_GAIN = 0.10   # adapt.py DEFAULT_MIN_GAIN (kept here so --help does not import torch)
 
@@ -60,7 +61,6 @@ def adapt_cmd(bundle_dir, traffic, out, run_dir, held_out, steps, lr, blocks_per
     A row is {"messages": [...]} or {"prompt": "..."}; other fields (response, choices) are ignored.
     Bad rows get one line each (FILE:LINE: why, no prompt text unless --verbose) and are skipped.
     """
-    from dflash_trt.errors import DFlashError
     from dflash_trt.adapt import AdaptSettings, adapt
 
     s = AdaptSettings(held_out=held_out, steps=steps, lr=lr, blocks_per_step=blocks_per_step, labels=labels,

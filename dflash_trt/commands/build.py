@@ -6,6 +6,7 @@ import sys
 
 import click
 
+from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import arch_default_node, arch_sms, gpus
 from dflash_trt.io.manifest import Manifest
 
@@ -109,8 +110,7 @@ def build_cmd(target, drafter, arch, gpu, quant, kv_cache, drafter_quant, stacks
                         ep=ep, pp=pp, block_size=block_size, backend=backend, out=out, force=force,
                         drafter_quant=drafter_quant, calib=calib, trt_drafter=trt_drafter_engine,
                         allow_nonfinite=allow_nonfinite, profile=profile, max_batch_size=max_batch_size,
-                        draft_schedule=draft_schedule, deployable=check_deployable,
-                        configs_only=configs_only,
+                        draft_schedule=draft_schedule, deployable=check_deployable, configs_only=configs_only,
                         stacks=tuple(x.strip() for x in stacks.split(",") if x.strip()) if stacks is not None else None)
     res = build(opts, progress=True)
     plan, plan_line = _deploy_plan(res["bundle"], res["deploy_plan"])
@@ -135,7 +135,6 @@ def check_deployable(bundle):
     to the chart's parallel.pp by hand. A layout that fits no single node is built all the same (deploy --nodes
     places it; the summary's plan line says why)."""
     from dflash_trt.deploy.values import deploy_values, plan_for_bundle, render
-    from dflash_trt.errors import DFlashError
 
     m = Manifest.read(bundle)
     if m.parallel.pp > 1:

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from dflash_trt.engines import ORCHESTRATORS, SERVERS, facts
+from dflash_trt.errors import DFlashError
 from dflash_trt.hardware import catalog, gpus
 
 HARDWARE = click.Choice(sorted(catalog()))
@@ -128,8 +129,6 @@ def plan_cmd(target, drafter, bundle, hardware, quant, kv_cache, drafter_quant, 
 
 
 def _check_speed_flags(speed, tau, context_tokens, acceptance, disaggregated, isl, osl) -> None:
-    from dflash_trt.errors import DFlashError
-
     if not speed and (context_tokens is not None or acceptance is not None or (tau is not None and not disaggregated)):
         raise DFlashError("--tau / --context-tokens / --acceptance set the speed model: add --speed (or --plot "
                           "FILE.png; --tau also sizes --disaggregated)")
@@ -150,8 +149,6 @@ def _refresh(bundle, out, rec) -> None:
 
 
 def _refresh_out(bundle, refresh: bool, out) -> str | None:
-    from dflash_trt.errors import DFlashError
-
     if bool(refresh) != bool(out) or (refresh and not bundle):
         raise DFlashError("--refresh re-plans a bundle into a revision: pass --bundle B --refresh --out NEW together")
     return out
@@ -161,9 +158,7 @@ def _layout_overrides(layout: dict) -> dict:
     """The serving limits given on the command line (the rest: the plan's, or the bundle's, defaults)."""
     from dflash_trt.plan import planner
 
-    out = {}
-    if layout["max_batch_size"] is not None:
-        out["max_batch_size"] = layout["max_batch_size"]
+    out = {} if layout["max_batch_size"] is None else {"max_batch_size": layout["max_batch_size"]}
     if layout["max_attention_window"] is not None:
         out["max_attention_window"] = planner.parse_windows(layout["max_attention_window"])
     return out
@@ -172,7 +167,6 @@ def _layout_overrides(layout: dict) -> dict:
 def _bundle_plan(bundle, hardware, quant, kv_cache, drafter_quant, target, drafter, profile, layout):
     """`plan --bundle`: (plan, target config, drafter config) of the bundle's own models, formats and GPU."""
     from dflash_trt.deploy import values as deploy
-    from dflash_trt.errors import DFlashError
     from dflash_trt.io.manifest import Manifest
 
     given = {"--quant": quant != "auto", "--kv-cache": kv_cache != "auto", "--drafter-quant": drafter_quant != "none",
@@ -202,7 +196,6 @@ def _bundle_plan(bundle, hardware, quant, kv_cache, drafter_quant, target, draft
 
 def _target_plan(target, drafter, hardware, quant, kv_cache, drafter_quant, profile, layout):
     """`plan --target`: (plan, target config, drafter config) of a preset or a folder (and --drafter)."""
-    from dflash_trt.errors import DFlashError
     from dflash_trt.plan import planner
 
     if not target:
@@ -361,7 +354,6 @@ def deploy_cmd(bundle, nodes, gpus_per_node, replicas, server, dynamo_engine, di
 
 def _check_chart_flags(tau, min_tokens_per_user, release, namespace) -> None:
     from dflash_trt.deploy import values as deploy
-    from dflash_trt.errors import DFlashError
 
     if tau is not None and min_tokens_per_user is None:
         raise DFlashError("--tau is for --min-tokens-per-user; add it (or drop --tau)")
@@ -372,8 +364,6 @@ def _check_chart_flags(tau, min_tokens_per_user, release, namespace) -> None:
 
 def _refuse_orchestrator_flags(**flags) -> None:
     """The chart's servers run one aggregated engine: Dynamo's flags are refused there."""
-    from dflash_trt.errors import DFlashError
-
     names = {"dynamo_engine": "--engine", "disaggregated": "--disaggregated", "isl": "--isl", "osl": "--osl"}
     for key, v in flags.items():
         if v not in (None, False):
@@ -387,7 +377,6 @@ def _speed_target(bundle, m, p, values: dict, min_tokens_per_user, tau) -> dict 
     if min_tokens_per_user is None:
         return None
     from dflash_trt.deploy import values as deploy
-    from dflash_trt.errors import DFlashError
     from dflash_trt.plan import speed as speed_model
 
     if p is None:
@@ -538,7 +527,6 @@ def _deploy_orchestrated(*, bundle, nodes, gpus_per_node, replicas, engine, disa
     """deploy --server dynamo: <out>/dgd.yaml, a DynamoGraphDeployment checked against Dynamo's CRD schema."""
     from dflash_trt.deploy import dynamo
     from dflash_trt.deploy import values as deploy
-    from dflash_trt.errors import DFlashError
 
     for flag, v in unused.items():
         if v is not None:

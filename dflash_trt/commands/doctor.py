@@ -4,6 +4,7 @@ from __future__ import annotations
 import click
 
 from dflash_trt.commands.core import emit_json
+from dflash_trt.errors import DFlashError
 
 
 @click.command("doctor")
@@ -26,7 +27,6 @@ def doctor_cmd(bundle, require_gpu, as_json):
       dflash-trt doctor --bundle engines/gpt-oss-120b-blackwell --json
     """
     from dflash_trt.bench.doctor import FAIL, NOT_RUN, run_doctor
-    from dflash_trt.errors import DFlashError
 
     def line(r):
         if not as_json:

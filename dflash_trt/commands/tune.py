@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from dflash_trt.commands import FiniteFloatRange
+from dflash_trt.errors import DFlashError
 
 
 @click.command("tune")
@@ -99,8 +100,6 @@ def tune_cmd(bundle_dir, endpoint, prometheus, selector, window, min_drafts, ste
 
 
 def _check_sources(endpoint, prometheus, selector, every, out) -> None:
-    from dflash_trt.errors import DFlashError
-
     if bool(endpoint) == bool(prometheus):
         raise DFlashError("tune: pass one of --endpoint URL (watch a replica) or --prometheus URL (read its history)")
     if selector and not prometheus:
@@ -113,7 +112,6 @@ def _check_sources(endpoint, prometheus, selector, every, out) -> None:
 
 def _tuned_stack(m) -> str:
     """The bundle's served stack whose per-position acceptance tune reads (its Stack.tune_reader)."""
-    from dflash_trt.errors import DFlashError
     from dflash_trt.plan import tune
 
     served = m.served_stacks

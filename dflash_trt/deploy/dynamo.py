@@ -3,47 +3,10 @@
 Dynamo is an orchestrator, not a stack: its workers run an engine whose config the bundle already
 holds (vLLM, TensorRT-LLM, SGLang). Each stack hands over its launch as data (Stack.launch_args:
 stacks/base.LaunchArgs, the same record its own serve command line is rendered from); this module
-renders that into Dynamo's worker command lines and wraps them in the operator's CRD. The facts it
-needs (Dynamo's release, the images of the frontend and of each engine's worker with the engine
-version each carries, each worker's own flag names, how a worker disaggregates) are data:
-deploy/helm/dflash-trt/engines.json `dynamo`, each with its source.
-
-What is rendered:
-  Frontend      dynamo.frontend with KV-cache-aware routing (--router-mode kv), /health and /metrics
-                on its HTTP port
-  <Engine>Worker  aggregated: one service of `replicas` workers, each one instance of the bundle's
-                layout (tp GPUs, one node); disaggregated: <Engine>PrefillWorker + <Engine>DecodeWorker,
-                counts from the speed model's estimate (plan/speed.py `disaggregated`)
-  per worker    the bundle's DFlash speculative config (the drafter), GPU requests, node affinity for the
-                bundle's GPU product (as the chart's), the bundle volume at /bundle (as the chart mounts
-                it; the worker runs from there so the configs' relative paths hold), the system server on
-                DYN_SYSTEM_PORT 9090 (/live, /health, /metrics) as liveness / readiness probes
-
-Checked before anything is written:
-  - every engine's image must carry an engine with DFlash (engines.json stacks.<stack>.dflash_since):
-    Dynamo 1.6.1's SGLang image pins sglang 0.5.21, older than the first SGLang read with DFlash;
-  - the DGD against Dynamo's own CRD schema (deploy/schemas/, copied verbatim with its source),
-    unknown fields rejected: the API server prunes them silently, so an object with a misspelt key
-    would deploy something else than it says. `additionalProperties` absent counts as false except
-    under x-kubernetes-preserve-unknown-fields (Kubernetes' structural-schema pruning rule).
-  Each worker's command line is checked against that worker's own argument parser in the tests
-  (tests/test_dynamo.py reads the ai-dynamo 1.6.1 wheel with `ast`).
-
-Worker command lines, for anyone starting them by hand (Dynamo 1.6.1; from the bundle root; each
-worker serves the system endpoints on DYN_SYSTEM_PORT; the frontend finds workers through the
-discovery backend, --discovery-backend / DYN_DISCOVERY_BACKEND: kubernetes, etcd, file or mem):
-
-  python3 -m dynamo.frontend --http-port 8000 --router-mode kv
-  python3 -m dynamo.vllm --model target --served-model-name NAME <the flags of configs/vllm.json argv
-      after `vllm serve target`> --speculative-config "$(cat configs/vllm-speculative-config.json)"
-      (DFlash: {"method": "dflash", "model": "drafter", "num_speculative_tokens": B-1, ...}; env of
-      configs/vllm.json `env` if any). Disaggregated: add --disaggregation-mode prefill|decode and
-      --kv-transfer-config '{"kv_connector":"NixlConnector","kv_role":"kv_both"}' to both, the
-      speculative config on both (the prefill worker fills the drafter's context).
-  python3 -m dynamo.trtllm --model target --served-model-name NAME --tensor-parallel-size TP
-      --expert-parallel-size EP --extra-engine-args configs/trtllm-serve.yaml
-  python3 -m dynamo.sglang <configs/sglang.json argv after `python -m sglang.launch_server`>
-      --served-model-name NAME   (needs an SGLang with DFlash: not Dynamo 1.6.1's sglang 0.5.21)
+renders that into Dynamo's worker command lines and wraps them in the operator's CRD, checked against
+Dynamo's own CRD schema with unknown fields refused (the API server prunes them silently) before
+anything is written. Its facts are deploy/helm/dflash-trt/engines.json `dynamo`, each with its source.
+docs/dynamo.md: the services rendered, what is refused, the checks, the worker command lines by hand.
 """
 from __future__ import annotations
 
@@ -169,18 +132,14 @@ def pick_engine(m: Manifest, engine: str | None, image: str | None, engine_versi
         else:
             block, version = dict(w["image"]), w["engine_version"]
             where = f"Dynamo {facts()['version']} image {engines.image_ref(block)} ({w['engine_version_source']})"
-        problem = engines.dflash_problem(_server_of(stack), version, where)
+        server = next(n for n, s in engines.facts()["servers"].items() if s["stack"] == stack)   # its facts
+        problem = engines.dflash_problem(server, version, where)
         if problem is None and disaggregated and not w.get("disaggregation"):
             problem = f"--disaggregated with {stack} workers: {w['disaggregation_refused']}"
         if problem is None:
             return stack, block, version
         problems.append(problem)
     raise DFlashError(problems[0] if len(problems) == 1 else "; ".join(problems))
-
-
-def _server_of(stack: str) -> str:
-    """A server of the stack in engines.json (dflash_problem reads the stack's facts through it)."""
-    return next(n for n, s in engines.facts()["servers"].items() if s["stack"] == stack)
 
 
 # ------------------------------------------------------------------ the DGD
@@ -305,6 +264,3 @@ def write_dgd(out: str | Path, dgd: dict, header: str, render: bool) -> Path:
             (tmp / "manifests" / DGD_FILE).write_text(text)
     return Path(out)
 
-
-__all__ = ["DGD_FILE", "SERVER", "check_dgd", "crd_schema", "facts", "pick_engine", "render_dgd", "worker_args",
-           "worker_argv", "write_dgd"]

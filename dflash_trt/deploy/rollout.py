@@ -1,17 +1,7 @@
-"""The bundle onto the cluster, and back (docs/rollout.md).
-
-Every bundle version lives in its own folder of the claim, `bundles/<bundle>-<digest>` (the first
-12 hex digits of its manifest.json's sha256: a new drafter, schedule or config is a new manifest,
-hence a new folder), and the pods mount that folder (the chart's bundle.pvc.subPath). So an
-upgrade is a new folder plus `helm upgrade`, and `helm rollback` mounts the previous folder, still
-on the claim, again. Two ways to fill a folder:
-
-- `dflash-trt push --bundle DIR --to MOUNTED_CLAIM`: where the claim is mounted here (an NFS share,
-  a node): copied into a temp folder beside the version folder, re-hashed against the manifest,
-  then renamed into place;
-- the chart's loader Job (bundle.loader, `deploy --loader-image`): copies the bundle from an image
-  (deploy/bundle.Dockerfile) onto the claim, checks every file's sha256 (SHA256SUMS from the
-  manifest) and writes manifest.json last; the serving pods wait for it.
+"""The bundle onto the cluster, and back (docs/rollout.md): every bundle version in its own folder of
+the claim, `bundles/<bundle>-<digest>` (the pods' bundle.pvc.subPath), so an upgrade is a new folder plus
+`helm upgrade` and `helm rollback` mounts the previous one. The folder is filled by `dflash-trt push`
+(copied, re-hashed, renamed into place) or by the chart's loader Job (`deploy --loader-image`).
 """
 from __future__ import annotations
 

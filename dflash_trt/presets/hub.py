@@ -1,19 +1,9 @@
 """A checkpoint named by its Hugging Face hub id (`org/name`, at a revision): where it is looked
-for, in this order, and how it is fetched when it is in none of them.
-
-  1. $DFLASH_TRT_HOME/models/<org>--<name>  (our own folder: placed there by hand, taken as is)
-  2. the Hugging Face cache, as huggingface_hub lays it out and `hf download` / vLLM fill it:
-     $HF_HUB_CACHE (else $HUGGINGFACE_HUB_CACHE, $HF_HOME/hub, $XDG_CACHE_HOME/huggingface/hub,
-     ~/.cache/huggingface/hub) / models--<org>--<name> / snapshots/<commit>, a branch or tag
-     resolved through refs/<name>
-  3. huggingface_hub.snapshot_download into that cache, when the hub is reachable and
-     HF_HUB_OFFLINE is not set: only the top-level files the pipeline reads (PIPELINE_FILES),
-     after checking the disk has room for the bytes still missing; resumable (a new call picks up
-     the .incomplete blobs), with huggingface_hub's byte progress bar; HF_TOKEN / `hf auth login`
-     are honoured by huggingface_hub itself.
-Offline, the error is one line naming every place looked in and the `hf download` command that
-fills the cache. A snapshot is checked complete (every shard of its index present) wherever found;
-with the hub on, an incomplete cached one is completed by the download.
+for, in this order (docs/pipeline.md, "Where the target and the drafter come from"), and how it is
+fetched when it is in none of them: $DFLASH_TRT_HOME/models/<org>--<name>, then the Hugging Face cache
+as huggingface_hub lays it out, then snapshot_download of PIPELINE_FILES into that cache when the hub
+is reachable. A snapshot is checked complete wherever found; offline, the error is one line naming
+every place looked in and the `hf download` command that fills the cache.
 """
 from __future__ import annotations
 
@@ -149,7 +139,7 @@ def check_complete(folder: Path, what: str, hint: str) -> Path:
 
 
 def resolve_hub_id(hf_id: str, revision: str | None = None, role: str = "target") -> Path:
-    """The local folder of hf_id at revision (None: main), found or downloaded (module docstring)."""
+    """The local folder of hf_id at revision (None: main), found or downloaded (module docstring, docs/pipeline.md)."""
     rev = revision or "main"
     what = f"{role} {hf_id}" + (f"@{rev}" if rev != "main" else "")
     cmd = download_command(hf_id, rev)

@@ -68,19 +68,5 @@ def cpu_server() -> Server:
     return next(s for s in servers().values() if s.cpu_reference)
 
 
-__all__ = [
-    "CONFIG_STACKS",
-    "REGISTRY",
-    "TRITON",
-    "BundleContext",
-    "LaunchArgs",
-    "Server",
-    "Stack",
-    "cpu_server",
-    "engine_stack",
-    "get",
-    "local_stacks",
-    "served",
-    "server",
-    "servers",
-]
+__all__ = ["CONFIG_STACKS", "REGISTRY", "TRITON", "BundleContext", "LaunchArgs", "Server", "Stack", "cpu_server",
+           "engine_stack", "get", "local_stacks", "served", "server", "servers"]

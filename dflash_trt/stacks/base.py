@@ -1,19 +1,9 @@
-"""What a serving stack is to the pipeline: one small interface, one module per stack.
+"""What a serving stack is to the pipeline: one small interface, one module per stack (docs/stacks.md).
 
-`build`, `deploy`, `serve` and `plan` never ask which stack they hold; they loop over the
-registry (stacks/__init__.py) and call these methods. A stack answers for:
-
-- the layouts and drafters it refuses, with the upstream rule each breaks (build picks the
-  stacks that fit; --stacks names one that does not: an error before anything is written);
-- the files it writes into a bundle (configs/, its Triton model), and what it checks first;
-- how to serve the bundle with it: its launch arguments as data (LaunchArgs: the serve command lines
-  it writes and Dynamo's worker arguments are both rendered from them), the manifest's `serve`
-  commands, a local server for `dflash-trt serve`;
-- its chart values: the servers it runs (the chart's server.stack), their launch, what the
-  planner reads back from its config;
-- its engine facts, from engines.json (dflash_trt/engines.py): images, first DFlash version.
-
-A method a stack does not need keeps the default here (nothing to refuse, nothing to write).
+`build`, `deploy`, `serve` and `plan` never ask which stack they hold; they loop over the registry
+(stacks/__init__.py) and call these methods: the layouts and drafters a stack refuses, the files it
+writes into a bundle, its launch as data (LaunchArgs), its servers and metrics, its engine facts
+(engines.json). A method a stack does not need keeps the default here.
 """
 from __future__ import annotations
 
@@ -326,15 +316,12 @@ def draft_schedule_record(schedule: DraftSchedule | None, source: str, served: l
     out: dict[str, StackScheduleRecord] = {}
     for st in served:
         why = st.draft_schedule_problem()      # a stack whose DFlash has no such control says so first
-        if why:
-            pass
-        elif schedule is None:
+        if not why and schedule is None:
             why = f"no draft schedule: {source}"
-        elif not schedule.adaptive:
-            last = schedule.ranges[-1][1]
-            why = (f"nothing to write: the schedule drafts K = {schedule.max_k} at every concurrency 1-{last}, "
-                   "what the config does without one")
-        else:
+        elif not why and not schedule.adaptive:
+            why = (f"nothing to write: the schedule drafts K = {schedule.max_k} at every concurrency "
+                   f"1-{schedule.ranges[-1][1]}, what the config does without one")
+        elif not why:
             why = st.draft_schedule_problem(schedule)
         out[st.name] = StackScheduleRecord(skipped=why) if why else StackScheduleRecord(
             fields=st.draft_schedule_fields(schedule),

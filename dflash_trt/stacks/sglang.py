@@ -73,13 +73,9 @@ def sglang_launch(*, target_path: str, drafter_path: str, block_size: int, zlab_
         flags += ["--kv-cache-dtype", KV_CACHE_FP8]
     launch = LaunchArgs(program=("python", "-m", "sglang.launch_server"), model=target_path, model_flag="--model-path",
                         flags=(*flags, *extra_args), tp=tp, ep=ep, pp=pp)
-    return {
-        "launch": launch.record(),
-        "argv": launch.argv(),
-        "command": launch.command(),
-        "dflash_config": {"target_layer_ids": zlab_to_sglang(zlab_ids)},
-        "capture_before_layer": sglang_capture_points(zlab_ids),
-    }
+    return {"launch": launch.record(), "argv": launch.argv(), "command": launch.command(),
+            "dflash_config": {"target_layer_ids": zlab_to_sglang(zlab_ids)},
+            "capture_before_layer": sglang_capture_points(zlab_ids)}
 
 
 def sglang_drafter_args(dcfg) -> list[str]:

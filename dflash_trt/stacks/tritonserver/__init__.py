@@ -1,11 +1,8 @@
-"""Triton Inference Server: the bundle's model repository (repo.py, written for every bundle) and
-a real tritonserver on any machine (server.py, `dflash-trt serve`).
-
-The repository always holds dflash_reference, the CPU reference runtime (lossless DFlash on any
-machine: the model a bundle without a GPU deploys), and takes each served stack's own Triton
-model from that stack (Stack.triton_inputs). On a GPU, the chart's `triton` server runs the
-TensorRT-LLM model (engines.json servers.triton: stack trtllm, its images and engine versions).
-The package is not named `triton`: a `triton/` folder on sys.path shadows the Triton compiler.
+"""Triton Inference Server: the bundle's model repository (repo.py, written for every bundle: always
+dflash_reference, the CPU reference runtime, plus each served stack's own model, Stack.triton_inputs) and a
+real tritonserver on any machine (server.py, `dflash-trt serve`). On a GPU, the chart's `triton` server runs
+the TensorRT-LLM model (engines.json servers.triton). Not named `triton`: that folder on sys.path would
+shadow the Triton compiler.
 """
 from __future__ import annotations
 

@@ -1,18 +1,8 @@
-"""The bundle's Triton model repository (docs/pipeline.md):
-
-    triton/
-      tensorrt_llm/      TensorRT-LLM LLM API (PyTorch backend) with DFlash, Python backend, GPU
-        config.pbtxt  1/model.py  1/model.yaml  1/dflash_metrics.py     (only when the trtllm stack is served)
-      dflash_reference/  the dflash-trt reference runtime, Python backend, CPU: smoke tests anywhere
-        config.pbtxt  1/model.py  1/model.yaml  1/dflash_metrics.py
-      vllm/              vLLM with DFlash, Triton's vLLM backend interface (only when the vllm stack is served)
-        config.pbtxt  1/model.json
-
-config.pbtxt files are protobuf text of `inference.ModelConfig`; they are rendered from the
-templates in dflash_trt/assets/triton_templates and then parsed back with Triton's own schema
-(`tritonclient.grpc.model_config_pb2`) when tritonclient is installed, so a typo fails the build,
-not the server start. (The templates live in a folder NOT named `triton`: a `triton/` folder on
-sys.path shadows the `triton` compiler package that modelopt imports.)
+"""The bundle's Triton model repository, triton/ (docs/pipeline.md): tensorrt_llm (TensorRT-LLM's LLM
+API with DFlash, GPU; when the trtllm stack is served), dflash_reference (our reference runtime, CPU) and
+vllm (when the vllm stack is served). config.pbtxt files are rendered from dflash_trt/assets/triton_templates
+(a folder NOT named `triton`: one on sys.path shadows the `triton` compiler modelopt imports) and parsed
+back with Triton's own schema (tritonclient's model_config_pb2), so a typo fails the build, not the server.
 """
 from __future__ import annotations
 

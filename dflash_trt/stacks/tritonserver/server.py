@@ -1,25 +1,8 @@
-"""A real Triton Inference Server for a bundle's model repository, on any machine (no GPU).
-
-The server is the `tritonserver` 2.51 binary and Python backend that the PyPI wheel
-`nvidia-pytriton` ships (pytriton/tritonserver/{bin,backends/python,python_backend_stubs/3.x}).
-We use its files only; pytriton's own Python package is never imported (it pins numpy<2).
-
-Three things make its Python backend work outside NVIDIA's container (measured on this CPU):
-
-- The stub (`triton_python_backend_stub`) is built against numpy 1.x and embeds the Python of
-  the `python3` first on PATH: its sys.path is that interpreter's, not PYTHONPATH. With numpy 2
-  there, the first BYTES request kills the stub: `deserialize_bytes_tensor` reads a length prefix
-  of 0x05050505 for the 5-byte string "hello" ("unpack_from requires a buffer of at least
-  84215049 bytes ... actual buffer size is 9"; numpy 2.2.6); with numpy 1.26.4 the same request
-  round-trips. (Our reading: the stub's numpy 1.x C-API view of the request buffer is wrong
-  under numpy 2's changed ABI.) So the server runs with a small "stub env" first on PATH: a venv
-  of the same base interpreter with numpy<2, whose site-packages add ours after its own (a .pth
-  file), so the models import dflash_trt, torch and yaml from our environment and numpy 1.x
-  from theirs.
-- LD_LIBRARY_PATH holds the wheel's `nvidia_pytriton.libs` and the lib folder of the base
-  interpreter whose libpython3.x.so the stub links (pyenv / uv interpreters are not in ld's path).
-- The stub for this Python version is placed in the backend folder, as pytriton itself does
-  (pytriton/triton.py `_prepare_triton_inference_server`).
+"""A real Triton Inference Server for a bundle's model repository, on any machine (no GPU): the
+`tritonserver` 2.51 binary and Python backend of the PyPI wheel `nvidia-pytriton` (its files only; its
+Python package, which pins numpy<2, is never imported). What makes its Python backend work outside
+NVIDIA's container (a numpy<2 stub env, LD_LIBRARY_PATH, the stub in the backend folder), each measured:
+docs/pipeline.md, "Triton outside NVIDIA's container".
 """
 from __future__ import annotations
 

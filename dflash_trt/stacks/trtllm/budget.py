@@ -1,29 +1,15 @@
-"""TensorRT-LLM's DFlash draft-context buffer, per rank, and the budget it must fit in.
+"""TensorRT-LLM's DFlash draft-context buffer, per rank, and the budget it must fit in (docs/deploy.md).
 
-DFlashWorker keeps the drafter's cross-attention context of every request in fixed CUDA buffers
-allocated once (NVIDIA/TensorRT-LLM tensorrt_llm/_torch/speculative/dflash.py @ 2fc4bbbc414379ff,
-`_lazy_init_ctx_buffers`):
-
-    ctx_buf      [max_batch, max_ctx, proj_dim]  in the drafter's fc dtype (bf16: 2 bytes)
-    ctx_pos_buf  [max_batch, max_ctx]            int64
-    ctx_len, batch_to_slot [max_batch]           int64
-
-proj_dim is fc.weight.shape[0], the drafter's hidden size: the fc is a plain nn.Linear, not split
-over tensor parallel ranks, so every rank holds the whole buffer for the batch it schedules
-(max_batch_size; with attention DP each rank schedules its own max_batch_size). PR #19466
-("DFlash buffer sizing/position fixes", open when read) sizes max_ctx as min(max_seq_len,
-max_position_embeddings) and checks the buffer when the config is validated: over budget raises
-for the VANILLA and FA4 drafter attention backends and warns for TRTLLM. Issue #16005 reports
-the buffer at ~80 GB per rank for batch 64 x 131k context.
-
-The budget, as PR #19466's review describes its config-time estimate: on-disk weight bytes as
-the resident weights, a fixed 4 GiB overhead, and a 0.70 safety factor; the KV cache takes
-free_gpu_memory_fraction of the rest, so the buffer has what is left:
-
+DFlashWorker keeps the drafter's context of every request in CUDA buffers allocated once
+(NVIDIA/TensorRT-LLM tensorrt_llm/_torch/speculative/dflash.py @ 2fc4bbbc414379ff, `_lazy_init_ctx_buffers`):
+ctx_buf [max_batch, max_ctx, proj_dim] in the fc's dtype (bf16), ctx_pos_buf [max_batch, max_ctx] int64, and
+ctx_len, batch_to_slot [max_batch] int64. proj_dim is the drafter's hidden size; the fc is not split over
+tensor-parallel ranks, so every rank holds the whole buffer for the batch it schedules (issue #16005: ~80 GB
+per rank for batch 64 x 131k context). PR #19466 (open when read) sizes max_ctx as min(max_seq_len,
+max_position_embeddings) and checks the buffer at config time against
     budget = 0.70 x (1 - free_gpu_memory_fraction) x (GPU memory - weights per rank - 4 GiB)
-
-The formula is our reading of an unmerged PR (its review excerpts; the full diff was not in the
-stored sources): a model of the check, not the check itself.
+(over it, the VANILLA and FA4 drafter backends raise, TRTLLM warns): our reading of the PR's review, a
+model of the check, not the check itself.
 """
 from __future__ import annotations
 

@@ -1,25 +1,13 @@
 """`dflash-trt convert`: a Hugging Face Llama / Qwen3 checkpoint -> TensorRT-LLM checkpoint
-(`config.json` + `rank{N}.safetensors`) for the TensorRT engine path (TensorRT-LLM <= 1.2).
-docs/formats.md. The layout is the one ModelOpt's `export_tensorrt_llm_checkpoint` writes
-(tests/test_convert.py compares tensors byte for byte).
+(`config.json` + `rank{N}.safetensors`) for the TensorRT engine path (TensorRT-LLM <= 1.2); the layout
+ModelOpt's `export_tensorrt_llm_checkpoint` writes (docs/formats.md has the tensor table; tests/test_convert.py
+compares tensors byte for byte).
 
-One pass over the input: every HF tensor is read once and its slice for each rank is written
-straight into that rank's file (all rank files are open at once, each a streaming writer), so
-memory stays at about one tensor (one fused q/k/v or gate/up group) whatever the model size.
-
-The layout is data: LAYER_LAYOUT (and MODEL_LAYOUT) map HF tensors to TensorRT-LLM ones, with
-how each rank's part is taken and whether it is a quantized Linear; planning and writing are
-loops over it. Per rank r of tp:
-- q/k/v -> attention.qkv = [q_r; k_r; v_r] (heads split on dim 0; when kv heads < tp each rank
-  gets a copy of kv head r*kv//tp); o_proj -> attention.dense (split on dim 1).
-- gate_proj -> mlp.fc, up_proj -> mlp.gate (dim 0); down_proj -> mlp.proj (dim 1).
-- embed_tokens -> transformer.vocab_embedding, lm_head -> lm_head: vocabulary padded with zero
-  rows to a multiple of tp, split on dim 0. Norms are replicated; Qwen3's q_norm / k_norm become
-  attention.q_layernorm / k_layernorm.
-- FP8: weights_scaling_factor per fused GEMM (max over q/k/v, and over gate/up, since both run
-  with one scale in the engine), activation_scaling_factor from calibration, KV-cache
-  k/v/kv_cache_scaling_factor = max(amax/448, 1) (ModelOpt's clamp for FP8 KV caches).
-- NVFP4: weights_scaling_factor_2 shared the same way, E4M3 block scales per rank slice.
+One pass over the input: every HF tensor is read once and its slice for each rank is written straight
+into that rank's file (all rank files open at once, each a streaming writer), so memory stays at about one
+tensor (one fused q/k/v or gate/up group) whatever the model size. The layout is data (MODEL_LAYOUT,
+LAYER_LAYOUT: HF tensors to TensorRT-LLM ones, how each rank's part is taken, which are quantized
+Linears); planning and writing are loops over it.
 """
 from __future__ import annotations
 
@@ -49,7 +37,6 @@ from dflash_trt.quant.linear import (
     quantize_linear,
 )
 
-# TensorRT-LLM maps Qwen3ForCausalLM to its QWenForCausalLM; qwen_type "qwen3" turns on the q/k norms.
 # TensorRT-LLM's engine checkpoint layout per family it has one for (one row each): its architecture, the
 # `decoder` of its rank config, and keys ModelOpt 0.47 omits that we write (qwen_type: without it TensorRT-LLM
 # would build Qwen (v1), without the q/k norms).
@@ -212,43 +199,22 @@ def _split(w: torch.Tensor, tp: int, r: int, dim: int) -> torch.Tensor:
     return torch.chunk(w, tp, dim=dim)[r].contiguous()
 
 
-def _pad_vocab(w: torch.Tensor, g: Geometry) -> torch.Tensor:
-    if w.shape[0] == g.vocab_padded:
-        return w
-    return torch.cat([w, w.new_zeros(g.vocab_padded - w.shape[0], *w.shape[1:])])
-
-
 def trtllm_config(cfg: dict, g: Geometry, dtype: torch.dtype, quant: str, kv_cache: str | None, pp: int) -> dict:
     mt = cfg.get("model_type")
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
     rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if rope.get("rope_type", "default") != "default" else None
     c = {
-        "producer": {"name": "modelopt", "version": MODELOPT_VERSION},
-        "architecture": ARCHITECTURES[mt],
-        "dtype": _DTYPE_NAMES[dtype],
-        "logits_dtype": "float16" if dtype == torch.bfloat16 else _DTYPE_NAMES[dtype],
-        "num_hidden_layers": g.layers,
-        "num_attention_heads": g.heads,
-        "num_key_value_heads": g.kv_heads,
-        "hidden_size": g.hidden,
-        "norm_epsilon": cfg.get("rms_norm_eps", 1e-6),
-        "vocab_size": g.vocab,
-        "max_position_embeddings": cfg.get("max_position_embeddings"),
-        "hidden_act": cfg.get("hidden_act", "silu"),
-        "use_parallel_embedding": True,
-        "embedding_sharding_dim": 0,
-        "head_size": g.head_dim,
-        "intermediate_size": g.inter,
-        "position_embedding_type": "rope_gpt_neox",
+        "producer": {"name": "modelopt", "version": MODELOPT_VERSION}, "architecture": ARCHITECTURES[mt],
+        "dtype": _DTYPE_NAMES[dtype], "logits_dtype": "float16" if dtype == torch.bfloat16 else _DTYPE_NAMES[dtype],
+        "num_hidden_layers": g.layers, "num_attention_heads": g.heads, "num_key_value_heads": g.kv_heads,
+        "hidden_size": g.hidden, "norm_epsilon": cfg.get("rms_norm_eps", 1e-6), "vocab_size": g.vocab,
+        "max_position_embeddings": cfg.get("max_position_embeddings"), "hidden_act": cfg.get("hidden_act", "silu"),
+        "use_parallel_embedding": True, "embedding_sharding_dim": 0, "head_size": g.head_dim,
+        "intermediate_size": g.inter, "position_embedding_type": "rope_gpt_neox",
         "share_embedding_table": False,   # lm_head is always written (a copy when tied)
-        "residual_mlp": False,
-        "bias": bool(cfg.get("attention_bias", False)),
-        "rotary_pct": 1.0,
-        "rank": 0,
-        "decoder": ENGINE_LAYOUTS[mt]["decoder"],
-        "rmsnorm": True,
-        "lm_head_bias": False,
+        "residual_mlp": False, "bias": bool(cfg.get("attention_bias", False)), "rotary_pct": 1.0, "rank": 0,
+        "decoder": ENGINE_LAYOUTS[mt]["decoder"], "rmsnorm": True, "lm_head_bias": False,
         # ModelOpt 0.47 under transformers 5 loses rope_theta (moved into rope_parameters) and
         # writes no rotary_base, so TensorRT-LLM would fall back to 10000: we always write it.
         "rotary_base": rope_theta,
@@ -375,8 +341,10 @@ def _read(reader: CheckpointReader, name: str, row: Row, g: Geometry) -> tuple[t
 
 
 def _prepared(t: torch.Tensor, row: Row, g: Geometry) -> torch.Tensor:
-    """A source as its row slices it: the vocabulary padded to a multiple of tp for "vocab"."""
-    return _pad_vocab(t, g) if row.split == "vocab" else t
+    """A source as its row slices it: the vocabulary padded with zero rows to a multiple of tp for "vocab"."""
+    if row.split != "vocab" or t.shape[0] == g.vocab_padded:
+        return t
+    return torch.cat([t, t.new_zeros(g.vocab_padded - t.shape[0], *t.shape[1:])])
 
 
 def _write_row(reader: CheckpointReader, row: Row, g: Geometry, quant: str, calib: CalibrationResult | None,

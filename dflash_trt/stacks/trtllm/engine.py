@@ -50,13 +50,9 @@ def detect_toolchain() -> dict:
     trt = _version("tensorrt") or _version("tensorrt-cu12") or _version("tensorrt-cu13")
     if trt is None and importlib.util.find_spec("tensorrt") is not None:
         trt = "unknown"
-    return {
-        "nvidia_smi": smi,
-        "gpus": gpus,
-        "tensorrt": trt,
-        "tensorrt_llm": _version("tensorrt_llm") or _version("tensorrt-llm"),
-        "trtllm_build": shutil.which("trtllm-build"),
-    }
+    return {"nvidia_smi": smi, "gpus": gpus, "tensorrt": trt,
+            "tensorrt_llm": _version("tensorrt_llm") or _version("tensorrt-llm"),
+            "trtllm_build": shutil.which("trtllm-build")}
 
 
 def toolchain_fingerprint(tc: dict) -> dict:
@@ -75,8 +71,7 @@ def compile_jobs(manifest: Manifest, key: str = "<gpu>-trt<version>") -> list[di
     jobs = []
     if manifest.trt_drafter_engine:  # opt-in (build --trt-drafter-engine): no serving file loads it
         jobs.append({
-            "name": "drafter-engine",
-            "outputs": [f"engines/{key}/drafter.plan"],
+            "name": "drafter-engine", "outputs": [f"engines/{key}/drafter.plan"],
             "argv": [sys.executable if key != "<gpu>-trt<version>" else "python", "-m", "dflash_trt.stacks.trtllm.engine",
                      "drafter", "--onnx", "onnx/drafter.onnx", "--plugins", "plugins",
                      "--max-tokens", str(max(64, 4 * manifest.drafter.block_size)),
@@ -86,8 +81,7 @@ def compile_jobs(manifest: Manifest, key: str = "<gpu>-trt<version>") -> list[di
         p = manifest.parallel
         B = manifest.drafter.block_size
         jobs.append({
-            "name": "target-engine",
-            "outputs": [f"engines/{key}/target"],
+            "name": "target-engine", "outputs": [f"engines/{key}/target"],
             "argv": ["trtllm-build", "--checkpoint_dir", "trtllm_ckpt", "--output_dir", f"engines/{key}/target",
                      "--max_batch_size", "64", "--max_seq_len", str(manifest.max_seq_len or 8192),
                      "--gemm_plugin", "auto", "--use_paged_context_fmha", "enable",

@@ -1,11 +1,7 @@
 """TensorRT-LLM's DFlash serving config: the YAML of `trtllm-serve <target> --config` (LLM-API
 arguments; the same keys go into Triton's llmapi model.yaml), by TensorRT-LLM's own rules
-(tests/upstream_trtllm.py holds the contract; docs/layer-ids.md the layer numbering).
-
-The draft schedule (build --draft-schedule) goes into DFlashDecodingConfig.max_concurrency or
-draft_len_schedule, which DFlash honours: llm_args.py @ fcd3f31682808ae5 (DecodingBaseConfig fields and
-validators) and speculative/interface.py @ 00b6d5a25c30b438 (support_dynamic_draft_len includes
-is_dflash); see DRAFT_SCHEDULE_SOURCE and trtllm_draft_schedule below.
+(tests/upstream_trtllm.py holds the contract; docs/layer-ids.md the layer numbering), and the draft
+schedule in DFlashDecodingConfig's own controls (trtllm_draft_schedule, its sources cited above it).
 """
 from __future__ import annotations
 
@@ -80,20 +76,11 @@ def trtllm_serve_config(*, target_cfg: dict, drafter_path: str, block_size: int,
     return cfg
 
 
-# Its draft-length controls (Stack.draft_schedule_*), read from the source:
-#   tensorrt_llm/llmapi/llm_args.py @ fcd3f31682808ae56118ae43c1d7864a3a945e6f, DecodingBaseConfig:
-#     max_concurrency: Optional[PositiveInt] ("speculation will be disabled at batch sizes above this value");
-#     draft_len_schedule: Optional[dict[int, int]], each key the largest batch size that drafts its length, batch
-#     sizes above the largest key draft 0 (speculation off); validate_draft_len_schedule_and_sort: keys >= 1,
-#     lengths >= 0 and <= max_draft_len, the smallest key's length == max_draft_len; the two are mutually
-#     exclusive, and max_concurrency becomes {max_concurrency: max_draft_len} when
-#     spec_dec_mode.support_dynamic_draft_len();
-#   tensorrt_llm/_torch/speculative/interface.py @ 00b6d5a25c30b4382d24fbdf52956d601b3ffd24:
-#     SpeculativeDecodingMode.support_dynamic_draft_len() includes is_dflash(), so the one-model DFlash path runs
-#     each step with runtime_draft_len from the schedule (speculative/utils.py get_draft_len_for_batch_size, keys
-#     as upper bounds) and a verify of 1 + runtime_draft_len tokens per request
-#     (DecodingBaseConfig.get_runtime_tokens_per_gen_step);
-#   release 1.4.0rc1's DFlashDecodingConfig reference page lists both fields with these types.
+# Its draft-length controls (Stack.draft_schedule_*), read from the source: DecodingBaseConfig.max_concurrency
+# (PositiveInt: no speculation above it) and draft_len_schedule ({largest batch size: length}, 0 above the
+# largest key; validate_draft_len_schedule_and_sort: keys >= 1, lengths in [0, max_draft_len], the smallest key's
+# length == max_draft_len; the two mutually exclusive). support_dynamic_draft_len() includes is_dflash(), so each
+# DFlash step drafts runtime_draft_len from the schedule (speculative/utils.py get_draft_len_for_batch_size).
 DRAFT_SCHEDULE_SOURCE = ("NVIDIA/TensorRT-LLM tensorrt_llm/llmapi/llm_args.py @ fcd3f31682808ae5 (DecodingBaseConfig."
                          "max_concurrency, draft_len_schedule and their validators), tensorrt_llm/_torch/speculative/"
                          "interface.py @ 00b6d5a25c30b438 (support_dynamic_draft_len includes DFlash), release "

@@ -92,8 +92,7 @@ class VLLM(Stack):
                         block_size=ctx.block_size, zlab_ids=m.drafter.target_layer_ids["zlab"], tp=p.tp,
                         ep=p.ep, pp=p.pp, kv_cache=m.quant.kv_cache,
                         dtype=served_dtype(tcfg.get("dtype") or tcfg.get("torch_dtype"), m.quant.target),
-                        draft_vocab_size=n_vocab,
-                        draft_schedule=sched)
+                        draft_vocab_size=n_vocab, draft_schedule=sched)
         env = vllm_drafter_env(ctx.drafter)     # the drafter's attention layout needs it; and K by context
         if VLLM_BY_CONTEXT_ENV in fields:
             env[VLLM_BY_CONTEXT_ENV] = json.dumps(fields[VLLM_BY_CONTEXT_ENV], separators=(",", ":"))

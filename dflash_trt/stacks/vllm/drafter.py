@@ -1,21 +1,14 @@
 """The drafter as vLLM must read it when it drafts from a draft vocabulary (models/draft_vocab.py).
 
-vLLM reads a DFlash drafter's config.json and *.safetensors only; our draft_vocab.json is not
-among them, so vLLM drafts over the whole vocabulary. For a drafter trained with its logits over
-the draft vocabulary only (the embedded one: MODEL_CARD.md, stage 5, `--draft-vocab`), the logits
-of the other tokens were never trained, and an argmax over all of them picks untrained tokens that
-the target then rejects: vLLM accepted less than our runtime on the same pair (tests/test_vllm.py).
-
-vLLM has its own form of a draft vocabulary, the EAGLE-3 one, which its DFlash drafter implements
-(vllm 0.32.0 vllm/model_executor/models/qwen3_dflash.py, DFlashQwen3ForCausalLM):
-`draft_vocab_size` in config.json sizes the drafter's own lm_head, the weight `d2t` (int64, one per
-draft row, loaded as draft_id_to_target_id) maps draft row i to target token i + d2t[i], and
-compute_logits scatters the draft logits into the full vocabulary with -inf elsewhere; a checkpoint
-with an `lm_head.weight` keeps it instead of sharing the target's (vllm/v1/spec_decode/
-llm_base_proposer.py `_maybe_share_lm_head`). So this folder is the bundle's drafter/ (its files
-hard-linked, unchanged) plus draft_vocab.safetensors holding the target's lm_head rows of the draft
-tokens and d2t, and a config.json with `draft_vocab_size`. The argmax is then over the same tokens
-as our runtime's (every other token -inf in both).
+vLLM reads a DFlash drafter's config.json and *.safetensors only, not our draft_vocab.json, so it would draft
+over the whole vocabulary, whose other logits a drafter trained over the draft vocabulary never trained:
+vLLM accepted less than our runtime on the same pair (tests/test_vllm.py). vLLM's own form of a draft
+vocabulary is EAGLE-3's, which its DFlash drafter implements (vllm 0.32.0
+vllm/model_executor/models/qwen3_dflash.py): `draft_vocab_size` in config.json sizes the drafter's own
+lm_head, `d2t` maps draft row i to target token i + d2t[i], and a checkpoint's `lm_head.weight` is kept
+(vllm/v1/spec_decode/llm_base_proposer.py `_maybe_share_lm_head`). So this folder is the bundle's drafter/
+(hard-linked) plus draft_vocab.safetensors (the target's lm_head rows of the draft tokens, and d2t) and a
+config.json with `draft_vocab_size`: the argmax is then over the same tokens as our runtime's.
 """
 from __future__ import annotations
 

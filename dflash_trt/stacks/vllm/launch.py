@@ -135,8 +135,7 @@ def vllm_launch(*, target_path: str, drafter_path: str, block_size: int, zlab_id
                    **({"kv_cache_dtype": KV_CACHE_FP8} if kv_cache == "fp8" else {}),
                    "speculative_config": spec}
     return {
-        "speculative_config": spec,
-        "engine_args": engine_args,
+        "speculative_config": spec, "engine_args": engine_args,
         # what vLLM derives from the drafter's dflash_config (z-lab ids + 1); pin them with
         # this key in the drafter config.json if the drafter is ever re-exported without them
         "eagle_aux_hidden_state_layer_ids": zlab_to_vllm(zlab_ids),
@@ -146,10 +145,7 @@ def vllm_launch(*, target_path: str, drafter_path: str, block_size: int, zlab_id
         **({"draft_schedule": VLLM_DRAFT_SCHEDULE.format(field=VLLM_DRAFT_SCHEDULE_FIELD)}
            if draft_schedule is not None else {}),
         "paths": "relative to the bundle root: run argv / command from there, or command_anywhere with BUNDLE set",
-        "launch": launch.record(),
-        "argv": argv,
-        "command": shlex.join(argv),
-        "command_anywhere": anywhere,
+        "launch": launch.record(), "argv": argv, "command": shlex.join(argv), "command_anywhere": anywhere,
     }
 
 

