@@ -75,7 +75,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP) $(VLLM_STAMP)
-	$(BIN)/python -m dflash_trt.bench_all --out .bench
+	$(BIN)/python bench/run_all.py --out .bench
 
 # Newest releases, on purpose: throwaway envs resolved afresh from PyPI (under $(LATEST)), each
 # compared with its lock, package by package; `make lock` writes them into locks/, `make test-latest`

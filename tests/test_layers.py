@@ -2,7 +2,7 @@
 
     base (errors, paths, hardware, engines) < kernels < io < presets, models < runtime, quant < stacks
     < train, plan < bundle (build writes the plan it built from) < deploy < bench < the command line
-    (cli, commands/, main_job, bench_all)
+    (cli, commands/, main_job)
 
 No module imports one of ours through importlib (a registry is a dict of imported modules), but
 for the command line's lazy commands and the corpus of standard-library texts (train/).
@@ -46,7 +46,7 @@ ALLOWED: dict[str, set[str]] = {
 FACADE = {"dflash_trt": {"runtime"}}
 FOLDER_LAYERS = {"kernels", "io", "presets", "models", "runtime", "quant", "stacks", "train", "bundle", "plan",
                  "deploy", "bench"}
-TOP_MODULES = {"cli", "main_job", "bench_all", "adapt"}   # adapt: the pipeline of train, bench and bundle
+TOP_MODULES = {"cli", "main_job", "adapt"}   # adapt: the pipeline of train, bench and bundle
 BASE_MODULES = {"__init__", "errors", "paths", "hardware", "engines"}
 # importlib.import_module, by module: the lazy commands of the CLI (`--help` stays light) and the
 # standard-library modules whose source is a training corpus (train/prompts.py, train/draft_vocab.py)

@@ -1,4 +1,5 @@
-"""`make bench`: every benchmark of the project, each writing JSON into --out.
+"""`make bench`: every benchmark of the project, each writing JSON into --out (a repository tool, not in the
+package: it runs the scripts beside it).
 
 - runtime_embedded.json: `dflash-trt bench` on the embedded pair, held-out prompts, greedy,
   128 new tokens (tau, speed-up, losslessness, what a block costs in AR steps, CPU and GEMM path);
