@@ -87,7 +87,9 @@ def recording_rules(m: StackMetrics, s: Settings = Settings(), by: tuple[str, ..
 
 
 def _where(r) -> str:
-    return f"c>={r.first}" + (f" context {r.context[0]}-{r.context[1]}" if r.context else "")
+    if r.context is None:
+        return f"c>={r.first}"
+    return f"c>={r.first} context {r.context[0]}-" + (f"{r.context[1]}" if r.context[1] < CONTEXT_END else "on")
 
 
 def _by_level(metric: str, rows, value, b: str) -> str:
