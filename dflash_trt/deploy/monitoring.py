@@ -3,10 +3,10 @@
 
 Every query comes from the served stack's metrics data (stacks/<stack> `Stack.metrics`: the engine's own
 names and PromQL); the alert thresholds from the plan (plan/monitoring_figures.py). The recording rules
-(`dflash:*`, listed in docs/monitoring.md) keep one series per pod (`BY`). A schedule by context served by an engine that drafts by
-context (vLLM with our plugin) gets its thresholds per concurrency and context bucket, the bucket chosen by
-dflash:context_tokens. The dashboard is built with grafana-foundation-sdk (an optional dependency, the
-`monitoring` extra).
+(`dflash:*`, listed in docs/monitoring.md) keep one series per pod (`BY`). A schedule by context served by
+an engine that drafts by context (vLLM with our plugin) gets its thresholds per concurrency and context
+bucket, the bucket chosen by dflash:context_tokens. The dashboard is built with grafana-foundation-sdk (an
+optional dependency, the `monitoring` extra).
 """
 from __future__ import annotations
 
