@@ -1,23 +1,13 @@
 """Triton Python-backend model serving the dflash-trt reference runtime (lossless DFlash, CPU).
 
-Written into a bundle by `dflash-trt build`; `dflash-trt serve --bundle DIR` runs it in a real
-Triton server on any machine. It needs the `dflash-trt` package in the Python environment of
-Triton's Python backend. Settings come from 1/model.yaml: `target` and `drafter` (absolute, or
-relative to the bundle root, two folders above this model's folder), `dtype`, `block_size`,
-`max_new_tokens`, `chat`, `decode_slots` (pairs loaded, requests decoded at once), `max_queue`
-(accepted requests waiting for a slot; more are refused), `max_prompt_bytes`.
-
-Request tensors (the names of TensorRT-LLM's llmapi model): text_input, streaming,
-sampling_param_{temperature,top_k,top_p,max_tokens,seed}, plus block_size and raw_prompt.
-Response tensors: text_output, finish_reason, acceptance_rate, total_accepted_draft_tokens,
-total_draft_tokens, tau. The model is decoupled: execute() validates each request, queues it and
-returns; `decode_slots` worker threads (each with its own pair and KV cache) decode and answer
-through the request's response sender with one final response (the reference runtime produces
-a generation in one call, so a streaming request gets its full, cumulative text at once).
-
-Custom metrics: 1/dflash_metrics.py (the same families as the tensorrt_llm model). Here
-dflash_kv_cache_utilization is the KV positions reserved by the active requests (prompt +
-max_tokens + one block) over the slots' capacity.
+Written into a bundle by `dflash-trt build`; `dflash-trt serve --bundle DIR` runs it in a real Triton server on
+any machine. It needs the `dflash-trt` package in the Python environment of Triton's Python backend. Settings:
+1/model.yaml (`target` and `drafter` are absolute, or relative to the bundle root, two folders above this
+model's folder); tensors and settings: docs/pipeline.md, "Triton model repository". The model is decoupled:
+execute() validates each request and queues it; `decode_slots` worker threads, each with its own pair and KV
+cache, decode and answer with one final response (the reference runtime produces a generation in one call, so
+a streaming request gets its full text at once). dflash_kv_cache_utilization here is the KV positions reserved
+by the active requests (prompt + max_tokens + one block) over the slots' capacity.
 """
 import json
 import math
@@ -62,10 +52,16 @@ class BadRequest(Exception):
     """A request the model refuses: answered with Triton's INVALID_ARG (HTTP 400), not INTERNAL (500)."""
 
 
-def _error(e):
+def _failure(e):
+    """The error response to an exception or a message."""
     if isinstance(e, BadRequest):
-        return pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG)
-    return pb_utils.TritonError(str(e))
+        return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(
+            str(e), pb_utils.TritonError.INVALID_ARG))
+    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(e)))
+
+
+def _tensor(name, value, dtype=np.object_):
+    return pb_utils.Tensor(name, np.array([value], dtype=dtype))
 
 
 # (input, generate() argument, type, default, check, what it must be): the sampling parameters
@@ -154,15 +150,10 @@ class TritonPythonModel:
         self.metrics.blocks_done(list(result.accepted_per_block))
         accepted, drafted, rate = stats_from_result(result, kw["block_size"])
         finish = "length" if len(result.token_ids) >= kw["max_new_tokens"] else "stop"
-        tensors = [
-            pb_utils.Tensor("text_output", np.array([result.text.encode("utf-8")], dtype=np.object_)),
-            pb_utils.Tensor("finish_reason", np.array([finish.encode("utf-8")], dtype=np.object_)),
-            pb_utils.Tensor("acceptance_rate", np.array([rate], dtype=np.float32)),
-            pb_utils.Tensor("total_accepted_draft_tokens", np.array([accepted], dtype=np.int32)),
-            pb_utils.Tensor("total_draft_tokens", np.array([drafted], dtype=np.int32)),
-            pb_utils.Tensor("tau", np.array([result.tau or 0.0], dtype=np.float32)),
-        ]
-        return pb_utils.InferenceResponse(output_tensors=tensors)
+        return pb_utils.InferenceResponse(output_tensors=[
+            _tensor("text_output", result.text.encode("utf-8")), _tensor("finish_reason", finish.encode("utf-8")),
+            _tensor("acceptance_rate", rate, np.float32), _tensor("total_accepted_draft_tokens", accepted, np.int32),
+            _tensor("total_draft_tokens", drafted, np.int32), _tensor("tau", result.tau or 0.0, np.float32)])
 
     def _gauges(self):
         active = sum(1 for r in self.reserved if r)
@@ -179,7 +170,7 @@ class TritonPythonModel:
             try:
                 response = self._generate(slot, kw)
             except Exception as e:  # report to the client, keep serving
-                response = pb_utils.InferenceResponse(output_tensors=[], error=_error(e))
+                response = _failure(e)
             finally:
                 self.reserved[slot] = 0
                 self._gauges()
@@ -189,11 +180,9 @@ class TritonPythonModel:
         """The answer to a health request: every decode worker is alive (the stub is, as it answers)."""
         dead = [i for i, w in enumerate(self.workers) if not w.is_alive()]
         if dead:
-            return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(
-                f"dflash_reference: decode worker(s) {dead} died"))
-        return pb_utils.InferenceResponse(output_tensors=[
-            pb_utils.Tensor("text_output", np.array([b""], dtype=np.object_)),
-            pb_utils.Tensor("finish_reason", np.array([b"health"], dtype=np.object_))])
+            return _failure(f"dflash_reference: decode worker(s) {dead} died")
+        return pb_utils.InferenceResponse(output_tensors=[_tensor("text_output", b""),
+                                                          _tensor("finish_reason", b"health")])
 
     def execute(self, requests):
         for request in requests:
@@ -205,13 +194,12 @@ class TritonPythonModel:
                     self.queue.put_nowait((sender, self._parse(request)))
                     continue
             except queue.Full:
-                response = pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(
-                    f"dflash_reference: {self.queue.maxsize} requests already waiting (max_queue); retry later"))
+                response = _failure(f"dflash_reference: {self.queue.maxsize} requests already waiting (max_queue); "
+                                    "retry later")
             except Exception as e:
-                response = pb_utils.InferenceResponse(output_tensors=[], error=_error(e))
+                response = _failure(e)
             sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         self._gauges()
-        return None
 
     def finalize(self):
         for _ in self.workers:
