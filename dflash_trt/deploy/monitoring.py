@@ -24,7 +24,7 @@ from dflash_trt.plan.draft_schedule import CONTEXT_END
 from dflash_trt.plan.monitoring_figures import PlannedFigures
 from dflash_trt.stacks.base import StackMetrics
 
-BY = ("namespace", "pod")          # the ServiceMonitor's target labels: one series per serving pod
+BY = "namespace, pod"              # the ServiceMonitor's target labels: one series per serving pod
 QUANTILES = ("0.5", "0.9", "0.99")
 HISTOGRAMS = {  # role: (recording rule, dashboard panel)
     "ttft": ("dflash:ttft_seconds", "Time to first token"),
@@ -52,36 +52,36 @@ def stack_metrics(server: str) -> StackMetrics:
     return st.metrics
 
 
-def _quantile(m: StackMetrics, role: str, q: str, b: str, w: str) -> str:
-    return f"histogram_quantile({q}, sum by ({b}, le) (rate({m.histogram(role)}[{w}])))"
+def _quantile(m: StackMetrics, role: str, q: str, w: str) -> str:
+    return f"histogram_quantile({q}, sum by ({BY}, le) (rate({m.histogram(role)}[{w}])))"
 
 
-def _tokens_per_second(m: StackMetrics, b: str, w: str) -> str:
-    return f"sum by ({b}) (rate({m.metrics['generation_tokens'].name}[{w}]))"
+def _tokens_per_second(m: StackMetrics, w: str) -> str:
+    return f"sum by ({BY}) (rate({m.metrics['generation_tokens'].name}[{w}]))"
 
 
-def _concurrency(m: StackMetrics, b: str, w: str) -> str:
-    return f"sum by ({b}) (avg_over_time({m.metrics['running'].name}[{w}]))"
+def _concurrency(m: StackMetrics, w: str) -> str:
+    return f"sum by ({BY}) (avg_over_time({m.metrics['running'].name}[{w}]))"
 
 
-def recording_rules(m: StackMetrics, s: Settings = Settings(), by: tuple[str, ...] = BY) -> list[dict]:
-    b, w = ", ".join(by), s.window
-    rules = [{"record": "dflash:acceptance_length", "expr": m.promql("acceptance_length", w, b)}]
+def recording_rules(m: StackMetrics, s: Settings = Settings()) -> list[dict]:
+    w = s.window
+    rules = [{"record": "dflash:acceptance_length", "expr": m.promql("acceptance_length", w, BY)}]
     if m.per_position:
-        rules.append({"record": "dflash:acceptance_by_position", "expr": m.promql("per_position", w, b)})
+        rules.append({"record": "dflash:acceptance_by_position", "expr": m.promql("per_position", w, BY)})
     rules += [
-        {"record": "dflash:draft_efficiency", "expr": m.promql("draft_efficiency", w, b)},
-        {"record": "dflash:concurrency", "expr": _concurrency(m, b, w)},
-        {"record": "dflash:generation_tokens_per_second", "expr": _tokens_per_second(m, b, w)},
+        {"record": "dflash:draft_efficiency", "expr": m.promql("draft_efficiency", w, BY)},
+        {"record": "dflash:concurrency", "expr": _concurrency(m, w)},
+        {"record": "dflash:generation_tokens_per_second", "expr": _tokens_per_second(m, w)},
         # concurrency 0: no series (nobody to serve), not a division by zero
         {"record": "dflash:tokens_per_second_per_user",
-         "expr": f"dflash:generation_tokens_per_second / on({b}) (dflash:concurrency > 0)"},
+         "expr": f"dflash:generation_tokens_per_second / on({BY}) (dflash:concurrency > 0)"},
     ]
     if m.context_tokens:
-        rules.append({"record": "dflash:context_tokens", "expr": m.promql("context_tokens", w, b)})
+        rules.append({"record": "dflash:context_tokens", "expr": m.promql("context_tokens", w, BY)})
     for role, (record, _) in HISTOGRAMS.items():
         if m.histogram(role):
-            rules += [{"record": record, "labels": {"quantile": q}, "expr": _quantile(m, role, q, b, w)}
+            rules += [{"record": record, "labels": {"quantile": q}, "expr": _quantile(m, role, q, w)}
                       for q in QUANTILES]
     return rules
 
@@ -90,7 +90,7 @@ def _where(r) -> str:
     return f"c>={r.first}" + (f" context {r.context[0]}-{r.context[1]}" if r.context else "")
 
 
-def _by_level(metric: str, rows, value, b: str) -> str:
+def _by_level(metric: str, rows, value) -> str:
     """`metric < value(row)` while the measured concurrency (and for a row of a context bucket, the measured
     context) is in the row's range, for every row; neighbouring rows of a bucket with the same threshold (4
     significant digits) are one range."""
@@ -104,12 +104,12 @@ def _by_level(metric: str, rows, value, b: str) -> str:
             else:
                 spans.append([r.first, r.until, v])
         # a bucket's contexts are whole tokens, the measured one a mean: each bucket up to the next one's first
-        at = "" if context is None else f" and on({b}) (dflash:context_tokens >= {context[0]}" + (
+        at = "" if context is None else f" and on({BY}) (dflash:context_tokens >= {context[0]}" + (
             f" < {context[1] + 1})" if context[1] < CONTEXT_END else ")")
         for i, (first, until, v) in enumerate(spans):
             lo = "> 0" if i == 0 else f">= {first}"   # below the first planned concurrency: its figure
             hi = f" < {until}" if until is not None else ""
-            terms.append(f"(({metric} < {v}) and on({b}) (dflash:concurrency {lo}{hi}){at})")
+            terms.append(f"(({metric} < {v}) and on({BY}) (dflash:concurrency {lo}{hi}){at})")
     return "\n or ".join(terms)
 
 
@@ -118,17 +118,16 @@ def _alert(name: str, s: Settings, expr: str, summary: str, description: str) ->
             "annotations": {"summary": summary, "description": description}}
 
 
-def alert_rules(m: StackMetrics, figures: PlannedFigures, s: Settings = Settings(), by: tuple[str, ...] = BY,
+def alert_rules(m: StackMetrics, figures: PlannedFigures, s: Settings = Settings(),
                 by_context: bool = False) -> list[dict]:
     """The alerts; by_context: the engine drafts by context (its thresholds per bucket where the plan has them)."""
-    b = ", ".join(by)
     out = []
     rows = figures.by_context if by_context and figures.by_context and m.context_tokens else figures.by_concurrency
     if rows:
         keep = 1 - s.acceptance_tolerance
         out.append(_alert(
             "DFlashAcceptanceBelowPlan", s,
-            _by_level("dflash:acceptance_length", rows, lambda r: r.planned_acceptance_length * keep, b),
+            _by_level("dflash:acceptance_length", rows, lambda r: r.planned_acceptance_length * keep),
             "DFlash acceptance below what the rollout was planned for",
             "{{ $labels.pod }}: acceptance length {{ $value | printf \"%.2f\" }} is more than "
             f"{s.acceptance_tolerance:.0%} below the planned one at its concurrency ("
@@ -137,7 +136,7 @@ def alert_rules(m: StackMetrics, figures: PlannedFigures, s: Settings = Settings
             "prompt template and target checkpoint."))
         out.append(_alert(
             "DFlashSpeculationNotPaying", s,
-            _by_level("dflash:acceptance_length", rows, lambda r: r.break_even_acceptance_length, b),
+            _by_level("dflash:acceptance_length", rows, lambda r: r.break_even_acceptance_length),
             "Speculative decoding costs more than it gives at this concurrency",
             "{{ $labels.pod }}: acceptance length {{ $value | printf \"%.2f\" }} is below the "
             "break-even of the planned draft length at its concurrency ("
@@ -155,40 +154,40 @@ def alert_rules(m: StackMetrics, figures: PlannedFigures, s: Settings = Settings
     return out
 
 
-def rule_groups(server: str, figures: PlannedFigures, s: Settings = Settings(), by: tuple[str, ...] = BY) -> list[dict]:
+def rule_groups(server: str, figures: PlannedFigures, s: Settings = Settings()) -> list[dict]:
     m = stack_metrics(server)
-    groups = [{"name": "dflash-trt.recording", "rules": recording_rules(m, s, by)}]
+    groups = [{"name": "dflash-trt.recording", "rules": recording_rules(m, s)}]
     drafts_by_context = stacks.get(engines.server_stack(server)).draft_schedule_context_problem() is None
-    alerts = alert_rules(m, figures, s, by, by_context=drafts_by_context)
+    alerts = alert_rules(m, figures, s, by_context=drafts_by_context)
     if alerts:
         groups.append({"name": "dflash-trt.alerts", "rules": alerts})
     return groups
 
 
 # ------------------------------------------------------------------ the dashboard
-def dashboard_queries(server: str, w: str = "$__rate_interval", by: tuple[str, ...] = BY) -> list[tuple[str, str, list[tuple[str, str]]]]:
+def dashboard_queries(server: str, w: str = "$__rate_interval") -> list[tuple[str, str, list[tuple[str, str]]]]:
     """(panel title, unit, [(PromQL, legend)]) per panel, on the engine's own metric names."""
     m = stack_metrics(server)
-    b = ", ".join(by)
     legend = "{{pod}}"
     panels = [("Acceptance length (tokens per step, bonus included)", "none",
-               [(m.promql("acceptance_length", w, b), legend)])]
+               [(m.promql("acceptance_length", w, BY), legend)])]
     if m.per_position:
         panels.append(("Acceptance by draft position", "percentunit",
-                       [(m.promql("per_position", w, b), "{{pod}} position {{position}}")]))
+                       [(m.promql("per_position", w, BY), "{{pod}} position {{position}}")]))
     panels += [
-        ("Draft efficiency (accepted / drafted tokens)", "percentunit", [(m.promql("draft_efficiency", w, b), legend)]),
+        ("Draft efficiency (accepted / drafted tokens)", "percentunit",
+         [(m.promql("draft_efficiency", w, BY), legend)]),
         ("Generation tokens/s per user", "none",
-         [(f"{_tokens_per_second(m, b, w)} / on({b}) ({_concurrency(m, b, w)} > 0)", legend)]),
-        ("Generation tokens/s", "none", [(_tokens_per_second(m, b, w), legend)]),
-        ("Requests in flight", "none", [(f"sum by ({b}) ({m.metrics['running'].name})", legend)]),
+         [(f"{_tokens_per_second(m, w)} / on({BY}) ({_concurrency(m, w)} > 0)", legend)]),
+        ("Generation tokens/s", "none", [(_tokens_per_second(m, w), legend)]),
+        ("Requests in flight", "none", [(f"sum by ({BY}) ({m.metrics['running'].name})", legend)]),
     ]
     if m.context_tokens:
         panels.append(("Prompt tokens, mean of finished requests (the schedule's context axis)", "none",
-                       [(m.promql("context_tokens", w, b), legend)]))
+                       [(m.promql("context_tokens", w, BY), legend)]))
     for role, (_, title) in HISTOGRAMS.items():
         if m.histogram(role):
-            panels.append((title, "s", [(_quantile(m, role, q, b, w), f"{{{{pod}}}} p{float(q) * 100:g}")
+            panels.append((title, "s", [(_quantile(m, role, q, w), f"{{{{pod}}}} p{float(q) * 100:g}")
                                         for q in QUANTILES]))
     return panels
 

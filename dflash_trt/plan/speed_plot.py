@@ -102,8 +102,7 @@ def speed_figure(report: SpeedReport):
     colors = matplotlib.colormaps["tab10"].colors
     fig = Figure(figsize=(13, 9.5), dpi=110)
     grid = fig.add_gridspec(2, 2, width_ratios=[2.3, 1], height_ratios=[2.4, 1], hspace=0.28, wspace=0.04)
-    ax, key, kax, notes = (fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[0, 1]), fig.add_subplot(grid[1, 0]),
-                           fig.add_subplot(grid[1, 1]))
+    ax, key, kax, notes = (fig.add_subplot(grid[row, col]) for row, col in ((0, 0), (0, 1), (1, 0), (1, 1)))
     for i, (name, l) in enumerate(layouts):
         color = colors[i % len(colors)]
         draw_layout(ax, l, report.tau, color, f"{name} AR (dashed)", f"{name} DFlash, K {report.block_size - 1} "

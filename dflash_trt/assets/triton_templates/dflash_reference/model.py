@@ -9,7 +9,6 @@ cache, decode and answer with one final response (the reference runtime produces
 a streaming request gets its full text at once). dflash_kv_cache_utilization here is the KV positions reserved
 by the active requests (prompt + max_tokens + one block) over the slots' capacity.
 """
-import json
 import math
 import os
 import queue
@@ -93,7 +92,6 @@ class TritonPythonModel:
         version = str(args.get("model_version") or "1")
         with open(model_dir / version / "model.yaml") as f:
             self.settings = s = yaml.safe_load(f) or {}
-        self.model_config = json.loads(args["model_config"])
         bundle_root = Path(os.environ.get("DFLASH_BUNDLE_ROOT") or model_dir.parent.parent)
 
         def where(p):

@@ -177,7 +177,6 @@ class TritonPythonModel:
         llm_args, triton_config = load_llm_args(model_dir / version, bundle_root)
         self.decoupled = bool(triton_config.get("decoupled", True))
         self.max_draft_len = int((llm_args.get("speculative_config") or {}).get("max_draft_len") or 0)
-        self.model_config = json.loads(args["model_config"])
         # dict sections (speculative_config, kv_cache_config, ...) become TensorRT-LLM config objects
         llm_args = update_llm_args_with_extra_dict({}, llm_args)
         pb_utils.Logger.log_info(f"[dflash] starting the LLM API with {llm_args}")
