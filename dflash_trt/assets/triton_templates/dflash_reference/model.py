@@ -42,8 +42,7 @@ def _prompt(request, max_bytes):
     value = arr[0]
     raw = value if isinstance(value, bytes) else str(value).encode("utf-8")
     if len(raw) > max_bytes:
-        raise BadRequest(f"input text_input: {len(raw)} bytes, more than this model's "
-                           f"max_prompt_bytes = {max_bytes}")
+        raise BadRequest(f"input text_input: {len(raw)} bytes, more than this model's max_prompt_bytes = {max_bytes}")
     return raw.decode("utf-8", errors="replace")
 
 
@@ -73,15 +72,6 @@ SAMPLING = (
     ("sampling_param_seed", "seed", int, 0, lambda v: 0 <= v < 1 << 64, "an integer in [0, 2**64)"),
 )
 HEALTH_INPUT = "health_check"   # a request with it true is answered at once from execute(): the stub lives
-
-
-def stats_from_result(result, block_size):
-    """TensorRT-LLM's speculative-decoding counters for one generation: every verify pass
-    offered block_size - 1 drafted tokens; accepted_per_block counts the bonus token too."""
-    blocks = len(result.accepted_per_block)
-    drafted = blocks * (block_size - 1)
-    accepted = sum(max(0, a - 1) for a in result.accepted_per_block)
-    return accepted, drafted, (accepted / drafted if drafted else 0.0)
 
 
 class TritonPythonModel:
@@ -146,7 +136,11 @@ class TritonPythonModel:
         self._gauges()
         result = generate(pair, ids, mode="dflash", **kw)
         self.metrics.blocks_done(list(result.accepted_per_block))
-        accepted, drafted, rate = stats_from_result(result, kw["block_size"])
+        # TensorRT-LLM's speculative-decoding counters: every verify pass offered block_size - 1 drafted
+        # tokens; accepted_per_block counts the bonus token too
+        drafted = len(result.accepted_per_block) * (kw["block_size"] - 1)
+        accepted = sum(max(0, a - 1) for a in result.accepted_per_block)
+        rate = accepted / drafted if drafted else 0.0
         finish = "length" if len(result.token_ids) >= kw["max_new_tokens"] else "stop"
         return pb_utils.InferenceResponse(output_tensors=[
             _tensor("text_output", result.text.encode("utf-8")), _tensor("finish_reason", finish.encode("utf-8")),

@@ -54,13 +54,8 @@ def read_request(request):
     if prompts.ndim > 1 or prompts.size != 1:
         raise pb_utils.TritonModelException("The current implementation only supports text_input being a 1D tensor "
                                             "of one prompt.")
-    params = {}
-    for name, arg in SAMPLING_INPUTS.items():
-        v = _scalar(request, name)
-        if v is None:
-            v = SAMPLING_DEFAULTS.get(arg)
-        if v is not None:
-            params[arg] = v
+    given = {arg: _scalar(request, name) for name, arg in SAMPLING_INPUTS.items()}
+    params = SAMPLING_DEFAULTS | {arg: v for arg, v in given.items() if v is not None}
     stop = pb_utils.get_input_tensor_by_name(request, "sampling_param_stop")
     if stop is not None:
         params["stop"] = [_value(s) for s in stop.as_numpy().reshape(-1)]
@@ -111,10 +106,9 @@ def response_tensors(output, flags, perf: bool):
     reason / logprob outputs, and the perf-metric outputs when the request asked for them."""
     outs = output.outputs
     tensors = [_tensor("text_output", [o.text.encode("utf-8") for o in outs], np.object_)]
-    if flags["return_finish_reason"]:
-        tensors.append(_tensor("finish_reason", [str(o.finish_reason).encode() for o in outs], np.object_))
-    if flags["return_stop_reason"]:
-        tensors.append(_tensor("stop_reason", [str(o.stop_reason).encode() for o in outs], np.object_))
+    for reason in ("finish_reason", "stop_reason"):
+        if flags[f"return_{reason}"]:
+            tensors.append(_tensor(reason, [str(getattr(o, reason)).encode() for o in outs], np.object_))
     if flags["return_cumulative_logprob"]:
         tensors.append(_tensor("cumulative_logprob", [o.cumulative_logprob or 0.0 for o in outs], np.float32))
     metrics = getattr(outs[0], "request_perf_metrics", None)
