@@ -9,14 +9,12 @@ import time
 
 __version__ = "0.1.0"
 
-# How OpenMP threads wait between parallel regions, chosen once, before torch loads its OpenMP runtime
-# (it reads the variables then): every `dflash-trt` command (cli.py imports this package first), the facade
-# below and any `dflash_trt.<module>` import run this first; only torch imported before dflash_trt is out of
-# reach. A user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT wins. Measured on a 2-core Sapphire Rapids, the
-# embedded pair in float32 (docs/decode-loop.md): idle, a short spin (GOMP_SPINCOUNT=10000) decodes at
-# 24.2 (AR) / 26.8 (DFlash) tok/s against PASSIVE's 14.4 / 19.3 (a futex wake per op); beside one busy
-# process, PASSIVE keeps 12.9 / 15.0 and the short spin drops to 7.8 / 9.8 (libgomp's own 300,000-spin
-# default: 10x slower there, issue 33). So: spin briefly when no other task is running, else PASSIVE.
+# How OpenMP threads wait between parallel regions, chosen before torch loads its OpenMP runtime (it reads the
+# variables then): any `dflash_trt` import runs this first (only torch imported before it is out of reach); a
+# user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT wins. Measured on a 2-core Sapphire Rapids, the embedded pair in
+# float32 (docs/decode-loop.md): idle, a short spin (GOMP_SPINCOUNT=10000) decodes at 24.2 (AR) / 26.8 (DFlash)
+# tok/s against PASSIVE's 14.4 / 19.3 (a futex wake per op); beside one busy process, PASSIVE keeps 12.9 / 15.0
+# and the short spin drops to 7.8 / 9.8 (libgomp's 300,000-spin default: 10x slower there, issue 33).
 OPENMP_WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 

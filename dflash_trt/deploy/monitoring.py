@@ -2,24 +2,11 @@
 `monitoring.enabled` (`dflash-trt deploy --monitoring` writes them into the values).
 
 Every query comes from the served stack's metrics data (stacks/<stack> `Stack.metrics`: the engine's own
-names and PromQL); the alert thresholds from the plan (plan/monitoring_figures.py). Recording rules, one
-series per pod (`BY`):
-
-    dflash:acceptance_length                 tokens per verify step, bonus included (tau)
-    dflash:acceptance_by_position{position}  share of drafts whose position p was accepted (where exported)
-    dflash:draft_efficiency                  accepted / drafted tokens
-    dflash:concurrency                       requests in flight, averaged over the window
-    dflash:generation_tokens_per_second      tokens/s of the pod
-    dflash:tokens_per_second_per_user        tokens/s / concurrency
-    dflash:context_tokens                    mean prompt tokens of the requests finished over the window (where
-                                             the engine exports prompt lengths: vLLM's request_prompt_tokens)
-    dflash:ttft_seconds{quantile}, dflash:itl_seconds{quantile}, dflash:time_per_output_token_seconds{quantile}
-
-Alerts (each only where the plan gives its figure): DFlashAcceptanceBelowPlan, DFlashSpeculationNotPaying,
-DFlashTokenLatencyOverTarget. A schedule by context served by an engine that drafts by context (vLLM with our
-plugin) gets its thresholds per concurrency and context bucket, the bucket chosen by dflash:context_tokens.
-The dashboard is built with grafana-foundation-sdk (Grafana's own typed builders; an optional dependency, the
-`monitoring` extra) on the engine's metric names.
+names and PromQL); the alert thresholds from the plan (plan/monitoring_figures.py). The recording rules
+(`dflash:*`, listed in docs/monitoring.md) keep one series per pod (`BY`). A schedule by context served by
+an engine that drafts by context (vLLM with our plugin) gets its thresholds per concurrency and context
+bucket, the bucket chosen by dflash:context_tokens. The dashboard is built with grafana-foundation-sdk (an
+optional dependency, the `monitoring` extra).
 """
 from __future__ import annotations
 
@@ -37,10 +24,13 @@ from dflash_trt.plan.draft_schedule import CONTEXT_END
 from dflash_trt.plan.monitoring_figures import PlannedFigures
 from dflash_trt.stacks.base import StackMetrics
 
-BY = ("namespace", "pod")          # the ServiceMonitor's target labels: one series per serving pod
+BY = "namespace, pod"              # the ServiceMonitor's target labels: one series per serving pod
 QUANTILES = ("0.5", "0.9", "0.99")
-HISTOGRAMS = {"ttft": "dflash:ttft_seconds", "itl": "dflash:itl_seconds",
-              "tpot": "dflash:time_per_output_token_seconds"}
+HISTOGRAMS = {  # role: (recording rule, dashboard panel)
+    "ttft": ("dflash:ttft_seconds", "Time to first token"),
+    "itl": ("dflash:itl_seconds", "Inter-token latency (engine's, per step)"),
+    "tpot": ("dflash:time_per_output_token_seconds", "Time per output token"),
+}
 DASHBOARD_UID = "dflash-trt-speculation"
 
 
@@ -62,26 +52,36 @@ def stack_metrics(server: str) -> StackMetrics:
     return st.metrics
 
 
-def recording_rules(m: StackMetrics, s: Settings = Settings(), by: tuple[str, ...] = BY) -> list[dict]:
-    b, w = ", ".join(by), s.window
-    rules = [{"record": "dflash:acceptance_length", "expr": m.promql("acceptance_length", w, b)}]
+def _quantile(m: StackMetrics, role: str, q: str, w: str) -> str:
+    return f"histogram_quantile({q}, sum by ({BY}, le) (rate({m.histogram(role)}[{w}])))"
+
+
+def _tokens_per_second(m: StackMetrics, w: str) -> str:
+    return f"sum by ({BY}) (rate({m.metrics['generation_tokens'].name}[{w}]))"
+
+
+def _concurrency(m: StackMetrics, w: str) -> str:
+    return f"sum by ({BY}) (avg_over_time({m.metrics['running'].name}[{w}]))"
+
+
+def recording_rules(m: StackMetrics, s: Settings = Settings()) -> list[dict]:
+    w = s.window
+    rules = [{"record": "dflash:acceptance_length", "expr": m.promql("acceptance_length", w, BY)}]
     if m.per_position:
-        rules.append({"record": "dflash:acceptance_by_position", "expr": m.promql("per_position", w, b)})
+        rules.append({"record": "dflash:acceptance_by_position", "expr": m.promql("per_position", w, BY)})
     rules += [
-        {"record": "dflash:draft_efficiency", "expr": m.promql("draft_efficiency", w, b)},
-        {"record": "dflash:concurrency", "expr": f"sum by ({b}) (avg_over_time({m.metrics['running'].name}[{w}]))"},
-        {"record": "dflash:generation_tokens_per_second",
-         "expr": f"sum by ({b}) (rate({m.metrics['generation_tokens'].name}[{w}]))"},
+        {"record": "dflash:draft_efficiency", "expr": m.promql("draft_efficiency", w, BY)},
+        {"record": "dflash:concurrency", "expr": _concurrency(m, w)},
+        {"record": "dflash:generation_tokens_per_second", "expr": _tokens_per_second(m, w)},
         # concurrency 0: no series (nobody to serve), not a division by zero
         {"record": "dflash:tokens_per_second_per_user",
-         "expr": f"dflash:generation_tokens_per_second / on({b}) (dflash:concurrency > 0)"},
+         "expr": f"dflash:generation_tokens_per_second / on({BY}) (dflash:concurrency > 0)"},
     ]
     if m.context_tokens:
-        rules.append({"record": "dflash:context_tokens", "expr": m.promql("context_tokens", w, b)})
-    for role, record in HISTOGRAMS.items():
+        rules.append({"record": "dflash:context_tokens", "expr": m.promql("context_tokens", w, BY)})
+    for role, (record, _) in HISTOGRAMS.items():
         if m.histogram(role):
-            rules += [{"record": record, "labels": {"quantile": q},
-                       "expr": f"histogram_quantile({q}, sum by ({b}, le) (rate({m.histogram(role)}[{w}])))"}
+            rules += [{"record": record, "labels": {"quantile": q}, "expr": _quantile(m, role, q, w)}
                       for q in QUANTILES]
     return rules
 
@@ -92,7 +92,7 @@ def _where(r) -> str:
     return f"c>={r.first} context {r.context[0]}-" + (f"{r.context[1]}" if r.context[1] < CONTEXT_END else "on")
 
 
-def _by_level(metric: str, rows, value, b: str) -> str:
+def _by_level(metric: str, rows, value) -> str:
     """`metric < value(row)` while the measured concurrency (and for a row of a context bucket, the measured
     context) is in the row's range, for every row; neighbouring rows of a bucket with the same threshold (4
     significant digits) are one range."""
@@ -106,103 +106,91 @@ def _by_level(metric: str, rows, value, b: str) -> str:
             else:
                 spans.append([r.first, r.until, v])
         # a bucket's contexts are whole tokens, the measured one a mean: each bucket up to the next one's first
-        at = "" if context is None else f" and on({b}) (dflash:context_tokens >= {context[0]}" + (
+        at = "" if context is None else f" and on({BY}) (dflash:context_tokens >= {context[0]}" + (
             f" < {context[1] + 1})" if context[1] < CONTEXT_END else ")")
         for i, (first, until, v) in enumerate(spans):
             lo = "> 0" if i == 0 else f">= {first}"   # below the first planned concurrency: its figure
             hi = f" < {until}" if until is not None else ""
-            terms.append(f"(({metric} < {v}) and on({b}) (dflash:concurrency {lo}{hi}){at})")
+            terms.append(f"(({metric} < {v}) and on({BY}) (dflash:concurrency {lo}{hi}){at})")
     return "\n or ".join(terms)
 
 
-def alert_rules(m: StackMetrics, figures: PlannedFigures, s: Settings = Settings(), by: tuple[str, ...] = BY,
+def _alert(name: str, s: Settings, expr: str, summary: str, description: str) -> dict:
+    return {"alert": name, "expr": expr, "for": s.alert_for, "labels": {"severity": "warning"},
+            "annotations": {"summary": summary, "description": description}}
+
+
+def alert_rules(m: StackMetrics, figures: PlannedFigures, s: Settings = Settings(),
                 by_context: bool = False) -> list[dict]:
     """The alerts; by_context: the engine drafts by context (its thresholds per bucket where the plan has them)."""
-    b = ", ".join(by)
     out = []
     rows = figures.by_context if by_context and figures.by_context and m.context_tokens else figures.by_concurrency
     if rows:
         keep = 1 - s.acceptance_tolerance
-        out.append({
-            "alert": "DFlashAcceptanceBelowPlan",
-            "expr": _by_level("dflash:acceptance_length", rows, lambda r: r.planned_acceptance_length * keep, b),
-            "for": s.alert_for, "labels": {"severity": "warning"},
-            "annotations": {
-                "summary": "DFlash acceptance below what the rollout was planned for",
-                "description": ("{{ $labels.pod }}: acceptance length {{ $value | printf \"%.2f\" }} is more than "
-                                f"{s.acceptance_tolerance:.0%} below the planned one at its concurrency ("
-                                + ", ".join(f"{_where(r)}: {r.planned_acceptance_length:.2f}" for r in rows)
-                                + f"; {figures.source}). Retune the draft length (dflash-trt tune) or check the "
-                                "prompt template and target checkpoint."),
-            },
-        })
-        out.append({
-            "alert": "DFlashSpeculationNotPaying",
-            "expr": _by_level("dflash:acceptance_length", rows, lambda r: r.break_even_acceptance_length, b),
-            "for": s.alert_for, "labels": {"severity": "warning"},
-            "annotations": {
-                "summary": "Speculative decoding costs more than it gives at this concurrency",
-                "description": ("{{ $labels.pod }}: acceptance length {{ $value | printf \"%.2f\" }} is below the "
-                                "break-even of the planned draft length at its concurrency ("
-                                + ", ".join(f"{_where(r)} K={r.k}: {r.break_even_acceptance_length:.2f}" for r in rows)
-                                + "): plain decoding would be faster. Draft fewer tokens there (dflash-trt tune)."),
-            },
-        })
+        out.append(_alert(
+            "DFlashAcceptanceBelowPlan", s,
+            _by_level("dflash:acceptance_length", rows, lambda r: r.planned_acceptance_length * keep),
+            "DFlash acceptance below what the rollout was planned for",
+            "{{ $labels.pod }}: acceptance length {{ $value | printf \"%.2f\" }} is more than "
+            f"{s.acceptance_tolerance:.0%} below the planned one at its concurrency ("
+            + ", ".join(f"{_where(r)}: {r.planned_acceptance_length:.2f}" for r in rows)
+            + f"; {figures.source}). Retune the draft length (dflash-trt tune) or check the "
+            "prompt template and target checkpoint."))
+        out.append(_alert(
+            "DFlashSpeculationNotPaying", s,
+            _by_level("dflash:acceptance_length", rows, lambda r: r.break_even_acceptance_length),
+            "Speculative decoding costs more than it gives at this concurrency",
+            "{{ $labels.pod }}: acceptance length {{ $value | printf \"%.2f\" }} is below the "
+            "break-even of the planned draft length at its concurrency ("
+            + ", ".join(f"{_where(r)} K={r.k}: {r.break_even_acceptance_length:.2f}" for r in rows)
+            + "): plain decoding would be faster. Draft fewer tokens there (dflash-trt tune)."))
     tpot = figures.time_per_output_token_s
     if tpot and m.histogram("tpot"):
         q = s.latency_quantile
-        out.append({
-            "alert": "DFlashTokenLatencyOverTarget",
-            "expr": f'dflash:time_per_output_token_seconds{{quantile="{q}"}} > {tpot:.6g}',
-            "for": s.alert_for, "labels": {"severity": "warning"},
-            "annotations": {
-                "summary": "Per-user token latency over the plan's target",
-                "description": (f"{{{{ $labels.pod }}}}: p{float(q) * 100:g} time per output token "
-                                f"{{{{ $value | humanizeDuration }}}} is over the target {tpot * 1000:.3g} ms "
-                                f"({1 / tpot:.4g} tokens/s per user; {figures.source})."),
-            },
-        })
+        out.append(_alert(
+            "DFlashTokenLatencyOverTarget", s, f'dflash:time_per_output_token_seconds{{quantile="{q}"}} > {tpot:.6g}',
+            "Per-user token latency over the plan's target",
+            f"{{{{ $labels.pod }}}}: p{float(q) * 100:g} time per output token "
+            f"{{{{ $value | humanizeDuration }}}} is over the target {tpot * 1000:.3g} ms "
+            f"({1 / tpot:.4g} tokens/s per user; {figures.source})."))
     return out
 
 
-def rule_groups(server: str, figures: PlannedFigures, s: Settings = Settings(), by: tuple[str, ...] = BY) -> list[dict]:
+def rule_groups(server: str, figures: PlannedFigures, s: Settings = Settings()) -> list[dict]:
     m = stack_metrics(server)
-    groups = [{"name": "dflash-trt.recording", "rules": recording_rules(m, s, by)}]
+    groups = [{"name": "dflash-trt.recording", "rules": recording_rules(m, s)}]
     drafts_by_context = stacks.get(engines.server_stack(server)).draft_schedule_context_problem() is None
-    alerts = alert_rules(m, figures, s, by, by_context=drafts_by_context)
+    alerts = alert_rules(m, figures, s, by_context=drafts_by_context)
     if alerts:
         groups.append({"name": "dflash-trt.alerts", "rules": alerts})
     return groups
 
 
 # ------------------------------------------------------------------ the dashboard
-def dashboard_queries(server: str, w: str = "$__rate_interval", by: tuple[str, ...] = BY) -> list[tuple[str, str, list[tuple[str, str]]]]:
+def dashboard_queries(server: str, w: str = "$__rate_interval") -> list[tuple[str, str, list[tuple[str, str]]]]:
     """(panel title, unit, [(PromQL, legend)]) per panel, on the engine's own metric names."""
     m = stack_metrics(server)
-    b = ", ".join(by)
     legend = "{{pod}}"
     panels = [("Acceptance length (tokens per step, bonus included)", "none",
-               [(m.promql("acceptance_length", w, b), legend)])]
+               [(m.promql("acceptance_length", w, BY), legend)])]
     if m.per_position:
         panels.append(("Acceptance by draft position", "percentunit",
-                       [(m.promql("per_position", w, b), "{{pod}} position {{position}}")]))
+                       [(m.promql("per_position", w, BY), "{{pod}} position {{position}}")]))
     panels += [
-        ("Draft efficiency (accepted / drafted tokens)", "percentunit", [(m.promql("draft_efficiency", w, b), legend)]),
+        ("Draft efficiency (accepted / drafted tokens)", "percentunit",
+         [(m.promql("draft_efficiency", w, BY), legend)]),
         ("Generation tokens/s per user", "none",
-         [((f"sum by ({b}) (rate({m.metrics['generation_tokens'].name}[{w}])) / on({b}) "
-            f"(sum by ({b}) (avg_over_time({m.metrics['running'].name}[{w}])) > 0)"), legend)]),
-        ("Generation tokens/s", "none", [(f"sum by ({b}) (rate({m.metrics['generation_tokens'].name}[{w}]))", legend)]),
-        ("Requests in flight", "none", [(f"sum by ({b}) ({m.metrics['running'].name})", legend)]),
+         [(f"{_tokens_per_second(m, w)} / on({BY}) ({_concurrency(m, w)} > 0)", legend)]),
+        ("Generation tokens/s", "none", [(_tokens_per_second(m, w), legend)]),
+        ("Requests in flight", "none", [(f"sum by ({BY}) ({m.metrics['running'].name})", legend)]),
     ]
     if m.context_tokens:
         panels.append(("Prompt tokens, mean of finished requests (the schedule's context axis)", "none",
-                       [(m.promql("context_tokens", w, b), legend)]))
-    titles = {"ttft": "Time to first token", "itl": "Inter-token latency (engine's, per step)",
-              "tpot": "Time per output token"}
-    for role, title in titles.items():
+                       [(m.promql("context_tokens", w, BY), legend)]))
+    for role, (_, title) in HISTOGRAMS.items():
         if m.histogram(role):
-            panels.append((title, "s", [(f"histogram_quantile({q}, sum by ({b}, le) (rate({m.histogram(role)}[{w}])))",
-                                         f"{{{{pod}}}} p{float(q) * 100:g}") for q in QUANTILES]))
+            panels.append((title, "s", [(_quantile(m, role, q, w), f"{{{{pod}}}} p{float(q) * 100:g}")
+                                        for q in QUANTILES]))
     return panels
 
 

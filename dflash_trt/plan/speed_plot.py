@@ -61,25 +61,31 @@ def draw_layout(ax, layout: LayoutSpeed, tau: float | None, color, ar_label: str
                 label=dflash_label)
 
 
-def save_figure(fig, ax, path: str | Path, title: str, ylabel: str = "tokens/s per GPU (decode, log scale)") -> Path:
-    """The shared axes (log tokens/s per GPU against tokens/s per user), the title, the PNG written whole."""
+def _label_axes(ax, title: str, ylabel: str = "tokens/s per GPU (decode, log scale)") -> None:
+    """The shared axes: log tokens/s per GPU against tokens/s per user."""
     ax.set_yscale("log")
     ax.set_xlabel("tokens/s per user (decode)")
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, loc="upper right")
+
+
+def _write_png(fig, path: str | Path) -> Path:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", bbox_inches="tight")
     return atomic_write_bytes(Path(path), buf.getvalue())
+
+
+def save_figure(fig, ax, path: str | Path, title: str, ylabel: str = "tokens/s per GPU (decode, log scale)") -> Path:
+    """The shared axes, the title, the legend, the PNG written whole."""
+    _label_axes(ax, title, ylabel)
+    ax.legend(fontsize=7, loc="upper right")
+    return _write_png(fig, path)
 
 
 def plot_speed(report: SpeedReport, path: str | Path) -> Path:
     _matplotlib(path)
-    fig = speed_figure(report)
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", bbox_inches="tight")
-    return atomic_write_bytes(Path(path), buf.getvalue())
+    return _write_png(speed_figure(report), path)
 
 
 def speed_figure(report: SpeedReport):
@@ -96,17 +102,15 @@ def speed_figure(report: SpeedReport):
     colors = matplotlib.colormaps["tab10"].colors
     fig = Figure(figsize=(13, 9.5), dpi=110)
     grid = fig.add_gridspec(2, 2, width_ratios=[2.3, 1], height_ratios=[2.4, 1], hspace=0.28, wspace=0.04)
-    ax, key, kax, notes = (fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[0, 1]), fig.add_subplot(grid[1, 0]),
-                           fig.add_subplot(grid[1, 1]))
+    ax, key, kax, notes = (fig.add_subplot(grid[row, col]) for row, col in ((0, 0), (0, 1), (1, 0), (1, 1)))
     for i, (name, l) in enumerate(layouts):
         color = colors[i % len(colors)]
         draw_layout(ax, l, report.tau, color, f"{name} AR (dashed)", f"{name} DFlash, K {report.block_size - 1} "
                     "every step (solid)")
         end = l.points[-1]
-        ax.annotate(f"{end.concurrency}", (end.ar_tokens_per_s_per_user, end.ar_tokens_per_s_per_gpu), fontsize=7,
-                    color=color, textcoords="offset points", xytext=(3, 3))
-        if report.tau:
-            ax.annotate(f"{end.concurrency}", (end.dflash_tokens_per_s_per_user, end.dflash_tokens_per_s_per_gpu),
+        for mode in ("ar", "dflash") if report.tau else ("ar",):
+            ax.annotate(f"{end.concurrency}", (getattr(end, f"{mode}_tokens_per_s_per_user"),
+                                               getattr(end, f"{mode}_tokens_per_s_per_gpu")),
                         fontsize=7, color=color, textcoords="offset points", xytext=(3, 3))
         if i == 0:
             _draw_ranges(ax, name, l, report.tau, color)
@@ -118,13 +122,9 @@ def speed_figure(report: SpeedReport):
     _draw_published(ax, notes, report)
 
     tau = f"DFlash tau {report.tau:g} (block {report.block_size})" if report.tau else "AR only"
-    ax.set_yscale("log")
-    ax.set_xlabel("tokens/s per user (decode)")
-    ax.set_ylabel("tokens/s per GPU (decode, log scale)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.set_title(f"{report.target} on {report.hardware}: {tau}, {report.context_tokens} tokens of context; speed "
-                 "model (dflash_trt/plan/cost.py, central efficiency)\nnumbers at line ends: concurrency (sequences "
-                 "per replica) at the layout's max_batch_size", fontsize=9)
+    _label_axes(ax, f"{report.target} on {report.hardware}: {tau}, {report.context_tokens} tokens of context; speed "
+                "model (dflash_trt/plan/cost.py, central efficiency)\nnumbers at line ends: concurrency (sequences "
+                "per replica) at the layout's max_batch_size")
     key.axis("off")
     handles, labels = ax.get_legend_handles_labels()
     key.legend(handles, labels, loc="upper left", fontsize=7, frameon=False)

@@ -1,14 +1,7 @@
 """The dflash_* custom metrics of a bundle's Triton models (Triton Python-backend metrics API,
 `pb_utils.MetricFamily`; they appear on the server's /metrics with labels model and version).
 Written by `dflash-trt build` into both models' 1/ folders; the Helm chart's autoscaling reads them.
-
-    dflash_requests_active        GAUGE    requests being decoded
-    dflash_requests_waiting       GAUGE    requests accepted and waiting to be scheduled
-    dflash_kv_cache_utilization   GAUGE    KV-cache blocks (or positions) in use / capacity, 0..1
-    dflash_acceptance_length      GAUGE    mean tokens per verify block over the last WINDOW blocks
-    dflash_draft_blocks_total     COUNTER  verify blocks (one drafted block each)
-    dflash_accepted_tokens_total  COUNTER  tokens produced by verify blocks, bonus token included
-                                           (accepted_tokens_total / draft_blocks_total = tau)
+accepted_tokens_total / draft_blocks_total is tau.
 """
 import collections
 import threading
@@ -41,9 +34,8 @@ class Metrics:
     def set(self, name, value):
         self.m[name].set(float(value))
 
-    def blocks_done(self, tokens_per_block):
+    def blocks_done(self, tokens_per_block: list):
         """One request's verify blocks, as the tokens each produced (bonus included)."""
-        tokens_per_block = list(tokens_per_block)
         with self.lock:
             self.window.extend(tokens_per_block)
             self.m["dflash_draft_blocks_total"].increment(float(len(tokens_per_block)))

@@ -1,14 +1,11 @@
-"""A Triton Python-based backend named `vllm`, with the interface of Triton's vLLM backend
-(triton-inference-server/vllm_backend src/model.py: model.json = engine arguments; inputs
-text_input, stream, sampling_parameters (JSON of vllm.SamplingParams), exclude_input_in_output;
-output text_output; decoupled), written for dflash-trt (none of that code): the bundle's
-triton/vllm model runs with it wherever NGC's backend is absent, e.g. with vLLM's CPU build.
-
-Triton loads it as backends/vllm/model.py (a Python-based backend) with the Python backend's
-stub. The stub's Python env must import vllm with numpy<2 (stacks/vllm/server.py,
-make_vllm_stub_env). The engine is vllm's LLMEngine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0:
-the stub is not a Python executable a spawned engine-core process could start from), stepped by one
-thread; requests reach it through a queue, so execute() returns at once (decoupled).
+"""A Triton Python-based backend named `vllm` with the interface of Triton's vLLM backend
+(triton-inference-server/vllm_backend src/model.py: model.json = engine arguments; inputs text_input, stream,
+sampling_parameters (JSON of vllm.SamplingParams), exclude_input_in_output; output text_output; decoupled),
+written for dflash-trt (none of that code): the bundle's triton/vllm model runs with it wherever NGC's backend
+is absent, e.g. with vLLM's CPU build. Triton loads it as backends/vllm/model.py with the Python backend's
+stub, whose env must import vllm with numpy<2 (stacks/vllm/server.py, make_vllm_stub_env). The engine is vllm's
+LLMEngine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0: the stub is not a Python executable a spawned
+engine-core process could start from), stepped by one thread; execute() only queues requests (decoupled).
 """
 import json
 import locale

@@ -1,25 +1,14 @@
 """Triton Python-backend model serving the dflash-trt reference runtime (lossless DFlash, CPU).
 
-Written into a bundle by `dflash-trt build`; `dflash-trt serve --bundle DIR` runs it in a real
-Triton server on any machine. It needs the `dflash-trt` package in the Python environment of
-Triton's Python backend. Settings come from 1/model.yaml: `target` and `drafter` (absolute, or
-relative to the bundle root, two folders above this model's folder), `dtype`, `block_size`,
-`max_new_tokens`, `chat`, `decode_slots` (pairs loaded, requests decoded at once), `max_queue`
-(accepted requests waiting for a slot; more are refused), `max_prompt_bytes`.
-
-Request tensors (the names of TensorRT-LLM's llmapi model): text_input, streaming,
-sampling_param_{temperature,top_k,top_p,max_tokens,seed}, plus block_size and raw_prompt.
-Response tensors: text_output, finish_reason, acceptance_rate, total_accepted_draft_tokens,
-total_draft_tokens, tau. The model is decoupled: execute() validates each request, queues it and
-returns; `decode_slots` worker threads (each with its own pair and KV cache) decode and answer
-through the request's response sender with one final response (the reference runtime produces
-a generation in one call, so a streaming request gets its full, cumulative text at once).
-
-Custom metrics: 1/dflash_metrics.py (the same families as the tensorrt_llm model). Here
-dflash_kv_cache_utilization is the KV positions reserved by the active requests (prompt +
-max_tokens + one block) over the slots' capacity.
+Written into a bundle by `dflash-trt build`; `dflash-trt serve --bundle DIR` runs it in a real Triton server on
+any machine. It needs the `dflash-trt` package in the Python environment of Triton's Python backend. Settings:
+1/model.yaml (`target` and `drafter` are absolute, or relative to the bundle root, two folders above this
+model's folder); tensors and settings: docs/pipeline.md, "Triton model repository". The model is decoupled:
+execute() validates each request and queues it; `decode_slots` worker threads, each with its own pair and KV
+cache, decode and answer with one final response (the reference runtime produces a generation in one call, so
+a streaming request gets its full text at once). dflash_kv_cache_utilization here is the KV positions reserved
+by the active requests (prompt + max_tokens + one block) over the slots' capacity.
 """
-import json
 import math
 import os
 import queue
@@ -53,8 +42,7 @@ def _prompt(request, max_bytes):
     value = arr[0]
     raw = value if isinstance(value, bytes) else str(value).encode("utf-8")
     if len(raw) > max_bytes:
-        raise BadRequest(f"input text_input: {len(raw)} bytes, more than this model's "
-                           f"max_prompt_bytes = {max_bytes}")
+        raise BadRequest(f"input text_input: {len(raw)} bytes, more than this model's max_prompt_bytes = {max_bytes}")
     return raw.decode("utf-8", errors="replace")
 
 
@@ -62,10 +50,16 @@ class BadRequest(Exception):
     """A request the model refuses: answered with Triton's INVALID_ARG (HTTP 400), not INTERNAL (500)."""
 
 
-def _error(e):
+def _failure(e):
+    """The error response to an exception or a message."""
     if isinstance(e, BadRequest):
-        return pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG)
-    return pb_utils.TritonError(str(e))
+        return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(
+            str(e), pb_utils.TritonError.INVALID_ARG))
+    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(e)))
+
+
+def _tensor(name, value, dtype=np.object_):
+    return pb_utils.Tensor(name, np.array([value], dtype=dtype))
 
 
 # (input, generate() argument, type, default, check, what it must be): the sampling parameters
@@ -80,15 +74,6 @@ SAMPLING = (
 HEALTH_INPUT = "health_check"   # a request with it true is answered at once from execute(): the stub lives
 
 
-def stats_from_result(result, block_size):
-    """TensorRT-LLM's speculative-decoding counters for one generation: every verify pass
-    offered block_size - 1 drafted tokens; accepted_per_block counts the bonus token too."""
-    blocks = len(result.accepted_per_block)
-    drafted = blocks * (block_size - 1)
-    accepted = sum(max(0, a - 1) for a in result.accepted_per_block)
-    return accepted, drafted, (accepted / drafted if drafted else 0.0)
-
-
 class TritonPythonModel:
     def initialize(self, args):
         from dflash_trt.runtime.pair import load_pair  # the reference runtime; imported here, not at module load
@@ -97,7 +82,6 @@ class TritonPythonModel:
         version = str(args.get("model_version") or "1")
         with open(model_dir / version / "model.yaml") as f:
             self.settings = s = yaml.safe_load(f) or {}
-        self.model_config = json.loads(args["model_config"])
         bundle_root = Path(os.environ.get("DFLASH_BUNDLE_ROOT") or model_dir.parent.parent)
 
         def where(p):
@@ -152,17 +136,16 @@ class TritonPythonModel:
         self._gauges()
         result = generate(pair, ids, mode="dflash", **kw)
         self.metrics.blocks_done(list(result.accepted_per_block))
-        accepted, drafted, rate = stats_from_result(result, kw["block_size"])
+        # TensorRT-LLM's speculative-decoding counters: every verify pass offered block_size - 1 drafted
+        # tokens; accepted_per_block counts the bonus token too
+        drafted = len(result.accepted_per_block) * (kw["block_size"] - 1)
+        accepted = sum(max(0, a - 1) for a in result.accepted_per_block)
+        rate = accepted / drafted if drafted else 0.0
         finish = "length" if len(result.token_ids) >= kw["max_new_tokens"] else "stop"
-        tensors = [
-            pb_utils.Tensor("text_output", np.array([result.text.encode("utf-8")], dtype=np.object_)),
-            pb_utils.Tensor("finish_reason", np.array([finish.encode("utf-8")], dtype=np.object_)),
-            pb_utils.Tensor("acceptance_rate", np.array([rate], dtype=np.float32)),
-            pb_utils.Tensor("total_accepted_draft_tokens", np.array([accepted], dtype=np.int32)),
-            pb_utils.Tensor("total_draft_tokens", np.array([drafted], dtype=np.int32)),
-            pb_utils.Tensor("tau", np.array([result.tau or 0.0], dtype=np.float32)),
-        ]
-        return pb_utils.InferenceResponse(output_tensors=tensors)
+        return pb_utils.InferenceResponse(output_tensors=[
+            _tensor("text_output", result.text.encode("utf-8")), _tensor("finish_reason", finish.encode("utf-8")),
+            _tensor("acceptance_rate", rate, np.float32), _tensor("total_accepted_draft_tokens", accepted, np.int32),
+            _tensor("total_draft_tokens", drafted, np.int32), _tensor("tau", result.tau or 0.0, np.float32)])
 
     def _gauges(self):
         active = sum(1 for r in self.reserved if r)
@@ -179,7 +162,7 @@ class TritonPythonModel:
             try:
                 response = self._generate(slot, kw)
             except Exception as e:  # report to the client, keep serving
-                response = pb_utils.InferenceResponse(output_tensors=[], error=_error(e))
+                response = _failure(e)
             finally:
                 self.reserved[slot] = 0
                 self._gauges()
@@ -189,11 +172,9 @@ class TritonPythonModel:
         """The answer to a health request: every decode worker is alive (the stub is, as it answers)."""
         dead = [i for i, w in enumerate(self.workers) if not w.is_alive()]
         if dead:
-            return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(
-                f"dflash_reference: decode worker(s) {dead} died"))
-        return pb_utils.InferenceResponse(output_tensors=[
-            pb_utils.Tensor("text_output", np.array([b""], dtype=np.object_)),
-            pb_utils.Tensor("finish_reason", np.array([b"health"], dtype=np.object_))])
+            return _failure(f"dflash_reference: decode worker(s) {dead} died")
+        return pb_utils.InferenceResponse(output_tensors=[_tensor("text_output", b""),
+                                                          _tensor("finish_reason", b"health")])
 
     def execute(self, requests):
         for request in requests:
@@ -205,13 +186,12 @@ class TritonPythonModel:
                     self.queue.put_nowait((sender, self._parse(request)))
                     continue
             except queue.Full:
-                response = pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(
-                    f"dflash_reference: {self.queue.maxsize} requests already waiting (max_queue); retry later"))
+                response = _failure(f"dflash_reference: {self.queue.maxsize} requests already waiting (max_queue); "
+                                    "retry later")
             except Exception as e:
-                response = pb_utils.InferenceResponse(output_tensors=[], error=_error(e))
+                response = _failure(e)
             sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         self._gauges()
-        return None
 
     def finalize(self):
         for _ in self.workers:

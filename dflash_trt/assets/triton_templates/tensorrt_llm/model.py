@@ -1,19 +1,13 @@
 """Triton Python-backend model: TensorRT-LLM's LLM API (PyTorch backend) with DFlash.
 
-Written into a bundle by `dflash-trt build`; runs in NVIDIA's
-`nvcr.io/nvidia/tritonserver:<yy.mm>-trtllm-python-py3` image (it imports `tensorrt_llm`).
-Its interface is that of TensorRT-LLM's own llmapi model (NVIDIA/TensorRT-LLM
-triton_backend/all_models/llmapi/tensorrt_llm, config.pbtxt @ 0a71057313ec, 1/model.py and
-1/helpers.py @ 044a90d209e3): the same request / response tensors, the same SamplingParams
-defaults (best_of 1, exclude_input_from_output False, return_perf_metrics False), `stop` to
-cancel the requests of a request id, and in streaming mode every response carries the whole
-text so far (`output.text`, cumulative), the last one flagged final. So clients written for
-upstream's model work unchanged. What this file adds: the bundle's relative paths (`model`,
-`speculative_config.speculative_model`: relative to the bundle root, two folders above this
-model's folder, or $DFLASH_BUNDLE_ROOT) and the dflash_* custom metrics (1/dflash_metrics.py).
-
-Multi-GPU tensor parallelism inside one node is handled by the LLM API itself; across nodes,
-start the server with `trtllm-llmapi-launch tritonserver --model-repository ...` under MPI.
+Written into a bundle by `dflash-trt build`; runs in NVIDIA's `tritonserver:<yy.mm>-trtllm-python-py3` image.
+Its interface is that of TensorRT-LLM's own llmapi model (NVIDIA/TensorRT-LLM triton_backend/all_models/llmapi/
+tensorrt_llm, config.pbtxt @ 0a71057313ec, 1/model.py and 1/helpers.py @ 044a90d209e3): the same tensors and
+SamplingParams defaults, `stop` cancels a request id's generations, streamed responses carry the whole text so
+far; so clients written for upstream's model work unchanged. Added here: bundle-relative paths (`model`,
+`speculative_config.speculative_model`: relative to the bundle root, two folders above this model's folder, or
+$DFLASH_BUNDLE_ROOT) and the dflash_* metrics (1/dflash_metrics.py). Tensor parallelism inside a node is the LLM
+API's; across nodes, start `trtllm-llmapi-launch tritonserver --model-repository ...` under MPI.
 """
 import asyncio
 import json
@@ -60,13 +54,8 @@ def read_request(request):
     if prompts.ndim > 1 or prompts.size != 1:
         raise pb_utils.TritonModelException("The current implementation only supports text_input being a 1D tensor "
                                             "of one prompt.")
-    params = {}
-    for name, arg in SAMPLING_INPUTS.items():
-        v = _scalar(request, name)
-        if v is None:
-            v = SAMPLING_DEFAULTS.get(arg)
-        if v is not None:
-            params[arg] = v
+    given = {arg: _scalar(request, name) for name, arg in SAMPLING_INPUTS.items()}
+    params = SAMPLING_DEFAULTS | {arg: v for arg, v in given.items() if v is not None}
     stop = pb_utils.get_input_tensor_by_name(request, "sampling_param_stop")
     if stop is not None:
         params["stop"] = [_value(s) for s in stop.as_numpy().reshape(-1)]
@@ -117,10 +106,9 @@ def response_tensors(output, flags, perf: bool):
     reason / logprob outputs, and the perf-metric outputs when the request asked for them."""
     outs = output.outputs
     tensors = [_tensor("text_output", [o.text.encode("utf-8") for o in outs], np.object_)]
-    if flags["return_finish_reason"]:
-        tensors.append(_tensor("finish_reason", [str(o.finish_reason).encode() for o in outs], np.object_))
-    if flags["return_stop_reason"]:
-        tensors.append(_tensor("stop_reason", [str(o.stop_reason).encode() for o in outs], np.object_))
+    for reason in ("finish_reason", "stop_reason"):
+        if flags[f"return_{reason}"]:
+            tensors.append(_tensor(reason, [str(getattr(o, reason)).encode() for o in outs], np.object_))
     if flags["return_cumulative_logprob"]:
         tensors.append(_tensor("cumulative_logprob", [o.cumulative_logprob or 0.0 for o in outs], np.float32))
     metrics = getattr(outs[0], "request_perf_metrics", None)
@@ -136,15 +124,27 @@ def response_tensors(output, flags, perf: bool):
             _tensor("kv_cache_alloc_new_blocks", [kv.num_new_allocated_blocks], np.int32),
             _tensor("kv_cache_alloc_total_blocks", [kv.num_total_allocated_blocks], np.int32),
             _tensor("kv_cache_missed_block", [kv.num_missed_blocks], np.int32),
-            _tensor("arrival_time_ns", [ns(timing.arrival_time)], np.int64),
-            _tensor("first_scheduled_time_ns", [ns(timing.first_scheduled_time)], np.int64),
-            _tensor("first_token_time_ns", [ns(timing.first_token_time)], np.int64),
-            _tensor("last_token_time_ns", [ns(timing.last_token_time)], np.int64),
+            *(_tensor(f"{t}_ns", [ns(getattr(timing, t))], np.int64)
+              for t in ("arrival_time", "first_scheduled_time", "first_token_time", "last_token_time")),
             _tensor("acceptance_rate", [spec.acceptance_rate], np.float32),
             _tensor("total_accepted_draft_tokens", [spec.total_accepted_draft_tokens], np.int32),
             _tensor("total_draft_tokens", [spec.total_draft_tokens], np.int32),
         ]
     return tensors
+
+
+def _answer(sender, response):
+    """Send the final response, or return it where there is no sender (not decoupled: execute() returns it)."""
+    if sender is None:
+        return response
+    sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+    return None
+
+
+def _failure(e):
+    # upstream: a text_output "N/A" with the error
+    return pb_utils.InferenceResponse(output_tensors=[_tensor("text_output", [b"N/A"], np.object_)],
+                                      error=pb_utils.TritonError(f"Error generating request: {e}"))
 
 
 def verify_blocks(output, max_draft_len):
@@ -171,7 +171,6 @@ class TritonPythonModel:
         llm_args, triton_config = load_llm_args(model_dir / version, bundle_root)
         self.decoupled = bool(triton_config.get("decoupled", True))
         self.max_draft_len = int((llm_args.get("speculative_config") or {}).get("max_draft_len") or 0)
-        self.model_config = json.loads(args["model_config"])
         # dict sections (speculative_config, kv_cache_config, ...) become TensorRT-LLM config objects
         llm_args = update_llm_args_with_extra_dict({}, llm_args)
         pb_utils.Logger.log_info(f"[dflash] starting the LLM API with {llm_args}")
@@ -202,19 +201,17 @@ class TritonPythonModel:
 
     def _cancel(self, request_id, sender):
         """upstream handle_stop_request: `stop` aborts the generations of a request id."""
-        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         if not request_id:
-            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(
-                "A request id must be provided for request cancellation")), flags=final)
+            _answer(sender, pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                "A request id must be provided for request cancellation")))
             return
         with self.lock:
             for generation in self.by_request_id.pop(request_id, []):
                 generation.abort()
-        sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(
-            "Request cancelled by client", pb_utils.TritonError.CANCELLED)), flags=final)
+        _answer(sender, pb_utils.InferenceResponse(error=pb_utils.TritonError(
+            "Request cancelled by client", pb_utils.TritonError.CANCELLED)))
 
     async def _serve(self, request, sender):
-        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         request_id = request.request_id()
         try:
             prompt, params, streaming, flags = read_request(request)
@@ -226,7 +223,7 @@ class TritonPythonModel:
             generation = self.llm.generate_async(prompt, sampling, streaming=streaming,
                                                  lora_request=lora_request(request))
         except Exception as e:
-            return self._error(sender, e)
+            return _answer(sender, _failure(e))
         with self.lock:
             self.active += 1
             self.by_request_id.setdefault(request_id, []).append(generation)
@@ -240,17 +237,14 @@ class TritonPythonModel:
                     break
                 if streaming:
                     sender.send(pb_utils.InferenceResponse(output_tensors=response_tensors(out, flags, perf)),
-                                flags=final if out.finished else 0)
+                                flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if out.finished else 0)
             if last is not None:
                 self.metrics.blocks_done(verify_blocks(last, self.max_draft_len))
             if not streaming or last is None or not last.finished:
-                response = pb_utils.InferenceResponse(output_tensors=response_tensors(last, flags, perf)) \
-                    if last is not None else None
-                if sender is None:
-                    return response
-                sender.send(response, flags=final)
+                return _answer(sender, pb_utils.InferenceResponse(output_tensors=response_tensors(last, flags, perf))
+                               if last is not None else None)
         except Exception as e:
-            return self._error(sender, e)
+            return _answer(sender, _failure(e))
         finally:
             with self.lock:
                 self.active -= 1
@@ -260,15 +254,6 @@ class TritonPythonModel:
                     gens.remove(generation)
                 if not gens:
                     self.by_request_id.pop(request_id, None)
-        return None
-
-    def _error(self, sender, e):
-        # upstream: a text_output "N/A" with the error
-        response = pb_utils.InferenceResponse(output_tensors=[_tensor("text_output", [b"N/A"], np.object_)],
-                                              error=pb_utils.TritonError(f"Error generating request: {e}"))
-        if sender is None:
-            return response
-        sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         return None
 
     def execute(self, requests):
