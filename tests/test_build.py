@@ -273,10 +273,10 @@ def test_a_cpu_bundle_plans_no_schedule():
 
 
 @pytest.mark.parametrize("content,message", [
-    ("{not json", "not JSON"),
+    ("{not json", "invalid JSON"),
     ('{"ranges": [[1, 8, 7], [10, 64, 0]]}', "ranges[1] starts at concurrency 10, expected 9"),
     ('{"ranges": [[1, 64, 8]]}', "ranges[0] drafts k = 8, outside 0..7 (block size 8 - 1)"),
-    (None, "no such file"),
+    (None, "s.json: not found"),
 ])
 def test_draft_schedule_file_errors_are_one_line_and_write_nothing(tiny, tmp_path, content, message):
     f = tmp_path / "s.json"

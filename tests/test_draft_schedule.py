@@ -71,13 +71,17 @@ def test_schedule_round_trips_through_its_dict():
 def test_acceptance_from_a_bench_report(tmp_path):
     report = tmp_path / "bench.json"
     report.write_text(json.dumps({"block_size": 4, "acceptance_histogram": {"1": 10, "2": 5, "3": 5}}))
-    surv, tau = ds.survival_from_bench(str(report), 4)
-    assert surv == [0.5, 0.25, 0.0] and tau == pytest.approx((10 * 1 + 5 * 2 + 5 * 3) / 20)
-    with pytest.raises(DFlashError, match="measured with block size 4, the drafter serves block 10"):
-        ds.survival_from_bench(str(report), 10)
+    ((ctx, surv),) = ds.survival_by_bucket(str(report), 4, "r")
+    assert ctx is None and surv == [0.5, 0.25, 0.0]
+    assert ds.acceptance_lengths(surv)[-1] == pytest.approx((10 * 1 + 5 * 2 + 5 * 3) / 20)
+    with pytest.raises(DFlashError, match="r: measured with block size 4, the drafter serves block 10"):
+        ds.survival_by_bucket(str(report), 10, "r")
     report.write_text(json.dumps({"block_size": 4}))
     with pytest.raises(DFlashError, match="no acceptance_histogram"):
-        ds.survival_from_bench(str(report), 4)
+        ds.survival_by_bucket(str(report), 4, "r")
+    report.write_text("[1, 2]")
+    with pytest.raises(DFlashError, match=r"^r: .*bench.json: expected a JSON object, found list$"):
+        ds.survival_by_bucket(str(report), 4, "r")
 
 
 def test_k_by_context_chooses_per_bucket_and_covers_every_context(tmp_path):
@@ -108,8 +112,7 @@ def test_k_by_context_chooses_per_bucket_and_covers_every_context(tmp_path):
     report.write_text(json.dumps({"context_buckets": [
         {"context_tokens": 505.5, "block_size": 4, "acceptance_histogram": {"1": 10, "2": 5, "3": 5}},
         {"context_tokens": 8000, "block_size": 4, "acceptance_histogram": {"1": 20}}]}))
-    assert ds.survival_by_context(str(report), 4, "r") == [(506, [0.5, 0.25, 0.0]), (8000, [0.0, 0.0, 0.0])]
-    assert ds.survival_from_bench(str(report), 4)[0] == [0.5, 0.25, 0.0]      # a plain reader: the shortest
+    assert ds.survival_by_bucket(str(report), 4, "r") == [(506, [0.5, 0.25, 0.0]), (8000, [0.0, 0.0, 0.0])]
 
 
 def test_plan_plots_k_by_context_a_line_per_bucket(tmp_path):

@@ -24,9 +24,8 @@ class Level:
 
 @dataclass(frozen=True)
 class ContextLevels:
-    """What the choice at one context bucket was made from: its contexts (first..last token, inclusive), the
-    acceptance length at each K there and the levels (monitoring's break-even per concurrency and context)."""
-    first: int
+    """What the choice at one context bucket was made from (monitoring's break-even per concurrency and context)."""
+    first: int                        # its contexts, first..last token, inclusive
     last: int
     acceptance_lengths: list[float]
     levels: list[Level]

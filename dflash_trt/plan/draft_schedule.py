@@ -20,12 +20,11 @@ writer turns `DraftSchedule.ranges` into that engine's own control (the type: io
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 
 from dflash_trt.errors import DFlashError
 from dflash_trt.io.draft_schedule import ContextLevels, DraftSchedule, Level, from_dict
+from dflash_trt.io.jsonio import read_json
 
 __all__ = ["DraftSchedule", "Level", "from_dict"]   # the plain type lives in io/ (the stacks type it)
 
@@ -170,39 +169,26 @@ def format_schedule(s: DraftSchedule) -> str:
 # `dflash-trt bench --json` report (plan --acceptance FILE, a preset's measured acceptance_file)
 
 
-def read_json_file(path: str, where: str) -> object:
-    """A JSON file's content; a missing or broken one is one line starting with `where`."""
+def read_json_file(path: str, where: str) -> dict:
+    """A JSON object's file (io/jsonio.read_json); its one-line error starts with `where`."""
     try:
-        return json.loads(Path(path).read_text())
-    except (FileNotFoundError, IsADirectoryError):
-        raise DFlashError(f"{where}: no such file") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DFlashError(f"{where}: not JSON ({e})") from None
+        return read_json(path)
+    except DFlashError as e:
+        raise DFlashError(f"{where}: {e}") from None
 
 
-def survival_by_context(path: str, block_size: int, where: str) -> list[tuple[int, list[float]]] | None:
-    """[(context tokens, survival)] of a `dflash-trt bench --context-buckets --json` report; None for a report
-    without buckets."""
+def survival_by_bucket(path: str, block_size: int, where: str) -> list[tuple[int | None, list[float]]]:
+    """[(context tokens, survival)] of each bucket of a `dflash-trt bench --context-buckets --json` report, shortest
+    first; a plain `bench --json` report: [(None, its survival)]. The report's block_size must be the drafter's."""
     r = read_json_file(path, where)
-    if not isinstance(r, dict) or not isinstance(r.get("context_buckets"), list):
-        return None
+    if not isinstance(r.get("context_buckets"), list) or not r["context_buckets"]:
+        return [(None, survival_from_report(r, block_size, where))]
     out = []
     for i, b in enumerate(r["context_buckets"]):
         if not isinstance(b, dict) or not isinstance(b.get("context_tokens"), int | float) or b["context_tokens"] < 1:
             raise DFlashError(f"{where}: context_buckets[{i}] has no context_tokens (a `bench --context-buckets` row)")
         out.append((round(b["context_tokens"]), survival_from_report(b, block_size, f"{where} context_buckets[{i}]")))
-    return out or None
-
-
-def survival_from_bench(path: str, block_size: int, where: str | None = None) -> tuple[list[float], float]:
-    """(survival, tau) from a `dflash-trt bench --json` report's acceptance_histogram, whose block_size
-    must be the drafter's served block (a --context-buckets report: its shortest bucket's)."""
-    where = where or f"--acceptance {path}"
-    r = read_json_file(path, where)
-    if isinstance(r, dict) and isinstance(r.get("context_buckets"), list) and r["context_buckets"]:
-        r, where = r["context_buckets"][0], f"{where} context_buckets[0]"
-    surv = survival_from_report(r, block_size, where)
-    return surv, acceptance_lengths(surv)[-1]
+    return sorted(out)
 
 
 def survival_from_report(r: object, block_size: int, where: str) -> list[float]:

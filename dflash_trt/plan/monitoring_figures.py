@@ -62,8 +62,7 @@ def _rows(lengths: list, max_k: int, levels: list, context: tuple[int, int] | No
         k = int(lv["k"]) or max_k
         speed = float(lv["tokens_per_s_per_user"] if int(lv["k"]) else lv["always_k_tokens_per_s_per_user"])
         nxt = int(levels[i + 1]["concurrency"]) if i + 1 < len(levels) else None
-        rows.append(ConcurrencyFigure(first=int(lv["concurrency"]), until=nxt, k=k,
-                                      planned_acceptance_length=lengths[k],
+        rows.append(ConcurrencyFigure(int(lv["concurrency"]), nxt, k, planned_acceptance_length=lengths[k],
                                       break_even_acceptance_length=lengths[k] * float(lv["ar_tokens_per_s_per_user"])
                                       / speed, context=context))
     return rows

@@ -121,8 +121,8 @@ def resolve_acceptance(target_name: str, tau: float | None, block: int, has_draf
     if acceptance is not None or (tau is None and preset and preset.acceptance_file):
         where = f"--acceptance {acceptance}" if acceptance else f"dflash_trt/{preset.acceptance_file}"
         path = acceptance or str(resources.files("dflash_trt") / preset.acceptance_file)
-        by_context = ds.survival_by_context(path, block, where)    # the report read once: its buckets, if any
-        surv = by_context[0][1] if by_context else ds.survival_from_bench(path, block, where)[0]
+        buckets = ds.survival_by_bucket(path, block, where)
+        surv, by_context = buckets[0][1], buckets if buckets[0][0] is not None else None
         src = where if acceptance else f"measured by `dflash-trt bench`: {where} (the {target_name} preset's)"
         return (ds.acceptance_lengths(surv)[-1], src, surv, f"measured per position: {where} (bench's acceptance "
                 "histogram)", by_context)
