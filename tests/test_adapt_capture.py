@@ -120,9 +120,9 @@ def test_serve_vllm_capture_keeps_real_requests(vllm_bundle, tmp_path, tiny_pair
     import sys
     import urllib.request
 
-    from dflash_trt.stacks.tritonserver.server import free_port
+    from dflash_trt.stacks.tritonserver.server import free_ports
 
-    port, folder = free_port(), tmp_path / "traffic"
+    port, folder = free_ports(1)[0], tmp_path / "traffic"
     proc = subprocess.Popen([sys.executable, "-m", "dflash_trt.cli", "serve", "--bundle", str(vllm_bundle), "--engine",
                              "vllm", "--http-port", str(port), "--vllm-arg=--enforce-eager", "--capture", str(folder),
                              "--capture-fraction", "1", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -104,9 +104,9 @@ def test_bad_options_are_one_line():
 
 
 def test_unreachable_url_is_one_line():
-    from dflash_trt.stacks.tritonserver.server import free_port
+    from dflash_trt.stacks.tritonserver.server import free_ports
 
-    port = free_port()  # nothing listens there
+    port = free_ports(1)[0]  # nothing listens there
     code, out, err = run_cli("bench", "--endpoint", f"http://127.0.0.1:{port}")
     assert code == 1 and not out and err.count("\n") == 1, err
     assert f"http://127.0.0.1:{port}/v1/models: cannot reach the server" in err

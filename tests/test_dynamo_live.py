@@ -31,7 +31,7 @@ import pytest
 from dflash_trt.errors import DFlashError
 from dflash_trt.io.prometheus import parse_prometheus
 from dflash_trt.paths import dynamo_env_dir
-from dflash_trt.stacks.tritonserver.server import ServerProcess, free_port
+from dflash_trt.stacks.tritonserver.server import ServerProcess, free_ports
 from dflash_trt.stacks.vllm.env import CPU_ENV, clean_env, vllm_python
 from dflash_trt.stacks.vllm.server import VllmServer, read_vllm_launch
 
@@ -49,7 +49,7 @@ ANSI = re.compile(r"\x1b\[[0-9;]*m")
 def system_port() -> int:
     """A free port for a worker's system server: Dynamo 1.6.1 reads DYN_SYSTEM_PORT as an i16
     ("invalid value unsigned int `48185`, expected i16 for key "SYSTEM_PORT""), so below 32768,
-    where the kernel's ephemeral ports (free_port) are not."""
+    where the kernel's ephemeral ports (free_ports) are not."""
     for port in random.sample(range(20000, 32768), 200):
         with socket.socket() as s:
             try:
@@ -75,7 +75,7 @@ class DynamoFrontend(ServerProcess):
                  extra_args: list[str] | tuple[str, ...] = ()):
         self.work, self.discovery = Path(work), Path(discovery)
         self.env_dir = Path(env_dir) if env_dir else dynamo_env_dir()
-        self.port = port or free_port()
+        self.port = port or free_ports(1)[0]
         self.extra_args = list(extra_args)
         self.log_path = self.work / "frontend.log"
 
@@ -140,7 +140,7 @@ class DynamoVllmWorker(ServerProcess):
         self.model, self.speculative, self.extra_args = model, speculative, list(extra_args)
         self.env_dir = Path(env_dir) if env_dir else dynamo_env_dir()
         self.launch = read_vllm_launch(self.bundle)
-        self.system_port, self.kv_events_port = system_port(), free_port()
+        self.system_port, self.kv_events_port = system_port(), free_ports(1)[0]
         self.log_path = self.work / f"{name}.log"
 
     @property

@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from dflash_trt.deploy import monitoring as mon
-from dflash_trt.stacks.tritonserver.server import free_port
+from dflash_trt.stacks.tritonserver.server import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 WINDOW = "20s"        # rate window of the rules here (1 s scrapes); the chart's default is 2m at 15 s
@@ -79,7 +79,7 @@ def prometheus(vllm, rules_file, tmp_path_factory):
         "scrape_configs": [{"job_name": "vllm", "metrics_path": "/metrics",
                             "static_configs": [{"targets": [host_port], "labels": POD}]}],
     }))
-    port = free_port()
+    port = free_ports(1)[0]
     with open(work / "prometheus.log", "w") as log:
         proc = subprocess.Popen(["prometheus", f"--config.file={work / 'prometheus.yml'}",
                                  f"--storage.tsdb.path={work / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],

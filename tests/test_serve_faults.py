@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_trt.stacks.tritonserver.server import free_port
+from dflash_trt.stacks.tritonserver.server import free_ports
 
 from helpers import tritonserver_missing
 
@@ -247,7 +247,7 @@ def bundle(tmp_path_factory):
 
 
 def serve_triton(bundle: Path) -> Serve:
-    ports = [free_port() for _ in range(3)]
+    ports = free_ports(3)
     return Serve("--bundle", str(bundle), "--http-port", str(ports[0]), "--grpc-port", str(ports[1]),
                  "--metrics-port", str(ports[2]))
 
@@ -438,7 +438,7 @@ def test_load_with_bad_requests_interleaved(triton):
 def test_vllm_engine_core_killed_ends_serve_with_an_error(vllm_bundle):
     """SIGKILL of vLLM's EngineCore: vLLM's API server shuts itself down (exit code 0), and `serve`
     must not pass that on as success."""
-    port = free_port()
+    port = free_ports(1)[0]
     srv = Serve("--bundle", str(vllm_bundle), "--engine", "vllm", "--http-port", str(port),
                 "--vllm-arg=--enforce-eager")
     group = descendants(srv.proc.pid)

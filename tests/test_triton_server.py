@@ -150,9 +150,9 @@ def test_dflash_trt_serve_command_runs_and_stops_on_sigterm(server):
     (what a pod's stop sends) with tritonserver gone."""
     import signal
 
-    from dflash_trt.stacks.tritonserver.server import free_port
+    from dflash_trt.stacks.tritonserver.server import free_ports
 
-    ports = [free_port() for _ in range(3)]
+    ports = free_ports(3)
     proc = subprocess.Popen([sys.executable, "-m", "dflash_trt.cli", "serve", "--bundle", str(server.bundle),
                              "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
                              "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

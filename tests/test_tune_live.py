@@ -159,12 +159,12 @@ def test_tune_from_a_real_prometheus(server, vllm_bundle, tmp_path):
     import subprocess
     import urllib.request
 
-    from dflash_trt.stacks.tritonserver.server import free_port
+    from dflash_trt.stacks.tritonserver.server import free_ports
 
     prom = shutil.which("prometheus")
     if prom is None:
         pytest.skip("no prometheus binary (Debian package prometheus)")
-    port = free_port()
+    port = free_ports(1)[0]
     host = server.url.split("//")[1]
     (tmp_path / "prometheus.yml").write_text(
         "global: {scrape_interval: 1s}\n"

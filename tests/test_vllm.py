@@ -78,9 +78,9 @@ def vllm_ar(bundle, ours, tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(bundle, vllm_ar, tmp_path_factory):
     """`dflash-trt serve --bundle B --engine vllm` in its own process (the command users run)."""
-    from dflash_trt.stacks.tritonserver.server import free_port
+    from dflash_trt.stacks.tritonserver.server import free_ports
 
-    port = free_port()
+    port = free_ports(1)[0]
     proc = subprocess.Popen([sys.executable, "-m", "dflash_trt.cli", "serve", "--bundle", str(bundle), "--engine", "vllm",
                              "--http-port", str(port), *[f"--vllm-arg={a}" for a in EAGER], "--json"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

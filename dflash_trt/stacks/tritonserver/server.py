@@ -6,6 +6,7 @@ docs/pipeline.md, "Triton outside NVIDIA's container".
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -85,10 +86,13 @@ def check_stub_env(env: Path, imports: tuple[str, ...] = ("dflash_trt",), extra_
                           "needs numpy<2 (BYTES tensors are misread under numpy 2)")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(count: int) -> list[int]:
+    """`count` distinct free ports, held all at once (asked for one by one, two may be the same)."""
+    with contextlib.ExitStack() as held:
+        socks = [held.enter_context(socket.socket()) for _ in range(count)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
 
 
 def _backend_dir(work: Path, dist: Path, extra: dict | None = None) -> Path:
@@ -332,9 +336,9 @@ class TritonServer(ServerProcess):
                  stub_env: Path | None = None, env: dict | None = None,
                  backends: dict | None = None, stub_imports: tuple[str, ...] = ("dflash_trt",)):
         self.repo, self.models, self.work, self.host = Path(repo), list(models), Path(work), host
-        self.http_port = http_port or free_port()
-        self.grpc_port = grpc_port or free_port()
-        self.metrics_port = metrics_port or free_port()
+        spare = free_ports(3)
+        self.http_port, self.grpc_port = http_port or spare[0], grpc_port or spare[1]
+        self.metrics_port = metrics_port or spare[2]
         self.stub_env = Path(stub_env) if stub_env else default_stub_env()
         self.extra_env = env or {}
         self.backends = dict(backends or {})  # Python-based backends: {name: folder with model.py}

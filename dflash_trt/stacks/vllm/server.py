@@ -22,7 +22,7 @@ from dflash_trt.io.jsonio import read_json
 from dflash_trt.io.prometheus import parse_prometheus
 from dflash_trt.paths import VLLM_ENV_READY, vllm_env_dir
 from dflash_trt.stacks.base import Metric, StackMetrics, TuneReader
-from dflash_trt.stacks.tritonserver.server import STUB_NUMPY, ServerProcess, base_python, free_port
+from dflash_trt.stacks.tritonserver.server import STUB_NUMPY, ServerProcess, base_python, free_ports
 from dflash_trt.stacks.vllm.env import CPU_ENV, clean_env, side_env_problem, vllm_python
 from dflash_trt.stacks.vllm.launch import VLLM_DRAFT_SCHEDULE_FIELD
 
@@ -219,7 +219,7 @@ class VllmServer(ServerProcess):
                  env_dir: Path | None = None, extra_args: list[str] | tuple[str, ...] = (),
                  threads: int | None = None, env: dict | None = None, speculative: bool = True):
         self.bundle, self.work, self.host = Path(bundle).resolve(), Path(work), host
-        self.port = port or free_port()
+        self.port = port or free_ports(1)[0]
         self.env_dir = Path(env_dir) if env_dir else vllm_env_dir()
         self.extra_args = list(extra_args)
         self.threads = threads
