@@ -112,6 +112,28 @@ def _attention_reference(q, kc, vc, start, sinks, window, scale):
     return (p @ v).transpose(0, 1).reshape(T, nh * hd)
 
 
+@pytest.mark.parametrize("sinks,window", [(False, None), (True, 3)])
+def test_rope_attend_is_bitwise_rope_cache_writes_and_attend(sinks, window):
+    """The fused call (q|k|v rows of one GEMM, before RoPE) against the torch steps it replaces: RoPE by
+    apply_rope, the cache writes, then attend: the same output and the same caches, bit for bit."""
+    from dflash_trt.models.layers import apply_rope
+
+    lib = attention.library()
+    g = torch.Generator().manual_seed(3)
+    nh, nkv, hd, L, start, T = 6, 2, 16, 64, 20, 9
+    kc, vc = torch.randn(nkv, L, hd, generator=g), torch.randn(nkv, L, hd, generator=g)
+    qkv = torch.randn(T, (nh + 2 * nkv) * hd, generator=g)
+    q, k, v = (t.view(T, -1, hd) for t in qkv.split([nh * hd, nkv * hd, nkv * hd], -1))
+    cos, sin = torch.randn(T, hd, generator=g), torch.randn(T, hd, generator=g)
+    s = torch.randn(nh, generator=g) if sinks else None
+    kc2, vc2 = kc.clone(), vc.clone()
+    got = attention.rope_attend(lib, q, k, v, cos, sin, kc, vc, start, s, window, hd ** -0.5)
+    kc2[:, start:start + T] = apply_rope(k.transpose(0, 1), cos, sin)
+    vc2[:, start:start + T] = v.transpose(0, 1)
+    want = attention.attend(lib, apply_rope(q.transpose(0, 1), cos, sin), kc2, vc2, start, s, window, hd ** -0.5)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2) and torch.equal(got, want)
+
+
 @pytest.mark.parametrize("sinks,window", [(False, None), (True, None), (False, 5), (True, 3)])
 def test_attention_matches_float64_and_is_row_invariant(sinks, window):
     lib = attention.library()

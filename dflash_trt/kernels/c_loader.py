@@ -36,6 +36,14 @@ def compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
+def capturing() -> bool:
+    """torch is capturing a graph (jit trace, torch.compile or export, ONNX export): a ctypes call is
+    invisible to it, so callers take their torch path."""
+    import torch
+
+    return torch.jit.is_tracing() or torch.compiler.is_compiling() or torch.onnx.is_in_onnx_export()
+
+
 def build_error(name: str) -> str | None:
     """What the compiler said when library `name` failed to build in this process, or None (it
     built, was not asked for, or there is no compiler)."""

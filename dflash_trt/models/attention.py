@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_trt.kernels import attention, gemm
+from dflash_trt.models.layers import apply_rope
 
 KV_PAD = 64  # attention length granularity of the low-precision path (batch invariance)
 
@@ -39,6 +40,17 @@ class CachedAttention(nn.Module):
         self.nh, self.nkv, self.hd = nh, nkv, hd
         self.window, self.has_sinks = window, has_sinks
         self.k_cache = self.v_cache = None
+
+    def store_and_attend(self, q, k, v, cos, sin, start: int, mask):
+        """q [T, nh, hd], k, v [T, nkv, hd] as the projections give them: RoPE on q and k, k and v into the cache
+        at [start, start+T), then attend_cached -> [T, nh*hd]. float32 decode-sized passes make it one C call."""
+        T = q.shape[0]
+        if q.dtype == torch.float32 and T <= gemm.MAX_ROWS and (lib := attention.library()) is not None:
+            return attention.rope_attend(lib, q, k, v, cos, sin, self.k_cache, self.v_cache, start,
+                                         self.sinks if self.has_sinks else None, self.window, self.hd ** -0.5)
+        self.k_cache[:, start:start + T] = apply_rope(k.transpose(0, 1), cos, sin)
+        self.v_cache[:, start:start + T] = v.transpose(0, 1)
+        return self.attend_cached(apply_rope(q.transpose(0, 1), cos, sin), start, mask)
 
     def attend_cached(self, q, start: int, mask):
         """q [nh, T, hd] (RoPE applied) against the cache [0, start+T) -> [T, nh*hd], before o_proj."""

@@ -4,12 +4,19 @@ Plain modules with Hugging Face parameter names, so state dicts load without ren
 """
 from __future__ import annotations
 
+import ctypes
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dflash_trt.errors import DFlashError
-from dflash_trt.kernels import gemm
+from dflash_trt.kernels import c_loader, gemm
+
+
+def _rmsnorm_library():
+    _P, _I = ctypes.c_void_p, ctypes.c_int64
+    return c_loader.load("rmsnorm", {"rmsnorm_f32": [_P, _P, _P, _I, _I, ctypes.c_float]})
 
 
 class RMSNorm(nn.Module):
@@ -19,9 +26,17 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == self.weight.dtype == torch.float32 and not torch.is_grad_enabled() \
+                and not c_loader.capturing() and (lib := _rmsnorm_library()) is not None:
+            x = x.contiguous()   # every float32 row through this path alike, whatever its layout (invariance)
+            out = torch.empty_like(x)
+            lib.rmsnorm_f32(x.data_ptr(), self.weight.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1],
+                            x.shape[-1], self.eps)
+            return out
         # Normalize in at least float32 (as HF does for bf16); float64 stays float64 for oracles.
-        dt = torch.promote_types(x.dtype, torch.float32)
-        xf = x.to(dt)
+        if x.dtype in (torch.float32, torch.float64):
+            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+        xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
@@ -52,7 +67,8 @@ class SwiGLU(nn.Module):
         self.down_proj = Linear(inter, hidden, bias=bias)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = gemm.linears(x, (self.gate_proj, self.up_proj))
+        return self.down_proj(F.silu(gate) * up)
 
 
 def rope_inv_freq(hf_config) -> tuple[torch.Tensor, float]:

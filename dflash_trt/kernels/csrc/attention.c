@@ -49,3 +49,34 @@ void attend_f32(const float *q, const float *kc, const float *vc, int64_t L, con
         free(s);
     }
 }
+
+/* attend_f32 for a layer's q, k, v rows as its projections give them, before RoPE (row i of q at q + i*ldq,
+   heads and head_dim dense; likewise k, v): rotate-half RoPE on q and k with cos/sin [T][hd], k and v
+   written to the caches at rows start..start+T-1, then attend_f32. One call where torch needed some 20 ops
+   a layer (slices, neg, cat, products, cache copies). The RoPE is apply_rope's arithmetic, x*cos + rot*sin
+   as two rounded products and a rounded sum (-ffp-contract=off), so the results are bitwise torch's. */
+static void rope_rows(const float *x, int64_t ld, int64_t T, int64_t heads, int64_t hd, const float *cos,
+                      const float *sin, float *dst, int64_t head_stride, int64_t row_stride) {
+    const int64_t half = hd / 2;
+    for (int64_t h = 0; h < heads; h++)
+        for (int64_t t = 0; t < T; t++) {
+            const float *r = x + t * ld + h * hd, *c = cos + t * hd, *s = sin + t * hd;
+            float *o = dst + h * head_stride + t * row_stride;
+            for (int64_t d = 0; d < half; d++) o[d] = r[d] * c[d] + (-r[d + half]) * s[d];
+            for (int64_t d = half; d < hd; d++) o[d] = r[d] * c[d] + r[d - half] * s[d];
+        }
+}
+
+void rope_attend_f32(const float *q, int64_t ldq, const float *k, int64_t ldk, const float *v, int64_t ldv,
+                     const float *cos, const float *sin, float *kc, float *vc, int64_t L, const float *sinks,
+                     float *out, int64_t nh, int64_t nkv, int64_t T, int64_t hd, int64_t start, int64_t window,
+                     float scale, int threads) {
+    float *qr = malloc(sizeof(float) * (size_t)(nh * T * hd));
+    if (!qr) { for (int64_t i = 0; i < T * nh * hd; i++) out[i] = NAN; return; }
+    rope_rows(q, ldq, T, nh, hd, cos, sin, qr, T * hd, hd);
+    rope_rows(k, ldk, T, nkv, hd, cos, sin, kc + start * hd, L * hd, hd);
+    for (int64_t h = 0; h < nkv; h++)
+        for (int64_t t = 0; t < T; t++) memcpy(vc + (h * L + start + t) * hd, v + t * ldv + h * hd, sizeof(float) * hd);
+    attend_f32(qr, kc, vc, L, sinks, out, nh, nkv, T, hd, start, window, scale, threads);
+    free(qr);
+}

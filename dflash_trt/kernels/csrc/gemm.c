@@ -25,6 +25,7 @@ typedef __m512 vec;
 #define VBCAST(x) _mm512_set1_ps(x)
 #define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define GEMM_PATH "avx512"
+#define PREFETCH(p, hint) _mm_prefetch((const char *)(p), hint)
 #elif !defined(DFLASH_PORTABLE) && defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define VL 8
@@ -36,6 +37,7 @@ typedef __m256 vec;
 #define VBCAST(x) _mm256_set1_ps(x)
 #define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define GEMM_PATH "avx2"
+#define PREFETCH(p, hint) _mm_prefetch((const char *)(p), hint)
 #else
 /* Portable: one "vector" is one float; a*b+c is not contracted (-ffp-contract=off), so this path is
    deterministic too, just slow. */
@@ -48,10 +50,17 @@ typedef float vec;
 #define VBCAST(x) (x)
 #define VFMA(a, b, c) ((a) * (b) + (c))
 #define GEMM_PATH "portable"
+#define PREFETCH(p, hint) ((void)(p))
 #define SCALAR_VEC 1
 #endif
 
 #define NV 2                 /* vectors per panel */
+/* Software prefetch, into L1 4 KiB ahead and into L2 32 KiB ahead (the panels a thread reads are contiguous,
+   so past a panel's end is the next one's start): with the hardware prefetcher alone the embedded target's
+   linears took 34 ms for an 8-row verify and 22 ms for one row; 28 / 21 ms with the L1 prefetch, 23.4 / 21.3
+   ms with both (2-core Sapphire Rapids, float32, 2 threads; 16..512 steps tried, these the best). */
+#define PF_L1_STEPS 32
+#define PF_L2_STEPS 256
 #define PW (VL * NV)         /* panel width: output columns per panel */
 
 /* Python reads these from the library (ctypes), so the layout it allocates is the one compiled here. */
@@ -92,6 +101,10 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, int
     for (int i = 0; i < mb; i++) for (int v = 0; v < NV; v++) acc[i][v] = VZERO();
     for (int64_t k = 0; k < K; k++) {
         const vec w0 = VLOAD(panel + k * PW), w1 = VLOAD(panel + k * PW + VL);
+        PREFETCH(panel + (k + PF_L1_STEPS) * PW, _MM_HINT_T0);
+        PREFETCH(panel + (k + PF_L1_STEPS) * PW + VL, _MM_HINT_T0);
+        PREFETCH(panel + (k + PF_L2_STEPS) * PW, _MM_HINT_T1);
+        PREFETCH(panel + (k + PF_L2_STEPS) * PW + VL, _MM_HINT_T1);
         for (int i = 0; i < mb; i++) {
             const vec xb = VBCAST(x[i * K + k]);
             acc[i][0] = VFMA(xb, w0, acc[i][0]);

@@ -13,7 +13,7 @@ from torch import nn
 from dflash_trt.kernels import gemm
 from dflash_trt.models.attention import CachedAttention
 from dflash_trt.models.families.family import Family
-from dflash_trt.models.layers import Linear, RMSNorm, SwiGLU, apply_rope
+from dflash_trt.models.layers import Linear, RMSNorm, SwiGLU
 from dflash_trt.models.shell import Backbone, TargetShell, hf_config
 
 
@@ -67,14 +67,11 @@ class Attention(CachedAttention):
 
     def forward(self, x, cos, sin, start: int, mask):
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.nh, self.hd)
-        k = self.k_proj(x).view(T, self.nkv, self.hd)
+        q, k, v = gemm.linears(x, (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = q.view(T, self.nh, self.hd), k.view(T, self.nkv, self.hd), v.view(T, self.nkv, self.hd)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q.transpose(0, 1), cos, sin)
-        self.k_cache[:, start:start + T] = apply_rope(k.transpose(0, 1), cos, sin)
-        self.v_cache[:, start:start + T] = self.v_proj(x).view(T, self.nkv, self.hd).transpose(0, 1)
-        return self.o_proj(self.attend_cached(q, start, mask))
+        return self.o_proj(self.store_and_attend(q, k, v, cos, sin, start, mask))
 
 
 class MoE(nn.Module):
