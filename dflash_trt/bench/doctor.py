@@ -75,8 +75,7 @@ def _nvidia_smi(node: Node) -> None:
         head = subprocess.run([smi], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         return
-    first = next((line for line in q.stdout.splitlines() if line.count(",") >= 2), None)
-    if first:
+    if first := next((line for line in q.stdout.splitlines() if line.count(",") >= 2), None):
         name, driver, cap = (s.strip() for s in first.rsplit(",", 2))
         node.gpu_name, node.driver = name, driver
         if re.fullmatch(r"\d+\.\d+", cap):
@@ -227,8 +226,7 @@ def check_kv_inject_cuda(node: Node) -> str:
             if fp8:   # codes outside the rounding of ref +- tolerance
                 lo = quantize_fp8(ref - KV_TOLERANCE, scale).float()
                 hi = quantize_fp8(ref + KV_TOLERANCE, scale).float()
-                bad = int(((got.float() < lo) | (got.float() > hi)).sum())
-                if bad:
+                if bad := int(((got.float() < lo) | (got.float() > hi)).sum()):
                     raise DFlashError(f"hd {hd} FP8 cache: {bad} {name} codes differ from the reference's")
                 worst.append(f"hd {hd} fp8 {name}: every code within rounding")
             else:

@@ -253,8 +253,7 @@ def atomic_output_dir(dest: str | Path) -> Iterator[Path]:
             raise disk_error(dest, "the output folder", e) from None
         except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            io = io_failure(e)
-            if io:
+            if io := io_failure(e):
                 raise DFlashError(f"{dest}: cannot write the output folder ({io}); nothing was published") from None
             raise
 

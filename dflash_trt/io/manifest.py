@@ -84,8 +84,7 @@ def validate(manifest: dict, source: str = MANIFEST_NAME) -> None:
     try:
         import jsonschema
     except ImportError:  # the library is optional at run time; fall back to the required keys
-        missing = [k for k in MANIFEST_SCHEMA["required"] if k not in manifest]
-        if missing:
+        if missing := [k for k in MANIFEST_SCHEMA["required"] if k not in manifest]:
             raise DFlashError(f"{source}: missing field(s) {', '.join(missing)}") from None
         return
     errors = sorted(jsonschema.Draft202012Validator(MANIFEST_SCHEMA).iter_errors(manifest), key=lambda e: list(e.path))

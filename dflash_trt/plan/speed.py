@@ -522,8 +522,7 @@ def format_speed(r: SpeedReport, layouts: int = 1) -> str:
             sched = ds.from_dict(l.draft_schedule, r.block_size, "speed report")
             lines += ["  " + x for x in ds.format_schedule(sched).splitlines()]
             lines += ["  " + x for x in l.draft_schedule_why]
-    rest = groups[layouts:]
-    if rest:
+    if rest := groups[layouts:]:
         lines.append("")
         lines.append("  other layouts: tok/s/user at concurrency 1; tok/s/GPU (tok/s/user) at their most concurrency:")
         for eps, l in rest:
