@@ -258,10 +258,6 @@ def _tiny_lossless(node: Node, device: str) -> str:
     return f"3 prompts x 32 tokens on {where} ({dtype}): DFlash == AR, tau {', '.join(f'{x:.2f}' for x in taus)}"
 
 
-def check_runtime_cpu(node: Node) -> str:
-    return _tiny_lossless(node, "cpu")
-
-
 def check_runtime_cuda(node: Node) -> str:
     if not node.cuda_ok:
         raise NotRun("no usable CUDA GPU (see driver)")
@@ -274,7 +270,7 @@ CHECKS: tuple[tuple[str, Callable[[Node], str]], ...] = (
     ("plugin-compile", check_plugin_compile),
     ("plugin-load", check_plugin_load),
     ("kv-inject-cuda", check_kv_inject_cuda),
-    ("runtime-cpu", check_runtime_cpu),
+    ("runtime-cpu", lambda node: _tiny_lossless(node, "cpu")),
     ("runtime-cuda", check_runtime_cuda),
 )
 

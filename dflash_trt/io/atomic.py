@@ -53,11 +53,6 @@ def file_mode() -> int:
     return 0o666 & ~current_umask()
 
 
-def dir_mode() -> int:
-    """The mode mkdir(2) gives a new folder: 0777 less the umask (0755 under 022)."""
-    return 0o777 & ~current_umask()
-
-
 def write_text(path: Path, text: str) -> None:
     try:
         Path(path).write_text(text)
@@ -161,7 +156,8 @@ def _mark(folder: Path) -> None:
 def _temp_dir(parent: Path, prefix: str) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
     try:
-        os.chmod(tmp, dir_mode())   # mkdtemp's 0700 would outlive the rename that publishes the folder
+        # mkdir(2)'s mode, 0777 less the umask: mkdtemp's 0700 would outlive the rename that publishes it
+        os.chmod(tmp, 0o777 & ~current_umask())
         _mark(tmp)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)

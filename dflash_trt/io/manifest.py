@@ -155,11 +155,8 @@ class HashCache:
         folder = Path(folder)
         if folder.is_file():
             return self.sha256(folder)
-        parts = []
-        for p in sorted(folder.rglob("*")):
-            if p.is_file() and "__pycache__" not in p.parts:
-                parts.append([p.relative_to(folder).as_posix(), self.sha256(p)])
-        return sha256_json(parts)
+        return sha256_json([[p.relative_to(folder).as_posix(), self.sha256(p)] for p in sorted(folder.rglob("*"))
+                            if p.is_file() and "__pycache__" not in p.parts])
 
 
 def bundle_files(bundle: str | Path) -> list[str]:
