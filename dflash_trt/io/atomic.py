@@ -148,17 +148,13 @@ def remove_stale_temps(dest: str | Path, log=None) -> list[Path]:
     return removed
 
 
-def _mark(folder: Path) -> None:
-    (folder / MARKER).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                             "started": PROCESS_START, "argv": sys.argv[:8]}))
-
-
 def _temp_dir(parent: Path, prefix: str) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
     try:
         # mkdir(2)'s mode, 0777 less the umask: mkdtemp's 0700 would outlive the rename that publishes it
         os.chmod(tmp, 0o777 & ~current_umask())
-        _mark(tmp)
+        (tmp / MARKER).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                              "started": PROCESS_START, "argv": sys.argv[:8]}))
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
