@@ -240,6 +240,8 @@ def check_kv_inject_cuda(node: Node) -> str:
 def _tiny_lossless(node: Node, device: str) -> str:
     import torch
 
+    if device == "cuda" and not node.cuda_ok:
+        raise NotRun("no usable CUDA GPU (see driver)")
     t, d = node.work / "tiny" / "target", node.work / "tiny" / "drafter"
     if not t.exists():
         make_tiny("llama", t, d, seed=7)
@@ -258,12 +260,6 @@ def _tiny_lossless(node: Node, device: str) -> str:
     return f"3 prompts x 32 tokens on {where} ({dtype}): DFlash == AR, tau {', '.join(f'{x:.2f}' for x in taus)}"
 
 
-def check_runtime_cuda(node: Node) -> str:
-    if not node.cuda_ok:
-        raise NotRun("no usable CUDA GPU (see driver)")
-    return _tiny_lossless(node, "cuda")
-
-
 CHECKS: tuple[tuple[str, Callable[[Node], str]], ...] = (
     ("driver", check_driver),
     ("bundle-gpu", check_bundle_gpu),
@@ -271,7 +267,7 @@ CHECKS: tuple[tuple[str, Callable[[Node], str]], ...] = (
     ("plugin-load", check_plugin_load),
     ("kv-inject-cuda", check_kv_inject_cuda),
     ("runtime-cpu", lambda node: _tiny_lossless(node, "cpu")),
-    ("runtime-cuda", check_runtime_cuda),
+    ("runtime-cuda", lambda node: _tiny_lossless(node, "cuda")),
 )
 
 
