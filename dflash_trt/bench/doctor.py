@@ -75,8 +75,7 @@ def _nvidia_smi(node: Node) -> None:
         head = subprocess.run([smi], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         return
-    first = next((line for line in q.stdout.splitlines() if line.count(",") >= 2), None)
-    if first:
+    if first := next((line for line in q.stdout.splitlines() if line.count(",") >= 2), None):
         name, driver, cap = (s.strip() for s in first.rsplit(",", 2))
         node.gpu_name, node.driver = name, driver
         if re.fullmatch(r"\d+\.\d+", cap):
@@ -227,8 +226,7 @@ def check_kv_inject_cuda(node: Node) -> str:
             if fp8:   # codes outside the rounding of ref +- tolerance
                 lo = quantize_fp8(ref - KV_TOLERANCE, scale).float()
                 hi = quantize_fp8(ref + KV_TOLERANCE, scale).float()
-                bad = int(((got.float() < lo) | (got.float() > hi)).sum())
-                if bad:
+                if bad := int(((got.float() < lo) | (got.float() > hi)).sum()):
                     raise DFlashError(f"hd {hd} FP8 cache: {bad} {name} codes differ from the reference's")
                 worst.append(f"hd {hd} fp8 {name}: every code within rounding")
             else:
@@ -242,6 +240,8 @@ def check_kv_inject_cuda(node: Node) -> str:
 def _tiny_lossless(node: Node, device: str) -> str:
     import torch
 
+    if device == "cuda" and not node.cuda_ok:
+        raise NotRun("no usable CUDA GPU (see driver)")
     t, d = node.work / "tiny" / "target", node.work / "tiny" / "drafter"
     if not t.exists():
         make_tiny("llama", t, d, seed=7)
@@ -260,24 +260,14 @@ def _tiny_lossless(node: Node, device: str) -> str:
     return f"3 prompts x 32 tokens on {where} ({dtype}): DFlash == AR, tau {', '.join(f'{x:.2f}' for x in taus)}"
 
 
-def check_runtime_cpu(node: Node) -> str:
-    return _tiny_lossless(node, "cpu")
-
-
-def check_runtime_cuda(node: Node) -> str:
-    if not node.cuda_ok:
-        raise NotRun("no usable CUDA GPU (see driver)")
-    return _tiny_lossless(node, "cuda")
-
-
 CHECKS: tuple[tuple[str, Callable[[Node], str]], ...] = (
     ("driver", check_driver),
     ("bundle-gpu", check_bundle_gpu),
     ("plugin-compile", check_plugin_compile),
     ("plugin-load", check_plugin_load),
     ("kv-inject-cuda", check_kv_inject_cuda),
-    ("runtime-cpu", check_runtime_cpu),
-    ("runtime-cuda", check_runtime_cuda),
+    ("runtime-cpu", lambda node: _tiny_lossless(node, "cpu")),
+    ("runtime-cuda", lambda node: _tiny_lossless(node, "cuda")),
 )
 
 

@@ -180,8 +180,7 @@ class EndpointBench:
         results, duration = run_batch(self.base, self.model, prompts, self.max_new_tokens, c, timeout=self.timeout,
                                       extra=self._extra())
         after = spec_counters(self.engine, scrape(self.metrics_url))
-        bad = [r.error for r in results if r.error]
-        if bad:
+        if bad := [r.error for r in results if r.error]:
             raise DFlashError(f"{self.base}/v1/completions: {len(bad)} of {len(results)} requests failed at concurrency "
                               f"{c} ({bad[0]})")
         row = summarize(results, duration, before, after, self.engine)
@@ -274,8 +273,7 @@ def format_report(report: dict) -> str:
             f"{'concurrency':>12}  {'tokens/s':>9}  {'tok/s/user':>10}  {'TTFT ms':>8}  {'ITL ms':>7}  "
             f"{'acc. len':>10}  {'tokens':>7}")
     lines = [head]
-    syn = report.get("synthetic_acceptance")
-    if syn:
+    if syn := report.get("synthetic_acceptance"):
         lines.insert(0, f"SYNTHETIC: {syn['label']}; assumed tau {syn['assumed_tau']:.2f} (rates "
                         + ", ".join(f"{x:.2f}" for x in syn["assumed_rates"]) + ")")
     for level in report["levels"]:
@@ -323,8 +321,7 @@ def plan_prediction(planned, measured_tau: float | None):
 def sweep_acceptance(report: dict) -> float | None:
     """1 + accepted / drafts over every level of a report (None without counters)."""
     sd = [lv["spec_decode"] for lv in report["levels"] if lv.get("spec_decode")]
-    drafts = sum(s["drafts"] for s in sd)
-    if drafts:
+    if drafts := sum(s["drafts"] for s in sd):
         return 1 + sum(s["accepted_tokens"] for s in sd) / drafts
     gauges = [lv["acceptance_length"] for lv in report["levels"] if lv["acceptance_length"] is not None]
     return _mean(gauges)
@@ -388,8 +385,7 @@ def plot_endpoint(report: dict, path: str | Path, speed_report=None, gpus: int =
                     arrowprops={"arrowstyle": "-", "color": colors[3], "linewidth": 0.5})
     plan = (f"; plan: {speed_report.target} on {speed_report.hardware}, speed model dflash_trt/plan/speed.py"
             if speed_report is not None else "")
-    syn = report.get("synthetic_acceptance")
-    if syn:
+    if syn := report.get("synthetic_acceptance"):
         plan += f"\nSYNTHETIC: {syn['label']}, assumed tau {syn['assumed_tau']:.2f}"
     return save_figure(fig, ax, path,
                        f"bench --endpoint: {report['max_new_tokens']} new tokens per request, greedy, streaming{plan}\n"

@@ -323,12 +323,9 @@ class Builder:
         self.plan = replace(self.plan, schedule=schedule_basis(m))
         self.facts["manifest"] = {k: v for k, v in m.to_dict().items() if k != "created"}
 
-    def _needed(self, st: Stage) -> bool:
-        engine, trt = self.o.backend == "engine", self.o.trt_drafter
-        return {"": True, "engine": engine, "trt_drafter": trt, "compile": engine or trt}[st.needs]
-
     def _run_stage(self, st: Stage) -> None:
-        needed = self._needed(st)
+        engine, trt = self.o.backend == "engine", self.o.trt_drafter
+        needed = {"": True, "engine": engine, "trt_drafter": trt, "compile": engine or trt}[st.needs]
         inputs = {k: self.facts[k] for k in st.inputs}
         inputs |= {key: self.stages[name]["inputs_sha256"] for key, name in st.after}
         if st.code:

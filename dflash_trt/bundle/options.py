@@ -132,8 +132,7 @@ def resolve_stacks(o: BuildOptions, s: dict, block_size: int, dcfg=None) -> tupl
         raise DFlashError(f"--stacks {','.join(wanted)}: expected a comma list of {', '.join(stacks.CONFIG_STACKS)}")
     served, skipped = [], {}
     for st in stacks.served(wanted):
-        refused = st.drafter_quant_problem(s["drafter_quant"])
-        if refused:
+        if refused := st.drafter_quant_problem(s["drafter_quant"]):
             loaders = [x.name for x in stacks.served(list(stacks.CONFIG_STACKS))
                        if not x.drafter_quant_problem(s["drafter_quant"])]
             raise DFlashError(f"--drafter-quant {s['drafter_quant']}: {st.title} cannot load an "

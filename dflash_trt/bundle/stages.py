@@ -53,8 +53,7 @@ def code_hash(*relpaths: str) -> str:
 
 def check_stage(b) -> dict:
     report = check_pair(b.tdir, b.ddir, scan=True)
-    probs = [p for p in report["problems"] if not (b.o.allow_nonfinite and p.endswith(f"({NONFINITE_NOTE})"))]
-    if probs:
+    if probs := [p for p in report["problems"] if not (b.o.allow_nonfinite and p.endswith(f"({NONFINITE_NOTE})"))]:
         first = next((p for p in probs if "target" in p), probs[0])  # pair mismatches first
         hint = "; pass --allow-nonfinite to build anyway" if first.endswith(f"({NONFINITE_NOTE})") else ""
         raise DFlashError(f"check: the drafter does not fit the target ({len(probs)} problem(s)): {first}{hint}")

@@ -39,8 +39,7 @@ def format_summary(res: dict) -> str:
     lines.append("  " + gpu_line(m))
     for stack, why in m.skipped_stacks.items():
         lines.append(f"  no {stacks.get(stack).title} config: {why}")
-    sched = m.draft_schedule
-    if sched:
+    if sched := m.draft_schedule:
         s = sched.schedule
         lines.append("  draft schedule: " + (", ".join(f"{a}-{b}: K {k}" for a, b, k in s["ranges"])
                                              + f" ({sched.source})" if s else sched.source))

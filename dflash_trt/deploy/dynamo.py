@@ -72,8 +72,7 @@ def check_dgd(dgd: dict) -> None:
         raise DFlashError("deploy --server dynamo checks the DynamoGraphDeployment against Dynamo's CRD schema "
                           "with jsonschema: pip install jsonschema (or the package's [deploy] extra)") from None
     v = jsonschema.Draft7Validator(crd_schema())
-    errors = sorted(v.iter_errors(dgd), key=lambda e: list(e.absolute_path))
-    if errors:
+    if errors := sorted(v.iter_errors(dgd), key=lambda e: list(e.absolute_path)):
         e = errors[0]
         where = ".".join(str(p) for p in e.absolute_path) or "(top level)"
         raise DFlashError(f"DynamoGraphDeployment {where}: {e.message} (Dynamo {facts()['version']} CRD "

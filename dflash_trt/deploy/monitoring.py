@@ -160,8 +160,7 @@ def rule_groups(server: str, figures: PlannedFigures, s: Settings = Settings()) 
     m = stack_metrics(server)
     groups = [{"name": "dflash-trt.recording", "rules": recording_rules(m, s)}]
     drafts_by_context = stacks.get(engines.server_stack(server)).draft_schedule_context_problem() is None
-    alerts = alert_rules(m, figures, s, by_context=drafts_by_context)
-    if alerts:
+    if alerts := alert_rules(m, figures, s, by_context=drafts_by_context):
         groups.append({"name": "dflash-trt.alerts", "rules": alerts})
     return groups
 

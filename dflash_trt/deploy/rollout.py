@@ -69,7 +69,6 @@ def push(bundle: str | Path, claim_root: str | Path, sub_path: str | None = None
         return dest, False
     with atomic_output_dir(dest) as tmp:
         clone_tree(bundle, tmp)
-        problems = verify_bundle(tmp)
-        if problems:
+        if problems := verify_bundle(tmp):
             raise DFlashError(f"{dest}: the copy does not match the manifest: {problems[0]}; nothing was published")
     return dest, True

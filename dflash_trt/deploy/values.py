@@ -90,8 +90,7 @@ def require_intact(bundle: str | Path) -> None:
     """Refuse a bundle `dflash-trt verify` refuses (a file missing, changed or unlisted), naming the
     first file: deploy and plan read its configs, and the pods would load what the manifest does not
     describe. Re-hashes every file, as verify does."""
-    problems = verify_bundle(bundle)
-    if problems:
+    if problems := verify_bundle(bundle):
         raise DFlashError(f"{bundle}: the bundle does not match its manifest.json ({len(problems)} problem(s); "
                           f"`dflash-trt verify --bundle {bundle}` lists them): {problems[0]}; rebuild it "
                           "(`dflash-trt build ... --out` the same folder)")
@@ -278,8 +277,7 @@ def server_image(m: Manifest, server: str, served: list[str], image: str | None,
                               f"TensorRT-LLM: build {row['build']} and pass --image REPOSITORY:TAG --engine-version "
                               f"{row['engine_version']}")
         block = parse_image(ref, "manifest.json engines")
-    problem = engines.dflash_problem(server, version, where)
-    if problem:
+    if problem := engines.dflash_problem(server, version, where):
         raise DFlashError(problem)
     return {**block, "engineVersion": version}
 
@@ -397,8 +395,7 @@ def write_deployment(out: str | Path, values: dict, manifests: dict[str, str] | 
                 if not text.strip() or name.endswith("NOTES.txt"):
                     continue
                 (tmp / "manifests" / Path(name).name).write_text(text.lstrip("\n"))
-            notes = next((t for n, t in manifests.items() if n.endswith("NOTES.txt")), None)
-            if notes:
+            if notes := next((t for n, t in manifests.items() if n.endswith("NOTES.txt")), None):
                 (tmp / "NOTES.txt").write_text(notes)
     return Path(out)
 
@@ -435,8 +432,7 @@ def _container_images(obj: dict):
     spec = obj.get("spec") or {}
     if "template" in spec:
         specs.append(spec["template"].get("spec") or {})
-    lwt = spec.get("leaderWorkerTemplate")
-    if lwt:
+    if lwt := spec.get("leaderWorkerTemplate"):
         specs += [lwt["leaderTemplate"]["spec"], lwt["workerTemplate"]["spec"]]
     for ps in specs:
         for c in ps.get("initContainers") or []:

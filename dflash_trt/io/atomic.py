@@ -53,11 +53,6 @@ def file_mode() -> int:
     return 0o666 & ~current_umask()
 
 
-def dir_mode() -> int:
-    """The mode mkdir(2) gives a new folder: 0777 less the umask (0755 under 022)."""
-    return 0o777 & ~current_umask()
-
-
 def write_text(path: Path, text: str) -> None:
     try:
         Path(path).write_text(text)
@@ -153,16 +148,13 @@ def remove_stale_temps(dest: str | Path, log=None) -> list[Path]:
     return removed
 
 
-def _mark(folder: Path) -> None:
-    (folder / MARKER).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                             "started": PROCESS_START, "argv": sys.argv[:8]}))
-
-
 def _temp_dir(parent: Path, prefix: str) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
     try:
-        os.chmod(tmp, dir_mode())   # mkdtemp's 0700 would outlive the rename that publishes the folder
-        _mark(tmp)
+        # mkdir(2)'s mode, 0777 less the umask: mkdtemp's 0700 would outlive the rename that publishes it
+        os.chmod(tmp, 0o777 & ~current_umask())
+        (tmp / MARKER).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                              "started": PROCESS_START, "argv": sys.argv[:8]}))
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -253,8 +245,7 @@ def atomic_output_dir(dest: str | Path) -> Iterator[Path]:
             raise disk_error(dest, "the output folder", e) from None
         except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            io = io_failure(e)
-            if io:
+            if io := io_failure(e):
                 raise DFlashError(f"{dest}: cannot write the output folder ({io}); nothing was published") from None
             raise
 

@@ -84,8 +84,7 @@ def validate(manifest: dict, source: str = MANIFEST_NAME) -> None:
     try:
         import jsonschema
     except ImportError:  # the library is optional at run time; fall back to the required keys
-        missing = [k for k in MANIFEST_SCHEMA["required"] if k not in manifest]
-        if missing:
+        if missing := [k for k in MANIFEST_SCHEMA["required"] if k not in manifest]:
             raise DFlashError(f"{source}: missing field(s) {', '.join(missing)}") from None
         return
     errors = sorted(jsonschema.Draft202012Validator(MANIFEST_SCHEMA).iter_errors(manifest), key=lambda e: list(e.path))
@@ -156,11 +155,8 @@ class HashCache:
         folder = Path(folder)
         if folder.is_file():
             return self.sha256(folder)
-        parts = []
-        for p in sorted(folder.rglob("*")):
-            if p.is_file() and "__pycache__" not in p.parts:
-                parts.append([p.relative_to(folder).as_posix(), self.sha256(p)])
-        return sha256_json(parts)
+        return sha256_json([[p.relative_to(folder).as_posix(), self.sha256(p)] for p in sorted(folder.rglob("*"))
+                            if p.is_file() and "__pycache__" not in p.parts])
 
 
 def bundle_files(bundle: str | Path) -> list[str]:

@@ -194,8 +194,7 @@ class ShardedWriter:
 
     def close(self) -> list[str]:
         """Check every planned tensor was written, flush, write the index; returns file names."""
-        missing = [n for n in self._where if n not in self._written]
-        if missing:
+        if missing := [n for n in self._where if n not in self._written]:
             self.abort()
             raise DFlashError(f"output tensor {missing[0]!r} was planned but never written ({len(missing)} missing)")
         for si in range(len(self.shard_names)):

@@ -36,8 +36,7 @@ def survival_from_histogram(histogram: Mapping[str | int, int], block_size: int)
     total = sum(counts.values())
     if total <= 0:
         raise DFlashError("acceptance histogram: no blocks counted")
-    bad = [n for n in counts if not 1 <= n <= block_size]
-    if bad:
+    if bad := [n for n in counts if not 1 <= n <= block_size]:
         raise DFlashError(f"acceptance histogram: {bad[0]} tokens in a block is outside 1..{block_size} (block size)")
     return [sum(v for n, v in counts.items() if n >= k + 1) / total for k in range(1, block_size)]
 

@@ -19,14 +19,12 @@ duplicated when tp exceeds them (ceil(kv_heads / tp) heads per GPU); experts by 
 (ep ranks hold E/ep experts, each split over moe_tp = tp/ep); embedding and lm_head by vocab.
 Norms, routers and biases are replicated.
 
-KV cache per token: every layer keeps 2 · kv_heads · head_dim values per token of context. A layer
-keeps at most window + block tokens per sequence only where the serving config gives TensorRT-LLM
-per-layer windows (kv_cache_config.max_attention_window, repeated over the layers as TensorRT-LLM
-does); without it TensorRT-LLM sizes every layer for the whole sequence, sliding-window model or
-not (gpt-oss). Concurrent sequences per replica are capped by max_batch_size. GPU memory is the
-total the GPUs report (hardware.json memory_mib, nvidia-smi's figure), printed in GiB. The drafter's
-cache holds the projected target features of every context token (docs/decode-loop.md), so it grows with
-context too. Activations are a rough upper bound (stated below), not a measurement.
+KV cache per token: every layer keeps 2 · kv_heads · head_dim values per token of context; a layer keeps at
+most window + block tokens per sequence only under per-layer windows (kv_cache_config.max_attention_window,
+repeated over the layers as TensorRT-LLM does). The drafter's cache holds the projected target features of
+every context token (docs/decode-loop.md), so it grows with context too. Activations are a rough upper bound
+(stated below), not a measurement. Windows, the max_batch_size cap and the GPU memory figure: docs/deploy.md
+(Capacity planning).
 """
 from __future__ import annotations
 

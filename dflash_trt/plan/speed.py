@@ -12,16 +12,11 @@ positions). Each step emits tau tokens per sequence (tau: mean accepted length, 
     tokens/s per user = tau / (verify + draft)   (AR: 1 / step)
     tokens/s per GPU  = concurrency · tokens/s per user / GPUs of the replica.
 
-Draft schedule (per layout, with a drafter): the same passes price a step drafting K < B - 1 tokens (verify
-over K + 1 tokens, the drafter's whole block; K = 0 an AR step: cost.StepCost.step_seconds), and
-plan/draft_schedule.py picks the K of most tokens/s at each concurrency from the acceptance per draft
-position (resolve_acceptance: --acceptance, --tau, or the preset's measured or published figure); what a
-bundle's schedule is planned from at build is plan/schedule_cost.py's.
-
-Efficiency factors: cost.EFFICIENCY (every number printed is the central set, the low-high range beside it),
-fitted and checked against published points in docs/speed-model.md (plan/speed_check.py). Not modelled in the
-curves: prefill (`disaggregated` below estimates it to split prefill and decode instances), scheduler stalls,
-expert load imbalance, networks past one NVLink domain (layouts that cross it get no speed figures).
+Draft schedule (per layout, with a drafter): plan/draft_schedule.py picks the K of most tokens/s at each
+concurrency, each K priced by cost.StepCost.step_seconds, from the acceptance per draft position
+(resolve_acceptance). Efficiency factors (cost.EFFICIENCY: every number printed is the central set, the low-high
+range beside it), the published points they are checked against and what the curves leave out (prefill:
+`disaggregated` below): docs/speed-model.md.
 """
 from __future__ import annotations
 
@@ -522,8 +517,7 @@ def format_speed(r: SpeedReport, layouts: int = 1) -> str:
             sched = ds.from_dict(l.draft_schedule, r.block_size, "speed report")
             lines += ["  " + x for x in ds.format_schedule(sched).splitlines()]
             lines += ["  " + x for x in l.draft_schedule_why]
-    rest = groups[layouts:]
-    if rest:
+    if rest := groups[layouts:]:
         lines.append("")
         lines.append("  other layouts: tok/s/user at concurrency 1; tok/s/GPU (tok/s/user) at their most concurrency:")
         for eps, l in rest:

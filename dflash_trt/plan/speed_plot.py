@@ -108,10 +108,10 @@ def speed_figure(report: SpeedReport):
         draw_layout(ax, l, report.tau, color, f"{name} AR (dashed)", f"{name} DFlash, K {report.block_size - 1} "
                     "every step (solid)")
         end = l.points[-1]
-        for mode in ("ar", "dflash") if report.tau else ("ar",):
-            ax.annotate(f"{end.concurrency}", (getattr(end, f"{mode}_tokens_per_s_per_user"),
-                                               getattr(end, f"{mode}_tokens_per_s_per_gpu")),
-                        fontsize=7, color=color, textcoords="offset points", xytext=(3, 3))
+        ar_end = (end.ar_tokens_per_s_per_user, end.ar_tokens_per_s_per_gpu)
+        dflash_end = (end.dflash_tokens_per_s_per_user, end.dflash_tokens_per_s_per_gpu)
+        for xy in (ar_end, dflash_end) if report.tau else (ar_end,):
+            ax.annotate(f"{end.concurrency}", xy, fontsize=7, color=color, textcoords="offset points", xytext=(3, 3))
         if i == 0:
             _draw_ranges(ax, name, l, report.tau, color)
     if layouts[0][1].draft_schedule:

@@ -86,9 +86,6 @@ class Window:
     samples: int = 0                # gauge readings (endpoint) or the query step (prometheus)
     queries: dict = field(default_factory=dict)
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
 
 def _http(url: str, timeout: float = 30.0) -> str:
     try:
@@ -118,10 +115,7 @@ def read_endpoint(endpoint: str, window_s: float, *, stack: str, every_s: float 
         raise DFlashError(f"{url}: no {r.drafts} counter (is this {stack} serving with a speculative config?)")
     running = [first["running"] or 0.0]
     end = time.monotonic() + window_s
-    while True:
-        left = end - time.monotonic()
-        if left <= 0:
-            break
+    while (left := end - time.monotonic()) > 0:
         time.sleep(min(every, left))
         page = scrape()
         running.append(page["running"] or 0.0)
@@ -194,9 +188,6 @@ class Acceptance:
     drafts_per_position: list[float]  # drafts that reached each position (the denominators)
     tau: float                       # mean acceptance length over the window (1 + accepted / drafts)
     notes: list[str]
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def drafted_k(schedule_ranges, max_k: int) -> list[int]:
@@ -359,7 +350,7 @@ class Retune:
 
     def to_dict(self) -> dict:
         return {"before": self.before.to_dict() if self.before else None, "after": self.after.to_dict(),
-                "window": self.window.to_dict(), "acceptance": self.acceptance.to_dict(),
+                "window": asdict(self.window), "acceptance": asdict(self.acceptance),
                 "cost_model": self.cost_source,
                 "changes": [asdict(c) | {"gain": c.gain} for c in self.changes],
                 "at_served_concurrency": asdict(self.at_served) | {"gain": self.at_served.gain}

@@ -122,8 +122,7 @@ def snapshot_problem(folder: Path) -> str | None:
     index = next(iter(sorted(folder.glob("*.safetensors.index.json"))), None)
     if index is not None:
         shards = sorted(set(read_json(index).get("weight_map", {}).values()))
-        missing = [s for s in shards if not (folder / s).is_file()]
-        if missing:
+        if missing := [s for s in shards if not (folder / s).is_file()]:
             return (f"incomplete snapshot, {len(missing)} of {len(shards)} shard(s) named in {index.name} missing "
                     f"({', '.join(missing[:3])})")
     elif not any(folder.glob("*.safetensors")):
@@ -132,8 +131,7 @@ def snapshot_problem(folder: Path) -> str | None:
 
 
 def check_complete(folder: Path, what: str, hint: str) -> Path:
-    problem = snapshot_problem(folder)
-    if problem:
+    if problem := snapshot_problem(folder):
         raise DFlashError(f"{what} at {folder}: {problem}; {hint}")
     return folder
 
@@ -159,8 +157,7 @@ def resolve_hub_id(hf_id: str, revision: str | None = None, role: str = "target"
         looked += f" (there, but {problem})"   # e.g. only config.json fetched by another tool: download the rest
     elif held:
         looked += f", which holds revision(s) {', '.join(held)} but not {rev}"
-    off = hub_unreachable()
-    if off:
+    if off := hub_unreachable():
         raise HubMissing(f"{what} not found and {off}: {looked}; on a machine with hub access run `{cmd}` (and "
                          "point HF_HUB_CACHE at that cache)", what, cmd, off, looked)
     return check_complete(download(hf_id, rev, what, cmd, looked), what, f"finish the download: `{cmd}`")
@@ -184,8 +181,7 @@ def download_config(hf_id: str, revision: str | None, role: str) -> Path:
     if found is not None:
         return found
     cmd = f"hf download {hf_id}" + (f" --revision {rev}" if rev != "main" else "") + " config.json"
-    off = hub_unreachable()
-    if off:
+    if off := hub_unreachable():
         raise HubMissing(f"{what}: no config.json here and {off}; on a machine with hub access run `{cmd}`",
                          what, cmd, off)
     from huggingface_hub import hf_hub_download

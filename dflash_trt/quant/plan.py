@@ -148,8 +148,7 @@ def plan_quantization(reader: CheckpointReader, cfg: dict, fmt: str, kv_cache: s
     calibrated_modules = {lin.module for lin in linears.values() if _layer_index(lin.module) is not None} \
         if calibrated else set()
     if measured is not None:
-        unmeasured = sorted({lin.module for lin in linears.values()} - set(measured))
-        if unmeasured:
+        if unmeasured := sorted({lin.module for lin in linears.values()} - set(measured)):
             raise DFlashError(f"{reader.folder}: no activation amax measured for {unmeasured[0]}"
                               + (f" (and {len(unmeasured) - 1} more)" if len(unmeasured) > 1 else ""))
         calibrated_modules = {lin.module for lin in linears.values()}

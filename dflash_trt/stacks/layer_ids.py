@@ -43,8 +43,7 @@ def sglang_capture_points(ids: list[int]) -> list[int]:
 
 def layer_ids_by_stack(zlab_ids: list[int], num_target_layers: int) -> dict[str, list[int]]:
     ids = [int(i) for i in zlab_ids]
-    bad = [i for i in ids if not 0 <= i < num_target_layers]
-    if bad:
+    if bad := [i for i in ids if not 0 <= i < num_target_layers]:
         raise DFlashError(f"drafter target_layer_ids {ids}: {bad} outside the target's {num_target_layers} layers")
     return {"zlab": ids, "trtllm": list(ids), "speculators": zlab_to_speculators(ids),
             "vllm": zlab_to_vllm(ids), "sglang": zlab_to_sglang(ids)}

@@ -64,13 +64,6 @@ def source_files(root: Path | None = None) -> list[Path]:
     return files
 
 
-def _module_name(root: Path, path: Path) -> str:
-    parts = list(path.relative_to(root).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
-
-
 def _signature(node: ast.FunctionDef | ast.AsyncFunctionDef, method: bool) -> str:
     args = node.args
     if method and args.posonlyargs:
@@ -104,7 +97,8 @@ def rows_for_file(root: Path, path: Path, rng: random.Random) -> list[dict]:
         tree = ast.parse(text)
     except (OSError, UnicodeDecodeError, SyntaxError, ValueError):
         return []   # a file this Python cannot parse (there are a few templates): skip it
-    mod = _module_name(root, path)
+    parts = path.relative_to(root).with_suffix("").parts
+    mod = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
     lines = text.splitlines()
     rows = []
     for node, method in _functions(tree):

@@ -96,8 +96,7 @@ class World:
             x = t.detach().double().flatten().cpu()
             s += torch.stack([x.sum(), (x * x).sum(), (x.abs() * torch.arange(len(x), dtype=torch.float64)).sum()])
         sums = self.all_gather(s.to(self.device), f"{what} checksum")
-        bad = [r for r, v in enumerate(sums) if not torch.equal(v.cpu(), sums[0].cpu())]
-        if bad:
+        if bad := [r for r, v in enumerate(sums) if not torch.equal(v.cpu(), sums[0].cpu())]:
             raise DFlashError(f"rank {self.rank}/{self.size}: {what} differ between ranks (ranks {bad} vs rank 0: "
                               f"checksums {sums[bad[0]].tolist()} vs {sums[0].tolist()}); the replicas diverged")
 

@@ -243,8 +243,7 @@ def scan_shards(folder: Path) -> dict[str, tuple[Path, int, int]]:
 def attach(data, folder: Path, keys: list[str], topk: int) -> None:
     """data.features (+ top_ids, top_logp) as SequenceRows over the folder's shards."""
     index = scan_shards(folder)
-    missing = [i for i, k in enumerate(keys) if k not in index]
-    if missing:
+    if missing := [i for i, k in enumerate(keys) if k not in index]:
         raise DFlashError(f"{folder}: {len(missing)} of {len(keys)} sequences have no features after labelling; "
                           "with several nodes the feature cache must be on storage every node sees")
     handles, locations = {}, []

@@ -102,8 +102,7 @@ def _text(content, where_in: str) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list) and all(isinstance(p, dict) for p in content):
-        kinds = {p.get("type") for p in content} - {"text"}
-        if kinds:
+        if kinds := {p.get("type") for p in content} - {"text"}:
             raise _Skip("no prompt", f"{where_in}: content part of type {sorted(map(str, kinds))[0]!r}; text only")
         return "".join(str(p.get("text", "")) for p in content)
     if content is None:

@@ -53,8 +53,7 @@ def save_state(run_dir: Path, drafter, opt, step: int, tc: TrainConfig, rng: ran
         moments, steps = {}, {}
         for group in opt.param_groups:
             for p in group["params"]:
-                st = opt.state.get(p)
-                if st:
+                if st := opt.state.get(p):
                     n = names[id(p)]
                     moments[f"exp_avg.{n}"] = st["exp_avg"].cpu().contiguous()
                     moments[f"exp_avg_sq.{n}"] = st["exp_avg_sq"].cpu().contiguous()

@@ -110,8 +110,7 @@ def missing_prerequisites(tc: dict, backend: str) -> list[str]:
 def run_compile(bundle: Path, manifest: Manifest, tc: dict) -> dict:
     """Run the compile stage in `bundle` (a folder being built, or a published bundle) with the toolchain
     `tc` (detect_toolchain). Returns the stage entry fields: status, outputs, commands, reason, engine_key."""
-    why = missing_prerequisites(tc, manifest.backend)
-    if why:
+    if why := missing_prerequisites(tc, manifest.backend):
         return {"status": "deferred", "outputs": [], "commands": ["dflash-trt compile --bundle <bundle>"]
                 + commands_text(compile_jobs(manifest)), "reason": "; ".join(why)}
     key = engine_key(tc)
@@ -132,8 +131,7 @@ def compile_bundle(bundle: str | Path) -> dict:
     """`dflash-trt compile --bundle DIR`: verify the bundle, run the GPU commands, add the
     engines to it and update its manifest (stage entry + artifact list)."""
     bundle = Path(bundle)
-    problems = verify(bundle)
-    if problems:
+    if problems := verify(bundle):
         raise DFlashError(f"{bundle}: bundle does not match its manifest ({len(problems)} problem(s)), first: {problems[0]}")
     m = Manifest.read(bundle)
     if not compile_jobs(m):

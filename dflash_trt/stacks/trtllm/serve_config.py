@@ -37,8 +37,7 @@ def trtllm_serve_config(*, target_cfg: dict, drafter_path: str, block_size: int,
     max_batch_size = profile.get("max_batch_size", max_batch_size)
     max_seq_len = max_seq_len or min(int(target_cfg.get("max_position_embeddings", 8192)), 32768)
     kv_cfg = {"free_gpu_memory_fraction": TRTLLM_KV_FRACTION, "dtype": KV_CACHE_FP8 if kv_cache == "fp8" else "auto"}
-    window = max_attention_window(target_cfg, max_seq_len)
-    if window:
+    if window := max_attention_window(target_cfg, max_seq_len):
         kv_cfg["max_attention_window"] = window
     cfg = {
         "backend": "pytorch",
