@@ -3,16 +3,17 @@ of DFlash (draft + verify + inject), as JSON (docs/decode-loop.md, "Where a deco
 
 Per mode, from torch.profiler (self CPU time of every aten op, so shares survive a loaded machine
 better than wall-clock does) and cProfile (Python function calls):
-  buckets          share of the decode loop's profiled time: gemm (linear / mm / addmm / the lm_head),
-                   attention (CachedAttention.attend_cached and the drafter's attention: bmm, softmax,
-                   masks, GQA expansion), kv_write (slice assignments into the caches: aten::copy_
+  buckets          share of the decode loop's profiled time: gemm (linear / mm / addmm / the lm_head, and
+                   the float32 C GEMM: gemm.matmul), attention (CachedAttention's and the drafter's
+                   attention: bmm, softmax, masks, GQA expansion, the float32 C attention), kv_write (slice assignments into the caches: aten::copy_
                    called straight from Python), sampler (argmax / softmax / multinomial / topk in
                    the sampler and the acceptance rule), other_ops (norms, RoPE, SiLU, cat, embedding,
                    views), python (time inside the loop's phases that no aten op accounts for:
                    interpreter, dispatch into torch, the profiler's own cost)
   phases           the same time split by decode-loop stage (prefill excluded): draft, verify,
                    accept (verify bookkeeping), inject, ar_step, sample
-  top_ops          the aten ops with the largest self CPU share, with calls per generated token
+  top_ops          the aten ops with the largest self CPU share, with calls per generated token; the C
+                   kernels (ctypes calls, which no aten op accounts for) as region:gemm / c_attention / norm
   per_token        aten ops and Python function calls per generated token
 and the host: CPU model, flags, threads, torch version, dtype, GEMM path, 1-minute load average.
 
@@ -41,7 +42,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from dflash_trt.hardware import cpu
+from dflash_trt.kernels import attention as kernel_attention
 from dflash_trt.kernels import gemm
+from dflash_trt.models import layers
 from dflash_trt.models import attention as target_attention
 from dflash_trt.models import drafter as drafter_module
 from dflash_trt.presets.embedded import embedded_drafter_path, ensure_embedded_target
@@ -51,9 +54,13 @@ from dflash_trt.runtime.pair import encode_prompt, load_pair
 PHASES = {"prefill": (decode, "prefill"), "draft": (decode, "draft"), "verify": (decode, "verify"),
           "accept": (decode, "accept"), "ar_step": (decode, "ar_step"), "sample": (decode, "sample_token"),
           "inject": (decode.DrafterCache, "inject")}
-REGIONS = {"attention": [(target_attention.CachedAttention, "attend_cached")]
+REGIONS = {"attention": [(target_attention.CachedAttention, "attend_cached"),
+                         (target_attention.CachedAttention, "store_and_attend")]
            + [(cls, "forward") for cls in vars(drafter_module).values()
-              if isinstance(cls, type) and cls.__name__.endswith("Attention")]}
+              if isinstance(cls, type) and cls.__name__.endswith("Attention")],
+           # the C kernels (ctypes calls: no aten op accounts for their time, so they are labelled themselves)
+           "gemm": [(gemm, "matmul")], "norm": [(layers.RMSNorm, "forward")],
+           "c_attention": [(kernel_attention, "attend"), (kernel_attention, "rope_attend")]}
 GEMM_OPS = {"aten::linear", "aten::mm", "aten::addmm", "aten::matmul", "aten::_mkldnn_linear"}
 SAMPLER_OPS = {"aten::argmax", "aten::softmax", "aten::_softmax", "aten::multinomial", "aten::topk", "aten::sort",
                "aten::cumsum", "aten::cumprod", "aten::eq", "aten::sum", "aten::item", "aten::_local_scalar_dense"}
@@ -85,9 +92,13 @@ def _ancestors(ev):
 
 
 def bucket_of(ev, chain) -> str:
-    names = [a.name for a in chain]
-    if "region:attention" in names:
+    names = [ev.name] + [a.name for a in chain]
+    if "region:attention" in names or "region:c_attention" in names:
         return "attention"
+    if "region:norm" in names:
+        return "other_ops"
+    if "region:gemm" in names:
+        return "gemm"
     if ev.name in GEMM_OPS or any(n in GEMM_OPS for n in names):
         return "gemm"
     if ev.name == "aten::copy_" and (ev.cpu_parent is None or ev.cpu_parent.name.startswith(("phase:", "region:"))):
@@ -106,13 +117,13 @@ def summarize(prof, n_tokens: int) -> dict:
         if ev.name.startswith("phase:") and not any(a.name.startswith("phase:") for a in _ancestors(ev)):
             phase_wall[ev.name[6:]] += ev.cpu_time_total
             continue
-        if not ev.name.startswith("aten::"):
+        if not ev.name.startswith(("aten::", "region:")):
             continue
         chain = list(_ancestors(ev))
         phase = next((a.name[6:] for a in reversed(chain) if a.name.startswith("phase:")), None)
         if phase is None or phase == "prefill":
             continue
-        n_ops += 1
+        n_ops += ev.name.startswith("aten::")
         op_self[ev.name] += ev.self_cpu_time_total
         op_calls[ev.name] += 1
         buckets[bucket_of(ev, chain)] += ev.self_cpu_time_total

@@ -103,11 +103,11 @@ def test_verify_pass_is_batch_invariant(tiny_pairs, arch, dtype):
     from dflash_trt.kernels import attention, c_loader, gemm
     from dflash_trt.models.attention import KV_PAD
     from dflash_trt.models.families.dense import DenseTarget as TargetModel
-    from dflash_trt.runtime.pair import auto_dtype
+    from dflash_trt.runtime.pair import native_bf16
 
-    if dtype == torch.bfloat16 and auto_dtype() != torch.bfloat16:
-        pytest.skip("this CPU has no native bf16 (AVX512-BF16 / AMX): `auto` runs float32 here, and "
-                    "oneDNN's emulated bf16 GEMMs are not batch-invariant")
+    if dtype == torch.bfloat16 and not native_bf16():
+        pytest.skip("this CPU has no native bf16 (AVX512-BF16 / AMX): oneDNN's emulated bf16 GEMMs are not "
+                    "batch-invariant")
     if dtype == torch.float32 and (gemm.library() is None or attention.library() is None):
         pytest.fail(f"the float32 decode kernels did not build: {c_loader.build_error('gemm')} "
                     f"{c_loader.build_error('attention')}")
