@@ -5,15 +5,16 @@ Per mode, from torch.profiler (self CPU time of every aten op, so shares survive
 better than wall-clock does) and cProfile (Python function calls):
   buckets          share of the decode loop's profiled time: gemm (linear / mm / addmm / the lm_head, and
                    the float32 C GEMM: gemm.matmul), attention (CachedAttention's and the drafter's
-                   attention: bmm, softmax, masks, GQA expansion, the float32 C attention), kv_write (slice assignments into the caches: aten::copy_
-                   called straight from Python), sampler (argmax / softmax / multinomial / topk in
-                   the sampler and the acceptance rule), other_ops (norms, RoPE, SiLU, cat, embedding,
-                   views), python (time inside the loop's phases that no aten op accounts for:
-                   interpreter, dispatch into torch, the profiler's own cost)
+                   attention: bmm, softmax, masks, GQA expansion, the float32 C attention), kv_write
+                   (slice assignments into the caches: aten::copy_ called straight from Python), sampler
+                   (argmax / softmax / multinomial / topk in the sampler and the acceptance rule),
+                   other_ops (norms, RoPE, SiLU, cat, embedding, views), python (time inside the loop's
+                   phases that no aten op accounts for: interpreter, dispatch into torch, the profiler's
+                   own cost)
   phases           the same time split by decode-loop stage (prefill excluded): draft, verify,
                    accept (verify bookkeeping), inject, ar_step, sample
-  top_ops          the aten ops with the largest self CPU share, with calls per generated token; the C
-                   kernels (ctypes calls, which no aten op accounts for) as region:gemm / c_attention / norm
+  top_ops          the aten ops with the largest self CPU share, with calls per generated token; the
+                   C kernels (ctypes calls: no aten op accounts for them) as region:gemm / c_attention / norm
   per_token        aten ops and Python function calls per generated token
 and the host: CPU model, flags, threads, torch version, dtype, GEMM path, 1-minute load average.
 

@@ -89,10 +89,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
 
 
 def linears(x: torch.Tensor, layers: tuple[torch.nn.Linear, ...]) -> tuple[torch.Tensor, ...]:
-    """layer(x) for each of `layers` (q|k|v, gate|up): where the packed kernel applies, one call over their
-    weights packed side by side (made on first use, kept on the first weight), since a decode step's time
-    is as much in the calls as in the FMAs: the embedded target's 210 linear calls a step become 120.
-    Each output is still its own FMA chain, so the result is bitwise that of one call per layer."""
+    """layer(x) for each of `layers` (q|k|v, gate|up) in one call over their weights packed side by side where the
+    kernel applies (docs/kernels.md: fewer calls a step); bitwise one call per layer (each output its own chain)."""
     ws, bs = [m.weight for m in layers], [m.bias for m in layers]
     hooked = any(m._forward_pre_hooks or m._forward_hooks for m in layers)   # e.g. drafter calibration's
     if hooked or not _kernel_applies(x, ws[0], bs[0]) or (lib := library()) is None:   # one module's dtype, grad

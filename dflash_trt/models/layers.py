@@ -15,8 +15,7 @@ from dflash_trt.kernels import c_loader, gemm
 
 
 def _rmsnorm_library():
-    _P, _I = ctypes.c_void_p, ctypes.c_int64
-    return c_loader.load("rmsnorm", {"rmsnorm_f32": [_P, _P, _P, _I, _I, ctypes.c_float]})
+    return c_loader.load("rmsnorm", {"rmsnorm_f32": [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]})
 
 
 class RMSNorm(nn.Module):
@@ -34,9 +33,7 @@ class RMSNorm(nn.Module):
                             x.shape[-1], self.eps)
             return out
         # Normalize in at least float32 (as HF does for bf16); float64 stays float64 for oracles.
-        if x.dtype in (torch.float32, torch.float64):
-            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
-        xf = x.float()
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 

@@ -36,9 +36,8 @@ def native_bf16() -> bool:
 
 
 def auto_dtype() -> torch.dtype:
-    """float32 where the float32 decode kernels build (kernels/csrc: batch-invariant by construction and, on an
-    AMX host, faster than oneDNN's bf16: the embedded pair's AR 29.9 against 18.8 tokens/s, DFlash 39.1
-    against 30.1; docs/decode-loop.md); else bfloat16 where the CPU computes it natively, else float32."""
+    """float32 where the C decode kernels build (invariant by construction, and faster than oneDNN's bf16 even on
+    an AMX host: docs/decode-loop.md); else bfloat16 where the CPU computes it natively, else float32."""
     if gemm.library() is not None and attention.library() is not None:
         return torch.float32
     return torch.bfloat16 if native_bf16() else torch.float32
