@@ -34,9 +34,8 @@ def attend(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
 def rope_attend(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int, sinks: torch.Tensor | None,
                 window: int | None, scale: float) -> torch.Tensor:
-    """attend for q [T, nh, hd], k, v [T, nkv, hd] before RoPE (rows of any stride: views of one q|k|v GEMM's
-    output): RoPE with cos/sin [T, hd] on q and k, k and v into the caches at rows start.., then attend;
-    bitwise apply_rope, the cache writes and attend, in one call."""
+    """attend for q [T, nh, hd], k, v [T, nkv, hd] before RoPE (any row stride): RoPE with cos/sin [T, hd] on q and
+    k, k and v into the caches at rows start.., then attend: bitwise apply_rope, the writes and attend, one call."""
     T, nh, hd = q.shape
     nkv, L, _ = k_cache.shape
     q, k, v = (t if t.stride()[1:] == (hd, 1) else t.contiguous() for t in (q, k, v))

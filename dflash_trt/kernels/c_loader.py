@@ -37,8 +37,7 @@ def compiler() -> str | None:
 
 
 def capturing() -> bool:
-    """torch is capturing a graph (jit trace, torch.compile or export, ONNX export): a ctypes call is
-    invisible to it, so callers take their torch path."""
+    """torch is capturing a graph (jit trace, compile, export, ONNX): a ctypes call would be invisible to it."""
     import torch
 
     return torch.jit.is_tracing() or torch.compiler.is_compiling() or torch.onnx.is_in_onnx_export()

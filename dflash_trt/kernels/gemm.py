@@ -70,9 +70,7 @@ def _kernel_applies(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) ->
     # on every linear call of a forward pass: cheapest tests first
     if x.dtype != torch.float32 or w.dtype != torch.float32 or w.dim() != 2 or x.device.type != "cpu":
         return False
-    if c_loader.capturing():
-        return False
-    if b is not None and b.dtype != torch.float32:
+    if c_loader.capturing() or (b is not None and b.dtype != torch.float32):
         return False
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or (b is not None and b.requires_grad)):
         return False

@@ -42,10 +42,10 @@ class CachedAttention(nn.Module):
         self.k_cache = self.v_cache = None
 
     def store_and_attend(self, q, k, v, cos, sin, start: int, mask):
-        """q [T, nh, hd], k, v [T, nkv, hd] as the projections give them: RoPE on q and k, k and v into the cache
-        at [start, start+T), then attend_cached -> [T, nh*hd]. float32 decode-sized passes make it one C call."""
+        """q, k, v [T, heads, hd] before RoPE: RoPE, k and v into the cache at start, attend_cached -> [T, nh*hd]."""
         T = q.shape[0]
-        if q.dtype == torch.float32 and T <= gemm.MAX_ROWS and (lib := attention.library()) is not None:
+        if q.dtype == torch.float32 and q.device.type == "cpu" and T <= gemm.MAX_ROWS \
+                and (lib := attention.library()) is not None:
             return attention.rope_attend(lib, q, k, v, cos, sin, self.k_cache, self.v_cache, start,
                                          self.sinks if self.has_sinks else None, self.window, self.hd ** -0.5)
         self.k_cache[:, start:start + T] = apply_rope(k.transpose(0, 1), cos, sin)
@@ -56,7 +56,8 @@ class CachedAttention(nn.Module):
         """q [nh, T, hd] (RoPE applied) against the cache [0, start+T) -> [T, nh*hd], before o_proj."""
         T = q.shape[1]
         decode_sized = T <= gemm.MAX_ROWS   # verify blocks and AR steps; a long prefill runs SDPA in float32
-        if q.dtype == torch.float32 and decode_sized and (lib := attention.library()) is not None:
+        if q.dtype == torch.float32 and q.device.type == "cpu" and decode_sized \
+                and (lib := attention.library()) is not None:
             sinks = self.sinks if self.has_sinks else None
             return attention.attend(lib, q, self.k_cache, self.v_cache, start, sinks, self.window, self.hd ** -0.5)
         n = start + T

@@ -25,7 +25,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == self.weight.dtype == torch.float32 and not torch.is_grad_enabled() \
+        if x.dtype == self.weight.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled() \
                 and not c_loader.capturing() and (lib := _rmsnorm_library()) is not None:
             x = x.contiguous()   # every float32 row through this path alike, whatever its layout (invariance)
             out = torch.empty_like(x)

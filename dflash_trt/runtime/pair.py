@@ -105,6 +105,11 @@ def _weights_fit(folders: list[Path], dt: torch.dtype, allow_pickle: bool) -> No
                           f"machine has {mem / 2**30:.1f} GiB of memory")
 
 
+def target_context(cfg: dict) -> int:
+    """The positions the target takes: max_position_embeddings (a wrapper's in text_config), else MAX_CONTEXT."""
+    return decoder_config(cfg).get("max_position_embeddings") or MAX_CONTEXT
+
+
 def load_pair(target_dir, drafter_dir=None, dtype: str | torch.dtype = "auto", max_len: int = 4096,
               allow_pickle: bool = False, allow_nonfinite: bool = False, draft_vocab: bool = True) -> Pair:
     """Validate (check's rules: configs, the pair, tensor headers; NaN / Inf weights unless
@@ -120,8 +125,7 @@ def load_pair(target_dir, drafter_dir=None, dtype: str | torch.dtype = "auto", m
     else:
         require_target(target_dir, allow_pickle=allow_pickle)
     # no position past the target's context is ever used (check_request): RoPE tables no longer than it
-    max_len = min(max_len, decoder_config(read_json(target_dir / "config.json")).get("max_position_embeddings")
-                  or MAX_CONTEXT)
+    max_len = min(max_len, target_context(read_json(target_dir / "config.json")))
     folders = [target_dir] + ([Path(drafter_dir)] if drafter_dir is not None else [])
     dt = resolve_dtype(dtype, quantized=holds_quantized_weights(target_dir, allow_pickle))
     _weights_fit(folders, dt, allow_pickle)
@@ -146,7 +150,7 @@ def load_pair(target_dir, drafter_dir=None, dtype: str | torch.dtype = "auto", m
 
 def context_limit(pair: Pair, dflash: bool = True) -> tuple[int, str]:
     """(positions a request may use, what sets that number): the target's context, or the runtime's max_len."""
-    ctx = decoder_config(pair.target.cfg).get("max_position_embeddings") or MAX_CONTEXT   # (a wrapper: text_config)
+    ctx = target_context(pair.target.cfg)
     if dflash and pair.max_len < ctx:
         return pair.max_len, f"the runtime's max_len of {pair.max_len} positions"
     return ctx, f"the target's context of {ctx} tokens (max_position_embeddings)"

@@ -336,9 +336,8 @@ class TritonServer(ServerProcess):
                  stub_env: Path | None = None, env: dict | None = None,
                  backends: dict | None = None, stub_imports: tuple[str, ...] = ("dflash_trt",)):
         self.repo, self.models, self.work, self.host = Path(repo), list(models), Path(work), host
-        spare = free_ports(3)
-        self.http_port, self.grpc_port = http_port or spare[0], grpc_port or spare[1]
-        self.metrics_port = metrics_port or spare[2]
+        self.http_port, self.grpc_port, self.metrics_port = (
+            given or free for given, free in zip((http_port, grpc_port, metrics_port), free_ports(3)))
         self.stub_env = Path(stub_env) if stub_env else default_stub_env()
         self.extra_env = env or {}
         self.backends = dict(backends or {})  # Python-based backends: {name: folder with model.py}
